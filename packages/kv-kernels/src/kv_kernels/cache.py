@@ -1,0 +1,92 @@
+"""Allocating a KV cache from its layout, and taking per-layer logical views of it.
+
+Every op reads the cache through a *layer view*: a tensor with logical dims ``[B, H, N, C]``
+(blocks, kv heads, tokens in a block, content) whose strides come from the physical order. Ops read
+strides from the tensor, so any of the six orders (and padded pages) works without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from kv_spec import KVCacheLayout, to_torch_dtype
+
+__all__ = ["KVCacheStorage", "allocate_kv_cache", "layer_view", "layer_views"]
+
+#: What :func:`allocate_kv_cache` returns: one tensor per layer slot (L-outer orders) or one slab.
+KVCacheStorage = torch.Tensor | Sequence[torch.Tensor]
+
+
+def allocate_kv_cache(
+    layout: KVCacheLayout, device: torch.device | str = "cpu", *, zero: bool = True
+) -> KVCacheStorage:
+    """Allocate the storage ``layout`` describes.
+
+    L-outer orders give a list of ``num_layers`` tensors of ``layout.layer_shape`` (physical order);
+    cross-layer orders give one slab of ``layout.physical_shape``. Padded pages are allocated as raw
+    pages and viewed with the page stride.
+    """
+    dtype = to_torch_dtype(layout.dtype)
+    make = torch.zeros if zero else torch.empty
+    if layout.order.layer_outer:
+        per_layer = layout.num_blocks * layout.page_bytes // layout.element_bytes
+        return [
+            _strided(make(per_layer, dtype=dtype, device=device), layout, layer=None)
+            for _ in range(layout.num_layers)
+        ]
+    return _strided(make(layout.total_elements, dtype=dtype, device=device), layout, layer=None)
+
+
+def _strided(flat: torch.Tensor, layout: KVCacheLayout, layer: int | None) -> torch.Tensor:
+    if layout.order.layer_outer:
+        shape = layout.layer_shape
+        strides = tuple(s for d, s in zip(layout.order.value, layout.physical_strides, strict=True) if d != "L")
+    else:
+        shape = layout.physical_shape
+        strides = layout.physical_strides
+    return flat.as_strided(shape, strides)
+
+
+def layer_view(storage: KVCacheStorage, layout: KVCacheLayout, layer: int) -> torch.Tensor:
+    """Logical ``[B, H, N, C]`` view of layer slot ``layer`` (no copy)."""
+    if not 0 <= layer < layout.num_layers:
+        raise ValueError(f"layer={layer} is out of range [0, {layout.num_layers}) for this layout")
+    if layout.order.layer_outer:
+        if isinstance(storage, torch.Tensor):
+            raise ValueError(
+                f"layout {layout.order.value} is allocated per layer slot: pass the list of "
+                "per-layer tensors from allocate_kv_cache, not one tensor"
+            )
+        t = storage[layer]
+        _check_shape(t, layout.layer_shape, layout)
+        return t.permute(layout.layer_logical_permutation)
+    if not isinstance(storage, torch.Tensor):
+        raise ValueError(
+            f"layout {layout.order.value} is cross-layer: pass the one slab from allocate_kv_cache"
+        )
+    _check_shape(storage, layout.physical_shape, layout)
+    logical = storage.permute(_inverse(layout.order.permutation))  # [L, B, H, N, C]
+    return logical[layer]
+
+
+def layer_views(storage: KVCacheStorage, layout: KVCacheLayout) -> list[torch.Tensor]:
+    """Logical ``[B, H, N, C]`` views of every layer slot."""
+    return [layer_view(storage, layout, i) for i in range(layout.num_layers)]
+
+
+def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for phys, logical in enumerate(perm):
+        inv[logical] = phys
+    return tuple(inv)
+
+
+def _check_shape(t: torch.Tensor, shape: tuple[int, ...], layout: KVCacheLayout) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"cache tensor has shape {tuple(t.shape)} but layout {layout.order.value} expects "
+            f"{tuple(shape)}; allocate it with allocate_kv_cache(layout)"
+        )
+    if t.dtype != to_torch_dtype(layout.dtype):
+        raise ValueError(f"cache tensor dtype {t.dtype} does not match layout dtype {layout.dtype}")

@@ -1,0 +1,445 @@
+"""The layout standard: one declared KV-cache layout, read by every backend, kernel and connector.
+
+Every KV cache has the logical shape ``[L, B, H, N, C]``: layer slots, blocks, kv heads, tokens in a
+block, content (``head_size`` K elements, then ``head_size_v`` V elements, then inline scales; for
+MLA the latent). The physical order is one of six named permutations. A :class:`KVCacheLayout` is a
+frozen value: it gives shapes and strides in elements and bytes, the byte offset of each layer,
+the block stride and the page size, and a stable :meth:`~KVCacheLayout.compatibility_hash` that two
+processes compare before they exchange KV. Nobody infers a layout from a tensor's shape.
+
+Allocation: for the ``L``-outer orders each layer slot can be its own tensor of shape
+:attr:`~KVCacheLayout.layer_shape` (the planner allocates them so); for the ``B``-outer orders
+(cross-layer) all layer slots live in one slab of :attr:`~KVCacheLayout.physical_shape`, and a
+block of all layers is one contiguous range, what offload and transfer prefer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Final, NamedTuple
+
+from kv_spec._checks import check_int, check_positive_int
+from kv_spec.dtypes import dtype_bytes, normalize_dtype
+from kv_spec.quant import SCALE_BYTES, KVQuantMode
+from kv_spec.specs import AttentionSpec, MLAAttentionSpec
+
+__all__ = [
+    "LOGICAL_DIMS",
+    "KVCacheLayout",
+    "LayoutChoice",
+    "LayoutOrder",
+    "resolve_layout",
+]
+
+#: The logical dims, in logical order.
+LOGICAL_DIMS: Final[str] = "LBHNC"
+_LAYOUT_FORMAT_VERSION: Final[int] = 1
+
+
+class LayoutOrder(str, Enum):
+    """The six named physical orders of the logical ``[L, B, H, N, C]`` cache."""
+
+    LBNHC = "LBNHC"  # default: per layer, blocks outer, NHD inside a block
+    LBHNC = "LBHNC"  # per layer, HND inside a block
+    LHBNC = "LHBNC"  # per layer, heads outermost (head-sharded transfer)
+    BLNHC = "BLNHC"  # cross-layer: all layers of a block contiguous, NHD
+    BLHNC = "BLHNC"  # cross-layer, HND
+    BHLNC = "BHLNC"  # cross-layer, heads outer within a block
+
+    @classmethod
+    def parse(cls, value: object) -> LayoutOrder:
+        if isinstance(value, LayoutOrder):
+            return value
+        try:
+            return cls(str(value).upper())
+        except ValueError:
+            raise ValueError(
+                f"layout order {value!r} is not one of {[o.value for o in cls]}"
+            ) from None
+
+    @property
+    def permutation(self) -> tuple[int, ...]:
+        """For each physical dim, the index of the logical dim it holds (``tensor.permute`` order)."""
+        return tuple(LOGICAL_DIMS.index(d) for d in self.value)
+
+    @property
+    def layer_outer(self) -> bool:
+        """``L`` is outermost: each layer slot can be allocated as its own tensor."""
+        return self.value[0] == "L"
+
+    @property
+    def cross_layer(self) -> bool:
+        """``B`` is outermost: one block of all layers is contiguous (one slab for all layers)."""
+        return self.value[0] == "B"
+
+    @property
+    def page_contiguous(self) -> bool:
+        """One block of one layer (``H``, ``N``, ``C``) is one contiguous range (and can be padded)."""
+        return set(self.value[-3:]) == {"H", "N", "C"}
+
+    @property
+    def token_major(self) -> bool:
+        """Tokens outside heads inside a block (``NHD``, what FlexAttention and vLLM's default use)."""
+        return self.value.index("N") < self.value.index("H")
+
+
+class LayoutChoice(NamedTuple):
+    """What :func:`resolve_layout` picked and why."""
+
+    order: LayoutOrder
+    reason: str
+
+
+def resolve_layout(
+    *,
+    override: LayoutOrder | str | None = None,
+    backend_required: LayoutOrder | str | None = None,
+    backend_supported: tuple[LayoutOrder | str, ...] | None = None,
+    connector_preferred: LayoutOrder | str | None = None,
+    default: LayoutOrder | str = LayoutOrder.LBNHC,
+) -> LayoutChoice:
+    """Pick the physical order: explicit override > backend requirement > connector preference > default.
+
+    ``backend_supported`` (all orders the backends can read, ``None`` = all) bounds every choice;
+    an override or requirement outside it raises, a connector preference outside it is passed over
+    and the reason says so.
+    """
+    supported = (
+        tuple(LayoutOrder) if backend_supported is None else tuple(LayoutOrder.parse(o) for o in backend_supported)
+    )
+    if not supported:
+        raise ValueError("backend_supported is empty: no backend can read any layout order")
+    names = [o.value for o in supported]
+    required = None if backend_required is None else LayoutOrder.parse(backend_required)
+    if required is not None and required not in supported:
+        raise ValueError(
+            f"backend_required={required.value} is not among backend_supported={names}"
+        )
+    if override is not None:
+        chosen = LayoutOrder.parse(override)
+        if required is not None and chosen is not required:
+            raise ValueError(
+                f"layout override {chosen.value} conflicts with the backend's required layout "
+                f"{required.value}; drop the override or pick a backend that reads {chosen.value}"
+            )
+        if chosen not in supported:
+            raise ValueError(
+                f"layout override {chosen.value} is not readable by the selected backends "
+                f"(they support {names}); pick one of those"
+            )
+        return LayoutChoice(chosen, f"{chosen.value}: explicit override")
+    preferred = None if connector_preferred is None else LayoutOrder.parse(connector_preferred)
+    if required is not None:
+        note = ""
+        if preferred is not None and preferred is not required:
+            note = f"; connector preference {preferred.value} not honoured"
+        return LayoutChoice(required, f"{required.value}: required by the attention backend{note}")
+    if preferred is not None:
+        if preferred in supported:
+            return LayoutChoice(preferred, f"{preferred.value}: preferred by the connector")
+        fallback = _default_in(LayoutOrder.parse(default), supported)
+        return LayoutChoice(
+            fallback,
+            f"{fallback.value}: connector preference {preferred.value} is not readable by the "
+            f"backends (they support {names}); using the default",
+        )
+    chosen = _default_in(LayoutOrder.parse(default), supported)
+    why = "default" if chosen.value == LayoutOrder.parse(default).value else f"first order the backends support ({names})"
+    return LayoutChoice(chosen, f"{chosen.value}: {why}")
+
+
+def _default_in(default: LayoutOrder, supported: tuple[LayoutOrder, ...]) -> LayoutOrder:
+    return default if default in supported else supported[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheLayout:
+    """A KV cache's layout: order, sizes, dtype and page format. Frozen and JSON-serializable.
+
+    Sizes are logical: ``num_layers`` (L, layer slots), ``num_blocks`` (B), ``num_kv_heads`` (H),
+    ``block_size`` (N) and ``content_size`` (C, derived). ``page_size_bytes`` is the bytes of one block
+    of one layer, padded (only page-contiguous orders) when larger than the real page.
+    """
+
+    order: LayoutOrder
+    num_layers: int
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_size: int
+    head_size_v: int
+    dtype: str
+    kv_quant: KVQuantMode = KVQuantMode.NONE
+    is_mla: bool = False
+    page_size_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "KVCacheLayout"
+        object.__setattr__(self, "order", LayoutOrder.parse(self.order))
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype, field=f"{owner}.dtype"))
+        object.__setattr__(self, "kv_quant", KVQuantMode.parse(self.kv_quant))
+        for name in ("num_layers", "num_blocks", "num_kv_heads", "block_size", "head_size"):
+            check_positive_int(owner, name, getattr(self, name))
+        check_int(owner, "head_size_v", self.head_size_v, minimum=0)
+        if self.is_mla:
+            if self.head_size_v != 0:
+                raise ValueError(
+                    f"{owner}.head_size_v={self.head_size_v} must be 0 for MLA (one latent of head_size)"
+                )
+            if self.num_kv_heads != 1:
+                raise ValueError(f"{owner}.num_kv_heads={self.num_kv_heads} must be 1 for MLA")
+        elif self.head_size_v == 0:
+            raise ValueError(f"{owner}.head_size_v=0 is only valid for MLA layouts (is_mla=True)")
+        if self.dtype not in self.kv_quant.allowed_dtypes:
+            raise ValueError(
+                f"{owner}.dtype={self.dtype!r} cannot hold kv_quant={self.kv_quant.value!r}; "
+                f"that mode stores {sorted(self.kv_quant.allowed_dtypes)}"
+            )
+        real = self.real_page_size_bytes
+        if self.page_size_bytes is None:
+            object.__setattr__(self, "page_size_bytes", real)
+        else:
+            check_positive_int(owner, "page_size_bytes", self.page_size_bytes)
+            if self.page_size_bytes < real:
+                raise ValueError(
+                    f"{owner}.page_size_bytes={self.page_size_bytes} is below the real page size "
+                    f"{real}; pass >= {real} or None"
+                )
+            if self.page_size_bytes % self.element_bytes:
+                raise ValueError(
+                    f"{owner}.page_size_bytes={self.page_size_bytes} must be a multiple of the "
+                    f"{self.dtype} element size {self.element_bytes}"
+                )
+            if self.page_size_bytes != real and not self.order.page_contiguous:
+                raise ValueError(
+                    f"{owner}: a padded page ({self.page_size_bytes} > {real} bytes) needs a "
+                    f"page-contiguous order (LBNHC, LBHNC, BLNHC, BLHNC); {self.order.value} "
+                    "interleaves pages"
+                )
+        if self.total_bytes >= 2**63:
+            raise ValueError(
+                f"{owner}: total size {self.total_bytes} bytes exceeds the int64 range; "
+                "use fewer blocks or layers"
+            )
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: AttentionSpec,
+        *,
+        num_blocks: int,
+        num_layers: int = 1,
+        order: LayoutOrder | str = LayoutOrder.LBNHC,
+    ) -> KVCacheLayout:
+        """The layout of ``num_layers`` layer slots of ``spec`` with ``num_blocks`` blocks each."""
+        is_mla = isinstance(spec, MLAAttentionSpec)
+        return cls(
+            order=LayoutOrder.parse(order),
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            num_kv_heads=spec.num_kv_heads,
+            block_size=spec.block_size,
+            head_size=spec.head_size,
+            head_size_v=0 if is_mla else spec.v_size,
+            dtype=spec.dtype,
+            kv_quant=spec.kv_quant,
+            is_mla=is_mla,
+            page_size_bytes=spec.page_size_bytes,
+        )
+
+    # -- content dim -------------------------------------------------------------------------
+
+    @property
+    def element_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def num_scales(self) -> int:
+        """Inline float32 scales per token and head: 2 (K, V) or 1 (MLA) under per-token-head quant."""
+        if not self.kv_quant.per_token_head:
+            return 0
+        return 1 if self.is_mla else 2
+
+    @property
+    def scale_placement(self) -> str:
+        """``"inline"`` (float32 scales at the end of C), ``"external"`` (per-tensor/per-head scales
+        passed to the ops), or ``"none"``."""
+        if self.kv_quant.per_token_head:
+            return "inline"
+        return "external" if self.kv_quant is KVQuantMode.FP8_PER_TENSOR else "none"
+
+    @property
+    def content_size(self) -> int:
+        """C: elements per token and head."""
+        return self.head_size + self.head_size_v + self.num_scales * SCALE_BYTES // self.element_bytes
+
+    @property
+    def k_range(self) -> tuple[int, int]:
+        """``[start, stop)`` of K (for MLA, the whole latent) in C."""
+        return (0, self.head_size)
+
+    @property
+    def v_range(self) -> tuple[int, int] | None:
+        """``[start, stop)`` of V in C; ``None`` for MLA (V is read from the latent by the backend)."""
+        return None if self.is_mla else (self.head_size, self.head_size + self.head_size_v)
+
+    @property
+    def scale_range(self) -> tuple[int, int] | None:
+        """``[start, stop)`` in C of the inline scales (K's float32 then V's), in cache elements."""
+        if not self.num_scales:
+            return None
+        start = self.head_size + self.head_size_v
+        return (start, self.content_size)
+
+    # -- shapes and strides ------------------------------------------------------------------
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.num_kv_heads * self.block_size * self.content_size * self.element_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer slot (padded if the page is padded)."""
+        assert self.page_size_bytes is not None
+        return self.page_size_bytes
+
+    @property
+    def logical_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.content_size)
+
+    @property
+    def physical_shape(self) -> tuple[int, ...]:
+        """Shape of the whole cache (all layer slots) in physical order."""
+        sizes = dict(zip(LOGICAL_DIMS, self.logical_shape, strict=True))
+        return tuple(sizes[d] for d in self.order.value)
+
+    @property
+    def physical_strides(self) -> tuple[int, ...]:
+        """Element strides of :attr:`physical_shape` (contiguous, except a padded page stride)."""
+        logical = self.strides
+        return tuple(logical[LOGICAL_DIMS.index(d)] for d in self.order.value)
+
+    @property
+    def strides(self) -> tuple[int, int, int, int, int]:
+        """Element strides of the logical dims ``(L, B, H, N, C)``."""
+        sizes = dict(zip(LOGICAL_DIMS, self.logical_shape, strict=True))
+        page_elems = self.page_bytes // self.element_bytes
+        out: dict[str, int] = {}
+        acc = 1
+        inner: set[str] = set()
+        for d in reversed(self.order.value):
+            if inner == {"H", "N", "C"}:
+                acc = page_elems  # the dim just outside a page steps over the padded page
+            out[d] = acc
+            acc *= sizes[d]
+            inner.add(d)
+        return (out["L"], out["B"], out["H"], out["N"], out["C"])
+
+    @property
+    def byte_strides(self) -> tuple[int, int, int, int, int]:
+        eb = self.element_bytes
+        s = self.strides
+        return (s[0] * eb, s[1] * eb, s[2] * eb, s[3] * eb, s[4] * eb)
+
+    @property
+    def total_elements(self) -> int:
+        """Elements of the whole cache, padding included."""
+        return self.num_layers * self.num_blocks * self.page_bytes // self.element_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.page_bytes
+
+    def layer_byte_offset(self, layer: int) -> int:
+        """Byte offset of layer slot ``layer``'s first element in the whole cache."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} is out of range [0, {self.num_layers})")
+        return layer * self.byte_strides[0]
+
+    @property
+    def block_stride_bytes(self) -> int:
+        return self.byte_strides[1]
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """Physical shape of one layer slot (``L`` dropped): the per-layer tensor for L-outer orders."""
+        return tuple(s for d, s in zip(self.order.value, self.physical_shape, strict=True) if d != "L")
+
+    @property
+    def layer_logical_permutation(self) -> tuple[int, ...]:
+        """``permute`` order turning a physical per-layer tensor into logical ``[B, H, N, C]``."""
+        dims = [d for d in self.order.value if d != "L"]
+        return tuple(dims.index(d) for d in "BHNC")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one allocation: one layer (L-outer) or all layers (cross-layer)."""
+        return self.page_bytes * (self.num_layers if self.order.cross_layer else 1)
+
+    @property
+    def blocks_contiguous(self) -> bool:
+        """Each block is one contiguous byte range of its allocation, so ``(num_blocks, block_bytes)``
+        byte views work (false only for LHBNC, whose heads are outermost)."""
+        return self.order.value.replace("L", "")[0] == "B"
+
+    # -- serialization -----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _LAYOUT_FORMAT_VERSION,
+            "order": self.order.value,
+            "num_layers": self.num_layers,
+            "num_blocks": self.num_blocks,
+            "num_kv_heads": self.num_kv_heads,
+            "block_size": self.block_size,
+            "head_size": self.head_size,
+            "head_size_v": self.head_size_v,
+            "dtype": self.dtype,
+            "kv_quant": self.kv_quant.value,
+            "is_mla": self.is_mla,
+            "page_size_bytes": self.page_bytes,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVCacheLayout:
+        data = dict(data)
+        fmt = data.pop("format", _LAYOUT_FORMAT_VERSION)
+        if fmt != _LAYOUT_FORMAT_VERSION:
+            raise ValueError(
+                f"layout format {fmt!r} is not supported by this kv-spec (reads format {_LAYOUT_FORMAT_VERSION})"
+            )
+        known = {
+            "order", "num_layers", "num_blocks", "num_kv_heads", "block_size", "head_size",
+            "head_size_v", "dtype", "kv_quant", "is_mla", "page_size_bytes",
+        }
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown layout fields {sorted(unknown)}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVCacheLayout:
+        return cls.from_dict(json.loads(text))
+
+    def compatibility_hash(self) -> str:
+        """Stable hex digest of everything that fixes how a block's bytes are read.
+
+        ``num_blocks`` is left out on purpose: a prefill and a decode instance with different pool
+        sizes exchange blocks just fine; everything else (order, layer slots, heads, block size,
+        content split, dtype, quant, page bytes) must match.
+        """
+        d = self.to_dict()
+        del d["num_blocks"]
+        canon = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+    def with_num_blocks(self, num_blocks: int) -> KVCacheLayout:
+        d = self.to_dict()
+        d["num_blocks"] = num_blocks
+        return KVCacheLayout.from_dict(d)
