@@ -41,7 +41,9 @@ def allocate_kv_cache(
 def _strided(flat: torch.Tensor, layout: KVCacheLayout, layer: int | None) -> torch.Tensor:
     if layout.order.layer_outer:
         shape = layout.layer_shape
-        strides = tuple(s for d, s in zip(layout.order.value, layout.physical_strides, strict=True) if d != "L")
+        strides = tuple(
+            s for d, s in zip(layout.order.value, layout.physical_strides, strict=True) if d != "L"
+        )
     else:
         shape = layout.physical_shape
         strides = layout.physical_strides

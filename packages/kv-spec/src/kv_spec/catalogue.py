@@ -56,6 +56,7 @@ class ModelConfig:
         """Per-layer specs (``model.layers.{i}.self_attn``) as one tensor-parallel rank holds them."""
         tp = check_positive_int(self.name, "tensor_parallel_size", tensor_parallel_size)
         cache_dtype = dtype or self.dtype
+        kv_quant = KVQuantMode.parse(kv_quant)
         out: dict[str, AttentionSpec] = {}
         for i in range(self.num_layers):
             name = f"model.layers.{i}.self_attn"
@@ -63,17 +64,28 @@ class ModelConfig:
             if self.mla:
                 # MLA keeps one latent per token; tensor parallelism replicates it.
                 spec = MLAAttentionSpec(
-                    block_size=block_size, num_kv_heads=1, head_size=self.head_size,
-                    dtype=cache_dtype, kv_quant=kv_quant,
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=self.head_size,
+                    dtype=cache_dtype,
+                    kv_quant=kv_quant,
                 )
             else:
                 sliding = self.is_sliding(i)
-                heads = self.swa_num_kv_heads if sliding and self.swa_num_kv_heads else self.num_kv_heads
+                heads = (
+                    self.swa_num_kv_heads
+                    if sliding and self.swa_num_kv_heads
+                    else self.num_kv_heads
+                )
                 # KV heads split across ranks; with fewer heads than ranks each rank keeps a replica.
                 local = max(1, heads // tp)
                 common = dict(
-                    block_size=block_size, num_kv_heads=local, head_size=self.head_size,
-                    head_size_v=self.head_size_v, dtype=cache_dtype, kv_quant=kv_quant,
+                    block_size=block_size,
+                    num_kv_heads=local,
+                    head_size=self.head_size,
+                    head_size_v=self.head_size_v,
+                    dtype=cache_dtype,
+                    kv_quant=kv_quant,
                 )
                 if sliding:
                     assert self.sliding_window is not None
@@ -91,36 +103,78 @@ CATALOGUE: Final[dict[str, ModelConfig]] = {
     m.name: m
     for m in (
         ModelConfig(
-            name="Llama-3-8B", num_layers=32, num_q_heads=32, num_kv_heads=8, head_size=128,
-            max_model_len=8192, source="meta-llama/Meta-Llama-3-8B",
+            name="Llama-3-8B",
+            num_layers=32,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_size=128,
+            max_model_len=8192,
+            source="meta-llama/Meta-Llama-3-8B",
         ),
         ModelConfig(
-            name="Llama-3-70B", num_layers=80, num_q_heads=64, num_kv_heads=8, head_size=128,
-            max_model_len=8192, source="meta-llama/Meta-Llama-3-70B",
+            name="Llama-3-70B",
+            num_layers=80,
+            num_q_heads=64,
+            num_kv_heads=8,
+            head_size=128,
+            max_model_len=8192,
+            source="meta-llama/Meta-Llama-3-70B",
         ),
         ModelConfig(
-            name="Qwen3-32B", num_layers=64, num_q_heads=64, num_kv_heads=8, head_size=128,
-            max_model_len=40960, source="Qwen/Qwen3-32B",
+            name="Qwen3-32B",
+            num_layers=64,
+            num_q_heads=64,
+            num_kv_heads=8,
+            head_size=128,
+            max_model_len=40960,
+            source="Qwen/Qwen3-32B",
         ),
         ModelConfig(
-            name="Mistral-7B", num_layers=32, num_q_heads=32, num_kv_heads=8, head_size=128,
-            max_model_len=32768, sliding_window=4096, sliding_layers=None,
+            name="Mistral-7B",
+            num_layers=32,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_size=128,
+            max_model_len=32768,
+            sliding_window=4096,
+            sliding_layers=None,
             source="mistralai/Mistral-7B-v0.1",
         ),
         ModelConfig(
-            name="gpt-oss-120b", num_layers=36, num_q_heads=64, num_kv_heads=8, head_size=64,
-            max_model_len=131072, sliding_window=128, sliding_layers=_GPT_OSS_SLIDING,
-            has_sinks=True, source="openai/gpt-oss-120b",
+            name="gpt-oss-120b",
+            num_layers=36,
+            num_q_heads=64,
+            num_kv_heads=8,
+            head_size=64,
+            max_model_len=131072,
+            sliding_window=128,
+            sliding_layers=_GPT_OSS_SLIDING,
+            has_sinks=True,
+            source="openai/gpt-oss-120b",
         ),
         ModelConfig(
-            name="DeepSeek-V3", num_layers=61, num_q_heads=128, num_kv_heads=1, head_size=512 + 64,
-            max_model_len=163840, mla=True, source="deepseek-ai/DeepSeek-V3",
+            name="DeepSeek-V3",
+            num_layers=61,
+            num_q_heads=128,
+            num_kv_heads=1,
+            head_size=512 + 64,
+            max_model_len=163840,
+            mla=True,
+            source="deepseek-ai/DeepSeek-V3",
         ),
         ModelConfig(
-            name="MiMo-V2-Flash", num_layers=48, num_q_heads=64, num_kv_heads=4, head_size=192,
-            head_size_v=128, max_model_len=262144, sliding_window=128,
-            sliding_layers=tuple(i for i in range(48) if i not in _MIMO_FULL), swa_num_kv_heads=8,
-            has_sinks=True, source="XiaomiMiMo/MiMo-V2-Flash",
+            name="MiMo-V2-Flash",
+            num_layers=48,
+            num_q_heads=64,
+            num_kv_heads=4,
+            head_size=192,
+            head_size_v=128,
+            max_model_len=262144,
+            sliding_window=128,
+            sliding_layers=tuple(i for i in range(48) if i not in _MIMO_FULL),
+            swa_num_kv_heads=8,
+            has_sinks=True,
+            source="XiaomiMiMo/MiMo-V2-Flash",
         ),
     )
 }

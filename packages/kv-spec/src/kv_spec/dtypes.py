@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-__all__ = ["DTYPE_BYTES", "FLOAT_DTYPES", "FP8_DTYPES", "dtype_bytes", "normalize_dtype", "to_torch_dtype"]
+__all__ = [
+    "DTYPE_BYTES",
+    "FLOAT_DTYPES",
+    "FP8_DTYPES",
+    "dtype_bytes",
+    "normalize_dtype",
+    "to_torch_dtype",
+]
 
 #: Every element dtype a KV cache may hold, with its size in bytes.
 DTYPE_BYTES: Final[dict[str, int]] = {

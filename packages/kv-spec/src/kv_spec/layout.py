@@ -108,7 +108,9 @@ def resolve_layout(
     and the reason says so.
     """
     supported = (
-        tuple(LayoutOrder) if backend_supported is None else tuple(LayoutOrder.parse(o) for o in backend_supported)
+        tuple(LayoutOrder)
+        if backend_supported is None
+        else tuple(LayoutOrder.parse(o) for o in backend_supported)
     )
     if not supported:
         raise ValueError("backend_supported is empty: no backend can read any layout order")
@@ -147,7 +149,11 @@ def resolve_layout(
             f"backends (they support {names}); using the default",
         )
     chosen = _default_in(LayoutOrder.parse(default), supported)
-    why = "default" if chosen.value == LayoutOrder.parse(default).value else f"first order the backends support ({names})"
+    why = (
+        "default"
+        if chosen.value == LayoutOrder.parse(default).value
+        else f"first order the backends support ({names})"
+    )
     return LayoutChoice(chosen, f"{chosen.value}: {why}")
 
 
@@ -274,7 +280,9 @@ class KVCacheLayout:
     @property
     def content_size(self) -> int:
         """C: elements per token and head."""
-        return self.head_size + self.head_size_v + self.num_scales * SCALE_BYTES // self.element_bytes
+        return (
+            self.head_size + self.head_size_v + self.num_scales * SCALE_BYTES // self.element_bytes
+        )
 
     @property
     def k_range(self) -> tuple[int, int]:
@@ -308,7 +316,13 @@ class KVCacheLayout:
 
     @property
     def logical_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.content_size)
+        return (
+            self.num_layers,
+            self.num_blocks,
+            self.num_kv_heads,
+            self.block_size,
+            self.content_size,
+        )
 
     @property
     def physical_shape(self) -> tuple[int, ...]:
@@ -366,7 +380,9 @@ class KVCacheLayout:
     @property
     def layer_shape(self) -> tuple[int, ...]:
         """Physical shape of one layer slot (``L`` dropped): the per-layer tensor for L-outer orders."""
-        return tuple(s for d, s in zip(self.order.value, self.physical_shape, strict=True) if d != "L")
+        return tuple(
+            s for d, s in zip(self.order.value, self.physical_shape, strict=True) if d != "L"
+        )
 
     @property
     def layer_logical_permutation(self) -> tuple[int, ...]:
@@ -415,12 +431,23 @@ class KVCacheLayout:
                 f"layout format {fmt!r} is not supported by this kv-spec (reads format {_LAYOUT_FORMAT_VERSION})"
             )
         known = {
-            "order", "num_layers", "num_blocks", "num_kv_heads", "block_size", "head_size",
-            "head_size_v", "dtype", "kv_quant", "is_mla", "page_size_bytes",
+            "order",
+            "num_layers",
+            "num_blocks",
+            "num_kv_heads",
+            "block_size",
+            "head_size",
+            "head_size_v",
+            "dtype",
+            "kv_quant",
+            "is_mla",
+            "page_size_bytes",
         }
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown layout fields {sorted(unknown)}; known fields are {sorted(known)}")
+            raise ValueError(
+                f"unknown layout fields {sorted(unknown)}; known fields are {sorted(known)}"
+            )
         return cls(**data)
 
     @classmethod

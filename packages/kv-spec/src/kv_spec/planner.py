@@ -81,7 +81,10 @@ class KVCacheConfig:
         """The layout of group ``group_id`` over the whole allocation (all layer slots)."""
         spec = self.groups[group_id].spec
         return KVCacheLayout.from_spec(
-            spec, num_blocks=self.num_blocks, num_layers=self.num_layer_slots, order=self.layout_order
+            spec,
+            num_blocks=self.num_blocks,
+            num_layers=self.num_layer_slots,
+            order=self.layout_order,
         )
 
     def blocks_per_request(self, max_model_len: int | None = None) -> int:
@@ -89,7 +92,9 @@ class KVCacheConfig:
         mml = max_model_len if max_model_len is not None else self.max_model_len
         if mml is None:
             raise ValueError("blocks_per_request needs max_model_len (none was planned with)")
-        return _blocks_per_request(self.groups, self.page_size_bytes, mml, self.max_num_batched_tokens)
+        return _blocks_per_request(
+            self.groups, self.page_size_bytes, mml, self.max_num_batched_tokens
+        )
 
     def max_concurrency(self, max_model_len: int | None = None) -> float:
         """How many requests of ``max_model_len`` tokens fit at once."""
@@ -101,7 +106,9 @@ def _blocks_per_request(
 ) -> int:
     return sum(
         cdiv(
-            g.spec.max_memory_usage_bytes(max_model_len=max_model_len, max_num_batched_tokens=batched),
+            g.spec.max_memory_usage_bytes(
+                max_model_len=max_model_len, max_num_batched_tokens=batched
+            ),
             page,
         )
         for g in groups
@@ -175,7 +182,9 @@ def plan_kv_cache(
         )
 
     layer_lists = list(by_spec.values())
-    slots = min(len(names) for names in layer_lists) if len(layer_lists) > 1 else len(layer_lists[0])
+    slots = (
+        min(len(names) for names in layer_lists) if len(layer_lists) > 1 else len(layer_lists[0])
+    )
     groups: list[KVCacheGroup] = []
     for spec, names in zip(unified, layer_lists, strict=True):
         for start in range(0, len(names), slots):
@@ -236,13 +245,18 @@ def merge_kv_cache_configs(configs: Sequence[KVCacheConfig]) -> KVCacheConfig:
     first = configs[0]
     for i, c in enumerate(configs[1:], start=1):
         if (c.groups, c.num_layer_slots, c.page_size_bytes, c.layout_order) != (
-            first.groups, first.num_layer_slots, first.page_size_bytes, first.layout_order
+            first.groups,
+            first.num_layer_slots,
+            first.page_size_bytes,
+            first.layout_order,
         ):
             raise ValueError(
                 f"worker {i}'s KV-cache config differs from worker 0's in groups, layer slots, page "
                 "size or layout order; every worker must plan from the same specs"
             )
     num_blocks = min(c.num_blocks for c in configs)
-    per_block = first.page_size_bytes * (1 if first.layout_order.layer_outer else first.num_layer_slots)
+    per_block = first.page_size_bytes * (
+        1 if first.layout_order.layer_outer else first.num_layer_slots
+    )
     tensors = tuple(replace(t, size_bytes=num_blocks * per_block) for t in first.tensors)
     return replace(first, num_blocks=num_blocks, tensors=tensors)

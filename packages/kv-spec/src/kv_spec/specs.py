@@ -137,7 +137,11 @@ class AttentionSpec:
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of this layer: the padded size if set, else the real size."""
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        return (
+            self.page_size_padded
+            if self.page_size_padded is not None
+            else self.real_page_size_bytes
+        )
 
     @property
     def bytes_per_token(self) -> int:
@@ -259,7 +263,8 @@ def merge_specs(specs: Sequence[AttentionSpec]) -> AttentionSpec:
         diffs = [
             f"{f.name}: {getattr(first, f.name)!r} vs {getattr(other, f.name)!r}"
             for f in dataclasses.fields(first)
-            if f.name not in _MERGE_FIELDS_IGNORED and getattr(first, f.name) != getattr(other, f.name)
+            if f.name not in _MERGE_FIELDS_IGNORED
+            and getattr(first, f.name) != getattr(other, f.name)
         ]
         if diffs:
             raise ValueError(

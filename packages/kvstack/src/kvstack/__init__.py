@@ -1,1 +1,13 @@
-"""placeholder"""
+"""kvstack: the paged KV-cache layer of LLM inference, as one install.
+
+The umbrella over ``kv_spec`` (specs, layouts, planner), ``kv_kernels`` (cache ops and paged
+attention), ``kv_backends`` (attention backends and the selector), ``kv_blocktable`` and
+``kv_connectors``, with the ``kvstack`` command line (``kvstack demo``, ``kvstack plan``,
+``kvstack models``).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

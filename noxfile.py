@@ -1,0 +1,201 @@
+"""kvstack's checks. `uvx nox` runs every session a change must pass on a CPU machine.
+
+Sessions install from the committed lock (`uv sync --locked`) into the session's own venv, so a
+green run means the lock is current and each package's declared dependencies are enough.
+GPU and benchmark sessions are `default=False`: run them on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+# Bottom to top: the layer order of the house.
+PACKAGES = ("kv-spec", "kv-kernels", "kv-backends", "kv-blocktable", "kv-connectors", "kvstack")
+IMPORT_NAMES = {p: p.replace("-", "_") for p in PACKAGES}
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Install from uv.lock into this session's venv (fails if the lock is stale)."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+def _per_package() -> list[object]:
+    """One parameter per package, tagged with its name (`nox -t kv-backends`)."""
+    return [nox.param(p, id=p, tags=[p]) for p in PACKAGES]
+
+
+@nox.session(tags=["tests"])
+@nox.parametrize("package", _per_package())
+def tests(session: nox.Session, package: str) -> None:
+    """A package's CPU tests, in an env with only that package, its dependencies and pytest."""
+    _sync(session, "--package", package, "--group", "test")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        f"packages/{package}/tests",
+        "-m",
+        "not gpu",
+        "-q",
+        *session.posargs,
+    )
+
+
+@nox.session(tags=["tests"])
+def tools(session: nox.Session) -> None:
+    """Unit tests of the maintainer tools (stdlib only)."""
+    _sync(session, "--group", "test")
+    session.run("python", "-m", "pytest", "tools/tests", "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check over the whole tree."""
+    _sync(session, "--only-group", "lint")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy: strict for kv_spec, the default rules for the packages above it."""
+    _sync(session, "--all-packages", "--group", "typecheck")
+    session.run("mypy", "--strict", "packages/kv-spec/src/kv_spec")
+    session.run(
+        "mypy",
+        *(f"packages/{p}/src/{IMPORT_NAMES[p]}" for p in PACKAGES[1:]),
+    )
+
+
+@nox.session
+def imports(session: nox.Session) -> None:
+    """import-linter: the layers contract (no upward imports) and kv_spec's no-torch rule."""
+    _sync(session, "--all-packages", "--group", "imports")
+    session.run("lint-imports")
+
+
+@nox.session(name="docs-check")
+def docs_check(session: nox.Session) -> None:
+    """Regenerate docs/attention_backends.md from the backends' CAPABILITIES; fail on drift."""
+    session.run("python", "tools/generate_backend_docs.py", "--check", external=True)
+
+
+@nox.session
+@nox.parametrize("package", _per_package())
+def isolated(session: nox.Session, package: str) -> None:
+    """Release gate: build the wheel with --no-sources, install it alone (its declared
+    dependencies only, siblings from freshly built wheels, versions held to the lock), import it."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvstack-isolated-"))
+    try:
+        dist = tmp / "dist"
+        for p in PACKAGES:  # siblings are not on an index: build them all from this tree
+            session.run(
+                "uv",
+                "build",
+                "--package",
+                p,
+                "--no-sources",
+                "--wheel",
+                "--out-dir",
+                str(dist),
+                "-q",
+                external=True,
+            )
+        constraints = tmp / "constraints.txt"
+        session.run(
+            "uv",
+            "export",
+            "--frozen",
+            "--all-packages",
+            "--no-emit-workspace",
+            "--no-dev",
+            "--all-extras",
+            "--no-hashes",
+            "-q",
+            "-o",
+            str(constraints),
+            external=True,
+        )
+        venv = tmp / "venv"
+        session.run(
+            "uv",
+            "venv",
+            "-q",
+            "--python",
+            session.virtualenv.interpreter or "python3",
+            str(venv),
+            external=True,
+        )
+        py = str(venv / "bin" / "python")
+        session.run(
+            "uv",
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            py,
+            "--find-links",
+            str(dist),
+            "-c",
+            str(constraints),
+            package,
+            external=True,
+        )
+        mod = IMPORT_NAMES[package]
+        session.run(
+            py,
+            "-c",
+            f"import {mod}; print('{package}', {mod}.__version__, 'imports alone')",
+            external=True,
+        )
+        if package == "kv-spec":
+            # The bottom layer must install and import with no torch anywhere in the env.
+            session.run(
+                py,
+                "-c",
+                "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)",
+                external=True,
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """The tests marked gpu (run on a CUDA machine)."""
+    _sync(session, "--all-packages", "--group", "test")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        *(f"packages/{p}/tests" for p in PACKAGES),
+        "-m",
+        "gpu",
+        "-q",
+        *session.posargs,
+    )
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Every benchmark script (CUDA only); JSON lands in docs/benchmarks/."""
+    _sync(session, "--all-packages")
+    out = os.environ.get("BENCH_OUT", str(ROOT / "docs" / "benchmarks"))
+    for script in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
+        session.run("python", str(script), "--out", out)
