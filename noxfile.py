@@ -158,12 +158,14 @@ def isolated(session: nox.Session, package: str) -> None:
             external=True,
         )
         mod = IMPORT_NAMES[package]
-        session.run(
-            py,
-            "-c",
-            f"import {mod}; print('{package}', {mod}.__version__, 'imports alone')",
-            external=True,
+        # Import every module of the package, so a dependency used only in a submodule counts too.
+        walk = (
+            f"import importlib, pkgutil, {mod}; "
+            f"names = [m.name for m in pkgutil.walk_packages({mod}.__path__, '{mod}.')]; "
+            "[importlib.import_module(n) for n in names]; "
+            f"print('{package}', {mod}.__version__, 'imports alone with', len(names), 'submodules')"
         )
+        session.run(py, "-c", walk, external=True)
         if package == "kv-spec":
             # The bottom layer must install and import with no torch anywhere in the env.
             session.run(
