@@ -21,6 +21,8 @@ ROOT = Path(__file__).parent
 # Bottom to top: the layer order of the house.
 PACKAGES = ("kv-spec", "kv-kernels", "kv-backends", "kv-blocktable", "kv-connectors", "kvstack")
 IMPORT_NAMES = {p: p.replace("-", "_") for p in PACKAGES}
+# Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).
+TEST_GROUPS = {"kv-connectors": ("nixl",)}
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -44,7 +46,8 @@ def _per_package() -> list[object]:
 @nox.parametrize("package", _per_package())
 def tests(session: nox.Session, package: str) -> None:
     """A package's CPU tests, in an env with only that package, its dependencies and pytest."""
-    _sync(session, "--package", package, "--group", "test")
+    extra = [a for g in TEST_GROUPS.get(package, ()) for a in ("--group", g)]
+    _sync(session, "--package", package, "--group", "test", *extra)
     session.run(
         "python",
         "-m",

@@ -25,3 +25,12 @@ def test_imports_nothing_above_itself() -> None:
     code = "import sys, kv_connectors; print(' '.join(m for m in ('kvstack', 'kv_connectors') if m in sys.modules and m != 'kv_connectors'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == ""
+
+
+def test_nixl_transport_installs_and_starts_a_ucx_agent() -> None:
+    """The `nixl` extra is what the NIXL connector will move DRAM with: prove it works on a CPU."""
+    import pytest
+
+    api = pytest.importorskip("nixl._api", reason="the nixl test group is not installed")
+    agent = api.nixl_agent("kvstack-test", api.nixl_agent_config(backends=["UCX"]))
+    assert "UCX" in agent.get_plugin_list()
