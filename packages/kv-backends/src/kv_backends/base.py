@@ -1,0 +1,456 @@
+"""The backend contract: a class with one literal :class:`BackendCapabilities`, a metadata builder
+per KV group and an impl per layer.
+
+Nothing here keeps mutable state on a class: per-layer facts (``head_size_v``, scales, window,
+sinks) live on impl instances, per-batch facts on metadata instances, persistent buffers on
+builder instances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from kv_spec import KVCacheLayout, to_torch_dtype
+
+from kv_backends.capabilities import BackendCapabilities
+from kv_backends.config import AttentionConfig, Platform
+from kv_backends.metadata import CommonAttentionMetadata
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionImpl",
+    "AttentionMetadata",
+    "MetadataBuilder",
+    "kernel_block_view",
+]
+
+# Orders whose per-layer block stride equals block_size x token stride (when pages are not
+# padded), so manager block b splits into kernel blocks b*k+i with one plain view.
+_SPLITTABLE_ORDERS = ("LBNHC", "LHBNC")
+
+
+def _cc(cc: tuple[int, int] | None) -> str:
+    return "-" if cc is None else f"{cc[0]}.{cc[1]}"
+
+
+class AttentionBackend:
+    """Base of every backend. Subclasses set ``NAME`` and ``CAPABILITIES`` (one literal each),
+    and the builder/impl classes."""
+
+    NAME: ClassVar[str] = ""
+    CAPABILITIES: ClassVar[BackendCapabilities]
+    builder_cls: ClassVar[type[MetadataBuilder]]
+    impl_cls: ClassVar[type[AttentionImpl]]
+
+    def __init__(self) -> None:
+        raise TypeError(
+            f"{type(self).__name__} is used through its classmethods (validate, make_builder, "
+            "make_impl); it has no instances"
+        )
+
+    # -- validation --------------------------------------------------------------------------
+
+    @classmethod
+    def validate(cls, config: AttentionConfig, platform: Platform | None = None) -> list[str]:
+        """Every reason this backend cannot serve ``config`` on ``platform`` (empty = usable).
+
+        With ``platform=None`` only device-independent rules are checked.
+        """
+        caps = cls.CAPABILITIES
+        reasons: list[str] = []
+        if config.dtype not in caps.dtypes:
+            reasons.append(f"dtype {config.dtype} not supported (supports {list(caps.dtypes)})")
+        if config.kv_cache_dtype not in caps.kv_cache_dtypes:
+            reasons.append(
+                f"kv-cache dtype {config.kv_cache_dtype} not supported (supports {list(caps.kv_cache_dtypes)})"
+            )
+        if config.kv_quant not in caps.kv_quant_modes:
+            reasons.append(
+                f"kv_quant {config.kv_quant} not supported (supports {list(caps.kv_quant_modes)})"
+            )
+        if not caps.head_size_ok(config.head_size):
+            reasons.append(f"head_size {config.head_size} not supported (must be {caps.describe_head_sizes()})")
+        if config.head_size_v != config.head_size:
+            if not caps.supports_head_size_v_diff:
+                reasons.append(
+                    f"head_size_v {config.head_size_v} != head_size {config.head_size} not supported"
+                )
+            elif not caps.head_size_ok(config.head_size_v):
+                reasons.append(
+                    f"head_size_v {config.head_size_v} not supported (must be {caps.describe_head_sizes()})"
+                )
+        elif caps.requires_head_size_v_diff:
+            reasons.append(
+                f"serves only layers with head_size_v != head_size (got {config.head_size}/{config.head_size_v})"
+            )
+        kbs = config.kernel_block_size
+        assert kbs is not None
+        if not caps.kernel_block_size_ok(kbs):
+            reasons.append(
+                f"kernel block size {kbs} not supported (must be {caps.describe_kernel_block_sizes()})"
+            )
+        if config.layout_order not in caps.supported_layouts:
+            reasons.append(
+                f"layout {config.layout_order} not supported (reads {list(caps.supported_layouts)})"
+            )
+        elif caps.required_layout is not None and config.layout_order != caps.required_layout:
+            reasons.append(f"requires layout {caps.required_layout}, got {config.layout_order}")
+        if kbs != config.block_size and config.layout_order not in _SPLITTABLE_ORDERS:
+            reasons.append(
+                f"kernel block size {kbs} < block size {config.block_size} needs order "
+                f"{' or '.join(_SPLITTABLE_ORDERS)} (block stride = block_size x token stride); "
+                f"got {config.layout_order}"
+            )
+        for flag, supported, what in (
+            (config.has_sinks, caps.sinks, "attention sinks"),
+            (config.sliding_window is not None, caps.sliding_window, "sliding window"),
+            (config.softcap > 0, caps.softcap, "logit softcap"),
+            (config.use_alibi, caps.alibi, "ALiBi"),
+            (config.mla, caps.mla, "MLA"),
+            (not config.causal, caps.non_causal, "non-causal attention"),
+            (config.batch_invariant, caps.batch_invariant, "batch invariance"),
+        ):
+            if flag and not supported:
+                reasons.append(f"{what} not supported")
+        if platform is not None:
+            reasons += cls._platform_reasons(platform)
+            if not reasons:
+                reasons += cls.extra_reasons(config, platform)
+        return reasons
+
+    @classmethod
+    def _platform_reasons(cls, platform: Platform) -> list[str]:
+        caps = cls.CAPABILITIES
+        if not platform.is_cuda:
+            return ["needs a CUDA GPU"] if caps.needs_gpu else []
+        cc = platform.compute_capability
+        assert cc is not None
+        lo, hi = caps.min_compute_capability, caps.max_compute_capability
+        if (lo is not None and cc < lo) or (hi is not None and cc > hi):
+            return [f"compute capability {_cc(cc)} outside [{_cc(lo)}, {_cc(hi)}]"]
+        return []
+
+    @classmethod
+    def extra_reasons(cls, config: AttentionConfig, platform: Platform) -> list[str]:
+        """Rules that are not plain capabilities (installed packages, version rules); hook."""
+        return []
+
+    @classmethod
+    def selection_notes(cls, config: AttentionConfig, platform: Platform) -> list[str]:
+        """Remarks for :class:`kv_backends.Selection` when this backend is chosen; hook."""
+        return []
+
+    @classmethod
+    def supports_kernel_block_size(
+        cls, size: int, config: AttentionConfig | None = None, platform: Platform | None = None
+    ) -> bool:
+        """Whether ``size`` is a kernel block size this backend takes (``config``/``platform``
+        let version-dependent backends narrow it)."""
+        return cls.CAPABILITIES.kernel_block_size_ok(size)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def make_builder(
+        cls,
+        config: AttentionConfig,
+        layout: KVCacheLayout,
+        *,
+        device: torch.device | str = "cpu",
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+        **options: Any,
+    ) -> MetadataBuilder:
+        """One builder per KV group; it owns that group's persistent metadata buffers."""
+        return cls.builder_cls(
+            config,
+            layout,
+            device=torch.device(device),
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            **options,
+        )
+
+    @classmethod
+    def make_impl(
+        cls,
+        config: AttentionConfig,
+        layout: KVCacheLayout,
+        *,
+        scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        k_scale: torch.Tensor | float | None = None,
+        v_scale: torch.Tensor | float | None = None,
+        **options: Any,
+    ) -> AttentionImpl:
+        """One impl per layer; it carries that layer's head sizes, scales, window and sinks.
+
+        Raises ``ValueError`` with every reason when the backend cannot serve ``config``.
+        """
+        reasons = cls.validate(config)
+        if reasons:
+            raise ValueError(f"{cls.NAME} cannot serve this layer: " + "; ".join(reasons))
+        return cls.impl_cls(
+            config,
+            layout,
+            scale=scale,
+            sinks=sinks,
+            alibi_slopes=alibi_slopes,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            **options,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionMetadata:
+    """Per-batch metadata most backends need (int32 where kernels want int32)."""
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, kernel block ids
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int
+    num_reqs: int
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+
+
+class MetadataBuilder:
+    """Turns a :class:`CommonAttentionMetadata` into one backend's metadata (one builder per group)."""
+
+    def __init__(
+        self,
+        config: AttentionConfig,
+        layout: KVCacheLayout,
+        *,
+        device: torch.device,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        **options: Any,
+    ) -> None:
+        if options:
+            raise ValueError(
+                f"{type(self).__name__} takes no options; got {sorted(options)}"
+            )
+        if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
+                "must be positive"
+            )
+        self.config = config
+        self.layout = layout
+        self.device = device
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        if common.num_actual_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"batch has {common.num_actual_tokens} tokens; this builder was made for "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+        return AttentionMetadata(
+            query_start_loc=common.query_start_loc.to(torch.int32),
+            seq_lens=common.seq_lens.to(torch.int32),
+            block_table=common.block_table.to(torch.int32),
+            slot_mapping=common.slot_mapping,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            num_actual_tokens=common.num_actual_tokens,
+            num_reqs=common.num_reqs,
+            query_start_loc_cpu=common.query_start_loc_cpu,
+            seq_lens_cpu=common.seq_lens_cpu,
+        )
+
+
+def _as_scale(value: torch.Tensor | float | None) -> torch.Tensor | None:
+    if value is None:
+        return None
+    t = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    return t.to(torch.float32)
+
+
+class AttentionImpl:
+    """One layer's attention over the paged cache. Everything per layer lives on the instance."""
+
+    def __init__(
+        self,
+        config: AttentionConfig,
+        layout: KVCacheLayout,
+        *,
+        scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        k_scale: torch.Tensor | float | None = None,
+        v_scale: torch.Tensor | float | None = None,
+    ) -> None:
+        _check_layout_matches(config, layout)
+        self.config = config
+        self.layout = layout
+        self.num_q_heads = config.num_q_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_size = config.head_size
+        self.head_size_v = config.head_size_v
+        self.kernel_block_size = config.kernel_block_size
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(config.head_size)
+        self.sliding_window = config.sliding_window
+        self.softcap = config.softcap
+        self.causal = config.causal
+        if config.has_sinks != (sinks is not None):
+            raise ValueError(
+                f"config.has_sinks={config.has_sinks} but sinks is "
+                f"{'given' if sinks is not None else 'None'}; pass a float [num_q_heads] tensor "
+                "exactly when the layer has sinks"
+            )
+        if sinks is not None and tuple(sinks.shape) != (config.num_q_heads,):
+            raise ValueError(
+                f"sinks has shape {tuple(sinks.shape)}; expected ({config.num_q_heads},) = one logit per query head"
+            )
+        if config.use_alibi != (alibi_slopes is not None):
+            raise ValueError(
+                f"config.use_alibi={config.use_alibi} but alibi_slopes is "
+                f"{'given' if alibi_slopes is not None else 'None'}; pass [num_q_heads] slopes exactly when ALiBi is on"
+            )
+        if alibi_slopes is not None and tuple(alibi_slopes.shape) != (config.num_q_heads,):
+            raise ValueError(
+                f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({config.num_q_heads},)"
+            )
+        self.sinks = sinks
+        self.alibi_slopes = alibi_slopes
+        self.k_scale = _as_scale(k_scale)
+        self.v_scale = _as_scale(v_scale)
+        if config.kv_quant == "fp8_per_tensor" and (self.k_scale is None or self.v_scale is None):
+            raise ValueError("kv_quant=fp8_per_tensor needs k_scale and v_scale")
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def scales(self, layer: object) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """K/V scales: the layer's (dynamic quant) when it has them, else the impl's."""
+        k = getattr(layer, "k_scale", None) if layer is not None else None
+        v = getattr(layer, "v_scale", None) if layer is not None else None
+        return (_as_scale(k) if k is not None else self.k_scale, _as_scale(v) if v is not None else self.v_scale)
+
+    def check_forward_inputs(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        if q.dim() != 3 or q.shape[1] != self.num_q_heads or q.shape[2] != self.head_size:
+            raise ValueError(
+                f"q has shape {tuple(q.shape)}; expected [num_tokens, {self.num_q_heads}, {self.head_size}]"
+            )
+        if q.shape[0] < metadata.num_actual_tokens:
+            raise ValueError(
+                f"q has {q.shape[0]} tokens but the batch has num_actual_tokens={metadata.num_actual_tokens}"
+            )
+        if q.dtype != to_torch_dtype(self.config.dtype):
+            raise ValueError(f"q has dtype {q.dtype}; this layer computes in {self.config.dtype}")
+        self.check_cache(kv_cache)
+
+    def check_cache(self, kv_cache: torch.Tensor) -> None:
+        lay = self.layout
+        expect = (lay.num_blocks, lay.num_kv_heads, lay.block_size, lay.content_size)
+        if tuple(kv_cache.shape) != expect:
+            raise ValueError(
+                f"kv_cache has shape {tuple(kv_cache.shape)}; expected the [B, H, N, C] layer view "
+                f"{expect} (kv_kernels.layer_view(storage, layout, layer))"
+            )
+        if kv_cache.dtype != to_torch_dtype(lay.dtype):
+            raise ValueError(f"kv_cache has dtype {kv_cache.dtype}; the layout says {lay.dtype}")
+
+    def kernel_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, KVCacheLayout]:
+        """The cache as kernel blocks (``[B*k, H, N/k, C]``) with a matching layout."""
+        assert self.kernel_block_size is not None
+        return kernel_block_view(kv_cache, self.layout, self.kernel_block_size)
+
+    def empty_output(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        shape = (q.shape[0], self.num_q_heads, self.head_size_v)
+        if out is None:
+            return torch.zeros(shape, dtype=q.dtype, device=q.device)
+        if tuple(out.shape) != shape or out.dtype != q.dtype:
+            raise ValueError(
+                f"out has shape {tuple(out.shape)} / {out.dtype}; expected {shape} / {q.dtype}"
+            )
+        return out
+
+    def do_kv_cache_update(
+        self,
+        layer: object,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key`` ``[T, H, D]`` and ``value`` ``[T, H, Dv]`` to their slots (``-1`` skipped)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        layer: object,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``q`` ``[T, Hq, D]`` over the cache; returns ``[T, Hq, Dv]`` (padding rows 0)."""
+        raise NotImplementedError
+
+
+def _check_layout_matches(config: AttentionConfig, layout: KVCacheLayout) -> None:
+    mism = []
+    if layout.num_kv_heads != config.num_kv_heads:
+        mism.append(f"num_kv_heads {layout.num_kv_heads} vs {config.num_kv_heads}")
+    if layout.head_size != config.head_size:
+        mism.append(f"head_size {layout.head_size} vs {config.head_size}")
+    if not layout.is_mla and layout.head_size_v != config.head_size_v:
+        mism.append(f"head_size_v {layout.head_size_v} vs {config.head_size_v}")
+    if layout.dtype != config.kv_cache_dtype:
+        mism.append(f"dtype {layout.dtype} vs kv_cache_dtype {config.kv_cache_dtype}")
+    if layout.order.value != config.layout_order:
+        mism.append(f"order {layout.order.value} vs {config.layout_order}")
+    if layout.block_size != config.block_size:
+        mism.append(f"block_size {layout.block_size} vs {config.block_size}")
+    if mism:
+        raise ValueError("the KV-cache layout does not match the attention config: " + "; ".join(mism))
+
+
+def kernel_block_view(
+    kv_cache: torch.Tensor, layout: KVCacheLayout, kernel_block_size: int
+) -> tuple[torch.Tensor, KVCacheLayout]:
+    """View manager blocks of ``layout.block_size`` tokens as kernel blocks of ``kernel_block_size``.
+
+    Manager block ``b`` becomes kernel blocks ``b*k + i`` (``k = block_size // kernel_block_size``).
+    That is one plain view when the block stride equals ``block_size`` x the token stride (LBNHC or
+    LHBNC without page padding); other caches raise, since a copy would defeat the point.
+    """
+    n = layout.block_size
+    if kernel_block_size == n:
+        return kv_cache, layout
+    if kernel_block_size <= 0 or n % kernel_block_size:
+        raise ValueError(
+            f"kernel_block_size={kernel_block_size} must divide the layout block_size={n}"
+        )
+    k = n // kernel_block_size
+    sb, sh, sn, sc = kv_cache.stride()
+    if sb != n * sn:
+        raise ValueError(
+            f"cannot view {n}-token blocks as {kernel_block_size}-token kernel blocks: block stride "
+            f"{sb} != block_size x token stride {n * sn} (order {layout.order.value}"
+            f"{', padded pages' if layout.page_bytes != layout.real_page_size_bytes else ''}); "
+            "use LBNHC or LHBNC without padding, or kernel_block_size = block_size"
+        )
+    b, h, _, c = kv_cache.shape
+    view = kv_cache.as_strided(
+        (b * k, h, kernel_block_size, c), (kernel_block_size * sn, sh, sn, sc)
+    )
+    klayout = dataclasses.replace(
+        layout, num_blocks=layout.num_blocks * k, block_size=kernel_block_size, page_size_bytes=None
+    )
+    return view, klayout

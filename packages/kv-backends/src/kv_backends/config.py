@@ -1,0 +1,252 @@
+"""What a backend is asked to serve (:class:`AttentionConfig`) and where (:class:`Platform`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from kv_spec import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    KVQuantMode,
+    LayoutOrder,
+    MLAAttentionSpec,
+    ModelConfig,
+    SlidingWindowSpec,
+    get_model,
+    normalize_dtype,
+)
+
+__all__ = ["AttentionConfig", "Platform", "configs_for_model"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """One attention layer (or group of identical layers) as a backend sees it.
+
+    Build it with :meth:`from_spec` from a kv-spec spec plus the model facts a spec does not hold
+    (query heads, sinks, softcap, alibi). ``block_size`` is the manager block size of the group;
+    ``kernel_block_size`` the page size the kernel addresses (a divisor of ``block_size``, see
+    :func:`kv_backends.prepare_kernel_block_sizes`). ``sliding_window`` counts tokens, the current
+    one included; ``None`` = full attention.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str = "bfloat16"
+    kv_quant: str = "none"
+    block_size: int = 16
+    kernel_block_size: int | None = None
+    layout_order: str = "LBNHC"
+    sliding_window: int | None = None
+    has_sinks: bool = False
+    softcap: float = 0.0
+    use_alibi: bool = False
+    causal: bool = True
+    mla: bool = False
+    batch_invariant: bool = False
+    #: FlashAttention major version to force (2, 3 or 4); ``None`` = follow the version rules.
+    flash_attn_version: int | None = None
+    kind: str = "full"
+
+    def __post_init__(self) -> None:
+        for name in ("num_q_heads", "num_kv_heads", "head_size", "head_size_v", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"AttentionConfig.{name}={value!r} must be a positive int")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"AttentionConfig.num_q_heads={self.num_q_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (GQA groups query heads per KV head)"
+            )
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype, field="AttentionConfig.dtype"))
+        object.__setattr__(
+            self, "kv_cache_dtype", normalize_dtype(self.kv_cache_dtype, field="AttentionConfig.kv_cache_dtype")
+        )
+        object.__setattr__(self, "kv_quant", KVQuantMode.parse(self.kv_quant).value)
+        object.__setattr__(self, "layout_order", LayoutOrder.parse(self.layout_order).value)
+        if self.kernel_block_size is None:
+            object.__setattr__(self, "kernel_block_size", self.block_size)
+        kbs = self.kernel_block_size
+        assert kbs is not None
+        if kbs <= 0 or self.block_size % kbs:
+            raise ValueError(
+                f"AttentionConfig.kernel_block_size={kbs} must be a positive divisor of "
+                f"block_size={self.block_size}"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"AttentionConfig.sliding_window={self.sliding_window} must be positive or None"
+            )
+        if self.softcap < 0:
+            raise ValueError(f"AttentionConfig.softcap={self.softcap} must be >= 0 (0 = off)")
+        if self.flash_attn_version not in (None, 2, 3, 4):
+            raise ValueError(
+                f"AttentionConfig.flash_attn_version={self.flash_attn_version!r} must be 2, 3, 4 or None"
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        assert self.kernel_block_size is not None
+        return self.block_size // self.kernel_block_size
+
+    def with_kernel_block_size(self, kernel_block_size: int) -> AttentionConfig:
+        return replace(self, kernel_block_size=kernel_block_size)
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: AttentionSpec,
+        *,
+        num_q_heads: int,
+        dtype: str | None = None,
+        has_sinks: bool = False,
+        softcap: float = 0.0,
+        use_alibi: bool = False,
+        layout_order: LayoutOrder | str = LayoutOrder.LBNHC,
+        kernel_block_size: int | None = None,
+        batch_invariant: bool = False,
+        flash_attn_version: int | None = None,
+    ) -> AttentionConfig:
+        """The config of a layer with ``spec`` in a model with ``num_q_heads`` query heads (per rank).
+
+        ``dtype`` is the compute dtype (defaults to the spec's dtype when that is a float dtype,
+        else bfloat16, e.g. for an fp8 cache).
+        """
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            raise ValueError(
+                "ChunkedLocalAttentionSpec layers are not served by kv-backends yet: no backend "
+                "implements chunked-local masking; file an issue with the model name"
+            )
+        mla = isinstance(spec, MLAAttentionSpec)
+        compute = dtype or (spec.dtype if spec.dtype in ("float32", "float16", "bfloat16") else "bfloat16")
+        return cls(
+            num_q_heads=num_q_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            head_size_v=spec.v_size,
+            dtype=compute,
+            kv_cache_dtype=spec.dtype,
+            kv_quant=spec.kv_quant.value,
+            block_size=spec.block_size,
+            kernel_block_size=kernel_block_size,
+            layout_order=LayoutOrder.parse(layout_order).value,
+            sliding_window=spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
+            has_sinks=has_sinks,
+            softcap=softcap,
+            use_alibi=use_alibi,
+            causal=not isinstance(spec, CrossAttentionSpec),
+            mla=mla,
+            batch_invariant=batch_invariant,
+            flash_attn_version=flash_attn_version,
+            kind=spec.kind,
+        )
+
+
+def configs_for_model(
+    model: ModelConfig | str,
+    *,
+    block_size: int = 16,
+    dtype: str | None = None,
+    tensor_parallel_size: int = 1,
+    layout_order: LayoutOrder | str = LayoutOrder.LBNHC,
+) -> dict[str, AttentionConfig]:
+    """The distinct attention configs of a catalogue model, keyed by a readable name.
+
+    Keys are ``"<kind> (layers a-b, ...)"``, e.g. ``"sliding_window (18 layers)"``; layers with
+    equal configs share one entry. Query heads are split over ``tensor_parallel_size`` ranks.
+    """
+    m = get_model(model) if isinstance(model, str) else model
+    specs = m.kv_specs(block_size=block_size, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    q_heads = max(1, m.num_q_heads // tensor_parallel_size)
+    by_config: dict[AttentionConfig, list[int]] = {}
+    for i, spec in enumerate(specs.values()):
+        cfg = AttentionConfig.from_spec(
+            spec, num_q_heads=q_heads, has_sinks=m.has_sinks, layout_order=layout_order
+        )
+        by_config.setdefault(cfg, []).append(i)
+    return {f"{cfg.kind} ({len(layers)} layers)": cfg for cfg, layers in by_config.items()}
+
+
+def _default_probe(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        # find_spec imports parent packages; a broken parent means the module is not usable.
+        return False
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where attention runs: ``name`` ``"cpu"`` or ``"cuda"``, the device's compute capability,
+    and which optional modules are importable.
+
+    ``installed`` (a set of module names) replaces the import probe, so tests can pretend that
+    e.g. only ``flash_attn.cute`` (FA4) is installed on an sm_90 machine.
+    """
+
+    name: str
+    compute_capability: tuple[int, int] | None = None
+    installed: frozenset[str] | None = None
+    probe: Callable[[str], bool] = field(default=_default_probe, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.name not in ("cpu", "cuda"):
+            raise ValueError(f"Platform.name={self.name!r} must be 'cpu' or 'cuda'")
+        if self.name == "cuda" and self.compute_capability is None:
+            raise ValueError("a cuda Platform needs compute_capability=(major, minor), e.g. (9, 0)")
+        if self.name == "cpu" and self.compute_capability is not None:
+            raise ValueError("a cpu Platform has no compute_capability; pass None")
+        if self.installed is not None:
+            object.__setattr__(self, "installed", frozenset(self.installed))
+
+    @classmethod
+    def cpu(cls, installed: Iterable[str] | None = None) -> Platform:
+        return cls("cpu", None, None if installed is None else frozenset(installed))
+
+    @classmethod
+    def cuda(
+        cls, compute_capability: tuple[int, int], installed: Iterable[str] | None = None
+    ) -> Platform:
+        return cls("cuda", tuple(compute_capability), None if installed is None else frozenset(installed))  # type: ignore[arg-type]
+
+    @classmethod
+    def detect(cls, device: object = None) -> Platform:
+        """The platform of ``device`` (default: the current CUDA device if any, else the CPU)."""
+        import torch
+
+        dev = torch.device(device) if device is not None else None
+        if (dev is None and torch.cuda.is_available()) or (dev is not None and dev.type == "cuda"):
+            cc = torch.cuda.get_device_capability(dev)
+            return cls("cuda", (int(cc[0]), int(cc[1])))
+        return cls("cpu")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.name == "cuda"
+
+    @property
+    def label(self) -> str:
+        """``"cpu"`` or ``"sm_90"``-style."""
+        if self.compute_capability is None:
+            return self.name
+        major, minor = self.compute_capability
+        return f"sm_{major}{minor}"
+
+    def has_module(self, module: str) -> bool:
+        """Whether ``module`` is importable here (the injected set when given)."""
+        if self.installed is not None:
+            return module in self.installed
+        return self.probe(module)
+
+    def with_installed(self, installed: Iterable[str] | Mapping[str, bool]) -> Platform:
+        return replace(self, installed=frozenset(installed))
