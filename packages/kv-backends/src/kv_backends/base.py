@@ -130,8 +130,10 @@ class AttentionBackend:
         cc = platform.compute_capability
         assert cc is not None
         lo, hi = caps.min_compute_capability, caps.max_compute_capability
-        if (lo is not None and cc < lo) or (hi is not None and cc > hi):
-            return [f"compute capability {_cc(cc)} outside [{_cc(lo)}, {_cc(hi)}]"]
+        if lo is not None and cc < lo:
+            return [f"needs compute capability >= {_cc(lo)} (device has {_cc(cc)})"]
+        if hi is not None and cc > hi:
+            return [f"needs compute capability <= {_cc(hi)} (device has {_cc(cc)})"]
         return []
 
     @classmethod
