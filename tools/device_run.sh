@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run kvstack's GPU tests and benchmarks on the GPU machine (Python 3.12, torch, triton, pytest;
 # no uv, no package index). Results land in $OUT (default ./device-out):
-#   gpu_tests.log, <bench>.json per benchmark script, bench_<name>.log.
+#   device.txt, gpu_tests.log, bench.log and the <bench>.json each benchmark script writes
+#   (the device tool brings back at most 8 files).
 #
 # Usage (from the repo root):  bash tools/device_run.sh [tests|bench|all] [pytest -k expression]
 # FlashAttention-4, when staged into $HOME/fa4-site (see the device notes), is put on PYTHONPATH.
@@ -31,8 +32,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   for script in packages/*/benchmarks/bench_*.py; do
     name=$(basename "$script" .py)
     echo "== $name"
-    timeout 400 python3 "$script" --out "$out" > "$out/$name.log" 2>&1 || { echo "$name failed"; tail -n 20 "$out/$name.log"; status=1; }
-    tail -n 40 "$out/$name.log"
+    echo "== $name" >> "$out/bench.log"
+    timeout 400 python3 "$script" --out "$out" > "/tmp/$name.log" 2>&1 || { echo "$name failed"; status=1; }
+    tail -n 60 "/tmp/$name.log" | tee -a "$out/bench.log"
   done
 fi
 exit $status
