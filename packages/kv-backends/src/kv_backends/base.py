@@ -73,7 +73,9 @@ class AttentionBackend:
                 f"kv_quant {config.kv_quant} not supported (supports {list(caps.kv_quant_modes)})"
             )
         if not caps.head_size_ok(config.head_size):
-            reasons.append(f"head_size {config.head_size} not supported (must be {caps.describe_head_sizes()})")
+            reasons.append(
+                f"head_size {config.head_size} not supported (must be {caps.describe_head_sizes()})"
+            )
         if config.head_size_v != config.head_size:
             if not caps.supports_head_size_v_diff:
                 reasons.append(
@@ -239,9 +241,7 @@ class MetadataBuilder:
         **options: Any,
     ) -> None:
         if options:
-            raise ValueError(
-                f"{type(self).__name__} takes no options; got {sorted(options)}"
-            )
+            raise ValueError(f"{type(self).__name__} takes no options; got {sorted(options)}")
         if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
@@ -338,7 +338,10 @@ class AttentionImpl:
         """K/V scales: the layer's (dynamic quant) when it has them, else the impl's."""
         k = getattr(layer, "k_scale", None) if layer is not None else None
         v = getattr(layer, "v_scale", None) if layer is not None else None
-        return (_as_scale(k) if k is not None else self.k_scale, _as_scale(v) if v is not None else self.v_scale)
+        return (
+            _as_scale(k) if k is not None else self.k_scale,
+            _as_scale(v) if v is not None else self.v_scale,
+        )
 
     def check_forward_inputs(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -420,7 +423,9 @@ def _check_layout_matches(config: AttentionConfig, layout: KVCacheLayout) -> Non
     if layout.block_size != config.block_size:
         mism.append(f"block_size {layout.block_size} vs {config.block_size}")
     if mism:
-        raise ValueError("the KV-cache layout does not match the attention config: " + "; ".join(mism))
+        raise ValueError(
+            "the KV-cache layout does not match the attention config: " + "; ".join(mism)
+        )
 
 
 def kernel_block_view(

@@ -126,7 +126,10 @@ class BackendCapabilities:
             )
         if self.requires_head_size_v_diff and not self.supports_head_size_v_diff:
             raise ValueError("requires_head_size_v_diff=True needs supports_head_size_v_diff=True")
-        if self.kernel_block_size_multiple_of is not None and self.kernel_block_size_multiple_of <= 0:
+        if (
+            self.kernel_block_size_multiple_of is not None
+            and self.kernel_block_size_multiple_of <= 0
+        ):
             raise ValueError(
                 f"kernel_block_size_multiple_of={self.kernel_block_size_multiple_of} must be positive"
             )

@@ -64,9 +64,13 @@ class AttentionConfig:
                 f"AttentionConfig.num_q_heads={self.num_q_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (GQA groups query heads per KV head)"
             )
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype, field="AttentionConfig.dtype"))
         object.__setattr__(
-            self, "kv_cache_dtype", normalize_dtype(self.kv_cache_dtype, field="AttentionConfig.kv_cache_dtype")
+            self, "dtype", normalize_dtype(self.dtype, field="AttentionConfig.dtype")
+        )
+        object.__setattr__(
+            self,
+            "kv_cache_dtype",
+            normalize_dtype(self.kv_cache_dtype, field="AttentionConfig.kv_cache_dtype"),
         )
         object.__setattr__(self, "kv_quant", KVQuantMode.parse(self.kv_quant).value)
         object.__setattr__(self, "layout_order", LayoutOrder.parse(self.layout_order).value)
@@ -128,7 +132,9 @@ class AttentionConfig:
                 "implements chunked-local masking; file an issue with the model name"
             )
         mla = isinstance(spec, MLAAttentionSpec)
-        compute = dtype or (spec.dtype if spec.dtype in ("float32", "float16", "bfloat16") else "bfloat16")
+        compute = dtype or (
+            spec.dtype if spec.dtype in ("float32", "float16", "bfloat16") else "bfloat16"
+        )
         return cls(
             num_q_heads=num_q_heads,
             num_kv_heads=spec.num_kv_heads,
@@ -166,7 +172,9 @@ def configs_for_model(
     equal configs share one entry. Query heads are split over ``tensor_parallel_size`` ranks.
     """
     m = get_model(model) if isinstance(model, str) else model
-    specs = m.kv_specs(block_size=block_size, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    specs = m.kv_specs(
+        block_size=block_size, dtype=dtype, tensor_parallel_size=tensor_parallel_size
+    )
     q_heads = max(1, m.num_q_heads // tensor_parallel_size)
     by_config: dict[AttentionConfig, list[int]] = {}
     for i, spec in enumerate(specs.values()):
@@ -217,7 +225,9 @@ class Platform:
     def cuda(
         cls, compute_capability: tuple[int, int], installed: Iterable[str] | None = None
     ) -> Platform:
-        return cls("cuda", tuple(compute_capability), None if installed is None else frozenset(installed))  # type: ignore[arg-type]
+        return cls(
+            "cuda", tuple(compute_capability), None if installed is None else frozenset(installed)
+        )  # type: ignore[arg-type]
 
     @classmethod
     def detect(cls, device: object = None) -> Platform:

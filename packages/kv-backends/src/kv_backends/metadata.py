@@ -140,7 +140,9 @@ class CommonAttentionMetadata:
         num_actual = len(slots)
         if pad_tokens_to is not None:
             if pad_tokens_to < num_actual:
-                raise ValueError(f"pad_tokens_to={pad_tokens_to} is below the {num_actual} real tokens")
+                raise ValueError(
+                    f"pad_tokens_to={pad_tokens_to} is below the {num_actual} real tokens"
+                )
             slots += [-1] * (pad_tokens_to - num_actual)
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
         sl_t = torch.tensor(list(seq_lens), dtype=torch.int32)

@@ -55,11 +55,23 @@ def describe_config(config: AttentionConfig) -> str:
         feats.append("non-causal")
     if config.batch_invariant:
         feats.append("batch-invariant")
-    kv = config.kv_cache_dtype if config.kv_quant == "none" else f"{config.kv_cache_dtype} {config.kv_quant}"
+    kv = (
+        config.kv_cache_dtype
+        if config.kv_quant == "none"
+        else f"{config.kv_cache_dtype} {config.kv_quant}"
+    )
     block = f"block {config.block_size}"
     if config.kernel_block_size != config.block_size:
         block += f" (kernel {config.kernel_block_size})"
-    parts = [config.kind, heads, hs, f"{config.dtype} (kv {kv})", *feats, block, config.layout_order]
+    parts = [
+        config.kind,
+        heads,
+        hs,
+        f"{config.dtype} (kv {kv})",
+        *feats,
+        block,
+        config.layout_order,
+    ]
     return ", ".join(parts)
 
 

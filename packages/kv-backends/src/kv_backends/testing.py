@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kv_spec import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec, to_torch_dtype
 from kv_kernels import allocate_kv_cache, layer_view
+from kv_spec import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec, to_torch_dtype
 
 from kv_backends.config import AttentionConfig
 from kv_backends.metadata import CommonAttentionMetadata
@@ -62,7 +62,11 @@ def make_paged_batch(
     gen = torch.Generator().manual_seed(seed)
     hv = head_size_v if head_size_v is not None else head_size
     spec_kw = dict(
-        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=hv, dtype=dtype
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        head_size_v=hv,
+        dtype=dtype,
     )
     spec = (
         SlidingWindowSpec(sliding_window=sliding_window, **spec_kw)  # type: ignore[arg-type]

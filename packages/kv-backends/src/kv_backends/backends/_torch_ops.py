@@ -128,9 +128,10 @@ def attend_one_request(
         # The plain case goes through torch's SDPA (the backend's namesake); ALiBi rides in a float mask.
         mask: torch.Tensor = allowed
         if alibi_slopes is not None:
-            bias = alibi_slopes.float().to(q.device)[:, None, None] * (
-                kv_pos[None, None, :] - q_pos[None, :, None]
-            ).float()  # [Hq, L, S]
+            bias = (
+                alibi_slopes.float().to(q.device)[:, None, None]
+                * (kv_pos[None, None, :] - q_pos[None, :, None]).float()
+            )  # [Hq, L, S]
             mask = bias.masked_fill(~allowed, float("-inf"))
         out = F.scaled_dot_product_attention(
             qf[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=hq != h
@@ -142,9 +143,11 @@ def attend_one_request(
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     if alibi_slopes is not None:
-        logits = logits + alibi_slopes.float().to(q.device)[:, None, None] * (
-            kv_pos[None, None, :] - q_pos[None, :, None]
-        ).float()
+        logits = (
+            logits
+            + alibi_slopes.float().to(q.device)[:, None, None]
+            * (kv_pos[None, None, :] - q_pos[None, :, None]).float()
+        )
     logits = logits.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         # The sink is one more logit per head that takes probability mass but has no value.

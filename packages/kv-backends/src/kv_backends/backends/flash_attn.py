@@ -241,7 +241,9 @@ class FlashAttnImpl(AttentionImpl):
                 )
             version = choice.version
         elif version not in FA_VERSIONS:
-            raise ValueError(f"FlashAttention version={version!r} must be one of {list(FA_VERSIONS)}")
+            raise ValueError(
+                f"FlashAttention version={version!r} must be one of {list(FA_VERSIONS)}"
+            )
         self.version = version
         self._fn: Any = None  # the version's entry point, imported on first use
 
@@ -306,7 +308,9 @@ class FlashAttnImpl(AttentionImpl):
                 softmax_scale=self.scale,
                 causal=self.causal,
                 window_size=(None, None) if self.sliding_window is None else window,
-                learnable_sink=None if self.sinks is None else self.sinks.to(q.device, torch.bfloat16),
+                learnable_sink=None
+                if self.sinks is None
+                else self.sinks.to(q.device, torch.bfloat16),
                 softcap=self.softcap,
             )
         elif self.version == 3:

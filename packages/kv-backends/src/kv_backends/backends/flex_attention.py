@@ -153,9 +153,7 @@ class _CacheGeometry:
         return min(self.window_tokens, self.total_tokens - w * self.window_tokens)
 
 
-def _geometry(
-    kv_cache: torch.Tensor, kv_block_size: int, max_view_elements: int
-) -> _CacheGeometry:
+def _geometry(kv_cache: torch.Tensor, kv_block_size: int, max_view_elements: int) -> _CacheGeometry:
     b, h, n, c = kv_cache.shape
     sb, sh, sn, sc = kv_cache.stride()
     if sc != 1 or sn < h * sh or sh < c:
@@ -233,7 +231,11 @@ def build_flex_block_indices(
     first_pos, last_pos = q_pos[starts], q_pos[ends]
     if causal:
         hi = last_pos
-        lo = (first_pos - sliding_window + 1).clamp(min=0) if sliding_window else torch.zeros_like(hi)
+        lo = (
+            (first_pos - sliding_window + 1).clamp(min=0)
+            if sliding_window
+            else torch.zeros_like(hi)
+        )
     else:
         hi = sl[p_req] - 1
         lo = torch.zeros_like(hi)
@@ -537,7 +539,9 @@ class FlexAttentionImpl(AttentionImpl):
         k_scale, v_scale = self.scales(layer)
         write_kv_torch(key, value, kv_cache, slot_mapping, self.layout, k_scale, v_scale)
 
-    def _kernel_options(self, md: FlexAttentionMetadata, device: torch.device) -> dict[str, Any] | None:
+    def _kernel_options(
+        self, md: FlexAttentionMetadata, device: torch.device
+    ) -> dict[str, Any] | None:
         if self.kernel_options is not None:
             return self.kernel_options
         if device.type != "cuda":
@@ -569,7 +573,7 @@ class FlexAttentionImpl(AttentionImpl):
         k_scale, v_scale = self.scales(layer)
         if k_scale is not None or v_scale is not None:
             raise ValueError("FLEX_ATTENTION reads unquantized caches only; got k_scale/v_scale")
-        _, h, n, _ = cache.shape
+        h = cache.shape[1]
         _, sh, sn, _ = cache.stride()
         tpb = metadata.tpb
         if cache.stride(0) != tpb * sn:
@@ -641,7 +645,13 @@ class FlexAttentionImpl(AttentionImpl):
         assert n is not None
         slopes_f = None if slopes is None else slopes.float().to(q_pos.device)
 
-        def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def score_mod(
+            score: torch.Tensor,
+            b: torch.Tensor,
+            h: torch.Tensor,
+            q_idx: torch.Tensor,
+            kv_idx: torch.Tensor,
+        ) -> torch.Tensor:
             if softcap:
                 score = softcap * torch.tanh(score / softcap)
             if slopes_f is not None:
