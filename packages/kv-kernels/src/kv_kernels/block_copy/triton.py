@@ -1,0 +1,235 @@
+"""Triton block copies: one launch moves every (row, layer slot, chunk) of a gather, scatter or
+copy-on-write, between any two places a GPU kernel can address (device memory, or pinned host
+memory through unified virtual addressing).
+
+Performance notes. A program copies one span (up to 16 KiB) of one chunk of one page: it loads the
+whole span first (8 x 16-byte vectors per thread at 4 warps) and then stores it, so each thread
+keeps 128 bytes in flight, which is what hides PCIe latency when one side is pinned host memory and
+HBM latency otherwise. Bytes move as uint8 with ``tl.multiple_of`` hints: the host proves every base
+address, stride and size a multiple of ``ALIGN`` (16 when the layout allows it), which lets Triton
+emit 16-byte vector accesses for any dtype. Offsets are int64 (program ids and block ids are widened
+before they meet a stride).
+
+Per-layer storages (L-outer orders) are separate allocations: their bases reach the kernel as a
+small int64 table of byte offsets from layer 0's base (built per call from ``data_ptr``; no device
+synchronization, but not capturable in a CUDA graph). A cross-layer slab needs no table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from kv_kernels.block_copy.api import PageGeometry
+
+__all__ = ["copy_blocks_triton", "gather_blocks_triton", "scatter_blocks_triton"]
+
+_MAX_SPAN = 16384  # bytes per program
+
+
+@triton.jit
+def _copy_pages_kernel(
+    src_ptr,  # uint8 base of the source
+    dst_ptr,  # uint8 base of the destination
+    src_layer_ptr,  # int64 [L] byte offset of each layer slot from src_ptr (SRC_TABLE)
+    dst_layer_ptr,  # int64 [L] (DST_TABLE)
+    src_ids_ptr,  # int64 [n] source block ids (SRC_IDS); else row i is row i
+    dst_ids_ptr,  # int64 [n] destination block ids (DST_IDS)
+    src_layer_stride,  # bytes between layer slots (when no table)
+    dst_layer_stride,
+    src_row_stride,  # bytes between blocks (cache side) or rows (buffer side)
+    dst_row_stride,
+    src_chunk_stride,  # bytes between the chunks of one page
+    dst_chunk_stride,
+    src_rows,  # bound of source ids: ids outside [0, src_rows) are not copied
+    dst_rows,
+    num_chunks,
+    chunk_bytes,
+    SRC_TABLE: tl.constexpr,
+    DST_TABLE: tl.constexpr,
+    SRC_IDS: tl.constexpr,
+    DST_IDS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    SPAN: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    layer_chunk = tl.program_id(1)
+    part = tl.program_id(2).to(tl.int64)
+    layer = (layer_chunk // num_chunks).to(tl.int64)
+    chunk = (layer_chunk % num_chunks).to(tl.int64)
+
+    if SRC_IDS:
+        src_row = tl.load(src_ids_ptr + i).to(tl.int64)
+    else:
+        src_row = i
+    if DST_IDS:
+        dst_row = tl.load(dst_ids_ptr + i).to(tl.int64)
+    else:
+        dst_row = i
+    if SRC_TABLE:
+        src_layer = tl.load(src_layer_ptr + layer)
+    else:
+        src_layer = layer * src_layer_stride
+    if DST_TABLE:
+        dst_layer = tl.load(dst_layer_ptr + layer)
+    else:
+        dst_layer = layer * dst_layer_stride
+    ok = (src_row >= 0) & (src_row < src_rows) & (dst_row >= 0) & (dst_row < dst_rows)
+
+    start = part * SPAN
+    src_off = src_layer + src_row * src_row_stride + chunk * src_chunk_stride + start
+    dst_off = dst_layer + dst_row * dst_row_stride + chunk * dst_chunk_stride + start
+    src_off = tl.multiple_of(src_off, ALIGN)
+    dst_off = tl.multiple_of(dst_off, ALIGN)
+    offs = tl.arange(0, SPAN)
+    # tl.where, not `ok & ...`: the interpreter mistypes a scalar-bool & vector-bool
+    mask = tl.where(ok, offs < chunk_bytes - start, False)
+    data = tl.load(src_ptr + src_off + offs, mask=mask)
+    tl.store(dst_ptr + dst_off + offs, data, mask=mask)
+
+
+class _Side:
+    """One side of a copy: a uint8 base tensor and how (row, layer, chunk) address it."""
+
+    def __init__(
+        self,
+        base: torch.Tensor,
+        layer_table: torch.Tensor | None,
+        layer_stride: int,
+        ids: torch.Tensor | None,
+        row_stride: int,
+        chunk_stride: int,
+        rows: int,
+        addresses: list[int],
+    ) -> None:
+        self.base = base
+        self.layer_table = layer_table
+        self.layer_stride = layer_stride
+        self.ids = ids
+        self.row_stride = row_stride
+        self.chunk_stride = chunk_stride
+        self.rows = rows
+        self.addresses = addresses  # every base address the side touches, for the alignment proof
+
+
+def _cache_side(geo: PageGeometry, ids: torch.Tensor) -> _Side:
+    base = geo.layer_bytes[0]
+    device = base.device
+    ids = ids.to(device=device, dtype=torch.int64, non_blocking=True)
+    addresses = [t.data_ptr() for t in geo.layer_bytes]
+    if geo.layer_stride is not None:
+        return _Side(
+            base,
+            None,
+            geo.layer_stride,
+            ids,
+            geo.block_stride,
+            geo.chunk_stride,
+            geo.num_blocks,
+            addresses,
+        )
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            "block copies over a per-layer cache (L-outer order) build a layer-address table per "
+            "call and cannot be captured in a CUDA graph; run them outside capture or use a "
+            "cross-layer (B-outer) layout"
+        )
+    offsets = [a - addresses[0] for a in addresses]
+    # From pageable host memory: staged by the driver, no device synchronization.
+    table = torch.tensor(offsets, dtype=torch.int64, device=device)
+    return _Side(base, table, 0, ids, geo.block_stride, geo.chunk_stride, geo.num_blocks, addresses)
+
+
+def _buffer_side(buffer: torch.Tensor, geo: PageGeometry) -> _Side:
+    return _Side(
+        buffer,
+        None,
+        geo.page_bytes,
+        None,
+        buffer.stride(0),
+        geo.chunk_bytes,
+        buffer.shape[0],
+        [buffer.data_ptr()],
+    )
+
+
+def _launch(src: _Side, dst: _Side, geo: PageGeometry, num_rows: int) -> None:
+    if num_rows == 0:
+        return
+    align = 16
+    for v in (
+        *src.addresses,
+        *dst.addresses,
+        src.layer_stride,
+        dst.layer_stride,
+        src.row_stride,
+        dst.row_stride,
+        src.chunk_stride,
+        dst.chunk_stride,
+        geo.chunk_bytes,
+    ):
+        align = math.gcd(align, v)
+    span = min(_MAX_SPAN, triton.next_power_of_2(geo.chunk_bytes))
+    span = max(span, 16)
+    num_warps = max(1, min(4, span // 4096))
+    grid = (num_rows, geo.num_layers * geo.num_chunks, triton.cdiv(geo.chunk_bytes, span))
+    dummy = src.ids if src.ids is not None else dst.ids
+    assert dummy is not None
+    _copy_pages_kernel[grid](
+        src.base,
+        dst.base,
+        src.layer_table if src.layer_table is not None else dummy,
+        dst.layer_table if dst.layer_table is not None else dummy,
+        src.ids if src.ids is not None else dummy,
+        dst.ids if dst.ids is not None else dummy,
+        src.layer_stride,
+        dst.layer_stride,
+        src.row_stride,
+        dst.row_stride,
+        src.chunk_stride,
+        dst.chunk_stride,
+        src.rows,
+        dst.rows,
+        geo.num_chunks,
+        geo.chunk_bytes,
+        SRC_TABLE=src.layer_table is not None,
+        DST_TABLE=dst.layer_table is not None,
+        SRC_IDS=src.ids is not None,
+        DST_IDS=dst.ids is not None,
+        ALIGN=align,
+        SPAN=span,
+        num_warps=num_warps,
+    )
+
+
+def gather_blocks_triton(geo: PageGeometry, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """Cache pages of ``block_ids`` -> ``out`` rows (one launch)."""
+    _launch(_cache_side(geo, block_ids), _buffer_side(out, geo), geo, block_ids.numel())
+
+
+def scatter_blocks_triton(buffer: torch.Tensor, geo: PageGeometry, block_ids: torch.Tensor) -> None:
+    """``buffer`` rows -> cache pages of ``block_ids`` (one launch)."""
+    _launch(_buffer_side(buffer, geo), _cache_side(geo, block_ids), geo, block_ids.numel())
+
+
+def copy_blocks_triton(
+    geo: PageGeometry, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor
+) -> None:
+    """Cache pages of ``src_block_ids`` -> cache pages of ``dst_block_ids`` (one launch)."""
+    src = _cache_side(geo, src_block_ids)
+    dst = _Side(
+        src.base,
+        src.layer_table,
+        src.layer_stride,
+        dst_block_ids.to(device=src.base.device, dtype=torch.int64, non_blocking=True),
+        src.row_stride,
+        src.chunk_stride,
+        src.rows,
+        src.addresses,
+    )
+    _launch(src, dst, geo, src_block_ids.numel())

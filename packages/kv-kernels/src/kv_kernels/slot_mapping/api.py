@@ -1,0 +1,202 @@
+"""Slot mapping: where each new token's K/V goes (``compute_slot_mapping``), and the manager ->
+kernel block-table expansion (``expand_block_table``).
+
+Both validate their inputs and dispatch on an explicit ``impl``: ``"reference"`` (torch),
+``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (triton for CUDA tensors,
+reference for CPU ones). Value checks (positions in range, ``query_start_loc`` monotone) run on CPU
+tensors only: on CUDA they would synchronize every step, so the kernel instead writes ``-1`` for a
+token whose block-table column is out of range.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Registers the custom ops at import; the public functions route through them under torch.compile.
+from kv_kernels import _ops
+
+__all__ = ["compute_slot_mapping", "expand_block_table"]
+
+IMPLS = ("auto", "reference", "triton")
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    if impl == "triton" and device.type != "cuda" and not interpreting:
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors (got {device}); use impl='reference' on the CPU, "
+            "or set TRITON_INTERPRET=1 before importing kv_kernels"
+        )
+    return impl
+
+
+def _check_block_sizes(block_size: int, kernel_block_size: int) -> int:
+    for name, v in (("block_size", block_size), ("kernel_block_size", kernel_block_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if block_size % kernel_block_size:
+        raise ValueError(
+            f"kernel_block_size={kernel_block_size} must divide block_size={block_size} "
+            "(a manager block is k whole kernel blocks); pick a kernel block size that divides it"
+        )
+    return block_size // kernel_block_size
+
+
+def _check_index(name: str, t: object, dims: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} dtype {t.dtype} must be int32 or int64")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dim (stride {t.stride()}); pass {name}.contiguous()"
+        )
+    return t
+
+
+def expand_block_table(
+    block_table: torch.Tensor,
+    block_size: int,
+    kernel_block_size: int,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Manager block table ``[R, M]`` -> kernel block table ``[R, M * k]`` (``k = block_size //
+    kernel_block_size``): entry ``b`` becomes ``b * k + i`` for ``i < k``; negative entries
+    (padding) become ``k`` entries of ``-1``. Same dtype as the input (int32 overflow is checked
+    on CPU tensors)."""
+    if torch.compiler.is_compiling():
+        return _ops.expand_block_table_op(block_table, block_size, kernel_block_size, impl=impl)
+    k = _check_block_sizes(block_size, kernel_block_size)
+    _check_index("block_table", block_table, 2)
+    if (
+        block_table.device.type == "cpu"
+        and block_table.dtype == torch.int32
+        and block_table.numel()
+    ):
+        top = int(block_table.max())
+        if top * k + k - 1 >= 2**31:
+            raise ValueError(
+                f"expanding block id {top} by k={k} overflows int32; pass block_table.long()"
+            )
+    chosen = _resolve_impl(impl, block_table.device)
+    if chosen == "reference":
+        from kv_kernels.slot_mapping.reference import expand_block_table_reference
+
+        return expand_block_table_reference(block_table, block_size, kernel_block_size)
+    from kv_kernels.slot_mapping.triton import expand_block_table_triton
+
+    return expand_block_table_triton(block_table, block_size, kernel_block_size)
+
+
+def compute_slot_mapping(
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    kernel_block_size: int,
+    *,
+    num_slots: int | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """int64 slots ``[num_slots or T]`` of the ``T = positions.numel()`` new tokens.
+
+    Args:
+        block_table: ``[R, M]`` manager block ids (int32/int64), one row per request.
+        positions: ``[T]`` each token's position within its request.
+        query_start_loc: ``[R + 1]``; request ``r`` owns tokens ``[qsl[r], qsl[r + 1])``.
+        block_size: the manager block size; ``kernel_block_size`` must divide it.
+        num_slots: length of the result (``>= T``; fixed for CUDA graphs); entries past the
+            requests' tokens are ``-1``.
+
+    ``slot = kernel_block * kernel_block_size + pos % kernel_block_size`` with kernel block
+    ``table[r, pos // block_size] * k + (pos // kernel_block_size) % k``; a ``-1`` table entry gives
+    slot ``-1``.
+    """
+    if torch.compiler.is_compiling():
+        return _ops.compute_slot_mapping_op(
+            block_table,
+            positions,
+            query_start_loc,
+            block_size,
+            kernel_block_size,
+            num_slots=num_slots,
+            impl=impl,
+        )
+    _check_block_sizes(block_size, kernel_block_size)
+    _check_index("block_table", block_table, 2)
+    _check_index("positions", positions, 1)
+    _check_index("query_start_loc", query_start_loc, 1)
+    device = positions.device
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but positions is on {device}")
+    num_tokens = positions.numel()
+    num_reqs = query_start_loc.numel() - 1
+    if num_reqs < 0:
+        raise ValueError("query_start_loc must have R + 1 >= 1 entries")
+    if num_reqs != block_table.shape[0]:
+        raise ValueError(
+            f"query_start_loc has {num_reqs} requests but block_table has {block_table.shape[0]} rows; "
+            f"pass block_table[:{num_reqs}]"
+        )
+    if num_slots is None:
+        num_slots = num_tokens
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < num_tokens:
+        raise ValueError(f"num_slots={num_slots!r} must be an int >= the {num_tokens} tokens")
+    if device.type == "cpu":
+        _check_values(block_table, positions, query_start_loc, block_size)
+    chosen = _resolve_impl(impl, device)
+    if chosen == "reference":
+        from kv_kernels.slot_mapping.reference import compute_slot_mapping_reference
+
+        return compute_slot_mapping_reference(
+            block_table, positions, query_start_loc, block_size, kernel_block_size, num_slots
+        )
+    from kv_kernels.slot_mapping.triton import compute_slot_mapping_triton
+
+    return compute_slot_mapping_triton(
+        block_table, positions, query_start_loc, block_size, kernel_block_size, num_slots
+    )
+
+
+def _check_values(
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+) -> None:
+    qsl = query_start_loc.to(torch.int64)
+    num_tokens = positions.numel()
+    if int(qsl[0]) != 0:
+        raise ValueError(f"query_start_loc[0]={int(qsl[0])} must be 0")
+    steps = qsl[1:] - qsl[:-1]
+    if steps.numel() and int(steps.min()) < 0:
+        raise ValueError(f"query_start_loc must be non-decreasing, got {qsl.tolist()[:16]}")
+    end = int(qsl[-1])
+    if end > num_tokens:
+        raise ValueError(f"query_start_loc[-1]={end} exceeds the {num_tokens} positions")
+    if end == 0:
+        return
+    pos = positions[:end].to(torch.int64)
+    if int(pos.min()) < 0:
+        raise ValueError(f"positions of request tokens must be >= 0, got {int(pos.min())}")
+    max_cols = block_table.shape[1]
+    req = torch.repeat_interleave(torch.arange(steps.numel()), steps)  # [end] request of each token
+    col = pos // block_size
+    over = col >= max_cols
+    if bool(over.any()):
+        t = int(over.nonzero()[0])
+        raise ValueError(
+            f"token {t} of request {int(req[t])} is at position {int(pos[t])}, which needs block-table "
+            f"column {int(col[t])} but block_table has {max_cols} columns (block_size={block_size})"
+        )

@@ -1,0 +1,109 @@
+"""Shared fixtures for kv-kernels tests.
+
+- ``@pytest.mark.gpu`` tests are skipped when no CUDA device is present.
+- Triton kernels: without a GPU, this conftest turns on the Triton interpreter (``TRITON_INTERPRET=1``)
+  before any test module imports a kernel (``triton.jit`` decides at decoration time), so the same
+  parity tests run interpreted on the CPU and compiled on a GPU. Tests that run a Triton kernel ask
+  for the ``triton_device`` fixture: ``"cuda"`` on a GPU machine, ``"cpu"`` under the interpreter.
+- ``aot_compile_checks`` compiles kernels for sm_90 / sm_80 in a subprocess without the interpreter
+  (an interpreted kernel object cannot be compiled), returning per-case results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+HAS_NUMPY = importlib.util.find_spec("numpy") is not None  # the Triton interpreter needs numpy
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def triton_device() -> str:
+    """Where Triton kernels run in this session: ``"cuda"``, or ``"cpu"`` under the interpreter."""
+    if HAS_CUDA:
+        return "cuda"
+    if not INTERPRETING:
+        pytest.skip("no GPU and TRITON_INTERPRET is off: Triton kernels cannot run here")
+    if not HAS_NUMPY:
+        pytest.skip(
+            "the Triton interpreter needs numpy, which is not installed in this environment"
+        )
+    return "cpu"
+
+
+_AOT_SCRIPT = textwrap.dedent(
+    """
+    import importlib, json, sys, traceback
+    from kv_kernels.aot import aot_compile
+
+    class _Wrapped:  # aot_compile unwraps `.fn` once: hand it the JITFunction one level down
+        def __init__(self, fn):
+            self.fn = fn
+
+    results = {}
+    for case in json.load(sys.stdin):
+        kernel = getattr(importlib.import_module(case["module"]), case["kernel"])
+        try:
+            compiled = aot_compile(
+                _Wrapped(kernel), case["signature"], case["constexprs"],
+                arch=case["arch"], num_warps=case.get("num_warps", 4),
+            )
+            results[case["id"]] = {"ok": True, "ptx_bytes": len(compiled.asm["ptx"]),
+                                   "cubin_bytes": len(compiled.asm["cubin"])}
+        except Exception:
+            results[case["id"]] = {"ok": False, "error": traceback.format_exc()[-4000:]}
+    print("AOT-RESULTS" + json.dumps(results))
+    """
+)
+
+
+@pytest.fixture(scope="session")
+def aot_compile_checks() -> Callable[[list[dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """Compile cases for real GPU targets in one subprocess with the interpreter off.
+
+    Each case: ``{"id", "module", "kernel", "signature", "constexprs", "arch", "num_warps"?}``;
+    returns ``{id: {"ok": bool, "error"?: str, "ptx_bytes"?, "cubin_bytes"?}}``.
+    """
+
+    def run(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        proc = subprocess.run(
+            [sys.executable, "-c", _AOT_SCRIPT],
+            input=json.dumps(cases),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            check=False,
+        )
+        marker = "AOT-RESULTS"
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(marker)), None)
+        if line is None:
+            raise AssertionError(
+                f"AOT subprocess failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}"
+            )
+        return json.loads(line[len(marker) :])
+
+    return run

@@ -1,0 +1,272 @@
+"""gather_blocks / scatter_blocks / copy_blocks: reference vs a logical oracle built from layer views,
+Triton vs reference, round trips, validation and addressing past 2**31 bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kv_kernels import allocate_kv_cache, layer_view
+from kv_kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
+from kv_spec import KVCacheLayout, LayoutOrder
+
+ORDERS = [o.value for o in LayoutOrder]
+
+
+def make_layout(order: str, *, dtype: str = "float16", pad: int = 0, **kw) -> KVCacheLayout:
+    fields = dict(
+        order=order,
+        num_layers=3,
+        num_blocks=9,
+        num_kv_heads=2,
+        block_size=4,
+        head_size=6,
+        head_size_v=5,
+        dtype=dtype,
+    )
+    fields.update(kw)
+    layout = KVCacheLayout(**fields)
+    if pad:
+        d = layout.to_dict()
+        d["page_size_bytes"] = layout.page_bytes + pad
+        layout = KVCacheLayout.from_dict(d)
+    return layout
+
+
+def storage_bytes(storage) -> list[torch.Tensor]:
+    """Flat uint8 views of every allocation of ``storage`` (padding included)."""
+    tensors = [storage] if isinstance(storage, torch.Tensor) else list(storage)
+    out = []
+    for t in tensors:
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+        raw.set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes(),), (1,))
+        out.append(raw)
+    return out
+
+
+def random_cache(layout: KVCacheLayout, device: str = "cpu", seed: int = 0):
+    storage = allocate_kv_cache(layout, device)
+    g = torch.Generator().manual_seed(seed)
+    for raw in storage_bytes(storage):
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g).to(raw.device))
+    return storage
+
+
+def page_oracle(storage, layout: KVCacheLayout, layer: int, block: int) -> torch.Tensor:
+    """The bytes of page (layer, block) in the layout's physical order, from the logical view.
+
+    Padding is not part of the logical view, so this covers the real page bytes; the tests
+    compare the first ``real_page_size_bytes`` of each page and check padding separately.
+    """
+    view = layer_view(storage, layout, layer)[block]  # [H, N, C]
+    inner = [d for d in layout.order.value if d not in "LB"]  # physical order of H, N, C
+    perm = ["HNC".index(d) for d in inner]
+    return view.permute(perm).contiguous().view(torch.uint8).reshape(-1).cpu()
+
+
+def test_gather_reference_matches_logical_oracle_every_order() -> None:
+    for order in ORDERS:
+        pad = 24 if LayoutOrder(order).page_contiguous else 0
+        layout = make_layout(order, pad=pad)
+        storage = random_cache(layout, seed=1)
+        ids = [7, 0, 3, 3, 8]  # shuffled, with a repeat (allowed for a gather)
+        out = torch.zeros(len(ids), layout.num_layers * layout.page_bytes, dtype=torch.uint8)
+        gather_blocks(storage, layout, ids, out, impl="reference")
+        real = layout.real_page_size_bytes
+        for i, b in enumerate(ids):
+            for layer in range(layout.num_layers):
+                page = out[i, layer * layout.page_bytes : (layer + 1) * layout.page_bytes]
+                assert torch.equal(page[:real], page_oracle(storage, layout, layer, b)), (
+                    order,
+                    i,
+                    layer,
+                )
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_triton_matches_reference(order: str, dtype: str, triton_device: str) -> None:
+    pad = 32 if LayoutOrder(order).page_contiguous else 0
+    kw = {"kv_quant": "int8_per_token_head"} if dtype == "int8" else {}
+    layout = make_layout(order, dtype=dtype, pad=pad, **kw)
+    ids = torch.tensor([5, 0, 8, 2])
+    dst = torch.tensor([1, 6, 4, 7])
+    results = []
+    for impl, device in (("reference", "cpu"), ("triton", triton_device)):
+        storage = random_cache(layout, device, seed=2)
+        out = torch.zeros(
+            4, layout.num_layers * layout.page_bytes, dtype=torch.uint8, device=device
+        )
+        gather_blocks(storage, layout, ids, out, impl=impl)
+        buf = torch.randint(
+            0, 256, out.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+        )
+        scatter_blocks(buf.to(device), storage, layout, dst, impl=impl)
+        copy_blocks(storage, layout, [4, 1], [3, 0], impl=impl)
+        results.append((out.cpu(), [r.cpu().clone() for r in storage_bytes(storage)]))
+    (out_ref, raw_ref), (out_tri, raw_tri) = results
+    assert torch.equal(out_ref, out_tri)
+    for a, b in zip(raw_ref, raw_tri, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_round_trip_moves_exactly_the_blocks(order: str, triton_device: str) -> None:
+    """gather from one cache, scatter into another at other ids: those pages (padding included)
+    match and every other byte of the destination is untouched."""
+    pad = 8 if LayoutOrder(order).page_contiguous else 0
+    layout = make_layout(order, pad=pad)
+    src = random_cache(layout, triton_device, seed=4)
+    dst = random_cache(layout, triton_device, seed=5)
+    pristine = random_cache(layout, triton_device, seed=5)  # what dst holds before the scatter
+    src_ids, dst_ids = [2, 8, 5], [0, 7, 3]
+    buf = torch.empty(
+        3, layout.num_layers * layout.page_bytes, dtype=torch.uint8, device=triton_device
+    )
+    gather_blocks(src, layout, src_ids, buf, impl="triton")
+    scatter_blocks(buf, dst, layout, dst_ids, impl="triton")
+    for layer in range(layout.num_layers):
+        a = layer_view(src, layout, layer)[src_ids]
+        b = layer_view(dst, layout, layer)[dst_ids]
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        others = [i for i in range(layout.num_blocks) if i not in dst_ids]
+        now = layer_view(dst, layout, layer)[others]
+        assert torch.equal(
+            now.view(torch.int16), layer_view(pristine, layout, layer)[others].view(torch.int16)
+        )
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    order=st.sampled_from(ORDERS),
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    block_size=st.integers(1, 5),
+    head_size=st.integers(1, 7),
+    dtype=st.sampled_from(["float32", "float16", "int8"]),
+    n=st.integers(0, 4),
+    seed=st.integers(0, 1000),
+)
+def test_reference_gather_scatter_property(
+    order: str,
+    layers: int,
+    heads: int,
+    block_size: int,
+    head_size: int,
+    dtype: str,
+    n: int,
+    seed: int,
+) -> None:
+    kw = {"kv_quant": "int8_per_token_head"} if dtype == "int8" else {}
+    layout = make_layout(
+        order, dtype=dtype, num_layers=layers, num_kv_heads=heads, block_size=block_size,
+        head_size=head_size, head_size_v=head_size + 1, num_blocks=6, **kw,
+    )  # fmt: skip
+    storage = random_cache(layout, seed=seed)
+    ids = torch.randperm(6, generator=torch.Generator().manual_seed(seed))[:n]
+    out = torch.empty(n, layers * layout.page_bytes, dtype=torch.uint8)
+    gather_blocks(storage, layout, ids, out, impl="reference")
+    for i, b in enumerate(ids.tolist()):
+        for layer in range(layers):
+            page = out[i, layer * layout.page_bytes : (layer + 1) * layout.page_bytes]
+            assert torch.equal(page, page_oracle(storage, layout, layer, b))
+    fresh = allocate_kv_cache(layout)
+    scatter_blocks(out, fresh, layout, ids, impl="reference")
+    for layer in range(layers):
+        got = layer_view(fresh, layout, layer)[ids].contiguous().view(torch.uint8)
+        want = layer_view(storage, layout, layer)[ids].contiguous().view(torch.uint8)
+        assert torch.equal(got, want)
+
+
+def test_buffer_rows_may_be_strided(triton_device: str) -> None:
+    layout = make_layout("BLNHC")
+    storage = random_cache(layout, triton_device, seed=6)
+    row = layout.num_layers * layout.page_bytes
+    big = torch.zeros(3, row + 64, dtype=torch.uint8, device=triton_device)
+    out = big[:, :row]  # rows of a larger pool
+    gather_blocks(storage, layout, [4, 1, 2], out, impl="triton")
+    expect = torch.zeros(3, row, dtype=torch.uint8, device=triton_device)
+    gather_blocks(storage, layout, [4, 1, 2], expect, impl="reference")
+    assert torch.equal(out, expect)
+    assert int(big[:, row:].count_nonzero()) == 0
+
+
+# ---- validation ------------------------------------------------------------------------------------
+
+
+def test_validation_errors() -> None:
+    layout = make_layout("LBNHC")
+    storage = allocate_kv_cache(layout)
+    row = layout.num_layers * layout.page_bytes
+    out = torch.empty(2, row, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"block id 9, outside \[0, num_blocks=9\)"):
+        gather_blocks(storage, layout, [0, 9], out)
+    with pytest.raises(ValueError, match="block id -1"):
+        gather_blocks(storage, layout, [-1, 2], out)
+    with pytest.raises(ValueError, match=r"expected uint8 \[2, "):
+        gather_blocks(storage, layout, [0, 1], torch.empty(2, row, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"expected uint8 \[3, "):
+        gather_blocks(storage, layout, [0, 1, 2], out)
+    with pytest.raises(ValueError, match="duplicate"):
+        scatter_blocks(out, storage, layout, [3, 3])
+    with pytest.raises(ValueError, match="duplicate"):
+        copy_blocks(storage, layout, [1, 2], [4, 4])
+    with pytest.raises(ValueError, match="both sources and destinations"):
+        copy_blocks(storage, layout, [1, 2], [2, 5])
+    with pytest.raises(ValueError, match="pair them"):
+        copy_blocks(storage, layout, [1, 2], [5])
+    with pytest.raises(ValueError, match="list of 3 per-layer tensors"):
+        gather_blocks(storage[0], layout, [0, 1], out)
+    with pytest.raises(ValueError, match="3 layer slots"):
+        gather_blocks(storage[:2], layout, [0, 1], out)
+    transposed = torch.empty(layout.layer_shape[::-1], dtype=torch.float16).permute(3, 2, 1, 0)
+    with pytest.raises(ValueError, match="not a layer view"):
+        gather_blocks([transposed] * 3, layout, [0, 1], out)
+    slab_layout = make_layout("BLHNC")
+    with pytest.raises(ValueError, match="cross-layer"):
+        gather_blocks(storage, slab_layout, [0, 1], out)
+    with pytest.raises(ValueError, match="is not one of"):
+        gather_blocks(storage, layout, [0, 1], out, impl="fast")
+
+
+def test_triton_refuses_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = make_layout("LBNHC")
+    storage = allocate_kv_cache(layout)
+    out = torch.empty(1, layout.num_layers * layout.page_bytes, dtype=torch.uint8)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs the cache on CUDA"):
+        gather_blocks(storage, layout, [0], out, impl="triton")
+
+
+# ---- 64-bit addressing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "BLNHC"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_offsets_past_2_31_bytes(order: str, impl: str, request: pytest.FixtureRequest) -> None:
+    """Blocks whose byte offsets pass 2**31 (a lazily backed ``torch.empty`` allocation)."""
+    device = request.getfixturevalue("triton_device") if impl == "triton" else "cpu"
+    if device != "cpu":
+        pytest.skip("the real >2**31 allocation runs in the gpu test")
+    page = 16 * 2 * 64  # bytes: N x H x C x 1
+    num_blocks = 2**31 // page + 4
+    layers = 1 if order == "LBNHC" else 2
+    layout = KVCacheLayout(
+        order=order, num_layers=layers, num_blocks=num_blocks, num_kv_heads=2, block_size=16,
+        head_size=32, head_size_v=24, dtype="int8", kv_quant="int8_per_token_head",
+    )  # fmt: skip
+    assert layout.num_blocks * layout.block_stride_bytes > 2**31
+    storage = allocate_kv_cache(layout, zero=False)
+    last = [num_blocks - 1, num_blocks - 3]
+    src = torch.randint(-128, 127, (2, layers * layout.page_bytes), dtype=torch.int8).view(
+        torch.uint8
+    )
+    scatter_blocks(src, storage, layout, last, impl=impl)
+    back = torch.zeros_like(src)
+    gather_blocks(storage, layout, last, back, impl=impl)
+    assert torch.equal(back, src)
+    copy_blocks(storage, layout, [last[0]], [5], impl=impl)
+    one = torch.zeros(1, src.shape[1], dtype=torch.uint8)
+    gather_blocks(storage, layout, [5], one, impl="reference")
+    assert torch.equal(one[0], src[0])
