@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 __all__ = [
+    "AotSpec",
     "AttentionConfig",
     "aot_specs",
     "merge_attn_states_triton",
@@ -134,17 +135,17 @@ def _attend_tiles(
             else:
                 blk = tl.load(bt_row_ptr + (kpos // BLOCK_SIZE) * stride_btb)
             tok_off = blk.to(tl.int64) * stride_kb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_kn
-        k_ptrs = kv_head_ptr + tok_off[None, :] + k_cols[:, None]  # [D_PAD, TILE_N]
+        k_ptrs = kv_head_ptr + tok_off[:, None] + k_cols[None, :]  # [TILE_N, D_PAD]
         v_ptrs = kv_head_ptr + tok_off[:, None] + v_cols[None, :]  # [TILE_N, DV_PAD]
         if MASKED:
             in_seq = kpos < seq_len
-            k = tl.load(k_ptrs, mask=in_seq[None, :] & d_ok[:, None], other=0.0)
+            k = tl.load(k_ptrs, mask=in_seq[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=in_seq[:, None] & dv_ok[None, :], other=0.0)
         else:
             if D_PAD == HEAD_SIZE:
                 k = tl.load(k_ptrs)
             else:
-                k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
             if DV_PAD == HEAD_SIZE_V:
                 v = tl.load(v_ptrs)
             else:
@@ -154,9 +155,9 @@ def _attend_tiles(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         if DOT_IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, k)  # [M, TILE_N] f32
+            s = tl.dot(q, tl.trans(k))  # [M, TILE_N] f32
         s = s * qk_scale
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -940,6 +941,19 @@ def merge_attn_states_triton(
 # ahead-of-time compile specs (CI compiles every kernel for sm_90 / sm_80 with no GPU)
 # ----------------------------------------------------------------------------------------------
 
+
+class AotSpec(NamedTuple):
+    """One kernel variant to compile ahead of time."""
+
+    name: str
+    kernel: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    aligned: tuple[str, ...]
+
+
 _TRITON_TYPES = {
     torch.float32: "fp32",
     torch.float16: "fp16",
@@ -959,10 +973,10 @@ def aot_specs(
     num_kv_heads: int,
     block_size: int,
     arch: int,
-) -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
-    """``(name, kernel, signature, constexprs, num_warps, num_stages)`` for every kernel variant the
-    launcher would run on such a cache, with the launcher's own configs (so CI compiles what runs).
-    Strides of the cache are ``i64`` (the large-cache case), everything else as launched."""
+) -> list[AotSpec]:
+    """Every kernel variant the launcher would run on such a cache, with the launcher's own
+    configs (so CI compiles what runs). Strides of the cache are ``i64`` (the large-cache case);
+    ``aligned`` names the arguments Triton would see as multiples of 16 at launch."""
     qt, ct = _TRITON_TYPES[q_dtype], _TRITON_TYPES[cache_dtype]
     group = num_q_heads // num_kv_heads
     elem = torch.empty((), dtype=cache_dtype).element_size()
@@ -1010,7 +1024,19 @@ def aot_specs(
         "q_len_min": i32,
         "q_len_max": i32,
     }
-    specs = []
+    # Arguments Triton sees as multiples of 16 at launch (aligned pointers, page strides).
+    aligned = tuple(n for n, t in sig.items() if t.startswith("*")) + (
+        "stride_qt",
+        "stride_qh",
+        "stride_kb",
+        "stride_kh",
+        "stride_kn",
+        "stride_bts",
+        "stride_ot",
+        "stride_oh",
+        "v_start",
+    )
+    specs: list[AotSpec] = []
     for kind in ("decode", "prefill"):
         cfg = select_config(
             kind,
@@ -1046,15 +1072,19 @@ def aot_specs(
                 WRITE_LSE=True,
                 DOT_IEEE=q_dtype == torch.float32,
             )
+            # Unit strides are specialized to constants at launch (Triton does so for ints == 1);
+            # the AOT build does the same so it compiles the vectorized code that runs.
+            consts.update(stride_qd=1, stride_kc=1, stride_btb=1, stride_od=1)
             full_sig = {**sig, **dict.fromkeys(consts, "constexpr")}
             specs.append(
-                (
+                AotSpec(
                     f"attn_{kind}{'_split' if split else ''}",
                     _paged_attention_kernel,
                     full_sig,
                     consts,
                     cfg.num_warps,
                     cfg.num_stages,
+                    aligned,
                 )
             )
     dv_pad = _pow2(head_size_v)
@@ -1078,13 +1108,14 @@ def aot_specs(
         HEAD_SIZE_V=head_size_v, DV_PAD=dv_pad, S_PAD=16, USE_SINKS=True, WRITE_LSE=True
     )
     specs.append(
-        (
+        AotSpec(
             "merge_splits",
             _merge_splits_kernel,
             {**merge_sig, **dict.fromkeys(merge_consts, "constexpr")},
             merge_consts,
             4,
             1,
+            tuple(n for n, t in merge_sig.items() if t.startswith("*")),
         )
     )
     two_sig = {
@@ -1111,13 +1142,14 @@ def aot_specs(
     }
     two_consts = dict(HEAD_SIZE_V=head_size_v, DV_PAD=dv_pad)
     specs.append(
-        (
+        AotSpec(
             "merge_two",
             _merge_two_kernel,
             {**two_sig, **dict.fromkeys(two_consts, "constexpr")},
             two_consts,
             1,
             1,
+            tuple(n for n, t in two_sig.items() if t.startswith("*")),
         )
     )
     return specs
