@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from kv_kernels import allocate_kv_cache, layer_view
@@ -11,8 +12,9 @@ from kv_spec import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec, to_torc
 
 from kv_backends.config import AttentionConfig
 from kv_backends.metadata import CommonAttentionMetadata
+from kv_backends.registry import get_backend
 
-__all__ = ["PagedBatch", "make_paged_batch"]
+__all__ = ["PagedBatch", "make_paged_batch", "oracle_attention", "run_backend"]
 
 
 @dataclass
@@ -136,3 +138,61 @@ def make_paged_batch(
         sinks=None if sinks is None else sinks.to(device),
         alibi_slopes=None if slopes is None else slopes.to(device),
     )
+
+
+def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tensor:
+    """float64 attention from ``b.key`` / ``b.value`` (the tokens as written), per request and
+    head with explicit masks: the obviously-correct answer every backend is held to."""
+    cfg = b.config
+    scale = scale if scale is not None else cfg.head_size**-0.5
+    qsl = b.common.query_start_loc_cpu.tolist()
+    seq_lens = b.common.seq_lens_cpu.tolist()
+    out = torch.zeros(b.q.shape[0], cfg.num_q_heads, cfg.head_size_v, dtype=torch.float64)
+    group = cfg.num_q_heads // cfg.num_kv_heads
+    ctx = 0
+    for r, s in enumerate(seq_lens):
+        k = b.key[ctx : ctx + s].double().cpu()  # [S, H, D]
+        v = b.value[ctx : ctx + s].double().cpu()  # [S, H, Dv]
+        ctx += s
+        for i in range(qsl[r], qsl[r + 1]):
+            pos = s - (qsl[r + 1] - qsl[r]) + (i - qsl[r])
+            for h in range(cfg.num_q_heads):
+                kv = h // group
+                logits = (k[:, kv] @ b.q[i, h].double().cpu()) * scale  # [S]
+                if cfg.softcap:
+                    logits = cfg.softcap * torch.tanh(logits / cfg.softcap)
+                kv_pos = torch.arange(s, dtype=torch.float64)
+                if b.alibi_slopes is not None:
+                    logits = logits + float(b.alibi_slopes[h]) * (kv_pos - pos)
+                ok = torch.ones(s, dtype=torch.bool)
+                if cfg.causal:
+                    ok &= kv_pos <= pos
+                    if cfg.sliding_window is not None:
+                        ok &= kv_pos > pos - cfg.sliding_window
+                logits = logits.masked_fill(~ok, float("-inf"))
+                m = logits.max()
+                if b.sinks is not None:
+                    m = torch.maximum(m, b.sinks[h].double().cpu())
+                w = torch.exp(logits - m)
+                denom = w.sum() + (
+                    torch.exp(b.sinks[h].double().cpu() - m) if b.sinks is not None else 0.0
+                )
+                out[i, h] = (w[:, None] * v[:, kv]).sum(0) / denom
+    return out
+
+
+def run_backend(
+    name: str,
+    b: PagedBatch,
+    *,
+    impl_options: dict[str, Any] | None = None,
+    builder_options: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Build metadata and an impl for ``b`` and return ``forward``'s output."""
+    backend = get_backend(name)
+    impl = backend.make_impl(
+        b.config, b.layout, sinks=b.sinks, alibi_slopes=b.alibi_slopes, **(impl_options or {})
+    )
+    builder = backend.make_builder(b.config, b.layout, device=b.q.device, **(builder_options or {}))
+    md = builder.build(b.common)
+    return impl.forward(None, b.q, b.kv_cache, md)

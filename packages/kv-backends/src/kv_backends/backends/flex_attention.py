@@ -43,7 +43,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from kv_backends.backends._torch_ops import write_kv_torch
 from kv_backends.base import (
     AttentionBackend,
     AttentionImpl,
@@ -196,7 +195,6 @@ def build_flex_block_indices(
     tpb: int,
     q_block_size: int,
     kv_block_size: int,
-    window_tokens: int,
     causal: bool,
     sliding_window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -239,21 +237,19 @@ def build_flex_block_indices(
     else:
         hi = sl[p_req] - 1
         lo = torch.zeros_like(hi)
-    lo_blk, hi_blk = lo // n, hi // n
-    counts = (hi_blk - lo_blk + 1).clamp(min=0)
-    # Expand each pair into its logical blocks.
+    # Expand each pair into logical units of u = min(n, kv_block_size) tokens: a unit lies in
+    # one kernel block and in one Flex KV block, so the trimming is exact at tile granularity.
+    u = min(n, kv_block_size)
+    lo_u, hi_u = lo // u, hi // u
+    counts = (hi_u - lo_u + 1).clamp(min=0)
     e_pair = torch.repeat_interleave(torch.arange(p_qb.numel(), device=dev), counts)
     offs = torch.arange(e_pair.numel(), device=dev) - torch.repeat_interleave(
         torch.cumsum(counts, 0) - counts, counts
     )
-    logical = lo_blk[e_pair] + offs
-    phys = block_table[p_req[e_pair], logical].long()  # kernel block ids
-    # One kernel block spans max(1, n // kv_block_size) Flex KV blocks.
-    per = max(1, n // kv_block_size)
-    first_f = phys * tpb // kv_block_size
-    e_qb = p_qb[e_pair].repeat_interleave(per)
-    e_f = (first_f[:, None] + torch.arange(per, device=dev)[None, :]).flatten()
-    del window_tokens  # windows are cut by the caller from the global KV block ids
+    unit_tok = (lo_u[e_pair] + offs) * u  # first logical token of each unit
+    phys = block_table[p_req[e_pair], unit_tok // n].long()  # kernel block ids
+    e_f = (phys * tpb + unit_tok % n) // kv_block_size
+    e_qb = p_qb[e_pair]
     nf = int(e_f.max()) + 1 if e_f.numel() else 1
     key = torch.unique(e_qb * nf + e_f)  # sorted, deduplicated
     return q_req.int(), q_pos.int(), key // nf, key % nf
@@ -401,7 +397,6 @@ class FlexMetadataBuilder(MetadataBuilder):
             tpb=geo.tpb,
             q_block_size=opts.q_block_size,
             kv_block_size=opts.kv_block_size,
-            window_tokens=geo.window_tokens,
             causal=cfg.causal,
             sliding_window=cfg.sliding_window,
         )
@@ -535,9 +530,10 @@ class FlexAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        from kv_kernels.reshape_and_cache import reshape_and_cache
+
         self.check_cache(kv_cache)
-        k_scale, v_scale = self.scales(layer)
-        write_kv_torch(key, value, kv_cache, slot_mapping, self.layout, k_scale, v_scale)
+        reshape_and_cache(key, value, kv_cache, slot_mapping, self.layout, impl="auto")
 
     def _kernel_options(
         self, md: FlexAttentionMetadata, device: torch.device
@@ -607,6 +603,10 @@ class FlexAttentionImpl(AttentionImpl):
                 # return_lse is deprecated in newer torch in favour of return_aux (absent in 2.11).
                 warnings.simplefilter("ignore", category=FutureWarning)
                 warnings.simplefilter("ignore", category=DeprecationWarning)
+                # Eager Flex (compiled=False) is dense math by design here: tests and CPU runs.
+                warnings.filterwarnings(
+                    "ignore", message="flex_attention called without torch.compile"
+                )
                 res = fn(
                     qx,
                     k,

@@ -1,0 +1,25 @@
+"""Test setup: the Triton interpreter on GPU-less machines, and a fixture that skips Triton
+tests where the interpreter cannot run."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# The Triton interpreter decides at kernel-definition time; set it before anything imports
+# kv_kernels' Triton modules, and only where there is no GPU (the GPU run uses real kernels).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+
+@pytest.fixture
+def triton_interpreter() -> None:
+    """Skip unless the Triton interpreter can run here (CPU tests need numpy for it)."""
+    if torch.cuda.is_available():
+        return
+    pytest.importorskip("numpy", reason="the Triton interpreter (TRITON_INTERPRET=1) needs numpy")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET was not 1 when this process started")
