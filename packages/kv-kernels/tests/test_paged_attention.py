@@ -4,7 +4,8 @@ The oracle is built independently of the paged cache: each test draws every sequ
 dense ``[H, L, D]`` tensors, writes them into the cache page by page through a shuffled block
 table, and the oracle attends over the dense tensors directly. The Triton kernel runs under
 ``TRITON_INTERPRET=1`` on the CPU (set below before the kernel module is first imported) or
-natively when a GPU is present.
+natively when a GPU is present; tests that run it take conftest's ``triton_device`` fixture, which
+skips them where neither works (no GPU and no numpy for the interpreter).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Must precede the first import of kv_kernels.paged_attention.triton (imported lazily by the api).
+    # conftest does the same; repeated here so the module also runs on its own. Must precede the
+    # first import of kv_kernels.paged_attention.triton (imported lazily by the api).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kv_kernels.cache import allocate_kv_cache, layer_view
@@ -74,7 +76,7 @@ def make_batch(
     # Poison every page first: a kernel that reads outside its sequence sees nan.
     kv.fill_(float("nan"))
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(pages + [1]) + 2  # padded tail of -1
+    width = max([*pages, 1]) + 2  # padded tail of -1
     table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
     ks, vs = [], []
     used = 0
@@ -102,7 +104,7 @@ def make_batch(
         block_table=table.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         qsl=qsl.to(device),
-        max_query_len=max(q_lens + [0]),
+        max_query_len=max([*q_lens, 0]),
         ks=ks,
         vs=vs,
         q_lens=q_lens,
@@ -261,7 +263,7 @@ def test_reference_rejects_unallocated_block() -> None:
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_triton_mixed_batch(feature: str) -> None:
+def test_triton_mixed_batch(feature: str, triton_device: str) -> None:
     b = make_batch(q_lens=MIXED_Q, seq_lens=MIXED_L)
     kw = on(DEVICE, feature_kwargs(feature, b["q"].shape[1]))
     out, lse = run(b, "triton", return_lse=True, **kw)
@@ -272,7 +274,7 @@ def test_triton_mixed_batch(feature: str) -> None:
     assert_lse_close(lse, ref_lse)
 
 
-def test_triton_fp16_odd_head_size_and_reference_parity() -> None:
+def test_triton_fp16_odd_head_size_and_reference_parity(triton_device: str) -> None:
     # head 40 pads to 64 inside the kernel (masked lanes); block 32 with a 64-token tile spans pages.
     b = make_batch(
         q_lens=[6, 1, 2], seq_lens=[50, 77, 2], head_size=40, block_size=32, dtype=torch.float16
@@ -287,7 +289,7 @@ def test_triton_fp16_odd_head_size_and_reference_parity() -> None:
 
 
 @pytest.mark.parametrize("order", ALL_ORDERS)
-def test_triton_every_layout_order(order: str) -> None:
+def test_triton_every_layout_order(order: str, triton_device: str) -> None:
     b = make_batch(
         q_lens=[4, 1], seq_lens=[21, 30], order=order, num_kv_heads=2, group=2, head_size=16
     )
@@ -295,12 +297,12 @@ def test_triton_every_layout_order(order: str) -> None:
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_triton_gqa_ratios(group: int) -> None:
+def test_triton_gqa_ratios(group: int, triton_device: str) -> None:
     b = make_batch(q_lens=[20, 1], seq_lens=[20, 26], num_kv_heads=1, group=group, head_size=16)
     assert_close(run(b, "triton"), oracle(b)[0], torch.float32)
 
 
-def test_triton_diffkv_head_sizes() -> None:
+def test_triton_diffkv_head_sizes(triton_device: str) -> None:
     # head_size_v != head_size (DiffKV 192/128, scaled down for the interpreter)
     b = make_batch(q_lens=[7, 1], seq_lens=[30, 40], head_size=48, head_size_v=32, group=2)
     out = run(b, "triton")
@@ -308,7 +310,7 @@ def test_triton_diffkv_head_sizes() -> None:
     assert_close(out, oracle(b)[0], torch.float32)
 
 
-def test_triton_block_size_64_and_window_skips_tiles() -> None:
+def test_triton_block_size_64_and_window_skips_tiles(triton_device: str) -> None:
     # A window much shorter than the context: early tiles are never visited (nan poison
     # in unreachable positions would otherwise leak in through 0 * nan).
     b = make_batch(q_lens=[1, 3], seq_lens=[200, 150], block_size=64, head_size=16, group=2)
@@ -319,7 +321,7 @@ def test_triton_block_size_64_and_window_skips_tiles() -> None:
     assert_close(out, ref, torch.float32)
 
 
-def test_split_kv_with_lse_and_sinks() -> None:
+def test_split_kv_with_lse_and_sinks(triton_device: str) -> None:
     b = make_batch(q_lens=[1, 1, 0, 2], seq_lens=[150, 9, 0, 90], head_size=16, group=2)
     sinks = torch.randn(b["q"].shape[1])
     for splits in (3, 8):
@@ -329,7 +331,7 @@ def test_split_kv_with_lse_and_sinks() -> None:
         assert_lse_close(lse, ref_lse)
 
 
-def test_empty_rows_and_padding_rows() -> None:
+def test_empty_rows_and_padding_rows(triton_device: str) -> None:
     # seq_len 0 with a query: no key is visible -> zeros and lse=-inf; rows past qsl[-1] untouched.
     b = make_batch(q_lens=[1, 2], seq_lens=[0, 5], head_size=16)
     extra = torch.full((3, *b["q"].shape[1:]), 7.0, dtype=b["q"].dtype, device=DEVICE)
@@ -342,7 +344,7 @@ def test_empty_rows_and_padding_rows() -> None:
     assert_close(out[:3], oracle(b)[0][:3], torch.float32)
 
 
-def test_merge_attn_states_cascade() -> None:
+def test_merge_attn_states_cascade(triton_device: str) -> None:
     """Attention over a shared prefix and a suffix, merged, equals attention over both."""
     b = make_batch(q_lens=[3, 2], seq_lens=[64, 48], head_size=16, group=2, block_size=16)
     table = b["block_table"]
@@ -365,7 +367,7 @@ def test_merge_attn_states_cascade() -> None:
         torch.testing.assert_close(lse.cpu(), full_lse.cpu(), atol=2e-5, rtol=2e-5)
 
 
-def test_merge_attn_states_empty_side() -> None:
+def test_merge_attn_states_empty_side(triton_device: str) -> None:
     out_a = torch.randn(2, 3, 8, device=DEVICE)
     lse_a = torch.randn(2, 3, device=DEVICE)
     lse_b = torch.full((2, 3), -math.inf, device=DEVICE)
@@ -381,7 +383,7 @@ def test_merge_attn_states_empty_side() -> None:
         torch.testing.assert_close(out[1, 2], w[0] * out_a[1, 2] + w[1] * out_b[1, 2])
 
 
-def test_num_splits_batch_invariance() -> None:
+def test_num_splits_batch_invariance(triton_device: str) -> None:
     """With num_splits fixed, a sequence alone and inside a bigger batch gives identical bits."""
     big = make_batch(
         q_lens=[1, 40, 1, 2], seq_lens=[130, 40, 77, 60], head_size=16, group=2, seed=3
@@ -399,7 +401,7 @@ def test_num_splits_batch_invariance() -> None:
         assert torch.equal(o_big[41:42], o_alone), f"num_splits={splits}: batch changed the bits"
 
 
-def test_offsets_past_2_31_elements() -> None:
+def test_offsets_past_2_31_elements(triton_device: str) -> None:
     """Blocks whose element offset exceeds 2^31: a 4 GiB cache allocated lazily (torch.empty
     maps pages on first touch), of which only the few pages the batch uses are written."""
     if DEVICE == "cuda":

@@ -1025,7 +1025,8 @@ def aot_specs(
         "q_len_max": i32,
     }
     # Arguments Triton sees as multiples of 16 at launch (aligned pointers, page strides).
-    aligned = tuple(n for n, t in sig.items() if t.startswith("*")) + (
+    aligned = (
+        *tuple(n for n, t in sig.items() if t.startswith("*")),
         "stride_qt",
         "stride_qh",
         "stride_kb",

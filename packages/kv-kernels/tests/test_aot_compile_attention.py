@@ -1,0 +1,153 @@
+"""Every paged-attention kernel compiled ahead of time for sm_90 and sm_80 on the CPU.
+
+The variants and tile configs come from ``kv_kernels.paged_attention.triton.aot_specs``, the same
+``select_config`` the launcher uses, so CI compiles what a GPU would run (bf16 and fp8 caches,
+head sizes 64 / 128 / 192-128 / 256, kernel blocks 16 / 128), through ptxas, and checks that each
+fits the arch's shared memory. Compiles run in subprocesses without the interpreter (an
+interpreted kernel object cannot be compiled), two at a time.
+
+The default set covers every arch, cache dtype, head-size pair and block size at least once; the
+full cross product runs with ``KV_KERNELS_AOT_FULL=1`` (about 4 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+#: Max shared memory per block (bytes): sm_90 227 KiB, sm_80 163 KiB.
+SMEM_LIMIT = {90: 232448, 80: 166912}
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, traceback, types
+    import torch
+    from kv_kernels.aot import aot_compile
+    from kv_kernels.paged_attention.triton import aot_specs
+
+    DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4": torch.float8_e4m3fn,
+          "fp8e5": torch.float8_e5m2}
+    out = {}
+    for case in json.load(sys.stdin):
+        arch, q, cache, d, dv, bs = case
+        key = f"sm{arch}-{cache}-d{d}-{dv}-n{bs}"
+        try:
+            specs = aot_specs(q_dtype=DT[q], cache_dtype=DT[cache], head_size=d, head_size_v=dv,
+                              num_q_heads=32, num_kv_heads=8, block_size=bs, arch=arch)
+        except Exception:
+            out[key] = {"_specs": {"ok": False, "error": traceback.format_exc()[-3000:]}}
+            continue
+        res = {}
+        for sp in specs:
+            try:
+                # aot_compile unwraps `.fn` once: hand it the JITFunction one level down
+                ck = aot_compile(types.SimpleNamespace(fn=sp.kernel), sp.signature, sp.constexprs,
+                                 arch=arch, num_warps=sp.num_warps, num_stages=sp.num_stages)
+                res[sp.name] = {"ok": True, "shared": ck.metadata.shared,
+                                "mma": ("mma" in ck.asm["ptx"])}
+            except Exception:
+                res[sp.name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
+        out[key] = res
+    print("AOT-RESULTS" + json.dumps(out))
+    """
+)
+
+
+def _fp8(arch: int) -> str:
+    # Triton has no e4m3 conversions before sm_89: A100-class GPUs use e5m2 fp8 caches.
+    return "fp8e4" if arch >= 90 else "fp8e5"
+
+
+HEADS = [(64, 64), (128, 128), (192, 128), (256, 256)]
+FULL = [
+    (arch, "bf16", cache if cache == "bf16" else _fp8(arch), d, dv, bs)
+    for arch in (90, 80)
+    for cache in ("bf16", "fp8")
+    for d, dv in HEADS
+    for bs in (16, 128)
+]
+DEFAULT = [
+    (90, "bf16", "bf16", 128, 128, 16),
+    (90, "bf16", "fp8e4", 192, 128, 128),
+    (90, "bf16", "bf16", 256, 256, 128),
+    (80, "bf16", "bf16", 256, 256, 16),
+    (80, "bf16", "fp8e5", 64, 64, 128),
+]
+
+
+def _key(case: tuple) -> str:
+    arch, _, cache, d, dv, bs = case
+    return f"sm{arch}-{cache}-d{d}-{dv}-n{bs}"
+
+
+def _compile(cases: list[tuple]) -> dict[str, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    chunks = [cases[i::2] for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SCRIPT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for chunk in chunks
+        if chunk
+    ]
+    results: dict[str, dict] = {}
+    for proc, chunk in zip(procs, [c for c in chunks if c], strict=True):
+        stdout, stderr = proc.communicate(json.dumps(chunk), timeout=900)
+        line = next((ln for ln in stdout.splitlines() if ln.startswith("AOT-RESULTS")), None)
+        if line is None:
+            raise AssertionError(f"AOT subprocess failed (rc={proc.returncode}):\n{stderr[-6000:]}")
+        results.update(json.loads(line[len("AOT-RESULTS") :]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def default_results() -> dict[str, dict]:
+    return _compile(DEFAULT)
+
+
+@pytest.fixture(scope="module")
+def full_results() -> dict[str, dict]:
+    return _compile(FULL)
+
+
+def _check(case: tuple, results: dict[str, dict]) -> None:
+    res = results[_key(case)]
+    names = set(res)
+    assert {
+        "attn_decode",
+        "attn_decode_split",
+        "attn_prefill",
+        "merge_splits",
+        "merge_two",
+    } <= names, names
+    for name, r in res.items():
+        assert r["ok"], f"{_key(case)} {name} failed to compile:\n{r.get('error')}"
+        assert r["shared"] <= SMEM_LIMIT[case[0]], (
+            f"{_key(case)} {name}: {r['shared']} B of shared memory"
+        )
+        if name.startswith("attn"):
+            assert r["mma"], f"{_key(case)} {name}: no tensor-core instruction in the PTX"
+
+
+@pytest.mark.parametrize("case", DEFAULT, ids=_key)
+def test_aot_compile_attention(case: tuple, default_results: dict[str, dict]) -> None:
+    _check(case, default_results)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("KV_KERNELS_AOT_FULL") != "1", reason="set KV_KERNELS_AOT_FULL=1"
+)
+@pytest.mark.parametrize("case", FULL, ids=_key)
+def test_aot_compile_attention_full(case: tuple, full_results: dict[str, dict]) -> None:
+    _check(case, full_results)
