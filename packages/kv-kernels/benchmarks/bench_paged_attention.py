@@ -1,0 +1,424 @@
+"""Paged attention on a CUDA GPU: our Triton kernel against FA4 (when importable), FlexAttention
+over the same paged cache, and torch SDPA on dense K/V, all measured in this process.
+
+Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block tables):
+
+- decode: batch 64 x 4k context and batch 8 x 32k context, kernel block 16 and 128. Metric:
+  TB/s of K+V bytes read, ``bytes = batch * ctx * H * (head_size + head_size_v) * 2``
+  (the query, output and block table are < 0.1% of that and not counted).
+- prefill: 4 x 4096 tokens, causal, block 16. Metric: TFLOP/s,
+  ``flops = 2 * 2 * B * Hq * L^2 * D / 2`` (QK^T and PV, half the square under the causal mask).
+
+``--tune`` also sweeps tile configs and split counts of our kernel (printing the best) before the
+main run. Writes ``DIR/paged_attention.json`` (list of records, see the repo's benchmark format)
+and prints one JSON line per record.
+
+    PYTHONPATH=packages/kv-spec/src:packages/kv-kernels/src python3 \\
+        packages/kv-kernels/benchmarks/bench_paged_attention.py --out /tmp/bench [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kv_kernels.paged_attention.triton as pa_triton
+import torch
+import triton
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.paged_attention import paged_attention
+from kv_spec import KVCacheLayout
+
+HQ, H, D = 32, 8, 128
+DTYPE = torch.bfloat16
+
+
+def _bench(fn: Callable[[], Any], *, warmup: int = 15, rep: int = 60) -> float:
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+class Case:
+    """A batch over a paged cache filled with random bf16 (never zeros: they hide bugs)."""
+
+    def __init__(self, *, batch: int, ctx: int, block: int, q_len: int, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.batch, self.ctx, self.block, self.q_len = batch, ctx, block, q_len
+        pages = ctx // block
+        num_blocks = batch * pages + 1
+        self.layout = KVCacheLayout(
+            order="LBNHC",
+            num_layers=1,
+            num_blocks=num_blocks,
+            num_kv_heads=H,
+            block_size=block,
+            head_size=D,
+            head_size_v=D,
+            dtype="bfloat16",
+        )
+        self.kv = layer_view(allocate_kv_cache(self.layout, "cuda", zero=False), self.layout, 0)
+        self.kv.normal_()
+        perm = torch.randperm(num_blocks - 1, device="cuda")[: batch * pages] + 1
+        self.block_table = perm.view(batch, pages).to(torch.int32)
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.qsl = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch * q_len, HQ, D, dtype=DTYPE, device="cuda")
+        self.out = torch.empty(batch * q_len, HQ, D, dtype=DTYPE, device="cuda")
+
+    # bytes and flops -----------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        return self.batch * self.ctx * H * 2 * D * 2
+
+    def causal_flops(self) -> int:
+        return 2 * 2 * self.batch * HQ * self.ctx * self.ctx * D // 2
+
+    # implementations ------------------------------------------------------------------------
+    def ours(self, **kw: Any) -> Callable[[], Any]:
+        def fn() -> Any:
+            return paged_attention(
+                self.q,
+                self.kv,
+                self.layout,
+                self.block_table,
+                self.seq_lens,
+                self.qsl,
+                self.q_len,
+                max_seq_len=self.ctx,
+                out=self.out,
+                impl="triton",
+                **kw,
+            )
+
+        return fn
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous [batch, H, ctx, D] K and V gathered from the pages (for SDPA)."""
+        pages = self.kv[self.block_table.long()]  # [batch, pages, H, N, C]
+        kv = pages.permute(0, 2, 1, 3, 4).reshape(self.batch, H, self.ctx, 2 * D)
+        return kv[..., :D].contiguous(), kv[..., D:].contiguous()
+
+    def sdpa(self) -> Callable[[], Any]:
+        k, v = self.dense_kv()
+        q = self.q.view(self.batch, self.q_len, HQ, D).transpose(1, 2)
+        causal = self.q_len > 1
+
+        def fn() -> Any:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=True
+            )
+
+        return fn
+
+    def flex(self) -> Callable[[], Any]:
+        """FlexAttention over the paged cache: K/V as one physical sequence [1, H, B*N, D]
+        (broadcast over the batch), a mask through the inverse block table."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        nb, n = self.layout.num_blocks, self.block
+        phys = self.kv.permute(1, 0, 2, 3).reshape(H, nb * n, 2 * D)  # LBNHC: B and N merge
+        k = phys[None, :, :, :D]
+        v = phys[None, :, :, D:]
+        inv = torch.full((self.batch, nb), -1, dtype=torch.int32, device="cuda")
+        rows = torch.arange(self.batch, device="cuda")[:, None].expand_as(self.block_table)
+        inv[rows, self.block_table.long()] = torch.arange(
+            self.block_table.shape[1], device="cuda", dtype=torch.int32
+        )
+        ctx, q_len = self.ctx, self.q_len
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            lb = inv[b, kv_idx // n]
+            pos = lb * n + kv_idx % n
+            return (lb >= 0) & (pos <= ctx - q_len + q_idx)
+
+        q = self.q.view(self.batch, q_len, HQ, D).transpose(1, 2)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        err: Exception | None = None
+        # KV blocks of one page make the block mask exact; Flex may reject blocks that small,
+        # then 128-token blocks (pages of several sequences, masked inside).
+        for kv_block in dict.fromkeys((n, 128)):
+            try:
+                bm = create_block_mask(
+                    mask_mod,
+                    self.batch,
+                    None,
+                    q_len,
+                    nb * n,
+                    device="cuda",
+                    BLOCK_SIZE=(128, kv_block),
+                )
+                compiled(q, k, v, block_mask=bm, enable_gqa=True)
+            except Exception as e:
+                err = e
+                continue
+
+            def fn(bm=bm) -> Any:
+                return compiled(q, k, v, block_mask=bm, enable_gqa=True)
+
+            return fn
+        assert err is not None
+        raise err
+
+    def fa4(self) -> Callable[[], Any]:
+        from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]
+
+        kv = self.kv.permute(0, 2, 1, 3)  # [B, N, H, C]: FA's paged NHD view, no copy
+        k, v = kv[..., :D], kv[..., D:]
+        causal = self.q_len > 1
+
+        def fn() -> Any:
+            return flash_attn_varlen_func(
+                self.q,
+                k,
+                v,
+                cu_seqlens_q=self.qsl,
+                max_seqlen_q=self.q_len,
+                seqused_k=self.seq_lens,
+                page_table=self.block_table,
+                causal=causal,
+            )
+
+        return fn
+
+
+def _measure(
+    name: str, make: Callable[[], Callable[[], Any]], check: torch.Tensor | None
+) -> tuple[float | None, str | None]:
+    try:
+        fn = make()
+        res = fn()
+        res = res[0] if isinstance(res, tuple) else res
+        if check is not None and res is not None:
+            # SDPA / Flex give [batch, Hq, q_len, D]; ours and FA4 give [T, Hq, D]
+            got = res.transpose(1, 2) if res.dim() == 4 else res
+            err = (got.reshape(check.shape).float() - check.float()).abs().max().item()
+            if not err < 5e-2:
+                return None, f"{name}: max abs error {err:.3g} vs our kernel"
+        torch.cuda.synchronize()
+        return _bench(fn), None
+    except Exception as e:  # a baseline that fails is recorded, not fatal
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def copy_limit() -> float:
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = _bench(lambda: y.copy_(x))
+    return 2 * x.numel() / ms / 1e9
+
+
+DECODE = [(64, 4096, 16), (64, 4096, 128), (8, 32768, 16), (8, 32768, 128)]
+PREFILL = [(4, 4096, 16)]
+
+
+def tune(records: list[dict]) -> dict:
+    """Sweep tile configs and split counts of our kernel; return the best per case."""
+    orig = pa_triton.select_config
+    best: dict[str, Any] = {}
+    for batch, ctx, block in DECODE:
+        case = Case(batch=batch, ctx=ctx, block=block, q_len=1)
+        key = f"decode_b{batch}_ctx{ctx}_n{block}"
+        results = []
+        for tile_n in (32, 64, 128):
+            for warps in (4,):
+                for stages in (2, 3, 4):
+                    cfg = pa_triton.AttentionConfig(16, 4, tile_n, warps, stages)
+                    pa_triton.select_config = lambda kind, _c=cfg, **kw: (
+                        _c if kind == "decode" else orig(kind, **kw)
+                    )
+                    for splits in (1, 2, 4, 8, 16):
+                        try:
+                            ms = _bench(case.ours(num_splits=splits), warmup=5, rep=25)
+                        except Exception as e:
+                            print(
+                                f"tune {key} {cfg} S={splits}: {type(e).__name__} {str(e)[:120]}",
+                                flush=True,
+                            )
+                            break
+                        results.append((ms, tile_n, warps, stages, splits))
+        pa_triton.select_config = orig
+        results.sort()
+        for ms, tn, w, st, s in results[:5]:
+            print(
+                f"TUNE {key} tile_n={tn} warps={w} stages={st} splits={s}: {ms:.3f} ms "
+                f"{case.kv_bytes() / ms / 1e9:.3f} TB/s",
+                flush=True,
+            )
+        heur = _bench(case.ours())
+        print(
+            f"TUNE {key} heuristic: {heur:.3f} ms {case.kv_bytes() / heur / 1e9:.3f} TB/s",
+            flush=True,
+        )
+        best[key] = results[0] if results else None
+        del case
+        torch.cuda.empty_cache()
+    for batch, ctx, block in PREFILL:
+        case = Case(batch=batch, ctx=ctx, block=block, q_len=ctx)
+        key = f"prefill_b{batch}_ctx{ctx}_n{block}"
+        results = []
+        for bm, tn, w, st in (
+            (128, 64, 8, 2),
+            (128, 64, 8, 3),
+            (128, 64, 8, 4),
+            (128, 128, 8, 2),
+            (128, 32, 8, 3),
+            (128, 64, 4, 3),
+            (64, 64, 4, 3),
+            (64, 128, 4, 2),
+            (64, 64, 4, 4),
+            (128, 128, 8, 3),
+        ):
+            cfg = pa_triton.AttentionConfig(bm, bm // 4, tn, w, st)
+            pa_triton.select_config = lambda kind, _c=cfg, **kw: (
+                _c if kind == "prefill" else orig(kind, **kw)
+            )
+            try:
+                ms = _bench(case.ours(), warmup=5, rep=25)
+            except Exception as e:
+                print(f"tune {key} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
+                continue
+            results.append((ms, bm, tn, w, st))
+            print(
+                f"TUNE {key} block_m={bm} tile_n={tn} warps={w} stages={st}: {ms:.3f} ms "
+                f"{case.causal_flops() / ms / 1e9:.1f} TFLOP/s",
+                flush=True,
+            )
+        pa_triton.select_config = orig
+        results.sort()
+        best[key] = results[0] if results else None
+        del case
+        torch.cuda.empty_cache()
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for paged_attention.json")
+    ap.add_argument("--tune", action="store_true", help="sweep our tile configs / splits first")
+    ap.add_argument(
+        "--no-flex", action="store_true", help="skip FlexAttention (its compile is slow)"
+    )
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    records: list[dict] = []
+    if args.tune:
+        best = tune(records)
+        with open(os.path.join(args.out, "paged_attention_tune.json"), "w") as f:
+            json.dump(best, f, indent=1)
+    limit = copy_limit()
+    print(
+        json.dumps(
+            {"bench": "paged_attention", "case": "copy_limit", "value": limit, "metric": "TB/s"}
+        ),
+        flush=True,
+    )
+    try:
+        import flash_attn.cute  # type: ignore[import-not-found]  # noqa: F401
+
+        have_fa4 = True
+    except Exception:
+        have_fa4 = False
+
+    def emit(
+        case: str,
+        metric: str,
+        values: dict[str, float | None],
+        errors: dict[str, str],
+        ms: dict[str, float],
+    ) -> None:
+        primary = "fa4" if values.get("fa4") else "torch_sdpa"
+        for impl, val in values.items():
+            if val is None:
+                rec = {
+                    "bench": "paged_attention",
+                    "case": case,
+                    "impl": impl,
+                    "ms": None,
+                    "metric": metric,
+                    "value": None,
+                    "baseline": primary,
+                    "baseline_value": values.get(primary),
+                    "ratio": None,
+                    "error": errors.get(impl),
+                }
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+                continue
+            bases = (
+                [primary]
+                if impl != "triton"
+                else [b for b in ("fa4", "flex_attention", "torch_sdpa") if values.get(b)]
+            )
+            for base in bases or [primary]:
+                bv = values.get(base)
+                rec = {
+                    "bench": "paged_attention",
+                    "case": case,
+                    "impl": impl,
+                    "ms": ms[impl],
+                    "metric": metric,
+                    "value": val,
+                    "baseline": base,
+                    "baseline_value": bv,
+                    "ratio": (val / bv) if bv else None,
+                }
+                if metric == "TB/s":
+                    rec["copy_limit"] = limit
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+
+    for kind, shapes in (("decode", DECODE), ("prefill", PREFILL)):
+        for batch, ctx, block in shapes:
+            q_len = 1 if kind == "decode" else ctx
+            case = Case(batch=batch, ctx=ctx, block=block, q_len=q_len)
+            name = f"{kind}_b{batch}_ctx{ctx}_n{block}"
+            ours = case.ours()
+            ref = ours().clone()
+            work = case.kv_bytes() if kind == "decode" else case.causal_flops()
+            metric = "TB/s" if kind == "decode" else "TFLOP/s"
+            scale = 1e9  # bytes / ms / 1e9 = TB/s; flops / ms / 1e9 = TFLOP/s
+            makers: dict[str, Callable[[], Callable[[], Any]]] = {"triton": lambda c=case: c.ours()}
+            if have_fa4:
+                makers["fa4"] = case.fa4
+            if not args.no_flex:
+                makers["flex_attention"] = case.flex
+            makers["torch_sdpa"] = case.sdpa
+            values: dict[str, float | None] = {}
+            errors: dict[str, str] = {}
+            ms_of: dict[str, float] = {}
+            for impl, make in makers.items():
+                t0 = time.time()
+                ms, err = _measure(impl, make, None if impl == "triton" else ref)
+                if ms is None:
+                    values[impl] = None
+                    errors[impl] = err or "failed"
+                else:
+                    values[impl] = work / ms / scale
+                    ms_of[impl] = ms
+                print(
+                    f"# {name} {impl}: {ms if ms is None else round(ms, 4)} ms ({time.time() - t0:.0f}s wall) {err or ''}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            emit(name, metric, values, errors, ms_of)
+            del case, ours, ref
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "paged_attention.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    print("\n| case | impl | metric | value | vs | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in records:
+        v = "—" if r["value"] is None else f"{r['value']:.3f}"
+        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"| {r['case']} | {r['impl']} | {r['metric']} | {v} | {r['baseline']} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
