@@ -57,10 +57,14 @@ def make_paged_batch(
     device: str | torch.device = "cpu",
     seed: int = 0,
     fill: bool = True,
+    blocks: Sequence[int] | None = None,
+    make_kv: bool = True,
 ) -> PagedBatch:
     """Allocate a cache, give each request shuffled (non-contiguous) blocks, and fill every
     context slot with random K/V (written straight into the layer view by torch indexing, so the
-    fill does not depend on any backend). Kernel block ids go in the block table."""
+    fill does not depend on any backend). Kernel block ids go in the block table. ``blocks``
+    gives the manager blocks to hand out, in order (default: a random permutation).
+    ``make_kv=False`` skips drawing K/V (benchmarks fill the cache on the device instead)."""
     gen = torch.Generator().manual_seed(seed)
     hv = head_size_v if head_size_v is not None else head_size
     spec_kw = dict(
@@ -94,7 +98,7 @@ def make_paged_batch(
     storage = allocate_kv_cache(layout, device)
     kv_cache = layer_view(storage, layout, layer)
     tdt = to_torch_dtype(dtype)
-    perm = torch.randperm(nb, generator=gen).tolist()
+    perm = list(blocks) if blocks is not None else torch.randperm(nb, generator=gen).tolist()
     max_blocks = max((-(-s // block_size) for s in seq_lens), default=0)
     rows, slots = [], []
     cursor = 0
@@ -108,9 +112,10 @@ def make_paged_batch(
         slots += [kblocks[p // kbs] * kbs + p % kbs for p in range(s)]
     all_slots = torch.tensor(slots, dtype=torch.int64)
     t_ctx = len(slots)
-    key = torch.randn(t_ctx, num_kv_heads, head_size, generator=gen).to(tdt)
-    value = torch.randn(t_ctx, num_kv_heads, hv, generator=gen).to(tdt)
-    if fill and t_ctx:
+    n_kv = t_ctx if make_kv else 0
+    key = torch.randn(n_kv, num_kv_heads, head_size, generator=gen).to(tdt)
+    value = torch.randn(n_kv, num_kv_heads, hv, generator=gen).to(tdt)
+    if fill and n_kv:
         blk, off = (all_slots // block_size).to(device), (all_slots % block_size).to(device)
         kv_cache[blk, :, off, :head_size] = key.to(device)
         kv_cache[blk, :, off, head_size : head_size + hv] = value.to(device)
@@ -149,6 +154,9 @@ def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tens
     seq_lens = b.common.seq_lens_cpu.tolist()
     out = torch.zeros(b.q.shape[0], cfg.num_q_heads, cfg.head_size_v, dtype=torch.float64)
     group = cfg.num_q_heads // cfg.num_kv_heads
+    q = b.q.double().cpu()
+    sinks = None if b.sinks is None else b.sinks.double().cpu()
+    slopes = None if b.alibi_slopes is None else b.alibi_slopes.double().cpu()
     ctx = 0
     for r, s in enumerate(seq_lens):
         k = b.key[ctx : ctx + s].double().cpu()  # [S, H, D]
@@ -158,12 +166,12 @@ def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tens
             pos = s - (qsl[r + 1] - qsl[r]) + (i - qsl[r])
             for h in range(cfg.num_q_heads):
                 kv = h // group
-                logits = (k[:, kv] @ b.q[i, h].double().cpu()) * scale  # [S]
+                logits = (k[:, kv] @ q[i, h]) * scale  # [S]
                 if cfg.softcap:
                     logits = cfg.softcap * torch.tanh(logits / cfg.softcap)
                 kv_pos = torch.arange(s, dtype=torch.float64)
-                if b.alibi_slopes is not None:
-                    logits = logits + float(b.alibi_slopes[h]) * (kv_pos - pos)
+                if slopes is not None:
+                    logits = logits + slopes[h] * (kv_pos - pos)
                 ok = torch.ones(s, dtype=torch.bool)
                 if cfg.causal:
                     ok &= kv_pos <= pos
@@ -171,12 +179,10 @@ def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tens
                         ok &= kv_pos > pos - cfg.sliding_window
                 logits = logits.masked_fill(~ok, float("-inf"))
                 m = logits.max()
-                if b.sinks is not None:
-                    m = torch.maximum(m, b.sinks[h].double().cpu())
+                if sinks is not None:
+                    m = torch.maximum(m, sinks[h])
                 w = torch.exp(logits - m)
-                denom = w.sum() + (
-                    torch.exp(b.sinks[h].double().cpu() - m) if b.sinks is not None else 0.0
-                )
+                denom = w.sum() + (torch.exp(sinks[h] - m) if sinks is not None else 0.0)
                 out[i, h] = (w[:, None] * v[:, kv]).sum(0) / denom
     return out
 
