@@ -270,3 +270,85 @@ def test_offsets_past_2_31_bytes(order: str, impl: str, request: pytest.FixtureR
     one = torch.zeros(1, src.shape[1], dtype=torch.uint8)
     gather_blocks(storage, layout, [5], one, impl="reference")
     assert torch.equal(one[0], src[0])
+
+
+# ---- GPU: pinned host <-> GPU, GPU <-> GPU, real large allocation -----------------------------
+
+
+def _gpu_layout(order: str) -> KVCacheLayout:
+    return KVCacheLayout(
+        order=order, num_layers=4, num_blocks=64, num_kv_heads=8, block_size=16, head_size=128,
+        head_size_v=128, dtype="bfloat16",
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ORDERS)
+def test_gpu_pinned_host_gather_scatter(order: str) -> None:
+    layout = _gpu_layout(order)
+    storage = random_cache(layout, "cuda", seed=1)
+    ids = torch.tensor([63, 0, 17, 5, 40])
+    row = layout.num_layers * layout.page_bytes
+    pinned = torch.zeros(5, row, dtype=torch.uint8, pin_memory=True)
+    gather_blocks(storage, layout, ids, pinned)  # auto -> triton, writing host memory over UVA
+    torch.cuda.synchronize()
+    expected = torch.zeros(5, row, dtype=torch.uint8)
+    gather_blocks(storage, layout, ids, expected, impl="reference")
+    assert torch.equal(pinned, expected)
+    dst = random_cache(layout, "cuda", seed=2)
+    dst_ids = torch.tensor([1, 2, 3, 60, 61])
+    scatter_blocks(pinned, dst, layout, dst_ids)  # triton, reading host memory over UVA
+    for layer in range(layout.num_layers):
+        a = layer_view(storage, layout, layer)[ids.cuda()].view(torch.int16)
+        b = layer_view(dst, layout, layer)[dst_ids.cuda()].view(torch.int16)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["LBNHC", "LHBNC", "BLHNC"])
+def test_gpu_device_gather_and_copy_blocks(order: str) -> None:
+    layout = _gpu_layout(order)
+    ids = torch.tensor([9, 3, 33, 12], device="cuda")  # ids on the GPU: no host round trip
+    results = []
+    for impl in ("reference", "triton"):
+        storage = random_cache(layout, "cuda", seed=3)
+        out = torch.empty(
+            4, layout.num_layers * layout.page_bytes, dtype=torch.uint8, device="cuda"
+        )
+        gather_blocks(storage, layout, ids, out, impl=impl)
+        copy_blocks(storage, layout, [9, 3], [50, 51], impl=impl)
+        results.append((out, [r.clone() for r in storage_bytes(storage)]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_pageable_host_buffer_is_refused() -> None:
+    layout = _gpu_layout("LBNHC")
+    storage = allocate_kv_cache(layout, "cuda")
+    out = torch.empty(1, layout.num_layers * layout.page_bytes, dtype=torch.uint8)  # not pinned
+    with pytest.raises(ValueError, match="pinned host memory"):
+        gather_blocks(storage, layout, [0], out, impl="triton")
+    gather_blocks(
+        storage, layout, [0], out, impl="reference"
+    )  # the reference takes any device pair
+
+
+@pytest.mark.gpu
+def test_gpu_real_allocation_past_2_31_bytes() -> None:
+    layout = KVCacheLayout(
+        order="BLNHC", num_layers=2, num_blocks=2**31 // (2 * 65536) + 8, num_kv_heads=8, block_size=16,
+        head_size=128, head_size_v=128, dtype="bfloat16",
+    )  # fmt: skip
+    assert layout.total_bytes > 2**31
+    storage = allocate_kv_cache(layout, "cuda", zero=False)
+    last = [layout.num_blocks - 1, layout.num_blocks - 5]
+    src = torch.randint(0, 256, (2, 2 * layout.page_bytes), dtype=torch.uint8, pin_memory=True)
+    scatter_blocks(src, storage, layout, last)
+    back = torch.zeros_like(src)
+    gather_blocks(storage, layout, last, back)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    del storage
+    torch.cuda.empty_cache()

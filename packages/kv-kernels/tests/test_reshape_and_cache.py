@@ -406,3 +406,115 @@ def test_offsets_past_2_31_elements(impl: str, request: pytest.FixtureRequest) -
     k, v = read_kv(view, layout, slots[[0, 1, 3]])
     assert torch.equal(k, key[[0, 1, 3]].float())
     assert torch.equal(v, value[[0, 1, 3]].float())
+
+
+# ---- GPU (bf16 / fp8 numerics, real large allocation) -------------------------------------------
+
+
+def _gpu_case(
+    order: str, dtype: str, kv_quant: str = "none", *, num_tokens: int = 1000, seed: int = 0
+):
+    layout = make_layout(
+        order, num_layers=2, num_blocks=96, heads=8, block_size=16, head_size=128, head_size_v=128,
+        dtype=dtype, kv_quant=kv_quant,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    in_dtype = torch.bfloat16
+    key = (torch.randn(num_tokens + 7, 8, 128, generator=g) * 3).to(in_dtype).cuda()
+    value = torch.randn(num_tokens + 7, 8, 128, generator=g).to(in_dtype).cuda()
+    slots = make_slots(num_tokens, layout, seed, pad_every=7).cuda()
+    return layout, key, value, slots
+
+
+def _write_both(layout, key, value, slots, k_scale=None, v_scale=None):
+    out = []
+    for impl in ("reference", "triton"):
+        storage = random_storage(layout, "cuda", seed=11)
+        reshape_and_cache(
+            key, value, layer_view(storage, layout, 1), slots, layout, k_scale, v_scale, impl=impl
+        )
+        out.append(storage)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_parity_unquantized(order: str, dtype: str) -> None:
+    layout, key, value, slots = _gpu_case(order, dtype)
+    key, value = key.to(getattr(torch, dtype)), value.to(getattr(torch, dtype))
+    ref, tri = _write_both(layout, key, value, slots)
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)
+    keep = slots >= 0
+    k, v = read_kv(layer_view(tri, layout, 1), layout, slots[keep])
+    assert torch.equal(k, key[: slots.numel()][keep].float())
+    assert torch.equal(v, value[: slots.numel()][keep].float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BHLNC"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_quant", "scales"),
+    [
+        ("fp8_e4m3", "fp8_per_tensor", "float"),
+        ("fp8_e4m3", "fp8_per_tensor", "per_head"),
+        ("fp8_e5m2", "fp8_per_tensor", "tensor1"),
+        ("fp8_e4m3", "fp8_per_token_head", None),
+        ("fp8_e5m2", "fp8_per_token_head", None),
+        ("int8", "int8_per_token_head", None),
+    ],
+)
+def test_gpu_parity_quantized(order: str, dtype: str, kv_quant: str, scales: str | None) -> None:
+    layout, key, value, slots = _gpu_case(order, dtype, kv_quant, seed=3)
+    k_scale = v_scale = None
+    if scales == "float":
+        k_scale, v_scale = 0.05, 0.01
+    elif scales == "per_head":
+        k_scale = torch.linspace(0.01, 0.08, 8, device="cuda")
+        v_scale = torch.linspace(0.002, 0.02, 8, device="cuda")
+    elif scales == "tensor1":
+        k_scale, v_scale = torch.tensor(0.05, device="cuda"), torch.tensor([0.01], device="cuda")
+    ref, tri = _write_both(layout, key, value, slots, k_scale, v_scale)
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)  # IEEE division and round-to-nearest-even casts on both sides
+    keep = slots >= 0
+    k, v = read_kv(layer_view(tri, layout, 1), layout, slots[keep], k_scale, v_scale)
+    k_in, v_in = key[: slots.numel()][keep].float(), value[: slots.numel()][keep].float()
+    # relative half-ulp of the format (int8: half a step of absmax / 127 per row)
+    if dtype == "int8":
+        step = k_in.abs().amax(-1, keepdim=True) / 127
+        assert ((k - k_in).abs() <= step * 0.5 + 1e-6).all()
+    else:
+        rel = 2.0**-4 if dtype == "fp8_e4m3" else 2.0**-3
+        torch.testing.assert_close(
+            k, k_in, rtol=rel, atol=0.05 if kv_quant == "fp8_per_tensor" else 1e-2
+        )
+        torch.testing.assert_close(
+            v, v_in, rtol=rel, atol=0.05 if kv_quant == "fp8_per_tensor" else 1e-2
+        )
+
+
+@pytest.mark.gpu
+def test_gpu_real_allocation_past_2_31_elements() -> None:
+    """A real bf16 cache of more than 2**31 elements (~4.3 GB), written at its far end."""
+    page = 8 * 16 * 256
+    num_blocks = 2**31 // page + 64
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=num_blocks, num_kv_heads=8, block_size=16,
+        head_size=128, head_size_v=128, dtype="bfloat16",
+    )  # fmt: skip
+    assert layout.total_elements > 2**31
+    storage = allocate_kv_cache(layout, "cuda", zero=False)
+    view = layer_view(storage, layout, 0)
+    last = num_blocks * 16
+    slots = torch.tensor([last - 1, last - 700, 3, -1, last - 16], dtype=torch.int64, device="cuda")
+    key = torch.randn(5, 8, 128, device="cuda").bfloat16()
+    value = torch.randn(5, 8, 128, device="cuda").bfloat16()
+    reshape_and_cache(key, value, view, slots, layout)  # auto -> triton
+    keep = torch.tensor([0, 1, 2, 4], device="cuda")
+    k, v = read_kv(view, layout, slots[keep])
+    assert torch.equal(k, key[keep].float())
+    assert torch.equal(v, value[keep].float())
+    del storage, view
+    torch.cuda.empty_cache()

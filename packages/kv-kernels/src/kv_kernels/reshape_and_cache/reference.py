@@ -42,7 +42,9 @@ def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
     """Per-row (last dim) float32 scale ``absmax / qmax``; 1.0 for all-zero rows (any scale
     dequantizes zeros to zeros, and a reader never divides by 0)."""
     amax = x.abs().amax(dim=-1)  # [T, H]
-    scale = amax / qmax
+    # a tensor divisor: CUDA torch turns `tensor / python_scalar` into a multiply by the
+    # reciprocal, which can differ from the kernel's IEEE division in the last bit
+    scale = amax / torch.full_like(amax, qmax)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 

@@ -26,7 +26,7 @@ def expand_block_table_reference(
     sub = torch.arange(k, dtype=block_table.dtype, device=block_table.device)  # [k]
     expanded = block_table[:, :, None] * k + sub  # [R, M, k]
     expanded = torch.where(block_table[:, :, None] >= 0, expanded, torch.full_like(expanded, -1))
-    return expanded.reshape(block_table.shape[0], -1)
+    return expanded.reshape(block_table.shape[0], block_table.shape[1] * k)
 
 
 def compute_slot_mapping_reference(

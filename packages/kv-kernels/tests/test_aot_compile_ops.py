@@ -1,0 +1,256 @@
+"""Every Triton kernel of the cache write, block copies and slot mapping compiled ahead of time for
+sm_90 and sm_80 (``triton.compile`` + ``GPUTarget``, through ptxas), with the constexprs real layouts
+produce: bf16/fp16/fp32 caches, fp8 (e4m3 on sm_90 only: Triton has no e4m3 on sm_80, and the api
+refuses it there), int8 with inline scales, MLA, odd head sizes, aligned and unaligned copies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kv_kernels.block_copy import triton as copy_mod
+from kv_kernels.reshape_and_cache import triton as rc_mod
+from kv_kernels.slot_mapping import triton as sm_mod
+from kv_spec import KVCacheLayout
+
+_TRITON_DTYPE = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "fp8_e4m3": "fp8e4nv",
+    "fp8_e5m2": "fp8e5",
+    "int8": "i8",
+}
+
+
+def _signature(
+    kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any], int_type: str
+) -> dict[str, str]:
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = int_type
+    return sig
+
+
+def _reshape_case(
+    name: str, arch: int, layout: KVCacheLayout, key_dtype: str, int_type: str = "i32"
+) -> dict[str, Any]:
+    kernel = rc_mod._reshape_and_cache_kernel
+    block_h, block_d, block_dv, num_warps = rc_mod.launch_config(layout, layout.element_bytes)
+    quant = rc_mod._QUANT_CODE[layout.kv_quant]
+    qmax = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}.get(layout.dtype, 0.0)
+    constexprs = {
+        "NUM_HEADS": layout.num_kv_heads,
+        "BLOCK_SIZE": layout.block_size,
+        "HEAD_SIZE": layout.head_size,
+        "HEAD_SIZE_V": max(layout.head_size_v, 1),
+        "V_OFFSET": layout.v_range[0] if layout.v_range else 0,
+        "SCALE_OFFSET": layout.scale_range[0] if layout.scale_range else 0,
+        "HAS_V": not layout.is_mla,
+        "QUANT": quant,
+        "QMAX": qmax if quant else 0.0,
+        "BLOCK_H": block_h,
+        "BLOCK_D": block_d,
+        "BLOCK_DV": block_dv,
+        # the JIT specializes unit strides; do the same here
+        "key_sd": 1,
+        "value_sd": 1,
+        "cache_sc": 1,
+    }
+    kv = _TRITON_DTYPE[key_dtype]
+    pointers = {
+        "key_ptr": f"*{kv}",
+        "value_ptr": f"*{kv}",
+        "cache_ptr": f"*{_TRITON_DTYPE[layout.dtype]}",
+        "cache_bytes_ptr": "*u8",
+        "slot_ptr": "*i64",
+        "k_scale_ptr": "*fp32",
+        "v_scale_ptr": "*fp32",
+    }
+    return {
+        "id": f"reshape_and_cache-{name}-sm{arch}",
+        "module": rc_mod.__name__,
+        "kernel": "_reshape_and_cache_kernel",
+        "signature": _signature(kernel, pointers, constexprs, int_type),
+        "constexprs": constexprs,
+        "arch": arch,
+        "num_warps": num_warps,
+    }
+
+
+def _layout(
+    dtype: str,
+    kv_quant: str = "none",
+    *,
+    heads: int = 8,
+    head: int = 128,
+    head_v: int = 128,
+    mla: bool = False,
+):
+    return KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=1024, num_kv_heads=1 if mla else heads, block_size=16,
+        head_size=head, head_size_v=0 if mla else head_v, dtype=dtype, kv_quant=kv_quant, is_mla=mla,
+    )  # fmt: skip
+
+
+def _reshape_cases() -> list[dict[str, Any]]:
+    cases = []
+    for arch in (90, 80):
+        fp8 = "fp8_e4m3" if arch == 90 else "fp8_e5m2"
+        cases += [
+            _reshape_case("bf16", arch, _layout("bfloat16"), "bfloat16"),
+            _reshape_case(
+                "fp16-odd-heads", arch, _layout("float16", heads=3, head=80, head_v=72), "float16"
+            ),
+            _reshape_case(
+                "fp32-i64-strides",
+                arch,
+                _layout("float32", heads=32, head=256, head_v=256),
+                "float32",
+                "i64",
+            ),
+            _reshape_case("fp8-per-tensor", arch, _layout(fp8, "fp8_per_tensor"), "bfloat16"),
+            _reshape_case(
+                "fp8-per-token-head", arch, _layout(fp8, "fp8_per_token_head"), "bfloat16"
+            ),
+            _reshape_case(
+                "int8-per-token-head",
+                arch,
+                _layout("int8", "int8_per_token_head", head=96),
+                "float16",
+            ),
+            _reshape_case("mla-bf16", arch, _layout("bfloat16", head=576, mla=True), "bfloat16"),
+            _reshape_case(
+                "mla-fp8-per-token-head",
+                arch,
+                _layout(fp8, "fp8_per_token_head", head=576, mla=True),
+                "bfloat16",
+            ),
+        ]
+    cases.append(
+        _reshape_case("fp8_e5m2-per-tensor", 90, _layout("fp8_e5m2", "fp8_per_tensor"), "float16")
+    )
+    return cases
+
+
+def _copy_case(name: str, arch: int, **constexprs: Any) -> dict[str, Any]:
+    kernel = copy_mod._copy_pages_kernel
+    pointers = {
+        "src_ptr": "*u8",
+        "dst_ptr": "*u8",
+        "src_layer_ptr": "*i64",
+        "dst_layer_ptr": "*i64",
+        "src_ids_ptr": "*i64",
+        "dst_ids_ptr": "*i64",
+    }
+    num_warps = max(1, min(4, constexprs["SPAN"] // 4096))
+    return {
+        "id": f"copy_pages-{name}-sm{arch}",
+        "module": copy_mod.__name__,
+        "kernel": "_copy_pages_kernel",
+        "signature": _signature(kernel, pointers, constexprs, "i64"),
+        "constexprs": constexprs,
+        "arch": arch,
+        "num_warps": num_warps,
+    }
+
+
+def _copy_cases() -> list[dict[str, Any]]:
+    cases = []
+    for arch in (90, 80):
+        base = {"ALIGN": 16, "SPAN": 16384}
+        cases += [
+            _copy_case(
+                "gather-per-layer",
+                arch,
+                SRC_TABLE=True,
+                DST_TABLE=False,
+                SRC_IDS=True,
+                DST_IDS=False,
+                **base,
+            ),
+            _copy_case(
+                "scatter-slab",
+                arch,
+                SRC_TABLE=False,
+                DST_TABLE=False,
+                SRC_IDS=False,
+                DST_IDS=True,
+                **base,
+            ),
+            _copy_case(
+                "copy-per-layer",
+                arch,
+                SRC_TABLE=True,
+                DST_TABLE=True,
+                SRC_IDS=True,
+                DST_IDS=True,
+                **base,
+            ),
+        ]
+        small = {
+            "SRC_TABLE": False,
+            "DST_TABLE": False,
+            "SRC_IDS": True,
+            "DST_IDS": False,
+            "ALIGN": 2,
+            "SPAN": 64,
+        }
+        cases.append(_copy_case("gather-unaligned-small", arch, **small))
+    return cases
+
+
+def _slot_cases() -> list[dict[str, Any]]:
+    cases = []
+    for arch in (90, 80):
+        for table in ("i32", "i64"):
+            c = {"BLOCK_SIZE": 16, "BLOCK": 256}
+            ptrs = {
+                "table_ptr": f"*{table}",
+                "pos_ptr": "*i64",
+                "qsl_ptr": "*i32",
+                "out_ptr": "*i64",
+            }
+            cases.append(
+                {
+                    "id": f"slot_mapping-{table}-sm{arch}",
+                    "module": sm_mod.__name__,
+                    "kernel": "_slot_mapping_kernel",
+                    "signature": _signature(sm_mod._slot_mapping_kernel, ptrs, c, "i32"),
+                    "constexprs": c,
+                    "arch": arch,
+                }
+            )
+            c = {"K": 4, "BLOCK": 256}
+            ptrs = {"table_ptr": f"*{table}", "out_ptr": f"*{table}"}
+            cases.append(
+                {
+                    "id": f"expand_block_table-{table}-sm{arch}",
+                    "module": sm_mod.__name__,
+                    "kernel": "_expand_block_table_kernel",
+                    "signature": _signature(sm_mod._expand_block_table_kernel, ptrs, c, "i32"),
+                    "constexprs": c,
+                    "arch": arch,
+                }
+            )
+    return cases
+
+
+CASES = _reshape_cases() + _copy_cases() + _slot_cases()
+
+
+@pytest.fixture(scope="module")
+def aot_results(aot_compile_checks) -> dict[str, dict[str, Any]]:
+    return aot_compile_checks(CASES)
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
+def test_kernel_compiles_for_gpu(case_id: str, aot_results: dict[str, dict[str, Any]]) -> None:
+    result = aot_results[case_id]
+    assert result["ok"], result.get("error")
+    assert result["cubin_bytes"] > 0
