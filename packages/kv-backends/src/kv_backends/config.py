@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kv_spec import (
     AttentionSpec,
@@ -225,12 +226,13 @@ class Platform:
     def cuda(
         cls, compute_capability: tuple[int, int], installed: Iterable[str] | None = None
     ) -> Platform:
+        major, minor = compute_capability
         return cls(
-            "cuda", tuple(compute_capability), None if installed is None else frozenset(installed)
-        )  # type: ignore[arg-type]
+            "cuda", (int(major), int(minor)), None if installed is None else frozenset(installed)
+        )
 
     @classmethod
-    def detect(cls, device: object = None) -> Platform:
+    def detect(cls, device: str | int | Any = None) -> Platform:
         """The platform of ``device`` (default: the current CUDA device if any, else the CPU)."""
         import torch
 
@@ -258,5 +260,5 @@ class Platform:
             return module in self.installed
         return self.probe(module)
 
-    def with_installed(self, installed: Iterable[str] | Mapping[str, bool]) -> Platform:
+    def with_installed(self, installed: Iterable[str]) -> Platform:
         return replace(self, installed=frozenset(installed))

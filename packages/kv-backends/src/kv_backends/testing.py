@@ -150,8 +150,8 @@ def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tens
     head with explicit masks: the obviously-correct answer every backend is held to."""
     cfg = b.config
     scale = scale if scale is not None else cfg.head_size**-0.5
-    qsl = b.common.query_start_loc_cpu.tolist()
-    seq_lens = b.common.seq_lens_cpu.tolist()
+    qsl = b.common.host_query_start_loc().tolist()
+    seq_lens = b.common.host_seq_lens().tolist()
     out = torch.zeros(b.q.shape[0], cfg.num_q_heads, cfg.head_size_v, dtype=torch.float64)
     group = cfg.num_q_heads // cfg.num_kv_heads
     q = b.q.double().cpu()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kv_spec import KVCacheLayout, to_torch_dtype
+from kv_spec import KVCacheLayout
 
 __all__ = ["attend_one_request", "dequant", "gather_request_kv", "write_kv_torch"]
 
@@ -156,7 +156,3 @@ def attend_one_request(
     else:
         probs = torch.softmax(logits, dim=-1)
     return torch.einsum("hls,hsd->lhd", probs, vv)  # [L, Hq, Dv]
-
-
-def cache_dtype_of(layout: KVCacheLayout) -> torch.dtype:
-    return to_torch_dtype(layout.dtype)

@@ -398,4 +398,5 @@ class FlashAttnBackend(AttentionBackend):
         choice = resolve_fa_version(config, platform)
         if choice.version is None:
             return False
-        return size % FA_VERSIONS[choice.version]["kernel_block_size_multiple_of"] == 0
+        multiple: int = FA_VERSIONS[choice.version]["kernel_block_size_multiple_of"]
+        return size % multiple == 0
