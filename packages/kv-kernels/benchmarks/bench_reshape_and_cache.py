@@ -1,0 +1,162 @@
+"""reshape_and_cache on a CUDA GPU: the Triton kernel against torch baselines in this process.
+
+Case (the issue's target): 64k tokens (65536), bf16, 8 kv heads, head size 128 (K and V), block 16,
+slots = whole blocks of a shuffled block table (what a prefill batch writes), LBNHC and LBHNC caches.
+Extra cases: fp8_e4m3 per-tensor and int8 per-token-head caches (bf16 in, 1-byte out).
+
+Effective bandwidth, bytes counted once each way::
+
+    bytes = T * H * (head_size + head_size_v) * (in_bytes + cache_bytes)   # K+V read + written
+          (+ T * H * 8 scale bytes written for per-token-head)
+
+The slot mapping (8 bytes/token) is not counted. Baselines, same cache, same slots:
+
+- ``torch index_copy_``: the cache viewed as ``[B*N, H, C]`` slots (NHD only), ``index_copy_`` of
+  K into ``[..., :head_size]`` and of V into ``[..., head_size:]`` (the issue's 1.29 TB/s baseline);
+- ``torch index_put``: advanced-index assignment ``cache[blk, :, off, k_range] = key`` (and V), any order;
+- our ``impl="reference"`` (torch, with quantization) for the quantized cases.
+
+Target: >= 2.5 TB/s for bf16. Writes ``DIR/reshape_and_cache.json`` and prints one JSON line per record::
+
+    PYTHONPATH=packages/kv-spec/src:packages/kv-kernels/src python3 \\
+        packages/kv-kernels/benchmarks/bench_reshape_and_cache.py --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.reshape_and_cache import reshape_and_cache
+from kv_spec import KVCacheLayout
+
+TOKENS, H, D, BLOCK = 65536, 8, 128, 16
+
+
+def _bench(fn: Callable[[], Any]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def _case(order: str, dtype: str, kv_quant: str) -> dict[str, Any]:
+    num_blocks = 2 * TOKENS // BLOCK  # the batch fills half the cache, in shuffled blocks
+    layout = KVCacheLayout(
+        order=order,
+        num_layers=1,
+        num_blocks=num_blocks,
+        num_kv_heads=H,
+        block_size=BLOCK,
+        head_size=D,
+        head_size_v=D,
+        dtype=dtype,
+        kv_quant=kv_quant,
+    )
+    view = layer_view(allocate_kv_cache(layout, "cuda"), layout, 0)
+    blocks = torch.randperm(num_blocks, device="cuda")[: TOKENS // BLOCK]
+    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).reshape(-1)  # [T] int64
+    key = torch.randn(TOKENS, H, D, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn(TOKENS, H, D, device="cuda", dtype=torch.bfloat16)
+    return {"layout": layout, "view": view, "slots": slots, "key": key, "value": value}
+
+
+def _bytes(layout: KVCacheLayout) -> int:
+    # K+V read (bf16) + written (cache dtype), plus the inline scales written
+    n = TOKENS * H * (layout.head_size + layout.head_size_v) * (2 + layout.element_bytes)
+    if layout.num_scales:
+        n += TOKENS * H * 4 * layout.num_scales
+    return n
+
+
+def _run_case(order: str, dtype: str, kv_quant: str, record: Callable[..., None]) -> None:
+    c = _case(order, dtype, kv_quant)
+    layout, view, slots, key, value = c["layout"], c["view"], c["slots"], c["key"], c["value"]
+    name = f"64k tok {order} {dtype}{'' if kv_quant == 'none' else ' ' + kv_quant}"
+    nbytes = _bytes(layout)
+    scales: tuple[Any, Any] = (0.05, 0.02) if kv_quant == "fp8_per_tensor" else (None, None)
+
+    def ours(impl: str = "triton") -> None:
+        reshape_and_cache(key, value, view, slots, layout, *scales, impl=impl)
+
+    baselines: dict[str, float] = {}
+    if kv_quant == "none":
+        blk, off = slots // BLOCK, slots % BLOCK
+        if order == "LBNHC":
+            # NHD: the layer is a [B*N, H, C] array of slots
+            flat = view.permute(0, 2, 1, 3).view(-1, H, 2 * D)  # a view: writes land in the cache
+            k_dst, v_dst = flat[:, :, :D], flat[:, :, D:]
+
+            def index_copy() -> None:
+                k_dst.index_copy_(0, slots, key)
+                v_dst.index_copy_(0, slots, value)
+
+            baselines["torch index_copy_"] = _bench(index_copy)
+
+        def index_put() -> None:
+            view[blk, :, off, :D] = key
+            view[blk, :, off, D:] = value
+
+        baselines["torch index_put"] = _bench(index_put)
+    else:
+        baselines["reference (torch)"] = _bench(lambda: ours("reference"))
+    primary = next(iter(baselines))
+    for impl_name, ms in baselines.items():
+        record(name, impl_name, ms, nbytes, None, None)
+    ours()
+    torch.cuda.synchronize()
+    record(name, "triton", _bench(ours), nbytes, primary, baselines[primary])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for reshape_and_cache.json")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    records: list[dict[str, Any]] = []
+
+    def record(
+        case: str, impl: str, ms: float, nbytes: int, baseline: str | None, base_ms: float | None
+    ) -> None:
+        value = nbytes / ms / 1e9  # bytes per ms -> TB/s
+        base_value = nbytes / base_ms / 1e9 if base_ms else None
+        rec = {
+            "bench": "reshape_and_cache",
+            "case": case,
+            "impl": impl,
+            "ms": ms,
+            "metric": "TB/s",
+            "value": value,
+            "baseline": baseline,
+            "baseline_value": base_value,
+            "ratio": (value / base_value) if base_value else None,
+            "device": device,
+        }
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    for order, dtype, kv_quant in (
+        ("LBNHC", "bfloat16", "none"),
+        ("LBHNC", "bfloat16", "none"),
+        ("LBNHC", "fp8_e4m3", "fp8_per_tensor"),
+        ("LBNHC", "int8", "int8_per_token_head"),
+    ):
+        _run_case(order, dtype, kv_quant, record)
+        torch.cuda.empty_cache()
+
+    with open(os.path.join(args.out, "reshape_and_cache.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    print("\n| case | impl | ms | TB/s | vs | ratio |\n|---|---|---|---|---|---|")
+    for r in records:
+        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(
+            f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['value']:.2f} | {r['baseline'] or ''} | {ratio} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
