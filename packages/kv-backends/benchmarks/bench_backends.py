@@ -158,7 +158,9 @@ def _case(
     except ImportError as e:
         print(f"# skip {name} {case}: {e}", file=sys.stderr)
         return None
-    via_backend = lambda: impl.forward(None, b.q, b.kv_cache, md, out=out)  # noqa: E731
+    # TRITON writes into a caller buffer (as the direct call does); Flex and FA return their own.
+    out_arg = out if name == "TRITON" else None
+    via_backend = lambda: impl.forward(None, b.q, b.kv_cache, md, out=out_arg)  # noqa: E731
     via_backend()
     torch.cuda.synchronize()
     ms_backend = _bench(via_backend)

@@ -280,9 +280,11 @@ class FlashAttnImpl(AttentionImpl):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.check_forward_inputs(q, kv_cache, metadata)
-        result = self.empty_output(q, out)
         t = metadata.num_actual_tokens
+        # Without padding rows and a caller buffer, FA's own output is returned as is (no copy).
+        result = self.empty_output(q, out) if (out is not None or q.shape[0] != t) else None
         if t == 0:
+            assert result is not None
             return result
         cache, klayout = self.kernel_cache(kv_cache)  # [B, H, N, C]
         nhd = cache.transpose(1, 2)  # [B, N, H, C] view (no copy)
@@ -347,6 +349,8 @@ class FlashAttnImpl(AttentionImpl):
             )
         if isinstance(o, tuple):  # some versions return (out, lse)
             o = o[0]
+        if result is None:
+            return o
         result[:t] = o
         return result
 

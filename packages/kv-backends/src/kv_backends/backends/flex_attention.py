@@ -619,17 +619,21 @@ class FlexAttentionImpl(AttentionImpl):
                     kernel_options=kernel_options,
                 )
             o, lse = res if need_lse else (res, None)
-            outs.append(o[0].float())  # [Hq, T, Dv]
+            outs.append(o[0])  # [Hq, T, Dv]
             if lse is not None:
                 lses.append(lse[0].float())  # [Hq, T]
+        if not need_lse:
+            # The common case: one window, no sinks; one copy into [T, Hq, Dv], no upcast.
+            result[:num_tokens] = outs[0].transpose(0, 1)
+            return result
         if len(outs) == 1:
-            o = outs[0]
-            lse = lses[0] if lses else None
+            o = outs[0].float()
+            lse = lses[0]
         else:
             lse_all = torch.stack(lses)  # [W, Hq, T]
             lse = torch.logsumexp(lse_all, dim=0)
             weights = torch.exp(lse_all - lse[None]).nan_to_num(0.0)  # [W, Hq, T]
-            o = (torch.stack(outs) * weights[..., None]).sum(0)
+            o = (torch.stack(outs).float() * weights[..., None]).sum(0)
         if self.sinks is not None:
             assert lse is not None
             o = o * torch.sigmoid(lse - self.sinks.float().to(o.device)[:, None])[..., None]
