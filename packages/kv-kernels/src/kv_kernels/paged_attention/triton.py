@@ -627,6 +627,8 @@ def select_config(
     row_bytes = (d_pad + dv_pad) * max(elem_bytes, 2)  # one KV token of K and V in shared memory
     if kind == "decode":
         block_m = max(16, _pow2(group))
+        # H100, head 128, bf16: every tile_n in 32..128 and 2..4 stages read within 1% of each
+        # other (2.85-2.94 TB/s of a 3.0 TB/s copy): bandwidth comes from occupancy and splits.
         tile_n = 64 if d_pad + dv_pad <= 256 else 32
         num_warps = 4
         num_stages = 4
@@ -634,7 +636,10 @@ def select_config(
         block_m = 128 if max(d_pad, dv_pad) <= 128 else 64
         block_m = max(block_m, _pow2(group))
         tile_n = 64
-        num_warps = 8 if block_m >= 128 and d_pad >= 128 else 4
+        # Measured on an H100 (4 x 4096 causal, head 128, block 16, tile_n 64): one warpgroup
+        # over the 128 rows with 3 stages gave 326 TFLOP/s; 8 warps gave 315 / 293 / 293 with
+        # 2 / 3 / 4 stages; 64 rows gave 287.
+        num_warps = 4
         num_stages = 3
     else:
         raise ValueError(f"config kind={kind!r} must be 'decode' or 'prefill'")
@@ -771,31 +776,26 @@ def paged_attention_triton(
         )
     else:
         part_out = part_lse = out  # never touched
-    if isinstance(k_scale, torch.Tensor):
-        kv_scale_mode = 2
-        assert isinstance(v_scale, torch.Tensor)
-        ks_ptr, vs_ptr = k_scale, v_scale
-        ks_stride, vs_stride = (
-            (0 if k_scale.numel() == 1 else 1),
-            (0 if v_scale.numel() == 1 else 1),
-        )
-        ks_val = vs_val = 1.0
-    elif k_scale is not None:
-        kv_scale_mode = 1
-        if isinstance(v_scale, torch.Tensor):  # mixed float / tensor: read both from memory
-            kv_scale_mode = 2
-            ks_ptr = torch.full((1,), float(k_scale), dtype=torch.float32, device=q.device)
-            vs_ptr, ks_stride, vs_stride = v_scale, 0, (0 if v_scale.numel() == 1 else 1)
-            ks_val = vs_val = 1.0
-        else:
-            ks_ptr = vs_ptr = q
-            ks_stride = vs_stride = 0
-            ks_val, vs_val = float(k_scale), float(v_scale)  # type: ignore[arg-type]
-    else:
+    # fp8 dequant scales: two floats ride as scalar arguments; if either is a tensor (per tensor
+    # or per kv head) both are read from memory (a float partner becomes a 1-element tensor).
+    ks_ptr = vs_ptr = q
+    ks_stride = vs_stride = 0
+    ks_val = vs_val = 1.0
+    if k_scale is None:
         kv_scale_mode = 0
-        ks_ptr = vs_ptr = q
-        ks_stride = vs_stride = 0
-        ks_val = vs_val = 1.0
+    elif isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
+        kv_scale_mode = 2
+        ks_ptr, vs_ptr = (
+            x
+            if isinstance(x, torch.Tensor)
+            else torch.full((1,), float(x), dtype=torch.float32, device=q.device)  # type: ignore[arg-type]
+            for x in (k_scale, v_scale)
+        )
+        ks_stride = 0 if ks_ptr.numel() == 1 else 1
+        vs_stride = 0 if vs_ptr.numel() == 1 else 1
+    else:
+        kv_scale_mode = 1
+        ks_val, vs_val = float(k_scale), float(v_scale)  # type: ignore[arg-type]
     lse_t = lse if lse is not None else out
     common: dict[str, Any] = dict(
         HEAD_SIZE=head_size,
