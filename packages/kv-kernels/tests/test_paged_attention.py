@@ -604,3 +604,61 @@ def test_fp8_reference_dequantizes_per_head() -> None:
         deq["ks"][s] = (flat[..., :16] * k_scale[:, None, None]).double()
         deq["vs"][s] = (flat[..., 16:] * v_scale).double()
     assert_close(got, oracle(deq)[0], torch.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# custom op
+# ------------------------------------------------------------------------------------------
+
+
+def test_custom_op_opcheck() -> None:
+    b = make_batch(q_lens=[3, 1], seq_lens=[20, 9], head_size=16, device="cpu")
+    b["kv"].nan_to_num_(0.0)  # opcheck compares whole tensors across runs
+    out = torch.empty(4, 8, 16)
+    lse = torch.empty(4, 8)
+    args = (
+        b["q"],
+        b["kv"],
+        b["layout"].to_json(),
+        b["block_table"],
+        b["seq_lens"],
+        b["qsl"],
+        3,
+        -1,
+        0.25,
+        True,
+        -1,
+        torch.randn(8),
+        0.0,
+        None,
+        None,
+        None,
+        0,
+        out,
+        lse,
+        "reference",
+    )
+    torch.library.opcheck(torch.ops.kv_kernels.paged_attention.default, args)
+
+
+def test_torch_compile_runs_the_custom_op() -> None:
+    b = make_batch(q_lens=[3, 1], seq_lens=[20, 9], head_size=16, device="cpu")
+
+    def step(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return paged_attention(
+            q,
+            b["kv"],
+            b["layout"],
+            b["block_table"],
+            b["seq_lens"],
+            b["qsl"],
+            3,
+            sliding_window=6,
+            return_lse=True,
+            impl="reference",
+        )
+
+    out, lse = torch.compile(step, backend="eager", fullgraph=True)(b["q"])
+    ref, ref_lse = oracle(b, sliding_window=6)
+    assert_close(out, ref, torch.float32)
+    assert_lse_close(lse, ref_lse)

@@ -18,6 +18,8 @@ import os
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode, to_torch_dtype
 
+from kv_kernels.paged_attention._op import paged_attention_op
+
 __all__ = ["merge_attn_states", "paged_attention"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -159,6 +161,33 @@ def paged_attention(
     ``lse = -inf`` (or its sink). Rows past ``query_start_loc[-1]`` (CUDA-graph padding) are not
     written. Unsupported: MLA layouts and per-token-head quantized caches (``ValueError``).
     """
+    if torch.compiler.is_compiling():
+        # One opaque node for torch.compile; the op runs this function again, eagerly, and
+        # validates there (validation itself is not traceable).
+        if out is None:
+            out = q.new_empty((q.shape[0], q.shape[1], layout.head_size_v))
+        return paged_attention_op(
+            q,
+            kv_cache,
+            layout,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            max_query_len,
+            max_seq_len=max_seq_len,
+            scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            sinks=sinks,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            num_splits=num_splits,
+            return_lse=return_lse,
+            out=out,
+            impl=impl,
+        )
     _check_layout(layout)
     for name, t in (
         ("q", q),
