@@ -20,24 +20,33 @@ def aot_compile(
     arch: int = 90,
     num_warps: int = 4,
     num_stages: int = 3,
+    divisible_by_16: tuple[str, ...] = (),
 ) -> Any:
     """Compile ``kernel`` (a ``@triton.jit`` function) for ``cuda`` sm_``arch`` and return the
     compiled kernel (``.asm`` holds ``ttir``, ``ptx`` and ``cubin``).
 
     ``signature`` maps every argument to a Triton type (``"*bf16"``, ``"i64"``, ``"fp32"``) or
-    ``"constexpr"``; ``constexprs`` gives the constexpr values by name.
+    ``"constexpr"``; ``constexprs`` gives the constexpr values by name. ``divisible_by_16`` names
+    the pointer / int arguments the launcher would specialize as 16-divisible (aligned pointers,
+    strides and sizes), so the AOT build vectorizes like the JIT build on a GPU does.
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    inner = getattr(kernel, "fn", kernel)  # unwrap @triton.autotune / @triton.heuristics
+    inner = kernel  # unwrap @triton.autotune / @triton.heuristics down to the JITFunction
     while not hasattr(inner, "arg_names") and hasattr(inner, "fn"):
         inner = inner.fn
+    if not hasattr(inner, "arg_names"):
+        raise ValueError(f"aot_compile: {kernel!r} is not a @triton.jit kernel")
     missing = [a for a in inner.arg_names if a not in signature]
     if missing:
         raise ValueError(f"aot_compile: signature lacks arguments {missing} of {inner.__name__}")
-    src = ASTSource(fn=inner, signature=signature, constexprs=constexprs)
+    unknown = [a for a in divisible_by_16 if a not in inner.arg_names]
+    if unknown:
+        raise ValueError(f"aot_compile: divisible_by_16 names unknown arguments {unknown}")
+    attrs = {(inner.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible_by_16}
+    src = ASTSource(fn=inner, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(
         src,
         target=GPUTarget("cuda", arch, 32),
