@@ -346,7 +346,7 @@ def test_gpu_real_allocation_past_2_31_bytes() -> None:
     last = [layout.num_blocks - 1, layout.num_blocks - 5]
     src = torch.randint(0, 256, (2, 2 * layout.page_bytes), dtype=torch.uint8, pin_memory=True)
     scatter_blocks(src, storage, layout, last)
-    back = torch.zeros_like(src)
+    back = torch.zeros(src.shape, dtype=torch.uint8, pin_memory=True)
     gather_blocks(storage, layout, last, back)
     torch.cuda.synchronize()
     assert torch.equal(back, src)

@@ -31,6 +31,32 @@ def test_ops_are_registered_once() -> None:
     importlib.reload(_ops)  # a second import must not fail on re-registration either
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        _layout(),
+        _layout("BHLNC", dtype="int8", kv_quant="int8_per_token_head"),
+        _layout(
+            num_kv_heads=1,
+            is_mla=True,
+            head_size_v=0,
+            dtype="fp8_e5m2",
+            kv_quant="fp8_per_token_head",
+        ),
+        KVCacheLayout.from_dict(
+            {**_layout().to_dict(), "page_size_bytes": _layout().page_bytes + 64}
+        ),
+    ],
+)
+def test_layout_json_round_trip(layout: KVCacheLayout) -> None:
+    """The ops carry the layout as the f-string JSON of _ops._layout_json; it reads back equal."""
+    assert KVCacheLayout.from_json(_ops._layout_json(layout)) == layout
+    assert (
+        KVCacheLayout.from_json(_ops._layout_json(layout)).compatibility_hash()
+        == layout.compatibility_hash()
+    )
+
+
 def test_opcheck_reshape_and_cache() -> None:
     layout = _layout()
     storage = allocate_kv_cache(layout)

@@ -468,13 +468,14 @@ def test_gpu_parity_unquantized(order: str, dtype: str) -> None:
 def test_gpu_parity_quantized(order: str, dtype: str, kv_quant: str, scales: str | None) -> None:
     layout, key, value, slots = _gpu_case(order, dtype, kv_quant, seed=3)
     k_scale = v_scale = None
+    # |k| < ~16, |v| < ~5.5: scales keep x / scale inside e4m3's 448 (values past it saturate)
     if scales == "float":
-        k_scale, v_scale = 0.05, 0.01
+        k_scale, v_scale = 0.05, 0.02
     elif scales == "per_head":
-        k_scale = torch.linspace(0.01, 0.08, 8, device="cuda")
-        v_scale = torch.linspace(0.002, 0.02, 8, device="cuda")
+        k_scale = torch.linspace(0.04, 0.1, 8, device="cuda")
+        v_scale = torch.linspace(0.015, 0.05, 8, device="cuda")
     elif scales == "tensor1":
-        k_scale, v_scale = torch.tensor(0.05, device="cuda"), torch.tensor([0.01], device="cuda")
+        k_scale, v_scale = torch.tensor(0.05, device="cuda"), torch.tensor([0.02], device="cuda")
     ref, tri = _write_both(layout, key, value, slots, k_scale, v_scale)
     for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
         assert torch.equal(a, b)  # IEEE division and round-to-nearest-even casts on both sides

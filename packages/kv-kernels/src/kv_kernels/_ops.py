@@ -35,10 +35,23 @@ def _layout(layout_json: str) -> KVCacheLayout:
     return KVCacheLayout.from_json(layout_json)
 
 
-@torch.compiler.assume_constant_result
 def _layout_json(layout: KVCacheLayout) -> str:
-    """The layout's JSON; a constant of the graph under torch.compile (it is traced, not run)."""
-    return layout.to_json()
+    """The layout as JSON, for the op schemas (``KVCacheLayout.from_json`` reads it back).
+
+    Written with an f-string over the fields rather than ``layout.to_json()``: under torch.compile
+    dynamo folds attribute reads and string formatting of constants into one constant string,
+    while it cannot trace ``json.dumps`` nor (torch 2.11) pass a frozen dataclass to
+    ``assume_constant_result``. Every field is an int, a bool or a plain identifier, so no escaping
+    is needed; a test checks the round trip.
+    """
+    return (
+        f'{{"order":"{layout.order.value}","num_layers":{layout.num_layers},'
+        f'"num_blocks":{layout.num_blocks},"num_kv_heads":{layout.num_kv_heads},'
+        f'"block_size":{layout.block_size},"head_size":{layout.head_size},'
+        f'"head_size_v":{layout.head_size_v},"dtype":"{layout.dtype}",'
+        f'"kv_quant":"{layout.kv_quant.value}","is_mla":{"true" if layout.is_mla else "false"},'
+        f'"page_size_bytes":{layout.page_size_bytes}}}'
+    )
 
 
 def _storage(tensors: list[Tensor], layout: KVCacheLayout) -> Tensor | list[Tensor]:

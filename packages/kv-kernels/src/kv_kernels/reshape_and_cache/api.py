@@ -85,21 +85,22 @@ def _resolve_impl(impl: str, kv_cache: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
     if impl == "auto":
-        return "triton" if kv_cache.is_cuda else "reference"
-    if impl == "triton":
-        if kv_cache.is_cuda:
-            if kv_cache.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(
-                kv_cache.device
-            ) < (8, 9):
-                raise ValueError(
-                    f"impl='triton' cannot store float8_e4m3fn on {torch.cuda.get_device_name(kv_cache.device)} "
-                    "(Triton supports e4m3 from sm_89); use impl='reference' or an fp8_e5m2 cache"
-                )
-        elif not _triton_interpreting():
+        impl = "triton" if kv_cache.is_cuda else "reference"
+    if impl == "reference":
+        return impl
+    if not kv_cache.is_cuda:
+        if not _triton_interpreting():
             raise ValueError(
                 f"impl='triton' needs CUDA tensors (the cache is on {kv_cache.device}); use "
                 "impl='reference' on the CPU, or set TRITON_INTERPRET=1 before importing kv_kernels"
             )
+        return impl
+    capability = torch.cuda.get_device_capability(kv_cache.device)
+    if kv_cache.dtype == torch.float8_e4m3fn and capability < (8, 9):
+        raise ValueError(
+            f"the Triton cache write cannot store float8_e4m3fn on sm_{capability[0]}{capability[1]} "
+            "(Triton has e4m3 from sm_89 on); use impl='reference' or an fp8_e5m2 cache"
+        )
     return impl
 
 
