@@ -44,6 +44,9 @@ def test_demo_runs_as_a_user_runs_it() -> None:
     res = subprocess.run([sys.executable, "-m", "kvstack.cli", "demo"], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert "KV-cache plans" in res.stdout and "Llama-3-8B" in res.stdout
+    # step 2 serves the tiny model through the real stack and holds each backend to the oracle
+    assert "continuous batching over one paged cache" in res.stdout
+    assert "TORCH_SDPA selected on cpu" in res.stdout and "disagreed" not in res.stdout
 
 
 @pytest.mark.parametrize(("text", "n"), [("40GiB", 40 * 2**30), ("512 MiB", 2**29), ("1e9", 10**9), ("2kb", 2000)])
