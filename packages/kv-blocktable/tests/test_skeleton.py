@@ -23,5 +23,7 @@ def test_exports_are_declared() -> None:
 
 def test_imports_nothing_above_itself() -> None:
     code = "import sys, kv_blocktable; print(' '.join(m for m in ('kvstack', 'kv_connectors') if m in sys.modules and m != 'kv_blocktable'))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == ""

@@ -20,7 +20,9 @@ def test_plan_prints_hand_checked_numbers(capsys: pytest.CaptureFixture[str]) ->
     assert "20,480" in out and "64.00 KiB" in out and "40.00" in out
 
 
-def test_plan_says_how_much_a_request_needs_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_says_how_much_a_request_needs_when_it_does_not_fit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out = run(capsys, "plan", "MiMo-V2-Flash", "--memory", "4GiB")
     assert code == 0
     assert "one request needs" in out and "GiB" in out
@@ -41,7 +43,9 @@ def test_models_lists_the_catalogue(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_runs_as_a_user_runs_it() -> None:
-    res = subprocess.run([sys.executable, "-m", "kvstack.cli", "demo"], capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstack.cli", "demo"], capture_output=True, text=True, check=False
+    )
     assert res.returncode == 0, res.stderr
     assert "KV-cache plans" in res.stdout and "Llama-3-8B" in res.stdout
     # step 2 serves the tiny model through the real stack and holds each backend to the oracle
@@ -49,7 +53,9 @@ def test_demo_runs_as_a_user_runs_it() -> None:
     assert "TORCH_SDPA selected on cpu" in res.stdout and "disagreed" not in res.stdout
 
 
-@pytest.mark.parametrize(("text", "n"), [("40GiB", 40 * 2**30), ("512 MiB", 2**29), ("1e9", 10**9), ("2kb", 2000)])
+@pytest.mark.parametrize(
+    ("text", "n"), [("40GiB", 40 * 2**30), ("512 MiB", 2**29), ("1e9", 10**9), ("2kb", 2000)]
+)
 def test_parse_bytes(text: str, n: int) -> None:
     assert parse_bytes(text) == n
 

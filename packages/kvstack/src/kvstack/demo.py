@@ -88,7 +88,9 @@ def _serve_tiny_model(console: Console) -> bool:
     torch.manual_seed(0)
     common_kw = dict(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype="float32")
     specs = {
-        f"layers.{i}": SlidingWindowSpec(sliding_window=WINDOW, **common_kw) if i % 2 == 0 else FullAttentionSpec(**common_kw)  # type: ignore[arg-type]
+        f"layers.{i}": SlidingWindowSpec(sliding_window=WINDOW, **common_kw)
+        if i % 2 == 0
+        else FullAttentionSpec(**common_kw)  # type: ignore[arg-type]
         for i in range(NUM_LAYERS)
     }
     plan = plan_kv_cache(specs, 2 * 2**20, max_model_len=256, max_num_batched_tokens=128)
@@ -117,12 +119,16 @@ def _serve_tiny_model(console: Console) -> bool:
                 config, layouts[g.group_id], max_num_batched_tokens=128
             )
             for layer_name in g.layer_names:
-                impls[backend_name][layer_name] = backend.make_impl(config, layouts[g.group_id], sinks=sinks[layer_name])
+                impls[backend_name][layer_name] = backend.make_impl(
+                    config, layouts[g.group_id], sinks=sinks[layer_name]
+                )
 
     requests = [Request("A", 45, 64, 3), Request("B", 7, 64, 4), Request("C", 80, 40, 2)]
     free = list(range(plan.num_blocks - 1, -1, -1))  # stand-in for kv-blocktable's BlockPool
     history: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    table = Table(title="continuous batching over one paged cache (max |error| vs a float64 dense oracle)")
+    table = Table(
+        title="continuous batching over one paged cache (max |error| vs a float64 dense oracle)"
+    )
     for col in ("step", "batch", "tokens", *CPU_BACKENDS):
         table.add_column(col)
     scale = 1 / math.sqrt(HEAD)
@@ -140,7 +146,9 @@ def _serve_tiny_model(console: Console) -> bool:
                 while len(have) * BLOCK < r.computed + r.next_query_len():
                     have.append(free.pop())
             width = max(len(r.blocks[g.group_id]) for r, _ in active)
-            rows = [r.blocks[g.group_id] + [0] * (width - len(r.blocks[g.group_id])) for r, _ in active]
+            rows = [
+                r.blocks[g.group_id] + [0] * (width - len(r.blocks[g.group_id])) for r, _ in active
+            ]
             per_group_md[g.group_id] = CommonAttentionMetadata.from_lists(
                 query_lens=query_lens, seq_lens=seq_lens, block_table=rows, block_size=BLOCK
             )
@@ -156,20 +164,29 @@ def _serve_tiny_model(console: Console) -> bool:
                 k = torch.randn(num_tokens, KV_HEADS, HEAD)
                 v = torch.randn(num_tokens, KV_HEADS, HEAD)
                 # One backend writes the cache (they share it); every backend then reads it.
-                impls["TORCH_SDPA"][layer_name].do_kv_cache_update(None, k, v, kv_cache, common.slot_mapping)  # type: ignore[attr-defined]
+                impls["TORCH_SDPA"][layer_name].do_kv_cache_update(
+                    None, k, v, kv_cache, common.slot_mapping
+                )  # type: ignore[attr-defined]
                 expected = []
                 start = 0
                 for (r, n), _s in zip(active, seq_lens, strict=True):
                     hk, hv = history.get((r.name, layer_name), (k[:0], v[:0]))
-                    hk, hv = torch.cat([hk, k[start : start + n]]), torch.cat([hv, v[start : start + n]])
+                    hk, hv = (
+                        torch.cat([hk, k[start : start + n]]),
+                        torch.cat([hv, v[start : start + n]]),
+                    )
                     history[r.name, layer_name] = (hk, hv)
-                    expected.append(_oracle(q[start : start + n], hk, hv, sinks[layer_name], window, scale))
+                    expected.append(
+                        _oracle(q[start : start + n], hk, hv, sinks[layer_name], window, scale)
+                    )
                     start += n
                 want = torch.cat(expected)
                 for backend_name in CPU_BACKENDS:
                     md = builders[backend_name, g.group_id].build(common)  # type: ignore[attr-defined]
                     got = impls[backend_name][layer_name].forward(None, q, kv_cache, md)  # type: ignore[attr-defined]
-                    errors[backend_name] = max(errors[backend_name], (got.double() - want).abs().max().item())
+                    errors[backend_name] = max(
+                        errors[backend_name], (got.double() - want).abs().max().item()
+                    )
         for r, n in active:
             r.computed += n
         kinds = ", ".join(
@@ -191,7 +208,9 @@ def _serve_tiny_model(console: Console) -> bool:
 
 
 def run(console: Console, *, memory: int) -> int:
-    table = _plan_table(f"Step 1 — KV-cache plans for {format_bytes(memory)} of KV memory per GPU (block 16, TP 1)")
+    table = _plan_table(
+        f"Step 1 — KV-cache plans for {format_bytes(memory)} of KV memory per GPU (block 16, TP 1)"
+    )
     for name in CATALOGUE:
         table.add_row(*_plan_row(name, memory, 16, 1, None, "LBNHC"))
     console.print(table)
