@@ -55,23 +55,25 @@ def triton_device() -> str:
 
 _AOT_SCRIPT = textwrap.dedent(
     """
-    import importlib, json, sys, traceback
+    import importlib, json, re, sys, traceback
     from kv_kernels.aot import aot_compile
-
-    class _Wrapped:  # aot_compile unwraps `.fn` once: hand it the JITFunction one level down
-        def __init__(self, fn):
-            self.fn = fn
 
     results = {}
     for case in json.load(sys.stdin):
         kernel = getattr(importlib.import_module(case["module"]), case["kernel"])
         try:
             compiled = aot_compile(
-                _Wrapped(kernel), case["signature"], case["constexprs"],
-                arch=case["arch"], num_warps=case.get("num_warps", 4),
+                kernel, case["signature"], case["constexprs"], arch=case["arch"],
+                num_warps=case.get("num_warps", 4),
+                divisible_by_16=tuple(case.get("divisible_by_16", ())),
             )
-            results[case["id"]] = {"ok": True, "ptx_bytes": len(compiled.asm["ptx"]),
-                                   "cubin_bytes": len(compiled.asm["cubin"])}
+            ptx = compiled.asm["ptx"]
+            results[case["id"]] = {
+                "ok": True, "ptx_bytes": len(ptx), "cubin_bytes": len(compiled.asm["cubin"]),
+                # 16-byte vector accesses, the sign that loads/stores were vectorized
+                "ld_v4": len(re.findall(r"ld\\.global[^\\n]*\\.v4", ptx)),
+                "st_v4": len(re.findall(r"st\\.global[^\\n]*\\.v4", ptx)),
+            }
         except Exception:
             results[case["id"]] = {"ok": False, "error": traceback.format_exc()[-4000:]}
     print("AOT-RESULTS" + json.dumps(results))
@@ -83,8 +85,9 @@ _AOT_SCRIPT = textwrap.dedent(
 def aot_compile_checks() -> Callable[[list[dict[str, Any]]], dict[str, dict[str, Any]]]:
     """Compile cases for real GPU targets in one subprocess with the interpreter off.
 
-    Each case: ``{"id", "module", "kernel", "signature", "constexprs", "arch", "num_warps"?}``;
-    returns ``{id: {"ok": bool, "error"?: str, "ptx_bytes"?, "cubin_bytes"?}}``.
+    Each case: ``{"id", "module", "kernel", "signature", "constexprs", "arch", "num_warps"?,
+    "divisible_by_16"?}``; returns ``{id: {"ok": bool, "error"?: str, "ptx_bytes"?, "cubin_bytes"?,
+    "ld_v4"?, "st_v4"?}}`` (the last two count 16-byte vector loads / stores in the PTX).
     """
 
     def run(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

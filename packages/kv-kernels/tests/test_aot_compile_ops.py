@@ -72,7 +72,23 @@ def _reshape_case(
         "k_scale_ptr": "*fp32",
         "v_scale_ptr": "*fp32",
     }
+    # What the JIT launcher would specialize as 16-divisible for a contiguous key/value and an
+    # LBNHC cache of this layout: the pointers, and the strides that are multiples of 16.
+    c = layout.content_size
+    strides = {
+        "key_st": layout.num_kv_heads * layout.head_size,
+        "key_sh": layout.head_size,
+        "value_st": layout.num_kv_heads * max(layout.head_size_v, 1),
+        "value_sh": max(layout.head_size_v, 1),
+        "cache_sb": layout.block_size * layout.num_kv_heads * c,
+        "cache_sn": layout.num_kv_heads * c,
+        "cache_sh": c,
+        "num_slots": layout.num_blocks * layout.block_size,
+    }
+    div16 = [name for name in pointers if name not in ("k_scale_ptr", "v_scale_ptr")]
+    div16 += [name for name, v in strides.items() if v % 16 == 0]
     return {
+        "divisible_by_16": div16,
         "id": f"reshape_and_cache-{name}-sm{arch}",
         "module": rc_mod.__name__,
         "kernel": "_reshape_and_cache_kernel",
@@ -149,7 +165,13 @@ def _copy_case(name: str, arch: int, **constexprs: Any) -> dict[str, Any]:
         "dst_ids_ptr": "*i64",
     }
     num_warps = max(1, min(4, constexprs["SPAN"] // 4096))
+    aligned = constexprs["ALIGN"] == 16
+    ints = [
+        "src_layer_stride", "dst_layer_stride", "src_row_stride", "dst_row_stride",
+        "src_chunk_stride", "dst_chunk_stride", "chunk_bytes",
+    ]  # fmt: skip
     return {
+        "divisible_by_16": [*pointers, *ints] if aligned else [],
         "id": f"copy_pages-{name}-sm{arch}",
         "module": copy_mod.__name__,
         "kernel": "_copy_pages_kernel",
@@ -254,3 +276,14 @@ def test_kernel_compiles_for_gpu(case_id: str, aot_results: dict[str, dict[str, 
     result = aot_results[case_id]
     assert result["ok"], result.get("error")
     assert result["cubin_bytes"] > 0
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_hot_paths_use_16_byte_vectors(arch: int, aot_results: dict[str, dict[str, Any]]) -> None:
+    """The bandwidth-bound paths keep 16-byte vector accesses (a regression here costs ~2x)."""
+    bf16 = aot_results[f"reshape_and_cache-bf16-sm{arch}"]
+    assert bf16["ld_v4"] >= 2 and bf16["st_v4"] >= 2, bf16  # one K and one V row vector each
+    for name in ("gather-per-layer", "scatter-slab", "copy-per-layer"):
+        r = aot_results[f"copy_pages-{name}-sm{arch}"]
+        # 16 KiB per program over 128 threads: 8 vectors of 16 bytes in, 8 out
+        assert r["ld_v4"] >= 8 and r["st_v4"] >= 8, (name, r)
