@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kv_spec import CATALOGUE
 from rich.console import Console
@@ -23,6 +24,9 @@ from rich.table import Table
 
 from kvstack.cli import _plan_row, _plan_table
 from kvstack.units import format_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["run"]
 
@@ -53,7 +57,9 @@ class Request:
         return 1 if self.computed < self.prompt_len + self.decode_steps else 0
 
 
-def _oracle(q, k, v, sinks, window, scale):  # type: ignore[no-untyped-def]
+def _oracle(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
     """float64 dense attention of one request: q [Tq, Hq, D], k/v [S, H, D]; the last Tq positions."""
     import torch
 
@@ -86,11 +92,11 @@ def _serve_tiny_model(console: Console) -> bool:
     from kv_spec import FullAttentionSpec, SlidingWindowSpec, plan_kv_cache
 
     torch.manual_seed(0)
-    common_kw = dict(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype="float32")
+    common_kw: dict[str, Any] = dict(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype="float32")
     specs = {
         f"layers.{i}": SlidingWindowSpec(sliding_window=WINDOW, **common_kw)
         if i % 2 == 0
-        else FullAttentionSpec(**common_kw)  # type: ignore[arg-type]
+        else FullAttentionSpec(**common_kw)
         for i in range(NUM_LAYERS)
     }
     plan = plan_kv_cache(specs, 2 * 2**20, max_model_len=256, max_num_batched_tokens=128)
@@ -104,8 +110,8 @@ def _serve_tiny_model(console: Console) -> bool:
     layouts = {g.group_id: plan.layout(g.group_id) for g in plan.groups}
     storage = allocate_kv_cache(layouts[0])
     platform = Platform.cpu()
-    impls: dict[str, dict[str, object]] = {name: {} for name in CPU_BACKENDS}
-    builders: dict[tuple[str, int], object] = {}
+    impls: dict[str, dict[str, Any]] = {name: {} for name in CPU_BACKENDS}
+    builders: dict[tuple[str, int], Any] = {}
     sinks = {name: torch.randn(Q_HEADS) for name in specs}
     for g in plan.groups:
         config = AttentionConfig.from_spec(g.spec, num_q_heads=Q_HEADS, has_sinks=True)
@@ -166,7 +172,7 @@ def _serve_tiny_model(console: Console) -> bool:
                 # One backend writes the cache (they share it); every backend then reads it.
                 impls["TORCH_SDPA"][layer_name].do_kv_cache_update(
                     None, k, v, kv_cache, common.slot_mapping
-                )  # type: ignore[attr-defined]
+                )
                 expected = []
                 start = 0
                 for (r, n), _s in zip(active, seq_lens, strict=True):
@@ -182,8 +188,8 @@ def _serve_tiny_model(console: Console) -> bool:
                     start += n
                 want = torch.cat(expected)
                 for backend_name in CPU_BACKENDS:
-                    md = builders[backend_name, g.group_id].build(common)  # type: ignore[attr-defined]
-                    got = impls[backend_name][layer_name].forward(None, q, kv_cache, md)  # type: ignore[attr-defined]
+                    md = builders[backend_name, g.group_id].build(common)
+                    got = impls[backend_name][layer_name].forward(None, q, kv_cache, md)
                     errors[backend_name] = max(
                         errors[backend_name], (got.double() - want).abs().max().item()
                     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode, to_torch_dtype
@@ -306,7 +307,7 @@ def paged_attention(
     impl = _resolve_impl(impl, device)
     if device.type == "cpu":
         _check_values(block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout)
-    common = dict(
+    common: dict[str, Any] = dict(
         k_range=layout.k_range,
         v_range=layout.v_range,
         block_table=block_table,

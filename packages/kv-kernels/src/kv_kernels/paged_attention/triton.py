@@ -731,7 +731,7 @@ def paged_attention_triton(
     )
     num_seqs = block_table.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
-        return (out, lse) if return_lse else out
+        return (out, lse) if lse is not None else out
     arch, num_sms = _arch_and_sms(q.device)
     elem = kv_cache.element_size()
     cfg_dec = select_config(
@@ -902,7 +902,7 @@ def paged_attention_triton(
             WRITE_LSE=return_lse,
             num_warps=4 if dv_pad * _pow2(num_splits) >= 2048 else 2,
         )
-    return (out, lse) if return_lse else out  # type: ignore[return-value]
+    return (out, lse) if lse is not None else out
 
 
 def merge_attn_states_triton(
