@@ -241,6 +241,9 @@ def gather_blocks(
     ``uint8 [n, num_layers * page_bytes]`` buffer (format in the module docstring) on any device;
     with ``impl="triton"`` on the cache's GPU or in pinned host memory. Block ids on the CPU are
     range-checked; ids on the GPU are not (that would synchronize) and out-of-range ones are skipped.
+
+    CUDA graphs: capture works with a cross-layer (slab) layout and block ids already on the GPU;
+    a per-layer cache needs a per-call address table and raises under capture.
     """
     if torch.compiler.is_compiling():
         _ops.gather_blocks_op(kv_cache, layout, block_ids, out, impl=impl)
