@@ -95,7 +95,7 @@ def _reshape_and_cache(
 
 
 @_reshape_and_cache.register_fake
-def _(key, value, kv_cache, slot_mapping, layout, k_scale, v_scale, impl) -> None:  # type: ignore[no-untyped-def]
+def _(key, value, kv_cache, slot_mapping, layout, k_scale, v_scale, impl) -> None:
     return None
 
 
@@ -137,7 +137,7 @@ def _gather_blocks(
 
 
 @_gather_blocks.register_fake
-def _(kv_cache, layout, block_ids, out, impl) -> None:  # type: ignore[no-untyped-def]
+def _(kv_cache, layout, block_ids, out, impl) -> None:
     return None
 
 
@@ -152,7 +152,7 @@ def _scatter_blocks(
 
 
 @_scatter_blocks.register_fake
-def _(buffer, kv_cache, layout, block_ids, impl) -> None:  # type: ignore[no-untyped-def]
+def _(buffer, kv_cache, layout, block_ids, impl) -> None:
     return None
 
 
@@ -167,7 +167,7 @@ def _copy_blocks(
 
 
 @_copy_blocks.register_fake
-def _(kv_cache, layout, src_block_ids, dst_block_ids, impl) -> None:  # type: ignore[no-untyped-def]
+def _(kv_cache, layout, src_block_ids, dst_block_ids, impl) -> None:
     return None
 
 
@@ -240,7 +240,7 @@ def _compute_slot_mapping(
 
 
 @_compute_slot_mapping.register_fake
-def _(block_table, positions, query_start_loc, block_size, kernel_block_size, num_slots, impl):  # type: ignore[no-untyped-def]
+def _(block_table, positions, query_start_loc, block_size, kernel_block_size, num_slots, impl):
     n = positions.shape[0] if num_slots is None else num_slots
     return positions.new_empty((n,), dtype=torch.int64)
 
@@ -255,7 +255,7 @@ def _expand_block_table(
 
 
 @_expand_block_table.register_fake
-def _(block_table, block_size, kernel_block_size, impl):  # type: ignore[no-untyped-def]
+def _(block_table, block_size, kernel_block_size, impl):
     k = block_size // kernel_block_size
     return block_table.new_empty((block_table.shape[0], block_table.shape[1] * k))
 

@@ -58,7 +58,12 @@ class Request:
 
 
 def _oracle(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    window: int | None,
+    scale: float,
 ) -> torch.Tensor:
     """float64 dense attention of one request: q [Tq, Hq, D], k/v [S, H, D]; the last Tq positions."""
     import torch
@@ -92,7 +97,9 @@ def _serve_tiny_model(console: Console) -> bool:
     from kv_spec import FullAttentionSpec, SlidingWindowSpec, plan_kv_cache
 
     torch.manual_seed(0)
-    common_kw: dict[str, Any] = dict(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype="float32")
+    common_kw: dict[str, Any] = dict(
+        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype="float32"
+    )
     specs = {
         f"layers.{i}": SlidingWindowSpec(sliding_window=WINDOW, **common_kw)
         if i % 2 == 0
