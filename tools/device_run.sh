@@ -22,14 +22,14 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import flash_attn.cute; print('flash-attn-4 importable')" 2>/dev/null | tee -a "$out/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  args=(-m gpu -q -p no:cacheprovider -o addopts="" --import-mode=importlib -rs)
+  args=(-m gpu -q -p no:cacheprovider -o addopts="" --import-mode=importlib -rfEs --tb=short)
   [ -n "$kexpr" ] && args+=(-k "$kexpr")
-  python3 -m pytest packages/*/tests "${args[@]}" 2>&1 | tail -n 200 > "$out/gpu_tests.log"
+  python3 -m pytest ${TESTS_ONLY:-packages/*/tests} "${args[@]}" > "$out/gpu_tests.log" 2>&1
   status=${PIPESTATUS[0]}
   tail -n 30 "$out/gpu_tests.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for script in packages/*/benchmarks/bench_*.py; do
+  for script in ${BENCH_ONLY:-packages/*/benchmarks/bench_*.py}; do
     name=$(basename "$script" .py)
     echo "== $name"
     echo "== $name" >> "$out/bench.log"

@@ -384,3 +384,13 @@ def test_common_metadata_is_validated() -> None:
         CommonAttentionMetadata.from_lists(
             query_lens=[1], seq_lens=[17], block_table=[[0]], block_size=16
         )
+
+
+def test_compiled_flex_raises_dynamo_recompile_limit_for_many_layer_kinds() -> None:
+    """Every Flex user shares flex_attention's Dynamo cache: 8 graphs (fp16 + bf16 x a hybrid
+    model's layer kinds) would make fullgraph=True a hard failure (seen on the GPU)."""
+    import torch
+    from kv_backends.backends.flex_attention import FLEX_RECOMPILE_LIMIT, _compiled_flex
+
+    _compiled_flex()
+    assert torch._dynamo.config.recompile_limit >= FLEX_RECOMPILE_LIMIT

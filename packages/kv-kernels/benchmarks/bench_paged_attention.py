@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import kv_kernels.paged_attention.triton as pa_triton
+from kv_kernels.paged_attention import triton as pa_triton  # the package name is shadowed by the op
 import torch
 import triton
 from kv_kernels.cache import allocate_kv_cache, layer_view

@@ -502,7 +502,24 @@ def _compiled_flex() -> Any:
 
     # One compiled callable per process (a memo, not configuration); torch marks shapes dynamic
     # after the first recompile, so batches of different sizes share a graph.
+    #
+    # Dynamo keeps at most `recompile_limit` (8) graphs per code object, and every FlexAttention
+    # user in the process shares flex_attention's: each distinct (q/kv dtype, head sizes, score_mod
+    # features) of the model's layers is one graph, and a hybrid model with sinks, windows and
+    # DiffKV groups, plus fp16 and bf16 runs in one process, passes 8. With fullgraph=True the
+    # ninth is a hard failure, so raise the limits (never lower them) to what a process needs.
+    dynamo_config = torch._dynamo.config
+    for name, floor in (
+        ("recompile_limit", FLEX_RECOMPILE_LIMIT),
+        ("accumulated_recompile_limit", 8 * FLEX_RECOMPILE_LIMIT),
+    ):
+        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < floor:
+            setattr(dynamo_config, name, floor)
     return torch.compile(flex_attention, fullgraph=True)
+
+
+#: Graphs of compiled FlexAttention one process may hold (see :func:`_compiled_flex`).
+FLEX_RECOMPILE_LIMIT = 64
 
 
 class FlexAttentionImpl(AttentionImpl):
