@@ -48,19 +48,27 @@ def _plot(records: list[dict[str, object]], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in records if isinstance(r.get("ratio"), int | float)]
+    # A row measured against itself (the baseline's own record) says nothing: leave it out.
+    rows = [
+        r
+        for r in records
+        if isinstance(r.get("ratio"), int | float) and r.get("impl") != r.get("baseline")
+    ]
     if not rows:
         return False
-    labels = [f"{r['case']}\n{r['impl']} vs {r['baseline']}" for r in rows]
+    labels = [f"{r['case']}: {r['impl']} vs {r['baseline']}" for r in rows]
     ratios = [float(r["ratio"]) for r in rows]  # type: ignore[arg-type]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
-    ax.bar(
-        range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:orange" for x in ratios]
-    )
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("ratio to baseline (higher is better)")
-    ax.set_title(title)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.32 * len(rows)))
+    ax.barh(range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:orange" for x in ratios])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    if max(ratios) / max(min(ratios), 1e-9) > 20:
+        ax.set_xscale("log")
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    for i, x in enumerate(ratios):
+        ax.text(x, i, f" {x:.2f}×", va="center", fontsize=7)
+    ax.set_xlabel("ratio to the baseline measured in the same process (higher is better)")
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
