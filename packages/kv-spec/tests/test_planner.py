@@ -177,3 +177,21 @@ def test_page_bytes_times_blocks_never_exceed_budget(
     assert (cfg.num_blocks + 1) * cfg.page_size_bytes * cfg.num_layer_slots > budget
     assert sum(len(g.layer_names) for g in cfg.groups) == len(specs)
     assert all(g.spec.page_size_bytes == cfg.page_size_bytes for g in cfg.groups)
+
+
+def test_catalogue_sink_layers() -> None:
+    gpt = get_model("gpt-oss-120b")
+    assert all(gpt.layer_has_sinks(i) for i in range(gpt.num_layers))
+    mimo = get_model("MiMo-V2-Flash")
+    assert [i for i in range(48) if not mimo.layer_has_sinks(i)] == [
+        0,
+        5,
+        11,
+        17,
+        23,
+        29,
+        35,
+        41,
+        47,
+    ]
+    assert not get_model("Llama-3-8B").layer_has_sinks(0)

@@ -180,7 +180,7 @@ def configs_for_model(
     by_config: dict[AttentionConfig, list[int]] = {}
     for i, spec in enumerate(specs.values()):
         cfg = AttentionConfig.from_spec(
-            spec, num_q_heads=q_heads, has_sinks=m.has_sinks, layout_order=layout_order
+            spec, num_q_heads=q_heads, has_sinks=m.layer_has_sinks(i), layout_order=layout_order
         )
         by_config.setdefault(cfg, []).append(i)
     return {f"{cfg.kind} ({len(layers)} layers)": cfg for cfg, layers in by_config.items()}

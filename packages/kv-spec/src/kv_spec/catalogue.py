@@ -37,8 +37,14 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] | None = ()
     swa_num_kv_heads: int | None = None
     has_sinks: bool = False
+    #: With ``has_sinks``: only the sliding-window layers carry sink logits (MiMo-V2-Flash).
+    sinks_on_sliding_only: bool = False
     mla: bool = False
     source: str = ""
+
+    def layer_has_sinks(self, layer: int) -> bool:
+        """Whether layer ``layer`` has per-head attention-sink logits."""
+        return self.has_sinks and (not self.sinks_on_sliding_only or self.is_sliding(layer))
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -174,6 +180,7 @@ CATALOGUE: Final[dict[str, ModelConfig]] = {
             sliding_layers=tuple(i for i in range(48) if i not in _MIMO_FULL),
             swa_num_kv_heads=8,
             has_sinks=True,
+            sinks_on_sliding_only=True,  # add_swa_attention_sink_bias, no full-attention sink bias
             source="XiaomiMiMo/MiMo-V2-Flash",
         ),
     )
