@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kv_kernels.paged_attention import triton as pa_triton  # the package name is shadowed by the op
 import torch
 import triton
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
+from kv_kernels.paged_attention import triton as pa_triton  # the package name is shadowed by the op
 from kv_spec import KVCacheLayout
 
 HQ, H, D = 32, 8, 128
