@@ -59,7 +59,9 @@ def _plot(records: list[dict[str, object]], path: Path, title: str) -> bool:
     labels = [f"{r['case']}: {r['impl']} vs {r['baseline']}" for r in rows]
     ratios = [float(r["ratio"]) for r in rows]  # type: ignore[arg-type]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.32 * len(rows)))
-    ax.barh(range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:orange" for x in ratios])
+    ax.barh(
+        range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:orange" for x in ratios]
+    )
     ax.axvline(1.0, color="black", linewidth=0.8)
     if max(ratios) / max(min(ratios), 1e-9) > 20:
         ax.set_xscale("log")
