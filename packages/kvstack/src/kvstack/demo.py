@@ -40,6 +40,7 @@ NOT_BUILT = (
 # The tiny model: gpt-oss's attention shape, scaled down to run in a second on a CPU.
 NUM_LAYERS, Q_HEADS, KV_HEADS, HEAD, WINDOW, BLOCK = 4, 8, 2, 64, 32, 16
 CPU_BACKENDS = ("TORCH_SDPA", "FLEX_ATTENTION")
+GPU_BACKENDS = ("TRITON", "FLASH_ATTN")
 
 
 @dataclass
@@ -123,6 +124,9 @@ def _serve_tiny_model(console: Console) -> bool:
     for g in plan.groups:
         config = AttentionConfig.from_spec(g.spec, num_q_heads=Q_HEADS, has_sinks=True)
         console.print(str(select_backend(config, platform)))
+        for gpu_backend in GPU_BACKENDS:
+            reasons = get_backend(gpu_backend).validate(config, platform)
+            console.print(f"  {gpu_backend} here: {'; '.join(reasons) or 'usable'}")
         for backend_name in CPU_BACKENDS:
             backend = get_backend(backend_name)
             reasons = backend.validate(config, platform)
@@ -214,8 +218,8 @@ def _serve_tiny_model(console: Console) -> bool:
         table.add_row(str(step), kinds, str(num_tokens), *cells)
     console.print(table)
     console.print(
-        "TRITON (the unified kernel) and FLASH_ATTN need a GPU: the selector above says so; "
-        "on a GPU `select_backend` picks them and the same code runs."
+        "On a GPU the same code runs with TRITON (kv-kernels' unified kernel) or FLASH_ATTN, "
+        "which `select_backend` picks there."
     )
     return ok
 
