@@ -186,7 +186,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
+    parser.add_argument(
+        "--backends",
+        default="TRITON,FLEX_ATTENTION,FLASH_ATTN,FLASH_ATTN_DIFFKV",
+        help="comma-separated backends to measure (default: all GPU backends)",
+    )
     args = parser.parse_args()
+    wanted = {n.strip().upper() for n in args.backends.split(",")}
     if not torch.cuda.is_available():
         print("bench_backends needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -207,6 +213,8 @@ def main() -> int:
             ("FLASH_ATTN", 128, 128),
             ("FLASH_ATTN_DIFFKV", 192, 128),
         ):
+            if name not in wanted:
+                continue
             b = _batch(
                 [1] * batch, [ctx] * batch, head_size=d, head_size_v=dv, block=block, hq=hq, h=h
             )
@@ -221,6 +229,8 @@ def main() -> int:
         ("FLASH_ATTN", 128, 128),
         ("FLASH_ATTN_DIFFKV", 192, 128),
     ):
+        if name not in wanted:
+            continue
         b = _batch(
             [plen] * preqs, [plen] * preqs, head_size=d, head_size_v=dv, block=128, hq=hq, h=h
         )
