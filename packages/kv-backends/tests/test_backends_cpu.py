@@ -237,6 +237,147 @@ def test_flex_block_indices_match_brute_force(n: int, kv_block: int, window: int
     assert len(e_qb) == len(got), "entries must be unique (a KV tile visited twice double-counts)"
 
 
+# -- FLEX_ATTENTION decode call: one batch row per query_len == 1 request ------------------------
+
+# Pure decode with an empty request (seq_len 0) among them; decodes at odd lengths.
+DECODE_SEQ_LENS = [9, 33, 1, 0, 17, 64, 40]
+DECODE_QUERY_LENS = [1 if s else 0 for s in DECODE_SEQ_LENS]
+
+
+def _decode_rows(md) -> set[tuple[int, int]]:
+    """(batch row, KV block) pairs of the decode block mask."""
+    bm = md.decode.block_mask
+    num, idx = bm.kv_num_blocks[:, 0, 0], bm.kv_indices[:, 0, 0]
+    return {(r, int(idx[r, j])) for r in range(num.numel()) for j in range(int(num[r]))}
+
+
+@pytest.mark.parametrize(
+    ("feature", "block_size", "kernel_block_size", "kv_block_size"),
+    [
+        ("gqa", 16, 16, 16),
+        ("gqa", 16, 16, 64),  # a KV tile spans 4 blocks of (possibly) different requests
+        ("window", 64, 16, 32),  # manager 64 split into kernel blocks of 16
+        ("window_sinks_diffkv", 64, 64, 64),
+        ("sinks", 16, 16, None),
+        ("softcap", 16, 16, None),
+        ("alibi", 64, 64, None),
+    ],
+)
+def test_flex_decode_call_matches(
+    feature: str, block_size: int, kernel_block_size: int, kv_block_size: int | None
+) -> None:
+    b = _batch(
+        query_lens=DECODE_QUERY_LENS,
+        seq_lens=DECODE_SEQ_LENS,
+        block_size=block_size,
+        kernel_block_size=kernel_block_size,
+        num_q_heads=8,
+        **FEATURES[feature],
+    )
+    backend = get_backend("FLEX_ATTENTION")
+    opts = {} if kv_block_size is None else {"kv_block_size": kv_block_size}
+    md = backend.make_builder(b.config, b.layout, **opts).build(b.common)
+    # The decode call serves every request: batch dim = decode requests, no flattened call.
+    assert md.decode is not None and md.windows == ()
+    assert md.decode.block_mask.kv_num_blocks.shape == (sum(DECODE_QUERY_LENS), 1, 1)
+    assert md.decode.contiguous
+    impl = backend.make_impl(b.config, b.layout, sinks=b.sinks, alibi_slopes=b.alibi_slopes)
+    out = impl.forward(None, b.q, b.kv_cache, md)
+    _check(out, b)
+    torch.testing.assert_close(out, run_backend("TORCH_SDPA", b), **TOL)
+
+
+def test_flex_decode_rows_list_only_their_own_blocks() -> None:
+    # Row r holds exactly the KV tiles of decode request r's window (no union over requests).
+    n, kv_block, window = 16, 32, 20
+    b = _batch(
+        query_lens=DECODE_QUERY_LENS, seq_lens=DECODE_SEQ_LENS, sliding_window=window, seed=3
+    )
+    md = (
+        get_backend("FLEX_ATTENTION")
+        .make_builder(b.config, b.layout, kv_block_size=kv_block)
+        .build(b.common)
+    )
+    bt = b.common.block_table
+    want = set()
+    row = 0
+    for r, s in enumerate(DECODE_SEQ_LENS):
+        if not s:
+            continue
+        for pos in range(max(0, s - window), s):
+            want.add((row, (int(bt[r, pos // n]) * n + pos % n) // kv_block))
+        row += 1
+    assert _decode_rows(md) == want
+
+
+def test_flex_mixed_batch_takes_both_calls() -> None:
+    # Decodes interleaved with prefills: the decode call gathers its queries, the flattened call
+    # serves the rest and lists none of the decode requests' tiles.
+    b = _batch(sliding_window=6, has_sinks=True)
+    backend = get_backend("FLEX_ATTENTION")
+    md = backend.make_builder(b.config, b.layout, kv_block_size=16).build(b.common)
+    assert md.decode is not None and len(md.windows) == 1
+    assert md.decode.block_mask.kv_num_blocks.shape[0] == QUERY_LENS.count(1)
+    assert not md.decode.contiguous and md.decode.tok.tolist() == [0, 8]
+    # Query block 0 (tokens 0..15) holds both decodes and prefill tokens of requests 1 and 3;
+    # with one block per KV tile, its row lists none of the decode requests' blocks.
+    bm = md.windows[0].block_mask
+    row0 = {int(x) for x in bm.kv_indices[0, 0, 0, : int(bm.kv_num_blocks[0, 0, 0])]}
+    n = b.layout.block_size
+    decode_blocks = {
+        int(x) for r in (0, 2) for x in b.common.block_table[r, : -(-SEQ_LENS[r] // n)]
+    }
+    assert row0 and not row0 & decode_blocks
+    impl = backend.make_impl(b.config, b.layout, sinks=b.sinks)
+    _check(impl.forward(None, b.q, b.kv_cache, md), b)
+
+
+def test_flex_decode_non_causal() -> None:
+    b = _batch(query_lens=DECODE_QUERY_LENS, seq_lens=DECODE_SEQ_LENS)
+    b.config = dataclasses.replace(b.config, causal=False)
+    md = get_backend("FLEX_ATTENTION").make_builder(b.config, b.layout).build(b.common)
+    assert md.decode is not None
+    out = run_backend("FLEX_ATTENTION", b)
+    torch.testing.assert_close(out, run_backend("TORCH_SDPA", b), **TOL)
+
+
+@pytest.mark.parametrize("decodes_span_windows", [True, False])
+def test_flex_decode_and_cache_windows(decodes_span_windows: bool) -> None:
+    # Windows of 2 blocks (max_view_elements stands in for 2^31). Decodes whose blocks lie in
+    # several windows run through the flattened call (merged by log-sum-exp); decodes inside one
+    # window take the decode call, based on that window, beside a flattened call elsewhere.
+    # Windows hold blocks (0, 1), (2, 3), ...; the requests get one, one and two blocks.
+    b = _batch(
+        query_lens=[1, 1, 30],
+        seq_lens=[12, 9, 30],
+        has_sinks=True,
+        num_blocks=8,
+        blocks=[0, 5, 2, 3] if decodes_span_windows else [4, 5, 0, 1],
+        pad_tokens=0,
+    )
+    backend = get_backend("FLEX_ATTENTION")
+    builder = backend.make_builder(b.config, b.layout, kv_block_size=16, max_view_elements=5000)
+    md = builder.build(b.common)
+    if decodes_span_windows:
+        assert md.decode is None and len(md.windows) > 1
+    else:
+        assert md.decode is not None and md.decode.base_token == 64 and len(md.windows) == 1
+        assert md.decode.block_mask.kv_num_blocks.shape[0] == 2
+    impl = backend.make_impl(b.config, b.layout, sinks=b.sinks)
+    _check(impl.forward(None, b.q, b.kv_cache, md), b)
+
+
+def test_flex_decode_buffers_are_sized_by_max_num_seqs() -> None:
+    b = _batch(query_lens=DECODE_QUERY_LENS, seq_lens=DECODE_SEQ_LENS)
+    backend = get_backend("FLEX_ATTENTION")
+    builder = backend.make_builder(b.config, b.layout, max_num_seqs=8)
+    assert builder.dec_num_blocks.shape == (8,) and builder.dec_indices.shape[0] == 8
+    assert builder.build(b.common).decode is not None
+    small = backend.make_builder(b.config, b.layout, max_num_seqs=4)
+    with pytest.raises(ValueError, match="6 decode requests; .*max_num_seqs=4"):
+        small.build(b.common)
+
+
 # -- TRITON through the interpreter -------------------------------------------------------------
 
 

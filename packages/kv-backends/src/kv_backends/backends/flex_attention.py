@@ -17,8 +17,24 @@ this batch only: O(tokens) per step, never O(batch x total blocks)), and ownersh
 exactly (``block_table[req, logical] == block``), so blocks of other requests inside a KV tile,
 shared prefix blocks and stale entries are all handled.
 
+Decodes. A query block of ``q_block_size`` decode tokens belongs to as many requests, so its row
+is the union of their KV blocks and every query would be computed against all of them, masked
+(~``q_block_size`` x redundant work on a pure-decode batch). Requests with ``query_len == 1``
+therefore run as a batch of their own: queries ``[R, Hq, 1, D]`` (``R`` decode requests, a view
+when they are the first ``R`` tokens, else a gather), K/V the same ``[1, H, T_phys, D]`` view
+(Flex broadcasts a batch-1 K/V over the query batch), and a block mask whose batch dim is ``R``:
+row ``r`` lists only request ``r``'s KV blocks, and ``mask_mod`` reads request ``r``'s block
+table row and length through the batch index ``b``. Mixed batches make two Flex calls: the
+decode requests through this path, the other requests through the flattened path above (the
+decode requests' (query block, request) pairs are left out of its mask, so a query block of
+decodes only costs nothing there), each written into its own rows of ``out``. A batch whose
+decode requests need blocks from several cache windows (see below; caches over 2^31 elements
+only) runs entirely through the flattened path. Under batch invariance the decode call is kept on
+the main Flex template (the decode template's split count depends on the batch size).
+
 Buffers. ``q_req`` / ``q_pos`` / ``kv_num_blocks`` / ``kv_indices`` are allocated once per builder
-and sized by ``max_num_batched_tokens`` (query blocks), not by ``max_model_len``; ``kv_indices``
+and sized by ``max_num_batched_tokens`` (query blocks), not by ``max_model_len``; the decode
+path's ``dec_num_blocks`` / ``dec_indices`` by ``max_num_seqs``; each ``*_indices``
 grows its column count when a batch needs more (outside CUDA-graph capture: this backend does not
 support graphs, its builder syncs once per step).
 
@@ -197,6 +213,7 @@ def build_flex_block_indices(
     kv_block_size: int,
     causal: bool,
     sliding_window: int | None,
+    exclude_reqs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block-mask entries of a batch, in O(tokens + entries).
 
@@ -205,7 +222,9 @@ def build_flex_block_indices(
     pairs sorted by query block then KV block (int64). Global KV block ``f`` covers physical
     tokens ``[f * kv_block_size, (f + 1) * kv_block_size)``. Trimming: a query block needs, per
     request, logical blocks from its earliest query's window start to its last query's position
-    (everything up to ``seq_len`` when not causal).
+    (everything up to ``seq_len`` when not causal). ``exclude_reqs`` (bool ``[num_reqs]``) drops
+    the entries of those requests (their tokens keep ``q_req`` / ``q_pos``; another call serves
+    them).
     """
     dev = query_start_loc.device
     qsl = query_start_loc.long()
@@ -242,6 +261,8 @@ def build_flex_block_indices(
     u = min(n, kv_block_size)
     lo_u, hi_u = lo // u, hi // u
     counts = (hi_u - lo_u + 1).clamp(min=0)
+    if exclude_reqs is not None:
+        counts = torch.where(exclude_reqs[p_req], 0, counts)
     e_pair = torch.repeat_interleave(torch.arange(p_qb.numel(), device=dev), counts)
     offs = torch.arange(e_pair.numel(), device=dev) - torch.repeat_interleave(
         torch.cumsum(counts, 0) - counts, counts
@@ -292,6 +313,51 @@ def _make_mask_mod(
     return mask_mod
 
 
+def _make_decode_mask_mod(
+    *,
+    seq_lens: torch.Tensor,
+    phys_to_logical: torch.Tensor,
+    block_table: torch.Tensor,
+    n: int,
+    tpb: int,
+    base_block: int,
+    causal: bool,
+    sliding_window: int | None,
+) -> Any:
+    """The exact mask of the decode call: batch row ``b`` is one decode request, whose block
+    table row and length are ``block_table[b]`` / ``seq_lens[b]`` (gathered for the decode
+    requests); its one query sits at position ``seq_lens[b] - 1``."""
+    ncols = block_table.shape[1]
+
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        blk = base_block + kv_idx // tpb
+        off = kv_idx % tpb
+        lb = phys_to_logical[blk].clamp(0, ncols - 1)
+        kv_pos = lb * n + off
+        s = seq_lens[b]
+        # kv_pos < s is also the causal bound of a query at s - 1.
+        ok = (block_table[b, lb] == blk) & (off < n) & (kv_pos < s)
+        if causal and sliding_window is not None:
+            ok = ok & (s - 1 - kv_pos < sliding_window)
+        return ok
+
+    return mask_mod
+
+
+@dataclass(frozen=True)
+class _FlexDecode:
+    """The decode call: one batch row per request with ``query_len == 1``."""
+
+    tok: torch.Tensor  # [R] int64 query row of each decode request
+    contiguous: bool  # tok == arange(R): queries and outputs are the first R rows, no gather
+    pos: torch.Tensor  # [R] int32 logical position of each query (seq_len - 1)
+    base_token: int  # first physical token of the (single) window the call reads
+    length: int  # physical tokens in that window
+    block_mask: Any  # torch BlockMask of batch R
+
+
 @dataclass(frozen=True)
 class _FlexWindow:
     base_token: int  # first physical token of the window
@@ -301,8 +367,9 @@ class _FlexWindow:
 
 @dataclass(frozen=True, kw_only=True)
 class FlexAttentionMetadata(AttentionMetadata):
-    """Per-batch Flex metadata: the common fields plus per-token lookups and one block mask per
-    cache window the batch touches."""
+    """Per-batch Flex metadata: the common fields plus per-token lookups, one block mask per
+    cache window the flattened call touches (none when every request takes the decode call) and
+    the decode call (``None`` when the batch has no decode request or runs flattened)."""
 
     q_req: torch.Tensor  # [num_tokens] int32
     q_pos: torch.Tensor  # [num_tokens] int32
@@ -310,6 +377,7 @@ class FlexAttentionMetadata(AttentionMetadata):
     windows: tuple[_FlexWindow, ...]
     tpb: int
     options: FlexOptions
+    decode: _FlexDecode | None = None
 
 
 class FlexMetadataBuilder(MetadataBuilder):
@@ -364,6 +432,9 @@ class FlexMetadataBuilder(MetadataBuilder):
         self.phys_to_logical = torch.zeros(num_kernel_blocks, dtype=torch.int32, device=device)
         self.kv_num_blocks = torch.zeros(max_q_blocks, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(max_q_blocks, 64, dtype=torch.int32, device=device)
+        # The decode call's rows: one per decode request.
+        self.dec_num_blocks = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.dec_indices = torch.zeros(max_num_seqs, 64, dtype=torch.int32, device=device)
         self._geometry: _CacheGeometry | None = None
 
     def geometry_for(self, kv_cache_kernel_view: torch.Tensor) -> _CacheGeometry:
@@ -382,12 +453,102 @@ class FlexMetadataBuilder(MetadataBuilder):
             self._geometry = self.geometry_for(view)
         return self._geometry
 
+    def _build_decode(
+        self, common: CommonAttentionMetadata, base: AttentionMetadata, geo: _CacheGeometry
+    ) -> tuple[_FlexDecode | None, torch.Tensor | None]:
+        """The decode call of a batch and the requests it serves (bool ``[num_reqs]``), or
+        ``(None, None)`` when the batch has no decode request or they span several windows."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        opts, cfg = self.options, self.config
+        qsl_h = common.host_query_start_loc().long()
+        dec_h = torch.nonzero(qsl_h[1:] - qsl_h[:-1] == 1).flatten()  # host [R]
+        r = dec_h.numel()
+        if r == 0:
+            return None, None
+        if r > self.dec_num_blocks.shape[0]:
+            raise ValueError(
+                f"batch has {r} decode requests; this builder was made for "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+        dev = base.seq_lens.device
+        tok_h = qsl_h[:-1][dec_h]
+        contiguous = bool(torch.equal(tok_h, torch.arange(r)))
+        dec_req = dec_h.to(dev)
+        seq_lens = base.seq_lens[dec_req]  # [R] int32
+        block_table = base.block_table[dec_req]  # [R, M] int32
+        # One request per "query block" of one token: the same trimming as the flattened path;
+        # pos is each query's position, seq_len - 1.
+        _, pos, e_row, e_f = build_flex_block_indices(
+            query_start_loc=torch.arange(r + 1, device=dev),
+            seq_lens=seq_lens,
+            block_table=block_table,
+            num_tokens=r,
+            n=self.n,
+            tpb=geo.tpb,
+            q_block_size=1,
+            kv_block_size=opts.kv_block_size,
+            causal=cfg.causal,
+            sliding_window=cfg.sliding_window,
+        )
+        kv_per_window = geo.window_tokens // opts.kv_block_size
+        e_w = e_f // kv_per_window
+        counts = torch.zeros(r, dtype=torch.long, device=dev)
+        counts.index_add_(0, e_row, torch.ones_like(e_row))
+        # One host sync for the window test and the column count.
+        w_lo, w_hi, max_cols = torch.stack([e_w.min(), e_w.max(), counts.max()]).tolist()
+        if w_lo != w_hi:
+            return None, None
+        if max_cols > self.dec_indices.shape[1]:
+            grown = 1 << (max_cols - 1).bit_length()
+            self.dec_indices = torch.zeros(
+                self.dec_indices.shape[0], grown, dtype=torch.int32, device=self.device
+            )
+        num = self.dec_num_blocks[:r]
+        num.copy_(counts)
+        idx = self.dec_indices[:r]
+        idx.zero_()
+        # Entries are sorted by (row, KV block): position in the row = index - row start.
+        row_start = torch.cumsum(counts, 0) - counts
+        col = torch.arange(e_row.numel(), device=dev) - row_start[e_row]
+        idx[e_row, col] = (e_f - w_lo * kv_per_window).int()
+        length = geo.window_len(w_lo)
+        mask = BlockMask.from_kv_blocks(
+            num[:, None, None],
+            idx[:, None, None],
+            BLOCK_SIZE=(opts.q_block_size, opts.kv_block_size),
+            mask_mod=_make_decode_mask_mod(
+                seq_lens=seq_lens,
+                phys_to_logical=self.phys_to_logical,
+                block_table=block_table,
+                n=self.n,
+                tpb=geo.tpb,
+                base_block=w_lo * geo.window_tokens // geo.tpb,
+                causal=cfg.causal,
+                sliding_window=cfg.sliding_window,
+            ),
+            seq_lengths=(1, length),
+            compute_q_blocks=False,
+        )
+        served = torch.zeros(base.num_reqs, dtype=torch.bool, device=dev)
+        served[dec_req] = True
+        decode = _FlexDecode(
+            tok=tok_h.to(dev),
+            contiguous=contiguous,
+            pos=pos,
+            base_token=w_lo * geo.window_tokens,
+            length=length,
+            block_mask=mask,
+        )
+        return decode, served
+
     def build(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
         base = super().build(common)
         opts = self.options
         geo = self._layout_geometry()
         cfg = self.config
         num_tokens = common.num_actual_tokens
+        decode, served = self._build_decode(common, base, geo) if num_tokens else (None, None)
         q_req, q_pos, e_qb, e_f = build_flex_block_indices(
             query_start_loc=base.query_start_loc,
             seq_lens=base.seq_lens,
@@ -399,6 +560,7 @@ class FlexMetadataBuilder(MetadataBuilder):
             kv_block_size=opts.kv_block_size,
             causal=cfg.causal,
             sliding_window=cfg.sliding_window,
+            exclude_reqs=served,
         )
         self.q_req[:num_tokens] = q_req
         self.q_pos[:num_tokens] = q_pos
@@ -493,11 +655,15 @@ class FlexMetadataBuilder(MetadataBuilder):
             windows=tuple(windows),
             tpb=geo.tpb,
             options=opts,
+            decode=decode,
         )
 
 
 @functools.cache
-def _compiled_flex() -> Any:
+def _compiled_flex(static: bool = False) -> Any:
+    """``static=True``: one graph per shape (``dynamic=False``). Used on the CPU, where
+    inductor's C++ Flex template fails to compile dynamic-shape graphs with a sliding-window mask
+    (torch 2.15: undeclared ``cur_kvSplitSize``), which every second batch shape would hit."""
     from torch.nn.attention.flex_attention import flex_attention
 
     # One compiled callable per process (a memo, not configuration); torch marks shapes dynamic
@@ -515,7 +681,7 @@ def _compiled_flex() -> Any:
     ):
         if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < floor:
             setattr(dynamo_config, name, floor)
-    return torch.compile(flex_attention, fullgraph=True)
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False if static else None)
 
 
 #: Graphs of compiled FlexAttention one process may hold (see :func:`_compiled_flex`).
@@ -553,18 +719,61 @@ class FlexAttentionImpl(AttentionImpl):
         reshape_and_cache(key, value, kv_cache, slot_mapping, self.layout, impl="auto")
 
     def _kernel_options(
-        self, md: FlexAttentionMetadata, device: torch.device
+        self, md: FlexAttentionMetadata, device: torch.device, *, decode: bool = False
     ) -> dict[str, Any] | None:
         if self.kernel_options is not None:
             return self.kernel_options
         if device.type != "cuda":
             return None
         opts: dict[str, Any] = {"BLOCK_M": md.options.block_m, "BLOCK_N": md.options.block_n}
-        if md.options.kv_block_size < 128:
+        if md.options.kv_block_size < 128 or (decode and self.config.batch_invariant):
             # The decode template wants KV tiles of >= 128 tokens; force the main template so
-            # 16-token pages work.
+            # 16-token pages work. Its split count also follows the batch size, which batch
+            # invariance forbids for the decode call.
             opts["FORCE_USE_FLEX_ATTENTION"] = True
         return opts
+
+    def _flex(
+        self,
+        fn: Any,
+        qx: torch.Tensor,
+        cache: torch.Tensor,
+        *,
+        base_token: int,
+        length: int,
+        block_mask: Any,
+        score_mod: Any,
+        need_lse: bool,
+        kernel_options: dict[str, Any] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One Flex call over the window of ``length`` physical tokens from ``base_token``; K/V
+        are ``[1, H, length, D]`` views (batch 1, broadcast over the query batch)."""
+        h = cache.shape[1]
+        _, sh, sn, _ = cache.stride()
+        k0, k1 = self.layout.k_range
+        assert self.layout.v_range is not None
+        v0, v1 = self.layout.v_range
+        base_off = cache.storage_offset() + base_token * sn
+        k = cache.as_strided((1, h, length, k1 - k0), (0, sh, sn, 1), base_off + k0)
+        v = cache.as_strided((1, h, length, v1 - v0), (0, sh, sn, 1), base_off + v0)
+        with warnings.catch_warnings():
+            # return_lse is deprecated in newer torch in favour of return_aux (absent in 2.11).
+            warnings.simplefilter("ignore", category=FutureWarning)
+            warnings.simplefilter("ignore", category=DeprecationWarning)
+            # Eager Flex (compiled=False) is dense math by design here: tests and CPU runs.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            res = fn(
+                qx,
+                k,
+                v,
+                score_mod=score_mod,
+                block_mask=block_mask,
+                scale=self.scale,
+                enable_gqa=self.num_q_heads != h,
+                return_lse=need_lse,
+                kernel_options=kernel_options,
+            )
+        return res if need_lse else (res, None)
 
     def forward(
         self,
@@ -586,21 +795,18 @@ class FlexAttentionImpl(AttentionImpl):
         k_scale, v_scale = self.scales(layer)
         if k_scale is not None or v_scale is not None:
             raise ValueError("FLEX_ATTENTION reads unquantized caches only; got k_scale/v_scale")
-        h = cache.shape[1]
-        _, sh, sn, _ = cache.stride()
+        sn = cache.stride(2)
         tpb = metadata.tpb
         if cache.stride(0) != tpb * sn:
             raise ValueError(
                 f"kv_cache block stride {cache.stride(0)} does not match the layout the metadata "
                 f"was built for ({tpb} tokens x {sn}); pass the layer view of the planned layout"
             )
-        k0, k1 = self.layout.k_range
-        assert self.layout.v_range is not None
-        v0, v1 = self.layout.v_range
-        qx = q[:num_tokens].transpose(0, 1)[None]  # [1, Hq, T, D]
         use_compiled = self.compiled if self.compiled is not None else q.device.type == "cuda"
-        fn = _compiled_flex() if use_compiled else flex_attention
-        kernel_options = self._kernel_options(metadata, q.device)
+        if not use_compiled:
+            fn = flex_attention
+        else:
+            fn = _compiled_flex() if q.device.type == "cuda" else _compiled_flex(static=True)
         # The log-sum-exp is needed only to apply sinks or merge windows; torch's compiled CPU
         # template cannot return it, so ask for it only then.
         need_lse = self.sinks is not None or len(metadata.windows) > 1
@@ -610,39 +816,46 @@ class FlexAttentionImpl(AttentionImpl):
                 f"{'sinks need' if self.sinks is not None else 'a batch spanning several cache windows needs'}; "
                 "use compiled=False on the CPU"
             )
+        if metadata.windows:
+            self._forward_flat(fn, q, cache, metadata, result, need_lse)
+        if metadata.decode is not None:
+            # After the flattened call: it leaves the decode requests' rows empty (or NaN).
+            self._forward_decode(fn, q, cache, metadata, metadata.decode, result)
+        return result
+
+    def _forward_flat(
+        self,
+        fn: Any,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        md: FlexAttentionMetadata,
+        result: torch.Tensor,
+        need_lse: bool,
+    ) -> None:
+        num_tokens = md.num_actual_tokens
+        qx = q[:num_tokens].transpose(0, 1)[None]  # [1, Hq, T, D]
+        kernel_options = self._kernel_options(md, q.device)
         outs: list[torch.Tensor] = []
         lses: list[torch.Tensor] = []
-        for win in metadata.windows:
-            base_off = cache.storage_offset() + win.base_token * sn
-            k = cache.as_strided((1, h, win.length, k1 - k0), (0, sh, sn, 1), base_off + k0)
-            v = cache.as_strided((1, h, win.length, v1 - v0), (0, sh, sn, 1), base_off + v0)
-            with warnings.catch_warnings():
-                # return_lse is deprecated in newer torch in favour of return_aux (absent in 2.11).
-                warnings.simplefilter("ignore", category=FutureWarning)
-                warnings.simplefilter("ignore", category=DeprecationWarning)
-                # Eager Flex (compiled=False) is dense math by design here: tests and CPU runs.
-                warnings.filterwarnings(
-                    "ignore", message="flex_attention called without torch.compile"
-                )
-                res = fn(
-                    qx,
-                    k,
-                    v,
-                    score_mod=self._score_mod(metadata, win.base_token // tpb),
-                    block_mask=win.block_mask,
-                    scale=self.scale,
-                    enable_gqa=self.num_q_heads != h,
-                    return_lse=need_lse,
-                    kernel_options=kernel_options,
-                )
-            o, lse = res if need_lse else (res, None)
+        for win in md.windows:
+            o, lse = self._flex(
+                fn,
+                qx,
+                cache,
+                base_token=win.base_token,
+                length=win.length,
+                block_mask=win.block_mask,
+                score_mod=self._score_mod(md, win.base_token // md.tpb),
+                need_lse=need_lse,
+                kernel_options=kernel_options,
+            )
             outs.append(o[0])  # [Hq, T, Dv]
             if lse is not None:
                 lses.append(lse[0].float())  # [Hq, T]
         if not need_lse:
             # The common case: one window, no sinks; one copy into [T, Hq, Dv], no upcast.
             result[:num_tokens] = outs[0].transpose(0, 1)
-            return result
+            return
         if len(outs) == 1:
             o = outs[0].float()
             lse = lses[0]
@@ -652,12 +865,48 @@ class FlexAttentionImpl(AttentionImpl):
             weights = torch.exp(lse_all - lse[None]).nan_to_num(0.0)  # [W, Hq, T]
             o = (torch.stack(outs).float() * weights[..., None]).sum(0)
         if self.sinks is not None:
-            assert lse is not None
             o = o * torch.sigmoid(lse - self.sinks.float().to(o.device)[:, None])[..., None]
         result[:num_tokens] = o.transpose(0, 1).to(result.dtype)
-        return result
 
-    def _score_mod(self, md: FlexAttentionMetadata, base_block: int) -> Any:
+    def _forward_decode(
+        self,
+        fn: Any,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        md: FlexAttentionMetadata,
+        dec: _FlexDecode,
+        result: torch.Tensor,
+    ) -> None:
+        r = dec.tok.numel()
+        # [R, Hq, 1, D]: a view of the first R rows when the decodes lead the batch.
+        qd = (q[:r] if dec.contiguous else q[dec.tok]).unsqueeze(2)
+        need_lse = self.sinks is not None
+        o, lse = self._flex(
+            fn,
+            qd,
+            cache,
+            base_token=dec.base_token,
+            length=dec.length,
+            block_mask=dec.block_mask,
+            score_mod=self._score_mod(md, dec.base_token // md.tpb, dec_pos=dec.pos),
+            need_lse=need_lse,
+            kernel_options=self._kernel_options(md, q.device, decode=True),
+        )
+        o = o[:, :, 0]  # [R, Hq, Dv]
+        if lse is not None:
+            assert self.sinks is not None
+            gate = torch.sigmoid(lse[:, :, 0].float() - self.sinks.float().to(o.device)[None])
+            o = (o.float() * gate[..., None]).to(result.dtype)
+        if dec.contiguous:
+            result[:r] = o
+        else:
+            result[dec.tok] = o.to(result.dtype)
+
+    def _score_mod(
+        self, md: FlexAttentionMetadata, base_block: int, *, dec_pos: torch.Tensor | None = None
+    ) -> Any:
+        """Softcap and ALiBi; a query's position is ``q_pos[q_idx]`` in the flattened call and
+        ``dec_pos[b]`` (one query per batch row) in the decode call."""
         softcap, slopes = self.softcap, self.alibi_slopes
         if not softcap and slopes is None:
             return None
@@ -665,6 +914,10 @@ class FlexAttentionImpl(AttentionImpl):
         n, tpb, ncols = self.kernel_block_size, md.tpb, md.block_table.shape[1]
         assert n is not None
         slopes_f = None if slopes is None else slopes.float().to(q_pos.device)
+        # A 0-d tensor, not a Python float: once Dynamo sees several Flex graphs (the decode and
+        # the flattened call), it makes captured floats symbolic, which Flex's score_mod
+        # buffers reject ("can only be of Tensor, int, SymInt ... but got SymFloat").
+        cap = torch.full((), softcap, dtype=torch.float32, device=q_pos.device) if softcap else None
 
         def score_mod(
             score: torch.Tensor,
@@ -673,12 +926,13 @@ class FlexAttentionImpl(AttentionImpl):
             q_idx: torch.Tensor,
             kv_idx: torch.Tensor,
         ) -> torch.Tensor:
-            if softcap:
-                score = softcap * torch.tanh(score / softcap)
+            if cap is not None:
+                score = cap * torch.tanh(score / cap)
             if slopes_f is not None:
                 blk = base_block + kv_idx // tpb
                 kv_pos = ptl[blk].clamp(0, ncols - 1) * n + kv_idx % tpb
-                score = score + slopes_f[h] * (kv_pos - q_pos[q_idx]).to(score.dtype)
+                qp = q_pos[q_idx] if dec_pos is None else dec_pos[b]
+                score = score + slopes_f[h] * (kv_pos - qp).to(score.dtype)
             return score
 
         return score_mod
