@@ -89,23 +89,30 @@ def _direct(name: str, b: Any, md: Any, impl: Any, out: torch.Tensor) -> Callabl
     if name == "FLEX_ATTENTION":
         from kv_backends.backends.flex_attention import _compiled_flex
 
-        (win,) = md.windows
         _, sh, sn, _ = b.kv_cache.stride()
         h = b.kv_cache.shape[1]
-        k = b.kv_cache.as_strided((1, h, win.length, cfg.head_size), (0, sh, sn, 1))
+        dec = md.decode
+        if dec is not None and not md.windows:
+            # Pure decode: one batch row per request (the backend's decode call).
+            base, length, mask = dec.base_token, dec.length, dec.block_mask
+            qx = b.q[: dec.tok.numel()].unsqueeze(2)  # [R, Hq, 1, D]
+            opts = impl._kernel_options(md, b.q.device, decode=True)
+        else:
+            (win,) = md.windows
+            base, length, mask = win.base_token, win.length, win.block_mask
+            qx = b.q.transpose(0, 1)[None]  # [1, Hq, T, D]
+            opts = impl._kernel_options(md, b.q.device)
+        off = b.kv_cache.storage_offset() + base * sn
+        k = b.kv_cache.as_strided((1, h, length, cfg.head_size), (0, sh, sn, 1), off)
         v = b.kv_cache.as_strided(
-            (1, h, win.length, cfg.head_size_v),
-            (0, sh, sn, 1),
-            b.kv_cache.storage_offset() + cfg.head_size,
+            (1, h, length, cfg.head_size_v), (0, sh, sn, 1), off + cfg.head_size
         )
-        qx = b.q.transpose(0, 1)[None]
         fn = _compiled_flex()
-        opts = impl._kernel_options(md, b.q.device)
         return lambda: fn(
             qx,
             k,
             v,
-            block_mask=win.block_mask,
+            block_mask=mask,
             scale=impl.scale,
             enable_gqa=True,
             kernel_options=opts,
