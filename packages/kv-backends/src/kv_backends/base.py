@@ -392,8 +392,30 @@ class AttentionImpl:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Write ``key`` ``[T, H, D]`` and ``value`` ``[T, H, Dv]`` to their slots (``-1`` skipped)."""
-        raise NotImplementedError
+        """Write ``key`` ``[T, H, D]`` and ``value`` ``[T, H, Dv]`` to their slots (``-1`` skipped).
+
+        Every backend writes through kv-kernels' ``reshape_and_cache`` (the layout says where K, V
+        and inline scales go); the layer's own scales win over the impl's.
+        """
+        from kv_kernels.reshape_and_cache import reshape_and_cache
+
+        self.check_cache(kv_cache)
+        k_scale, v_scale = self.scales(layer)
+        dev = kv_cache.device
+        reshape_and_cache(
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            self.layout,
+            None if k_scale is None else k_scale.to(dev),
+            None if v_scale is None else v_scale.to(dev),
+            impl=self.cache_write_impl(),
+        )
+
+    def cache_write_impl(self) -> str:
+        """The ``reshape_and_cache`` implementation: ``"auto"`` (Triton on CUDA, torch on CPU)."""
+        return "auto"
 
     def forward(
         self,

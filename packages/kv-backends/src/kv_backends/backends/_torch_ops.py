@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from kv_spec import KVCacheLayout
 
-__all__ = ["attend_one_request", "dequant", "gather_request_kv", "write_kv_torch"]
+__all__ = ["attend_one_request", "dequant", "gather_request_kv"]
 
 
 def _scale_shape(scale: torch.Tensor, ndim: int, head_dim: int) -> torch.Tensor:
@@ -17,49 +17,6 @@ def _scale_shape(scale: torch.Tensor, ndim: int, head_dim: int) -> torch.Tensor:
     shape = [1] * ndim
     shape[head_dim] = scale.numel()
     return scale.reshape(shape)
-
-
-def write_kv_torch(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    layout: KVCacheLayout,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Write ``key`` ``[T, H, D]`` / ``value`` ``[T, H, Dv]`` into the ``[B, H, N, C]`` layer view.
-
-    Slot ``s`` is block ``s // N``, token ``s % N``; ``s < 0`` is skipped. fp8 caches store
-    ``x / scale``.
-    """
-    n = layout.block_size
-    t = slot_mapping.numel()
-    if key.shape[0] < t or value.shape[0] < t:
-        raise ValueError(
-            f"key/value have {key.shape[0]}/{value.shape[0]} tokens but slot_mapping has {t}"
-        )
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    if slots.numel() == 0:
-        return
-    total = layout.num_blocks * n
-    if int(slots.max()) >= total:
-        raise ValueError(f"slot {int(slots.max())} is out of range for a cache of {total} slots")
-    blk, off = slots // n, slots % n
-    k = key[:t][valid]  # [t_valid, H, D]
-    v = value[:t][valid]  # [t_valid, H, Dv]
-    cache_dtype = kv_cache.dtype
-    if k_scale is not None:
-        k = k.float() / _scale_shape(k_scale.to(k.device), 3, 1)
-    if v_scale is not None:
-        v = v.float() / _scale_shape(v_scale.to(v.device), 3, 1)
-    k0, k1 = layout.k_range
-    assert layout.v_range is not None
-    v0, v1 = layout.v_range
-    # Advanced indices on dims 0 and 2 around a slice: the result is [t_valid, H, width].
-    kv_cache[blk, :, off, k0:k1] = k.to(cache_dtype)
-    kv_cache[blk, :, off, v0:v1] = v.to(cache_dtype)
 
 
 def gather_request_kv(

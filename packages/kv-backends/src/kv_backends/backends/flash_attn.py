@@ -258,18 +258,6 @@ class FlashAttnImpl(AttentionImpl):
             self._fn = flash_attn_varlen_func
         return self._fn
 
-    def do_kv_cache_update(
-        self,
-        layer: object,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        from kv_kernels.reshape_and_cache import reshape_and_cache
-
-        reshape_and_cache(key, value, kv_cache, slot_mapping, self.layout, impl="auto")
-
     def forward(
         self,
         layer: object,

@@ -705,19 +705,6 @@ class FlexAttentionImpl(AttentionImpl):
         self.compiled = compiled
         self.kernel_options = dict(kernel_options) if kernel_options else None
 
-    def do_kv_cache_update(
-        self,
-        layer: object,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        from kv_kernels.reshape_and_cache import reshape_and_cache
-
-        self.check_cache(kv_cache)
-        reshape_and_cache(key, value, kv_cache, slot_mapping, self.layout, impl="auto")
-
     def _kernel_options(
         self, md: FlexAttentionMetadata, device: torch.device, *, decode: bool = False
     ) -> dict[str, Any] | None:

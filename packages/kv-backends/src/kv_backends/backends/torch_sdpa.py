@@ -16,7 +16,6 @@ from kv_backends.backends._torch_ops import (
     attend_one_request,
     dequant,
     gather_request_kv,
-    write_kv_torch,
 )
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
@@ -27,17 +26,10 @@ __all__ = ["TorchSDPABackend", "TorchSDPAImpl"]
 class TorchSDPAImpl(AttentionImpl):
     """Per-layer TORCH_SDPA attention (float32 math, output cast to the query dtype)."""
 
-    def do_kv_cache_update(
-        self,
-        layer: object,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        self.check_cache(kv_cache)
-        k_scale, v_scale = self.scales(layer)
-        write_kv_torch(key, value, kv_cache, slot_mapping, self.layout, k_scale, v_scale)
+    def cache_write_impl(self) -> str:
+        # The reference backend writes with the torch reference on every device, so it stays an
+        # oracle that shares no Triton code with the backends it checks.
+        return "reference"
 
     def forward(
         self,

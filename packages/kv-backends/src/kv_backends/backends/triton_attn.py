@@ -44,27 +44,8 @@ class TritonImpl(AttentionImpl):
         self.num_splits = num_splits
         self.impl = impl
 
-    def do_kv_cache_update(
-        self,
-        layer: object,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        from kv_kernels.reshape_and_cache import reshape_and_cache
-
-        k_scale, v_scale = self.scales(layer)
-        reshape_and_cache(
-            key,
-            value,
-            kv_cache,
-            slot_mapping,
-            self.layout,
-            _on(k_scale, kv_cache.device),
-            _on(v_scale, kv_cache.device),
-            impl=self.impl,
-        )
+    def cache_write_impl(self) -> str:
+        return self.impl
 
     def forward(
         self,
