@@ -27,13 +27,13 @@ Metric TB/s. Writes ``DIR/block_copy.json`` and prints one JSON line per record:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
+from _records import BandwidthRecorder  # this folder's shared record writer
 from kv_kernels.block_copy import gather_blocks, scatter_blocks
 from kv_kernels.cache import allocate_kv_cache
 from kv_spec import KVCacheLayout
@@ -141,27 +141,7 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.cuda.get_device_name()
-    records: list[dict[str, Any]] = []
-
-    def record(
-        case: str, impl: str, ms: float, nbytes: int, baseline: str | None, base_ms: float | None
-    ) -> None:
-        value = nbytes / ms / 1e9
-        base_value = nbytes / base_ms / 1e9 if base_ms else None
-        rec = {
-            "bench": "block_copy",
-            "case": case,
-            "impl": impl,
-            "ms": ms,
-            "metric": "TB/s",
-            "value": value,
-            "baseline": baseline,
-            "baseline_value": base_value,
-            "ratio": (value / base_value) if base_value else None,
-            "device": device,
-        }
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
+    record = BandwidthRecorder("block_copy", device)
 
     row = LAYERS * _layout("LBNHC").page_bytes
     nbytes = MOVED * row
@@ -179,14 +159,7 @@ def main() -> None:
         _run_layout(order, pinned, staging, d2h_ms, h2d_ms, record)
         torch.cuda.empty_cache()
 
-    with open(os.path.join(args.out, "block_copy.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    print("\n| case | impl | ms | TB/s | vs | ratio |\n|---|---|---|---|---|---|")
-    for r in records:
-        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(
-            f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['value']:.4f} | {r['baseline'] or ''} | {ratio} |"
-        )
+    record.write(args.out)
 
 
 if __name__ == "__main__":

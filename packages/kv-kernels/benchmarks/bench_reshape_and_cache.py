@@ -25,13 +25,13 @@ Target: >= 2.5 TB/s for bf16. Writes ``DIR/reshape_and_cache.json`` and prints o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
+from _records import BandwidthRecorder  # this folder's shared record writer
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.reshape_and_cache import reshape_and_cache
 from kv_spec import KVCacheLayout
@@ -117,27 +117,7 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.cuda.get_device_name()
-    records: list[dict[str, Any]] = []
-
-    def record(
-        case: str, impl: str, ms: float, nbytes: int, baseline: str | None, base_ms: float | None
-    ) -> None:
-        value = nbytes / ms / 1e9  # bytes per ms -> TB/s
-        base_value = nbytes / base_ms / 1e9 if base_ms else None
-        rec = {
-            "bench": "reshape_and_cache",
-            "case": case,
-            "impl": impl,
-            "ms": ms,
-            "metric": "TB/s",
-            "value": value,
-            "baseline": baseline,
-            "baseline_value": base_value,
-            "ratio": (value / base_value) if base_value else None,
-            "device": device,
-        }
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
+    record = BandwidthRecorder("reshape_and_cache", device)
 
     for order, dtype, kv_quant in (
         ("LBNHC", "bfloat16", "none"),
@@ -148,14 +128,7 @@ def main() -> None:
         _run_case(order, dtype, kv_quant, record)
         torch.cuda.empty_cache()
 
-    with open(os.path.join(args.out, "reshape_and_cache.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    print("\n| case | impl | ms | TB/s | vs | ratio |\n|---|---|---|---|---|---|")
-    for r in records:
-        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(
-            f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['value']:.2f} | {r['baseline'] or ''} | {ratio} |"
-        )
+    record.write(args.out)
 
 
 if __name__ == "__main__":
