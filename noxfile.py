@@ -22,7 +22,11 @@ ROOT = Path(__file__).parent
 PACKAGES = ("kv-spec", "kv-kernels", "kv-backends", "kv-blocktable", "kv-connectors", "kvstack")
 IMPORT_NAMES = {p: p.replace("-", "_") for p in PACKAGES}
 # Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).
-TEST_GROUPS = {"kv-connectors": ("nixl",)}
+TEST_GROUPS = {
+    "kv-blocktable": ("xxhash",),
+    "kv-connectors": ("nixl",),
+    "kvstack": ("nixl", "hf"),
+}
 
 
 def _sync(session: nox.Session, *args: str) -> None:

@@ -8,6 +8,6 @@ attention), ``kv_backends`` (attention backends and the selector), ``kv_blocktab
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["__version__"]
