@@ -21,6 +21,11 @@ ROOT = Path(__file__).parent
 # Bottom to top: the layer order of the house.
 PACKAGES = ("kv-spec", "kv-kernels", "kv-backends", "kv-blocktable", "kv-connectors", "kvstack")
 IMPORT_NAMES = {p: p.replace("-", "_") for p in PACKAGES}
+# Extras a package's tests need (kv-blocktable's block tables are its `torch` extra).
+TEST_EXTRAS = {"kv-blocktable": ("torch",)}
+# Extras that `isolated` leaves out: modules needing them are not imported there, and the package
+# must install and import without them (a scheduler installs kv-blocktable without torch).
+EXTRA_MODULES = {"kv-blocktable": ("kv_blocktable.block_table", "kv_blocktable.attn_metadata")}
 # Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).
 TEST_GROUPS = {
     "kv-blocktable": ("xxhash",),
@@ -51,6 +56,7 @@ def _per_package() -> list[object]:
 def tests(session: nox.Session, package: str) -> None:
     """A package's CPU tests, in an env with only that package, its dependencies and pytest."""
     extra = [a for g in TEST_GROUPS.get(package, ()) for a in ("--group", g)]
+    extra += [a for e in TEST_EXTRAS.get(package, ()) for a in ("--extra", e)]
     _sync(session, "--package", package, "--group", "test", *extra)
     session.run(
         "python",
@@ -95,6 +101,29 @@ def imports(session: nox.Session) -> None:
     """import-linter: the layers contract (no upward imports) and kv_spec's no-torch rule."""
     _sync(session, "--all-packages", "--group", "imports")
     session.run("lint-imports")
+
+
+@nox.session
+def readme(session: nox.Session) -> None:
+    """The README's first command, `uv run kvstack demo`, in a fresh project environment.
+
+    `uv run` from the root installs the root's default dependencies from the lock (no test or dev
+    groups, no transformers), so this proves the demo needs nothing beyond what a newcomer gets.
+    """
+    env_dir = Path(tempfile.mkdtemp(prefix="kvstack-readme-"))
+    try:
+        session.run(
+            "uv",
+            "run",
+            "--locked",
+            "--no-dev",
+            "kvstack",
+            "demo",
+            env={"UV_PROJECT_ENVIRONMENT": str(env_dir / "venv")},
+            external=True,
+        )
+    finally:
+        shutil.rmtree(env_dir, ignore_errors=True)
 
 
 @nox.session(name="docs-check")
@@ -166,15 +195,18 @@ def isolated(session: nox.Session, package: str) -> None:
         )
         mod = IMPORT_NAMES[package]
         # Import every module of the package, so a dependency used only in a submodule counts too.
+        skip = EXTRA_MODULES.get(package, ())
         walk = (
             f"import importlib, pkgutil, {mod}; "
-            f"names = [m.name for m in pkgutil.walk_packages({mod}.__path__, '{mod}.')]; "
+            f"names = [m.name for m in pkgutil.walk_packages({mod}.__path__, '{mod}.') "
+            f"if m.name not in {skip!r}]; "
             "[importlib.import_module(n) for n in names]; "
             f"print('{package}', {mod}.__version__, 'imports alone with', len(names), 'submodules')"
         )
         session.run(py, "-c", walk, external=True)
-        if package == "kv-spec":
-            # The bottom layer must install and import with no torch anywhere in the env.
+        if package in ("kv-spec", "kv-blocktable"):
+            # The bottom layer, and the scheduler side of kv-blocktable, install and import with
+            # no torch anywhere in the env.
             session.run(
                 py,
                 "-c",

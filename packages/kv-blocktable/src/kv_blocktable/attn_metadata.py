@@ -1,0 +1,383 @@
+"""A step's batch as attention metadata: host-side checks, staging, and the exports other kernel
+families read (the ``torch`` extra).
+
+:class:`StepInputs` is a step's query and sequence lengths checked on the host (where checking
+costs no device sync) with everything derived from them: ``query_start_loc``, each new token's
+position, the padded token count. :func:`make_common` pairs it with a group's kernel block table
+and slot mapping into the :class:`kv_backends.CommonAttentionMetadata` that kv-backends' builders
+take. :class:`~kv_blocktable.block_table.BlockTables` drives all of this; the functions here take
+plain tensors so they can be tested against a by-hand formulation one at a time.
+
+Exports (kernel blocks of ``kernel_block_size`` tokens; request ``r`` reads
+``pages[r] = ceil(seq_lens[r] / kernel_block_size)`` of them):
+
+- :func:`csr_from_table`: FlashInfer's paged-KV CSR, ``indptr`` ``[R + 1]`` (prefix sums of
+  ``pages``), ``indices`` (each request's first ``pages[r]`` kernel block ids, concatenated) and
+  ``last_page_len`` ``[R]`` (tokens in the last page, ``seq_len - (pages - 1) * kbs``; an empty
+  request has 0 pages and ``last_page_len = kbs``, so ``(pages - 1) * kbs + last_page_len``
+  is its length, 0, as FlashInfer computes it).
+- :func:`physical_to_logical`: FlexAttention's per-block map, ``phys_to_logical[block]`` = the
+  logical column of a physical kernel block in the batch, ``-1`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from kv_backends import CommonAttentionMetadata
+
+__all__ = [
+    "KeyWindow",
+    "PagedKVIndices",
+    "StepBuffers",
+    "StepInputs",
+    "check_new_tokens_not_null",
+    "check_rows_cover",
+    "csr_from_table",
+    "make_common",
+    "physical_to_logical",
+]
+
+_INT32_MAX = 2**31 - 1
+_WINDOW_KINDS = ("sliding_window", "chunked_local")
+
+
+@dataclass(frozen=True)
+class KeyWindow:
+    """Which earlier keys a group's queries see besides causality: the last ``size`` positions,
+    the query's own included (``"sliding_window"``), or the query's own chunk of ``size``
+    positions (``"chunked_local"``).
+
+    Blocks wholly before the window of a request's first query are never read. The scheduler
+    returns them to the pool (they may already belong to another request) while the worker's
+    row may still hold their old ids, so exports that map blocks to positions skip them.
+    """
+
+    kind: str
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in _WINDOW_KINDS:
+            raise ValueError(f"KeyWindow.kind={self.kind!r} is not one of {_WINDOW_KINDS}")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size <= 0:
+            raise ValueError(f"KeyWindow.size={self.size!r} must be a positive int")
+
+    @classmethod
+    def of_spec(cls, spec: object) -> KeyWindow | None:
+        """The window of a kv_spec spec (None for full attention, MLA and cross attention)."""
+        from kv_spec import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+        if isinstance(spec, SlidingWindowSpec):
+            return cls("sliding_window", spec.sliding_window)
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            return cls("chunked_local", spec.attention_chunk_size)
+        return None
+
+    def first_visible(self, positions: torch.Tensor) -> torch.Tensor:
+        """The first key position a query at each of ``positions`` sees (int64, same shape)."""
+        if self.kind == "sliding_window":
+            return (positions - self.size + 1).clamp(min=0)
+        return positions // self.size * self.size
+
+
+def _host_lengths(name: str, values: object, num_reqs: int) -> torch.Tensor:
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on {values.device}; pass host lengths (a list, numpy array or CPU tensor): "
+            "checking device values would synchronize every step"
+        )
+    try:
+        t = torch.as_tensor(values, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name} must be a sequence of ints: {e}") from None
+    if t.dim() != 1 or t.numel() != num_reqs:
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}; expected ({num_reqs},), one length per request "
+            f"of num_reqs={num_reqs}"
+        )
+    return t
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's batch, checked on the host. All tensors are CPU tensors made for this step."""
+
+    num_reqs: int
+    query_lens: torch.Tensor  # [R] int64
+    seq_lens: torch.Tensor  # [R] int64
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens_i32: torch.Tensor  # [R] int32
+    positions: torch.Tensor  # [T] int64, position of each new token within its request
+    num_tokens: int  # T
+    padded_tokens: int  # T plus padding (a CUDA graph's captured length)
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def from_lengths(
+        cls,
+        num_reqs: int,
+        query_lens: object,
+        seq_lens: object,
+        *,
+        pad_tokens_to: int | None,
+        max_num_batched_tokens: int,
+    ) -> StepInputs:
+        if isinstance(num_reqs, bool) or not isinstance(num_reqs, int) or num_reqs < 0:
+            raise ValueError(f"num_reqs={num_reqs!r} must be an int >= 0")
+        q = _host_lengths("query_lens", query_lens, num_reqs)
+        s = _host_lengths("seq_lens", seq_lens, num_reqs)
+        bad = ((q < 0) | (q > s)).nonzero()
+        if bad.numel():
+            r = int(bad[0])
+            raise ValueError(
+                f"request {r}: query_len={int(q[r])} must be in [0, seq_len={int(s[r])}] (the new "
+                "tokens are the last query_len of its seq_len tokens)"
+            )
+        if num_reqs and int(s.max()) > _INT32_MAX:
+            raise ValueError(f"seq_len={int(s.max())} exceeds the int32 range of seq_lens")
+        num_tokens = int(q.sum())
+        padded = num_tokens if pad_tokens_to is None else pad_tokens_to
+        if isinstance(padded, bool) or not isinstance(padded, int):
+            raise ValueError(f"pad_tokens_to={pad_tokens_to!r} must be an int or None")
+        if not num_tokens <= padded <= max_num_batched_tokens:
+            raise ValueError(
+                f"the step has {num_tokens} tokens padded to {padded}; both must be at most "
+                f"max_num_batched_tokens={max_num_batched_tokens} and the padded length at least "
+                "the token count; split the step or raise max_num_batched_tokens"
+            )
+        qsl = torch.zeros(num_reqs + 1, dtype=torch.int64)
+        torch.cumsum(q, 0, out=qsl[1:])
+        # Token t of request r sits at position (seq_len - query_len) + (t - qsl[r]).
+        first_pos = s - q  # [R]
+        shift = torch.repeat_interleave(first_pos - qsl[:-1], q, output_size=num_tokens)  # [T]
+        positions = torch.arange(num_tokens, dtype=torch.int64) + shift
+        return cls(
+            num_reqs=num_reqs,
+            query_lens=q,
+            seq_lens=s,
+            query_start_loc=qsl.to(torch.int32),
+            seq_lens_i32=s.to(torch.int32),
+            positions=positions,
+            num_tokens=num_tokens,
+            padded_tokens=padded,
+            max_query_len=int(q.max()) if num_reqs else 0,
+            max_seq_len=int(s.max()) if num_reqs else 0,
+        )
+
+
+def check_rows_cover(
+    step: StepInputs,
+    row_blocks: torch.Tensor,  # [R, G] int64 manager blocks per row and group
+    block_sizes: Sequence[int],
+    max_blocks: Sequence[int],
+) -> None:
+    """Every request's row holds the blocks its ``seq_len`` tokens need, in every group.
+
+    A token past its row's blocks would get slot ``-1`` (its K/V silently dropped) and its
+    attention would read padding: refuse the batch here, on host values, instead.
+    """
+    for g, bs in enumerate(block_sizes):
+        need = (step.seq_lens + bs - 1) // bs  # [R]
+        short = (need > row_blocks[: step.num_reqs, g]).nonzero()
+        if short.numel():
+            r = int(short[0])
+            have, want = int(row_blocks[r, g]), int(need[r])
+            hint = (
+                f"max_num_blocks_per_req={max_blocks[g]} cannot hold it; raise max_model_len"
+                if want > max_blocks[g]
+                else "append the step's new blocks with append_row, then commit"
+            )
+            raise ValueError(
+                f"request {r}: seq_len={int(step.seq_lens[r])} needs {want} blocks of group {g} "
+                f"(block_size={bs}) but row {r} holds {have}; {hint}"
+            )
+
+
+def check_new_tokens_not_null(
+    step: StepInputs,
+    host_table: torch.Tensor,  # [>= R, M] int32 manager block ids of one group
+    block_size: int,
+    null_block: int,
+    group: int,
+) -> None:
+    """No new token is written into the null block.
+
+    A sliding-window row holds the null block where old blocks fell out of the window; a new
+    token's block must be a real one, or its K/V would land in the shared null page (read by
+    nobody, overwritten by everybody).
+    """
+    if step.num_tokens == 0:
+        return
+    req = torch.repeat_interleave(
+        torch.arange(step.num_reqs), step.query_lens, output_size=step.num_tokens
+    )  # [T]
+    blocks = host_table[req, step.positions // block_size]  # [T]
+    hit = (blocks == null_block).nonzero()
+    if hit.numel():
+        t = int(hit[0])
+        r, pos = int(req[t]), int(step.positions[t])
+        raise ValueError(
+            f"request {r}: new token at position {pos} maps to the null block {null_block} "
+            f"(group {group}, column {pos // block_size}); the scheduler must allocate a real block "
+            "for every block the step writes"
+        )
+
+
+class StepBuffers:
+    """Persistent device buffers of a step's ``query_start_loc`` / ``seq_lens`` / ``positions``,
+    filled from pinned host staging buffers (asynchronous copies on CUDA)."""
+
+    def __init__(
+        self, max_num_reqs: int, max_num_tokens: int, device: torch.device, pinned: bool
+    ) -> None:
+        self.pinned = pinned
+        self.host_qsl = torch.zeros(max_num_reqs + 1, dtype=torch.int32, pin_memory=pinned)
+        self.host_seq = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pinned)
+        self.host_pos = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pinned)
+        self.qsl = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.seq = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.pos = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+
+    def stage(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copy the step to the device; returns views ``qsl [R + 1]``, ``seq_lens [R]``,
+        ``positions [T]`` of the persistent buffers. The caller waits for the previous copies
+        before calling (the host buffers are reused)."""
+        r, t = step.num_reqs, step.num_tokens
+        pairs = (
+            (self.host_qsl[: r + 1], self.qsl[: r + 1], step.query_start_loc),
+            (self.host_seq[:r], self.seq[:r], step.seq_lens_i32),
+            (self.host_pos[:t], self.pos[:t], step.positions),
+        )
+        for host, dev, src in pairs:
+            host.copy_(src)
+            dev.copy_(host, non_blocking=self.pinned)
+        return self.qsl[: r + 1], self.seq[:r], self.pos[:t]
+
+
+def make_common(
+    step: StepInputs,
+    query_start_loc: torch.Tensor,  # [R + 1] int32, device
+    seq_lens: torch.Tensor,  # [R] int32, device
+    kernel_block_table: torch.Tensor,  # [R, max_blocks * k] int32, device
+    slot_mapping: torch.Tensor,  # [padded_tokens] int64, device
+) -> CommonAttentionMetadata:
+    """One group's :class:`kv_backends.CommonAttentionMetadata` (host copies from ``step``, so
+    builders never sync)."""
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=kernel_block_table,
+        slot_mapping=slot_mapping,
+        max_query_len=step.max_query_len,
+        max_seq_len=step.max_seq_len,
+        num_actual_tokens=step.num_tokens,
+        query_start_loc_cpu=step.query_start_loc,
+        seq_lens_cpu=step.seq_lens_i32,
+    )
+
+
+class PagedKVIndices(NamedTuple):
+    """FlashInfer's paged-KV CSR (int32, on the tables' device)."""
+
+    indptr: torch.Tensor  # [R + 1] prefix sums of pages per request
+    indices: torch.Tensor  # [indptr[-1]] kernel block ids, request by request
+    last_page_len: torch.Tensor  # [R] tokens in each request's last page (kbs when empty)
+
+
+def _used_entries(
+    kernel_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kernel_block_size: int,
+    first_pos: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pages [R] host, indptr [R + 1] host, rows [nnz], cols [nnz])`` of the table entries the
+    batch reads: columns ``[first_pos // kbs, pages)`` of each row (``first_pos`` [R] host, the
+    first key position any query of the request sees; default 0). ``nnz`` comes from host
+    lengths, so nothing here waits on the device."""
+    device = kernel_table.device
+    num_reqs = seq_lens.numel()
+    pages = (seq_lens + kernel_block_size - 1) // kernel_block_size  # [R] int64
+    first = (
+        torch.zeros_like(pages)
+        if first_pos is None
+        else torch.minimum(first_pos // kernel_block_size, pages)
+    )  # [R] first column read
+    indptr = torch.zeros(num_reqs + 1, dtype=torch.int64)
+    torch.cumsum(pages - first, 0, out=indptr[1:])
+    nnz = int(indptr[-1])
+    if num_reqs and int(pages.max()) > kernel_table.shape[1]:
+        r = int(pages.argmax())
+        raise ValueError(
+            f"request {r} reads {int(pages[r])} kernel blocks but the table has "
+            f"{kernel_table.shape[1]} columns"
+        )
+    rows = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device), (pages - first).to(device), output_size=nnz
+    )  # [nnz]
+    start = (first - indptr[:-1]).to(device)  # [R] column of entry i is i + start[row]
+    cols = torch.arange(nnz, device=device) + start[rows]  # [nnz]
+    return pages, indptr, rows, cols
+
+
+def csr_from_table(
+    kernel_table: torch.Tensor,  # [R, max_kernel_blocks] int32
+    seq_lens: torch.Tensor,  # [R] int64, host
+    kernel_block_size: int,
+) -> PagedKVIndices:
+    """FlashInfer's ``(indptr, indices, last_page_len)`` of a committed kernel block table."""
+    pages, indptr, rows, cols = _used_entries(kernel_table, seq_lens, kernel_block_size)
+    last = seq_lens - (pages - 1) * kernel_block_size  # [R]; an empty request gives kbs
+    device = kernel_table.device
+    return PagedKVIndices(
+        indptr=indptr.to(device=device, dtype=torch.int32),
+        indices=kernel_table[rows, cols].to(torch.int32),
+        last_page_len=last.to(device=device, dtype=torch.int32),
+    )
+
+
+def physical_to_logical(
+    kernel_table: torch.Tensor,  # [R, max_kernel_blocks] int32
+    seq_lens: torch.Tensor,  # [R] int64, host
+    kernel_block_size: int,
+    *,
+    num_kernel_blocks: int,
+    null_kernel_blocks: tuple[int, int] | None = None,
+    first_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FlexAttention's int32 ``[num_kernel_blocks]`` physical → logical kernel-block map.
+
+    ``null_kernel_blocks = (first, count)``: the null block's kernel blocks, which a
+    sliding-window row holds at many columns; they stay ``-1`` (never a position). ``first_pos``
+    ``[R]`` (host): the first key position each request's queries see; columns before it are
+    skipped (their blocks may already be another request's). Any other block at two different
+    columns in one batch raises (one map per step cannot say both).
+    """
+    _, _, rows, cols = _used_entries(kernel_table, seq_lens, kernel_block_size, first_pos)
+    phys = kernel_table[rows, cols].long()  # [nnz]
+    if null_kernel_blocks is not None:
+        first, count = null_kernel_blocks
+        keep = (phys < first) | (phys >= first + count)
+        phys, cols = phys[keep], cols[keep]
+    out = torch.full((num_kernel_blocks,), -1, dtype=torch.int32, device=kernel_table.device)
+    if phys.numel() == 0:
+        return out
+    lo, hi = int(phys.min()), int(phys.max())
+    if lo < 0 or hi >= num_kernel_blocks:
+        raise ValueError(
+            f"kernel block {lo if lo < 0 else hi} of the batch is outside [0, {num_kernel_blocks}); "
+            "the table holds ids from another cache or an uncommitted row"
+        )
+    out[phys] = cols.to(torch.int32)
+    clash = (out[phys].long() != cols).nonzero()
+    if clash.numel():
+        i = int(clash[0])
+        raise ValueError(
+            f"kernel block {int(phys[i])} is read at logical columns {int(cols[i])} and "
+            f"{int(out[phys[i]])} in one batch; FlexAttention's physical->logical map needs one "
+            "position per block per step (split the batch)"
+        )
+    return out

@@ -1,0 +1,589 @@
+"""Per-request block tables on the worker: one int32 table per KV-cache group (the ``torch`` extra).
+
+A :class:`BlockTables` holds, for every KV group of a model, a table of *manager* block ids with
+one persistent row per batch slot. The scheduler's :class:`~kv_blocktable.KVCacheManager` hands out
+block ids; the worker mirrors them here with :meth:`~BlockTables.add_row` /
+:meth:`~BlockTables.append_row` and keeps rows in batch order with :meth:`~BlockTables.move_row` /
+:meth:`~BlockTables.swap_rows` (condensing after finished requests, reordering decodes first) —
+rows persist across steps, so a step only writes what changed.
+
+Each step then:
+
+1. :meth:`~BlockTables.commit` copies the first ``num_reqs`` rows of every group to the device in
+   **one** staged copy (the groups' tables are column ranges of one pinned host buffer, so the
+   rows of all groups are one contiguous range), and expands manager blocks to kernel blocks
+   (``b * k + i``, kv-kernels' ``expand_block_table``) into a persistent int32 table per group;
+2. :meth:`~BlockTables.build_common_metadata` turns the step's query and sequence lengths into one
+   :class:`kv_backends.CommonAttentionMetadata` per group (shared ``query_start_loc`` /
+   ``seq_lens``, each with its kernel block table and slot mapping), which any kv-backends builder
+   takes as is.
+
+Unused table columns hold ``-1`` (kv-kernels' padding value), so a token outside its row's blocks
+gets slot ``-1``, never another request's page; the host check in
+:meth:`~BlockTables.build_common_metadata` refuses such a batch before it reaches a kernel.
+
+Buffers are persistent: the tensors of one step's metadata are views that the next
+:meth:`~BlockTables.commit` / :meth:`~BlockTables.build_common_metadata` overwrites (the vLLM
+contract; CUDA graphs need the fixed addresses). Exports for other kernel families are in
+:mod:`kv_blocktable.attn_metadata`: FlashInfer-style CSR pages and FlexAttention's physical →
+logical block map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
+
+from kv_blocktable import attn_metadata as _md
+from kv_blocktable.attn_metadata import KeyWindow
+from kv_blocktable.pool import NULL_BLOCK_ID
+
+if TYPE_CHECKING:
+    from kv_backends import CommonAttentionMetadata
+    from kv_spec import KVCacheConfig, KVCacheLayout
+
+__all__ = ["BlockTables", "KeyWindow", "check_kernel_block_split"]
+
+_INT32_MAX = 2**31 - 1
+_IMPLS = ("auto", "reference", "triton")
+
+
+def _positive_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
+    return value
+
+
+def check_kernel_block_split(group_id: int, layout: KVCacheLayout, kernel_block_size: int) -> None:
+    """Refuse a kernel block size the cache cannot be addressed with.
+
+    Kernel block ``b * k + i`` of ``kernel_block_size`` tokens is only the right memory when a
+    manager block's tokens are evenly strided (block stride = ``block_size`` x token stride):
+    LBNHC or LHBNC without padded pages, MLA latents included. Cross-layer orders (BLNHC, ...),
+    head-major blocks (LBHNC) and padded pages break that, and a kernel block id would then point
+    into another layer, head or the padding — so they raise here, with the fix, instead of
+    silently mis-addressing.
+    """
+    n = layout.block_size
+    if kernel_block_size == n:
+        return
+    if kernel_block_size <= 0 or n % kernel_block_size:
+        raise ValueError(
+            f"group {group_id}: kernel_block_size={kernel_block_size} must be a positive divisor of "
+            f"the storage block_size={n}; pick one with kv_backends.prepare_kernel_block_sizes"
+        )
+    _, sb, _, sn, _ = layout.strides  # element strides of the logical [L, B, H, N, C] dims
+    if sb != n * sn:
+        padded = layout.page_bytes != layout.real_page_size_bytes
+        raise ValueError(
+            f"group {group_id}: cannot address {n}-token blocks as {kernel_block_size}-token kernel "
+            f"blocks: block stride {sb} != block_size x token stride {n * sn} (order "
+            f"{layout.order.value}{', padded pages' if padded else ''}); use LBNHC or LHBNC "
+            f"without page padding, or kernel_block_size={n}"
+        )
+
+
+class BlockTables:
+    """The block tables of one model: one int32 table per KV group, persistent rows.
+
+    Args:
+        block_sizes: manager block size of each group (``KVCacheConfig.groups[g].spec.block_size``).
+        kernel_block_sizes: the page size each group's kernels address (a divisor of the block
+            size; see :func:`kv_backends.prepare_kernel_block_sizes`).
+        max_num_reqs: rows (batch slots).
+        max_num_blocks_per_req: columns of each group's manager table.
+        device: where the tables the kernels read live.
+        pin_memory: stage host→device copies from pinned memory (asynchronous copies on CUDA).
+        max_num_batched_tokens: tokens per step; sizes the slot-mapping buffers (the longest
+            padded length a CUDA graph may capture).
+        num_blocks: blocks in the cache when known; block ids are then checked against it and
+            :meth:`flex_physical_to_logical` is available.
+        null_block: the pool's null block id (``0``): a sliding-window row holds it where blocks
+            fell out of the window; no new token may be written to it, and exports never map it
+            to a position.
+        key_windows: per group, the :class:`KeyWindow` of sliding-window / chunked-local groups
+            (``None``: full attention). :meth:`flex_physical_to_logical` skips blocks before a
+            request's window, whose ids the row may still hold after the pool reused them.
+        impl: kv-kernels implementation for the expansion and slot mapping (``"auto"``: Triton
+            on CUDA, the torch reference on the CPU).
+    """
+
+    def __init__(
+        self,
+        block_sizes: Sequence[int],
+        kernel_block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_num_blocks_per_req: Sequence[int],
+        *,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+        max_num_batched_tokens: int,
+        num_blocks: int | None = None,
+        null_block: int | None = NULL_BLOCK_ID,
+        key_windows: Sequence[KeyWindow | None] | None = None,
+        impl: str = "auto",
+    ) -> None:
+        owner = "BlockTables"
+        self.block_sizes = tuple(_positive_int(owner, "block_sizes[]", b) for b in block_sizes)
+        self.kernel_block_sizes = tuple(
+            _positive_int(owner, "kernel_block_sizes[]", b) for b in kernel_block_sizes
+        )
+        self.max_num_blocks_per_req = tuple(
+            _positive_int(owner, "max_num_blocks_per_req[]", m) for m in max_num_blocks_per_req
+        )
+        num_groups = len(self.block_sizes)
+        if num_groups == 0:
+            raise ValueError(f"{owner}: block_sizes is empty; pass one block size per KV group")
+        lens = (len(self.kernel_block_sizes), len(self.max_num_blocks_per_req))
+        if lens != (num_groups, num_groups):
+            raise ValueError(
+                f"{owner}: got {num_groups} block_sizes, {lens[0]} kernel_block_sizes and "
+                f"{lens[1]} max_num_blocks_per_req; pass one of each per KV group"
+            )
+        for g, (bs, kbs) in enumerate(zip(self.block_sizes, self.kernel_block_sizes, strict=True)):
+            if bs % kbs:
+                raise ValueError(
+                    f"{owner}: group {g} kernel_block_size={kbs} does not divide block_size={bs}; "
+                    "a manager block must be k whole kernel blocks "
+                    "(kv_backends.prepare_kernel_block_sizes picks one)"
+                )
+        self.max_num_reqs = _positive_int(owner, "max_num_reqs", max_num_reqs)
+        self.max_num_batched_tokens = _positive_int(
+            owner, "max_num_batched_tokens", max_num_batched_tokens
+        )
+        if num_blocks is not None:
+            _positive_int(owner, "num_blocks", num_blocks)
+            for g, k in enumerate(self.kernel_blocks_per_block):
+                if num_blocks * k - 1 > _INT32_MAX:
+                    raise ValueError(
+                        f"{owner}: group {g} has {num_blocks} blocks x k={k} kernel blocks each, "
+                        "past the int32 range of kernel block tables; use a larger kernel block size"
+                    )
+        self.num_blocks = num_blocks
+        if null_block is not None and (
+            isinstance(null_block, bool) or not isinstance(null_block, int) or null_block < 0
+        ):
+            raise ValueError(f"{owner}: null_block={null_block!r} must be an int >= 0 or None")
+        self.null_block = null_block
+        windows = tuple(key_windows) if key_windows is not None else (None,) * num_groups
+        if len(windows) != num_groups or not all(
+            w is None or isinstance(w, KeyWindow) for w in windows
+        ):
+            raise ValueError(
+                f"{owner}: key_windows must hold {num_groups} KeyWindow-or-None entries (one per "
+                f"KV group); got {key_windows!r}"
+            )
+        self.key_windows: tuple[KeyWindow | None, ...] = windows
+        if impl not in _IMPLS:
+            raise ValueError(f"{owner}: impl={impl!r} is not one of {_IMPLS}")
+        self.impl = impl
+        self.device = torch.device(device)
+        self.pin_memory = bool(pin_memory)
+        self._alloc_buffers()
+
+    def _alloc_buffers(self) -> None:
+        # The groups' manager tables are column ranges of one row-major buffer, so rows
+        # [0, num_reqs) of every group are one contiguous range: one copy per commit, and a move or
+        # swap of a row is one op for all groups.
+        cols = [0]
+        for m in self.max_num_blocks_per_req:
+            cols.append(cols[-1] + m)
+        self._col = tuple(cols)
+        shape = (self.max_num_reqs, cols[-1])
+        # Pinned staging only pays (and only works) for copies to a CUDA device.
+        pin = self._pinned = self.pin_memory and self.device.type == "cuda"
+        self._host = torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)  # [R, sum M_g]
+        self._dev = torch.full(shape, -1, dtype=torch.int32, device=self.device)  # [R, sum M_g]
+        # Blocks in each row, per group (host only: the scheduler side is the truth).
+        self._row_blocks = torch.zeros(self.max_num_reqs, self.num_groups, dtype=torch.int64)
+        self._kernel = tuple(  # per group [R, M_g * k_g] kernel block ids, -1 past a row's end
+            torch.full((self.max_num_reqs, m * k), -1, dtype=torch.int32, device=self.device)
+            for m, k in zip(self.max_num_blocks_per_req, self.kernel_blocks_per_block, strict=True)
+        )
+        self._slots = tuple(  # per group [max_num_batched_tokens] int64, -1 = padding
+            torch.full((self.max_num_batched_tokens,), -1, dtype=torch.int64, device=self.device)
+            for _ in range(self.num_groups)
+        )
+        self._step = _md.StepBuffers(
+            self.max_num_reqs, self.max_num_batched_tokens, self.device, pin
+        )
+        # CUDA events of the last non-blocking copy out of each pinned buffer (tables, step).
+        self._copy_event: Any = None
+        self._step_event: Any = None
+        self._committed: int | None = None  # num_reqs of the last commit; None = stale
+        self._last_step: _md.StepInputs | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        kv_cache_config: KVCacheConfig,
+        kernel_block_sizes: Sequence[int] | None = None,
+        *,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+        impl: str = "auto",
+    ) -> BlockTables:
+        """Block tables for a planned cache: one group per ``kv_cache_config.groups`` entry, in order.
+
+        ``kernel_block_sizes`` defaults to each group's block size. A kernel block size below the
+        block size is checked against the group's layout (:func:`check_kernel_block_split`):
+        cross-layer orders, head-major blocks and padded pages are refused with the reason. MLA
+        groups store one latent per token, which splits like any NHD page.
+        """
+        _positive_int("BlockTables.from_config", "max_model_len", max_model_len)
+        groups = kv_cache_config.groups
+        block_sizes = [g.spec.block_size for g in groups]
+        kbs = list(block_sizes if kernel_block_sizes is None else kernel_block_sizes)
+        if len(kbs) != len(groups):
+            raise ValueError(
+                f"BlockTables.from_config: got {len(kbs)} kernel_block_sizes for "
+                f"{len(groups)} KV groups; pass one per group in KVCacheConfig.groups order"
+            )
+        for g, size in enumerate(kbs):
+            check_kernel_block_split(g, kv_cache_config.layout(g), size)
+        return cls(
+            block_sizes,
+            kbs,
+            max_num_reqs,
+            # A sliding-window row keeps every column up to max_model_len (out-of-window blocks
+            # become the null block), so every group needs the full length.
+            [-(-max_model_len // b) for b in block_sizes],
+            device=device,
+            pin_memory=pin_memory,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_blocks=kv_cache_config.num_blocks,
+            key_windows=[KeyWindow.of_spec(g.spec) for g in groups],
+            impl=impl,
+        )
+
+    # -- shape facts -------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.block_sizes)
+
+    @property
+    def kernel_blocks_per_block(self) -> tuple[int, ...]:
+        """``k`` per group: manager block ``b`` is kernel blocks ``b * k .. b * k + k - 1``."""
+        return tuple(
+            b // kb for b, kb in zip(self.block_sizes, self.kernel_block_sizes, strict=True)
+        )
+
+    def num_blocks_of_row(self, row: int) -> tuple[int, ...]:
+        """Manager blocks held by ``row`` in each group."""
+        self._check_row("row", row)
+        return tuple(int(n) for n in self._row_blocks[row].tolist())
+
+    def host_table(self, group: int) -> torch.Tensor:
+        """Group ``group``'s manager table on the host, ``[max_num_reqs, max_blocks]`` int32
+        (a view: read it, change it only through the row methods)."""
+        self._check_group(group)
+        return self._host[:, self._col[group] : self._col[group + 1]]
+
+    def device_table(self, group: int) -> torch.Tensor:
+        """Group ``group``'s committed manager table on the device (a view)."""
+        self._check_group(group)
+        return self._dev[:, self._col[group] : self._col[group + 1]]
+
+    def kernel_table(self, group: int) -> torch.Tensor:
+        """Group ``group``'s committed kernel block table, ``[max_num_reqs, max_blocks * k]`` int32."""
+        self._check_group(group)
+        return self._kernel[group]
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def _check_row(self, name: str, row: object) -> int:
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.max_num_reqs:
+            raise ValueError(
+                f"{name}={row!r} is not a row in [0, max_num_reqs={self.max_num_reqs}); "
+                "raise max_num_reqs or condense the batch"
+            )
+        return row
+
+    def _check_group(self, group: object) -> int:
+        if (
+            isinstance(group, bool)
+            or not isinstance(group, int)
+            or not 0 <= group < self.num_groups
+        ):
+            raise ValueError(f"group={group!r} is not in [0, {self.num_groups}) (one per KV group)")
+        return group
+
+    def _as_ids(self, row: int, block_ids: object) -> list[torch.Tensor]:
+        """Validate per-group block ids for ``row`` (all groups before any write)."""
+        if not isinstance(block_ids, (tuple, list)) or len(block_ids) != self.num_groups:
+            raise ValueError(
+                f"block ids for row {row} must be a tuple of {self.num_groups} lists (one per KV "
+                f"group, as KVCacheManager.get_block_ids returns); got {type(block_ids).__name__}"
+                + (f" of {len(block_ids)}" if isinstance(block_ids, (tuple, list)) else "")
+            )
+        out = []
+        for g, ids in enumerate(block_ids):
+            if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
+                raise ValueError(f"group {g} block ids are on {ids.device}; pass host ids")
+            try:
+                t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"group {g} block ids for row {row} are not ints: {e}") from None
+            if t.numel():
+                lo, hi = int(t.min()), int(t.max())
+                if lo < 0:
+                    raise ValueError(
+                        f"group {g} row {row}: block id {lo} is negative; block ids are >= 0 "
+                        f"(the null block is {self.null_block})"
+                    )
+                if self.num_blocks is not None and hi >= self.num_blocks:
+                    raise ValueError(
+                        f"group {g} row {row}: block id {hi} is >= num_blocks={self.num_blocks}; "
+                        "the ids must come from this cache's block pool"
+                    )
+                k = self.kernel_blocks_per_block[g]
+                if hi * k + k - 1 > _INT32_MAX:  # tables are int32: never wrap silently
+                    raise ValueError(
+                        f"group {g} row {row}: block id {hi} expands to kernel block "
+                        f"{hi * k + k - 1} (k={k}), past the int32 range of block tables"
+                    )
+            out.append(t)
+        return out
+
+    # -- rows --------------------------------------------------------------------------------
+
+    def _wait_staged(self) -> None:
+        # A non-blocking copy from pinned memory reads the host buffer when the stream gets to
+        # it; writing the buffer before then would change what the previous step copies.
+        if self._copy_event is not None:
+            self._copy_event.synchronize()
+            self._copy_event = None
+
+    def _write(self, row: int, ids: list[torch.Tensor], *, start: Sequence[int]) -> None:
+        for g, t in enumerate(ids):
+            end = start[g] + t.numel()
+            if end > self.max_num_blocks_per_req[g]:
+                raise ValueError(
+                    f"row {row} group {g} would hold {end} blocks (block_size="
+                    f"{self.block_sizes[g]}, {end * self.block_sizes[g]} tokens), more than "
+                    f"max_num_blocks_per_req={self.max_num_blocks_per_req[g]}; raise max_model_len "
+                    "or finish the request"
+                )
+        self._wait_staged()
+        for g, t in enumerate(ids):
+            c0 = self._col[g] + start[g]
+            self._host[row, c0 : c0 + t.numel()] = t.to(torch.int32)
+            self._row_blocks[row, g] = start[g] + t.numel()
+        self._committed = None
+
+    def add_row(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Give ``row`` these manager block ids per group (replacing what it held)."""
+        self._check_row("row", row)
+        ids = self._as_ids(row, block_ids)
+        self._write(row, ids, start=[0] * self.num_groups)
+        self._wait_staged()
+        for g in range(self.num_groups):  # the rest of the row is padding again
+            c0 = self._col[g] + int(self._row_blocks[row, g])
+            self._host[row, c0 : self._col[g + 1]] = -1
+
+    def append_row(self, row: int, new_block_ids: tuple[list[int], ...]) -> None:
+        """Append newly allocated manager block ids per group to ``row``."""
+        self._check_row("row", row)
+        ids = self._as_ids(row, new_block_ids)
+        self._write(row, ids, start=self._row_blocks[row].tolist())
+
+    def clear_row(self, row: int) -> None:
+        """Empty ``row`` (its request finished or was preempted)."""
+        self._check_row("row", row)
+        self._wait_staged()
+        self._host[row] = -1
+        self._row_blocks[row] = 0
+        self._committed = None
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row ``src`` to ``dst`` (every group); ``src`` is left as it was."""
+        self._check_row("src", src)
+        self._check_row("dst", dst)
+        self._wait_staged()
+        self._host[dst] = self._host[src]
+        self._row_blocks[dst] = self._row_blocks[src]
+        self._committed = None
+
+    def swap_rows(self, a: int, b: int) -> None:
+        """Exchange rows ``a`` and ``b`` (every group)."""
+        self._check_row("a", a)
+        self._check_row("b", b)
+        self._wait_staged()
+        idx = torch.tensor([a, b])
+        self._host[idx] = self._host[idx.flip(0)]
+        self._row_blocks[idx] = self._row_blocks[idx.flip(0)]
+        self._committed = None
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def commit(self, num_reqs: int) -> None:
+        """Copy rows ``[0, num_reqs)`` of every group to the device (one copy) and expand them to
+        kernel blocks. Call after the step's row changes, before building its metadata."""
+        if (
+            isinstance(num_reqs, bool)
+            or not isinstance(num_reqs, int)
+            or not 0 <= num_reqs <= self.max_num_reqs
+        ):
+            raise ValueError(f"num_reqs={num_reqs!r} must be an int in [0, {self.max_num_reqs}]")
+        n = num_reqs
+        self._dev[:n].copy_(self._host[:n], non_blocking=self._pinned)
+        if self._pinned:
+            self._copy_event = torch.cuda.Event()
+            self._copy_event.record()
+        for g, k in enumerate(self.kernel_blocks_per_block):
+            manager = self._dev[:n, self._col[g] : self._col[g + 1]]  # [n, M_g]
+            if k == 1:
+                self._kernel[g][:n].copy_(manager)
+            else:
+                expanded = expand_block_table(
+                    manager, self.block_sizes[g], self.kernel_block_sizes[g], impl=self.impl
+                )  # [n, M_g * k]
+                self._kernel[g][:n].copy_(expanded)
+        self._committed = n
+
+    def _require_committed(self, num_reqs: int, what: str) -> None:
+        if self._committed is None:
+            raise ValueError(
+                f"{what}: rows changed since the last commit (or none happened); call "
+                "commit(num_reqs) after the step's row changes"
+            )
+        if num_reqs > self._committed:
+            raise ValueError(
+                f"{what}: the batch has {num_reqs} requests but only {self._committed} rows were "
+                f"committed; call commit({num_reqs})"
+            )
+
+    def compute_slot_mapping(
+        self,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        num_slots: int | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Slots of the step's tokens, one int64 ``[num_slots]`` view per group (``-1`` padding).
+
+        ``query_start_loc`` ``[R + 1]`` and ``positions`` ``[T]`` are device tensors (rows
+        ``[0, R)`` must be committed). ``num_slots`` (default ``T``, at most
+        ``max_num_batched_tokens``) is the padded length a CUDA graph captured. The views are
+        persistent buffers, overwritten by the next call.
+        """
+        num_tokens = positions.numel()
+        length = num_tokens if num_slots is None else num_slots
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise ValueError(f"num_slots={num_slots!r} must be an int")
+        if not num_tokens <= length <= self.max_num_batched_tokens:
+            raise ValueError(
+                f"num_slots={length} must be in [{num_tokens} tokens, max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}]; raise max_num_batched_tokens or split the step"
+            )
+        self._require_committed(query_start_loc.numel() - 1, "compute_slot_mapping")
+        num_reqs = query_start_loc.numel() - 1
+        out = []
+        for g in range(self.num_groups):
+            slots = compute_slot_mapping(
+                self._dev[:num_reqs, self._col[g] : self._col[g + 1]],
+                positions,
+                query_start_loc,
+                self.block_sizes[g],
+                self.kernel_block_sizes[g],
+                num_slots=length,
+                impl=self.impl,
+            )  # [length] int64
+            self._slots[g][:length].copy_(slots)
+            out.append(self._slots[g][:length])
+        return tuple(out)
+
+    def build_common_metadata(
+        self,
+        num_reqs: int,
+        query_lens: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
+        *,
+        pad_tokens_to: int | None = None,
+    ) -> tuple[CommonAttentionMetadata, ...]:
+        """One :class:`kv_backends.CommonAttentionMetadata` per group for the step's batch.
+
+        Request ``r`` (row ``r``) has ``query_lens[r]`` new tokens at positions
+        ``seq_lens[r] - query_lens[r] .. seq_lens[r] - 1``. The lengths are host values (lists,
+        numpy or CPU tensors: checking them costs no device sync); ``pad_tokens_to`` pads the
+        slot mappings with ``-1`` to a captured length. The groups share ``query_start_loc`` and
+        ``seq_lens`` (and their host copies); each has its own kernel block table and slots.
+        """
+        self._require_committed(num_reqs, "build_common_metadata")
+        step = _md.StepInputs.from_lengths(
+            num_reqs,
+            query_lens,
+            seq_lens,
+            pad_tokens_to=pad_tokens_to,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+        _md.check_rows_cover(
+            step, self._row_blocks[:num_reqs], self.block_sizes, self.max_num_blocks_per_req
+        )
+        if self.null_block is not None:
+            for g in range(self.num_groups):
+                _md.check_new_tokens_not_null(
+                    step, self.host_table(g), self.block_sizes[g], self.null_block, g
+                )
+        if self._step_event is not None:  # the step's staging buffers are reused: same rule
+            self._step_event.synchronize()
+        qsl, seq, pos = self._step.stage(step)
+        if self._pinned:
+            self._step_event = torch.cuda.Event()
+            self._step_event.record()
+        slots = self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
+        self._last_step = step
+        return tuple(
+            _md.make_common(step, qsl, seq, self._kernel[g][:num_reqs], slots[g])
+            for g in range(self.num_groups)
+        )
+
+    # -- exports for other kernel families ---------------------------------------------------
+
+    def _exported_step(self, what: str) -> _md.StepInputs:
+        if self._last_step is None:
+            raise ValueError(
+                f"{what} exports the last step's batch; call build_common_metadata first"
+            )
+        self._require_committed(self._last_step.num_reqs, what)
+        return self._last_step
+
+    def csr(self, group: int) -> _md.PagedKVIndices:
+        """FlashInfer-style pages of the last built step for ``group`` (kernel blocks, int32):
+        ``indptr`` ``[R + 1]``, ``indices`` ``[indptr[-1]]``, ``last_page_len`` ``[R]``."""
+        self._check_group(group)
+        step = self._exported_step("csr")
+        return _md.csr_from_table(
+            self._kernel[group][: step.num_reqs], step.seq_lens, self.kernel_block_sizes[group]
+        )
+
+    def flex_physical_to_logical(self, group: int) -> torch.Tensor:
+        """FlexAttention's map for the last built step: int32 ``[num_blocks * k]``, the logical
+        kernel-block column of each physical kernel block a request of the batch reads, ``-1``
+        for the rest (null blocks and blocks before a request's key window included). Raises
+        when a block sits at two positions."""
+        self._check_group(group)
+        if self.num_blocks is None:
+            raise ValueError(
+                "flex_physical_to_logical needs num_blocks; build BlockTables with num_blocks= "
+                "(from_config passes it)"
+            )
+        step = self._exported_step("flex_physical_to_logical")
+        k = self.kernel_blocks_per_block[group]
+        window = self.key_windows[group]
+        first_query = step.seq_lens - step.query_lens  # [R] position of each first new token
+        return _md.physical_to_logical(
+            self._kernel[group][: step.num_reqs],
+            step.seq_lens,
+            self.kernel_block_sizes[group],
+            num_kernel_blocks=self.num_blocks * k,
+            null_kernel_blocks=None if self.null_block is None else (self.null_block * k, k),
+            first_pos=None if window is None else window.first_visible(first_query),
+        )
