@@ -107,8 +107,9 @@ def imports(session: nox.Session) -> None:
 def readme(session: nox.Session) -> None:
     """The README's first command, `uv run kvstack demo`, in a fresh project environment.
 
-    `uv run` from the root installs the root's default dependencies from the lock (no test or dev
-    groups, no transformers), so this proves the demo needs nothing beyond what a newcomer gets.
+    `uv run` from the root installs what a newcomer gets: the root's dependencies and its default
+    `dev` group from the lock (no `hf` group, so no transformers), so this proves the demo needs
+    nothing more.
     """
     env_dir = Path(tempfile.mkdtemp(prefix="kvstack-readme-"))
     try:
@@ -116,7 +117,6 @@ def readme(session: nox.Session) -> None:
             "uv",
             "run",
             "--locked",
-            "--no-dev",
             "kvstack",
             "demo",
             env={"UV_PROJECT_ENVIRONMENT": str(env_dir / "venv")},
