@@ -1,0 +1,205 @@
+"""The building blocks of the decoder families: RMSNorm, rotary embeddings, the SwiGLU MLP and
+gpt-oss's mixture of experts. Plain torch, written to be read beside transformers' modeling code.
+
+Parameter names match the Hugging Face checkpoints (``weight``, ``gate_proj``, ``experts.
+gate_up_proj``, ...), so the loader maps tensor names one to one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvstack.engine.hf_config import RopeConfig
+
+__all__ = ["GatedMLP", "GptOssMoE", "Linear", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in float32 and cast back to the input dtype.
+
+    transformers casts back *before* the weight multiply for Llama/Qwen3 and *after* it for
+    gpt-oss; in float32 the two agree bit for bit, in bf16 they differ by one rounding.
+    """
+
+    def __init__(self, size: int, eps: float, *, weight_first: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.weight_first = weight_first  # gpt-oss order: (weight * x).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_first:
+            return (self.weight * h).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """Inverse frequencies ``[dim // 2]`` (float32) for ``rope`` over a ``dim``-wide head."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    base = rope.theta**exponents  # [dim // 2]
+    inv_freq = 1.0 / base
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(rope, inv_freq)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, base, dim)
+    return inv_freq
+
+
+def _llama3_inv_freq(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    # Llama 3.1: long wavelengths (low frequencies) are slowed down by `factor`, short ones kept,
+    # the band in between blended linearly in 1/wavelength.
+    assert rope.low_freq_factor is not None and rope.high_freq_factor is not None
+    assert rope.original_max_position_embeddings is not None
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(rope: RopeConfig, base_pow: torch.Tensor, dim: int) -> torch.Tensor:
+    # YaRN: dimensions that rotate many times over the pretraining context keep their frequency
+    # (extrapolation), slow ones are interpolated by `factor`, a linear ramp in between.
+    assert rope.original_max_position_embeddings is not None
+    omp = rope.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(omp / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # weight of the unscaled frequency
+    inv_extra = 1.0 / base_pow
+    inv_inter = 1.0 / (rope.factor * base_pow)
+    return inv_inter * (1 - extrapolation) + inv_extra * extrapolation
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the two halves of each head (the "rotate_half" convention of every family here).
+
+    ``forward(x, positions)`` takes ``x`` ``[T, H, D]`` and int64 ``positions`` ``[T]``.
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, rope: RopeConfig, dim: int) -> None:
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"rotary head_dim={dim} must be even")
+        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+        self.scaling = rope.yarn_attention_factor()
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D // 2]`` in ``dtype`` (computed in float32, like transformers)."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)  # [T, D/2]
+        cos = (freqs.cos() * self.scaling).to(dtype)
+        sin = (freqs.sin() * self.scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without its random init: every weight comes from a checkpoint (or the caller
+    fills it), so drawing Kaiming-uniform numbers first would only cost time on big models."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class GatedMLP(nn.Module):
+    """Llama/Mistral/Qwen3 MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GptOssRouter(nn.Module):
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(num_experts))
+
+
+class GptOssExperts(nn.Module):
+    """Expert weights as the checkpoint stores them: ``x @ W`` (not ``W @ x``), gate and up
+    interleaved in the last dim of ``gate_up_proj`` (even columns gate, odd columns up)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class GptOssMoE(nn.Module):
+    """gpt-oss's MLP: route each token to its top-k experts (softmax over the k chosen logits),
+    run each expert's clamped SwiGLU, sum the outputs weighted by the routing scores.
+
+    The expert function, per token: ``gate = min(g, limit)``, ``up = clamp(u, -limit, limit)``,
+    ``out = (up + 1) * gate * sigmoid(alpha * gate)``. One loop over experts that received tokens:
+    slow for big models, obvious to check.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        alpha: float,
+        limit: float,
+    ) -> None:
+        super().__init__()
+        self.router = GptOssRouter(hidden, num_experts)
+        self.experts = GptOssExperts(hidden, intermediate, num_experts)
+        self.top_k = top_k
+        self.alpha = alpha
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]
+        logits = nn.functional.linear(x, self.router.weight, self.router.bias)  # [T, E]
+        top_logits, top_idx = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
+        weights = torch.softmax(top_logits, dim=-1)  # [T, k]
+        out = torch.zeros_like(x)
+        ex = self.experts
+        for e in top_idx.unique().tolist():
+            tok, slot = torch.where(top_idx == e)  # tokens routed to expert e, and which of k
+            gate_up = x[tok] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # [t, 2I]
+            gate = gate_up[:, 0::2].clamp(max=self.limit)
+            up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # [t, I]
+            y = act @ ex.down_proj[e] + ex.down_proj_bias[e]  # [t, hidden]
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out

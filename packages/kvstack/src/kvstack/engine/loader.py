@@ -1,0 +1,141 @@
+"""Hugging Face safetensors checkpoints -> :class:`kvstack.engine.models.CausalLM`.
+
+The module's parameter names *are* the checkpoint's tensor names, so the mapping is the identity,
+plus three rules:
+
+- tied embeddings: with ``tie_word_embeddings`` the checkpoint may omit ``lm_head.weight`` (and
+  if it has one, it must equal the embedding; transformers would ignore it);
+- buffers older exporters saved (``rotary_emb.inv_freq``) are skipped: the engine recomputes them;
+- everything else must match exactly: a missing tensor, an unexpected one or a wrong shape is a
+  ``ValueError`` that lists them, never a silently random or dropped weight.
+
+Sharded checkpoints (``model.safetensors.index.json``) and single files are both read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvstack.engine.hf_config import ArchConfig, load_arch_config
+from kvstack.engine.layers import RotaryEmbedding
+from kvstack.engine.models import CausalLM
+
+__all__ = ["checkpoint_files", "load_model"]
+
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+_MAX_LISTED = 8
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint (from the shard index when there is one)."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({root / name for name in weight_map.values()})
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{root} holds no *.safetensors files; the engine loads safetensors checkpoints only "
+            "(convert .bin/.pt weights with transformers' save_pretrained(safe_serialization=True))"
+        )
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"the shard index names files that do not exist: {missing}")
+    return files
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                yield name, handle.get_tensor(name)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > _MAX_LISTED else "")
+
+
+def _unexpected_hint(names: list[str]) -> str:
+    if any(n.endswith(("_blocks", "_scales")) for n in names):
+        return (
+            " These look like MXFP4-quantized experts (gpt-oss releases): the engine reads "
+            "unquantized weights; dequantize to bf16 first (transformers: "
+            "Mxfp4Config(dequantize=True), then save_pretrained)."
+        )
+    return ""
+
+
+@torch.no_grad()
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    arch: ArchConfig | None = None,
+) -> CausalLM:
+    """Build the model ``config.json`` describes and fill it from the checkpoint's tensors.
+
+    Weights are cast to ``dtype`` and moved to ``device``; the model is returned in eval mode.
+    """
+    arch = arch if arch is not None else load_arch_config(model_dir)
+    # Parameters start uninitialised (no random init, untouched pages); each is replaced below.
+    model = CausalLM(arch)
+    expected = dict(model.named_parameters())
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    shape_errors: list[str] = []
+    tied_head: torch.Tensor | None = None
+    for name, tensor in _tensors(checkpoint_files(model_dir)):
+        if name.endswith(_SKIPPED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            tied_head = tensor
+            continue
+        param = expected.get(name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(param.shape):
+            shape_errors.append(
+                f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
+            )
+            continue
+        loaded[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(loaded))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listed(missing)}")
+    if unexpected:
+        problems.append(
+            f"unexpected tensors: {_listed(sorted(unexpected))}.{_unexpected_hint(unexpected)}"
+        )
+    if shape_errors:
+        problems.append(f"shape mismatches: {_listed(shape_errors)}")
+    if problems:
+        raise ValueError(
+            f"checkpoint {model_dir} does not match {arch.architecture} as config.json describes "
+            f"it ({arch.num_layers} layers, hidden {arch.hidden_size}, heads "
+            f"{arch.num_q_heads}q/{arch.num_kv_heads}kv x {arch.head_dim}): " + "; ".join(problems)
+        )
+    if tied_head is not None:
+        embed = loaded["model.embed_tokens.weight"]
+        if not torch.equal(tied_head.to(device=device, dtype=dtype), embed):
+            raise ValueError(
+                "config.json sets tie_word_embeddings=true but the checkpoint's lm_head.weight "
+                "differs from model.embed_tokens.weight; fix the config (tie_word_embeddings=false) "
+                "or drop lm_head.weight"
+            )
+    # Every parameter is replaced (missing ones raised above).
+    model.load_state_dict(loaded, strict=True, assign=True)
+    # The rotary frequencies are a non-persistent buffer: put them on the device, in float32
+    # whatever the weights' dtype, as transformers does.
+    model.rotary = RotaryEmbedding(arch.rope, arch.head_dim).to(device)
+    return model.eval()

@@ -1,0 +1,200 @@
+"""The decoder of every supported family as one readable torch module.
+
+Llama, Mistral, Qwen3 and gpt-oss share one skeleton (pre-norm decoder layers, RoPE, GQA); they
+differ only in switches read from :class:`ArchConfig`: q/k RMSNorm per head (Qwen3), projection
+biases, sinks and a mixture of experts (gpt-oss), sliding-window layers (Mistral, gpt-oss, some
+Qwen3), ``v_head_dim != head_dim`` (kvstack's DiffKV flag). Parameter names are the checkpoint's.
+
+Attention itself is not in here: each layer hands its rotated ``q``, ``k``, ``v`` to an
+``attend(layer, q, k, v)`` callback. The :class:`kvstack.engine.ModelRunner` passes one that writes
+K/V into the paged cache and runs a kv-backends impl; :meth:`CausalLM.forward_dense` passes
+:func:`dense_attention`, a cache-free reference over one sequence, so a test can tell a model bug
+(both disagree with transformers) from a paging bug (only the runner does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from kvstack.engine.hf_config import ArchConfig
+from kvstack.engine.layers import GatedMLP, GptOssMoE, Linear, RMSNorm, RotaryEmbedding
+
+__all__ = ["AttendFn", "Attention", "CausalLM", "DecoderLayer", "dense_attention"]
+
+#: ``attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]) -> out [T, Hq, Dv]``
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence at positions ``0..T-1``, float32 math.
+
+    ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v`` ``[T, Hkv, Dv]`` -> ``[T, Hq, Dv]`` in
+    ``q.dtype``. A window ``w`` lets position ``p`` see keys ``p - w < j <= p``; a sink adds
+    ``exp(sink)`` to the softmax denominator (a logit column whose probability is dropped).
+    """
+    t, hq, _ = q.shape
+    group = hq // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)  # [T, Hq, D]
+    vv = v.float().repeat_interleave(group, dim=1)  # [T, Hq, Dv]
+    logits = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale  # [Hq, T, T]
+    pos = torch.arange(t, device=q.device)
+    visible = pos[None, :] <= pos[:, None]  # [T(q), T(k)]
+    if sliding_window is not None:
+        visible &= pos[None, :] > pos[:, None] - sliding_window
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.float()[:, None, None].expand(hq, t, 1)
+        probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
+
+
+class Attention(nn.Module):
+    """Projections (and Qwen3's per-head q/k norm, gpt-oss's sinks) of one attention layer."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        h, d, dv = arch.hidden_size, arch.head_dim, arch.v_head_dim
+        bias = arch.attention_bias
+        self.num_q_heads, self.num_kv_heads = arch.num_q_heads, arch.num_kv_heads
+        self.head_dim, self.v_head_dim = d, dv
+        self.q_proj = Linear(h, arch.num_q_heads * d, bias=bias)
+        self.k_proj = Linear(h, arch.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(h, arch.num_kv_heads * dv, bias=bias)
+        self.o_proj = Linear(arch.num_q_heads * dv, h, bias=bias)
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(arch.num_q_heads)) if arch.has_sinks else None
+
+    def qkv(
+        self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` -> rotated ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v``."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_q_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.v_head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: RMSNorm over each head's dims, before RoPE.
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rotary(q, cos, sin), rotary(k, cos, sin), v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        gpt_oss = arch.family == "gpt_oss"
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, weight_first=gpt_oss)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(
+            arch.hidden_size, arch.rms_norm_eps, weight_first=gpt_oss
+        )
+        self.mlp: nn.Module
+        if arch.is_moe:
+            self.mlp = GptOssMoE(
+                arch.hidden_size,
+                arch.intermediate_size,
+                arch.num_experts,
+                arch.num_experts_per_tok,
+                arch.swiglu_alpha,
+                arch.swiglu_limit,
+            )
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+
+
+class _Backbone(nn.Module):
+    """``model.*`` in the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        # Uninitialised like every weight here (see layers.Linear); the loader fills it.
+        self.embed_tokens = nn.Embedding(
+            arch.vocab_size,
+            arch.hidden_size,
+            _weight=torch.empty(arch.vocab_size, arch.hidden_size),
+        )
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(
+            arch.hidden_size, arch.rms_norm_eps, weight_first=arch.family == "gpt_oss"
+        )
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over flat (varlen) token batches: ``input_ids`` ``[T]`` with their
+    ``positions`` ``[T]``; requests are told apart by the ``attend`` callback, not by a batch dim."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = _Backbone(arch)
+        # Tied checkpoints store no lm_head; logits then use the embedding matrix.
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
+        self.scale = arch.head_dim**-0.5
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.decoder_layers()):
+            h = layer.input_layernorm(x)
+            q, k, v = layer.self_attn.qkv(h, self.rotary, cos, sin)
+            o = attend(i, q, k, v)  # [T, Hq, Dv]
+            x = x + layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[R, vocab]`` of hidden states ``[R, hidden]``."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, m) for m in self.model.layers]
+
+    def layer_sinks(self, i: int) -> torch.Tensor | None:
+        """Layer ``i``'s sink logits ``[num_q_heads]`` (gpt-oss), else ``None``."""
+        return cast(DecoderLayer, self.model.layers[i]).self_attn.sinks
+
+    @torch.no_grad()
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Cache-free reference: float32 logits ``[T, vocab]`` of one sequence ``[T]`` at
+        positions ``0..T-1``, every layer attending through :func:`dense_attention`."""
+        if input_ids.dim() != 1:
+            raise ValueError(
+                f"forward_dense takes one sequence, int64 [T]; got shape {tuple(input_ids.shape)}"
+            )
+        arch = self.arch
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return dense_attention(
+                q,
+                k,
+                v,
+                scale=self.scale,
+                sliding_window=arch.layer_window(i),
+                sinks=self.layer_sinks(i),
+            )
+
+        positions = torch.arange(input_ids.numel(), device=input_ids.device)
+        return self.compute_logits(self.forward(input_ids, positions, attend))

@@ -1,0 +1,343 @@
+"""``ModelRunner``: one forward step of a Hugging Face model over the paged KV cache.
+
+It owns what a step needs and nothing about scheduling: the model (from the checkpoint), the KV
+plan (kv-spec's ``plan_kv_cache`` over the model's per-layer specs), the cache storage
+(kv-kernels' ``allocate_kv_cache``), one backend per KV group (kv-backends' selector, with its
+reasons kept), one metadata builder per group and one impl per layer. :meth:`ModelRunner.execute`
+takes a flat token batch plus one :class:`kv_backends.CommonAttentionMetadata` per group (what
+kv-blocktable's ``BlockTables.build_common_metadata`` returns, or ``from_lists`` in tests) and
+returns float32 logits of the rows asked for.
+
+Per layer and step: K/V of the new tokens are written to their slots with the impl's
+``do_kv_cache_update`` (kv-kernels' ``reshape_and_cache``), then ``impl.forward`` attends over the
+pages. Groups share one block-id space and one set of layer slots (the planner's memory model), so
+all groups view the same storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from kv_backends import (
+    AttentionConfig,
+    AttentionImpl,
+    CommonAttentionMetadata,
+    MetadataBuilder,
+    Platform,
+    Selection,
+    prepare_kernel_block_sizes,
+    select_backend,
+)
+from kv_kernels import allocate_kv_cache, layer_view
+from kv_kernels.cache import KVCacheStorage
+from kv_spec import KVCacheConfig, KVCacheLayout, LayoutOrder, plan_kv_cache, to_torch_dtype
+
+from kvstack.engine.hf_config import ArchConfig, load_arch_config
+from kvstack.engine.loader import load_model
+from kvstack.engine.models import CausalLM
+
+__all__ = ["DEFAULT_CACHE_REQUESTS", "LayerBinding", "ModelRunner"]
+
+#: With neither ``kv_cache_memory`` nor ``num_blocks``, the cache holds this many requests of
+#: ``max_model_len`` tokens at once.
+DEFAULT_CACHE_REQUESTS = 4
+
+_TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class LayerBinding:
+    """Where one decoder layer's attention runs: its group, layer slot, cache view and impl."""
+
+    name: str
+    group_id: int
+    layer_slot: int
+    kv_cache: torch.Tensor  # [B, H, N, C] layer view of the shared storage
+    impl: AttentionImpl
+
+
+def _view_storage(base: KVCacheStorage, layout: KVCacheLayout) -> KVCacheStorage:
+    """The storage allocated for one group, re-viewed with another group's layout (same bytes:
+    the planner gave every group the same page size and block count)."""
+    dtype = to_torch_dtype(layout.dtype)
+
+    def reinterpret(
+        t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]
+    ) -> torch.Tensor:
+        flat = torch.empty(0, dtype=dtype, device=t.device).set_(t.untyped_storage())
+        return flat.as_strided(shape, strides)
+
+    if layout.order.layer_outer:
+        assert not isinstance(base, torch.Tensor)
+        strides = tuple(
+            s for d, s in zip(layout.order.value, layout.physical_strides, strict=True) if d != "L"
+        )
+        return [reinterpret(t, layout.layer_shape, strides) for t in base]
+    assert isinstance(base, torch.Tensor)
+    return reinterpret(base, layout.physical_shape, layout.physical_strides)
+
+
+class ModelRunner:
+    """Load a checkpoint, plan and allocate its paged KV cache, and run forward steps over it.
+
+    - ``block_size``: manager block size of every group (the planner may grow a group's block
+      size to unify page sizes; each group's spec says what it got).
+    - ``kv_cache_memory`` (bytes) or ``num_blocks`` size the cache; with neither, it holds
+      :data:`DEFAULT_CACHE_REQUESTS` requests of ``max_model_len`` tokens.
+    - ``max_model_len`` defaults to ``max_position_embeddings``.
+    - ``backend`` forces one backend name for every group (the selector's ``prefer``: an error
+      with its reasons if it cannot serve a group, never a silent fallback).
+    - ``layout_order``: the physical KV-cache order (kv-spec's six names).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        backend: str | None = None,
+        layout_order: LayoutOrder | str = "LBNHC",
+    ) -> None:
+        if dtype not in _TORCH_TO_NAME:
+            raise ValueError(f"dtype={dtype} is not supported; use one of {list(_TORCH_TO_NAME)}")
+        if kv_cache_memory is not None and num_blocks is not None:
+            raise ValueError(
+                f"give kv_cache_memory={kv_cache_memory} or num_blocks={num_blocks}, not both"
+            )
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Tensors report "cuda:N"; compare devices against the same spelling.
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = dtype
+        self.model_dir = Path(model_dir)
+        self.arch: ArchConfig = load_arch_config(model_dir)
+        self.max_model_len = (
+            max_model_len if max_model_len is not None else self.arch.max_position_embeddings
+        )
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len={self.max_model_len} must be positive")
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.model: CausalLM = load_model(
+            model_dir, dtype=dtype, device=self.device, arch=self.arch
+        )
+        self.kv_cache_config: KVCacheConfig = self._plan(
+            block_size, kv_cache_memory, num_blocks, layout_order
+        )
+        self.platform = Platform.detect(self.device)
+        self.selections: dict[int, Selection] = {}
+        for g in self.kv_cache_config.groups:
+            self.selections[g.group_id] = select_backend(
+                self._attention_config(g.group_id, layout_order), self.platform, prefer=backend
+            )
+        self.backends: dict[int, str] = {gid: s.name for gid, s in self.selections.items()}
+        self.kernel_block_sizes: tuple[int, ...] = tuple(
+            prepare_kernel_block_sizes(
+                list(self.kv_cache_config.groups),
+                [[self.selections[g.group_id]] for g in self.kv_cache_config.groups],
+            )
+        )
+        self.layouts: dict[int, KVCacheLayout] = {
+            g.group_id: self.kv_cache_config.layout(g.group_id) for g in self.kv_cache_config.groups
+        }
+        base = allocate_kv_cache(self.layouts[0], self.device)
+        self.kv_caches: dict[int, KVCacheStorage] = {
+            gid: base if gid == 0 else _view_storage(base, lay) for gid, lay in self.layouts.items()
+        }
+        self.builders: dict[int, MetadataBuilder] = {}
+        self.layers: list[LayerBinding] = []
+        self._bind(layout_order, max_num_seqs)
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _plan(
+        self,
+        block_size: int,
+        kv_cache_memory: int | None,
+        num_blocks: int | None,
+        layout_order: LayoutOrder | str,
+    ) -> KVCacheConfig:
+        specs = self.arch.kv_specs(block_size=block_size, dtype=_TORCH_TO_NAME[self.dtype])
+        kw: dict[str, Any] = dict(
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            layout_order=layout_order,
+        )
+        if kv_cache_memory is not None:
+            return plan_kv_cache(specs, kv_cache_memory, **kw)
+        # Plan once for one block to learn the page size and the layer slots, then size it.
+        probe = plan_kv_cache(specs, 2**62, **kw)
+        per_block = probe.page_size_bytes * probe.num_layer_slots
+        need = probe.blocks_per_request(self.max_model_len)
+        if num_blocks is None:
+            num_blocks = DEFAULT_CACHE_REQUESTS * need
+        if num_blocks < need:
+            raise ValueError(
+                f"num_blocks={num_blocks} cannot hold one request of max_model_len="
+                f"{self.max_model_len}: it needs {need} blocks over {len(probe.groups)} KV "
+                "group(s); give more blocks or a smaller max_model_len"
+            )
+        return plan_kv_cache(specs, num_blocks * per_block, **kw)
+
+    def _attention_config(self, group_id: int, layout_order: LayoutOrder | str) -> AttentionConfig:
+        spec = self.kv_cache_config.groups[group_id].spec
+        return AttentionConfig.from_spec(
+            spec,
+            num_q_heads=self.arch.num_q_heads,
+            dtype=_TORCH_TO_NAME[self.dtype],
+            has_sinks=self.arch.has_sinks,
+            layout_order=layout_order,
+        )
+
+    def _bind(self, layout_order: LayoutOrder | str, max_num_seqs: int) -> None:
+        cfg = self.kv_cache_config
+        for g in cfg.groups:
+            sel = self.selections[g.group_id]
+            config = sel.config.with_kernel_block_size(self.kernel_block_sizes[g.group_id])
+            layout = self.layouts[g.group_id]
+            self.builders[g.group_id] = sel.backend.make_builder(
+                config,
+                layout,
+                device=self.device,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+            )
+        for i in range(self.arch.num_layers):
+            name = self.arch.layer_name(i)
+            g = cfg.group_of(name)
+            sel = self.selections[g.group_id]
+            config = sel.config.with_kernel_block_size(self.kernel_block_sizes[g.group_id])
+            layout = self.layouts[g.group_id]
+            slot = cfg.layer_slot(name)
+            sinks = self.model.layer_sinks(i)
+            impl = sel.backend.make_impl(
+                config,
+                layout,
+                scale=self.model.scale,
+                sinks=None if sinks is None else sinks.detach().float(),
+            )
+            view = layer_view(self.kv_caches[g.group_id], layout, slot)
+            self.layers.append(LayerBinding(name, g.group_id, slot, view, impl))
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kv_cache_config.groups)
+
+    def describe(self) -> str:
+        """The plan and every group's backend selection, for people."""
+        cfg = self.kv_cache_config
+        lines = [
+            f"{self.arch.architecture}: {self.arch.num_layers} layers, {cfg.num_blocks} blocks x "
+            f"{cfg.page_size_bytes} B pages x {cfg.num_layer_slots} layer slots, {cfg.layout_order.value}"
+        ]
+        for g in cfg.groups:
+            lines.append(
+                f"group {g.group_id} ({len(g.layer_names)} layers, block {g.spec.block_size}, "
+                f"kernel block {self.kernel_block_sizes[g.group_id]}): {self.selections[g.group_id]}"
+            )
+        return "\n".join(lines)
+
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Sequence[CommonAttentionMetadata],
+        logits_indices: torch.Tensor,
+    ) -> None:
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if t.dim() != 1 or t.dtype != torch.int64:
+                raise ValueError(
+                    f"{name} must be int64 [num_tokens]; got {t.dtype} {tuple(t.shape)}"
+                )
+        n = input_ids.numel()
+        if positions.numel() != n:
+            raise ValueError(f"positions has {positions.numel()} entries; input_ids has {n}")
+        if n > self.max_num_batched_tokens:
+            raise ValueError(
+                f"the batch has {n} tokens; this runner was built for "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+        if len(metadata) != self.num_groups:
+            raise ValueError(
+                f"got {len(metadata)} metadata objects; the model has {self.num_groups} KV groups "
+                "(one CommonAttentionMetadata per group, in group order)"
+            )
+        for gid, md in enumerate(metadata):
+            if md.slot_mapping.device != self.device or md.block_table.device != self.device:
+                raise ValueError(
+                    f"group {gid}: metadata lives on {md.slot_mapping.device}; this runner's cache "
+                    f"is on {self.device} (build it with device={str(self.device)!r})"
+                )
+            if md.slot_mapping.numel() != n:
+                raise ValueError(
+                    f"group {gid}: slot_mapping has {md.slot_mapping.numel()} entries; input_ids "
+                    f"has {n} (pad slot_mapping with -1 for padding tokens)"
+                )
+        if logits_indices.dim() != 1 or logits_indices.dtype != torch.int64:
+            raise ValueError(
+                f"logits_indices must be int64 [R]; got {logits_indices.dtype} {tuple(logits_indices.shape)}"
+            )
+        if logits_indices.numel() and not (
+            int(logits_indices.min()) >= 0 and int(logits_indices.max()) < n
+        ):
+            raise ValueError(f"logits_indices must lie in [0, {n}) (token rows of this batch)")
+        self._check_positions(positions, metadata[0])
+
+    @staticmethod
+    def _check_positions(positions: torch.Tensor, md: CommonAttentionMetadata) -> None:
+        # Request r's new tokens sit at seq_len - query_len .. seq_len - 1: a position that
+        # disagrees would rotate q/k for one place and write/attend for another.
+        qsl = md.host_query_start_loc().to(torch.int64)
+        seq = md.host_seq_lens().to(torch.int64)
+        qlens = qsl[1:] - qsl[:-1]
+        start = torch.repeat_interleave(seq - qlens, qlens)  # [num_actual]
+        offset = torch.arange(int(qsl[-1])) - torch.repeat_interleave(qsl[:-1], qlens)
+        expect = start + offset
+        got = positions[: md.num_actual_tokens].cpu()
+        if got.numel() != expect.numel() or not torch.equal(got, expect):
+            bad = (got != expect).nonzero()
+            where = f" (first at token {int(bad[0])})" if bad.numel() else ""
+            raise ValueError(
+                "positions disagree with the metadata: request r's new tokens must sit at "
+                f"seq_lens[r] - query_len(r) .. seq_lens[r] - 1{where}"
+            )
+
+    @torch.no_grad()
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Sequence[CommonAttentionMetadata],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """One forward step: float32 logits ``[R, vocab]`` of rows ``logits_indices`` ``[R]``.
+
+        ``input_ids`` / ``positions``: int64 ``[num_tokens]`` (padding tokens allowed past each
+        group's ``num_actual_tokens``, with ``-1`` slots); ``metadata``: one per KV group, in
+        group order (layer ``name`` uses ``metadata[kv_cache_config.group_of(name).group_id]``).
+        """
+        self._check_inputs(input_ids, positions, metadata, logits_indices)
+        built = [self.builders[gid].build(md) for gid, md in enumerate(metadata)]
+        slots = [md.slot_mapping for md in metadata]
+        layers = self.layers
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            b = layers[i]
+            b.impl.do_kv_cache_update(None, k, v, b.kv_cache, slots[b.group_id])
+            return b.impl.forward(None, q, b.kv_cache, built[b.group_id])
+
+        ids = input_ids.to(self.device)
+        hidden = self.model(ids, positions.to(self.device), attend)  # [T, hidden]
+        return self.model.compute_logits(hidden[logits_indices.to(self.device)])

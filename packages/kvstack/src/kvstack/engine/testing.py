@@ -1,0 +1,299 @@
+"""Tiny random checkpoints and a greedy driver, for tests and for checking the engine by hand.
+
+- :func:`make_hf_checkpoint` builds a tiny model of a real family with transformers itself
+  (random weights under a fixed seed, saved as safetensors) -- the oracle's own code writes the
+  checkpoint the engine must read. Needs the ``hf`` extra (transformers).
+- :func:`make_diffkv_checkpoint` writes a Llama-like checkpoint with ``v_head_dim != head_dim``
+  (kvstack's DiffKV flag; transformers has no such model, so the engine's weights are the source).
+- :func:`greedy_generate` drives :meth:`ModelRunner.execute` like a minimal scheduler: every
+  request gets its own shuffled blocks per KV group (one block-id space), prompts are prefilled in
+  chunks, decodes share steps with other requests' prefills.
+- :func:`hf_greedy` is transformers' ``generate`` (greedy, no EOS) for one prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from kv_backends import CommonAttentionMetadata
+
+from kvstack.engine.hf_config import ArchConfig
+from kvstack.engine.models import CausalLM
+from kvstack.engine.runner import ModelRunner
+
+__all__ = [
+    "TINY_CONFIGS",
+    "GreedyResult",
+    "diffkv_config",
+    "greedy_generate",
+    "hf_greedy",
+    "make_diffkv_checkpoint",
+    "make_hf_checkpoint",
+    "write_checkpoint",
+]
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+    # transformers' default 0.02 makes q.k ~ 0 (uniform attention: RoPE, windows and pages would
+    # barely matter); 0.2 gives logits of order 1-10, so a wrong position or page shows.
+    initializer_range=0.2,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+
+#: Tiny configs of each family, each exercising what makes the family different.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Llama 3.1 RoPE scaling with a short "pretraining" context, so positions past 16 are scaled.
+    "llama": dict(
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    # Qwen3: q/k norm; layer 1 sliding (max_window_layers=1); tied embeddings.
+    "qwen3": dict(
+        model_type="qwen3",
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+        tie_word_embeddings=True,
+    ),
+    # Mistral: a window (8) much shorter than the sequences, on every layer.
+    "mistral": dict(model_type="mistral", sliding_window=8),
+    # gpt-oss: sinks, sliding/full alternating, 4 experts top-2 with a tight clamp, YaRN.
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        num_hidden_layers=3,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        swiglu_limit=2.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+def make_hf_checkpoint(name: str, path: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny transformers model of ``TINY_CONFIGS[name]`` (plus ``overrides``) to ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name not in TINY_CONFIGS:
+        raise ValueError(f"name={name!r} is not one of {sorted(TINY_CONFIGS)}")
+    kw = {**_COMMON, **TINY_CONFIGS[name], **overrides}
+    model_type = kw.pop("model_type")
+    config = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        # transformers initialises norms to exactly 1; random gains catch a norm applied to the
+        # wrong tensor (or not at all).
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    out = Path(path)
+    model.save_pretrained(out)
+    return out
+
+
+def write_checkpoint(config: dict[str, Any], path: str | Path, *, seed: int = 0) -> Path:
+    """Write ``config`` as ``config.json`` and random weights of the engine's own model for it
+    (``N(0, 0.2)``, norm gains in ``[0.5, 1.5]``) as ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    arch = ArchConfig.from_hf(config)
+    torch.manual_seed(seed)
+    model = CausalLM(arch)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.2)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def diffkv_config(*, head_dim: int = 192, v_head_dim: int = 128) -> dict[str, Any]:
+    """A tiny Llama-like ``config.json`` with kvstack's DiffKV flag ``v_head_dim``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": head_dim,
+        "v_head_dim": v_head_dim,
+        "vocab_size": 256,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+    }
+
+
+def make_diffkv_checkpoint(
+    path: str | Path, *, seed: int = 0, head_dim: int = 192, v_head_dim: int = 128
+) -> Path:
+    """A Llama-like checkpoint whose values have ``v_head_dim`` columns per head (DiffKV)."""
+    return write_checkpoint(
+        diffkv_config(head_dim=head_dim, v_head_dim=v_head_dim), path, seed=seed
+    )
+
+
+def hf_greedy(
+    model_dir: str | Path, prompt: Sequence[int], max_new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of ``prompt`` and its logits ``[max_new_tokens, vocab]``
+    (float32, eager attention so gpt-oss's sinks are honoured)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logits = torch.cat([step.float() for step in out.logits], dim=0)  # [max_new, vocab]
+    return tokens, logits
+
+
+@dataclass
+class GreedyResult:
+    tokens: list[list[int]]  # generated tokens per request
+    logits: list[torch.Tensor]  # [max_new_tokens, vocab] per request
+    steps: int
+    step_shapes: list[tuple[int, ...]] = field(default_factory=list)  # query lens per step
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    tokens: list[int]
+    chunk: int
+    computed: int = 0
+    blocks: dict[int, list[int]] = field(default_factory=dict)  # group -> manager blocks
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+MetadataHook = Callable[[int, list[CommonAttentionMetadata]], list[CommonAttentionMetadata]]
+
+
+def greedy_generate(
+    runner: ModelRunner,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    chunk_sizes: Sequence[int] | None = None,
+    seed: int = 0,
+    pad_tokens: int = 0,
+    metadata_hook: MetadataHook | None = None,
+) -> GreedyResult:
+    """Greedy decoding of every prompt at once over the runner's paged cache.
+
+    ``chunk_sizes[r]`` caps request ``r``'s prefill tokens per step (chunked prefill); blocks come
+    from a shuffled free list shared by all groups; ``pad_tokens`` appends padding tokens (slot
+    ``-1``) to every step; ``metadata_hook(step, metadata)`` may rewrite a step's metadata (tests
+    plant bugs with it).
+    """
+    cfg = runner.kv_cache_config
+    free = list(range(cfg.num_blocks))
+    random.Random(seed).shuffle(free)
+    chunks = list(chunk_sizes) if chunk_sizes is not None else [1 << 30] * len(prompts)
+    reqs = [_Request(list(p), list(p), c) for p, c in zip(prompts, chunks, strict=True)]
+    result = GreedyResult([], [], 0)
+    while any(len(r.tokens) - len(r.prompt) < max_new_tokens for r in reqs):
+        active = [r for r in reqs if len(r.tokens) - len(r.prompt) < max_new_tokens]
+        qlens = [
+            min(r.chunk, len(r.prompt) - r.computed) if r.computed < len(r.prompt) else 1
+            for r in active
+        ]
+        seq_lens = [r.computed + q for r, q in zip(active, qlens, strict=True)]
+        metadata = []
+        for g in cfg.groups:
+            block = g.spec.block_size
+            kbs = runner.kernel_block_sizes[g.group_id]
+            rows = []
+            for r, s in zip(active, seq_lens, strict=True):
+                have = r.blocks.setdefault(g.group_id, [])
+                while len(have) * block < s:
+                    have.append(free.pop())
+                rows.append([b * (block // kbs) + i for b in have for i in range(block // kbs)])
+            width = max(len(row) for row in rows)
+            metadata.append(
+                CommonAttentionMetadata.from_lists(
+                    query_lens=qlens,
+                    seq_lens=seq_lens,
+                    block_table=[row + [0] * (width - len(row)) for row in rows],
+                    block_size=kbs,
+                    pad_tokens_to=sum(qlens) + pad_tokens,
+                    device=runner.device,
+                )
+            )
+        if metadata_hook is not None:
+            metadata = metadata_hook(result.steps, metadata)
+        ids, pos, sample_rows, sampled = [], [], [], []
+        for r, q in zip(active, qlens, strict=True):
+            ids += r.tokens[r.computed : r.computed + q]
+            pos += list(range(r.computed, r.computed + q))
+            r.computed += q
+            if r.computed == len(r.tokens):  # the last known token was fed: sample the next
+                sample_rows.append(len(ids) - 1)
+                sampled.append(r)
+        ids += [0] * pad_tokens
+        pos += [0] * pad_tokens
+        logits = runner.execute(
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(pos, dtype=torch.int64),
+            metadata,
+            torch.tensor(sample_rows, dtype=torch.int64),
+        )
+        for r, row in zip(sampled, logits.cpu(), strict=True):
+            r.logits.append(row)
+            r.tokens.append(int(row.argmax()))
+        result.steps += 1
+        result.step_shapes.append(tuple(qlens))
+    result.tokens = [r.tokens[len(r.prompt) :] for r in reqs]
+    result.logits = [torch.stack(r.logits) for r in reqs]
+    return result

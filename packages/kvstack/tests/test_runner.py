@@ -1,0 +1,310 @@
+"""ModelRunner: the plan, the backend choice and the cache it builds, and execute() held to the
+model's own cache-free forward across block sizes, layouts, padding and backends.
+
+The checkpoints here are written by the engine itself (no transformers needed); parity with
+transformers lives in test_models_hf.py. The oracle is ``model.forward_dense`` over each whole
+sequence; float32 on both sides, differing only in summation order, so ``RTOL`` (1e-4 of the
+largest logit, observed ~1e-6) is loose for them and tight for any addressing bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kv_backends import CommonAttentionMetadata
+from kvstack.engine import ModelRunner
+from kvstack.engine.testing import GreedyResult, diffkv_config, greedy_generate, write_checkpoint
+
+RTOL = 1e-4
+PROMPTS = [list(range(3, 30)), [5, 9, 17, 33, 2], list(range(60, 79))]
+CHUNKS = [8, 100, 5]
+MAX_NEW = 4
+# CI-sized; KVSTACK_HYPOTHESIS_EXAMPLES=200 for a longer run.
+EXAMPLES = int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "8"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny tensors: OpenMP workers only add wake-up latency, and on a busy 2-core CI machine a
+    # descheduled worker stalls every op (greedy generation measured 60x slower with 2 threads).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def gpt_oss_config() -> dict[str, Any]:
+    cfg = diffkv_config(head_dim=16, v_head_dim=16)
+    del cfg["v_head_dim"]
+    cfg.update(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        num_hidden_layers=3,
+        swiglu_limit=2.0,
+    )
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(gpt_oss_config(), tmp_path_factory.mktemp("gpt_oss"), seed=3)
+
+
+def make(path: Path, **kw: Any) -> ModelRunner:
+    kw.setdefault("num_blocks", 96)
+    return ModelRunner(path, max_model_len=64, **kw)
+
+
+def assert_matches_dense(runner: ModelRunner, result: GreedyResult) -> None:
+    for prompt, tokens, logits in zip(PROMPTS, result.tokens, result.logits, strict=True):
+        dense = runner.model.forward_dense(torch.tensor(prompt + tokens))[len(prompt) - 1 : -1]
+        assert tokens == dense.argmax(-1).tolist()
+        assert float((logits - dense).abs().max() / dense.abs().max()) <= RTOL
+
+
+def generate(runner: ModelRunner, **kw: Any) -> GreedyResult:
+    return greedy_generate(runner, PROMPTS, MAX_NEW, chunk_sizes=CHUNKS, **kw)
+
+
+# -- what the runner builds ----------------------------------------------------------------------
+
+
+def test_hybrid_model_gets_two_groups_sharing_layer_slots(gpt_oss: Path) -> None:
+    runner = make(gpt_oss)
+    cfg = runner.kv_cache_config
+    kinds = [g.spec.kind for g in cfg.groups]
+    assert sorted(kinds) == ["full", "sliding_window", "sliding_window"]
+    # 2 sliding + 1 full layers -> groups of one slot each; layers 0 and 2 are different groups
+    # in the same slot, which is why every group needs its own block ids.
+    assert cfg.num_layer_slots == 1
+    assert cfg.group_of("model.layers.0.self_attn") != cfg.group_of("model.layers.2.self_attn")
+    assert len(runner.kernel_block_sizes) == runner.num_groups == 3
+    assert runner.backends == {0: "TORCH_SDPA", 1: "TORCH_SDPA", 2: "TORCH_SDPA"}
+    assert "TORCH_SDPA" in str(runner.selections[0]) and "sinks" in str(runner.selections[0])
+    text = runner.describe()
+    assert "GptOssForCausalLM" in text and "group 2" in text
+    # One storage: every layer view aliases the same bytes.
+    ptrs = {b.kv_cache.untyped_storage().data_ptr() for b in runner.layers}
+    assert len(ptrs) == 1
+
+
+def test_paged_generation_matches_dense_reference(gpt_oss: Path) -> None:
+    runner = make(gpt_oss)
+    assert_matches_dense(runner, generate(runner))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_block_sizes_do_not_change_results(gpt_oss: Path, block_size: int) -> None:
+    runner = make(gpt_oss, block_size=block_size, num_blocks=96 * 16 // block_size)
+    assert all(g.spec.block_size == block_size for g in runner.kv_cache_config.groups)
+    assert_matches_dense(runner, generate(runner))
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "LHBNC", "BLNHC", "BHLNC"])
+def test_every_layout_order_gives_the_same_logits(gpt_oss: Path, order: str) -> None:
+    base = generate(make(gpt_oss))
+    other = generate(make(gpt_oss, layout_order=order))
+    assert other.tokens == base.tokens
+    for a, b in zip(base.logits, other.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_padding_tokens_are_ignored(gpt_oss: Path) -> None:
+    base = generate(make(gpt_oss))
+    padded = generate(make(gpt_oss), pad_tokens=3)
+    assert padded.tokens == base.tokens
+    for a, b in zip(base.logits, padded.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_diffkv_runs_on_a_backend_with_head_size_v(tmp_path: Path) -> None:
+    runner = make(write_checkpoint(diffkv_config(head_dim=48, v_head_dim=32), tmp_path))
+    layout = runner.layouts[0]
+    assert (layout.head_size, layout.head_size_v) == (48, 32)
+    assert_matches_dense(runner, generate(runner))
+
+
+@pytest.mark.slow
+def test_flex_attention_backend_matches_dense_reference(gpt_oss: Path) -> None:
+    runner = make(gpt_oss, backend="FLEX_ATTENTION")
+    assert set(runner.backends.values()) == {"FLEX_ATTENTION"}
+    assert_matches_dense(runner, generate(runner))
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    prompt_lens=st.lists(st.integers(1, 20), min_size=1, max_size=4),
+    chunks=st.lists(st.integers(1, 9), min_size=4, max_size=4),
+    block_size=st.sampled_from([1, 2, 4, 8, 16]),
+    pad=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_any_batch_shape_matches_dense_reference(
+    gpt_oss: Path, prompt_lens: list[int], chunks: list[int], block_size: int, pad: int, seed: int
+) -> None:
+    # Random prompt lengths (windows of 6 crossed or not), chunk sizes, block sizes (a window
+    # spanning 1..6 blocks), padding and block order: paged == cache-free, token for token.
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompt_lens]
+    # Default sizing: room for 4 requests of max_model_len, the most this draws.
+    runner = make(gpt_oss, block_size=block_size, num_blocks=None)
+    result = greedy_generate(
+        runner, prompts, 3, chunk_sizes=chunks[: len(prompts)], seed=seed, pad_tokens=pad
+    )
+    for prompt, tokens, logits in zip(prompts, result.tokens, result.logits, strict=True):
+        dense = runner.model.forward_dense(torch.tensor(prompt + tokens))[len(prompt) - 1 : -1]
+        assert tokens == dense.argmax(-1).tolist()
+        assert float((logits - dense).abs().max() / dense.abs().max()) <= RTOL
+
+
+# -- sizing ------------------------------------------------------------------------------------
+
+
+def test_cache_sizing(gpt_oss: Path) -> None:
+    runner = make(gpt_oss, num_blocks=None)
+    cfg = runner.kv_cache_config
+    assert cfg.num_blocks == 4 * cfg.blocks_per_request(64)
+    by_bytes = make(gpt_oss, num_blocks=None, kv_cache_memory=cfg.page_size_bytes * 100)
+    assert by_bytes.kv_cache_config.num_blocks == 100
+    with pytest.raises(ValueError, match="not both"):
+        make(gpt_oss, kv_cache_memory=1 << 20, num_blocks=10)
+    with pytest.raises(
+        ValueError, match="num_blocks=3 cannot hold one request of max_model_len=64"
+    ):
+        make(gpt_oss, num_blocks=3)
+
+
+def test_forced_backend_that_cannot_serve_says_why(gpt_oss: Path) -> None:
+    with pytest.raises(ValueError, match="prefer=FLASH_ATTN cannot serve .*needs a CUDA GPU"):
+        make(gpt_oss, backend="FLASH_ATTN")
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def one_request(runner: ModelRunner, n: int = 5) -> list[CommonAttentionMetadata]:
+    return [
+        CommonAttentionMetadata.from_lists(
+            query_lens=[n], seq_lens=[n], block_table=[[g]], block_size=runner.kernel_block_sizes[g]
+        )
+        for g in range(runner.num_groups)
+    ]
+
+
+def test_execute_rejects_inconsistent_batches(gpt_oss: Path) -> None:
+    runner = make(gpt_oss)
+    ids, pos, md, rows = torch.arange(5), torch.arange(5), one_request(runner), torch.tensor([4])
+    assert runner.execute(ids, pos, md, rows).shape == (1, 256)
+    with pytest.raises(ValueError, match="3 KV groups"):
+        runner.execute(ids, pos, md[:1], rows)
+    with pytest.raises(ValueError, match="input_ids must be int64"):
+        runner.execute(ids.int(), pos, md, rows)
+    with pytest.raises(ValueError, match="positions disagree with the metadata"):
+        runner.execute(ids, pos + 1, md, rows)
+    with pytest.raises(ValueError, match=r"logits_indices must lie in \[0, 5\)"):
+        runner.execute(ids, pos, md, torch.tensor([5]))
+    short = [
+        dataclasses.replace(m, slot_mapping=m.slot_mapping[:4], num_actual_tokens=4) for m in md
+    ]
+    with pytest.raises(ValueError, match="slot_mapping has 4 entries; input_ids has 5"):
+        runner.execute(ids, pos, short, rows)
+
+
+def test_execute_logits_are_float32_even_for_bf16_models(gpt_oss: Path) -> None:
+    runner = make(gpt_oss, dtype=torch.bfloat16)
+    assert runner.layouts[0].dtype == "bfloat16"
+    out = runner.execute(
+        torch.arange(5), torch.arange(5), one_request(runner), torch.tensor([0, 4])
+    )
+    assert out.dtype == torch.float32 and out.shape == (2, 256)
+    dense = runner.model.forward_dense(torch.arange(5))[[0, 4]]
+    # bf16 weights and cache: one rounding of 2^-8 per op, a few layers deep.
+    assert float((out - dense).abs().max() / dense.abs().max()) <= 5e-2
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", [None, "TORCH_SDPA", "TRITON", "FLEX_ATTENTION", "FLASH_ATTN"])
+def test_gpu_backends_match_the_float32_reference(gpt_oss: Path, backend: str | None) -> None:
+    # bf16 on the GPU, each request's logits held to the float32 CPU dense forward over the
+    # tokens the GPU run chose (bf16 may pick another token at a near tie; the logits of what
+    # it saw must still agree within the bf16 budget of test_execute_logits_are_float32...).
+    try:
+        runner = make(gpt_oss, dtype=torch.bfloat16, device="cuda", backend=backend)
+    except ValueError as e:  # e.g. FLASH_ATTN not installed or head 16 unsupported: say why
+        pytest.skip(str(e))
+    cpu = make(gpt_oss)
+    result = generate(runner)
+    for prompt, tokens, logits in zip(PROMPTS, result.tokens, result.logits, strict=True):
+        dense = cpu.model.forward_dense(torch.tensor(prompt + tokens))[len(prompt) - 1 : -1]
+        assert torch.isfinite(logits).all()
+        assert float((logits - dense).abs().max() / dense.abs().max()) <= 5e-2, runner.describe()
+
+
+# -- with kv-blocktable's block tables ---------------------------------------------------------
+
+
+def test_execute_takes_kv_blocktable_metadata(gpt_oss: Path) -> None:
+    # The metadata a real engine builds (kv-blocktable's BlockTables) instead of from_lists.
+    block_table = pytest.importorskip("kv_blocktable.block_table")
+    runner = make(gpt_oss, block_size=4, num_blocks=200)
+    cfg = runner.kv_cache_config
+    tables = block_table.BlockTables.from_config(
+        cfg,
+        runner.kernel_block_sizes,
+        max_num_reqs=4,
+        max_model_len=64,
+        max_num_batched_tokens=runner.max_num_batched_tokens,
+    )
+    next_block = iter(range(1, cfg.num_blocks))  # block 0 is the pool's null block
+    held: list[list[int]] = [[] for _ in PROMPTS]  # manager blocks per request, every group
+    tokens = [list(p) for p in PROMPTS]
+    computed = [0] * len(PROMPTS)
+    logits: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
+    for _ in range(MAX_NEW):
+        qlens = [len(t) - c for t, c in zip(tokens, computed, strict=True)]
+        seq_lens = [len(t) for t in tokens]
+        for r, s in enumerate(seq_lens):
+            new = [[next(next_block) for _ in range(-(-s // 4) - len(held[r]))] for _ in cfg.groups]
+            if held[r]:
+                tables.append_row(r, tuple(new))
+            else:
+                tables.add_row(r, tuple(new))
+            held[r] += new[0]  # counts blocks (every group holds as many)
+        tables.commit(len(PROMPTS))
+        metadata = tables.build_common_metadata(len(PROMPTS), qlens, seq_lens)
+        ids = [t for r, tok in enumerate(tokens) for t in tok[computed[r] :]]
+        pos = [p for r, tok in enumerate(tokens) for p in range(computed[r], len(tok))]
+        rows = torch.tensor(qlens).cumsum(0) - 1
+        out = runner.execute(torch.tensor(ids), torch.tensor(pos), list(metadata), rows)
+        for r, row in enumerate(out):
+            logits[r].append(row)
+            computed[r] = len(tokens[r])
+            tokens[r].append(int(row.argmax()))
+    result = GreedyResult(
+        [t[len(p) :] for t, p in zip(tokens, PROMPTS, strict=True)],
+        [torch.stack(lg) for lg in logits],
+        MAX_NEW,
+    )
+    assert_matches_dense(runner, result)
