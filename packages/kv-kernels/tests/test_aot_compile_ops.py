@@ -57,6 +57,7 @@ def _reshape_case(
         "BLOCK_H": block_h,
         "BLOCK_D": block_d,
         "BLOCK_DV": block_dv,
+        "CHECK": arch == 90,  # compile both error-flag variants
         # the JIT specializes unit strides; do the same here
         "key_sd": 1,
         "value_sd": 1,
@@ -71,6 +72,7 @@ def _reshape_case(
         "slot_ptr": "*i64",
         "k_scale_ptr": "*fp32",
         "v_scale_ptr": "*fp32",
+        "err_ptr": "*i32",
     }
     # What the JIT launcher would specialize as 16-divisible for a contiguous key/value and an
     # LBNHC cache of this layout: the pointers, and the strides that are multiples of 16.
@@ -85,7 +87,7 @@ def _reshape_case(
         "cache_sh": c,
         "num_slots": layout.num_blocks * layout.block_size,
     }
-    div16 = [name for name in pointers if name not in ("k_scale_ptr", "v_scale_ptr")]
+    div16 = [name for name in pointers if name not in ("k_scale_ptr", "v_scale_ptr", "err_ptr")]
     div16 += [name for name, v in strides.items() if v % 16 == 0]
     return {
         "divisible_by_16": div16,
@@ -163,6 +165,7 @@ def _copy_case(name: str, arch: int, **constexprs: Any) -> dict[str, Any]:
         "dst_layer_ptr": "*i64",
         "src_ids_ptr": "*i64",
         "dst_ids_ptr": "*i64",
+        "err_ptr": "*i32",
     }
     num_warps = max(1, min(4, constexprs["SPAN"] // 4096))
     aligned = constexprs["ALIGN"] == 16
@@ -185,7 +188,7 @@ def _copy_case(name: str, arch: int, **constexprs: Any) -> dict[str, Any]:
 def _copy_cases() -> list[dict[str, Any]]:
     cases = []
     for arch in (90, 80):
-        base = {"ALIGN": 16, "SPAN": 16384}
+        base = {"ALIGN": 16, "SPAN": 16384, "CHECK": arch == 90}  # both error-flag variants
         cases += [
             _copy_case(
                 "gather-per-layer",
@@ -222,6 +225,7 @@ def _copy_cases() -> list[dict[str, Any]]:
             "DST_IDS": False,
             "ALIGN": 2,
             "SPAN": 64,
+            "CHECK": True,
         }
         cases.append(_copy_case("gather-unaligned-small", arch, **small))
     return cases

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_kernels import _ops, allocate_kv_cache, layer_view
+from kv_kernels._common import layout_json
 from kv_kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
 from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
 from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
@@ -23,7 +24,7 @@ def _layout(order: str = "LBHNC", **kw) -> KVCacheLayout:
 
 def test_ops_are_registered_once() -> None:
     names = ["reshape_and_cache", "gather_blocks", "scatter_blocks", "copy_blocks"]
-    names += ["compute_slot_mapping", "expand_block_table"]
+    names += ["compute_slot_mapping", "expand_block_table", "paged_attention"]
     for name in names:
         assert hasattr(torch.ops.kv_kernels, name)
     import importlib
@@ -49,10 +50,10 @@ def test_ops_are_registered_once() -> None:
     ],
 )
 def test_layout_json_round_trip(layout: KVCacheLayout) -> None:
-    """The ops carry the layout as the f-string JSON of _ops._layout_json; it reads back equal."""
-    assert KVCacheLayout.from_json(_ops._layout_json(layout)) == layout
+    """Every op carries the layout as the f-string JSON of _common.layout_json; it reads back equal."""
+    assert KVCacheLayout.from_json(layout_json(layout)) == layout
     assert (
-        KVCacheLayout.from_json(_ops._layout_json(layout)).compatibility_hash()
+        KVCacheLayout.from_json(layout_json(layout)).compatibility_hash()
         == layout.compatibility_hash()
     )
 

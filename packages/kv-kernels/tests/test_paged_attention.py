@@ -1,6 +1,7 @@
-"""Paged attention: torch reference and Triton kernel against a float64 dense oracle.
+"""Paged attention: torch reference and Triton kernel against the shared float64 dense oracle
+(``kv_kernels.testing.attention_oracle``).
 
-The oracle is built independently of the paged cache: each test draws every sequence's K/V as
+The oracle's input is built independently of the paged cache: each test draws every sequence's K/V as
 dense ``[H, L, D]`` tensors, writes them into the cache page by page through a shuffled block
 table, and the oracle attends over the dense tensors directly. The Triton kernel runs under
 ``TRITON_INTERPRET=1`` on the CPU (set below before the kernel module is first imported) or
@@ -15,6 +16,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     # conftest does the same; repeated here so the module also runs on its own. Must precede the
@@ -23,15 +26,13 @@ if not torch.cuda.is_available():
 
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import merge_attn_states, paged_attention
+from kv_kernels.testing import assert_close_to_oracle, attention_oracle
 from kv_spec import KVCacheLayout, LayoutOrder
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_ORDERS = [o.value for o in LayoutOrder]
 
-# Tolerances against the float64 oracle. fp32: exact-softmax arithmetic differs only in
-# summation order. fp16: P is rounded to fp16 before the PV product (as on tensor cores), so
-# errors reach a few 1e-3 of the O(1) outputs.
-TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3)}
+# Tolerances: kv_kernels.testing.TOLERANCES (per dtype, per output row, with the reason there).
 
 
 # ------------------------------------------------------------------------------------------
@@ -112,53 +113,15 @@ def make_batch(
     )
 
 
-def oracle(
-    batch: dict,
-    *,
-    scale: float | None = None,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense float64 attention over each sequence's own K/V, written loop-by-query for clarity."""
-    q = batch["q"].cpu().double()
-    num_q_heads, head_size = q.shape[1], q.shape[2]
-    scale = 1.0 / math.sqrt(head_size) if scale is None else scale
-    out = torch.zeros(
-        q.shape[0], num_q_heads, batch["vs"][0].shape[-1] if batch["vs"] else 0, dtype=torch.float64
+def oracle(batch: dict, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_kernels.testing's float64 oracle over each sequence's own dense K/V (never the cache)."""
+    return attention_oracle(
+        batch["q"],
+        [k.transpose(0, 1) for k in batch["ks"]],  # [H, L, D] -> [L, H, D]
+        [v.transpose(0, 1) for v in batch["vs"]],
+        batch["q_lens"],
+        **{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()},
     )
-    lse = torch.full((q.shape[0], num_q_heads), -math.inf, dtype=torch.float64)
-    start = 0
-    for s, (q_len, L) in enumerate(zip(batch["q_lens"], batch["lens"], strict=True)):
-        k, v = batch["ks"][s], batch["vs"][s]  # [H, L, D], [H, L, Dv]
-        group = num_q_heads // k.shape[0]
-        for i in range(q_len):
-            pos = L - q_len + i
-            for h in range(num_q_heads):
-                logits = (k[h // group] @ q[start + i, h]) * scale  # [L]
-                if softcap > 0:
-                    logits = softcap * torch.tanh(logits / softcap)
-                key_pos = torch.arange(L, dtype=torch.float64)
-                if alibi_slopes is not None:
-                    logits = logits + float(alibi_slopes[h]) * (key_pos - pos)
-                ok = torch.ones(L, dtype=torch.bool)
-                if causal:
-                    ok &= key_pos <= pos
-                if sliding_window is not None:
-                    ok &= key_pos > pos - sliding_window
-                logits = logits[ok]
-                terms = logits if sinks is None else torch.cat([logits, sinks[h : h + 1].double()])
-                if terms.numel() == 0:
-                    continue
-                m = terms.max()
-                denom = torch.exp(terms - m).sum()
-                lse[start + i, h] = m + torch.log(denom)
-                if logits.numel():
-                    out[start + i, h] = (torch.exp(logits - m) / denom) @ v[h // group][ok]
-        start += q_len
-    return out, lse
 
 
 def run(batch: dict, impl: str, **kw):
@@ -178,11 +141,8 @@ def run(batch: dict, impl: str, **kw):
 def assert_close(
     out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rows: int | None = None
 ) -> None:
-    atol, rtol = TOL[dtype]
-    got = out.detach().cpu().double()[:rows]
-    want = ref.double()[:rows]
-    assert torch.isfinite(got).all(), "kernel output has nan/inf"
-    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    """The shared per-row oracle bound (kv_kernels.testing.TOLERANCES[dtype])."""
+    assert_close_to_oracle(out.detach().cpu()[:rows], ref[:rows], dtype=dtype)
 
 
 def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor) -> None:
@@ -203,6 +163,8 @@ FEATURES = {
     "sinks_softcap": {"sinks": "sinks", "softcap": 3.0},
     "alibi": {"alibi_slopes": "alibi"},
     "noncausal": {"causal": False, "scale": 0.2},
+    # a window on a non-causal layer bounds both sides (|p - k| < w)
+    "noncausal_window": {"causal": False, "sliding_window": 7},
 }
 
 
@@ -332,16 +294,72 @@ def test_split_kv_with_lse_and_sinks(triton_device: str) -> None:
 
 
 def test_empty_rows_and_padding_rows(triton_device: str) -> None:
-    # seq_len 0 with a query: no key is visible -> zeros and lse=-inf; rows past qsl[-1] untouched.
-    b = make_batch(q_lens=[1, 2], seq_lens=[0, 5], head_size=16)
+    # An empty sequence (no query, no keys) in the batch; rows past qsl[-1] stay untouched.
+    b = make_batch(q_lens=[0, 2], seq_lens=[0, 5], head_size=16)
     extra = torch.full((3, *b["q"].shape[1:]), 7.0, dtype=b["q"].dtype, device=DEVICE)
     b["q"] = torch.cat([b["q"], extra])
     out = torch.full((b["q"].shape[0], b["q"].shape[1], 16), 5.0, device=DEVICE)
-    res, lse = run(b, "triton", out=out, return_lse=True)
+    res, _lse = run(b, "triton", out=out, return_lse=True)
     assert res is out
-    assert torch.all(out[0] == 0) and torch.all(torch.isinf(lse[0].cpu()))
-    assert torch.all(out[3:] == 5.0)
-    assert_close(out[:3], oracle(b)[0][:3], torch.float32)
+    assert torch.all(out[2:] == 5.0)
+    assert_close(out[:2], oracle(b)[0][:2], torch.float32)
+
+
+def test_sink_outweighs_a_single_key(triton_device: str) -> None:
+    # one key and a large sink: the sink takes most of the denominator, the lse includes it
+    b = make_batch(q_lens=[1], seq_lens=[1], head_size=16)
+    sinks = torch.full((b["q"].shape[1],), 3.0, device=DEVICE)
+    out, lse = run(b, "triton", sinks=sinks, return_lse=True)
+    ref, ref_lse = oracle(b, sinks=sinks)
+    assert_close(out, ref, torch.float32)
+    assert_lse_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_query_longer_than_sequence_is_an_error(impl: str) -> None:
+    """q_len > seq_len used to return all-zero rows; it is an input error (DESIGN: attention
+    semantics), named with the sequence, both lengths and the fix."""
+    b = make_batch(q_lens=[1, 3], seq_lens=[6, 5], head_size=16, device="cpu")
+    b["seq_lens"][1] = 2
+    with pytest.raises(ValueError, match=r"sequence 1 has query_len=3 > seq_lens\[1\]=2"):
+        run(b, impl)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])  # tiles spanning pages / inside one page
+def test_error_flag_counts_bad_metadata_without_host_checks(
+    block_size: int, triton_device: str
+) -> None:
+    """validate=False is what CUDA tensors get by default: the kernel must neither crash nor read
+    outside the cache on bad ids / q_len > seq_len, and it counts them in error_flag."""
+    b = make_batch(
+        q_lens=[1, 2, 1], seq_lens=[140, 20, 30], head_size=16, group=2, block_size=block_size
+    )
+    nb = b["layout"].num_blocks
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    run(b, "triton", error_flag=flag, validate=False)
+    assert int(flag) == 0, "valid metadata must not raise the flag"
+    bad = dict(b)
+    table = b["block_table"].clone()
+    table[0, 1] = nb + 10_000_000  # far past the cache: an unmasked read would fault
+    table[2, 0] = -7
+    bad["block_table"] = table
+    out = run(bad, "triton", error_flag=flag, validate=False)
+    assert int(flag) > 0
+    assert torch.isfinite(out[1:3]).all()  # the healthy request is untouched by its neighbours
+    assert_close(out[1:3], oracle(b)[0][1:3], torch.float32)
+    flag.zero_()
+    short = dict(b, seq_lens=b["seq_lens"].clone())
+    short["seq_lens"][1] = 1  # q_len 2 > seq_len 1
+    run(short, "triton", error_flag=flag, validate=False)
+    assert int(flag) >= 1
+    with pytest.raises(ValueError, match="outside"):
+        run(bad, "triton", validate=True)  # the debug mode checks on the host
+
+
+def test_error_flag_is_validated() -> None:
+    b = _small()
+    with pytest.raises(ValueError, match="error_flag must be an int32"):
+        run(b, "reference", error_flag=torch.zeros(1))
 
 
 def test_merge_attn_states_cascade(triton_device: str) -> None:
@@ -662,3 +680,33 @@ def test_torch_compile_runs_the_custom_op() -> None:
     ref, ref_lse = oracle(b, sliding_window=6)
     assert_close(out, ref, torch.float32)
     assert_lse_close(lse, ref_lse)
+
+
+@pytest.mark.slow
+@settings(max_examples=int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "8")), deadline=None)
+@given(
+    ids=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=6, max_size=6),
+    lens=st.lists(st.integers(1, 90), min_size=2, max_size=2),
+)
+def test_fuzz_kernel_never_leaves_the_cache(ids: list[int], lens: list[int]) -> None:
+    """Any block table (ids anywhere in int32) and any seq_lens up to past the table's width: the
+    kernel runs without a fault, writes finite rows, and the flag is nonzero exactly when some
+    page under a sequence is invalid."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or the Triton interpreter")
+    b = make_batch(q_lens=[1, 1], seq_lens=[40, 40], head_size=16, group=2, block_size=16)
+    b["kv"].nan_to_num_(0.0)
+    nb = b["layout"].num_blocks
+    table = torch.tensor(ids, dtype=torch.int32).reshape(2, 3).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out = run(
+        dict(b, block_table=table, seq_lens=seq_lens), "triton", error_flag=flag, validate=False
+    )
+    assert torch.isfinite(out).all()
+    bad = any(
+        not 0 <= (ids[3 * s + p] if p < 3 else -1) < nb
+        for s, L in enumerate(lens)
+        for p in range(-(-L // 16))
+    )
+    assert (int(flag) > 0) == bad

@@ -328,7 +328,7 @@ def _good():
         (lambda a: a.update(value=None), "value is None"),
         (lambda a: a.update(k_scale=1.0), "takes no external scale"),
         (lambda a: a.update(view=a["view"][:, :, :2]), "layer view"),
-        (lambda a: a.update(impl="cuda"), "is not one of"),
+        (lambda a: a.update(impl="cuda"), "is not a valid implementation"),
     ],
 )
 def test_validation_errors(mutate, match: str) -> None:

@@ -179,5 +179,5 @@ def test_validation_errors() -> None:
         compute_slot_mapping(table.float(), positions, qsl, 16, 16)
     with pytest.raises(ValueError, match="overflows int32"):
         expand_block_table(torch.tensor([[2**30]], dtype=torch.int32), 64, 16)
-    with pytest.raises(ValueError, match="is not one of"):
+    with pytest.raises(ValueError, match="is not a valid implementation"):
         compute_slot_mapping(table, positions, qsl, 16, 16, impl="cuda")

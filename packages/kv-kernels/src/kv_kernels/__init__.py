@@ -10,10 +10,19 @@ order works without copies; offsets are 64-bit.
 from __future__ import annotations
 
 from kv_kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
-from kv_kernels.cache import KVCacheStorage, allocate_kv_cache, layer_view, layer_views
+from kv_kernels.cache import (
+    KVCacheStorage,
+    allocate_kv_cache,
+    kernel_block_view,
+    layer_view,
+    layer_views,
+)
 from kv_kernels.paged_attention import merge_attn_states, paged_attention
 from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
 from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
+
+# Last: registers torch.ops.kv_kernels.* (it imports the api modules above, never the reverse).
+from kv_kernels import _ops  # noqa: F401  isort: skip
 
 __version__ = "0.1.0"
 
@@ -24,6 +33,7 @@ __all__ = [
     "copy_blocks",
     "expand_block_table",
     "gather_blocks",
+    "kernel_block_view",
     "layer_view",
     "layer_views",
     "merge_attn_states",

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 import torch
 from kv_spec import KVCacheLayout, to_torch_dtype
 
-__all__ = ["KVCacheStorage", "allocate_kv_cache", "layer_view", "layer_views"]
+__all__ = [
+    "KVCacheStorage",
+    "allocate_kv_cache",
+    "kernel_block_view",
+    "layer_view",
+    "layer_views",
+]
 
 #: What :func:`allocate_kv_cache` returns: one tensor per layer slot (L-outer orders) or one slab.
 KVCacheStorage = torch.Tensor | Sequence[torch.Tensor]
@@ -75,6 +81,40 @@ def layer_view(storage: KVCacheStorage, layout: KVCacheLayout, layer: int) -> to
 def layer_views(storage: KVCacheStorage, layout: KVCacheLayout) -> list[torch.Tensor]:
     """Logical ``[B, H, N, C]`` views of every layer slot."""
     return [layer_view(storage, layout, i) for i in range(layout.num_layers)]
+
+
+def kernel_block_view(
+    kv_cache: torch.Tensor,  # [B, H, N, C] layer view
+    layout: KVCacheLayout,
+    kernel_block_size: int,
+) -> tuple[torch.Tensor, KVCacheLayout]:
+    """The layer view ``kv_cache`` seen as kernel blocks of ``kernel_block_size`` tokens: a
+    ``[B * k, H, kernel_block_size, C]`` view (no copy) and its layout
+    (:meth:`kv_spec.KVCacheLayout.kernel_block_layout`: manager block ``b`` is kernel blocks
+    ``b * k + i``). Raises ``ValueError`` with kv-spec's reason when the order or padding allows
+    no plain view."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"kv_cache must be a layer view tensor, got {type(kv_cache).__name__}")
+    klayout = layout.kernel_block_layout(kernel_block_size)
+    if kernel_block_size == layout.block_size:
+        return kv_cache, layout
+    expected = (layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.content_size)
+    if tuple(kv_cache.shape) != expected:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}; the layout's [B, H, N, C] layer view is "
+            f"{expected}: pass layer_view(storage, layout, layer)"
+        )
+    sb, sh, sn, sc = kv_cache.stride()
+    if sb != layout.block_size * sn:  # kv-spec's rule, checked on the tensor itself
+        raise ValueError(
+            f"kv_cache block stride {sb} != block_size x token stride {layout.block_size * sn}: "
+            "not the layer view of this layout"
+        )
+    view = kv_cache.as_strided(
+        (klayout.num_blocks, layout.num_kv_heads, kernel_block_size, layout.content_size),
+        (kernel_block_size * sn, sh, sn, sc),
+    )
+    return view, klayout
 
 
 def _inverse(perm: Sequence[int]) -> tuple[int, ...]:

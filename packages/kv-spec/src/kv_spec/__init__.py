@@ -13,6 +13,13 @@ from __future__ import annotations
 from kv_spec.catalogue import CATALOGUE, ModelConfig, get_model
 from kv_spec.dtypes import DTYPE_BYTES, dtype_bytes, normalize_dtype, to_torch_dtype
 from kv_spec.layout import LOGICAL_DIMS, KVCacheLayout, LayoutChoice, LayoutOrder, resolve_layout
+from kv_spec.pages import (
+    SPLITTABLE_ORDERS,
+    content_size,
+    expand_block_ids,
+    kernel_blocks_per_block,
+    real_page_size_bytes,
+)
 from kv_spec.planner import (
     KVCacheConfig,
     KVCacheGroup,
@@ -40,6 +47,7 @@ __all__ = [
     "DTYPE_BYTES",
     "LOGICAL_DIMS",
     "SCALE_BYTES",
+    "SPLITTABLE_ORDERS",
     "AttentionSpec",
     "ChunkedLocalAttentionSpec",
     "CrossAttentionSpec",
@@ -55,12 +63,16 @@ __all__ = [
     "ModelConfig",
     "SlidingWindowSpec",
     "cdiv",
+    "content_size",
     "dtype_bytes",
+    "expand_block_ids",
     "get_model",
+    "kernel_blocks_per_block",
     "merge_kv_cache_configs",
     "merge_specs",
     "normalize_dtype",
     "plan_kv_cache",
+    "real_page_size_bytes",
     "resolve_layout",
     "to_torch_dtype",
     "unify_page_sizes",

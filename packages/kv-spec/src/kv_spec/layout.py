@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, NamedTuple
 
+from kv_spec import pages
 from kv_spec._checks import check_int, check_positive_int
 from kv_spec.dtypes import dtype_bytes, normalize_dtype
-from kv_spec.quant import SCALE_BYTES, KVQuantMode
+from kv_spec.quant import KVQuantMode
 from kv_spec.specs import AttentionSpec, MLAAttentionSpec
 
 __all__ = [
@@ -79,6 +81,12 @@ class LayoutOrder(str, Enum):
     def page_contiguous(self) -> bool:
         """One block of one layer (``H``, ``N``, ``C``) is one contiguous range (and can be padded)."""
         return set(self.value[-3:]) == {"H", "N", "C"}
+
+    @property
+    def splits_into_kernel_blocks(self) -> bool:
+        """A manager block of this order can be viewed as ``k`` kernel blocks with no copy (when
+        pages are not padded): see :mod:`kv_spec.pages`."""
+        return self.value in pages.SPLITTABLE_ORDERS
 
     @property
     def token_major(self) -> bool:
@@ -187,6 +195,13 @@ class KVCacheLayout:
         object.__setattr__(self, "order", LayoutOrder.parse(self.order))
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype, field=f"{owner}.dtype"))
         object.__setattr__(self, "kv_quant", KVQuantMode.parse(self.kv_quant))
+        if not isinstance(self.is_mla, bool):
+            # 1 == True but hashes into the JSON as 1, not true: two processes would disagree on
+            # the compatibility hash; a string like "no" would be truthy. Only a real bool is valid.
+            raise ValueError(
+                f"{owner}.is_mla={self.is_mla!r} must be a bool (True or False), got "
+                f"{type(self.is_mla).__name__}"
+            )
         for name in ("num_layers", "num_blocks", "num_kv_heads", "block_size", "head_size"):
             check_positive_int(owner, name, getattr(self, name))
         check_int(owner, "head_size_v", self.head_size_v, minimum=0)
@@ -265,9 +280,7 @@ class KVCacheLayout:
     @property
     def num_scales(self) -> int:
         """Inline float32 scales per token and head: 2 (K, V) or 1 (MLA) under per-token-head quant."""
-        if not self.kv_quant.per_token_head:
-            return 0
-        return 1 if self.is_mla else 2
+        return pages.inline_scales(self.kv_quant, is_mla=self.is_mla)
 
     @property
     def scale_placement(self) -> str:
@@ -280,8 +293,12 @@ class KVCacheLayout:
     @property
     def content_size(self) -> int:
         """C: elements per token and head."""
-        return (
-            self.head_size + self.head_size_v + self.num_scales * SCALE_BYTES // self.element_bytes
+        return pages.content_size(
+            head_size=self.head_size,
+            head_size_v=self.head_size_v,
+            kv_quant=self.kv_quant,
+            is_mla=self.is_mla,
+            dtype=self.dtype,
         )
 
     @property
@@ -306,7 +323,15 @@ class KVCacheLayout:
 
     @property
     def real_page_size_bytes(self) -> int:
-        return self.num_kv_heads * self.block_size * self.content_size * self.element_bytes
+        return pages.real_page_size_bytes(
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            head_size_v=self.head_size_v,
+            kv_quant=self.kv_quant,
+            is_mla=self.is_mla,
+            dtype=self.dtype,
+        )
 
     @property
     def page_bytes(self) -> int:
@@ -423,7 +448,11 @@ class KVCacheLayout:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVCacheLayout:
+    def from_dict(cls, data: Mapping[str, Any]) -> KVCacheLayout:
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"a layout must be a JSON object / mapping of its fields, got {type(data).__name__}"
+            )
         data = dict(data)
         fmt = data.pop("format", _LAYOUT_FORMAT_VERSION)
         if fmt != _LAYOUT_FORMAT_VERSION:
@@ -451,8 +480,16 @@ class KVCacheLayout:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> KVCacheLayout:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> KVCacheLayout:
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ValueError(f"layout JSON must be str or bytes, got {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"layout JSON does not parse: {e}; pass KVCacheLayout.to_json()"
+            ) from None
+        return cls.from_dict(data)
 
     def compatibility_hash(self) -> str:
         """Stable hex digest of everything that fixes how a block's bytes are read.
@@ -465,6 +502,43 @@ class KVCacheLayout:
         del d["num_blocks"]
         canon = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+    # -- manager blocks as kernel blocks -------------------------------------------------------
+
+    def kernel_block_problem(self, kernel_block_size: int) -> str | None:
+        """Why this cache cannot be viewed as kernel blocks of ``kernel_block_size`` tokens
+        (``None`` if it can): the rule of :mod:`kv_spec.pages`."""
+        if kernel_block_size == self.block_size:
+            return None
+        try:
+            pages.kernel_blocks_per_block(self.block_size, kernel_block_size)
+        except ValueError as e:
+            return str(e)
+        if not self.order.splits_into_kernel_blocks:
+            return (
+                f"kernel block size {kernel_block_size} < block size {self.block_size} needs order "
+                f"{' or '.join(pages.SPLITTABLE_ORDERS)} (block stride = block_size x token stride); "
+                f"got {self.order.value}"
+            )
+        if self.page_bytes != self.real_page_size_bytes:
+            return (
+                f"kernel block size {kernel_block_size} < block size {self.block_size} needs "
+                f"unpadded pages (page_size_bytes={self.page_bytes} > real "
+                f"{self.real_page_size_bytes})"
+            )
+        return None
+
+    def kernel_block_layout(self, kernel_block_size: int) -> KVCacheLayout:
+        """This cache seen as kernel blocks: ``num_blocks * k`` blocks of ``kernel_block_size``
+        tokens (manager block ``b`` is kernel blocks ``b * k + i``). Raises ``ValueError`` with
+        :meth:`kernel_block_problem`'s reason when no plain view exists."""
+        problem = self.kernel_block_problem(kernel_block_size)
+        if problem is not None:
+            raise ValueError(problem)
+        k = self.block_size // kernel_block_size
+        d = self.to_dict()
+        d.update(num_blocks=self.num_blocks * k, block_size=kernel_block_size, page_size_bytes=None)
+        return KVCacheLayout.from_dict(d)
 
     def with_num_blocks(self, num_blocks: int) -> KVCacheLayout:
         d = self.to_dict()

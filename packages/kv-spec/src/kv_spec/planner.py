@@ -79,6 +79,13 @@ class KVCacheConfig:
 
     def layout(self, group_id: int) -> KVCacheLayout:
         """The layout of group ``group_id`` over the whole allocation (all layer slots)."""
+        if isinstance(group_id, bool) or not isinstance(group_id, int):
+            raise ValueError(f"group_id={group_id!r} must be an int index of config.groups")
+        if not 0 <= group_id < len(self.groups):
+            raise ValueError(
+                f"group_id={group_id} is out of range: this config has {len(self.groups)} KV-cache "
+                f"group(s), ids 0..{len(self.groups) - 1}"
+            )
         spec = self.groups[group_id].spec
         return KVCacheLayout.from_spec(
             spec,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kv_spec import pages
 from kv_spec._checks import check_positive_int
 from kv_spec.dtypes import dtype_bytes, normalize_dtype
 from kv_spec.quant import SCALE_BYTES, KVQuantMode
@@ -52,6 +53,8 @@ class AttentionSpec:
     kind: ClassVar[str] = "attention"
     #: Whether ``head_size_v`` may differ from ``head_size`` for this kind of layer.
     allows_head_size_v: ClassVar[bool] = True
+    #: One latent per token instead of K and V (MLA): no V in the page.
+    stores_latent: ClassVar[bool] = False
 
     block_size: int
     num_kv_heads: int
@@ -118,7 +121,7 @@ class AttentionSpec:
     @property
     def num_scales(self) -> int:
         """Inline float32 scales per token and head (0 unless per-token-head quant)."""
-        return 2 if self.kv_quant.per_token_head else 0
+        return pages.inline_scales(self.kv_quant, is_mla=self.stores_latent)
 
     @property
     def scale_elements(self) -> int:
@@ -127,12 +130,27 @@ class AttentionSpec:
 
     @property
     def content_size(self) -> int:
-        """Elements per token and head in the packed cache: K then V, then inline scales."""
-        return self.head_size + self.v_size + self.scale_elements
+        """Elements per token and head in the packed cache: K then V (MLA: the latent), then
+        inline scales (:func:`kv_spec.pages.content_size`)."""
+        return pages.content_size(
+            head_size=self.head_size,
+            head_size_v=self.v_size,
+            kv_quant=self.kv_quant,
+            is_mla=self.stores_latent,
+            dtype=self.dtype,
+        )
 
     @property
     def real_page_size_bytes(self) -> int:
-        return self.block_size * self.num_kv_heads * self.content_size * self.dtype_bytes
+        return pages.real_page_size_bytes(
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            head_size_v=self.v_size,
+            kv_quant=self.kv_quant,
+            is_mla=self.stores_latent,
+            dtype=self.dtype,
+        )
 
     @property
     def page_size_bytes(self) -> int:
@@ -218,6 +236,7 @@ class MLAAttentionSpec(AttentionSpec):
 
     kind: ClassVar[str] = "mla"
     allows_head_size_v: ClassVar[bool] = False
+    stores_latent: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -226,14 +245,6 @@ class MLAAttentionSpec(AttentionSpec):
                 f"MLAAttentionSpec.num_kv_heads={self.num_kv_heads} must be 1: MLA stores one "
                 "latent per token shared by all query heads"
             )
-
-    @property
-    def num_scales(self) -> int:
-        return 1 if self.kv_quant.per_token_head else 0
-
-    @property
-    def content_size(self) -> int:
-        return self.head_size + self.scale_elements
 
 
 @dataclass(frozen=True, kw_only=True)

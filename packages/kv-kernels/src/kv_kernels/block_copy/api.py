@@ -15,20 +15,18 @@ CUDA, else reference). Nothing falls back silently.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from kv_spec import KVCacheLayout, to_torch_dtype
 
-# Registers the custom ops at import; the public functions route through them under torch.compile.
-from kv_kernels import _ops
+from kv_kernels import _op_calls
+from kv_kernels._common import check_error_flag, resolve_impl
 from kv_kernels.cache import KVCacheStorage
 
 __all__ = ["PageGeometry", "copy_blocks", "gather_blocks", "page_geometry", "scatter_blocks"]
 
-IMPLS = ("auto", "reference", "triton")
 BlockIds = torch.Tensor | Sequence[int]
 
 
@@ -148,42 +146,29 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def _resolve_impl(impl: str, geo: PageGeometry, others: Sequence[torch.Tensor]) -> str:
+def _resolve_impl(impl: str, geo: PageGeometry, others: Sequence[torch.Tensor], op: str) -> str:
     """Pick the implementation and check that it can address every tensor involved."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    cache_device = geo.layer_bytes[0].device
-    if impl == "auto":
-        impl = "triton" if cache_device.type == "cuda" else "reference"
-    if impl == "reference":
-        return impl
-    if cache_device.type == "cuda":
-        for t in others:
-            if t.device == cache_device or (t.device.type == "cpu" and t.is_pinned()):
-                continue
-            raise ValueError(
-                f"impl='triton' reads/writes the buffer directly from the kernel: it must be on "
-                f"{cache_device} or in pinned host memory (torch.empty(..., pin_memory=True)), "
-                f"got a {'pageable CPU' if t.device.type == 'cpu' else str(t.device)} tensor; pin it "
-                "or use impl='reference'"
-            )
-        return impl
-    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
-        raise ValueError(
-            f"impl='triton' needs the cache on CUDA (it is on {cache_device}); use impl='reference', "
-            "or set TRITON_INTERPRET=1 before importing kv_kernels"
-        )
-    for t in others:
-        if t.device.type != "cpu":
-            raise ValueError(
-                f"under the Triton interpreter every tensor must be on the CPU, got {t.device}"
-            )
-    return impl
+    return resolve_impl(impl, geo.layer_bytes[0].device, op=op, others=others)
 
 
 def _as_ids(name: str, ids: BlockIds, num_blocks: int, device: torch.device) -> torch.Tensor:
     """A 1-D int64 tensor of block ids, range-checked when it is on the CPU."""
     if not isinstance(ids, torch.Tensor):
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise TypeError(
+                f"{name} must be a sequence of ints or an int tensor, got {type(ids).__name__}"
+            )
+        non_ints = [x for x in ids if isinstance(x, bool) or not isinstance(x, int)]
+        if non_ints:
+            # torch.tensor([1.7], dtype=int64) truncates to block 1: refuse instead
+            raise TypeError(
+                f"{name} holds {non_ints[0]!r} ({type(non_ints[0]).__name__}); block ids must be ints"
+            )
+        huge = [x for x in ids if not -(2**63) <= x < 2**63]
+        if huge:
+            raise ValueError(
+                f"{name} holds block id {huge[0]}, outside [0, num_blocks={num_blocks})"
+            )
         ids = torch.tensor(list(ids), dtype=torch.int64)
     if ids.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
@@ -234,25 +219,30 @@ def gather_blocks(
     out: torch.Tensor,
     *,
     impl: str = "auto",
+    error_flag: torch.Tensor | None = None,
 ) -> None:
     """Copy blocks ``block_ids`` (``[n]``, every layer slot) of ``kv_cache`` into ``out``.
 
     ``kv_cache`` is the whole storage from :func:`~kv_kernels.allocate_kv_cache`; ``out`` is a
     ``uint8 [n, num_layers * page_bytes]`` buffer (format in the module docstring) on any device;
     with ``impl="triton"`` on the cache's GPU or in pinned host memory. Block ids on the CPU are
-    range-checked; ids on the GPU are not (that would synchronize) and out-of-range ones are skipped.
+    range-checked; ids on the GPU are not (that would synchronize): out-of-range ones are skipped and,
+    with ``error_flag`` (int32 ``[1]`` on the cache's device), counted there.
 
     CUDA graphs: capture works with a cross-layer (slab) layout and block ids already on the GPU;
     a per-layer cache needs a per-call address table and raises under capture.
     """
     if torch.compiler.is_compiling():
-        _ops.gather_blocks_op(kv_cache, layout, block_ids, out, impl=impl)
+        _op_calls.gather_blocks_op(
+            kv_cache, layout, block_ids, out, impl=impl, error_flag=error_flag
+        )
         return
     geo = page_geometry(kv_cache, layout)
     device = geo.layer_bytes[0].device
     ids = _as_ids("block_ids", block_ids, geo.num_blocks, device)
     _check_buffer("out", out, ids.numel(), geo)
-    chosen = _resolve_impl(impl, geo, [out])
+    chosen = _resolve_impl(impl, geo, [out], "gather_blocks")
+    check_error_flag(error_flag, device, op="gather_blocks")
     if chosen == "reference":
         from kv_kernels.block_copy.reference import gather_blocks_reference
 
@@ -260,7 +250,7 @@ def gather_blocks(
     else:
         from kv_kernels.block_copy.triton import gather_blocks_triton
 
-        gather_blocks_triton(geo, ids, out)
+        gather_blocks_triton(geo, ids, out, error_flag)
 
 
 def scatter_blocks(
@@ -270,19 +260,23 @@ def scatter_blocks(
     block_ids: BlockIds,
     *,
     impl: str = "auto",
+    error_flag: torch.Tensor | None = None,
 ) -> None:
     """Copy rows of ``buffer`` (``uint8 [n, num_layers * page_bytes]``) into blocks ``block_ids`` of
     ``kv_cache`` (every layer slot); the inverse of :func:`gather_blocks`. Duplicate ids are
     rejected (when the ids are on the CPU)."""
     if torch.compiler.is_compiling():
-        _ops.scatter_blocks_op(buffer, kv_cache, layout, block_ids, impl=impl)
+        _op_calls.scatter_blocks_op(
+            buffer, kv_cache, layout, block_ids, impl=impl, error_flag=error_flag
+        )
         return
     geo = page_geometry(kv_cache, layout)
     device = geo.layer_bytes[0].device
     ids = _as_ids("block_ids", block_ids, geo.num_blocks, device)
     _check_unique("block_ids", ids)
     _check_buffer("buffer", buffer, ids.numel(), geo)
-    chosen = _resolve_impl(impl, geo, [buffer])
+    chosen = _resolve_impl(impl, geo, [buffer], "scatter_blocks")
+    check_error_flag(error_flag, device, op="scatter_blocks")
     if chosen == "reference":
         from kv_kernels.block_copy.reference import scatter_blocks_reference
 
@@ -290,7 +284,7 @@ def scatter_blocks(
     else:
         from kv_kernels.block_copy.triton import scatter_blocks_triton
 
-        scatter_blocks_triton(buffer, geo, ids)
+        scatter_blocks_triton(buffer, geo, ids, error_flag)
 
 
 def copy_blocks(
@@ -300,6 +294,7 @@ def copy_blocks(
     dst_block_ids: BlockIds,
     *,
     impl: str = "auto",
+    error_flag: torch.Tensor | None = None,
 ) -> None:
     """Copy block ``src_block_ids[i]`` to ``dst_block_ids[i]`` in every layer slot (copy-on-write).
 
@@ -307,7 +302,9 @@ def copy_blocks(
     checked when the ids are on the CPU.
     """
     if torch.compiler.is_compiling():
-        _ops.copy_blocks_op(kv_cache, layout, src_block_ids, dst_block_ids, impl=impl)
+        _op_calls.copy_blocks_op(
+            kv_cache, layout, src_block_ids, dst_block_ids, impl=impl, error_flag=error_flag
+        )
         return
     geo = page_geometry(kv_cache, layout)
     device = geo.layer_bytes[0].device
@@ -325,7 +322,8 @@ def copy_blocks(
                 f"blocks {sorted(both)[:8]} are both sources and destinations; the copies run in "
                 "parallel, so split the call"
             )
-    chosen = _resolve_impl(impl, geo, [])
+    chosen = _resolve_impl(impl, geo, [], "copy_blocks")
+    check_error_flag(error_flag, device, op="copy_blocks")
     if chosen == "reference":
         from kv_kernels.block_copy.reference import copy_blocks_reference
 
@@ -333,4 +331,4 @@ def copy_blocks(
     else:
         from kv_kernels.block_copy.triton import copy_blocks_triton
 
-        copy_blocks_triton(geo, src, dst)
+        copy_blocks_triton(geo, src, dst, error_flag)

@@ -11,13 +11,18 @@ emit 16-byte vector accesses for any dtype. Offsets are int64 (program ids and b
 before they meet a stride).
 
 Per-layer storages (L-outer orders) are separate allocations: their bases reach the kernel as a
-small int64 table of byte offsets from layer 0's base (built per call from ``data_ptr``; no device
-synchronization, but not capturable in a CUDA graph). A cross-layer slab needs no table.
+small int64 table of byte offsets from layer 0's base. The table is built once per distinct set of
+layer addresses and kept on the device (:func:`_layer_table`): a steady-state call does no
+host-to-device copy and no synchronization, and once a first call has built it, a CUDA graph can
+capture the copy. The key is the tuple of layer base addresses itself, so a different storage or
+layout (other addresses) gets its own table and can never read a stale one. A cross-layer slab
+needs no table.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,12 +55,14 @@ def _copy_pages_kernel(
     dst_rows,
     num_chunks,
     chunk_bytes,
+    err_ptr,  # int32 [1]: ids out of range are counted here (CHECK)
     SRC_TABLE: tl.constexpr,
     DST_TABLE: tl.constexpr,
     SRC_IDS: tl.constexpr,
     DST_IDS: tl.constexpr,
     ALIGN: tl.constexpr,
     SPAN: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     layer_chunk = tl.program_id(1)
@@ -80,6 +87,9 @@ def _copy_pages_kernel(
     else:
         dst_layer = layer * dst_layer_stride
     ok = (src_row >= 0) & (src_row < src_rows) & (dst_row >= 0) & (dst_row < dst_rows)
+    if CHECK:
+        # skipped rows are counted once per row (first layer chunk, first span)
+        tl.atomic_add(err_ptr, 1, mask=(layer_chunk == 0) & (part == 0) & ~ok)
 
     start = part * SPAN
     src_off = src_layer + src_row * src_row_stride + chunk * src_chunk_stride + start
@@ -133,16 +143,34 @@ def _cache_side(geo: PageGeometry, ids: torch.Tensor) -> _Side:
             geo.num_blocks,
             addresses,
         )
+    table = _layer_table(device, tuple(addresses))
+    return _Side(base, table, 0, ids, geo.block_stride, geo.chunk_stride, geo.num_blocks, addresses)
+
+
+_TABLES_KEPT = 64  # distinct storages whose tables stay on the device (a few hundred bytes each)
+_TABLES: OrderedDict[tuple[str, int | None, tuple[int, ...]], torch.Tensor] = OrderedDict()
+
+
+def _layer_table(device: torch.device, addresses: tuple[int, ...]) -> torch.Tensor:
+    """int64 ``[L]`` byte offsets of each layer base from the first, on ``device``: built once per
+    distinct address tuple (the one host-to-device copy), then reused from a small LRU."""
+    key = (device.type, device.index, addresses)
+    table = _TABLES.get(key)
+    if table is not None:
+        _TABLES.move_to_end(key)
+        return table
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise ValueError(
-            "block copies over a per-layer cache (L-outer order) build a layer-address table per "
-            "call and cannot be captured in a CUDA graph; run them outside capture or use a "
-            "cross-layer (B-outer) layout"
+            "block copies over a per-layer cache (L-outer order) need its layer-address table on "
+            "the device before CUDA-graph capture; run one copy over this storage before capturing "
+            "(the table is then cached), or use a cross-layer (B-outer) layout"
         )
     offsets = [a - addresses[0] for a in addresses]
-    # From pageable host memory: staged by the driver, no device synchronization.
     table = torch.tensor(offsets, dtype=torch.int64, device=device)
-    return _Side(base, table, 0, ids, geo.block_stride, geo.chunk_stride, geo.num_blocks, addresses)
+    _TABLES[key] = table
+    if len(_TABLES) > _TABLES_KEPT:
+        _TABLES.popitem(last=False)
+    return table
 
 
 def _buffer_side(buffer: torch.Tensor, geo: PageGeometry) -> _Side:
@@ -158,7 +186,13 @@ def _buffer_side(buffer: torch.Tensor, geo: PageGeometry) -> _Side:
     )
 
 
-def _launch(src: _Side, dst: _Side, geo: PageGeometry, num_rows: int) -> None:
+def _launch(
+    src: _Side,
+    dst: _Side,
+    geo: PageGeometry,
+    num_rows: int,
+    error_flag: torch.Tensor | None = None,  # int32 [1]
+) -> None:
     if num_rows == 0:
         return
     align = 16
@@ -197,28 +231,45 @@ def _launch(src: _Side, dst: _Side, geo: PageGeometry, num_rows: int) -> None:
         dst.rows,
         geo.num_chunks,
         geo.chunk_bytes,
+        error_flag if error_flag is not None else dummy,
         SRC_TABLE=src.layer_table is not None,
         DST_TABLE=dst.layer_table is not None,
         SRC_IDS=src.ids is not None,
         DST_IDS=dst.ids is not None,
         ALIGN=align,
         SPAN=span,
+        CHECK=error_flag is not None,
         num_warps=num_warps,
     )
 
 
-def gather_blocks_triton(geo: PageGeometry, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+def gather_blocks_triton(
+    geo: PageGeometry,
+    block_ids: torch.Tensor,
+    out: torch.Tensor,
+    error_flag: torch.Tensor | None = None,
+) -> None:
     """Cache pages of ``block_ids`` -> ``out`` rows (one launch)."""
-    _launch(_cache_side(geo, block_ids), _buffer_side(out, geo), geo, block_ids.numel())
+    src, dst = _cache_side(geo, block_ids), _buffer_side(out, geo)
+    _launch(src, dst, geo, block_ids.numel(), error_flag)
 
 
-def scatter_blocks_triton(buffer: torch.Tensor, geo: PageGeometry, block_ids: torch.Tensor) -> None:
+def scatter_blocks_triton(
+    buffer: torch.Tensor,
+    geo: PageGeometry,
+    block_ids: torch.Tensor,
+    error_flag: torch.Tensor | None = None,
+) -> None:
     """``buffer`` rows -> cache pages of ``block_ids`` (one launch)."""
-    _launch(_buffer_side(buffer, geo), _cache_side(geo, block_ids), geo, block_ids.numel())
+    src, dst = _buffer_side(buffer, geo), _cache_side(geo, block_ids)
+    _launch(src, dst, geo, block_ids.numel(), error_flag)
 
 
 def copy_blocks_triton(
-    geo: PageGeometry, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor
+    geo: PageGeometry,
+    src_block_ids: torch.Tensor,
+    dst_block_ids: torch.Tensor,
+    error_flag: torch.Tensor | None = None,
 ) -> None:
     """Cache pages of ``src_block_ids`` -> cache pages of ``dst_block_ids`` (one launch)."""
     src = _cache_side(geo, src_block_ids)
@@ -232,4 +283,4 @@ def copy_blocks_triton(
         src.rows,
         src.addresses,
     )
-    _launch(src, dst, geo, src_block_ids.numel())
+    _launch(src, dst, geo, src_block_ids.numel(), error_flag)

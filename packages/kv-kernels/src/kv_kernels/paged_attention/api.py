@@ -6,43 +6,35 @@ tensors and the reference for CPU tensors. Nothing falls back silently: an unsup
 a ``ValueError`` that names the value, the bound and the fix.
 
 Value checks that need the data (query offsets monotonic, block ids in range, ``q_len <=
-max_query_len``) run when the index tensors live on the CPU; on CUDA they would cost a device sync
-per call (and break CUDA-graph capture), so there the caller's metadata builder owns them.
+max_query_len``, ``q_len <= seq_len``) run when the index tensors live on the CPU, or on request
+(``validate=True`` / ``KV_KERNELS_VALIDATE=1``, a debug mode); on CUDA they would cost a device
+sync per call (and break CUDA-graph capture), so there the kernel masks what it cannot trust and
+counts it in an optional device-side ``error_flag``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode, to_torch_dtype
 
-from kv_kernels.paged_attention._op import paged_attention_op
+from kv_kernels._common import (
+    ScaleArg,
+    check_error_flag,
+    check_scale,
+    host_validation_requested,
+    resolve_impl,
+)
+from kv_kernels._op_calls import paged_attention_op
 
 __all__ = ["merge_attn_states", "paged_attention"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_IMPLS = ("auto", "reference", "triton")
 #: Head sizes the Triton kernel tiles (padded to a power of two inside the kernel).
 MAX_HEAD_SIZE = 256
-
-ScaleArg = float | torch.Tensor | None
-
-
-def _resolve_impl(impl: str, device: torch.device) -> str:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {list(_IMPLS)}")
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"impl='triton' needs CUDA tensors (got {device.type}); on the CPU use impl='reference' "
-            "or set TRITON_INTERPRET=1 before importing kv_kernels.paged_attention.triton"
-        )
-    return impl
 
 
 def _check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -77,23 +69,9 @@ def _check_scale(
     if value is None:
         raise ValueError(
             f"{name} is required for an fp8 cache (kv_quant='fp8_per_tensor': dequant = stored * scale); "
-            "pass a float, a 1-element tensor or a per-kv-head [H] tensor"
+            f"pass a float, a 1-element tensor or a per-kv-head [{num_kv_heads}] tensor"
         )
-    if isinstance(value, torch.Tensor):
-        if not value.is_floating_point():
-            raise ValueError(f"{name} must be a floating tensor, got {value.dtype}")
-        if value.numel() not in (1, num_kv_heads) or value.dim() > 1:
-            raise ValueError(
-                f"{name} has shape {tuple(value.shape)}; pass one element (per tensor) or "
-                f"[{num_kv_heads}] (per kv head)"
-            )
-        _check_same_device(name, value, device)
-        return value.reshape(-1).to(torch.float32).contiguous()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a float or a tensor, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value} must be a finite positive float")
-    return float(value)
+    return check_scale(name, value, num_heads=num_kv_heads, device=device)
 
 
 def _check_head_vector(
@@ -113,83 +91,32 @@ def _check_head_vector(
     _check_same_device(name, t, device)
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, Hq, head_size]
-    kv_cache: torch.Tensor,  # [B, H, N, C] layer view, any strides
+#: Bound of every token count / window the kernels take (they index with int32).
+_MAX_INT32 = 2**31 - 1
+#: More KV splits than this never pays (each split keeps >= 8 KV tiles; see pick_num_splits).
+_MAX_SPLITS = 256
+
+
+def _int_option(name: str, value: object, minimum: int, what: str, optional: bool = False) -> Any:
+    """An int option in ``[minimum, 2**31 - 1]`` (or ``None`` when optional)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be {what}: an int, got {type(value).__name__}")
+    if not minimum <= value <= _MAX_INT32:
+        raise ValueError(f"{name}={value} must be {what} in [{minimum}, {_MAX_INT32}]")
+    return value
+
+
+def _check_tensors(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
     layout: KVCacheLayout,
-    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32/int64 kernel block ids
-    seq_lens: torch.Tensor,  # [num_seqs] KV length of each sequence, new tokens included
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] cumulative query offsets
-    max_query_len: int,
-    *,
-    max_seq_len: int | None = None,
-    scale: float | None = None,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,  # [Hq] float32
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,  # [Hq] float32
-    k_scale: ScaleArg = None,
-    v_scale: ScaleArg = None,
-    num_splits: int | None = None,
-    return_lse: bool = False,
-    out: torch.Tensor | None = None,  # [T, Hq, head_size_v]
-    impl: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Varlen paged attention for prefill, chunked prefill and decode in one batch.
-
-    Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s + 1]`` of ``q`` and KV
-    positions ``0 .. seq_lens[s] - 1``, position ``p`` stored in block ``block_table[s, p // N]`` at
-    row ``p % N`` of ``kv_cache`` (K in ``C[layout.k_range]``, V in ``C[layout.v_range]``). Query
-    ``i`` of a sequence sits at position ``seq_len - q_len + i``.
-
-    - ``causal``: a query sees keys at positions ``<=`` its own.
-    - ``sliding_window=w``: a query sees only the last ``w`` positions up to itself (a lower bound
-      ``key > pos - w``; without ``causal`` there is no upper bound).
-    - ``sinks``: per-q-head logits that join the softmax denominator only (no value).
-    - ``softcap > 0``: ``logit = softcap * tanh(logit / softcap)``, applied before ALiBi.
-    - ``alibi_slopes``: ``logit += slope * (key_pos - query_pos)``.
-    - fp8 caches (``kv_quant='fp8_per_tensor'``): ``k_scale`` / ``v_scale`` (float, 1-element or
-      per-kv-head ``[H]`` tensor), dequant ``stored * scale``.
-    - ``num_splits``: ``None`` lets the Triton kernel pick a KV split count (flash-decoding) for the
-      batch; an int fixes it, which makes every sequence's result bit-identical whatever else is in
-      the batch (batch invariance). The reference computes the exact softmax and ignores it.
-    - ``max_query_len`` must bound every sequence's query count (as in FlashAttention's varlen API);
-      ``max_seq_len`` (optional) only steers the split heuristic.
-
-    Returns ``out`` ``[T, Hq, head_size_v]`` in ``q.dtype`` and, with ``return_lse``, the float32
-    log-sum-exp ``[T, Hq]`` (natural log, sinks included). A row that sees no key gets zeros and
-    ``lse = -inf`` (or its sink). Rows past ``query_start_loc[-1]`` (CUDA-graph padding) are not
-    written. Unsupported: MLA layouts and per-token-head quantized caches (``ValueError``).
-    """
-    if torch.compiler.is_compiling():
-        # One opaque node for torch.compile; the op runs this function again, eagerly, and
-        # validates there (validation itself is not traceable).
-        if out is None:
-            out = q.new_empty((q.shape[0], q.shape[1], layout.head_size_v))
-        return paged_attention_op(
-            q,
-            kv_cache,
-            layout,
-            block_table,
-            seq_lens,
-            query_start_loc,
-            max_query_len,
-            max_seq_len=max_seq_len,
-            scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
-            causal=causal,
-            sliding_window=sliding_window,
-            sinks=sinks,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            num_splits=num_splits,
-            return_lse=return_lse,
-            out=out,
-            impl=impl,
-        )
-    _check_layout(layout)
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> bool:
+    """Shapes, dtypes and devices of the tensor inputs; returns whether the cache is fp8."""
     for name, t in (
         ("q", q),
         ("kv_cache", kv_cache),
@@ -198,31 +125,30 @@ def paged_attention(
         ("query_start_loc", query_start_loc),
     ):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     device = q.device
     if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES:
         raise ValueError(
             f"q must be [T, Hq, head_size] float16/bfloat16/float32, got {q.dtype} {tuple(q.shape)}"
         )
-    num_tokens, num_q_heads, head_size = q.shape
-    num_kv_heads, block_size = layout.num_kv_heads, layout.block_size
-    head_size_v = layout.head_size_v
+    num_q_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads = layout.num_kv_heads
     if head_size != layout.head_size:
         raise ValueError(
             f"q head_size={head_size} does not match layout.head_size={layout.head_size}"
         )
-    if num_q_heads % num_kv_heads:
+    if num_q_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(
-            f"q has {num_q_heads} heads, not a multiple of layout.num_kv_heads={num_kv_heads} (GQA needs Hq % H == 0)"
+            f"q has {num_q_heads} heads, not a positive multiple of layout.num_kv_heads="
+            f"{num_kv_heads} (GQA needs Hq % H == 0)"
         )
-    expected = (layout.num_blocks, num_kv_heads, block_size, layout.content_size)
+    expected = (layout.num_blocks, num_kv_heads, layout.block_size, layout.content_size)
     if kv_cache.dim() != 4 or tuple(kv_cache.shape) != expected:
         raise ValueError(
             f"kv_cache has shape {tuple(kv_cache.shape)} but the layout's [B, H, N, C] layer view is {expected}; "
             "pass kv_kernels.layer_view(storage, layout, layer)"
         )
-    cache_dtype = to_torch_dtype(layout.dtype)
-    if kv_cache.dtype != cache_dtype:
+    if kv_cache.dtype != to_torch_dtype(layout.dtype):
         raise ValueError(
             f"kv_cache dtype {kv_cache.dtype} does not match layout dtype {layout.dtype}"
         )
@@ -256,40 +182,14 @@ def paged_attention(
         ("query_start_loc", query_start_loc),
     ):
         _check_same_device(name, t, device)
-    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
-        raise ValueError(f"max_query_len={max_query_len!r} must be an int >= 0")
-    if max_seq_len is not None and (
-        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0
-    ):
-        raise ValueError(f"max_seq_len={max_seq_len!r} must be None or an int >= 0")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_size)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale={scale!r} must be a finite float")
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, int)
-        or sliding_window < 1
-    ):
-        raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 1")
-    if (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, (int, float))
-        or not math.isfinite(softcap)
-        or softcap < 0
-    ):
-        raise ValueError(f"softcap={softcap!r} must be a finite float >= 0 (0 disables it)")
-    _check_head_vector("sinks", sinks, num_q_heads, device)
-    _check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, device)
-    k_scale = _check_scale("k_scale", k_scale, quantized, num_kv_heads, device)
-    v_scale = _check_scale("v_scale", v_scale, quantized, num_kv_heads, device)
-    if num_splits is not None and (
-        isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
-    ):
-        raise ValueError(f"num_splits={num_splits!r} must be None (heuristic) or an int >= 1")
+    return quantized
+
+
+def _prepare_out(out: object, q: torch.Tensor, head_size_v: int) -> torch.Tensor:
+    num_tokens, num_q_heads = q.shape[0], q.shape[1]
     if out is None:
-        out = torch.empty((num_tokens, num_q_heads, head_size_v), dtype=q.dtype, device=device)
-    elif (
+        return torch.empty((num_tokens, num_q_heads, head_size_v), dtype=q.dtype, device=q.device)
+    if (
         not isinstance(out, torch.Tensor)
         or tuple(out.shape) != (num_tokens, num_q_heads, head_size_v)
         or out.dtype != q.dtype
@@ -302,28 +202,128 @@ def paged_attention(
         raise ValueError(
             f"out must be {q.dtype} [{num_tokens}, {num_q_heads}, {head_size_v}], got {got}"
         )
-    else:
-        _check_same_device("out", out, device)
-    impl = _resolve_impl(impl, device)
-    if device.type == "cpu":
+    _check_same_device("out", out, q.device)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, head_size]
+    kv_cache: torch.Tensor,  # [B, H, N, C] layer view, any strides
+    layout: KVCacheLayout,
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32/int64 kernel block ids
+    seq_lens: torch.Tensor,  # [num_seqs] KV length of each sequence, new tokens included
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] cumulative query offsets
+    max_query_len: int,
+    *,
+    max_seq_len: int | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] float32
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [Hq] float32
+    k_scale: ScaleArg = None,
+    v_scale: ScaleArg = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,  # [T, Hq, head_size_v]
+    impl: str = "auto",
+    error_flag: torch.Tensor | None = None,  # [1] int32 on q's device
+    validate: bool | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Varlen paged attention for prefill, chunked prefill and decode in one batch.
+
+    Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s + 1]`` of ``q`` and KV
+    positions ``0 .. seq_lens[s] - 1``, position ``p`` stored in block ``block_table[s, p // N]`` at
+    row ``p % N`` of ``kv_cache`` (K in ``C[layout.k_range]``, V in ``C[layout.v_range]``). Query
+    ``i`` of a sequence sits at position ``seq_len - q_len + i``.
+
+    Semantics are those of :mod:`kv_kernels.testing` (the oracle's docstring), in short:
+
+    - ``causal``: a query sees keys at positions ``<=`` its own.
+    - ``sliding_window=w``: with ``causal`` a query sees the last ``w`` positions up to itself
+      (``pos - w < key``); without it, keys within ``w`` on both sides (``|pos - key| < w``).
+    - ``sinks``: per-q-head logits that join the softmax denominator only (no value).
+    - ``softcap > 0``: ``logit = softcap * tanh(logit / softcap)``, applied before ALiBi.
+    - ``alibi_slopes``: ``logit += slope * (key_pos - query_pos)``.
+    - fp8 caches (``kv_quant='fp8_per_tensor'``): ``k_scale`` / ``v_scale`` (float, 1-element or
+      per-kv-head ``[H]`` tensor), dequant ``stored * scale``.
+    - ``num_splits``: ``None`` lets the Triton kernel pick a KV split count (flash-decoding) for the
+      batch; an int fixes it, which makes every sequence's result bit-identical whatever else is in
+      the batch (batch invariance). The reference computes the exact softmax and ignores it.
+    - ``max_query_len`` must bound every sequence's query count (as in FlashAttention's varlen API);
+      ``max_seq_len`` (optional) only steers the split heuristic.
+
+    Bad metadata. With index tensors on the CPU (or ``validate=True``, or the environment variable
+    ``KV_KERNELS_VALIDATE=1``) every value is checked on the host first: ``q_len > seq_len``,
+    unallocated or out-of-range block ids, non-monotone offsets all raise ``ValueError``. On CUDA
+    that check would synchronize every step, so by default it is skipped; the Triton kernel still
+    never reads outside the cache or the block table (a bad id is redirected inside it), and when
+    ``error_flag`` (an int32 ``[1]`` tensor on the device, zeroed by the caller) is given, it adds
+    the number of bad reads (and of sequences with ``q_len > seq_len``) to it: check it when
+    convenient (e.g. once per step, after the output is used anyway) instead of syncing per call.
+
+    Returns ``out`` ``[T, Hq, head_size_v]`` in ``q.dtype`` and, with ``return_lse``, the float32
+    log-sum-exp ``[T, Hq]`` (natural log, sinks included). A row that sees no key gets zeros and
+    ``lse = -inf`` (or its sink). Rows past ``query_start_loc[-1]`` (CUDA-graph padding) are not
+    written. Unsupported: MLA layouts and per-token-head quantized caches (``ValueError``).
+    """
+    if torch.compiler.is_compiling():
+        # One opaque node for torch.compile; the op runs this function again, eagerly, and
+        # validates there (validation itself is not traceable).
+        if out is None:
+            out = q.new_empty((q.shape[0], q.shape[1], layout.head_size_v))
+        return paged_attention_op(
+            q, kv_cache, layout, block_table, seq_lens, query_start_loc, max_query_len,
+            max_seq_len=max_seq_len, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+            causal=causal, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
+            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
+            return_lse=return_lse, out=out, impl=impl, error_flag=error_flag,
+        )  # fmt: skip
+    _check_layout(layout)
+    quantized = _check_tensors(q, kv_cache, layout, block_table, seq_lens, query_start_loc)
+    device = q.device
+    num_tokens, num_q_heads, head_size = q.shape
+    block_size, head_size_v = layout.block_size, layout.head_size_v
+    max_query_len = _int_option("max_query_len", max_query_len, 0, "the longest query count")
+    max_seq_len = _int_option("max_seq_len", max_seq_len, 0, "None or the longest sequence", True)
+    sliding_window = _int_option("sliding_window", sliding_window, 1, "None or a window", True)
+    num_splits = _int_option("num_splits", num_splits, 1, "None (heuristic) or a split count", True)
+    if num_splits is not None and num_splits > _MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits} must be <= {_MAX_SPLITS}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r} must be a bool, got {type(flag).__name__}")
+    scale = 1.0 / math.sqrt(head_size) if scale is None else scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r} must be a finite float (default 1/sqrt(head_size))")
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        raise ValueError(f"softcap={softcap!r} must be a finite float >= 0 (0 disables it)")
+    _check_head_vector("sinks", sinks, num_q_heads, device)
+    _check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, device)
+    k_scale = _check_scale("k_scale", k_scale, quantized, layout.num_kv_heads, device)
+    v_scale = _check_scale("v_scale", v_scale, quantized, layout.num_kv_heads, device)
+    out = _prepare_out(out, q, head_size_v)
+    impl = resolve_impl(impl, device, op="paged_attention")
+    check_error_flag(error_flag, device, op="paged_attention")
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate={validate!r} must be None (auto), True or False")
+    if validate is None:
+        validate = device.type == "cpu" or host_validation_requested()
+    if validate:
         _check_values(block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout)
     common: dict[str, Any] = dict(
-        k_range=layout.k_range,
-        v_range=layout.v_range,
-        block_table=block_table,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        scale=float(scale),
-        causal=bool(causal),
-        sliding_window=sliding_window,
-        sinks=sinks,
-        softcap=float(softcap),
-        alibi_slopes=alibi_slopes,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        return_lse=bool(return_lse),
+        k_range=layout.k_range, v_range=layout.v_range, block_table=block_table,
+        seq_lens=seq_lens, query_start_loc=query_start_loc, scale=float(scale), causal=causal,
+        sliding_window=sliding_window, sinks=sinks, softcap=float(softcap),
+        alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
         out=out,
-    )
+    )  # fmt: skip
     if impl == "reference":
         from kv_kernels.paged_attention.reference import paged_attention_reference
 
@@ -336,14 +336,9 @@ def paged_attention(
     from kv_kernels.paged_attention.triton import paged_attention_triton
 
     return paged_attention_triton(
-        q,
-        kv_cache,
-        **common,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        block_size=block_size,
-        num_splits=num_splits,
-    )
+        q, kv_cache, **common, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        block_size=block_size, num_splits=num_splits, error_flag=error_flag,
+    )  # fmt: skip
 
 
 def _check_values(
@@ -374,6 +369,14 @@ def _check_values(
     lens = seq_lens.to(torch.int64)
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"seq_lens has a negative entry ({int(lens.min())})")
+    longer = (q_lens > lens).nonzero().flatten() if q_lens.numel() else q_lens
+    if longer.numel():
+        s = int(longer[0])
+        raise ValueError(
+            f"sequence {s} has query_len={int(q_lens[s])} > seq_lens[{s}]={int(lens[s])}: the query "
+            "tokens are the last query_len positions of the sequence, so seq_lens must count them "
+            "(seq_len = context + new tokens)"
+        )
     n = layout.block_size
     for s in range(lens.numel()):
         if int(q_lens[s]) == 0:
@@ -425,7 +428,7 @@ def merge_attn_states(
     device = out_a.device
     for name, t in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         _check_same_device(name, t, device)
-    impl = _resolve_impl(impl, device)
+    impl = resolve_impl(impl, device, op="merge_attn_states")
     if impl == "reference":
         from kv_kernels.paged_attention.reference import merge_attn_states_reference
 

@@ -50,7 +50,7 @@ def paged_attention_reference(
 
     Query ``i`` of a sequence with ``q_len`` new tokens and ``seq_len`` KV tokens sits at absolute
     position ``seq_len - q_len + i``; with ``causal`` it sees keys ``<= `` that position, with a
-    ``sliding_window`` of ``w`` keys ``> position - w``. Logits are ``scale * q.k`` (times the fp8 K
+    ``sliding_window`` of ``w`` keys ``> position - w`` (and, without ``causal``, ``< position + w``). Logits are ``scale * q.k`` (times the fp8 K
     scale), then ``softcap * tanh(x / softcap)``, then ``+ slope * (key_pos - query_pos)``. A row
     that sees no key gets a zero output and ``lse = -inf`` (or its sink logit).
     Rows past ``query_start_loc[-1]`` are left untouched.
@@ -100,6 +100,8 @@ def paged_attention_reference(
             visible &= k_pos <= q_pos
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
+            if not causal:
+                visible &= k_pos < q_pos + sliding_window  # a non-causal window bounds both sides
         logits = logits.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             sink = sinks.float()[:, None, None].expand(num_q_heads, q_len, 1)

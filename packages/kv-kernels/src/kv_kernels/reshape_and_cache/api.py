@@ -7,18 +7,14 @@ reference for CPU ones). Nothing falls back silently: an impl that cannot run ra
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode, to_torch_dtype
 
-# Registers the custom ops at import; the public functions route through them under torch.compile.
-from kv_kernels import _ops
+from kv_kernels import _op_calls
+from kv_kernels._common import check_error_flag, check_scale, resolve_impl, scale_tensor
 
 __all__ = ["reshape_and_cache"]
 
-IMPLS = ("auto", "reference", "triton")
 _FLOAT_INPUTS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -32,6 +28,7 @@ def reshape_and_cache(
     v_scale: float | torch.Tensor | None = None,
     *,
     impl: str = "auto",
+    error_flag: torch.Tensor | None = None,
 ) -> None:
     """Write the first ``T = slot_mapping.numel()`` tokens of ``key``/``value`` into ``kv_cache``.
 
@@ -46,6 +43,9 @@ def reshape_and_cache(
             ``x / scale``; a positive float, a 1-element (or 0-d) tensor, or a per-head ``[H]``
             float tensor on the cache's device. MLA takes ``k_scale`` only.
         impl: ``"auto"``, ``"reference"`` or ``"triton"``.
+        error_flag: optional int32 ``[1]`` tensor on the cache's device; the Triton kernel adds
+            the number of slots past the cache to it (they are never written), so a caller can
+            check a CUDA slot mapping without a sync per call.
 
     Per-token-head modes compute one float32 scale per token and head for K and one for V
     (``absmax / qmax``), write the quantized rows and store the scales inline in ``scale_range``.
@@ -59,12 +59,14 @@ def reshape_and_cache(
     if torch.compiler.is_compiling():
         # Inside torch.compile the registered custom op stands for the whole call (validation runs
         # when the op executes), so tracing sees one opaque, mutating node.
-        _ops.reshape_and_cache_op(
-            key, value, kv_cache, slot_mapping, layout, k_scale, v_scale, impl=impl
-        )
+        _op_calls.reshape_and_cache_op(
+            key, value, kv_cache, slot_mapping, layout, k_scale, v_scale, impl=impl,
+            error_flag=error_flag,
+        )  # fmt: skip
         return
     k_scale_t, v_scale_t = _validate(key, value, kv_cache, slot_mapping, layout, k_scale, v_scale)
     chosen = _resolve_impl(impl, kv_cache)
+    check_error_flag(error_flag, kv_cache.device, op="reshape_and_cache")
     if chosen == "reference":
         from kv_kernels.reshape_and_cache.reference import reshape_and_cache_reference
 
@@ -74,34 +76,22 @@ def reshape_and_cache(
     else:
         from kv_kernels.reshape_and_cache.triton import reshape_and_cache_triton
 
-        reshape_and_cache_triton(key, value, kv_cache, slot_mapping, layout, k_scale_t, v_scale_t)
-
-
-def _triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+        reshape_and_cache_triton(
+            key, value, kv_cache, slot_mapping, layout, k_scale_t, v_scale_t, error_flag
+        )
 
 
 def _resolve_impl(impl: str, kv_cache: torch.Tensor) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        impl = "triton" if kv_cache.is_cuda else "reference"
-    if impl == "reference":
-        return impl
-    if not kv_cache.is_cuda:
-        if not _triton_interpreting():
+    chosen = resolve_impl(impl, kv_cache.device, op="reshape_and_cache")
+    if chosen == "triton" and kv_cache.is_cuda and kv_cache.dtype == torch.float8_e4m3fn:
+        capability = torch.cuda.get_device_capability(kv_cache.device)
+        if capability < (8, 9):
             raise ValueError(
-                f"impl='triton' needs CUDA tensors (the cache is on {kv_cache.device}); use "
-                "impl='reference' on the CPU, or set TRITON_INTERPRET=1 before importing kv_kernels"
+                f"reshape_and_cache: the Triton cache write cannot store float8_e4m3fn on "
+                f"sm_{capability[0]}{capability[1]} (Triton has e4m3 from sm_89 on); use "
+                "impl='reference' or an fp8_e5m2 cache"
             )
-        return impl
-    capability = torch.cuda.get_device_capability(kv_cache.device)
-    if kv_cache.dtype == torch.float8_e4m3fn and capability < (8, 9):
-        raise ValueError(
-            f"the Triton cache write cannot store float8_e4m3fn on sm_{capability[0]}{capability[1]} "
-            "(Triton has e4m3 from sm_89 on); use impl='reference' or an fp8_e5m2 cache"
-        )
-    return impl
+    return chosen
 
 
 def _validate(
@@ -209,6 +199,10 @@ def _validate(
 def _check_tokens(
     name: str, t: torch.Tensor, num_tokens: int, heads: int, size: int, device: torch.device
 ) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor [T, {heads}, {size}], got {type(t).__name__}"
+        )
     if t.dim() != 3 or tuple(t.shape[1:]) != (heads, size):
         raise ValueError(
             f"{name} has shape {tuple(t.shape)}; expected [T', {heads}, {size}] for this layout"
@@ -228,27 +222,7 @@ def _check_scale(
     """A float32 tensor of 1 or ``heads`` elements on ``device``."""
     if scale is None:
         raise ValueError(
-            f"{name} is required for an fp8_per_tensor cache (the cache stores x / {name})"
+            f"{name} is required for an fp8_per_tensor cache (the cache stores x / {name}); pass "
+            f"a float, a 1-element tensor or a per-head [{heads}] tensor"
         )
-    if isinstance(scale, torch.Tensor):
-        if not scale.is_floating_point():
-            raise ValueError(f"{name} dtype {scale.dtype} must be floating point")
-        if scale.numel() not in (1, heads) or (
-            scale.numel() == heads and heads > 1 and scale.dim() != 1
-        ):
-            raise ValueError(
-                f"{name} has shape {tuple(scale.shape)}; pass a scalar, a 0-d or 1-element tensor, "
-                f"or a per-head [{heads}] tensor"
-            )
-        if scale.device != device:
-            raise ValueError(f"{name} is on {scale.device} but kv_cache is on {device}")
-        if scale.device.type == "cpu":
-            bad = ~(torch.isfinite(scale) & (scale > 0))
-            if bool(bad.any()):
-                raise ValueError(f"{name} must be finite and > 0, got {scale.tolist()}")
-        return scale.reshape(-1).to(torch.float32).contiguous()
-    value = float(scale)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value} must be finite and > 0")
-    # torch.full launches a fill kernel: no host-to-device copy, nothing to synchronize.
-    return torch.full((1,), value, dtype=torch.float32, device=device)
+    return scale_tensor(check_scale(name, scale, num_heads=heads, device=device), device)

@@ -143,9 +143,30 @@ def read_kv(
     write used; per-token-head modes read their inline scales. For tests and debugging: it makes
     a copy of every row it reads.
     """
+    if not isinstance(layout, KVCacheLayout):
+        raise TypeError(f"read_kv: layout must be a KVCacheLayout, got {type(layout).__name__}")
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"read_kv: kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    expected = (layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.content_size)
+    if tuple(kv_cache.shape) != expected:
+        raise ValueError(
+            f"read_kv: kv_cache has shape {tuple(kv_cache.shape)} but the layout's [B, H, N, C] "
+            f"layer view is {expected}; pass layer_view(storage, layout, layer)"
+        )
+    if isinstance(slots, torch.Tensor):
+        if slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
+            raise TypeError(f"read_kv: slots must be an integer tensor, got {slots.dtype}")
+    elif not all(isinstance(x, int) and not isinstance(x, bool) for x in slots):
+        raise TypeError("read_kv: slots must be ints (a non-int slot would be truncated silently)")
     slots = torch.as_tensor(slots, dtype=torch.int64, device=kv_cache.device).reshape(-1)
+    num_slots = layout.num_blocks * layout.block_size
     if slots.numel() and int(slots.min()) < 0:
         raise ValueError("read_kv: slots must be >= 0 (padding slots hold nothing to read)")
+    if slots.numel() and int(slots.max()) >= num_slots:
+        raise ValueError(
+            f"read_kv: slot {int(slots.max())} is past the cache's {num_slots} slots "
+            f"(num_blocks={layout.num_blocks} x block_size={layout.block_size})"
+        )
     if kv_cache.dtype != to_torch_dtype(layout.dtype):
         raise ValueError(
             f"read_kv: cache dtype {kv_cache.dtype} does not match layout dtype {layout.dtype}"

@@ -61,6 +61,7 @@ def _reshape_and_cache_kernel(
     cache_sc,
     k_scale_sh,  # 0: one scale for every head, 1: per head
     v_scale_sh,
+    err_ptr,  # int32 [1]: slots past the cache are counted here (CHECK)
     NUM_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -73,11 +74,15 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head0 = tl.program_id(1) * BLOCK_H
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     live = (slot >= 0) & (slot < num_slots)
+    if CHECK:
+        # a slot past the cache is never written; counted once per token (head chunk 0)
+        tl.atomic_add(err_ptr, 1, mask=(slot >= num_slots) & (tl.program_id(1) == 0))
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
 
@@ -176,6 +181,7 @@ def reshape_and_cache_triton(
     layout: KVCacheLayout,
     k_scale: torch.Tensor | None,  # float32, 1 or H elements, on the cache's device
     v_scale: torch.Tensor | None,
+    error_flag: torch.Tensor | None = None,  # int32 [1]
 ) -> None:
     """Launch the write; inputs are assumed validated by the api (one launch, no host sync)."""
     num_tokens = slot_mapping.numel()
@@ -210,6 +216,7 @@ def reshape_and_cache_triton(
         *kv_cache.stride(),
         0 if k_scale is None or k_scale.numel() == 1 else 1,
         0 if v_scale is None or v_scale.numel() == 1 else 1,
+        error_flag if error_flag is not None else slot_mapping,
         NUM_HEADS=num_heads,
         BLOCK_SIZE=block_size,
         HEAD_SIZE=layout.head_size,
@@ -222,5 +229,6 @@ def reshape_and_cache_triton(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
+        CHECK=error_flag is not None,
         num_warps=num_warps,
     )

@@ -10,43 +10,35 @@ token whose block-table column is out of range.
 
 from __future__ import annotations
 
-import os
-
 import torch
+from kv_spec import kernel_blocks_per_block
 
-# Registers the custom ops at import; the public functions route through them under torch.compile.
-from kv_kernels import _ops
+from kv_kernels import _op_calls
+from kv_kernels._common import resolve_impl
 
 __all__ = ["compute_slot_mapping", "expand_block_table"]
 
-IMPLS = ("auto", "reference", "triton")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _resolve_impl(impl: str, device: torch.device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    if impl == "triton" and device.type != "cuda" and not interpreting:
-        raise ValueError(
-            f"impl='triton' needs CUDA tensors (got {device}); use impl='reference' on the CPU, "
-            "or set TRITON_INTERPRET=1 before importing kv_kernels"
-        )
-    return impl
+def _resolve_impl(impl: str, device: torch.device, op: str) -> str:
+    return resolve_impl(impl, device, op=op)
+
+
+#: Entries of an expanded block table we agree to allocate (2 GiB of int64).
+_MAX_EXPANDED = 2**28
+#: Block sizes are token counts addressed with int32 positions inside the kernels.
+_MAX_BLOCK_SIZE = 2**31 - 1
 
 
 def _check_block_sizes(block_size: int, kernel_block_size: int) -> int:
+    """``k`` of kv-spec's manager -> kernel block rule, with the kernels' int32 bound."""
     for name, v in (("block_size", block_size), ("kernel_block_size", kernel_block_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name}={v!r} must be a positive int")
-    if block_size % kernel_block_size:
-        raise ValueError(
-            f"kernel_block_size={kernel_block_size} must divide block_size={block_size} "
-            "(a manager block is k whole kernel blocks); pick a kernel block size that divides it"
-        )
-    return block_size // kernel_block_size
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}={v!r} must be an int, got {type(v).__name__}")
+        if not 0 < v <= _MAX_BLOCK_SIZE:
+            raise ValueError(f"{name}={v} must be in [1, {_MAX_BLOCK_SIZE}] (tokens per block)")
+    return kernel_blocks_per_block(block_size, kernel_block_size)
 
 
 def _check_index(name: str, t: object, dims: int) -> torch.Tensor:
@@ -75,9 +67,17 @@ def expand_block_table(
     (padding) become ``k`` entries of ``-1``. Same dtype as the input (int32 overflow is checked
     on CPU tensors)."""
     if torch.compiler.is_compiling():
-        return _ops.expand_block_table_op(block_table, block_size, kernel_block_size, impl=impl)
+        return _op_calls.expand_block_table_op(
+            block_table, block_size, kernel_block_size, impl=impl
+        )
     k = _check_block_sizes(block_size, kernel_block_size)
     _check_index("block_table", block_table, 2)
+    if block_table.numel() * k > _MAX_EXPANDED:
+        raise ValueError(
+            f"expanding a {tuple(block_table.shape)} block table by k={k} (block_size={block_size} "
+            f"/ kernel_block_size={kernel_block_size}) gives {block_table.numel() * k} entries, "
+            f"over {_MAX_EXPANDED}; pick a kernel block size closer to the block size"
+        )
     if (
         block_table.device.type == "cpu"
         and block_table.dtype == torch.int32
@@ -88,7 +88,7 @@ def expand_block_table(
             raise ValueError(
                 f"expanding block id {top} by k={k} overflows int32; pass block_table.long()"
             )
-    chosen = _resolve_impl(impl, block_table.device)
+    chosen = _resolve_impl(impl, block_table.device, "expand_block_table")
     if chosen == "reference":
         from kv_kernels.slot_mapping.reference import expand_block_table_reference
 
@@ -123,7 +123,7 @@ def compute_slot_mapping(
     slot ``-1``.
     """
     if torch.compiler.is_compiling():
-        return _ops.compute_slot_mapping_op(
+        return _op_calls.compute_slot_mapping_op(
             block_table,
             positions,
             query_start_loc,
@@ -155,7 +155,7 @@ def compute_slot_mapping(
         raise ValueError(f"num_slots={num_slots!r} must be an int >= the {num_tokens} tokens")
     if device.type == "cpu":
         _check_values(block_table, positions, query_start_loc, block_size)
-    chosen = _resolve_impl(impl, device)
+    chosen = _resolve_impl(impl, device, "compute_slot_mapping")
     if chosen == "reference":
         from kv_kernels.slot_mapping.reference import compute_slot_mapping_reference
 

@@ -1,0 +1,173 @@
+"""The rules every op shares, each written once: which implementation runs, how the layout travels
+through a custom-op schema, and how a dequant scale is checked and shaped.
+
+Nothing here imports an op module, so every ``api.py`` and ``_ops.py`` can import it without a
+cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Iterable
+
+import torch
+from kv_spec import KVCacheLayout
+
+__all__ = [
+    "IMPLS",
+    "ScaleArg",
+    "check_error_flag",
+    "check_scale",
+    "host_validation_requested",
+    "layout_from_json",
+    "layout_json",
+    "resolve_impl",
+    "scale_tensor",
+    "triton_interpreting",
+]
+
+#: The implementations every op accepts: ``auto`` is Triton for CUDA tensors, the reference on the CPU.
+IMPLS = ("auto", "reference", "triton")
+
+ScaleArg = float | torch.Tensor | None
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET`` truthy, as Triton reads
+    it): then ``impl="triton"`` also runs on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def host_validation_requested() -> bool:
+    """Debug mode: ``KV_KERNELS_VALIDATE=1`` makes every op check index values on the host even
+    for CUDA tensors (one device sync per call; never inside CUDA-graph capture)."""
+    return os.environ.get("KV_KERNELS_VALIDATE", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def resolve_impl(
+    impl: object, device: torch.device, *, op: str, others: Iterable[torch.Tensor] = ()
+) -> str:
+    """The one implementation resolver: ``"reference"`` or ``"triton"`` for tensors on ``device``.
+
+    ``others`` are tensors a Triton kernel would address besides ``device``'s (block-copy buffers):
+    on CUDA each must be on ``device`` or in pinned host memory; under the interpreter on the CPU.
+    Raises ``ValueError`` naming the op, the value and the valid values; never falls back.
+    """
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(
+            f"{op}: impl={impl!r} is not a valid implementation; pick one of {list(IMPLS)} "
+            "('auto' runs Triton for CUDA tensors and the torch reference on the CPU)"
+        )
+    if impl == "auto":
+        impl = "triton" if device.type == "cuda" else "reference"
+    if impl == "reference":
+        return impl
+    if device.type == "cuda":
+        for t in others:
+            if t.device == device or (t.device.type == "cpu" and t.is_pinned()):
+                continue
+            kind = "pageable CPU" if t.device.type == "cpu" else str(t.device)
+            raise ValueError(
+                f"{op}: impl='triton' addresses every tensor from the kernel, so they must be on "
+                f"{device} or in pinned host memory (torch.empty(..., pin_memory=True)); got a {kind} "
+                "tensor: pin it or use impl='reference'"
+            )
+        return impl
+    if not triton_interpreting():
+        raise ValueError(
+            f"{op}: impl='triton' needs CUDA tensors (got {device.type}); use impl='reference' on "
+            "the CPU, or set TRITON_INTERPRET=1 before the first import of kv_kernels"
+        )
+    for t in others:
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"{op}: under the Triton interpreter every tensor must be on the CPU, got {t.device}"
+            )
+    return impl
+
+
+def check_error_flag(flag: object, device: torch.device, *, op: str) -> torch.Tensor | None:
+    """The optional device-side error counter every kernel op takes: an int32 tensor of one
+    element on ``device`` (the caller zeroes it, the kernels add to it, the caller reads it when a
+    sync is cheap: a nonzero value means some index was out of range and was skipped)."""
+    if flag is None:
+        return None
+    if not isinstance(flag, torch.Tensor) or flag.dtype != torch.int32 or flag.numel() != 1:
+        got = f"{flag.dtype} {tuple(flag.shape)}" if isinstance(flag, torch.Tensor) else type(flag)
+        raise ValueError(
+            f"{op}: error_flag must be an int32 tensor of one element, e.g. "
+            f"torch.zeros(1, dtype=torch.int32, device={str(device)!r}); got {got}"
+        )
+    if flag.device != device:
+        raise ValueError(f"{op}: error_flag is on {flag.device}; put it on {device}")
+    return flag
+
+
+# ---- the layout in custom-op schemas ---------------------------------------------------------------
+
+
+def layout_json(layout: KVCacheLayout) -> str:
+    """The layout as the JSON string the custom-op schemas carry (``layout_from_json`` reads it).
+
+    Written with an f-string over the fields rather than ``layout.to_json()``: under torch.compile
+    dynamo folds attribute reads and string formatting of constants into one constant string,
+    while it cannot trace ``json.dumps``. Every field is an int, a bool or a plain identifier, so no
+    escaping is needed; ``KVCacheLayout.from_json`` accepts it (a test checks the round trip and
+    that it equals ``to_json()`` as a value).
+    """
+    return (
+        f'{{"order":"{layout.order.value}","num_layers":{layout.num_layers},'
+        f'"num_blocks":{layout.num_blocks},"num_kv_heads":{layout.num_kv_heads},'
+        f'"block_size":{layout.block_size},"head_size":{layout.head_size},'
+        f'"head_size_v":{layout.head_size_v},"dtype":"{layout.dtype}",'
+        f'"kv_quant":"{layout.kv_quant.value}","is_mla":{"true" if layout.is_mla else "false"},'
+        f'"page_size_bytes":{layout.page_size_bytes}}}'
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def layout_from_json(text: str) -> KVCacheLayout:
+    """Parse a schema's layout once per distinct JSON (layouts are frozen values)."""
+    return KVCacheLayout.from_json(text)
+
+
+# ---- dequant scales ---------------------------------------------------------------------------------
+
+
+def check_scale(
+    name: str, value: object, *, num_heads: int, device: torch.device
+) -> float | torch.Tensor:
+    """Check one fp8 dequant scale: a finite positive float, or a floating tensor of 1 element
+    (0-d or ``[1]``) or ``[num_heads]`` (per kv head) on ``device``.
+
+    Returns the float, or the tensor as float32 ``[1]`` / ``[num_heads]``. Tensor values are
+    checked when the tensor is on the CPU (on CUDA that would synchronize).
+    """
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got dtype {value.dtype}")
+        if value.dim() > 1 or value.numel() not in (1, num_heads):
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}; pass a float, a 1-element tensor (per "
+                f"tensor) or a per-head [{num_heads}] tensor (one per kv head)"
+            )
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but the cache is on {device}; move it")
+        if value.device.type == "cpu" and not bool((torch.isfinite(value) & (value > 0)).all()):
+            raise ValueError(f"{name} must be finite and > 0, got {value.tolist()}")
+        return value.reshape(-1).to(torch.float32).contiguous()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value} must be finite and > 0 (the dequant multiplier)")
+    return float(value)
+
+
+def scale_tensor(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A checked scale as a float32 tensor on ``device`` (``torch.full``: a fill kernel, no
+    host-to-device copy and nothing to synchronize)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)

@@ -1,0 +1,518 @@
+"""The ``@triton.jit`` bodies of paged attention; launchers live in :mod:`.triton`, tile shapes in
+:mod:`._tiles`, ahead-of-time specs in :mod:`._aot`.
+
+Work split. A program owns one tile of a sequence's query tokens and one kv head, and computes all
+``G = Hq / H`` query heads of that kv head together: its ``BLOCK_M`` rows are ``BLOCK_Q`` tokens x
+``G`` heads (row ``m`` is token ``m // G``, head ``m % G``), so a decode step of a GQA model still
+feeds the tensor cores a 16-row tile and every K/V byte is read once per kv head, not once per
+q head. The program walks the sequence's KV in ``TILE_N``-token tiles read through the block
+table (64-bit offsets: ``block_id * stride_B`` easily passes 2^31 elements on a large cache), with
+an online softmax in base 2. Tiles entirely outside the causal / sliding-window range are never
+visited; tiles entirely inside it run without the mask arithmetic.
+
+Bounds. Whatever the metadata says, no load leaves the cache or the block table: a block-table
+column past ``max_blocks`` or a block id outside ``[0, num_blocks)`` is redirected inside the cache
+(a zero page in boundary tiles, block 0 in the unmasked middle, whose loads stay unmasked and
+vectorized), so the rows that touch it are wrong but nothing faults; the program adds the number of
+such reads (and of sequences with ``q_len > seq_len``) to the int32 ``err_ptr[0]`` when ``CHECK``
+is on, so a caller can test one flag instead of syncing every step.
+
+Split KV (flash-decoding). With ``num_splits = S > 1`` the third grid axis cuts each program's KV
+tile range into ``S`` contiguous chunks; each writes a normalized partial output and its LSE, and
+:func:`_merge_splits_kernel` merges them by log-sum-exp in a fixed order. The chunk bounds depend
+only on the sequence and ``S``, so a fixed ``num_splits`` gives bit-identical results regardless of
+the batch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["merge_splits_kernel", "merge_two_kernel", "paged_attention_kernel"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp: portable across Triton versions and the interpreter; saturates to +-1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest ``s`` with ``qsl[s] // BLOCK_Q + s <= pid``: the sequence whose q tiles hold ``pid``.
+
+    ``qsl[s] // BLOCK_Q + s`` bounds the number of tiles of sequences ``< s`` from above (each
+    sequence gets ``ceil(q_len / BLOCK_Q)`` tiles, at most one more than its share of the floor),
+    so the grid ``T // BLOCK_Q + num_seqs`` covers every tile without a host sync.
+    """
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        go_right = start <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _page_offsets(
+    t,
+    seq_len,
+    bt_row_ptr,
+    stride_btb,
+    max_blocks,
+    num_blocks,
+    stride_kb,
+    stride_kn,
+    err_ptr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CHECK: tl.constexpr,
+):
+    """Token offsets ``[TILE_N]`` (int64) of KV tile ``t`` and whether each token's page is valid.
+
+    An invalid page (column past the table, id outside ``[0, num_blocks)``) is redirected to block
+    0 and its tokens flagged, so the caller's loads stay inside the cache; ``CHECK`` counts them.
+    """
+    kpos = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] absolute kv positions
+    if BLOCK_SIZE % TILE_N == 0:
+        # The tile lies inside one page: one block id, consecutive rows.
+        col = (t * TILE_N) // BLOCK_SIZE
+        blk = tl.load(bt_row_ptr + col * stride_btb, mask=col < max_blocks, other=-1).to(tl.int64)
+        ok = (blk >= 0) & (blk < num_blocks)
+        if CHECK:
+            tl.atomic_add(err_ptr, 1, mask=~ok)
+        blk = tl.where(ok, blk, 0)
+        row = ((t * TILE_N) % BLOCK_SIZE + tl.arange(0, TILE_N)).to(tl.int64)
+        # broadcast through int32: the interpreter mistypes scalar-bool & vector-bool
+        tok_ok = (tl.zeros([TILE_N], dtype=tl.int32) + ok.to(tl.int32)) != 0
+        return blk * stride_kb + row * stride_kn, tok_ok
+    # The tile spans several pages: one block id per token (cached loads of the same ids).
+    col = kpos // BLOCK_SIZE
+    live = col < max_blocks
+    if MASKED:
+        live = live & (kpos < seq_len)
+    blk = tl.load(bt_row_ptr + col * stride_btb, mask=live, other=0).to(tl.int64)
+    ok = (blk >= 0) & (blk < num_blocks) & (col < max_blocks)
+    if CHECK:
+        in_seq = kpos < seq_len
+        nbad = tl.sum((in_seq & ~ok).to(tl.int32), 0)
+        tl.atomic_add(err_ptr, nbad, mask=nbad > 0)
+    blk = tl.where(ok, blk, 0)
+    return blk * stride_kb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_kn, ok
+
+
+@triton.jit
+def _attend_tiles(
+    acc,  # [M, DV_PAD] f32
+    l_i,  # [M] f32
+    m_i,  # [M] f32 (log2 units)
+    q,  # [M, D_PAD]
+    t_begin,
+    t_end,  # KV tile range [t_begin, t_end)
+    bt_row_ptr,
+    stride_btb,
+    max_blocks,
+    num_blocks,
+    kv_head_ptr,
+    stride_kb,
+    stride_kn,
+    stride_kc,
+    k_start,
+    v_start,
+    seq_len,
+    q_pos,  # [M]
+    slopes,  # [M]
+    qk_scale,
+    softcap,
+    window,
+    err_ptr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    FOLD_LOG2: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    CHECK: tl.constexpr,
+):
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    dv_ok = offs_dv < HEAD_SIZE_V
+    k_cols = (k_start + offs_d) * stride_kc  # [D_PAD]
+    v_cols = (v_start + offs_dv) * stride_kc  # [DV_PAD]
+    for t in range(t_begin, t_end):
+        kpos = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
+        tok_off, tok_ok = _page_offsets(
+            t, seq_len, bt_row_ptr, stride_btb, max_blocks, num_blocks, stride_kb, stride_kn,
+            err_ptr, BLOCK_SIZE, TILE_N, MASKED, CHECK,
+        )  # fmt: skip
+        k_ptrs = kv_head_ptr + tok_off[:, None] + k_cols[None, :]  # [TILE_N, D_PAD]
+        v_ptrs = kv_head_ptr + tok_off[:, None] + v_cols[None, :]  # [TILE_N, DV_PAD]
+        if MASKED:
+            # boundary tiles: tokens past the sequence and on invalid pages read as zeros
+            in_seq = tok_ok & (kpos < seq_len)
+            k = tl.load(k_ptrs, mask=in_seq[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=in_seq[:, None] & dv_ok[None, :], other=0.0)
+        else:
+            # the hot path keeps its unmasked, vectorized loads: an invalid page was already
+            # redirected to block 0 (inside the cache) and counted by _page_offsets
+            if D_PAD == HEAD_SIZE:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            if DV_PAD == HEAD_SIZE_V:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+        # fp8 pages are upcast to the query dtype right after the load (their scale is folded
+        # into qk_scale / the output); for 16-bit caches this is a no-op.
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if DOT_IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [M, TILE_N] f32
+        s = s * qk_scale
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        if USE_ALIBI:
+            s = s + slopes[:, None] * (kpos[None, :] - q_pos[:, None]).to(tl.float32)
+        if not FOLD_LOG2:
+            s = s * 1.4426950408889634
+        if MASKED:
+            vis = kpos[None, :] < seq_len
+            if CAUSAL:
+                vis = vis & (kpos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                vis = vis & (kpos[None, :] > q_pos[:, None] - window)
+                if not CAUSAL:
+                    vis = vis & (kpos[None, :] < q_pos[:, None] + window)  # |p - k| < w
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen nothing yet keeps m = -inf; exp2 against 0 keeps it at zero
+            # weight instead of nan (and makes fully-masked tiles exact no-ops: alpha = 1, p = 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DOT_IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _tile_bounds(
+    ctx,
+    first_q,
+    last_q,
+    seq_len,
+    window,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
+    """KV tiles ``[t_lo, t_hi)`` seen by some row of a q tile and ``[tf_lo, tf_hi)`` seen by
+    every row (no mask needed there)."""
+    if CAUSAL:
+        hi = tl.minimum(seq_len, ctx + last_q + 1)
+        hi_full = tl.minimum(seq_len, ctx + first_q + 1)
+    elif USE_WINDOW:
+        hi = tl.minimum(seq_len, ctx + last_q + window)
+        hi_full = tl.minimum(seq_len, ctx + first_q + window)
+    else:
+        hi = seq_len
+        hi_full = seq_len
+    if USE_WINDOW:
+        lo = tl.maximum(ctx + first_q - window + 1, 0)
+        lo_full = tl.maximum(ctx + last_q - window + 1, 0)
+    else:
+        lo = seq_len * 0
+        lo_full = seq_len * 0
+    t_lo = lo // TILE_N
+    t_hi = tl.maximum(tl.cdiv(tl.maximum(hi, 0), TILE_N), t_lo)
+    tf_lo = tl.minimum(tl.maximum(tl.cdiv(lo_full, TILE_N), t_lo), t_hi)
+    tf_hi = tl.minimum(tl.maximum(tl.maximum(hi_full, 0) // TILE_N, tf_lo), t_hi)
+    return t_lo, t_hi, tf_lo, tf_hi
+
+
+@triton.jit
+def _add_sink(o, lse, sinks_ptr, head):
+    """Fold the per-head sink logit into the denominator: rescale ``o`` and grow ``lse``."""
+    sink = tl.load(sinks_ptr + head)
+    m = tl.maximum(lse, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    lse_tot = m + tl.log(tl.exp(lse - m) + tl.exp(sink - m))
+    return o * tl.exp(lse - lse_tot)[:, None], lse_tot
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, stride_qt, stride_qh, stride_qd,  # [T, Hq, D]
+    kv_ptr, stride_kb, stride_kh, stride_kn, stride_kc,  # [B, H, N, C] layer view
+    bt_ptr, stride_bts, stride_btb,  # [num_seqs, max_blocks]
+    seq_lens_ptr, qsl_ptr,  # [num_seqs], [num_seqs + 1]
+    sinks_ptr, alibi_ptr,  # [Hq] f32 each (dummies when unused)
+    k_scale_ptr, v_scale_ptr, stride_ks, stride_vs, k_scale_val, v_scale_val,
+    out_ptr, stride_ot, stride_oh, stride_od,  # [T, Hq, Dv]
+    lse_ptr, stride_lt, stride_lh,  # [T, Hq] f32
+    part_out_ptr, part_lse_ptr,  # [T, Hq, S, DV_PAD] / [T, Hq, S] f32, contiguous
+    err_ptr,  # [1] int32 error counter (CHECK)
+    num_seqs, num_q_heads, num_blocks, max_blocks,
+    k_start, v_start, scale, softcap, window,
+    q_len_min, q_len_max,  # this launch's query-length class
+    HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    SEQ_PER_PROGRAM: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, FOLD_LOG2: tl.constexpr,
+    KV_SCALE: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_IEEE: tl.constexpr, CHECK: tl.constexpr,
+):  # fmt: skip
+    pid_q = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    if SEQ_PER_PROGRAM:
+        seq = pid_q
+        q_tile = 0
+    else:
+        seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
+        q_tile = pid_q - (tl.load(qsl_ptr + seq).to(tl.int32) // BLOCK_Q + seq)
+    q_start = tl.load(qsl_ptr + seq).to(tl.int32)
+    q_len = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start
+    if (q_len < q_len_min) | (q_len > q_len_max) | (q_tile * BLOCK_Q >= q_len):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx = seq_len - q_len  # absolute position of this sequence's first query token
+    if CHECK:
+        # q_len > seq_len has no positions for its first rows: counted once per sequence.
+        first = (q_tile == 0) & (kvh == 0) & (split == 0)
+        tl.atomic_add(err_ptr, 1, mask=first & (ctx < 0))
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    r_tok = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP  # [M] q head of each row
+    q_local = q_tile * BLOCK_Q + r_tok
+    row_ok = (r_tok < BLOCK_Q) & (q_local < q_len)
+    q_pos = ctx + q_local  # [M]
+    tok = (q_start + q_local).to(tl.int64)  # [M] row of q / out
+    q_ptrs = (
+        q_ptr
+        + tok[:, None] * stride_qt
+        + head[:, None].to(tl.int64) * stride_qh
+        + offs_d[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_SIZE), other=0.0)
+
+    if KV_SCALE == 1:
+        k_deq = k_scale_val
+        v_deq = v_scale_val
+    elif KV_SCALE == 2:
+        k_deq = tl.load(k_scale_ptr + kvh * stride_ks)
+        v_deq = tl.load(v_scale_ptr + kvh * stride_vs)
+    else:
+        k_deq = 1.0
+        v_deq = 1.0
+    qk_scale = scale * k_deq
+    if FOLD_LOG2:
+        qk_scale = qk_scale * 1.4426950408889634
+    if USE_ALIBI:
+        slopes = tl.load(alibi_ptr + head)
+    else:
+        slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    first_q = q_tile * BLOCK_Q
+    last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
+    t_lo, t_hi, tf_lo, tf_hi = _tile_bounds(
+        ctx, first_q, last_q, seq_len, window, CAUSAL, USE_WINDOW, TILE_N
+    )
+    # This program's share of the tiles: chunk `split` of `num_splits` contiguous chunks.
+    per_split = tl.cdiv(t_hi - t_lo, num_splits)
+    s_lo = tl.minimum(t_lo + split * per_split, t_hi)
+    s_hi = tl.minimum(s_lo + per_split, t_hi)
+
+    acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    kv_head_ptr = kv_ptr + kvh.to(tl.int64) * stride_kh
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bts
+    # Three phases: the window's lower edge (masked), the fully visible middle (no mask), the
+    # causal diagonal / tail (masked).
+    for phase in tl.static_range(3):
+        if phase == 0:
+            p_lo = tl.maximum(t_lo, s_lo)
+            p_hi = tl.minimum(tf_lo, s_hi)
+        elif phase == 1:
+            p_lo = tl.maximum(tf_lo, s_lo)
+            p_hi = tl.minimum(tf_hi, s_hi)
+        else:
+            p_lo = tl.maximum(tf_hi, s_lo)
+            p_hi = tl.minimum(t_hi, s_hi)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, p_lo, p_hi,
+            bt_row_ptr, stride_btb, max_blocks, num_blocks,
+            kv_head_ptr, stride_kb, stride_kn, stride_kc, k_start, v_start,
+            seq_len, q_pos, slopes, qk_scale, softcap, window, err_ptr,
+            HEAD_SIZE, HEAD_SIZE_V, D_PAD, DV_PAD, BLOCK_SIZE, TILE_N,
+            phase != 1, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, FOLD_LOG2, DOT_IEEE, CHECK,
+        )  # fmt: skip
+
+    has = l_i > 0.0
+    l_div = tl.where(has, l_i, 1.0)
+    o = acc / l_div[:, None]  # rows that saw nothing have acc = 0
+    lse = tl.where(has, (m_i + tl.log2(l_div)) * 0.6931471805599453, float("-inf"))  # natural log
+    if KV_SCALE != 0:
+        o = o * v_deq
+    if SPLIT:
+        part = (tok * num_q_heads + head) * num_splits + split  # [M] int64
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * DV_PAD + offs_dv[None, :], o, mask=row_ok[:, None])
+    else:
+        if USE_SINKS:
+            o, lse = _add_sink(o, lse, sinks_ptr, head)
+        o_ptrs = (
+            out_ptr
+            + tok[:, None] * stride_ot
+            + head[:, None].to(tl.int64) * stride_oh
+            + offs_dv[None, :] * stride_od
+        )
+        tl.store(
+            o_ptrs,
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_SIZE_V),
+        )
+        if WRITE_LSE:
+            tl.store(lse_ptr + tok * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,  # [T, Hq, S, DV_PAD] / [T, Hq, S] f32, contiguous
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,  # [T, Hq, Dv]
+    lse_ptr,
+    stride_lt,
+    stride_lh,  # [T, Hq] f32
+    sinks_ptr,
+    qsl_ptr,
+    num_seqs,
+    num_q_heads,
+    num_splits,
+    HEAD_SIZE_V: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tok >= tl.load(qsl_ptr + num_seqs):
+        return  # CUDA-graph padding rows: nothing wrote their partials
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, DV_PAD)
+    s_ok = offs_s < num_splits
+    base = (tok * num_q_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))  # [S_PAD]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)  # [S_PAD]; empty splits (lse = -inf) weigh 0
+    tot = tl.sum(w, 0)
+    o = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * DV_PAD + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
+    o = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)  # [DV_PAD]
+    lse_tot = tl.where(tot > 0.0, m + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf"))
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        mm = tl.maximum(lse_tot, sink)
+        mm = tl.where(mm == float("-inf"), 0.0, mm)
+        with_sink = mm + tl.log(tl.exp(lse_tot - mm) + tl.exp(sink - mm))
+        o = o * tl.exp(lse_tot - with_sink)
+        lse_tot = with_sink
+    o_ptrs = out_ptr + tok * stride_ot + head.to(tl.int64) * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE_V)
+    if WRITE_LSE:
+        tl.store(lse_ptr + tok * stride_lt + head.to(tl.int64) * stride_lh, lse_tot)
+
+
+@triton.jit
+def merge_two_kernel(
+    a_ptr,
+    stride_at,
+    stride_ah,
+    stride_ad,
+    lse_a_ptr,
+    stride_lat,
+    stride_lah,
+    b_ptr,
+    stride_bt,
+    stride_bh,
+    stride_bd,
+    lse_b_ptr,
+    stride_lbt,
+    stride_lbh,
+    o_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    lse_o_ptr,  # out [T, Hq, Dv], lse [T, Hq] contiguous
+    num_q_heads,
+    HEAD_SIZE_V: tl.constexpr,
+    DV_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, DV_PAD)
+    d_ok = offs_d < HEAD_SIZE_V
+    la = tl.load(lse_a_ptr + tok * stride_lat + head * stride_lah)
+    lb = tl.load(lse_b_ptr + tok * stride_lbt + head * stride_lbh)
+    m = tl.maximum(la, lb)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - m)
+    wb = tl.exp(lb - m)
+    tot = wa + wb
+    inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
+    a = tl.load(
+        a_ptr + tok * stride_at + head * stride_ah + offs_d * stride_ad, mask=d_ok, other=0.0
+    ).to(tl.float32)
+    b = tl.load(
+        b_ptr + tok * stride_bt + head * stride_bh + offs_d * stride_bd, mask=d_ok, other=0.0
+    ).to(tl.float32)
+    o = a * (wa * inv) + b * (wb * inv)
+    tl.store(
+        o_ptr + tok * stride_ot + head * stride_oh + offs_d * stride_od,
+        o.to(o_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+    lse = tl.where(tot > 0.0, m + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf"))
+    tl.store(lse_o_ptr + tok * num_q_heads + head, lse)

@@ -1,0 +1,173 @@
+"""Tile shapes of the paged-attention kernel and the one builder of its compile-time constants,
+shared by the launchers (:mod:`.triton`) and the ahead-of-time specs (:mod:`._aot`), so CI
+compiles exactly what runs."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AttentionConfig",
+    "arch_and_sms",
+    "kernel_constexprs",
+    "pick_num_splits",
+    "pow2",
+    "select_config",
+]
+
+#: Shared memory we let one program's pipeline buffers take (bytes): the sm_90 / sm_80 limits
+#: (227 KiB / 163 KiB per block) less room for the Q tile, P and the compiler's scratch.
+_SMEM_BUDGET = {90: 160 * 1024, 80: 112 * 1024}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shapes of one launch class (``"decode"`` or ``"prefill"``)."""
+
+    block_m: int  # query rows per program: block_q tokens x group heads (padded to a power of 2)
+    block_q: int  # query tokens per program
+    tile_n: int  # KV tokens per inner step
+    num_warps: int
+    num_stages: int
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def select_config(
+    kind: str,
+    *,
+    head_size: int,
+    head_size_v: int,
+    group: int,
+    block_size: int,
+    elem_bytes: int = 2,
+    arch: int = 90,
+) -> AttentionConfig:
+    """Tile shapes for ``kind`` that fit the arch's shared memory.
+
+    A function of static properties only (head sizes, GQA group, kernel block size, dtype, arch),
+    never of the batch: that is what keeps a fixed ``num_splits`` batch-invariant.
+
+    Decode is bandwidth-bound: 16 rows (the smallest tensor-core tile; a decode step of a GQA
+    group of 4 fills 4 of them, speculative steps of up to 4 tokens fill all) and deep
+    pipelines of KV tiles. Prefill is compute-bound: 128 rows (64 past head size 128) so each
+    KV tile feeds two warpgroups' MMAs.
+    """
+    d_pad, dv_pad = pow2(head_size), pow2(head_size_v)
+    budget = _SMEM_BUDGET.get(arch, _SMEM_BUDGET[80])
+    row_bytes = (d_pad + dv_pad) * max(elem_bytes, 2)  # one KV token of K and V in shared memory
+    if kind == "decode":
+        block_m = max(16, pow2(group))
+        # H100, head 128, bf16: every tile_n in 32..128 and 2..4 stages read within 1% of each
+        # other (2.85-2.94 TB/s of a 3.0 TB/s copy): bandwidth comes from occupancy and splits.
+        tile_n = 64 if d_pad + dv_pad <= 256 else 32
+        num_warps = 4
+        num_stages = 4
+    elif kind == "prefill":
+        block_m = 128 if max(d_pad, dv_pad) <= 128 else 64
+        block_m = max(block_m, pow2(group))
+        tile_n = 64
+        # Measured on an H100 (4 x 4096 causal, head 128, block 16, tile_n 64): one warpgroup
+        # over the 128 rows with 3 stages gave 326 TFLOP/s; 8 warps gave 315 / 293 / 293 with
+        # 2 / 3 / 4 stages; 64 rows gave 287.
+        num_warps = 4
+        num_stages = 3
+    else:
+        raise ValueError(f"config kind={kind!r} must be 'decode' or 'prefill'")
+    if elem_bytes == 1:
+        # fp8 pages are upcast to 16 bits before the MMA: a second copy of each tile.
+        row_bytes += (d_pad + dv_pad) * 2
+    while num_stages > 2 and num_stages * tile_n * row_bytes > budget:
+        num_stages -= 1
+    while tile_n > 16 and num_stages * tile_n * row_bytes > budget:
+        tile_n //= 2
+    return AttentionConfig(block_m, block_m // group, tile_n, num_warps, num_stages)
+
+
+def pick_num_splits(
+    *, num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int
+) -> int:
+    """KV split count for a decode batch: enough programs for ~2 waves of the GPU, while each
+    split keeps at least 8 KV tiles (fewer and the merge and the prologue dominate)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    tiles = -(-max(max_seq_len, 1) // tile_n)
+    splits = 1
+    while splits < 64 and programs * splits < 2 * num_sms and tiles >= 16 * splits:
+        splits *= 2
+    return splits
+
+
+@functools.lru_cache(maxsize=16)
+def _device_info(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.major * 10 + props.minor, props.multi_processor_count
+
+
+def arch_and_sms(device: torch.device) -> tuple[int, int]:
+    """(arch for the tile tables, SM count) of ``device``; the interpreter pretends to be an H100
+    so its configs match the GPU's."""
+    if device.type != "cuda":
+        return 90, 132
+    arch, sms = _device_info(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    return (90 if arch >= 90 else 80), sms
+
+
+def kernel_constexprs(
+    cfg: AttentionConfig,
+    *,
+    kind: str,
+    head_size: int,
+    head_size_v: int,
+    block_size: int,
+    group: int,
+    causal: bool,
+    sliding_window: bool,
+    sinks: bool,
+    softcap: bool,
+    alibi: bool,
+    kv_scale_mode: int,
+    split: bool,
+    write_lse: bool,
+    dot_ieee: bool,
+    check: bool,
+) -> dict[str, Any]:
+    """Every ``tl.constexpr`` of :func:`~._kernels.paged_attention_kernel` for one launch.
+
+    ``kv_scale_mode``: 0 unquantized, 1 scales as scalar arguments, 2 scales read from tensors.
+    ``FOLD_LOG2`` folds the base-2 conversion into the q.k scale, which is exact only when nothing
+    (softcap, ALiBi) acts on the logits between the scale and the exponent.
+    """
+    if kind not in ("decode", "prefill"):
+        raise ValueError(f"kind={kind!r} must be 'decode' or 'prefill'")
+    return dict(
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_V=head_size_v,
+        D_PAD=pow2(head_size),
+        DV_PAD=pow2(head_size_v),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=cfg.block_q,
+        TILE_N=cfg.tile_n,
+        SEQ_PER_PROGRAM=kind == "decode",
+        CAUSAL=causal,
+        USE_WINDOW=sliding_window,
+        USE_SINKS=sinks,
+        USE_SOFTCAP=softcap,
+        USE_ALIBI=alibi,
+        FOLD_LOG2=not (softcap or alibi),
+        KV_SCALE=kv_scale_mode,
+        SPLIT=split,
+        WRITE_LSE=write_lse,
+        DOT_IEEE=dot_ieee,
+        CHECK=check,
+    )
