@@ -7,9 +7,11 @@ Stdlib only: the sources are read with ``ast`` (never imported), so this runs wi
 - ``kv_backends/registry.py``: ``BACKEND_CLASSES`` (name -> ``"module:Class"``) and
   ``BACKEND_PRIORITY`` (platform -> names in selection order);
 - every backend class named there, its ``NAME`` and its ``CAPABILITIES = BackendCapabilities(...)``
-  literal, following base classes (in any module under the package) when a class declares none;
-- the FlashAttention version rules (``FA_VERSIONS``, ``FA_PREFERRED``, ``FA_UPGRADES``,
-  ``FA_FALLBACK_ORDER``, ``FA_CONDITION_TEXT``) from whichever backend module defines them.
+  literal, following base classes (in any module under the package) when a class declares none,
+  including its ``version_rules`` (how a multi-version backend picks a version), rendered as a
+  section of their own.
+
+The tool names no backend: a new backend (or a new multi-version one) needs no change here.
 
 Anything it cannot parse (a capability that is not a literal, an unknown field, a class it cannot
 find) is an error naming the file, line and field: it never guesses.
@@ -37,7 +39,7 @@ DEFAULT_SRC = ROOT / "packages" / "kv-backends" / "src"
 DEFAULT_OUTPUT = ROOT / "docs" / "attention_backends.md"
 PACKAGE = "kv_backends"
 _REQUIRED = object()
-_FA_NAMES = ("FA_VERSIONS", "FA_PREFERRED", "FA_UPGRADES", "FA_FALLBACK_ORDER", "FA_CONDITION_TEXT")
+_NOT_IN_TABLE = ("notes", "version_rules")
 
 
 class DocsError(Exception):
@@ -129,15 +131,25 @@ def _capability_fields(src: Path) -> dict[str, Any]:
                     where = f"{path}:{stmt.lineno}: BackendCapabilities.{stmt.target.id} default"
                     if stmt.value is None:
                         fields[stmt.target.id] = _REQUIRED
-                    elif isinstance(stmt.value, ast.Name) and stmt.value.id in module_consts:
-                        # A default may name a module-level literal (e.g. the tuple of all orders).
-                        fields[stmt.target.id] = _literal(module_consts[stmt.value.id], where)
                     else:
-                        fields[stmt.target.id] = _literal(stmt.value, where)
+                        fields[stmt.target.id] = _default_value(stmt.value, module_consts, where)
             if not fields:
                 raise DocsError(f"{path}: BackendCapabilities declares no fields")
             return fields
     raise DocsError(f"{path}: no class BackendCapabilities")
+
+
+def _default_value(node: ast.expr, module_consts: dict[str, ast.expr], where: str) -> Any:
+    """A field default: a literal, a module-level literal's name (e.g. the tuple of all orders),
+    or ``field(default=<one of those>, ...)``."""
+    if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "field":
+        default = next((kw.value for kw in node.keywords if kw.arg == "default"), None)
+        if default is None:
+            raise DocsError(f"{where}: field(...) without default= cannot be read")
+        node = default
+    if isinstance(node, ast.Name) and node.id in module_consts:
+        return _literal(module_consts[node.id], where)
+    return _literal(node, where)
 
 
 def _module_path(src: Path, module: str) -> Path:
@@ -229,8 +241,8 @@ def _lookup_attr(classes: dict[str, list[_Class]], cls: _Class, attr: str) -> _C
     return None
 
 
-def read_backends(src: Path) -> tuple[list[Backend], dict[str, tuple[str, ...]], dict[str, Any]]:
-    """Backends (registry order), priority lists and FA rules read from the sources under ``src``."""
+def read_backends(src: Path) -> tuple[list[Backend], dict[str, tuple[str, ...]]]:
+    """Backends (registry order) and priority lists read from the sources under ``src``."""
     fields = _capability_fields(src)
     reg_path = src / PACKAGE / "registry.py"
     reg = _module_assigns(_parse(reg_path))
@@ -272,16 +284,7 @@ def read_backends(src: Path) -> tuple[list[Backend], dict[str, tuple[str, ...]],
             raise DocsError(
                 f"{reg_path}: BACKEND_PRIORITY[{plat!r}] names unknown backends {unknown}"
             )
-    fa: dict[str, Any] = {}
-    for path in sorted((src / PACKAGE).rglob("*.py")):
-        assigns = _module_assigns(_parse(path))
-        if "FA_VERSIONS" in assigns:
-            for n in _FA_NAMES:
-                if n not in assigns:
-                    raise DocsError(f"{path}: defines FA_VERSIONS but not {n}")
-                fa[n] = _literal(assigns[n], f"{path}: {n}")
-            break
-    return backends, {k: tuple(v) for k, v in priority.items()}, fa
+    return backends, {k: tuple(v) for k, v in priority.items()}
 
 
 # -- rendering --------------------------------------------------------------------------------
@@ -354,7 +357,6 @@ _ROW_FIELDS = {
     "kernel_block_sizes": ("kernel_block_sizes", "kernel_block_size_multiple_of"),
     "compute_capability": ("min_compute_capability", "max_compute_capability"),
 }
-_NOT_IN_TABLE = ("notes",)
 
 
 def _check_rows_cover(fields: list[str]) -> None:
@@ -372,9 +374,61 @@ def _check_rows_cover(fields: list[str]) -> None:
         )
 
 
+def _cell(key: str, val: Any) -> str:
+    if key.endswith("compute_capability"):
+        return _cc(val)
+    if isinstance(val, bool):
+        return "yes" if val else "no"
+    if val is None:
+        return "—"
+    return f"`{val}`" if key == "module" else str(val)
+
+
+def _render_version_rules(b: Backend) -> list[str]:
+    """The ``version_rules`` of one backend, rendered from the data alone."""
+    rules = b.capabilities["version_rules"]
+    where = f"{b.class_name}.CAPABILITIES.version_rules"
+    keys_needed = ("title", "label", "config_field", "versions", "preferred", "upgrades")
+    missing = [k for k in (*keys_needed, "conditions", "fallback_order") if k not in rules]
+    if missing:
+        raise DocsError(f"{where} lacks keys {missing}")
+    label = str(rules["label"])
+    versions = rules["versions"]
+    out = ["", f"## {rules['title']} (`{b.name}`)", ""]
+    keys: list[str] = []
+    for feats in versions.values():
+        keys += [k for k in feats if k not in keys]
+    out.append("| | " + " | ".join(label.format(v) for v in versions) + " |")
+    out.append("|---|" + "---|" * len(versions))
+    for k in keys:
+        cells = [_cell(k, feats.get(k)) for feats in versions.values()]
+        out.append(f"| {k.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    out += ["", "Preferred version by compute capability (first row the device meets):", ""]
+    out += [f"- major ≥ {major}: {label.format(v)}" for major, v in rules["preferred"]]
+    out += ["", "Upgrades of the preference:", ""]
+    for rule in rules["upgrades"]:
+        cond = rules["conditions"].get(rule["when"])
+        if cond is None:
+            raise DocsError(
+                f"{where}: upgrade names condition {rule['when']!r} that 'conditions' does not explain"
+            )
+        out.append(
+            f"- on compute capability {rule['on_major']}.x, {label.format(rule['from_version'])} → "
+            f"{label.format(rule['to_version'])} when {cond}"
+        )
+    order = " → ".join(label.format(v) for v in rules["fallback_order"])
+    out += [
+        "",
+        "When the preferred version is not installed or cannot serve the layer, the next version",
+        f"in the order {order} that is installed and can serve it is used, and the selection says",
+        f"so. `AttentionConfig.{rules['config_field']}` forces a version; it is validated like the rest.",
+    ]
+    return out
+
+
 def generate(src: Path = DEFAULT_SRC) -> str:
     """The whole markdown document."""
-    backends, priority, fa = read_backends(src)
+    backends, priority = read_backends(src)
     _check_rows_cover(list(_capability_fields(src)))
     out: list[str] = [
         "<!-- GENERATED FILE: do not edit. Written by tools/generate_backend_docs.py from the",
@@ -408,49 +462,9 @@ def generate(src: Path = DEFAULT_SRC) -> str:
     out.append("")
     for plat, names in priority.items():
         out.append(f"- **{plat}**: " + " → ".join(f"`{n}`" for n in names))
-    if fa:
-        out += ["", "## FlashAttention version rules", ""]
-        versions = fa["FA_VERSIONS"]
-        keys: list[str] = []
-        for rules in versions.values():
-            for k in rules:
-                if k not in keys:
-                    keys.append(k)
-        out.append("| | " + " | ".join(f"FA{v}" for v in versions) + " |")
-        out.append("|---|" + "---|" * len(versions))
-        for k in keys:
-            cells = []
-            for rules in versions.values():
-                val = rules.get(k)
-                if k.endswith("compute_capability"):
-                    cells.append(_cc(val))
-                elif isinstance(val, bool):
-                    cells.append("yes" if val else "no")
-                else:
-                    cells.append("—" if val is None else f"`{val}`" if k == "module" else str(val))
-            out.append(f"| {k.replace('_', ' ')} | " + " | ".join(cells) + " |")
-        out += ["", "Preferred version by compute capability (first row the device meets):", ""]
-        for major, v in fa["FA_PREFERRED"]:
-            out.append(f"- major ≥ {major}: FA{v}")
-        out += ["", "Upgrades of the preference:", ""]
-        text = fa["FA_CONDITION_TEXT"]
-        for rule in fa["FA_UPGRADES"]:
-            cond = text.get(rule["when"])
-            if cond is None:
-                raise DocsError(
-                    f"FA_UPGRADES names condition {rule['when']!r} that FA_CONDITION_TEXT does not explain"
-                )
-            out.append(
-                f"- on compute capability {rule['on_major']}.x, FA{rule['from_version']} → "
-                f"FA{rule['to_version']} when {cond}"
-            )
-        order = " → ".join(f"FA{v}" for v in fa["FA_FALLBACK_ORDER"])
-        out += [
-            "",
-            "When the preferred version is not installed or cannot serve the layer, the next version",
-            f"in the order {order} that is installed and can serve it is used, and the selection says",
-            "so. `AttentionConfig.flash_attn_version` forces a version; it is validated like the rest.",
-        ]
+    for b in backends:
+        if b.capabilities.get("version_rules"):
+            out += _render_version_rules(b)
     return "\n".join(out) + "\n"
 
 

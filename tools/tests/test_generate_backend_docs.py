@@ -102,7 +102,7 @@ def test_good_fixture_renders_table_priority_and_header(tmp_path: Path) -> None:
 
 
 def test_inheritance_is_followed_and_reported(tmp_path: Path) -> None:
-    backends, _, _ = gen.read_backends(_make_src(tmp_path))
+    backends, _ = gen.read_backends(_make_src(tmp_path))
     beta = next(b for b in backends if b.name == "BETA")
     assert beta.declared_in == "AlphaBackend"
     assert beta.capabilities["notes"] == "the alpha backend"
@@ -121,7 +121,7 @@ def test_own_capabilities_override_the_base(tmp_path: Path) -> None:
             dtypes=("float16",), kv_cache_dtypes=("float16",), head_sizes=(64, 128)
         )
     """
-    backends, _, _ = gen.read_backends(_make_src(tmp_path, beta=beta))
+    backends, _ = gen.read_backends(_make_src(tmp_path, beta=beta))
     b = next(b for b in backends if b.name == "BETA")
     assert b.capabilities["head_sizes"] == (64, 128)
     assert b.declared_in == "BetaBackend"
@@ -191,19 +191,48 @@ def test_parse_error_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "cannot parse" in capsys.readouterr().err
 
 
-def test_fa_rules_are_rendered(tmp_path: Path) -> None:
-    fa = """
-    FA_VERSIONS = {2: {"module": "flash_attn", "min_compute_capability": (8, 0), "sinks": False},
-                   4: {"module": "flash_attn.cute", "min_compute_capability": (9, 0), "sinks": True}}
-    FA_PREFERRED = ((10, 4), (0, 2))
-    FA_UPGRADES = ({"on_major": 9, "from_version": 2, "to_version": 4, "when": "big"},)
-    FA_FALLBACK_ORDER = (4, 2)
-    FA_CONDITION_TEXT = {"big": "the head is big"}
-    """
-    text = gen.generate(_make_src(tmp_path, extra={"fa.py": fa}))
-    assert "| module | `flash_attn` | `flash_attn.cute` |" in text
-    assert "- on compute capability 9.x, FA2 → FA4 when the head is big" in text
-    assert "FA4 → FA2" in text
+def test_version_rules_are_rendered_from_the_capabilities(tmp_path: Path) -> None:
+    rules = """version_rules={
+            "title": "Widget version rules",
+            "label": "W{}",
+            "config_field": "widget_version",
+            "versions": {2: {"module": "widget", "min_compute_capability": (8, 0), "sinks": False},
+                         4: {"module": "widget.cute", "min_compute_capability": (9, 0), "sinks": True}},
+            "preferred": ((10, 4), (0, 2)),
+            "upgrades": ({"on_major": 9, "from_version": 2, "to_version": 4, "when": "big"},),
+            "conditions": {"big": "the head is big"},
+            "fallback_order": (4, 2),
+        },
+        notes="the alpha backend","""
+    alpha = _ALPHA.replace('notes="the alpha backend",', rules)
+    text = gen.generate(_make_src(tmp_path, alpha=alpha))
+    assert "## Widget version rules (`ALPHA`)" in text
+    assert "## Widget version rules (`BETA`)" in text  # inherited with the literal
+    assert "| module | `widget` | `widget.cute` |" in text
+    assert "| sinks | no | yes |" in text
+    assert "- on compute capability 9.x, W2 → W4 when the head is big" in text
+    assert "in the order W4 → W2 that" in text
+    assert "`AttentionConfig.widget_version` forces a version" in text
+    # A condition without its text is a loud error.
+    bad = alpha.replace('"conditions": {"big": "the head is big"}', '"conditions": {}')
+    with pytest.raises(gen.DocsError, match="condition 'big'"):
+        gen.generate(_make_src(tmp_path / "bad", alpha=bad))
+
+
+def test_the_tool_names_no_backend() -> None:
+    """A new backend needs no change in the tool: no registry name appears in its source."""
+    import ast
+
+    registry = REPO / "packages" / "kv-backends" / "src" / "kv_backends" / "registry.py"
+    tree = ast.parse(registry.read_text())
+    names: list[str] = []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.AnnAssign) and ast.unparse(stmt.target) == "BACKEND_CLASSES":
+            names = list(ast.literal_eval(stmt.value))
+    assert names, "BACKEND_CLASSES not found"
+    tool = (TOOLS / "generate_backend_docs.py").read_text()
+    for name in [*names, "FA_VERSIONS", "flash_attn", "FlashAttention"]:
+        assert name not in tool, f"tools/generate_backend_docs.py mentions {name!r}"
 
 
 def test_checked_in_docs_are_current() -> None:

@@ -527,11 +527,61 @@ def test_common_metadata_is_validated() -> None:
         )
 
 
-def test_compiled_flex_raises_dynamo_recompile_limit_for_many_layer_kinds() -> None:
+def test_flex_dynamo_limits_are_scoped_to_our_calls() -> None:
     """Every Flex user shares flex_attention's Dynamo cache: 8 graphs (fp16 + bf16 x a hybrid
-    model's layer kinds) would make fullgraph=True a hard failure (seen on the GPU)."""
-    import torch
-    from kv_backends.backends.flex_attention import FLEX_RECOMPILE_LIMIT, _compiled_flex
+    model's layer kinds) would make fullgraph=True a hard failure (seen on the GPU). The limits
+    are raised while our compiled call runs and restored afterwards: no process-wide change."""
+    from kv_backends.backends.flex_attention import FLEX_RECOMPILE_LIMIT
+    from kv_backends.backends.flex_compile import compiled_flex, flex_dynamo_limits
 
-    _compiled_flex()
-    assert torch._dynamo.config.recompile_limit >= FLEX_RECOMPILE_LIMIT
+    cfg = torch._dynamo.config
+    before = (cfg.recompile_limit, cfg.accumulated_recompile_limit)
+    compiled_flex()  # building the compiled callable changes nothing either
+    assert (cfg.recompile_limit, cfg.accumulated_recompile_limit) == before
+    with flex_dynamo_limits():
+        assert cfg.recompile_limit >= FLEX_RECOMPILE_LIMIT
+        assert cfg.accumulated_recompile_limit >= 8 * FLEX_RECOMPILE_LIMIT
+    assert (cfg.recompile_limit, cfg.accumulated_recompile_limit) == before
+    # A process that already allows more keeps its own (higher) values untouched.
+    old = cfg.recompile_limit
+    cfg.recompile_limit = 10 * FLEX_RECOMPILE_LIMIT
+    try:
+        with flex_dynamo_limits():
+            assert cfg.recompile_limit == 10 * FLEX_RECOMPILE_LIMIT
+        assert cfg.recompile_limit == 10 * FLEX_RECOMPILE_LIMIT
+    finally:
+        cfg.recompile_limit = old
+    # Restored even when the call raises.
+    with pytest.raises(RuntimeError, match="boom"), flex_dynamo_limits():
+        raise RuntimeError("boom")
+    assert (cfg.recompile_limit, cfg.accumulated_recompile_limit) == before
+
+
+def test_layer_params_go_to_the_device_once() -> None:
+    """Sinks, slopes and scales are float32 tensors made once per device and reused every step
+    (no per-forward host->device copy: what CUDA-graph capture needs)."""
+    b = make_paged_batch(
+        query_lens=[1], seq_lens=[9], has_sinks=True, use_alibi=True, kv_cache_dtype="fp8_e4m3"
+    )
+    be = get_backend("TORCH_SDPA")
+    impl = be.make_impl(
+        b.config,
+        b.layout,
+        sinks=b.sinks.half(),
+        alibi_slopes=b.alibi_slopes,
+        k_scale=b.k_scale,
+        v_scale=b.v_scale,
+        device="cpu",
+    )
+    dev = torch.device("cpu")
+    p1 = impl.device_params(dev)
+    assert p1.sinks is not None and p1.sinks.dtype == torch.float32
+    assert p1.k_scale is not None and float(p1.k_scale) == b.k_scale
+    md = be.make_builder(b.config, b.layout).build(b.common)
+    impl.forward(None, b.q, b.kv_cache, md)
+    p2 = impl.device_params(dev)
+    assert p2 is p1 and p2.sinks is p1.sinks  # cached, not rebuilt per forward
+    # The layer's own (dynamic) scales still win over the impl's.
+    layer = type("L", (), {"k_scale": 2.0, "v_scale": torch.tensor(4.0)})()
+    k, v = impl.scales(layer, dev)
+    assert float(k) == 2.0 and float(v) == 4.0

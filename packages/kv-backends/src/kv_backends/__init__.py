@@ -14,11 +14,18 @@ from kv_backends.base import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
+    LayerParams,
     MetadataBuilder,
     kernel_block_view,
+    kernel_split_problem,
 )
 from kv_backends.capabilities import CUDAGRAPH_LEVELS, BackendCapabilities
-from kv_backends.config import AttentionConfig, Platform, configs_for_model
+from kv_backends.config import (
+    AttentionConfig,
+    Platform,
+    check_tensor_parallel,
+    configs_for_model,
+)
 from kv_backends.metadata import CommonAttentionMetadata
 from kv_backends.registry import BACKEND_CLASSES, BACKEND_PRIORITY, backend_names, get_backend
 from kv_backends.selector import (
@@ -42,16 +49,19 @@ __all__ = [
     "AttentionMetadata",
     "BackendCapabilities",
     "CommonAttentionMetadata",
+    "LayerParams",
     "MetadataBuilder",
     "NoBackendError",
     "Platform",
     "Rejection",
     "Selection",
     "backend_names",
+    "check_tensor_parallel",
     "configs_for_model",
     "describe_config",
     "get_backend",
     "kernel_block_view",
+    "kernel_split_problem",
     "prepare_kernel_block_sizes",
     "select_backend",
 ]

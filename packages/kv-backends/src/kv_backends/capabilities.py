@@ -13,12 +13,21 @@ Encodings chosen to stay literal-friendly:
   asks for multiples; either may be ``None`` (no constraint of that kind).
 - compute capability: ``(major, minor)`` tuples, inclusive bounds, ``None`` = unbounded.
 - CUDA-graph support: one of :data:`CUDAGRAPH_LEVELS` (weakest first).
+- version rules: a backend that wraps several versions of one library (FlashAttention 2/3/4)
+  declares how it picks one in ``version_rules``, a literal dict (see
+  :data:`VERSION_RULE_KEYS`), so the docs tool renders them without knowing the backend.
+
+The vocabularies (layout orders, quantization modes, dtype names) are kv-spec's: they are spelled
+out here as literals for the docs tool, and checked against ``kv_spec.LayoutOrder``,
+``kv_spec.KVQuantMode`` and ``kv_spec.DTYPE_BYTES`` at import time, so they cannot drift.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
+
+from kv_spec import DTYPE_BYTES, KVQuantMode, LayoutOrder
 
 __all__ = [
     "CUDAGRAPH_ALWAYS",
@@ -26,6 +35,7 @@ __all__ = [
     "CUDAGRAPH_NEVER",
     "CUDAGRAPH_UNIFORM_BATCH",
     "CUDAGRAPH_UNIFORM_SINGLE_TOKEN_DECODE",
+    "VERSION_RULE_KEYS",
     "BackendCapabilities",
 ]
 
@@ -47,6 +57,62 @@ CUDAGRAPH_LEVELS: Final[tuple[str, ...]] = (
 
 _LAYOUT_ORDERS: Final = ("LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC")
 _KV_QUANT_MODES: Final = ("none", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head")
+
+# The literals above exist for the docs tool (it reads this file with ast); kv-spec owns the
+# vocabulary. Fail at import, naming both, if they ever disagree.
+if tuple(o.value for o in LayoutOrder) != _LAYOUT_ORDERS:
+    raise ImportError(
+        f"kv_backends.capabilities._LAYOUT_ORDERS={_LAYOUT_ORDERS} != kv_spec.LayoutOrder "
+        f"{tuple(o.value for o in LayoutOrder)}; update the literal"
+    )
+if tuple(m.value for m in KVQuantMode) != _KV_QUANT_MODES:
+    raise ImportError(
+        f"kv_backends.capabilities._KV_QUANT_MODES={_KV_QUANT_MODES} != kv_spec.KVQuantMode "
+        f"{tuple(m.value for m in KVQuantMode)}; update the literal"
+    )
+
+#: Keys of ``BackendCapabilities.version_rules`` (all required):
+#:
+#: - ``title``: the docs section title; ``label``: how a version is named (``"FA{}"`` -> ``FA3``);
+#: - ``config_field``: the :class:`~kv_backends.AttentionConfig` field that forces a version;
+#: - ``versions``: version -> dict of what it supports (``module`` and ``package`` it comes from,
+#:   ``min_compute_capability`` / ``max_compute_capability``, and feature keys);
+#: - ``preferred``: ``((min cc major, version), ...)``, the first row the device meets wins;
+#: - ``upgrades``: ``({"on_major", "from_version", "to_version", "when"}, ...)``, named conditions
+#:   that move a preference;
+#: - ``conditions``: condition name -> what it means, in words;
+#: - ``fallback_order``: the order other versions are tried in.
+VERSION_RULE_KEYS: Final = (
+    "title",
+    "label",
+    "config_field",
+    "versions",
+    "preferred",
+    "upgrades",
+    "conditions",
+    "fallback_order",
+)
+
+
+def _check_version_rules(rules: dict[str, Any]) -> None:
+    missing = [k for k in VERSION_RULE_KEYS if k not in rules]
+    unknown = [k for k in rules if k not in VERSION_RULE_KEYS]
+    if missing or unknown:
+        raise ValueError(
+            f"version_rules: missing keys {missing}, unknown keys {unknown}; use {VERSION_RULE_KEYS}"
+        )
+    versions = rules["versions"]
+    named = [v for _, v in rules["preferred"]] + list(rules["fallback_order"])
+    for rule in rules["upgrades"]:
+        named += [rule["from_version"], rule["to_version"]]
+        if rule["when"] not in rules["conditions"]:
+            raise ValueError(
+                f"version_rules upgrade names condition {rule['when']!r} that 'conditions' does "
+                "not explain"
+            )
+    bad = sorted({v for v in named if v not in versions})
+    if bad:
+        raise ValueError(f"version_rules name versions {bad} that 'versions' does not declare")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +137,7 @@ class BackendCapabilities:
       on CUDA devices.
     - ``needs_gpu``: cannot run on the CPU at all.
     - ``notes``: one sentence for the docs table.
+    - ``version_rules``: how a multi-version backend picks a version (see the module docstring).
     """
 
     dtypes: tuple[str, ...]
@@ -96,6 +163,7 @@ class BackendCapabilities:
     max_compute_capability: tuple[int, int] | None = None
     needs_gpu: bool = False
     notes: str = ""
+    version_rules: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Catch typos in a declaration at import time, not when a user first selects the backend.
@@ -117,6 +185,14 @@ class BackendCapabilities:
             raise ValueError(
                 f"required_layout={self.required_layout!r} is not in supported_layouts={self.supported_layouts}"
             )
+        for name in ("dtypes", "kv_cache_dtypes"):
+            unknown = [d for d in getattr(self, name) if d not in DTYPE_BYTES]
+            if unknown:
+                raise ValueError(
+                    f"{name} has {unknown}, which are not kv-spec dtype names {list(DTYPE_BYTES)}"
+                )
+        if self.version_rules is not None:
+            _check_version_rules(self.version_rules)
         bad = [m for m in self.kv_quant_modes if m not in _KV_QUANT_MODES]
         if bad:
             raise ValueError(f"kv_quant_modes has unknown modes {bad}; use {_KV_QUANT_MODES}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,7 +21,31 @@ from kv_spec import (
     normalize_dtype,
 )
 
-__all__ = ["AttentionConfig", "Platform", "configs_for_model"]
+__all__ = ["AttentionConfig", "Platform", "check_tensor_parallel", "configs_for_model"]
+
+
+def _check_positive_int(name: str, value: object, *, extra: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"AttentionConfig.{name}={value!r} must be a positive int{extra}; "
+            f"got {type(value).__name__}"
+        )
+    if value <= 0:
+        raise ValueError(f"AttentionConfig.{name}={value} must be a positive int{extra}")
+
+
+def _check_softcap(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"AttentionConfig.softcap={value!r} must be a float >= 0 (0 = off); "
+            f"got {type(value).__name__}"
+        )
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"AttentionConfig.softcap={value!r} must be a finite float >= 0 (0 = off); "
+            "NaN or inf would turn every logit into NaN or leave it uncapped"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,14 +82,18 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_q_heads", "num_kv_heads", "head_size", "head_size_v", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"AttentionConfig.{name}={value!r} must be a positive int")
+            _check_positive_int(name, getattr(self, name))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"AttentionConfig.num_q_heads={self.num_q_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (GQA groups query heads per KV head)"
             )
+        for name in ("has_sinks", "use_alibi", "causal", "mla", "batch_invariant"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"AttentionConfig.{name}={value!r} must be a bool")
+        if not isinstance(self.kind, str):
+            raise TypeError(f"AttentionConfig.kind={self.kind!r} must be a str (e.g. 'full')")
         object.__setattr__(
             self, "dtype", normalize_dtype(self.dtype, field="AttentionConfig.dtype")
         )
@@ -78,19 +107,24 @@ class AttentionConfig:
         if self.kernel_block_size is None:
             object.__setattr__(self, "kernel_block_size", self.block_size)
         kbs = self.kernel_block_size
+        _check_positive_int("kernel_block_size", kbs)
         assert kbs is not None
-        if kbs <= 0 or self.block_size % kbs:
+        if self.block_size % kbs:
             raise ValueError(
                 f"AttentionConfig.kernel_block_size={kbs} must be a positive divisor of "
                 f"block_size={self.block_size}"
             )
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(
-                f"AttentionConfig.sliding_window={self.sliding_window} must be positive or None"
+        if self.sliding_window is not None:
+            _check_positive_int(
+                "sliding_window", self.sliding_window, extra=" or None (full attention)"
             )
-        if self.softcap < 0:
-            raise ValueError(f"AttentionConfig.softcap={self.softcap} must be >= 0 (0 = off)")
-        if self.flash_attn_version not in (None, 2, 3, 4):
+        object.__setattr__(self, "softcap", _check_softcap(self.softcap))
+        if isinstance(self.flash_attn_version, bool) or self.flash_attn_version not in (
+            None,
+            2,
+            3,
+            4,
+        ):
             raise ValueError(
                 f"AttentionConfig.flash_attn_version={self.flash_attn_version!r} must be 2, 3, 4 or None"
             )
@@ -170,13 +204,13 @@ def configs_for_model(
     """The distinct attention configs of a catalogue model, keyed by a readable name.
 
     Keys are ``"<kind> (layers a-b, ...)"``, e.g. ``"sliding_window (18 layers)"``; layers with
-    equal configs share one entry. Query heads are split over ``tensor_parallel_size`` ranks.
+    equal configs share one entry. Query heads are split over ``tensor_parallel_size`` ranks
+    (see :func:`check_tensor_parallel` for the sizes that are accepted).
     """
     m = get_model(model) if isinstance(model, str) else model
-    specs = m.kv_specs(
-        block_size=block_size, dtype=dtype, tensor_parallel_size=tensor_parallel_size
-    )
-    q_heads = max(1, m.num_q_heads // tensor_parallel_size)
+    tp = check_tensor_parallel(m, tensor_parallel_size)
+    specs = m.kv_specs(block_size=block_size, dtype=dtype, tensor_parallel_size=tp)
+    q_heads = m.num_q_heads // tp
     by_config: dict[AttentionConfig, list[int]] = {}
     for i, spec in enumerate(specs.values()):
         cfg = AttentionConfig.from_spec(
@@ -184,6 +218,46 @@ def configs_for_model(
         )
         by_config.setdefault(cfg, []).append(i)
     return {f"{cfg.kind} ({len(layers)} layers)": cfg for cfg, layers in by_config.items()}
+
+
+def check_tensor_parallel(model: ModelConfig, tensor_parallel_size: object) -> int:
+    """``tensor_parallel_size`` if ``model``'s heads split evenly over it, else ``ValueError``.
+
+    The rule (vLLM's): query heads must divide evenly (``num_q_heads % tp == 0``); KV heads are
+    split when ``tp <= num_kv_heads`` (``num_kv_heads % tp == 0``) and replicated when
+    ``tp > num_kv_heads`` (``tp % num_kv_heads == 0``, each rank keeps one head). MLA's single
+    latent is replicated on every rank. Nothing is floored or clamped.
+    """
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+        raise TypeError(
+            f"tensor_parallel_size={tensor_parallel_size!r} must be a positive int; "
+            f"got {type(tensor_parallel_size).__name__}"
+        )
+    tp = tensor_parallel_size
+    if tp <= 0:
+        raise ValueError(f"tensor_parallel_size={tp} must be a positive int")
+    if model.num_q_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide {model.name}'s {model.num_q_heads} query "
+            f"heads; use one of {_divisors(model.num_q_heads)}"
+        )
+    if model.mla:
+        return tp
+    kv_head_counts = {model.num_kv_heads}
+    if model.swa_num_kv_heads:
+        kv_head_counts.add(model.swa_num_kv_heads)
+    for heads in sorted(kv_head_counts):
+        if (tp <= heads and heads % tp) or (tp > heads and tp % heads):
+            raise ValueError(
+                f"tensor_parallel_size={tp} neither divides {model.name}'s {heads} KV heads nor is "
+                f"a multiple of them (to replicate one head per rank); use a divisor of {heads} or a "
+                f"multiple of {heads} that divides {model.num_q_heads}"
+            )
+    return tp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _default_probe(module: str) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,19 @@ class CommonAttentionMetadata:
 
     def __post_init__(self) -> None:
         qsl, sl, bt, sm = self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"CommonAttentionMetadata.{name} must be a torch.Tensor; got {type(t).__name__} "
+                    "(build batches from Python lists with CommonAttentionMetadata.from_lists)"
+                )
+        for name in ("max_query_len", "max_seq_len", "num_actual_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(
+                    f"CommonAttentionMetadata.{name}={v!r} must be a host int; got {type(v).__name__}"
+                )
         if qsl.dim() != 1 or qsl.numel() < 1:
             raise ValueError(
                 f"query_start_loc must be 1-D [num_reqs + 1]; got shape {tuple(qsl.shape)}"
@@ -114,6 +127,16 @@ class CommonAttentionMetadata:
         Slots of the new tokens follow ``block_table`` (kernel blocks of ``block_size`` tokens);
         ``pad_tokens_to`` appends ``-1`` slots (padding tokens every op must skip).
         """
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(
+                f"from_lists block_size={block_size!r} must be a positive int (tokens per kernel block)"
+            )
+        _check_lengths("query_lens", query_lens)
+        _check_lengths("seq_lens", seq_lens)
+        if pad_tokens_to is not None and (
+            isinstance(pad_tokens_to, bool) or not isinstance(pad_tokens_to, int)
+        ):
+            raise TypeError(f"pad_tokens_to={pad_tokens_to!r} must be an int or None")
         if len(query_lens) != len(seq_lens):
             raise ValueError(
                 f"query_lens has {len(query_lens)} entries and seq_lens {len(seq_lens)}; one per request"
@@ -121,9 +144,7 @@ class CommonAttentionMetadata:
         for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
             if not 0 <= q <= s:
                 raise ValueError(f"request {r}: query_len={q} must be in [0, seq_len={s}]")
-        bt = torch.as_tensor(block_table, dtype=torch.int32)
-        if bt.dim() != 2:
-            bt = bt.reshape(len(query_lens), -1)
+        bt = _block_table_tensor(block_table, len(query_lens))
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
@@ -134,6 +155,11 @@ class CommonAttentionMetadata:
                 raise ValueError(
                     f"request {r}: seq_len={s} needs {need} blocks of {block_size}; block_table "
                     f"has {bt.shape[1]} columns"
+                )
+            if need and int(bt[r, :need].min()) < 0:
+                raise ValueError(
+                    f"request {r}: block_table row {bt[r, :need].tolist()} has a negative block id "
+                    f"among the {need} blocks that seq_len={s} needs; block ids are >= 0"
                 )
             for pos in range(s - q, s):
                 slots.append(int(bt[r, pos // block_size]) * block_size + pos % block_size)
@@ -157,3 +183,53 @@ class CommonAttentionMetadata:
             query_start_loc_cpu=qsl_t,
             seq_lens_cpu=sl_t,
         )
+
+
+def _check_lengths(name: str, values: object) -> None:
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence | torch.Tensor):
+        raise TypeError(f"{name}={values!r} must be a sequence of ints (one per request)")
+    for r, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}[{r}]={v!r} must be an int")
+        if v < 0:
+            raise ValueError(f"{name}[{r}]={v} must be >= 0")
+
+
+def _block_table_tensor(block_table: object, num_reqs: int) -> torch.Tensor:
+    if isinstance(block_table, torch.Tensor):
+        if block_table.is_floating_point() or block_table.dtype == torch.bool:
+            raise TypeError(
+                f"block_table has dtype {block_table.dtype}; block ids must be integers"
+            )
+        bt = block_table.to(torch.int32)
+    else:
+        try:
+            bt = torch.as_tensor(block_table, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(
+                f"block_table must be a [num_reqs, max_blocks] list of int lists or an int "
+                f"tensor; got {block_table!r:.80}: {e}"
+            ) from e
+        # as_tensor truncates floats silently (1.7 -> 1): refuse anything that is not an int.
+        flat = list(_flatten(block_table))
+        bad = [v for v in flat if isinstance(v, bool) or not isinstance(v, int)]
+        if bad:
+            raise TypeError(f"block_table holds non-int entries {bad[:4]}; block ids are ints")
+        bt = bt.to(torch.int32)
+    if bt.dim() != 2:
+        if num_reqs == 0 or bt.numel() % max(num_reqs, 1):
+            raise ValueError(
+                f"block_table has shape {tuple(bt.shape)}; expected ({num_reqs}, max_blocks)"
+            )
+        bt = bt.reshape(num_reqs, -1)
+    return bt
+
+
+def _flatten(x: object) -> Iterator[object]:
+    if isinstance(x, Sequence) and not isinstance(x, str | bytes):
+        for v in x:
+            yield from _flatten(v)
+    else:
+        yield x

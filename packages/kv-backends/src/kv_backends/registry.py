@@ -38,6 +38,11 @@ def backend_names() -> tuple[str, ...]:
 
 def get_backend(name: str) -> type[AttentionBackend]:
     """The backend class called ``name`` (case-insensitive)."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"backend name {name!r} must be a str, one of {list(BACKEND_CLASSES)}; "
+            f"got {type(name).__name__}"
+        )
     key = name.upper()
     if key not in BACKEND_CLASSES:
         raise ValueError(f"unknown attention backend {name!r}; known: {list(BACKEND_CLASSES)}")

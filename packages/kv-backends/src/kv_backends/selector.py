@@ -131,9 +131,18 @@ def select_backend(
     the walk; if it cannot serve ``config`` this raises ``ValueError`` with its reasons (never a
     silent fallback). Raises :class:`NoBackendError` when no backend can serve ``config``.
     """
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(
+            f"select_backend config must be an AttentionConfig; got {type(config).__name__} "
+            "(build one with AttentionConfig.from_spec or configs_for_model)"
+        )
+    if platform is not None and not isinstance(platform, Platform):
+        raise TypeError(
+            f"select_backend platform must be a Platform or None; got {type(platform).__name__}"
+        )
     plat = platform if platform is not None else Platform.detect()
     if prefer is not None:
-        backend = get_backend(prefer) if isinstance(prefer, str) else prefer
+        backend = _as_backend(prefer)
         reasons = backend.validate(config, plat)
         if reasons:
             raise ValueError(
@@ -156,6 +165,17 @@ def select_backend(
 
 
 _Backendish = Selection | type[AttentionBackend] | str
+
+
+def _as_backend(prefer: object) -> type[AttentionBackend]:
+    if isinstance(prefer, str):
+        return get_backend(prefer)
+    if isinstance(prefer, type) and issubclass(prefer, AttentionBackend):
+        return prefer
+    raise TypeError(
+        f"prefer={prefer!r} must be a backend name (str) or an AttentionBackend subclass; "
+        f"known names: {list(BACKEND_PRIORITY['cuda'])}"
+    )
 
 
 def _block_size_of(group: object) -> int:

@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from kv_kernels import allocate_kv_cache, layer_view
-from kv_spec import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec, to_torch_dtype
+from kv_spec import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheLayout,
+    SlidingWindowSpec,
+    to_torch_dtype,
+)
 
 from kv_backends.config import AttentionConfig
 from kv_backends.metadata import CommonAttentionMetadata
 from kv_backends.registry import get_backend
 
-__all__ = ["PagedBatch", "make_paged_batch", "oracle_attention", "run_backend"]
+__all__ = [
+    "PagedBatch",
+    "lowprec_reference",
+    "make_paged_batch",
+    "oracle_attention",
+    "run_backend",
+]
 
 
 @dataclass
@@ -27,11 +40,63 @@ class PagedBatch:
     kv_cache: torch.Tensor  # [B, H, N, C] layer view of slot ``layer``
     common: CommonAttentionMetadata
     q: torch.Tensor  # [T_padded, Hq, D]
-    key: torch.Tensor  # [T_ctx, H, D] every context token, in (request, position) order
+    key: torch.Tensor  # [T_ctx, H, D] every context token as the cache holds it (dequantized)
     value: torch.Tensor  # [T_ctx, H, Dv]
     all_slots: torch.Tensor  # [T_ctx] int64 slots of key/value
     sinks: torch.Tensor | None
     alibi_slopes: torch.Tensor | None
+    k_scale: float | None = None  # fp8 per-tensor scales (the cache stores x / scale)
+    v_scale: float | None = None
+
+    def request_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per request, its context K ``[S_r, H, D]`` and V ``[S_r, H, Dv]`` (views)."""
+        ks, vs, ctx = [], [], 0
+        for s in self.common.host_seq_lens().tolist():
+            ks.append(self.key[ctx : ctx + s])
+            vs.append(self.value[ctx : ctx + s])
+            ctx += s
+        return ks, vs
+
+
+def _spec(
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    head_size_v: int,
+    cache_dtype: str,
+    kv_quant: str,
+    sliding_window: int | None,
+) -> AttentionSpec:
+    spec_kw: dict[str, Any] = dict(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        head_size_v=head_size_v,
+        dtype=cache_dtype,
+        kv_quant=kv_quant,
+    )
+    if sliding_window is not None:
+        return SlidingWindowSpec(sliding_window=sliding_window, **spec_kw)
+    return FullAttentionSpec(**spec_kw)
+
+
+def _block_rows(
+    seq_lens: Sequence[int], perm: Sequence[int], block_size: int, kbs: int
+) -> tuple[list[list[int]], list[int], int]:
+    """Kernel-block rows of each request (manager block b is kernel blocks b*k .. b*k + k-1,
+    rows padded with 0, which every backend must ignore) and the slot of every context token."""
+    k = block_size // kbs
+    max_blocks = max((-(-s // block_size) for s in seq_lens), default=0)
+    rows, slots, cursor = [], [], 0
+    for s in seq_lens:
+        mblocks = perm[cursor : cursor + -(-s // block_size)]
+        cursor += len(mblocks)
+        kblocks = [b * k + i for b in mblocks for i in range(k)]
+        kblocks += [0] * (max_blocks * k - len(kblocks))
+        rows.append(kblocks)
+        slots += [kblocks[p // kbs] * kbs + p % kbs for p in range(s)]
+    return rows, slots, max_blocks * k
 
 
 def make_paged_batch(
@@ -49,10 +114,16 @@ def make_paged_batch(
     layer: int = 0,
     order: str = "LBNHC",
     dtype: str = "float32",
+    kv_cache_dtype: str | None = None,
+    kv_quant: str | None = None,
+    k_scale: float = 0.5,
+    v_scale: float = 0.25,
     sliding_window: int | None = None,
+    causal: bool = True,
     has_sinks: bool = False,
     softcap: float = 0.0,
     use_alibi: bool = False,
+    batch_invariant: bool = False,
     pad_tokens: int = 0,
     device: str | torch.device = "cpu",
     seed: int = 0,
@@ -64,65 +135,59 @@ def make_paged_batch(
     context slot with random K/V (written straight into the layer view by torch indexing, so the
     fill does not depend on any backend). Kernel block ids go in the block table. ``blocks``
     gives the manager blocks to hand out, in order (default: a random permutation).
-    ``make_kv=False`` skips drawing K/V (benchmarks fill the cache on the device instead)."""
+    ``make_kv=False`` skips drawing K/V (benchmarks fill the cache on the device instead).
+
+    ``kv_cache_dtype`` (default ``dtype``) may be an fp8 dtype; then ``kv_quant`` defaults to
+    ``"fp8_per_tensor"``, the cache stores ``x / scale`` and ``key``/``value`` hold what a reader
+    gets back (``stored * scale``), so the oracle sees exactly the cache's values."""
     gen = torch.Generator().manual_seed(seed)
     hv = head_size_v if head_size_v is not None else head_size
-    spec_kw = dict(
+    cache_dtype = kv_cache_dtype or dtype
+    quant = kv_quant or ("fp8_per_tensor" if cache_dtype.startswith("fp8") else "none")
+    spec = _spec(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
         head_size_v=hv,
-        dtype=dtype,
-    )
-    spec = (
-        SlidingWindowSpec(sliding_window=sliding_window, **spec_kw)  # type: ignore[arg-type]
-        if sliding_window is not None
-        else FullAttentionSpec(**spec_kw)  # type: ignore[arg-type]
+        cache_dtype=cache_dtype,
+        kv_quant=quant,
+        sliding_window=sliding_window,
     )
     kbs = kernel_block_size or block_size
-    k = block_size // kbs
     need = sum(-(-s // block_size) for s in seq_lens)
     nb = num_blocks if num_blocks is not None else need + 3
     if nb < need:
         raise ValueError(f"num_blocks={nb} < {need} blocks the batch needs")
     layout = KVCacheLayout.from_spec(spec, num_blocks=nb, num_layers=num_layers, order=order)
-    config = AttentionConfig.from_spec(
-        spec,
-        num_q_heads=num_q_heads,
-        has_sinks=has_sinks,
-        softcap=softcap,
-        use_alibi=use_alibi,
-        layout_order=order,
-        kernel_block_size=kbs,
+    config = dataclasses.replace(
+        AttentionConfig.from_spec(
+            spec,
+            num_q_heads=num_q_heads,
+            dtype=dtype,
+            has_sinks=has_sinks,
+            softcap=softcap,
+            use_alibi=use_alibi,
+            layout_order=order,
+            kernel_block_size=kbs,
+            batch_invariant=batch_invariant,
+        ),
+        causal=causal,
     )
     storage = allocate_kv_cache(layout, device)
     kv_cache = layer_view(storage, layout, layer)
     tdt = to_torch_dtype(dtype)
     perm = list(blocks) if blocks is not None else torch.randperm(nb, generator=gen).tolist()
-    max_blocks = max((-(-s // block_size) for s in seq_lens), default=0)
-    rows, slots = [], []
-    cursor = 0
-    for s in seq_lens:
-        mblocks = perm[cursor : cursor + -(-s // block_size)]
-        cursor += len(mblocks)
-        # Manager block b is kernel blocks b*k .. b*k + k-1.
-        kblocks = [b * k + i for b in mblocks for i in range(k)]
-        kblocks += [0] * (max_blocks * k - len(kblocks))  # padding entries must be ignored
-        rows.append(kblocks)
-        slots += [kblocks[p // kbs] * kbs + p % kbs for p in range(s)]
+    rows, slots, width = _block_rows(seq_lens, perm, block_size, kbs)
     all_slots = torch.tensor(slots, dtype=torch.int64)
-    t_ctx = len(slots)
-    n_kv = t_ctx if make_kv else 0
+    n_kv = len(slots) if make_kv else 0
     key = torch.randn(n_kv, num_kv_heads, head_size, generator=gen).to(tdt)
     value = torch.randn(n_kv, num_kv_heads, hv, generator=gen).to(tdt)
-    if fill and n_kv:
-        blk, off = (all_slots // block_size).to(device), (all_slots % block_size).to(device)
-        kv_cache[blk, :, off, :head_size] = key.to(device)
-        kv_cache[blk, :, off, head_size : head_size + hv] = value.to(device)
+    scales = (k_scale, v_scale) if quant == "fp8_per_tensor" else (None, None)
+    key, value = _fill(kv_cache, all_slots, key, value, scales, block_size, fill=fill and n_kv > 0)
     common = CommonAttentionMetadata.from_lists(
         query_lens=query_lens,
         seq_lens=seq_lens,
-        block_table=torch.tensor(rows, dtype=torch.int32).reshape(len(seq_lens), max_blocks * k),
+        block_table=torch.tensor(rows, dtype=torch.int32).reshape(len(seq_lens), width),
         block_size=kbs,
         device=device,
         pad_tokens_to=sum(query_lens) + pad_tokens,
@@ -142,48 +207,105 @@ def make_paged_batch(
         all_slots=all_slots.to(device),
         sinks=None if sinks is None else sinks.to(device),
         alibi_slopes=None if slopes is None else slopes.to(device),
+        k_scale=scales[0],
+        v_scale=scales[1],
     )
 
 
+def _fill(
+    kv_cache: torch.Tensor,  # [B, H, N, C]
+    all_slots: torch.Tensor,  # [T_ctx] int64
+    key: torch.Tensor,  # [T_ctx, H, D]
+    value: torch.Tensor,  # [T_ctx, H, Dv]
+    scales: tuple[float | None, float | None],
+    block_size: int,
+    *,
+    fill: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write K/V into their slots (``x / scale`` cast to the cache dtype); return what the cache
+    now holds, read back as the compute dtype (``stored * scale``)."""
+    d = key.shape[-1]
+    k_st, v_st = key.float(), value.float()
+    if scales[0] is not None and scales[1] is not None:
+        k_st, v_st = k_st / scales[0], v_st / scales[1]
+    k_st, v_st = k_st.to(kv_cache.dtype), v_st.to(kv_cache.dtype)
+    if fill:
+        dev = kv_cache.device
+        blk, off = (all_slots // block_size).to(dev), (all_slots % block_size).to(dev)
+        kv_cache[blk, :, off, :d] = k_st.to(dev)
+        kv_cache[blk, :, off, d : d + value.shape[-1]] = v_st.to(dev)
+    k_back, v_back = k_st.float(), v_st.float()
+    if scales[0] is not None and scales[1] is not None:
+        k_back, v_back = k_back * scales[0], v_back * scales[1]
+    # float32 when the cache is narrower than the compute dtype: the oracle upcasts anyway.
+    out_dt = key.dtype if kv_cache.dtype == key.dtype else torch.float32
+    return k_back.to(out_dt), v_back.to(out_dt)
+
+
 def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tensor:
-    """float64 attention from ``b.key`` / ``b.value`` (the tokens as written), per request and
-    head with explicit masks: the obviously-correct answer every backend is held to."""
+    """float64 attention from ``b.key`` / ``b.value`` (the tokens as written): kv-kernels' one
+    oracle (:func:`kv_kernels.testing.attention_oracle`, docs/attention_semantics.md), fed the
+    dense per-request K/V so it cannot share a paging bug with any backend. ``[T, Hq, Dv]``."""
+    from kv_kernels.testing import attention_oracle
+
     cfg = b.config
-    scale = scale if scale is not None else cfg.head_size**-0.5
+    ks, vs = b.request_kv()
     qsl = b.common.host_query_start_loc().tolist()
-    seq_lens = b.common.host_seq_lens().tolist()
-    out = torch.zeros(b.q.shape[0], cfg.num_q_heads, cfg.head_size_v, dtype=torch.float64)
+    q_lens = [qsl[r + 1] - qsl[r] for r in range(len(ks))]
+    out, _ = attention_oracle(
+        b.q,
+        ks,
+        vs,
+        q_lens,
+        scale=scale if scale is not None else cfg.head_size**-0.5,
+        causal=cfg.causal,
+        sliding_window=cfg.sliding_window,
+        sinks=b.sinks,
+        softcap=cfg.softcap,
+        alibi_slopes=b.alibi_slopes,
+    )
+    return out
+
+
+def lowprec_reference(b: PagedBatch, *, scale: float | None = None) -> torch.Tensor:
+    """The same attention in plain torch at the batch's compute dtype (logits, softmax and P@V
+    rounded to it): ``err_lowprec`` of the flash-attention parity rule
+    (``err_backend <= rtol * err_lowprec + atol * max|oracle_row|``, kv-kernels'
+    ``check_close_to_oracle``). For bf16/fp16 on the GPU, where a kernel legitimately rounds P
+    to the input dtype. ``[T, Hq, Dv]`` on ``b.q``'s device, padding rows zero."""
+    cfg = b.config
+    dt = b.q.dtype
+    scale = scale if scale is not None else cfg.head_size**-0.5
+    ks, vs = b.request_kv()
+    qsl = b.common.host_query_start_loc().tolist()
+    out = torch.zeros(b.q.shape[0], cfg.num_q_heads, cfg.head_size_v, dtype=dt, device=b.q.device)
     group = cfg.num_q_heads // cfg.num_kv_heads
-    q = b.q.double().cpu()
-    sinks = None if b.sinks is None else b.sinks.double().cpu()
-    slopes = None if b.alibi_slopes is None else b.alibi_slopes.double().cpu()
-    ctx = 0
-    for r, s in enumerate(seq_lens):
-        k = b.key[ctx : ctx + s].double().cpu()  # [S, H, D]
-        v = b.value[ctx : ctx + s].double().cpu()  # [S, H, Dv]
-        ctx += s
-        for i in range(qsl[r], qsl[r + 1]):
-            pos = s - (qsl[r + 1] - qsl[r]) + (i - qsl[r])
-            for h in range(cfg.num_q_heads):
-                kv = h // group
-                logits = (k[:, kv] @ q[i, h]) * scale  # [S]
-                if cfg.softcap:
-                    logits = cfg.softcap * torch.tanh(logits / cfg.softcap)
-                kv_pos = torch.arange(s, dtype=torch.float64)
-                if slopes is not None:
-                    logits = logits + slopes[h] * (kv_pos - pos)
-                ok = torch.ones(s, dtype=torch.bool)
-                if cfg.causal:
-                    ok &= kv_pos <= pos
-                    if cfg.sliding_window is not None:
-                        ok &= kv_pos > pos - cfg.sliding_window
-                logits = logits.masked_fill(~ok, float("-inf"))
-                m = logits.max()
-                if sinks is not None:
-                    m = torch.maximum(m, sinks[h])
-                w = torch.exp(logits - m)
-                denom = w.sum() + (torch.exp(sinks[h] - m) if sinks is not None else 0.0)
-                out[i, h] = (w[:, None] * v[:, kv]).sum(0) / denom
+    for r, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        q0, q1, s = qsl[r], qsl[r + 1], k.shape[0]
+        if q1 == q0:
+            continue
+        q = b.q[q0:q1].transpose(0, 1)  # [Hq, L, D]
+        kk = k.to(dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, S, D]
+        vv = v.to(dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, S, Dv]
+        logits = (q @ kk.transpose(1, 2)) * scale  # [Hq, L, S] in dt
+        if cfg.softcap:
+            logits = cfg.softcap * torch.tanh(logits / cfg.softcap)
+        p = torch.arange(s - (q1 - q0), s, device=q.device)[:, None]  # [L, 1]
+        kpos = torch.arange(s, device=q.device)[None, :]  # [1, S]
+        if b.alibi_slopes is not None:
+            logits = logits + (b.alibi_slopes[:, None, None] * (kpos - p)).to(dt)
+        ok = torch.ones_like(kpos - p, dtype=torch.bool)
+        if cfg.causal:
+            ok &= kpos <= p
+        if cfg.sliding_window is not None:
+            ok &= (p - kpos).abs() < cfg.sliding_window
+        logits = logits.masked_fill(~ok, float("-inf"))
+        if b.sinks is not None:
+            sink = b.sinks.to(dt)[:, None, None].expand(-1, q1 - q0, 1)
+            probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :s]
+        else:
+            probs = torch.softmax(logits, -1)
+        out[q0:q1] = (probs.to(dt) @ vv).transpose(0, 1)
     return out
 
 
@@ -197,7 +319,13 @@ def run_backend(
     """Build metadata and an impl for ``b`` and return ``forward``'s output."""
     backend = get_backend(name)
     impl = backend.make_impl(
-        b.config, b.layout, sinks=b.sinks, alibi_slopes=b.alibi_slopes, **(impl_options or {})
+        b.config,
+        b.layout,
+        sinks=b.sinks,
+        alibi_slopes=b.alibi_slopes,
+        k_scale=b.k_scale,
+        v_scale=b.v_scale,
+        **(impl_options or {}),
     )
     builder = backend.make_builder(b.config, b.layout, device=b.q.device, **(builder_options or {}))
     md = builder.build(b.common)

@@ -67,7 +67,8 @@ def attend_one_request(
 
     ``q`` ``[L, Hq, D]`` holds the last ``L`` positions ``S-L .. S-1`` of a context of ``S`` tokens;
     ``k`` ``[H, S, D]``, ``v`` ``[H, S, Dv]`` (float32). Query head ``h`` reads KV head
-    ``h // (Hq // H)``. Rules: causal (``kv_pos <= q_pos``), window ``q_pos - kv_pos < window``,
+    ``h // (Hq // H)``. Rules (docs/attention_semantics.md): causal (``kv_pos <= q_pos``), window
+    ``|q_pos - kv_pos| < window`` (both sides on a non-causal layer),
     softcap ``c * tanh(s / c)`` on scaled logits, ALiBi ``+ slope[h] * (kv_pos - q_pos)``, and a
     sink adds ``exp(sink[h])`` to the softmax denominator. Returns ``[L, Hq, Dv]`` float32.
     """
@@ -79,8 +80,10 @@ def attend_one_request(
     allowed = torch.ones(num_q, s, dtype=torch.bool, device=q.device)  # [L, S]
     if causal:
         allowed &= kv_pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
-            allowed &= q_pos[:, None] - kv_pos[None, :] < sliding_window
+    if sliding_window is not None:
+        # docs/attention_semantics.md: the window counts the query itself (p - w < k); on a
+        # non-causal layer it bounds both sides (|p - k| < w); under causal the upper side is moot.
+        allowed &= (q_pos[:, None] - kv_pos[None, :]).abs() < sliding_window
     if sinks is None and softcap == 0.0:
         # The plain case goes through torch's SDPA (the backend's namesake); ALiBi rides in a float mask.
         mask: torch.Tensor = allowed

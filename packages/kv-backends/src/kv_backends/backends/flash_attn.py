@@ -1,9 +1,9 @@
 """FLASH_ATTN: FlashAttention 2 / 3 / 4 over the packed paged cache, with its version rules as data.
 
-Which version runs is decided by :func:`resolve_fa_version` from three literals the docs tool
-reads: ``FA_VERSIONS`` (what each version supports and which module provides it),
-``FA_PREFERRED`` (the version each compute capability prefers) and ``FA_UPGRADES`` (configs that
-move a preference to another version). When the preferred version is not installed, or cannot
+Which version runs is decided by :func:`resolve_fa_version` from the ``version_rules`` of the
+backend's ``CAPABILITIES`` literal (what the docs tool reads): ``FA_VERSIONS`` (what each version
+supports and which module provides it), ``FA_PREFERRED`` (the version each compute capability
+prefers) and ``FA_UPGRADES`` (configs that move a preference to another version) are views of it. When the preferred version is not installed, or cannot
 serve the config, the next version of ``FA_FALLBACK_ORDER`` that is installed and can is used, and
 the :class:`~kv_backends.Selection` says so. ``AttentionConfig.flash_attn_version`` forces one;
 it is validated like everything else (no silent replacement).
@@ -39,65 +39,6 @@ __all__ = [
     "FlashAttnMetadata",
     "resolve_fa_version",
 ]
-
-#: What each FlashAttention major version supports, and where it comes from.
-FA_VERSIONS: Final[dict[int, dict[str, Any]]] = {
-    2: {
-        "module": "flash_attn",
-        "package": "flash-attn",
-        "min_compute_capability": (8, 0),
-        "max_compute_capability": None,
-        "max_head_size": 256,
-        "head_size_v_diff": False,
-        "sinks": False,
-        "softcap": True,
-        "alibi": True,
-        "kernel_block_size_multiple_of": 256,
-    },
-    3: {
-        "module": "flash_attn_interface",
-        "package": "flash-attn-3 (built from source; no wheels)",
-        "min_compute_capability": (9, 0),
-        "max_compute_capability": (9, 0),
-        "max_head_size": 256,
-        "head_size_v_diff": True,
-        "sinks": False,
-        "softcap": True,
-        "alibi": False,
-        "kernel_block_size_multiple_of": 16,
-    },
-    4: {
-        "module": "flash_attn.cute",
-        "package": "flash-attn-4",
-        "min_compute_capability": (9, 0),
-        "max_compute_capability": (11, 9),
-        "max_head_size": 256,
-        "head_size_v_diff": True,
-        "sinks": True,
-        "softcap": True,
-        "alibi": False,
-        "kernel_block_size_multiple_of": 16,
-    },
-}
-
-#: ``(min compute capability major, version)``: the first row whose bound the device meets.
-FA_PREFERRED: Final[tuple[tuple[int, int], ...]] = ((10, 4), (9, 3), (0, 2))
-
-#: Configs that move a preference: on devices of major ``on_major``, ``from_version`` becomes
-#: ``to_version`` when ``when`` holds (conditions are named; see ``_CONDITIONS``).
-FA_UPGRADES: Final[tuple[dict[str, Any], ...]] = (
-    {"on_major": 9, "from_version": 3, "to_version": 4, "when": "sinks_with_head_size_v_diff"},
-    {"on_major": 9, "from_version": 3, "to_version": 4, "when": "head_size_over_256"},
-)
-
-#: After the preferred version, the order in which others are tried.
-FA_FALLBACK_ORDER: Final[tuple[int, ...]] = (4, 3, 2)
-
-#: What each named condition of ``FA_UPGRADES`` means (for people and the docs).
-FA_CONDITION_TEXT: Final[dict[str, str]] = {
-    "sinks_with_head_size_v_diff": "the layer has attention sinks and head_size_v != head_size",
-    "head_size_over_256": "head_size > 256",
-}
 
 _CONDITIONS: Final = {
     "sinks_with_head_size_v_diff": lambda c: c.has_sinks and c.head_size_v != c.head_size,
@@ -246,6 +187,17 @@ class FlashAttnImpl(AttentionImpl):
             )
         self.version = version
         self._fn: Any = None  # the version's entry point, imported on first use
+        self._sinks_bf16: dict[torch.device, torch.Tensor] = {}
+
+    def _fa4_sinks(self, device: torch.device) -> torch.Tensor | None:
+        # FA4 takes learnable sinks in bf16; cast once per device, not per step.
+        sinks = self.device_params(device).sinks
+        if sinks is None:
+            return None
+        cached = self._sinks_bf16.get(device)
+        if cached is None:
+            cached = self._sinks_bf16[device] = sinks.to(torch.bfloat16)
+        return cached
 
     def _func(self) -> Any:
         if self._fn is None:
@@ -281,7 +233,13 @@ class FlashAttnImpl(AttentionImpl):
         v0, v1 = klayout.v_range
         k = nhd[..., k0:k1]  # [B, N, H, D] strided view of the packed cache
         v = nhd[..., v0:v1]  # [B, N, H, Dv]
-        window = (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
+        # FA's (left, right) window: causal layers look back w - 1 keys; a non-causal window
+        # bounds both sides (|p - k| < w, docs/attention_semantics.md).
+        if self.sliding_window is None:
+            window = (-1, -1)
+        else:
+            w = self.sliding_window - 1
+            window = (w, 0) if self.causal else (w, w)
         fn = self._func()
         qa = q[:t]
         o: torch.Tensor
@@ -298,9 +256,7 @@ class FlashAttnImpl(AttentionImpl):
                 softmax_scale=self.scale,
                 causal=self.causal,
                 window_size=(None, None) if self.sliding_window is None else window,
-                learnable_sink=None
-                if self.sinks is None
-                else self.sinks.to(q.device, torch.bfloat16),
+                learnable_sink=self._fa4_sinks(q.device),
                 softcap=self.softcap,
             )
         elif self.version == 3:
@@ -330,9 +286,7 @@ class FlashAttnImpl(AttentionImpl):
                 causal=self.causal,
                 window_size=window,
                 softcap=self.softcap,
-                alibi_slopes=None
-                if self.alibi_slopes is None
-                else self.alibi_slopes.to(q.device, torch.float32),
+                alibi_slopes=self.device_params(q.device).alibi_slopes,
                 block_table=metadata.block_table,
             )
         if isinstance(o, tuple):  # some versions return (out, lse)
@@ -364,6 +318,66 @@ class FlashAttnBackend(AttentionBackend):
         min_compute_capability=(8, 0),
         needs_gpu=True,
         notes="flash-attn 2/3/4 (version rules below); sinks need FA4, ALiBi FA2; FA2 needs kernel blocks that are multiples of 256.",
+        version_rules={
+            "title": "FlashAttention version rules",
+            "label": "FA{}",
+            "config_field": "flash_attn_version",
+            "versions": {
+                2: {
+                    "module": "flash_attn",
+                    "package": "flash-attn",
+                    "min_compute_capability": (8, 0),
+                    "max_compute_capability": None,
+                    "max_head_size": 256,
+                    "head_size_v_diff": False,
+                    "sinks": False,
+                    "softcap": True,
+                    "alibi": True,
+                    "kernel_block_size_multiple_of": 256,
+                },
+                3: {
+                    "module": "flash_attn_interface",
+                    "package": "flash-attn-3 (built from source; no wheels)",
+                    "min_compute_capability": (9, 0),
+                    "max_compute_capability": (9, 0),
+                    "max_head_size": 256,
+                    "head_size_v_diff": True,
+                    "sinks": False,
+                    "softcap": True,
+                    "alibi": False,
+                    "kernel_block_size_multiple_of": 16,
+                },
+                4: {
+                    "module": "flash_attn.cute",
+                    "package": "flash-attn-4",
+                    "min_compute_capability": (9, 0),
+                    "max_compute_capability": (11, 9),
+                    "max_head_size": 256,
+                    "head_size_v_diff": True,
+                    "sinks": True,
+                    "softcap": True,
+                    "alibi": False,
+                    "kernel_block_size_multiple_of": 16,
+                },
+            },
+            # (min compute capability major, version): the first row whose bound the device meets.
+            "preferred": ((10, 4), (9, 3), (0, 2)),
+            # On devices of major on_major, from_version becomes to_version when `when` holds.
+            "upgrades": (
+                {
+                    "on_major": 9,
+                    "from_version": 3,
+                    "to_version": 4,
+                    "when": "sinks_with_head_size_v_diff",
+                },
+                {"on_major": 9, "from_version": 3, "to_version": 4, "when": "head_size_over_256"},
+            ),
+            "conditions": {
+                "sinks_with_head_size_v_diff": "the layer has attention sinks and head_size_v != head_size",
+                "head_size_over_256": "head_size > 256",
+            },
+            "fallback_order": (4, 3, 2),
+        },
     )
     builder_cls = FlashAttnMetadataBuilder
     impl_cls = FlashAttnImpl
@@ -392,3 +406,18 @@ class FlashAttnBackend(AttentionBackend):
             return False
         multiple: int = FA_VERSIONS[choice.version]["kernel_block_size_multiple_of"]
         return size % multiple == 0
+
+
+# The version rules live in the CAPABILITIES literal (one home; the docs tool reads it there).
+# These names are views of it, kept for callers and readability.
+_RULES: Final[dict[str, Any]] = FlashAttnBackend.CAPABILITIES.version_rules or {}
+#: What each FlashAttention major version supports, and where it comes from.
+FA_VERSIONS: Final[dict[int, dict[str, Any]]] = _RULES["versions"]
+#: ``(min compute capability major, version)``: the first row whose bound the device meets.
+FA_PREFERRED: Final[tuple[tuple[int, int], ...]] = _RULES["preferred"]
+#: Configs that move a preference (conditions are named; see ``FA_CONDITION_TEXT``).
+FA_UPGRADES: Final[tuple[dict[str, Any], ...]] = _RULES["upgrades"]
+#: After the preferred version, the order in which others are tried.
+FA_FALLBACK_ORDER: Final[tuple[int, ...]] = _RULES["fallback_order"]
+#: What each named condition of ``FA_UPGRADES`` means (for people and the docs).
+FA_CONDITION_TEXT: Final[dict[str, str]] = _RULES["conditions"]

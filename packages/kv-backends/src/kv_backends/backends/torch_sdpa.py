@@ -43,7 +43,8 @@ class TorchSDPAImpl(AttentionImpl):
         self.check_forward_inputs(q, kv_cache, metadata)
         result = self.empty_output(q, out)
         cache, klayout = self.kernel_cache(kv_cache)  # [B*k, H, kbs, C]
-        k_scale, v_scale = self.scales(layer)
+        params = self.device_params(q.device)
+        k_scale, v_scale = self.scales(layer, q.device)
         qsl = (
             metadata.query_start_loc_cpu
             if metadata.query_start_loc_cpu is not None
@@ -66,9 +67,9 @@ class TorchSDPAImpl(AttentionImpl):
                 scale=self.scale,
                 causal=self.causal,
                 sliding_window=self.sliding_window,
-                sinks=self.sinks,
+                sinks=params.sinks,
                 softcap=self.softcap,
-                alibi_slopes=self.alibi_slopes,
+                alibi_slopes=params.alibi_slopes,
             )
             result[q0:q1] = o.to(result.dtype)
         if q.shape[0] > metadata.num_actual_tokens:

@@ -61,8 +61,9 @@ class TritonImpl(AttentionImpl):
         self.check_forward_inputs(q, kv_cache, metadata)
         result = self.empty_output(q, out)
         cache, klayout = self.kernel_cache(kv_cache)
-        k_scale, v_scale = self.scales(layer)
-        dev = q.device
+        # float32 on q's device, made once per device (no copies on the step path or in capture).
+        params = self.device_params(q.device)
+        k_scale, v_scale = self.scales(layer, q.device)
         paged_attention(
             q,
             cache,
@@ -75,22 +76,16 @@ class TritonImpl(AttentionImpl):
             scale=self.scale,
             causal=self.causal,
             sliding_window=self.sliding_window,
-            sinks=None if self.sinks is None else self.sinks.to(device=dev, dtype=torch.float32),
+            sinks=params.sinks,
             softcap=self.softcap,
-            alibi_slopes=None
-            if self.alibi_slopes is None
-            else self.alibi_slopes.to(device=dev, dtype=torch.float32),
-            k_scale=_on(k_scale, dev),
-            v_scale=_on(v_scale, dev),
+            alibi_slopes=params.alibi_slopes,
+            k_scale=k_scale,
+            v_scale=v_scale,
             num_splits=self.num_splits,
             out=result,
             impl=self.impl,
         )
         return result
-
-
-def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
 
 
 class TritonBackend(AttentionBackend):
