@@ -201,7 +201,9 @@ def _planted_bugs_are_caught(impl: str, seq_len: int, device: str) -> None:
         assert _old_check_passes(bug, oracle)
         res = check_close_to_oracle(bug, oracle, lowprec_reference=low)
         assert not res.ok, res.message
-        assert res.err > 3 * res.bound
+        # Margin: ~10x at 9k keys; at 32k one page is 1/2000 of the row's weight and the margin
+        # shrinks (1.42x measured on an H200 with these seeds), still outside the bound.
+        assert res.err > (3 if seq_len <= 10_000 else 1.2) * res.bound, res.message
 
 
 def test_planted_bugs_fail_the_new_bound_reference_bf16() -> None:

@@ -244,12 +244,14 @@ def test_gpu_error_flag_without_sync() -> None:
     b = _batch(q_lens=[1, 1], seq_lens=[700, 64])
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     _run(b, "triton", error_flag=flag)  # compile outside the checked region
+    # The bad table is made before the checked region: writing a Python int into a CUDA tensor is
+    # itself a host->device copy that sync-debug mode reports.
+    bad = dict(b, block_table=b["block_table"].clone())
+    bad["block_table"][0, 3] = 2**30
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         _run(b, "triton", error_flag=flag)
-        bad = dict(b, block_table=b["block_table"].clone())
-        bad["block_table"][0, 3] = 2**30
         _run(bad, "triton", error_flag=flag)
     finally:
         torch.cuda.set_sync_debug_mode("default")
