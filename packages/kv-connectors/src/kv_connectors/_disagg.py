@@ -1,0 +1,340 @@
+"""What the disaggregated connectors (P2P, NIXL) share: producer bookkeeping, the consumer's
+handshake planning, asynchronous loads on worker threads, and the failure model.
+
+Roles (``config.role``): a ``producer`` serves its finished requests and never loads, a ``consumer``
+loads and never serves, ``both`` (the default) serves every finished request that it did not load
+from a producer.
+
+Producer (prefill): ``request_finished`` keeps the request's blocks (``delay_free=True``) and
+returns :class:`KVTransferParams` naming its side channel, block ids and layouts. A consumer pulls
+them; when it says it is done the request is reported in ``done_sending``. A consumer that never
+comes is given up on after ``abandon_after_s`` (then the blocks are reported sent and freed).
+
+Consumer (decode): a request carrying producer params (``request.kv_transfer_params`` or
+:meth:`DisaggConnector.add_remote_request`) is planned against the local layouts
+(:func:`~kv_connectors.handshake.plan_conversion`); a refusal means zero matched tokens (the engine
+computes the prompt) and its reason is kept in ``load_error_reasons``. Loads run on worker threads
+(``load_async=True``); each ends in ``done_recving``, with its blocks in
+``get_block_ids_with_load_errors()`` when it failed (dead peer, refused live handshake, timeout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kv_connectors._sidechannel import SideChannelServer
+from kv_connectors.base import KVConnector, LoadSpec, RequestLike, log, transfer_params_of
+from kv_connectors.config import KVRole, NixlConfig, P2pConfig
+from kv_connectors.handshake import (
+    HandshakeRefused,
+    KVTransferParams,
+    LayoutConversion,
+    convert_rows,
+    plan_conversion,
+)
+from kv_connectors.views import RegisteredKV
+
+__all__ = ["DisaggConnector", "RemotePlan"]
+
+
+@dataclass(frozen=True)
+class RemotePlan:
+    """A consumer's plan for one request: which producer blocks fill which local blocks, how."""
+
+    params: KVTransferParams  # block_ids: the producer blocks to read, in request order
+    convs: tuple[LayoutConversion, ...]  # one per registered cache
+
+    @property
+    def identity(self) -> bool:
+        return all(c.identity for c in self.convs)
+
+    @property
+    def merge(self) -> int:
+        return self.convs[0].merge
+
+    @property
+    def split(self) -> int:
+        return self.convs[0].split
+
+
+class DisaggConnector(KVConnector):
+    """Base of P2P and NIXL; subclasses serve sessions and pull bytes."""
+
+    transport: ClassVar[str] = ""
+
+    def __init__(
+        self, config: P2pConfig | NixlConfig, *, block_size: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__(block_size=block_size)
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._lock = threading.Lock()
+        self._sendable: dict[str, tuple[tuple[int, ...], float]] = {}  # id -> (blocks, deadline)
+        self._remote: dict[str, KVTransferParams] = {}
+        self._plans: dict[str, tuple[RemotePlan, int]] = {}  # id -> (plan, first local block)
+        self._load_plans: dict[str, RemotePlan] = {}
+        self._consumed: set[str] = set()  # requests loaded from a producer (never served on)
+        self._futures: dict[Future[None], LoadSpec] = {}
+        self._executor = ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix=f"kv-{self.transport}"
+        )
+        self._server: SideChannelServer | None = None
+
+    def _on_register(self, kv: RegisteredKV) -> None:
+        if self._server is None:
+            self._setup_transport(kv)
+            self._server = SideChannelServer(
+                self.config.host, self.config.port, self._serve_bound, name=f"kv-{self.transport}"
+            )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` of this worker's side channel (after ``register_kv_caches``)."""
+        if self._server is None:
+            raise RuntimeError("register_kv_caches must be called first")
+        return self._server.host, self._server.port
+
+    def _bind_device(self) -> None:
+        # The current CUDA device is per thread: session and pull threads start on device 0.
+        if self.kv.device.type == "cuda":
+            torch.cuda.set_device(self.kv.device)
+
+    def _serve_bound(self, sock: Any) -> None:
+        self._bind_device()
+        self._serve_session(sock)
+
+    def _pull_bound(self, spec: LoadSpec, plan: RemotePlan) -> None:
+        self._bind_device()
+        self._pull(spec, plan)
+
+    @abstractmethod
+    def _setup_transport(self, kv: RegisteredKV) -> None: ...
+
+    @abstractmethod
+    def _serve_session(self, sock: Any) -> None: ...
+
+    @abstractmethod
+    def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None: ...
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def add_remote_request(
+        self, request_id: str, params: KVTransferParams | dict[str, Any]
+    ) -> None:
+        """Attach a producer's params to a request (for requests that cannot carry them)."""
+        self._remote[request_id] = (
+            params if isinstance(params, KVTransferParams) else KVTransferParams.from_dict(params)
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        rid = request.request_id
+        params = self._remote.get(rid) or transfer_params_of(request)
+        if params is None or self.config.role is KVRole.PRODUCER:
+            return 0, False
+        try:
+            plan = self._plan(params)
+        except HandshakeRefused as exc:
+            self._worker.error_reasons[rid] = f"handshake refused: {exc.reason}"
+            log.warning("request %s: %s", rid, self._worker.error_reasons[rid])
+            return 0, False
+        n_dst = plan.convs[0].num_dst_blocks(len(params.block_ids))
+        first = num_computed_tokens // self.block_size
+        if num_computed_tokens % self.block_size or first % plan.split or first >= n_dst:
+            return 0, False  # nothing whole left to load (a ragged start is recomputed)
+        remote_first = first * plan.merge // plan.split
+        remote_count = (n_dst - first) * plan.merge // plan.split
+        ids = params.block_ids[remote_first : remote_first + remote_count]
+        plan = dataclasses.replace(plan, params=dataclasses.replace(params, block_ids=ids))
+        self._plans[rid] = (plan, first)
+        self._matched[rid] = (first, n_dst - first)
+        return (n_dst - first) * self.block_size, True
+
+    def _plan(self, params: KVTransferParams) -> RemotePlan:
+        remote = params.layouts()
+        local = self.kv.layouts
+        if len(remote) != len(local):
+            raise HandshakeRefused(
+                f"producer registered {len(remote)} caches, this worker {len(local)}"
+            )
+        convs = tuple(
+            plan_conversion(
+                r, lay, src_tp=(params.tp_rank, params.tp_size), dst_tp=(self.tp_rank, self.tp_size)
+            )
+            for r, lay in zip(remote, local, strict=True)
+        )
+        if len({(c.merge, c.split) for c in convs}) != 1:
+            raise HandshakeRefused("registered caches convert block sizes by different ratios")
+        need = max(c.sources_needed for c in convs)
+        if need > 1:
+            raise HandshakeRefused(
+                f"each local block needs heads from {need} producer ranks; this connector reads "
+                "one producer per request (run the consumer at TP >= the producer's)"
+            )
+        return RemotePlan(params, convs)
+
+    def _plan_load(
+        self, request: RequestLike, block_ids: list[int], first: int, count: int
+    ) -> LoadSpec:
+        plan, _first = self._plans.pop(request.request_id)
+        self._remote.pop(request.request_id, None)
+        if (count * plan.merge) % plan.split:
+            raise ValueError(
+                f"request {request.request_id}: {count} blocks do not cover whole producer blocks "
+                f"({plan.split} local blocks per producer block); accept all matched tokens or "
+                "a multiple of that"
+            )
+        remote = plan.params.block_ids[
+            : count * plan.merge // plan.split
+        ]  # the engine may take less
+        plan = dataclasses.replace(plan, params=dataclasses.replace(plan.params, block_ids=remote))
+        self._load_plans[request.request_id] = plan
+        self._consumed.add(request.request_id)
+        return LoadSpec(
+            request.request_id, tuple(block_ids[first : first + count]), (), params=plan.params
+        )
+
+    def request_finished(
+        self, request: RequestLike, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._plans.pop(rid, None)
+        consumed = rid in self._consumed or self._remote.pop(rid, None) is not None
+        self._consumed.discard(rid)
+        if consumed or transfer_params_of(request) is not None:
+            return False, None  # a consumer's request: nothing to serve
+        if self.config.role is KVRole.CONSUMER:
+            return False, None
+        n = min(len(request.block_hashes), len(block_ids))
+        if n == 0 or self._server is None:
+            return False, None
+        ids = tuple(int(b) for b in block_ids[:n])
+        with self._lock:
+            self._sendable[rid] = (ids, time.monotonic() + self.config.abandon_after_s)
+        params = KVTransferParams.for_layouts(
+            self.kv.layouts,
+            request_id=rid,
+            engine_id=self.config.engine_id,
+            transport=self.transport,
+            host=self._server.host,
+            port=self._server.port,
+            block_ids=ids,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+        return True, params.to_dict()
+
+    # -- producer side (session threads) --------------------------------------------------------
+
+    def _take_sendable(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Check that a consumer asks for blocks this worker is holding for it."""
+        with self._lock:
+            held = self._sendable.get(request_id)
+        if held is None:
+            raise KeyError(f"request {request_id!r} is not held for sending (expired or unknown)")
+        if not set(block_ids) <= set(held[0]):
+            raise KeyError(f"request {request_id!r}: blocks asked for are not the request's")
+
+    def _mark_sent(self, request_id: str) -> None:
+        with self._lock:
+            if self._sendable.pop(request_id, None) is not None:
+                self._worker.done_sending.add(request_id)
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: Any) -> None:
+        for spec in meta.loads:
+            plan = self._load_plans.pop(spec.request_id, None)
+            if plan is None or not spec.block_ids:
+                continue
+            fut = self._executor.submit(self._pull_bound, spec, plan)
+            with self._lock:
+                self._futures[fut] = spec
+
+    def wait_for_save(self) -> None:
+        """Producers serve from the live blocks (kept by ``delay_free``): nothing to flush."""
+
+    def wait_for_loads(self, timeout_s: float | None = None) -> None:
+        """Block until every started load ended (bounded: ``timeout_s``, default the config's
+        ``timeout_s`` plus a margin)."""
+        deadline = time.monotonic() + (timeout_s or self.config.timeout_s * 2 + 5)
+        while True:
+            with self._lock:
+                pending = [f for f in self._futures if not f.done()]
+            if not pending or time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+
+    def _poll(self) -> None:
+        with self._lock:
+            done = [(f, s) for f, s in self._futures.items() if f.done()]
+            for f, _ in done:
+                del self._futures[f]
+            now = time.monotonic()
+            expired = [rid for rid, (_ids, dl) in self._sendable.items() if dl < now]
+            for rid in expired:
+                del self._sendable[rid]
+                self._worker.done_sending.add(rid)
+                log.warning("request %s: no consumer pulled it in time; freeing its blocks", rid)
+        for f, spec in done:
+            exc = f.exception()
+            if exc is None:
+                with self._lock:
+                    self._worker.done_recving.add(spec.request_id)
+            else:
+                self._fail_load(spec, f"{type(exc).__name__}: {exc}", async_load=True)
+
+    def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+        self._poll()
+        with self._lock:
+            out = (self._worker.done_sending, self._worker.done_recving)
+            self._worker.done_sending, self._worker.done_recving = set(), set()
+        return out
+
+    def _fail_load(self, spec: LoadSpec, reason: str, *, async_load: bool) -> None:
+        with self._lock:
+            super()._fail_load(spec, reason, async_load=async_load)
+
+    # -- bytes ---------------------------------------------------------------------------------
+
+    def _apply_rows(
+        self, src_rows: torch.Tensor, plan: RemotePlan, block_ids: Sequence[int]
+    ) -> None:
+        """Convert producer rows (``[n, producer row bytes]``) and write them to local blocks."""
+        kv = self.kv
+        ids = kv.ids_tensor(block_ids)
+        if plan.identity:
+            kv.scatter(src_rows, ids)
+            return
+        m = plan.convs[0].num_dst_blocks(src_rows.shape[0])
+        if src_rows.device.type == "cpu":
+            dst = kv.new_rows(m, pin=True).zero_()  # pinned: the block copies read it directly
+        else:
+            dst = torch.zeros(m, kv.row_bytes, dtype=torch.uint8, device=src_rows.device)
+        offset = 0
+        for ci, conv in enumerate(plan.convs):
+            width = conv.src.num_layers * conv.src.page_bytes
+            part = convert_rows(src_rows[:, offset : offset + width], conv)
+            dst[:, kv.cache_row_slice(ci)] = part
+            offset += width
+        kv.scatter(dst, ids)
+
+    def producer_row_bytes(self, plan: RemotePlan) -> int:
+        return sum(c.src.num_layers * c.src.page_bytes for c in plan.convs)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)

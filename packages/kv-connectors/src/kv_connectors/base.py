@@ -1,0 +1,262 @@
+"""The connector contract: a scheduler side and a worker side, modelled on what engines speak.
+
+Scheduler side (decides, never touches KV):
+
+- ``get_num_new_matched_tokens(request, num_computed_tokens) -> (tokens, load_async)``: how many
+  tokens past the locally computed prefix the connector can supply (whole blocks), and whether they
+  arrive asynchronously (the engine then waits for the request in ``get_finished``'s
+  ``done_recving`` before scheduling it) or inside the forward pass (layer by layer);
+- ``update_state_after_alloc(request, block_ids, num_external_tokens)``: the engine allocated the
+  request's blocks (``block_ids``: its whole block table so far, in order) — plan the load;
+- ``build_connector_meta() -> ConnectorMetadata``: everything planned since the last call, for the
+  worker side;
+- ``request_finished(request, block_ids) -> (delay_free, kv_transfer_params)``: the request is done;
+  ``delay_free=True`` asks the engine to keep its blocks until ``done_sending`` reports it.
+
+Worker side (moves KV): ``register_kv_caches(storages, layouts)``, ``start_load_kv(meta)``,
+``wait_for_layer_load(layer)``, ``save_kv_layer(layer, meta)``, ``wait_for_save()``,
+``get_finished(finished_req_ids) -> (done_sending, done_recving)``,
+``get_block_ids_with_load_errors()``.
+
+Block ids here are the ids of the registered caches' blocks; the engine's scheduler block size must
+equal the layout's ``block_size`` (expand manager blocks to kernel blocks before calling in).
+Requests are read through two attributes: ``request_id`` and ``block_hashes`` (kv-blocktable's
+chained hashes of the request's full blocks); producer-side parameters arrive as the optional
+attribute ``kv_transfer_params`` (a :class:`~kv_connectors.handshake.KVTransferParams` or its dict).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kv_kernels import KVCacheStorage
+from kv_spec import KVCacheLayout
+
+from kv_connectors.handshake import KVTransferParams
+from kv_connectors.views import RegisteredKV
+
+__all__ = [
+    "ConnectorMetadata",
+    "KVConnector",
+    "LoadSpec",
+    "RequestLike",
+    "SaveSpec",
+    "transfer_params_of",
+]
+
+log = logging.getLogger("kv_connectors")
+
+
+class RequestLike(Protocol):
+    """What a connector reads from a request (kv-blocktable's ``Request`` has both)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+
+def transfer_params_of(request: object) -> KVTransferParams | None:
+    """The producer's :class:`KVTransferParams` a request carries, if any."""
+    params = getattr(request, "kv_transfer_params", None)
+    if params is None or isinstance(params, KVTransferParams):
+        return params
+    if isinstance(params, dict):
+        return KVTransferParams.from_dict(params)
+    raise TypeError(
+        f"request.kv_transfer_params must be KVTransferParams, a dict or None, got {type(params)}"
+    )
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load ``block_hashes[i]`` (or the producer's block ``params.block_ids[i]``) into local block
+    ``block_ids[i]``."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...] = ()
+    params: KVTransferParams | None = None
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Save local block ``block_ids[i]`` under ``block_hashes[i]``."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class ConnectorMetadata:
+    """What the scheduler side hands the worker side for one engine step."""
+
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+
+
+@dataclass
+class _WorkerState:
+    kv: RegisteredKV | None = None
+    load_errors: set[int] = field(default_factory=set)
+    error_reasons: dict[str, str] = field(default_factory=dict)
+    done_sending: set[str] = field(default_factory=set)
+    done_recving: set[str] = field(default_factory=set)
+
+
+class KVConnector(ABC):
+    """Base of every connector: the bookkeeping both sides share; subclasses move the bytes.
+
+    ``block_size`` is the engine's block size in tokens (what ``num_computed_tokens`` and block
+    hashes count in).
+    """
+
+    def __init__(self, *, block_size: int) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} must be an int >= 1 (tokens per block)")
+        self.block_size = block_size
+        self._loads: list[LoadSpec] = []
+        self._saves: list[SaveSpec] = []
+        self._matched: dict[str, tuple[int, int]] = {}  # request id -> (first block, num blocks)
+        self._worker = _WorkerState()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens past ``num_computed_tokens`` this connector can load, and whether asynchronously."""
+
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Plan the load of the blocks matched for ``request`` (no-op when nothing matched)."""
+        first, count = self._matched.pop(request.request_id, (0, 0))
+        if num_external_tokens <= 0 or count == 0:
+            return
+        want = num_external_tokens // self.block_size
+        if want > count:
+            raise ValueError(
+                f"request {request.request_id}: num_external_tokens={num_external_tokens} exceeds "
+                f"the {count * self.block_size} tokens matched"
+            )
+        if len(block_ids) < first + want:
+            raise ValueError(
+                f"request {request.request_id}: {len(block_ids)} block ids allocated, but the load "
+                f"needs blocks [{first}, {first + want})"
+            )
+        self._loads.append(self._plan_load(request, list(block_ids), first, want))
+
+    def _plan_load(
+        self, request: RequestLike, block_ids: list[int], first: int, count: int
+    ) -> LoadSpec:
+        hashes = tuple(request.block_hashes[first : first + count])
+        return LoadSpec(request.request_id, tuple(block_ids[first : first + count]), hashes)
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """Everything planned since the last call."""
+        meta = ConnectorMetadata(tuple(self._loads), tuple(self._saves))
+        self._loads.clear()
+        self._saves.clear()
+        return meta
+
+    @abstractmethod
+    def request_finished(
+        self, request: RequestLike, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, kv_transfer_params)`` for a finished request."""
+
+    def _matched_blocks(self, num_computed_tokens: int, hits: int) -> tuple[int, int]:
+        """``(first block, tokens)`` for ``hits`` consecutive matched blocks from the first block
+        not yet computed."""
+        first = num_computed_tokens // self.block_size
+        tokens = (first + hits) * self.block_size - num_computed_tokens
+        return first, max(tokens, 0) if hits else 0
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(
+        self,
+        storages: KVCacheStorage | Sequence[KVCacheStorage],
+        layouts: KVCacheLayout | Sequence[KVCacheLayout],
+    ) -> None:
+        """Register the worker's caches: one ``(storage, layout)`` or a list of them (KV-cache
+        groups sharing one block-id space). Storages are what ``kv_kernels.allocate_kv_cache``
+        returned: a list of per-layer tensors (``L``-outer orders) or one cross-layer slab."""
+        kv = RegisteredKV(storages, layouts)
+        sizes = {lay.block_size for lay in kv.layouts}
+        if sizes != {self.block_size}:
+            raise ValueError(
+                f"registered layouts have block_size {sorted(sizes)} but the connector counts "
+                f"blocks of {self.block_size} tokens; expand manager blocks to kernel blocks or "
+                "build the connector with the layout's block_size"
+            )
+        self._worker.kv = kv
+        self._on_register(kv)
+
+    def _on_register(self, kv: RegisteredKV) -> None:  # noqa: B027 - optional hook
+        """Subclass hook: prepare per-cache state (buffers, descriptors) once."""
+
+    @property
+    def kv(self) -> RegisteredKV:
+        if self._worker.kv is None:
+            raise RuntimeError("register_kv_caches(storages, layouts) must be called first")
+        return self._worker.kv
+
+    @abstractmethod
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """Start every load in ``meta`` (returns without waiting for the bytes)."""
+
+    def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027 - loads may be whole-block
+        """Block until layer slot ``layer`` of every load started this step is in place."""
+
+    def save_kv_layer(self, layer: int, meta: ConnectorMetadata) -> None:  # noqa: B027
+        """Layer slot ``layer`` is computed: the connector may start saving it."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until the saves of this step are done (or failed; failures are logged)."""
+
+    def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+        """``(done_sending, done_recving)`` since the last call. ``finished_req_ids`` are requests
+        the engine finished this step (connectors that keep per-request state drop it)."""
+        self._poll()
+        sending, recving = self._worker.done_sending, self._worker.done_recving
+        self._worker.done_sending, self._worker.done_recving = set(), set()
+        return sending, recving
+
+    def _poll(self) -> None:  # noqa: B027 - optional hook
+        """Subclass hook: collect finished asynchronous transfers."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local block ids whose load failed since the last call: the engine recomputes them."""
+        out, self._worker.load_errors = self._worker.load_errors, set()
+        return out
+
+    @property
+    def load_error_reasons(self) -> dict[str, str]:
+        """Request id -> why its last load failed (kept for diagnostics; newest wins)."""
+        return dict(self._worker.error_reasons)
+
+    def _fail_load(self, spec: LoadSpec, reason: str, *, async_load: bool) -> None:
+        log.warning("kv load for request %s failed: %s", spec.request_id, reason)
+        self._worker.load_errors.update(spec.block_ids)
+        self._worker.error_reasons[spec.request_id] = reason
+        if async_load:
+            self._worker.done_recving.add(spec.request_id)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release transports and threads (idempotent)."""
+
+    def __enter__(self) -> KVConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,256 @@
+"""``FilesystemConnector``: blocks as files keyed by block hash; prefix reuse across restarts.
+
+Layout on disk: ``<root>/<layout key>/<hash[:2]>/<hash>.kvblock``, where the layout key is a
+digest of the registered caches' compatibility hashes (models with different layouts never
+overwrite each other's files). One file holds one block's row (every registered cache and layer
+slot, inline scales included) behind a fixed header::
+
+    magic "KVSTACKB" | format u32 | layout key (16 B) | hash length u16 | block hash (64 B, padded)
+    | payload bytes u64 | blake2b-128 of the payload (16 B)
+
+A file is written to a temporary name in the same directory, flushed, ``fsync``-ed and renamed
+into place (``os.replace`` is atomic on POSIX), so a reader sees a whole file or none. On load the
+header (magic, format, layout key, block hash, size) and the checksum are verified: a corrupt,
+truncated or foreign-layout file is a load error for that block, never wrong KV. Loads run on a
+reader thread bounded by ``timeout_s``; a load that overruns is reported as failed (its late bytes
+are discarded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kv_connectors.base import ConnectorMetadata, KVConnector, LoadSpec, RequestLike, SaveSpec, log
+from kv_connectors.config import FilesystemConfig
+from kv_connectors.views import RegisteredKV
+
+__all__ = ["BlockFileError", "FilesystemConnector", "read_block_file", "write_block_file"]
+
+_MAGIC = b"KVSTACKB"
+_FORMAT = 1
+_HEADER = struct.Struct("<8sI16sH64sQ16s")  # see the module docstring
+
+
+class BlockFileError(ValueError):
+    """A block file cannot be used (missing, truncated, corrupt or written for another layout)."""
+
+
+def _checksum(payload: memoryview | bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def write_block_file(
+    path: Path, layout_key: bytes, block_hash: bytes, payload: bytes, *, fsync: bool
+) -> None:
+    """Write one block file atomically (temp file in the same directory, fsync, rename)."""
+    if len(block_hash) > 64:
+        raise ValueError(f"block hash has {len(block_hash)} bytes; at most 64 fit the header")
+    header = _HEADER.pack(
+        _MAGIC, _FORMAT, layout_key, len(block_hash), block_hash, len(payload), _checksum(payload)
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_block_file(path: Path, layout_key: bytes, block_hash: bytes, nbytes: int) -> bytes:
+    """Read and verify one block file; raise :class:`BlockFileError` saying what is wrong."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BlockFileError(f"{path}: cannot read ({exc.strerror})") from exc
+    if len(data) < _HEADER.size:
+        raise BlockFileError(f"{path}: truncated header ({len(data)} < {_HEADER.size} bytes)")
+    magic, fmt, key, hlen, hpad, size, digest = _HEADER.unpack_from(data)
+    if magic != _MAGIC or fmt != _FORMAT:
+        raise BlockFileError(f"{path}: not a kvstack block file (magic {magic!r}, format {fmt})")
+    if key != layout_key:
+        raise BlockFileError(
+            f"{path}: written for layout key {key.hex()}, this cache is {layout_key.hex()}"
+        )
+    if hpad[:hlen] != block_hash:
+        raise BlockFileError(f"{path}: holds block {hpad[:hlen].hex()}, not {block_hash.hex()}")
+    payload = memoryview(data)[_HEADER.size :]
+    if size != nbytes or len(payload) != nbytes:
+        raise BlockFileError(
+            f"{path}: payload is {len(payload)} bytes (header says {size}); a block row is {nbytes}"
+        )
+    if _checksum(payload) != digest:
+        raise BlockFileError(f"{path}: checksum mismatch (corrupt payload)")
+    return bytes(payload)
+
+
+class FilesystemConnector(KVConnector):
+    """Disk tier keyed by block hash; see the module docstring."""
+
+    def __init__(self, config: FilesystemConfig, *, block_size: int) -> None:
+        if not isinstance(config, FilesystemConfig):
+            raise TypeError(f"config must be a FilesystemConfig, got {type(config).__name__}")
+        super().__init__(block_size=block_size)
+        self.config = config
+        self._layout_key = b""
+        self._dir: Path | None = None
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fs-read")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fs-write")
+        self._writes: list[Future[None]] = []
+        self._saving: set[bytes] = set()
+        self._pending_saves: list[SaveSpec] = []
+
+    def _on_register(self, kv: RegisteredKV) -> None:
+        hashes = ",".join(lay.compatibility_hash() for lay in kv.layouts)
+        self._layout_key = hashlib.sha256(hashes.encode()).digest()[:16]
+        self._dir = Path(self.config.root) / self._layout_key.hex()
+
+    def path_of(self, block_hash: bytes) -> Path:
+        """Where the file of ``block_hash`` lives for the registered layout."""
+        if self._dir is None:
+            raise RuntimeError(
+                "FilesystemConnector keys files by the registered layouts: call "
+                "register_kv_caches before scheduling"
+            )
+        name = block_hash.hex()
+        return self._dir / name[:2] / f"{name}.kvblock"
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        first = num_computed_tokens // self.block_size
+        hits = 0
+        for h in request.block_hashes[first:]:
+            if not self.path_of(h).exists():
+                break
+            hits += 1
+        first, tokens = self._matched_blocks(num_computed_tokens, hits)
+        if tokens:
+            self._matched[request.request_id] = (first, hits)
+        return tokens, False
+
+    def request_finished(
+        self, request: RequestLike, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        ids: list[int] = []
+        hashes: list[bytes] = []
+        for h, b in zip(request.block_hashes, block_ids, strict=False):
+            if h in self._saving or self.path_of(h).is_file():
+                continue
+            ids.append(b)
+            hashes.append(h)
+            self._saving.add(h)
+        if not ids:
+            return False, None
+        self._saves.append(SaveSpec(request.request_id, tuple(ids), tuple(hashes)))
+        return True, None
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        self._pending_saves.extend(meta.saves)
+        for spec in meta.loads:
+            if spec.block_ids:
+                self._load(spec)
+
+    def _read_all(self, spec: LoadSpec) -> tuple[torch.Tensor, list[int], dict[int, str]]:
+        kv = self.kv
+        rows = kv.new_rows(len(spec.block_ids), pin=True)  # [n, row_bytes]
+        good: list[int] = []
+        bad: dict[int, str] = {}
+        for i, h in enumerate(spec.block_hashes):
+            try:
+                data = read_block_file(self.path_of(h), self._layout_key, h, kv.row_bytes)
+            except BlockFileError as exc:
+                bad[spec.block_ids[i]] = str(exc)
+                continue
+            rows[i].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            good.append(i)
+        return rows, good, bad
+
+    def _load(self, spec: LoadSpec) -> None:
+        future = self._reader.submit(self._read_all, spec)
+        try:
+            rows, good, bad = future.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            # The reader is stuck (a hung mount, a FIFO): abandon it, the next load gets a new one.
+            self._reader.shutdown(wait=False, cancel_futures=True)
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fs-read")
+            self._fail_load(
+                spec,
+                f"reading {len(spec.block_ids)} block files exceeded "
+                f"timeout_s={self.config.timeout_s}",
+                async_load=False,
+            )
+            return
+        if bad:
+            failed = LoadSpec(spec.request_id, tuple(bad), ())
+            self._fail_load(failed, "; ".join(bad.values()), async_load=False)
+        if good:
+            kv = self.kv
+            ids = kv.ids_tensor([spec.block_ids[i] for i in good])
+            kv.scatter(kv.select_rows(rows, good) if len(good) < len(rows) else rows, ids)
+            kv.host_sync()  # the kernels read the pinned rows directly: keep them until done
+
+    def wait_for_save(self, meta: ConnectorMetadata | None = None) -> None:
+        """Copy this step's saved blocks to host rows, report them sent, write files behind."""
+        kv = self.kv
+        saves = self._pending_saves if meta is None else [*self._pending_saves, *meta.saves]
+        self._pending_saves = []
+        for spec in saves:
+            rows = kv.new_rows(len(spec.block_ids), pin=True)
+            kv.gather(kv.ids_tensor(spec.block_ids), rows)
+            kv.host_sync()  # the rows are complete before the blocks may be freed
+            self._worker.done_sending.add(spec.request_id)  # blocks may be freed: bytes are on host
+            self._writes.append(self._writer.submit(self._write_all, spec, rows))
+
+    def _write_all(self, spec: SaveSpec, rows: torch.Tensor) -> None:
+        try:
+            for i, h in enumerate(spec.block_hashes):
+                payload = rows[i].numpy().tobytes()
+                write_block_file(
+                    self.path_of(h), self._layout_key, h, payload, fsync=self.config.fsync
+                )
+        except OSError as exc:
+            log.warning("filesystem: saving request %s failed: %s", spec.request_id, exc)
+        finally:
+            self._saving.difference_update(spec.block_hashes)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued file write is on disk (bounded by ``timeout_s``)."""
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        for f in self._writes:
+            f.result(timeout=timeout)
+        self._writes.clear()
+
+    def _poll(self) -> None:
+        self._writes = [f for f in self._writes if not f.done()]
+
+    def close(self) -> None:
+        """Flush queued writes (bounded by ``timeout_s``; a write still hanging after that is
+        left to finish on its thread — its temp file never becomes a block file) and stop."""
+        try:
+            self.flush()
+        except FutureTimeout:
+            log.warning(
+                "filesystem: writes still pending after %.1fs at close", self.config.timeout_s
+            )
+        self._writer.shutdown(wait=False)
+        self._reader.shutdown(wait=False, cancel_futures=True)

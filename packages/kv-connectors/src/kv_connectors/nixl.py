@@ -1,0 +1,386 @@
+"""``NixlConnector``: KV moved in place between registered caches by NVIDIA NIXL agents (UCX).
+
+At registration each worker registers its caches' memory with a NIXL agent (``DRAM`` for CPU
+caches, ``VRAM`` for CUDA ones) and prepares its descriptor list *once*: descriptor
+``b * R + r`` is byte range ``r`` of block ``b`` (``R`` ranges per block: one per segment for
+block-contiguous orders, one per head and segment for LHBNC), read from the layout's strides.
+
+Handshake (side channel, per producer): the consumer sends ``hello``; the producer answers with its
+agent metadata, its live compatibility hashes and the compact shape of its descriptor list
+(per segment: base address, block stride, ranges); the consumer adds the remote agent and prepares
+the remote descriptor list once per producer. A pull (``READ``, the default): the consumer asks the
+producer to hold the request's blocks (``pull``; the producer checks it still holds them), then
+posts one READ of all the request's descriptors with a notification; the producer sees the
+notification and reports the request in ``done_sending``. Every step has ``timeout_s``.
+
+Descriptor ranges are in *row order* (:meth:`~kv_connectors.views.CacheSegment.chunk_ranges`):
+read one after the other they are the block's row. Caches with the same compatibility hash are
+read in place, straight into the consumer's blocks; otherwise the consumer reads producer rows into
+a registered staging buffer (``staging_bytes``, in pieces) and converts them
+(:func:`~kv_connectors.handshake.convert_rows`: orders, block sizes, TP head splits) before the
+scatter. The completion notification rides on the last READ.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kv_connectors._disagg import DisaggConnector, RemotePlan
+from kv_connectors._sidechannel import StaleSession, connect, recv_msg, request, send_msg
+from kv_connectors.base import LoadSpec, log
+from kv_connectors.config import NixlConfig, TransferMode
+from kv_connectors.handshake import HandshakeRefused
+from kv_connectors.views import RegisteredKV
+
+__all__ = ["NixlConnector"]
+
+
+def _pattern(kv: RegisteredKV) -> list[dict[str, Any]]:
+    """Per segment: base address, block stride and the ``(offset, length)`` ranges of block 0."""
+    out = []
+    for seg in kv.segments:
+        ranges = seg.chunk_ranges(0)
+        base = seg.tensor.data_ptr()
+        out.append(
+            {
+                "base": base,
+                "block_stride": seg.layout.block_stride_bytes,
+                "ranges": [[addr - base, n] for addr, n in ranges],
+            }
+        )
+    return out
+
+
+def _descs(pattern: list[dict[str, Any]], num_blocks: int, dev: int) -> Any:
+    """``int64 [num_blocks * R, 3]`` (address, length, device): row ``b * R + r`` is range ``r``
+    of block ``b`` (segments in order). Built with numpy: a large cache has millions of ranges."""
+    import numpy as np  # a dependency of nixl itself
+
+    per_block = np.array(
+        [(s["base"] + off, s["block_stride"], n) for s in pattern for off, n in s["ranges"]],
+        dtype=np.int64,
+    )  # [R, 3]: first address, block stride, length
+    blocks = np.arange(num_blocks, dtype=np.int64)[:, None]  # [B, 1]
+    out = np.empty((num_blocks, len(per_block), 3), dtype=np.int64)
+    out[:, :, 0] = per_block[None, :, 0] + blocks * per_block[None, :, 1]
+    out[:, :, 1] = per_block[None, :, 2]
+    out[:, :, 2] = dev
+    return out.reshape(-1, 3)
+
+
+@dataclass
+class _Remote:
+    agent: str
+    handle: Any  # prepared remote descriptor list
+    range_lens: list[int]  # byte length of each range of one block, row order
+    hashes: tuple[str, ...]
+    sock: socket.socket
+    lock: threading.Lock
+    staging: Any = None  # prepared local staging descriptors for these range lengths
+
+    @property
+    def ranges_per_block(self) -> int:
+        return len(self.range_lens)
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(self.range_lens)
+
+
+class NixlConnector(DisaggConnector):
+    """Producer and consumer of KV over NIXL; see the module docstring."""
+
+    transport = "nixl"
+
+    def __init__(
+        self, config: NixlConfig, *, block_size: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        if not isinstance(config, NixlConfig):
+            raise TypeError(f"config must be a NixlConfig, got {type(config).__name__}")
+        if config.mode is not TransferMode.READ:
+            raise ValueError(
+                "NixlConfig.mode=write is not implemented yet; use mode='read' (decode pulls)"
+            )
+        super().__init__(config, block_size=block_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.config: NixlConfig = config
+        self._agent: Any = None
+        self._agent_lock = threading.Lock()
+        self._remotes: dict[tuple[str, int], _Remote] = {}
+        self._remotes_lock = threading.Lock()
+        self._mem_type = "DRAM"
+        self._dev = 0
+
+    def _setup_transport(self, kv: RegisteredKV) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise ImportError(
+                "NixlConnector needs the nixl package: pip install 'kv-connectors[nixl]'"
+            ) from exc
+        self._mem_type = "VRAM" if kv.device.type == "cuda" else "DRAM"
+        self._dev = (kv.device.index or 0) if kv.device.type == "cuda" else 0
+        name = f"{self.config.engine_id}-{uuid.uuid4().hex[:12]}"
+        self._agent = nixl_agent(
+            name,
+            nixl_agent_config(
+                enable_prog_thread=self.config.progress_thread, backends=list(self.config.backends)
+            ),
+        )
+        self._name = name
+        regions = []
+        for seg in kv.segments:
+            t = seg.tensor
+            start = t.storage_offset() * t.element_size()
+            nbytes = t.untyped_storage().nbytes() - start
+            regions.append((t.data_ptr(), nbytes, self._dev, ""))
+        self._reg = self._agent.register_memory(regions, self._mem_type)
+        self._pattern = _pattern(kv)
+        self._range_lens = [int(n) for seg in self._pattern for _off, n in seg["ranges"]]
+        self._ranges_per_block = len(self._range_lens)
+        local = _descs(self._pattern, kv.num_blocks, self._dev)
+        self._local = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", self._agent.get_xfer_descs(local, self._mem_type)
+        )
+        # Converting pulls read producer rows into this buffer, then convert and scatter them.
+        self._staging = torch.empty(self.config.staging_bytes, dtype=torch.uint8, device=kv.device)
+        staging = [(self._staging.data_ptr(), self.config.staging_bytes, self._dev, "")]
+        self._staging_reg = self._agent.register_memory(staging, self._mem_type)
+
+    def _indices(self, block_ids: list[int], per_block: int) -> list[int]:
+        return [b * per_block + r for b in block_ids for r in range(per_block)]
+
+    # -- producer ------------------------------------------------------------------------------
+
+    def _serve_session(self, sock: socket.socket) -> None:
+        try:
+            hello = recv_msg(sock)
+            if hello.get("op") != "hello":
+                raise ConnectionError(f"expected hello, got {hello.get('op')!r}")
+            with self._agent_lock:
+                meta = self._agent.get_agent_metadata()
+            send_msg(
+                sock,
+                {
+                    "ok": True,
+                    "agent_metadata": base64.b64encode(meta).decode(),
+                    "hashes": [lay.compatibility_hash() for lay in self.kv.layouts],
+                    "pattern": self._pattern,
+                    "num_blocks": self.kv.num_blocks,
+                    "mem_type": self._mem_type,
+                    "dev": self._dev,
+                },
+            )
+            while True:
+                try:
+                    msg = recv_msg(sock)
+                except (ConnectionError, OSError):
+                    return
+                if msg.get("op") == "pull":
+                    self._serve_pull(sock, msg)
+        except Exception as exc:
+            log.warning("nixl session ended: %s: %s", type(exc).__name__, exc)
+
+    def _serve_pull(self, sock: socket.socket, msg: dict[str, Any]) -> None:
+        rid = str(msg["request_id"])
+        ids = [int(b) for b in msg["block_ids"]]
+        try:
+            self._take_sendable(rid, ids)
+            self.kv.check_block_ids(ids, what="pull block_ids")
+        except (KeyError, ValueError) as exc:
+            send_msg(sock, {"ok": False, "error": str(exc)})
+            return
+        send_msg(sock, {"ok": True})
+
+    def _poll(self) -> None:
+        if self._agent is not None:
+            with self._agent_lock:
+                notifs = self._agent.get_new_notifs()
+            for messages in notifs.values():
+                for m in messages:
+                    text = m.decode(errors="replace")
+                    if text.startswith("kv-done:"):
+                        self._mark_sent(text.removeprefix("kv-done:"))
+        super()._poll()
+
+    # -- consumer ------------------------------------------------------------------------------
+
+    def _plan(self, params: Any) -> RemotePlan:
+        plan = super()._plan(params)
+        row = self.producer_row_bytes(plan)
+        if not plan.identity and self.config.staging_bytes // row < plan.merge:
+            raise HandshakeRefused(
+                f"converting needs {plan.merge} producer rows of {row} bytes in the staging buffer; "
+                f"NixlConfig.staging_bytes={self.config.staging_bytes} is too small"
+            )
+        return plan
+
+    def _remote_agent(self, host: str, port: int) -> _Remote:
+        key = (host, port)
+        with self._remotes_lock:
+            rem = self._remotes.get(key)
+        if rem is not None:
+            return rem
+        sock = connect(host, port, self.config.timeout_s)
+        try:
+            send_msg(sock, {"op": "hello"})
+            reply = recv_msg(sock)
+            if not reply.get("ok"):
+                raise HandshakeRefused(str(reply.get("error")))
+            with self._agent_lock:
+                agent = self._agent.add_remote_agent(base64.b64decode(reply["agent_metadata"]))
+                remote = _descs(reply["pattern"], int(reply["num_blocks"]), int(reply["dev"]))
+                handle = self._agent.prep_xfer_dlist(
+                    agent, self._agent.get_xfer_descs(remote, reply["mem_type"])
+                )
+        except BaseException:
+            sock.close()
+            raise
+        lens = [int(n) for seg in reply["pattern"] for _off, n in seg["ranges"]]
+        rem = _Remote(agent, handle, lens, tuple(reply["hashes"]), sock, threading.Lock())
+        with self._remotes_lock:
+            self._remotes[key] = rem
+        return rem
+
+    def _drop_remote(self, host: str, port: int) -> None:
+        with self._remotes_lock:
+            rem = self._remotes.pop((host, port), None)
+        if rem is None:
+            return
+        with contextlib.suppress(OSError):
+            rem.sock.close()
+        with self._agent_lock, contextlib.suppress(Exception):
+            self._agent.release_dlist_handle(rem.handle)
+            if rem.staging is not None:
+                self._agent.release_dlist_handle(rem.staging)
+            self._agent.remove_remote_agent(rem.agent)
+
+    def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
+        params = plan.params
+        for attempt in range(2):
+            with self._remotes_lock:
+                cached = (params.host, params.port) in self._remotes
+            try:
+                rem = self._remote_agent(params.host, params.port)
+                with rem.lock:
+                    self._pull_in(rem, spec, plan)
+                return
+            except HandshakeRefused:
+                raise
+            except StaleSession:
+                self._drop_remote(params.host, params.port)
+                if not cached or attempt:
+                    raise
+                # the producer restarted since this agent was added: one retry with a fresh one
+            except Exception:
+                self._drop_remote(params.host, params.port)
+                raise
+
+    def _pull_in(self, rem: _Remote, spec: LoadSpec, plan: RemotePlan) -> None:
+        params = plan.params
+        if rem.hashes != params.compatibility_hashes:
+            raise HandshakeRefused(
+                f"producer {params.host}:{params.port} now serves layouts {list(rem.hashes)}, "
+                f"the request's params declared {list(params.compatibility_hashes)}"
+            )
+        ids = list(params.block_ids)
+        reply = request(rem.sock, {"op": "pull", "request_id": params.request_id, "block_ids": ids})
+        if not reply.get("ok"):
+            raise KeyError(f"producer refused the pull: {reply.get('error')}")
+        deadline = time.monotonic() + self.config.timeout_s
+        notif = f"kv-done:{params.request_id}".encode()
+        remote_idx = self._indices(ids, rem.ranges_per_block)
+        if plan.identity and rem.range_lens == self._range_lens:
+            # same bytes in the same ranges: read straight into the cache blocks
+            local_idx = self._indices(list(spec.block_ids), self._ranges_per_block)
+            self._read(self._local, local_idx, rem.handle, remote_idx, notif, deadline)
+            return
+        # Converting: producer rows into the staging buffer, piece by piece, then convert+scatter.
+        row = rem.row_bytes
+        cap = self.config.staging_bytes // row
+        step = cap - cap % plan.merge
+        if rem.staging is None:
+            rem.staging = self._prep_staging(rem, cap)
+        local, done = list(spec.block_ids), 0
+        r = rem.ranges_per_block
+        for a in range(0, len(ids), step):
+            k = min(step, len(ids) - a)
+            last = a + k == len(ids)
+            self._read(
+                rem.staging,
+                list(range(k * r)),
+                rem.handle,
+                remote_idx[a * r : (a + k) * r],
+                notif if last else b"",
+                deadline,
+            )
+            rows = self._staging[: k * row].view(k, row)  # [k, producer row bytes]
+            m = plan.convs[0].num_dst_blocks(k)
+            self._apply_rows(rows, plan, local[done : done + m])
+            self.kv.host_sync()  # the next piece overwrites the staging rows
+            done += m
+
+    def _prep_staging(self, rem: _Remote, rows: int) -> Any:
+        """Local descriptors ``i * R + r``: staging row ``i``, range ``r`` of a producer block."""
+        import numpy as np
+
+        lens = np.array(rem.range_lens, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        base = self._staging.data_ptr() + np.arange(rows, dtype=np.int64)[:, None] * rem.row_bytes
+        descs = np.empty((rows, len(lens), 3), dtype=np.int64)
+        descs[:, :, 0] = base + starts[None, :]
+        descs[:, :, 1] = lens[None, :]
+        descs[:, :, 2] = self._dev
+        with self._agent_lock:
+            return self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", self._agent.get_xfer_descs(descs.reshape(-1, 3), self._mem_type)
+            )
+
+    def _read(
+        self,
+        local: Any,
+        local_idx: list[int],
+        remote: Any,
+        remote_idx: list[int],
+        notif: bytes,
+        deadline: float,
+    ) -> None:
+        """One READ, polled until done, failed or past ``deadline``."""
+        with self._agent_lock:
+            xfer = self._agent.make_prepped_xfer(
+                "READ", local, local_idx, remote, remote_idx, notif
+            )
+            state = self._agent.transfer(xfer)
+        try:
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"NIXL READ exceeded timeout_s={self.config.timeout_s}")
+                time.sleep(1e-4)
+                with self._agent_lock:
+                    state = self._agent.check_xfer_state(xfer)
+            if state == "ERR":
+                raise ConnectionError("NIXL READ failed (peer gone or memory unregistered)")
+        finally:
+            with self._agent_lock, contextlib.suppress(Exception):
+                self._agent.release_xfer_handle(xfer)
+
+    def close(self) -> None:
+        super().close()
+        with self._remotes_lock:
+            keys = list(self._remotes)
+        for host, port in keys:
+            self._drop_remote(host, port)
+        if self._agent is not None:
+            with self._agent_lock, contextlib.suppress(Exception):
+                self._agent.release_dlist_handle(self._local)
+                self._agent.deregister_memory(self._reg)
+                self._agent.deregister_memory(self._staging_reg)
+            self._agent = None

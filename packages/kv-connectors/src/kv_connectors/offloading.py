@@ -1,0 +1,375 @@
+"""``OffloadingConnector``: GPU <-> (pinned) CPU offload with a byte budget, LRU or ARC.
+
+The CPU tier is one ``uint8 [capacity, row_bytes]`` tensor (pinned when the cache is on CUDA):
+slot ``s`` holds one block's row (every registered cache, every layer slot, scales included).
+``capacity = cpu_bytes // row_bytes``, so the budget is never exceeded by construction; the
+eviction policy only decides *which* blocks leave. Blocks are keyed by their chained block hash,
+so a later request with the same prefix hits the CPU tier (``get_num_new_matched_tokens``).
+
+Saves are planned when a request finishes (its blocks stay allocated until ``done_sending``);
+the worker copies each segment as soon as ``save_kv_layer`` reports its last layer computed, the
+rest in ``wait_for_save``. Loads run in ``start_load_kv``, layer segment by layer segment.
+
+On CUDA every copy is enqueued on a side stream that first waits for the compute stream;
+``wait_for_layer_load`` makes the compute stream wait on the segment's event (no host sync on the
+hot path); only ``wait_for_save`` and ``get_finished`` poll events on the host, with a timeout. On
+the CPU the "GPU" cache is a CPU tensor and the same code runs with synchronous copies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kv_connectors.base import ConnectorMetadata, KVConnector, LoadSpec, RequestLike, SaveSpec, log
+from kv_connectors.config import EvictionPolicy, OffloadingConfig
+from kv_connectors.policies import Policy, make_policy
+from kv_connectors.views import RegisteredKV
+
+__all__ = ["OffloadStats", "OffloadingConnector"]
+
+
+@dataclass
+class OffloadStats:
+    """Counters since construction (blocks and bytes)."""
+
+    hit_blocks: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    evicted_blocks: int = 0
+    skipped_saves: int = 0  # blocks not stored because every resident block was pinned
+    bytes_saved: int = 0
+    bytes_loaded: int = 0
+
+
+@dataclass
+class _PendingSave:
+    spec: SaveSpec
+    slots: list[int]
+    runs: list[tuple[int, int, torch.Tensor]]  # (first slot, count, block ids on the device)
+    segments_done: set[int] = field(default_factory=set)
+    event: Any = None  # torch.cuda.Event after the last segment's copy
+
+
+def _runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, list[int]]]:
+    """Group consecutive tier slots: ``(first slot, count, block ids)`` per run, so each run is one
+    contiguous (pinned) view of the tier and one block copy per segment."""
+    out: list[tuple[int, int, list[int]]] = []
+    for s, b in zip(slots, block_ids, strict=True):
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + 1, [*out[-1][2], b])
+        else:
+            out.append((s, 1, [b]))
+    return out
+
+
+class OffloadingConnector(KVConnector):
+    """GPU <-> pinned CPU tier; see the module docstring."""
+
+    def __init__(self, config: OffloadingConfig, *, block_size: int) -> None:
+        if not isinstance(config, OffloadingConfig):
+            raise TypeError(f"config must be an OffloadingConfig, got {type(config).__name__}")
+        super().__init__(block_size=block_size)
+        self.config = config
+        self.stats = OffloadStats()
+        self._tier: torch.Tensor | None = None  # [capacity, row_bytes] uint8
+        self._policy: Policy | None = None
+        self._slot_of: dict[bytes, int] = {}
+        self._ready: set[bytes] = set()  # hashes whose bytes are in the tier
+        self._pins: dict[bytes, int] = {}  # hash -> in-flight copies using it
+        self._free: list[int] = []
+        self._pending: list[_PendingSave] = []
+        self._stream: Any = None
+        self._load_events: dict[int, Any] = {}  # segment -> event of this step's loads
+        self._adopted: ConnectorMetadata | None = None
+        self._tier_key: tuple[str, ...] = ()
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _on_register(self, kv: RegisteredKV) -> None:
+        key = tuple(lay.compatibility_hash() for lay in kv.layouts)
+        if self._tier is not None and key == self._tier_key:
+            return  # same page format (e.g. the GPU side restarted): the tier's blocks stay valid
+        self._tier_key = key
+        self._slot_of.clear()
+        self._ready.clear()
+        self._pins.clear()
+        capacity = self.config.cpu_bytes // kv.row_bytes
+        if capacity < 1:
+            raise ValueError(
+                f"OffloadingConfig.cpu_bytes={self.config.cpu_bytes} holds no block: one block "
+                f"row is {kv.row_bytes} bytes; give cpu_bytes >= {kv.row_bytes}"
+            )
+        pin = self.config.pin_memory and kv.device.type == "cuda"
+        # Segment-major: segment i of every slot is one [capacity, seg_row] array, so a run of
+        # slots of one segment is contiguous (one copy_ at copy-engine speed). [capacity * row]
+        self._tier = torch.empty(capacity * kv.row_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._tier_seg = [
+            self._tier[s.row_offset * capacity : (s.row_offset + s.row_bytes) * capacity].view(
+                capacity, s.row_bytes
+            )
+            for s in kv.segments
+        ]
+        self._policy = make_policy(EvictionPolicy(self.config.policy), capacity, self._evictable)
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out 0, 1, 2, ... in order
+        if kv.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=kv.device)
+            widest = max(s.row_bytes for s in kv.segments)
+            if self.config.staging_bytes < widest:
+                raise ValueError(
+                    f"OffloadingConfig.staging_bytes={self.config.staging_bytes} holds no segment "
+                    f"row of {widest} bytes; give staging_bytes >= {widest}"
+                )
+            self._staging = torch.empty(
+                self.config.staging_bytes, dtype=torch.uint8, device=kv.device
+            )
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._policy_or_raise().capacity
+
+    @property
+    def tier(self) -> torch.Tensor:
+        """The CPU tier, ``uint8 [capacity * row_bytes]``, segment-major (see ``_on_register``)."""
+        if self._tier is None:
+            raise RuntimeError("register_kv_caches(storages, layouts) must be called first")
+        return self._tier
+
+    def _copy_out(self, seg: int, slot: int, n: int, ids: torch.Tensor) -> None:
+        """Blocks ``ids`` of segment ``seg`` -> tier slots ``[slot, slot + n)``.
+
+        CUDA: gather into a device staging buffer (device bandwidth) and one ``copy_`` of the
+        contiguous piece to pinned memory (copy-engine bandwidth); CPU: gather straight in."""
+        kv = self.kv
+        dst = self._tier_seg[seg][slot : slot + n]  # [n, seg_row], contiguous
+        if self._stream is None:
+            kv.gather(ids, dst, segments=range(seg, seg + 1), cols=False)
+            return
+        width = kv.segments[seg].row_bytes
+        step = self.config.staging_bytes // width
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            stage = self._staging[: (b - a) * width].view(b - a, width)
+            kv.gather(ids[a:b], stage, segments=range(seg, seg + 1), cols=False)
+            dst[a:b].copy_(stage, non_blocking=True)
+
+    def _copy_in(self, seg: int, slot: int, n: int, ids: torch.Tensor) -> None:
+        """Tier slots ``[slot, slot + n)`` -> blocks ``ids`` of segment ``seg`` (inverse of
+        :meth:`_copy_out`)."""
+        kv = self.kv
+        src = self._tier_seg[seg][slot : slot + n]
+        if self._stream is None:
+            kv.scatter(src, ids, segments=range(seg, seg + 1), cols=False)
+            return
+        width = kv.segments[seg].row_bytes
+        step = self.config.staging_bytes // width
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            stage = self._staging[: (b - a) * width].view(b - a, width)
+            stage.copy_(src[a:b], non_blocking=True)
+            kv.scatter(stage, ids[a:b], segments=range(seg, seg + 1), cols=False)
+
+    def _policy_or_raise(self) -> Policy:
+        if self._policy is None:
+            raise RuntimeError(
+                "OffloadingConnector sizes its CPU tier from the registered layouts: call "
+                "register_kv_caches before scheduling"
+            )
+        return self._policy
+
+    def _evictable(self, key: object) -> bool:
+        return key in self._ready and not self._pins.get(key, 0)  # type: ignore[call-overload,unused-ignore]
+
+    def _pin(self, hashes: Iterable[bytes], delta: int) -> None:
+        for h in hashes:
+            n = self._pins.get(h, 0) + delta
+            if n:
+                self._pins[h] = n
+            else:
+                self._pins.pop(h, None)
+
+    def stored_hashes(self) -> list[bytes]:
+        """Hashes resident in the tier, next victim first."""
+        return [h for h in self._policy_or_raise().resident() if h in self._ready]  # type: ignore[misc,unused-ignore]
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        self._policy_or_raise()
+        first = num_computed_tokens // self.block_size
+        hits = 0
+        for h in request.block_hashes[first:]:
+            if h not in self._ready:
+                break
+            hits += 1
+        first, tokens = self._matched_blocks(num_computed_tokens, hits)
+        if tokens:
+            self._matched[request.request_id] = (first, hits)
+        return tokens, False  # loads run inside the forward pass, layer by layer
+
+    def _plan_load(
+        self, request: RequestLike, block_ids: list[int], first: int, count: int
+    ) -> LoadSpec:
+        spec = super()._plan_load(request, block_ids, first, count)
+        self._pin(spec.block_hashes, +1)  # no eviction between planning and copying
+        return spec
+
+    def request_finished(
+        self, request: RequestLike, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        policy = self._policy_or_raise()
+        ids: list[int] = []
+        hashes: list[bytes] = []
+        for h, b in zip(request.block_hashes, block_ids, strict=False):
+            if h in self._slot_of or h in hashes:
+                continue  # stored or being stored already
+            evicted = policy.insert(h)
+            if evicted is None:
+                self.stats.skipped_saves += 1
+                break  # every resident block is pinned: store nothing more now
+            for old in evicted:
+                self._drop(old)  # type: ignore[arg-type]
+            ids.append(b)
+            hashes.append(h)
+        if not ids:
+            return False, None
+        # The lowest free slots, in order: a request's blocks land in runs of consecutive slots,
+        # so each segment of a run is one contiguous piece of the tier and one copy.
+        self._free.sort(reverse=True)
+        for h in hashes:
+            self._slot_of[h] = self._free.pop()
+        self._pin(hashes, +1)
+        self._saves.append(SaveSpec(request.request_id, tuple(ids), tuple(hashes)))
+        return True, None
+
+    def _drop(self, h: bytes) -> None:
+        self._free.append(self._slot_of.pop(h))
+        self._ready.discard(h)
+        self.stats.evicted_blocks += 1
+
+    # -- worker side: loads --------------------------------------------------------------------
+
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        kv = self.kv
+        self._adopt(meta)  # this step's saves: copied per segment by save_kv_layer / wait_for_save
+        self._load_events.clear()
+        loads = [spec for spec in meta.loads if spec.block_ids]
+        if not loads:
+            return
+        plans = []
+        for spec in loads:
+            missing = [h for h in spec.block_hashes if h not in self._ready]
+            if missing:  # cannot happen while pinned; kept as a guard, never wrong KV
+                self._pin(spec.block_hashes, -1)
+                self._fail_load(spec, f"{len(missing)} blocks left the CPU tier", async_load=False)
+                continue
+            slots = [self._slot_of[h] for h in spec.block_hashes]
+            runs = [(s, n, kv.ids_tensor(b)) for s, n, b in _runs(slots, spec.block_ids)]
+            plans.append((spec, runs))
+        with self._side_stream():
+            for seg in range(len(kv.segments)):
+                for _spec, runs in plans:
+                    for slot, n, bids in runs:
+                        self._copy_in(seg, slot, n, bids)
+                self._load_events[seg] = self._record()
+        for spec, _ in plans:
+            self._pin(spec.block_hashes, -1)
+            for h in spec.block_hashes:
+                self._policy_or_raise().touch(h)
+            self.stats.loaded_blocks += len(spec.block_ids)
+            self.stats.hit_blocks += len(spec.block_ids)
+            self.stats.bytes_loaded += len(spec.block_ids) * kv.row_bytes
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        event = self._load_events.get(self.kv.segment_of_layer(layer))
+        if event is not None:
+            torch.cuda.current_stream(self.kv.device).wait_event(event)  # device-side wait only
+
+    # -- worker side: saves --------------------------------------------------------------------
+
+    def save_kv_layer(self, layer: int, meta: ConnectorMetadata) -> None:
+        self._adopt(meta)
+        kv = self.kv
+        seg = kv.segment_of_layer(layer)
+        s = kv.segments[seg]
+        if layer == s.first_layer + s.num_layers - 1:  # the segment is complete: copy it now
+            self._save_segments(range(seg, seg + 1))
+
+    def _adopt(self, meta: ConnectorMetadata) -> None:
+        if meta is self._adopted:
+            return  # save_kv_layer hands the same step's metadata once per layer
+        self._adopted = meta
+        for spec in meta.saves:
+            slots = [self._slot_of[h] for h in spec.block_hashes]
+            runs = [(s, n, self.kv.ids_tensor(b)) for s, n, b in _runs(slots, spec.block_ids)]
+            self._pending.append(_PendingSave(spec, slots, runs))
+
+    def _save_segments(self, segments: range) -> None:
+        kv = self.kv
+        with self._side_stream():
+            for p in self._pending:
+                if p.event is not None:
+                    continue
+                todo = [i for i in segments if i not in p.segments_done]
+                for seg in todo:
+                    for slot, n, bids in p.runs:
+                        self._copy_out(seg, slot, n, bids)
+                    p.segments_done.add(seg)
+                if len(p.segments_done) == len(kv.segments):
+                    p.event = self._record() or True
+
+    def wait_for_save(self, meta: ConnectorMetadata | None = None) -> None:
+        if meta is not None:
+            self._adopt(meta)
+        self._save_segments(range(len(self.kv.segments)))
+        deadline = time.monotonic() + self.config.timeout_s
+        while not self._collect() and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        if self._pending:
+            log.warning(
+                "offload: %d saves still copying after %.1fs; they finish in get_finished",
+                len(self._pending),
+                self.config.timeout_s,
+            )
+
+    def _collect(self) -> bool:
+        """Finish saves whose copies completed; True when none is left."""
+        left = []
+        for p in self._pending:
+            if p.event is None or (p.event is not True and not p.event.query()):
+                left.append(p)
+                continue
+            self._ready.update(p.spec.block_hashes)
+            self._pin(p.spec.block_hashes, -1)
+            self._worker.done_sending.add(p.spec.request_id)
+            self.stats.stored_blocks += len(p.slots)
+            self.stats.bytes_saved += len(p.slots) * self.kv.row_bytes
+        self._pending = left
+        return not left
+
+    def _poll(self) -> None:
+        self._collect()
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def _side_stream(self) -> Any:
+        if self._stream is None:
+            import contextlib
+
+            return contextlib.nullcontext()
+        # the side stream starts after everything already queued on the compute stream
+        self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        return torch.cuda.stream(self._stream)
+
+    def _record(self) -> Any:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event

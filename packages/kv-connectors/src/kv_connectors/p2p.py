@@ -1,0 +1,469 @@
+"""``P2pConnector``: KV between two workers over ``torch.distributed`` point-to-point.
+
+Control travels on the side channel (JSON over TCP, see :mod:`kv_connectors._disagg`); bytes travel
+on a two-rank process group made per session (gloo between CPU processes, NCCL between GPUs), the
+producer as rank 0 and the consumer as rank 1, rendezvous through a ``TCPStore`` the producer
+hosts on its side-channel address. No global process group is touched, so a worker can talk to
+several peers and a session that broke (a peer died) is simply dropped and made again.
+
+A pull (``READ``, the default): the consumer sends ``hello`` (its layouts; the producer answers
+with its live layouts and the store port, and both build the group), then ``pull`` (request id,
+producer block ids, rows per chunk). The producer gathers the blocks chunk by chunk into two
+staging buffers (double-buffered, ``buffer_bytes`` in all) and sends each; the consumer receives
+each chunk into one of its own two buffers while it scatters the previous one, converts it if the layouts differ and scatters it into its blocks, then says
+``done`` (the producer reports the request in ``done_sending``). Every socket read and every
+send/receive has ``timeout_s``; a peer that dies breaks the socket or the group, which ends the
+load with an error (its blocks reported) well within the timeout.
+
+A push (``WRITE``): the producer connects to the consumer's side channel (``push_to``) and, in
+``wait_for_save``, sends each finished request's blocks (``push``); the consumer keeps them in a
+receive buffer bounded by ``receive_bytes`` (a push that does not fit is refused) and, when the
+request is scheduled, converts and scatters them into its blocks. The producer frees its blocks as
+soon as the push is done, whether or not the consumer has scheduled the request yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kv_connectors._disagg import DisaggConnector, RemotePlan
+from kv_connectors._sidechannel import StaleSession, connect, recv_msg, request, send_msg
+from kv_connectors.base import LoadSpec, log
+from kv_connectors.config import P2pConfig, TransferMode, parse_address
+from kv_connectors.handshake import HandshakeRefused
+from kv_connectors.views import RegisteredKV
+
+__all__ = ["P2pConnector"]
+
+_TAG = 7  # one transfer at a time per session: a fixed tag suffices
+
+
+@dataclass
+class _Staged:
+    """Pushed KV waiting in the consumer's receive buffer."""
+
+    block_ids: list[int]  # the producer's block ids, row order
+    rows: torch.Tensor  # [n, producer row bytes]
+    hashes: tuple[str, ...]  # the producer's compatibility hashes
+    expires: float
+
+
+@dataclass
+class _Session:
+    sock: socket.socket
+    pg: Any
+    hashes: tuple[str, ...]  # the producer's live compatibility hashes
+    lock: threading.Lock
+
+
+class P2pConnector(DisaggConnector):
+    """Producer and consumer of KV over torch.distributed point-to-point; see the module docstring."""
+
+    transport = "p2p"
+
+    def __init__(
+        self, config: P2pConfig, *, block_size: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        if not isinstance(config, P2pConfig):
+            raise TypeError(f"config must be a P2pConfig, got {type(config).__name__}")
+        super().__init__(config, block_size=block_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.config: P2pConfig = config
+        self._sessions: dict[tuple[str, int], _Session] = {}
+        self._sessions_lock = threading.Lock()
+        self._session_ids = itertools.count()
+        self._store: Any = None
+        self._backend = "gloo"
+        # push mode: producer side
+        self._to_push: list[tuple[str, tuple[int, ...]]] = []
+        self._pushes: dict[Future[None], str] = {}
+        # push mode: consumer side, producer request id -> _Staged (or the error that ended it)
+        self._staged: dict[str, _Staged | str] = {}
+        self._staged_bytes = 0
+        self._staged_cv = threading.Condition()
+
+    def _setup_transport(self, kv: RegisteredKV) -> None:
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "nccl" if kv.device.type == "cuda" else "gloo"
+        if backend == "nccl" and kv.device.type != "cuda":
+            raise ValueError("P2pConfig.backend='nccl' needs the KV cache on a CUDA device")
+        self._backend = backend
+        if 2 * kv.row_bytes > self.config.buffer_bytes:
+            raise ValueError(
+                f"P2pConfig.buffer_bytes={self.config.buffer_bytes} holds fewer than two block rows "
+                f"of {kv.row_bytes} bytes (transfers are double-buffered); give buffer_bytes >= "
+                f"{2 * kv.row_bytes}"
+            )
+        self._store = dist.TCPStore(
+            self.config.host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=self._timedelta(),
+        )
+
+    def _timedelta(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.config.timeout_s)
+
+    def _group(self, store: Any, session: str, rank: int) -> Any:
+        prefixed = dist.PrefixStore(f"kv-p2p/{session}", store)
+        if self._backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self._timedelta()
+            return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+        return dist.ProcessGroupGloo(prefixed, rank, 2, self._timedelta())
+
+    def _buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
+        if self._backend == "nccl":
+            return torch.empty(rows, row_bytes, dtype=torch.uint8, device=self.kv.device)
+        pin = self.kv.device.type == "cuda"  # the Triton block copies read/write pinned host rows
+        return torch.empty(rows, row_bytes, dtype=torch.uint8, pin_memory=pin)
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a send/recv: gloo blocks the host (bounded by the timeout); NCCL only makes the
+        current stream wait, so the host later polls an event (:meth:`_drain`) instead."""
+        if work.wait(self._timedelta()) is False:
+            raise TimeoutError(f"p2p transfer exceeded timeout_s={self.config.timeout_s}")
+
+    def _drain(self, deadline: float) -> None:
+        """Wait for the current CUDA stream by polling an event, never past ``deadline``."""
+        if self.kv.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"p2p transfer exceeded timeout_s={self.config.timeout_s}")
+            time.sleep(1e-4)
+
+    # -- producer: one thread per session ------------------------------------------------------
+
+    def _serve_session(self, sock: socket.socket) -> None:
+        try:
+            hello = recv_msg(sock)
+            if hello.get("op") != "hello":
+                raise ConnectionError(f"expected hello, got {hello.get('op')!r}")
+            session = f"{next(self._session_ids)}-{threading.get_ident()}"
+            send_msg(
+                sock,
+                {
+                    "ok": True,
+                    "store_port": self._store.port,
+                    "session": session,
+                    "hashes": [lay.compatibility_hash() for lay in self.kv.layouts],
+                },
+            )
+            sock.settimeout(self.config.timeout_s)
+            pg = self._group(self._store, session, 0)
+            peer_hashes = tuple(str(h) for h in hello.get("hashes", ()))
+            sock.settimeout(None)  # idle between requests is fine; transfers are bounded below
+            while True:
+                try:
+                    msg = recv_msg(sock)
+                except (ConnectionError, OSError):
+                    return  # the peer went away
+                sock.settimeout(self.config.timeout_s)
+                if msg.get("op") == "pull":
+                    self._send_blocks(sock, pg, msg)
+                elif msg.get("op") == "push":
+                    self._receive_push(sock, pg, msg, peer_hashes)
+                elif msg.get("op") == "done":
+                    self._mark_sent(str(msg["request_id"]))
+                sock.settimeout(None)
+        except Exception as exc:  # a broken session must never take the worker down
+            log.warning("p2p session ended: %s: %s", type(exc).__name__, exc)
+
+    def _send_blocks(self, sock: socket.socket, pg: Any, msg: dict[str, Any]) -> None:
+        rid = str(msg["request_id"])
+        ids = [int(b) for b in msg["block_ids"]]
+        chunk = int(msg["chunk_rows"])
+        try:
+            self._take_sendable(rid, ids)
+            self.kv.check_block_ids(ids, what="pull block_ids")
+        except (KeyError, ValueError) as exc:
+            send_msg(sock, {"ok": False, "error": str(exc)})
+            return
+        send_msg(sock, {"ok": True})
+        self._send_rows(pg, 1, ids, chunk)
+
+    def _send_rows(self, pg: Any, dst: int, ids: list[int], chunk: int) -> None:
+        """Gather blocks ``ids`` chunk by chunk and send each to ``dst``, double-buffered: the
+        gather of chunk ``i`` overlaps the send of chunk ``i - 1`` (two buffers of ``chunk`` rows,
+        which the chunk size keeps within ``buffer_bytes``)."""
+        kv = self.kv
+        deadline = time.monotonic() + self.config.timeout_s
+        bufs = [self._buffer(min(chunk, len(ids)), kv.row_bytes) for _ in range(2)]
+        stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        works: list[Any] = []
+        with ctx:
+            for i, start in enumerate(range(0, len(ids), chunk)):
+                if i >= 2:
+                    self._wait(works[i - 2])  # its buffer is free once that send completed
+                part = ids[start : start + chunk]
+                rows = bufs[i % 2][: len(part)]
+                # NCCL orders the send after this stream's gather; gloo reads host memory from its
+                # own threads, so the gather must be complete first.
+                kv.gather(kv.ids_tensor(part), rows)
+                if self._backend == "gloo":
+                    self._drain(deadline)
+                works.append(pg.send([rows], dst, _TAG))
+            for work in works[-2:]:
+                self._wait(work)
+            self._drain(deadline)
+
+    # -- consumer ------------------------------------------------------------------------------
+
+    def _session(self, host: str, port: int) -> _Session:
+        key = (host, port)
+        with self._sessions_lock:
+            sess = self._sessions.get(key)
+        if sess is not None:
+            return sess
+        sock = connect(host, port, self.config.timeout_s)
+        try:
+            send_msg(
+                sock,
+                {"op": "hello", "hashes": [lay.compatibility_hash() for lay in self.kv.layouts]},
+            )
+            reply = recv_msg(sock)
+            if not reply.get("ok"):
+                raise HandshakeRefused(str(reply.get("error")))
+            store = dist.TCPStore(
+                host, int(reply["store_port"]), is_master=False, timeout=self._timedelta()
+            )
+            pg = self._group(store, str(reply["session"]), 1)
+        except BaseException:
+            sock.close()
+            raise
+        sess = _Session(sock, pg, tuple(reply["hashes"]), threading.Lock())
+        with self._sessions_lock:
+            self._sessions[key] = sess
+        return sess
+
+    def _drop_session(self, host: str, port: int) -> None:
+        with self._sessions_lock:
+            sess = self._sessions.pop((host, port), None)
+        if sess is not None:
+            with contextlib.suppress(OSError):
+                sess.sock.close()
+            abort = getattr(sess.pg, "abort", None)  # NCCL: free a communicator that may be stuck
+            if abort is not None and self._backend == "nccl":
+                with contextlib.suppress(Exception):
+                    abort()
+
+    def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
+        params = plan.params
+        if self.config.mode is TransferMode.WRITE:
+            self._load_pushed(spec, plan)
+            return
+        for attempt in range(2):
+            with self._sessions_lock:
+                cached = (params.host, params.port) in self._sessions
+            try:
+                sess = self._session(params.host, params.port)
+                with sess.lock:
+                    self._pull_in(sess, spec, plan)
+                return
+            except HandshakeRefused:
+                raise
+            except StaleSession:
+                self._drop_session(params.host, params.port)
+                if not cached or attempt:
+                    raise
+                # the producer restarted since this session was made: one retry on a fresh one
+            except Exception:
+                self._drop_session(params.host, params.port)  # the next request makes a new one
+                raise
+
+    def _pull_in(self, sess: _Session, spec: LoadSpec, plan: RemotePlan) -> None:
+        params = plan.params
+        if sess.hashes != params.compatibility_hashes:
+            raise HandshakeRefused(
+                f"producer {params.host}:{params.port} now serves layouts {list(sess.hashes)}, "
+                f"the request's params declared {list(params.compatibility_hashes)}"
+            )
+        src_row = self.producer_row_bytes(plan)
+        # two buffers on each side (double buffering) within buffer_bytes
+        per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, self.kv.row_bytes)))
+        chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
+        ids = list(params.block_ids)
+        reply = request(
+            sess.sock,
+            {"op": "pull", "request_id": params.request_id, "block_ids": ids, "chunk_rows": chunk},
+        )
+        if not reply.get("ok"):
+            raise KeyError(f"producer refused the pull: {reply.get('error')}")
+        deadline = time.monotonic() + self.config.timeout_s
+        # Double-buffered: chunk i+1 arrives in one buffer while chunk i is scattered from the other.
+        bufs = [self._buffer(min(chunk, len(ids)), src_row) for _ in range(2)]
+        starts = list(range(0, len(ids), chunk))
+
+        def post(i: int) -> Any:
+            n = min(chunk, len(ids) - starts[i])
+            return sess.pg.recv([bufs[i % 2][:n]], 0, _TAG)
+
+        works = {0: post(0)}
+        local = list(spec.block_ids)
+        done = 0
+        for i, start in enumerate(starts):
+            if i + 1 < len(starts):
+                if self._backend == "gloo":
+                    self._drain(deadline)  # gloo fills the other buffer from the host: idle it
+                works[i + 1] = post(i + 1)  # NCCL: ordered after the scatter that read it
+            self._wait(works.pop(i))
+            n = min(chunk, len(ids) - start)
+            m = plan.convs[0].num_dst_blocks(n)
+            self._apply_rows(bufs[i % 2][:n], plan, local[done : done + m])
+            done += m
+        self._drain(deadline)  # the blocks are in place before the engine hears "done"
+        send_msg(sess.sock, {"op": "done", "request_id": params.request_id})
+
+    # -- push (WRITE) ---------------------------------------------------------------------------
+
+    def request_finished(
+        self, request: Any, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        if delay and self.config.mode is TransferMode.WRITE:
+            if self.config.push_to is None:
+                raise ValueError("P2pConfig.mode='write' needs push_to='host:port' of the consumer")
+            assert params is not None
+            self._to_push.append((request.request_id, tuple(params["block_ids"])))
+        return delay, params
+
+    def wait_for_save(self) -> None:
+        """Push mode: start pushing the requests finished since the last call (in the background;
+        each is reported in ``done_sending`` when its push ended)."""
+        todo, self._to_push = self._to_push, []
+        for rid, ids in todo:
+            fut = self._executor.submit(self._push_bound, rid, list(ids))
+            with self._lock:
+                self._pushes[fut] = rid
+
+    def _push_bound(self, rid: str, ids: list[int]) -> None:
+        self._bind_device()
+        assert self.config.push_to is not None
+        host, port = parse_address("P2pConfig", "push_to", self.config.push_to)
+        try:
+            sess = self._session(host, port)
+            with sess.lock:
+                chunk = max(1, self.config.buffer_bytes // (2 * self.kv.row_bytes))
+                msg = {"op": "push", "request_id": rid, "block_ids": ids, "chunk_rows": chunk}
+                send_msg(sess.sock, {**msg, "row_bytes": self.kv.row_bytes})
+                reply = recv_msg(sess.sock)
+                if not reply.get("ok"):
+                    raise KeyError(f"consumer refused the push: {reply.get('error')}")
+                self._send_rows(sess.pg, 0, ids, chunk)
+        except Exception:
+            self._drop_session(host, port)
+            raise
+
+    def _receive_push(
+        self, sock: socket.socket, pg: Any, msg: dict[str, Any], hashes: tuple[str, ...]
+    ) -> None:
+        rid = str(msg["request_id"])
+        ids = [int(b) for b in msg["block_ids"]]
+        chunk, row = int(msg["chunk_rows"]), int(msg["row_bytes"])
+        nbytes = len(ids) * row
+        with self._staged_cv:
+            fits = self._staged_bytes + nbytes <= self.config.receive_bytes
+            if fits:
+                self._staged_bytes += nbytes
+        if not fits:
+            reason = (
+                f"push of {rid} refused: receive buffer full (receive_bytes="
+                f"{self.config.receive_bytes}, {self._staged_bytes} held, {nbytes} more asked)"
+            )
+            with self._staged_cv:
+                self._staged[rid] = reason  # the consumer's load fails now, not at its timeout
+                self._staged_cv.notify_all()
+            send_msg(sock, {"ok": False, "error": reason})
+            return
+        send_msg(sock, {"ok": True})
+        rows = self._buffer(len(ids), row)  # [n, producer row bytes], counted in receive_bytes
+        entry: _Staged | str
+        try:
+            for start in range(0, len(ids), chunk):
+                self._wait(pg.recv([rows[start : start + chunk]], 1, _TAG))
+            self._drain(time.monotonic() + self.config.timeout_s)
+            expires = time.monotonic() + self.config.abandon_after_s
+            entry = _Staged(ids, rows, hashes, expires)
+        except Exception as exc:
+            entry = f"push of {rid} broke: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            with self._staged_cv:
+                if isinstance(entry, str):
+                    self._staged_bytes -= nbytes
+                self._staged[rid] = entry
+                self._staged_cv.notify_all()
+
+    def _load_pushed(self, spec: LoadSpec, plan: RemotePlan) -> None:
+        """Wait (bounded) for the pushed rows, then convert and scatter the ones planned."""
+        params = plan.params
+        deadline = time.monotonic() + self.config.timeout_s
+        with self._staged_cv:
+            while params.request_id not in self._staged:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no push of {params.request_id} within timeout_s={self.config.timeout_s}"
+                    )
+                self._staged_cv.wait(left)
+            entry = self._staged.pop(params.request_id)
+            if isinstance(entry, _Staged):
+                self._staged_bytes -= entry.rows.numel()
+        if isinstance(entry, str):
+            raise ConnectionError(entry)
+        if entry.hashes != params.compatibility_hashes:
+            raise HandshakeRefused(
+                f"the push came with layouts {list(entry.hashes)}, the request's params declared "
+                f"{list(params.compatibility_hashes)}"
+            )
+        where = {b: i for i, b in enumerate(entry.block_ids)}
+        missing = [b for b in params.block_ids if b not in where]
+        if missing:
+            raise KeyError(f"the push of {params.request_id} lacks producer blocks {missing[:8]}")
+        rows = self.kv.select_rows(entry.rows, [where[b] for b in params.block_ids])
+        self._apply_rows(rows, plan, spec.block_ids)
+        self._drain(deadline)
+
+    def _poll(self) -> None:
+        with self._lock:
+            done = [(f, rid) for f, rid in self._pushes.items() if f.done()]
+            for f, _ in done:
+                del self._pushes[f]
+        for f, rid in done:
+            if f.exception() is not None:
+                log.warning("p2p push of %s failed: %s", rid, f.exception())
+            self._mark_sent(rid)  # pushed or given up: either way the blocks may be freed
+        now = time.monotonic()
+        with self._staged_cv:
+            stale = [
+                r for r, e in self._staged.items() if isinstance(e, _Staged) and e.expires < now
+            ]
+            for r in stale:
+                entry = self._staged.pop(r)
+                assert isinstance(entry, _Staged)
+                self._staged_bytes -= entry.rows.numel()
+        super()._poll()
+
+    def close(self) -> None:
+        super().close()
+        with self._sessions_lock:
+            keys = list(self._sessions)
+        for host, port in keys:
+            self._drop_session(host, port)

@@ -1,0 +1,261 @@
+"""Registered KV caches as byte views, read from the layout descriptor only.
+
+A connector never looks at a tensor's shape to learn what it holds: it takes each cache's
+:class:`kv_spec.KVCacheLayout` and moves *whole blocks* as rows of bytes. A *row* of one block is
+the bytes ``kv_kernels.gather_blocks`` writes for it: every layer slot's page, layer-major
+(``[L, page_bytes]``, padding and inline per-token-head scales included, so quantized KV always
+travels with its scales). With several registered caches (hybrid models: one per KV-cache group,
+sharing one block-id space), a block's row is the caches' rows one after the other.
+
+A *segment* is what moves in one ``gather_blocks``/``scatter_blocks`` call: one layer slot of a
+per-layer (``L``-outer) cache, or a whole cross-layer slab. Layer-wise loading waits per segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from kv_kernels import KVCacheStorage, gather_blocks, scatter_blocks
+from kv_spec import KVCacheLayout
+
+__all__ = ["ByteRange", "CacheSegment", "RegisteredKV", "single_layer_layout"]
+
+
+def single_layer_layout(layout: KVCacheLayout) -> KVCacheLayout:
+    """The layout of one layer slot of an ``L``-outer cache (same page, ``num_layers=1``)."""
+    data = layout.to_dict()
+    data["num_layers"] = 1
+    return KVCacheLayout.from_dict(data)
+
+
+class ByteRange(tuple[int, int]):
+    """``(address, nbytes)`` of one contiguous piece of a block (what NIXL descriptors name)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class CacheSegment:
+    """One unit of block copies: a per-layer tensor or a cross-layer slab."""
+
+    cache_index: int  # which registered cache
+    first_layer: int  # global index (over all registered caches) of its first layer slot
+    num_layers: int
+    storage: (
+        KVCacheStorage  # what gather_blocks takes: ``[tensor]`` for one layer slot, or the slab
+    )
+    layout: KVCacheLayout  # its layout (num_layers=1 for a per-layer piece)
+    row_offset: int  # byte offset of this segment's pages in a block row
+    row_bytes: int  # num_layers * page_bytes
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.storage if isinstance(self.storage, torch.Tensor) else self.storage[0]
+
+    def chunk_ranges(self, block_id: int) -> list[ByteRange]:
+        """Byte ranges of block ``block_id`` in this segment, in *row order*: read one after the
+        other they are exactly the segment's part of the block's row (what ``gather_blocks``
+        writes), so a remote read of them into a buffer yields producer rows.
+
+        Layer slot ``l``'s page is ``H`` pieces of ``[N, C]`` for head-outer orders (LHBNC, BHLNC)
+        and one piece otherwise; adjacent pieces are merged (a BLNHC block is one range, an LBNHC
+        page one range, an LHBNC page one range per head, a BHLNC block one per layer and head).
+        """
+        lay = self.layout
+        base = self.tensor.data_ptr() + block_id * lay.block_stride_bytes
+        s_layer, _s_block, s_head = lay.byte_strides[:3]
+        if lay.order.page_contiguous:
+            pieces, piece, s_piece = 1, lay.page_bytes, 0
+        else:
+            pieces, piece, s_piece = (
+                lay.num_kv_heads,
+                lay.block_size * lay.content_size * lay.element_bytes,
+                s_head,
+            )
+        out: list[ByteRange] = []
+        for layer in range(self.num_layers):
+            for j in range(pieces):
+                addr = base + layer * s_layer + j * s_piece
+                if out and out[-1][0] + out[-1][1] == addr:
+                    out[-1] = ByteRange((out[-1][0], out[-1][1] + piece))
+                else:
+                    out.append(ByteRange((addr, piece)))
+        return out
+
+
+class RegisteredKV:
+    """Every registered cache of a worker, cut into segments, with whole-block byte copies."""
+
+    def __init__(
+        self,
+        storages: KVCacheStorage | Sequence[KVCacheStorage],
+        layouts: KVCacheLayout | Sequence[KVCacheLayout],
+    ) -> None:
+        if isinstance(layouts, KVCacheLayout):
+            layouts = [layouts]
+            storages = [storages]  # type: ignore[list-item]
+        layouts = list(layouts)
+        storages = list(storages)
+        if not layouts:
+            raise ValueError("register_kv_caches needs at least one (storage, layout) pair")
+        if len(storages) != len(layouts):
+            raise ValueError(
+                f"register_kv_caches got {len(storages)} storages and {len(layouts)} layouts; "
+                "pass one layout per storage"
+            )
+        for i, lay in enumerate(layouts):
+            if not isinstance(lay, KVCacheLayout):
+                raise TypeError(f"layouts[{i}] must be a kv_spec.KVCacheLayout, got {type(lay)}")
+        num_blocks = {lay.num_blocks for lay in layouts}
+        if len(num_blocks) != 1:
+            raise ValueError(
+                f"registered caches have different num_blocks {sorted(num_blocks)}; caches that "
+                "share one block-id space must have the same number of blocks"
+            )
+        self.layouts: tuple[KVCacheLayout, ...] = tuple(layouts)
+        self.num_blocks = layouts[0].num_blocks
+        self.segments: tuple[CacheSegment, ...] = tuple(self._cut(storages, layouts))
+        self.row_bytes = sum(s.row_bytes for s in self.segments)
+        self.num_layers = sum(lay.num_layers for lay in layouts)
+        devices = {s.tensor.device for s in self.segments}
+        if len(devices) != 1:
+            raise ValueError(
+                f"registered caches are on several devices {sorted(map(str, devices))}"
+            )
+        self.device: torch.device = devices.pop()
+        # Check each storage against its layout once here (shape, strides, dtype), not per copy.
+        for seg in self.segments:
+            empty = torch.empty(0, seg.row_bytes, dtype=torch.uint8)
+            gather_blocks(seg.storage, seg.layout, [], empty, impl="reference")
+
+    @staticmethod
+    def _cut(
+        storages: Sequence[KVCacheStorage], layouts: Sequence[KVCacheLayout]
+    ) -> list[CacheSegment]:
+        out: list[CacheSegment] = []
+        layer = 0
+        offset = 0
+        for ci, (storage, lay) in enumerate(zip(storages, layouts, strict=True)):
+            if lay.order.layer_outer:
+                if isinstance(storage, torch.Tensor) or len(storage) != lay.num_layers:
+                    raise ValueError(
+                        f"cache {ci} has layout {lay.order.value} (one tensor per layer slot): pass "
+                        f"the list of {lay.num_layers} tensors allocate_kv_cache returned"
+                    )
+                one = single_layer_layout(lay)
+                for t in storage:
+                    out.append(CacheSegment(ci, layer, 1, [t], one, offset, one.page_bytes))
+                    layer += 1
+                    offset += one.page_bytes
+            else:
+                if not isinstance(storage, torch.Tensor):
+                    raise ValueError(
+                        f"cache {ci} has cross-layer layout {lay.order.value}: pass the one slab "
+                        "allocate_kv_cache returned"
+                    )
+                nbytes = lay.num_layers * lay.page_bytes
+                out.append(CacheSegment(ci, layer, lay.num_layers, storage, lay, offset, nbytes))
+                layer += lay.num_layers
+                offset += nbytes
+        return out
+
+    # -- geometry ------------------------------------------------------------------------------
+
+    def segment_of_layer(self, layer: int) -> int:
+        """Index of the segment holding global layer slot ``layer``."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} is out of range [0, {self.num_layers})")
+        for i, seg in enumerate(self.segments):
+            if seg.first_layer <= layer < seg.first_layer + seg.num_layers:
+                return i
+        raise AssertionError("segments cover every layer")  # pragma: no cover
+
+    def cache_row_slice(self, cache_index: int) -> slice:
+        """Byte columns of a block row that belong to registered cache ``cache_index``."""
+        segs = [s for s in self.segments if s.cache_index == cache_index]
+        return slice(segs[0].row_offset, segs[-1].row_offset + segs[-1].row_bytes)
+
+    def check_block_ids(self, block_ids: Sequence[int], *, what: str) -> None:
+        for b in block_ids:
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
+                raise ValueError(
+                    f"{what} holds block id {b!r}, outside [0, num_blocks={self.num_blocks})"
+                )
+
+    def ids_tensor(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as an int64 tensor on the caches' device, checked on the host first.
+
+        On CUDA the ids go through pinned memory with a non-blocking copy, so a copy call never
+        waits for the GPU (block copies skip their own range check for device ids).
+        """
+        self.check_block_ids(block_ids, what="block_ids")
+        host = torch.tensor(list(block_ids), dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def new_rows(self, n: int, *, pin: bool = False, width: int | None = None) -> torch.Tensor:
+        """A ``uint8 [n, width or row_bytes]`` host buffer for ``n`` block rows (pinned when asked
+        and the caches are on CUDA: the Triton block copies read and write pinned host rows)."""
+        pin = pin and self.device.type == "cuda"
+        cols = self.row_bytes if width is None else width
+        return torch.empty(n, cols, dtype=torch.uint8, pin_memory=pin)
+
+    def select_rows(self, rows: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
+        """``rows[index]`` that stays usable by the block copies (pinned if ``rows`` is host
+        memory and the caches are on CUDA; ``index_select`` alone returns pageable memory)."""
+        idx = torch.tensor(list(index), dtype=torch.int64, device=rows.device)
+        if rows.device.type != "cpu":
+            return rows.index_select(0, idx)
+        out = self.new_rows(len(idx), pin=True, width=rows.shape[1])
+        return torch.index_select(rows, 0, idx, out=out)
+
+    def host_sync(self) -> None:
+        """Wait for the caches' device (CUDA) before host memory read by a copy may be reused."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # -- copies --------------------------------------------------------------------------------
+
+    def gather(
+        self,
+        block_ids: Sequence[int] | torch.Tensor,
+        out: torch.Tensor,
+        *,
+        segments: range | None = None,
+        cols: bool = True,
+    ) -> None:
+        """Copy blocks ``block_ids`` of the chosen segments (default: all) into ``out``.
+
+        ``out``: ``uint8 [n, row_bytes]`` (each segment into its columns), or with ``cols=False``
+        and one segment ``uint8 [n, segment row bytes]``; on any device (pinned host or the
+        cache's GPU for the Triton path). Enqueued on the current stream when the cache is on CUDA.
+        """
+        for i in segments if segments is not None else range(len(self.segments)):
+            seg = self.segments[i]
+            part = out[:, seg.row_offset : seg.row_offset + seg.row_bytes] if cols else out
+            gather_blocks(seg.storage, seg.layout, block_ids, part)
+
+    def scatter(
+        self,
+        rows: torch.Tensor,
+        block_ids: Sequence[int] | torch.Tensor,
+        *,
+        segments: range | None = None,
+        cols: bool = True,
+    ) -> None:
+        """Copy ``rows`` (``uint8 [n, row_bytes]``, or one segment's ``[n, segment row bytes]``
+        with ``cols=False``) into blocks ``block_ids`` of the chosen segments."""
+        for i in segments if segments is not None else range(len(self.segments)):
+            seg = self.segments[i]
+            part = rows[:, seg.row_offset : seg.row_offset + seg.row_bytes] if cols else rows
+            scatter_blocks(part, seg.storage, seg.layout, block_ids)
+
+    def block_ranges(self, block_id: int) -> list[ByteRange]:
+        """Every contiguous byte range of block ``block_id`` over all segments (segment order)."""
+        out: list[ByteRange] = []
+        for seg in self.segments:
+            out.extend(seg.chunk_ranges(block_id))
+        return out

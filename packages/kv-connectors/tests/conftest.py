@@ -1,0 +1,131 @@
+"""Shared fixtures for kv-connectors tests.
+
+- ``@pytest.mark.gpu`` tests are skipped when no CUDA device is present.
+- ``make_request(request_id, num_blocks, block_size, seed, prefix)``: kv-blocktable's ``Request``
+  with its ``BlockHasher``: real chained block hashes (the connectors read only ``request_id`` and
+  ``block_hashes``).
+- ``spawn_peer(cfg)``: a producer process (``peer.py``), stopped at the end of the module.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from kv_blocktable import BlockHasher, Request
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _build(request_id: str, token_ids: list[int], block_size: int) -> Any:
+    return Request(request_id, list(token_ids), block_hasher=BlockHasher(block_size))
+
+
+@pytest.fixture
+def make_request() -> Callable[..., Any]:
+    def make(
+        request_id: str,
+        num_blocks: int,
+        block_size: int,
+        *,
+        seed: int = 0,
+        prefix: list[int] | None = None,
+    ) -> Any:
+        rng = random.Random(seed)
+        tokens = list(prefix or [])
+        tokens += [rng.randrange(32000) for _ in range(num_blocks * block_size - len(tokens))]
+        return _build(request_id, tokens, block_size)
+
+    return make
+
+
+PEER = __import__("pathlib").Path(__file__).with_name("peer.py")
+
+
+class Peer:
+    """A producer process (``peer.py``) with bounded reads of its stdout lines."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        import json
+        import queue
+        import subprocess
+        import sys
+        import threading
+
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.params: dict[str, dict[str, Any]] = {}
+        while True:
+            line = self.expect(("PARAMS", "READY"), timeout_s=90)
+            if line.startswith("READY"):
+                break
+            _tag, name, text = line.split(" ", 2)
+            self.params[name] = json.loads(text)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put("EOF")
+
+    def expect(self, prefixes: tuple[str, ...], *, timeout_s: float) -> str:
+        import queue
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(
+                    f"peer printed no {prefixes} in {timeout_s}s: {''.join(self.log)[-3000:]}"
+                ) from None
+            if line.startswith(prefixes):
+                return line
+            if line == "EOF":
+                raise RuntimeError(f"peer exited: {''.join(self.log)[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def spawn_peer() -> Any:
+    peers: list[Peer] = []
+
+    def spawn(cfg: dict[str, Any]) -> Peer:
+        peer = Peer(cfg)
+        peers.append(peer)
+        return peer
+
+    yield spawn
+    for p in peers:
+        p.stop()

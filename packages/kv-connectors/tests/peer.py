@@ -1,0 +1,124 @@
+"""A producer worker in its own process, for the two-process tests (run as a script, not collected).
+
+    python peer.py CONFIG_JSON
+
+CONFIG_JSON: {"transport": "p2p"|"nixl", "timeout_s": float, "fault": null|"die"|"stall",
+"mode": "read"|"write" and "push_to": "host:port" (P2P push), "buffer_bytes" (P2P chunk bound),
+"port" (P2P side-channel port, default any),
+"device": "cpu" | "cuda:N" (default cpu), "producers": [{"name", "layout" (layout JSON), "seed",
+"block_ids", "tp": [rank, size]}]}.
+For each producer it builds a cache filled from ``seed``, registers a connector, finishes one
+request holding ``block_ids`` and prints ``PARAMS <name> <params JSON>``; then ``READY``. It serves
+until its stdin closes (or 120 s pass). Faults: ``die`` prints ``CHUNK`` once a transfer is under
+way (P2P: the first chunk sent; NIXL: the pull received) and waits to be killed; ``stall`` never
+sends (never answers).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class _Req:
+    request_id: str
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+def _connector(cfg: dict[str, Any], prod: dict[str, Any]) -> Any:
+    from kv_connectors import NixlConfig, P2pConfig, P2pConnector
+
+    bs = json.loads(prod["layout"])["block_size"]
+    rank, size = prod.get("tp", [0, 1])
+    if cfg["transport"] == "p2p":
+        return P2pConnector(
+            P2pConfig(
+                timeout_s=cfg["timeout_s"],
+                buffer_bytes=cfg.get("buffer_bytes", 1 << 20),
+                mode=cfg.get("mode", "read"),
+                push_to=cfg.get("push_to"),
+                port=cfg.get("port", 0),
+            ),
+            block_size=bs,
+            tp_rank=rank,
+            tp_size=size,
+        )
+    from kv_connectors.nixl import NixlConnector
+
+    return NixlConnector(
+        NixlConfig(timeout_s=cfg["timeout_s"], progress_thread=False),
+        block_size=bs,
+        tp_rank=rank,
+        tp_size=size,
+    )
+
+
+def _inject(conn: Any, fault: str | None) -> None:
+    if fault is None:
+        return
+    if hasattr(conn, "_serve_pull"):  # NIXL: the producer's part of a pull is its reply
+
+        def hang(*_a: Any) -> None:
+            if fault == "die":
+                print("CHUNK", flush=True)
+            time.sleep(3600)
+
+        conn._serve_pull = hang
+        return
+    if fault == "stall":
+        conn._send_blocks = lambda *a, **k: time.sleep(3600)
+        return
+    original = conn._wait
+
+    def wait_then_die(work: Any) -> None:
+        original(work)
+        print("CHUNK", flush=True)
+        time.sleep(3600)  # the test kills this process now, mid-transfer
+
+    conn._wait = wait_then_die
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    if str(cfg.get("device", "cpu")).startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(cfg["device"])
+    from kv_connectors.testing import random_cache
+    from kv_spec import KVCacheLayout
+
+    conns = []
+    for prod in cfg["producers"]:
+        layout = KVCacheLayout.from_json(prod["layout"])
+        conn = _connector(cfg, prod)
+        device = cfg.get("device", "cpu")
+        conn.register_kv_caches(random_cache(layout, seed=prod["seed"], device=device), layout)
+        _inject(conn, cfg.get("fault"))
+        ids = prod["block_ids"]
+        req = _Req(f"req-{prod['name']}", [bytes([i]) * 32 for i in range(len(ids))])
+        delay, params = conn.request_finished(req, ids)
+        assert delay and params is not None
+        print("PARAMS", prod["name"], json.dumps(params), flush=True)
+        conn.wait_for_save()  # push mode: starts pushing to cfg["push_to"]; pull mode: no-op
+        conns.append(conn)
+    print("READY", flush=True)
+    deadline = time.monotonic() + 120
+    import select
+
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.05)
+        if ready and not sys.stdin.readline():
+            break
+        for conn in conns:
+            for rid in conn.get_finished()[0]:
+                print("SENT", rid, flush=True)
+    for conn in conns:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()

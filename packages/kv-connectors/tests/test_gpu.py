@@ -1,0 +1,139 @@
+"""The same round trips on CUDA (marked gpu; skipped on CPU CI): offload through the Triton block
+copies and a pinned tier with side-stream events, the disk tier from a GPU cache, P2P over NCCL and
+NIXL VRAM <-> VRAM between two GPUs of one host (skipped with fewer than two)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kv_connectors import (
+    FilesystemConfig,
+    FilesystemConnector,
+    OffloadingConfig,
+    OffloadingConnector,
+    P2pConfig,
+    P2pConnector,
+)
+from kv_connectors.testing import block_bytes, make_layout, random_cache
+
+pytestmark = pytest.mark.gpu
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        make_layout("LBNHC", num_blocks=64, dtype="bfloat16"),
+        make_layout("BLNHC", num_blocks=64, dtype="bfloat16"),
+        make_layout("BLHNC", num_blocks=64, dtype="fp8_e4m3", kv_quant="fp8_per_token_head"),
+        make_layout("LBNHC", num_blocks=64, head_size=192, head_size_v=128, num_kv_heads=1),
+    ],
+    ids=["LBNHC", "BLNHC", "fp8_pth", "diffkv"],
+)
+def test_offload_round_trip_on_cuda(layout: Any, make_request: Callable[..., Any]) -> None:
+    cache = random_cache(layout, seed=1, device="cuda")
+    row = layout.num_layers * layout.page_bytes
+    # a staging buffer of two block rows: the four-block transfers move in pieces
+    config = OffloadingConfig(cpu_bytes=1 << 24, staging_bytes=2 * row)
+    conn = OffloadingConnector(config, block_size=layout.block_size)
+    conn.register_kv_caches(cache, layout)
+    assert conn.tier.is_pinned()
+    src = [5, 17, 3, 40]
+    want = [block_bytes(cache, layout, b) for b in src]
+    req = make_request("a", 4, layout.block_size, seed=2)
+    conn.request_finished(req, src)
+    meta = conn.build_connector_meta()
+    conn.start_load_kv(meta)
+    for layer in range(layout.num_layers):
+        conn.save_kv_layer(layer, meta)
+    conn.wait_for_save()
+    assert conn.get_finished()[0] == {"a"}
+    b = make_request("b", 4, layout.block_size, seed=2)
+    tokens, _ = conn.get_num_new_matched_tokens(b, 0)
+    conn.update_state_after_alloc(b, [60, 61, 0, 9], tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    for layer in range(layout.num_layers):
+        conn.wait_for_layer_load(layer)
+    torch.cuda.synchronize()
+    for dst, w in zip([60, 61, 0, 9], want, strict=True):
+        assert torch.equal(block_bytes(cache, layout, dst), w)
+
+
+def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[..., Any]) -> None:
+    layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
+    cache = random_cache(layout, seed=3, device="cuda")
+    conn = FilesystemConnector(FilesystemConfig(root=tmp_path), block_size=layout.block_size)
+    conn.register_kv_caches(cache, layout)
+    want = block_bytes(cache, layout, 7)
+    conn.request_finished(make_request("a", 1, layout.block_size, seed=4), [7])
+    conn.start_load_kv(conn.build_connector_meta())
+    conn.wait_for_save()
+    conn.flush()
+    b = make_request("b", 1, layout.block_size, seed=4)
+    tokens, _ = conn.get_num_new_matched_tokens(b, 0)
+    conn.update_state_after_alloc(b, [20], tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    torch.cuda.synchronize()
+    assert torch.equal(block_bytes(cache, layout, 20), want)
+    conn.close()
+
+
+def _pull_from_gpu_peer(
+    transport: str, spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
+    peer = spawn_peer(
+        {
+            "transport": transport,
+            "timeout_s": 30,
+            "device": "cuda:0",
+            "producers": [
+                {"name": "x", "layout": layout.to_json(), "seed": 5, "block_ids": [3, 9, 1, 6]}
+            ],
+        }
+    )
+    torch.cuda.set_device(1)
+    if transport == "p2p":
+        conn: Any = P2pConnector(P2pConfig(timeout_s=30), block_size=layout.block_size)
+    else:
+        from kv_connectors import NixlConfig
+        from kv_connectors.nixl import NixlConnector
+
+        conn = NixlConnector(NixlConfig(timeout_s=30), block_size=layout.block_size)
+    cache = random_cache(layout, seed=100, device="cuda:1")
+    conn.register_kv_caches(cache, layout)
+    req = make_request("c", 4, layout.block_size)
+    conn.add_remote_request("c", peer.params["x"])
+    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, [7, 2, 11, 5], tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    deadline = time.monotonic() + 60
+    done: set[str] = set()
+    while "c" not in done and time.monotonic() < deadline:
+        done |= conn.get_finished()[1]
+        time.sleep(0.01)
+    assert "c" in done and conn.get_block_ids_with_load_errors() == set(), conn.load_error_reasons
+    src = random_cache(layout, seed=5)  # the producer's bytes, rebuilt on the CPU
+    for b, p in zip([7, 2, 11, 5], [3, 9, 1, 6], strict=True):
+        assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
+    conn.close()
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_p2p_nccl_between_two_gpus(
+    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    _pull_from_gpu_peer("p2p", spawn_peer, make_request)
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_nixl_vram_between_two_gpus(
+    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    pytest.importorskip("nixl._api")
+    _pull_from_gpu_peer("nixl", spawn_peer, make_request)

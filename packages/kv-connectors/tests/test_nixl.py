@@ -1,0 +1,221 @@
+"""NixlConnector between two real processes (UCX over loopback, DRAM): byte-exact READs for every
+block-addressing shape (per-layer, cross-layer, per-head ranges, quantized, DiffKV, padded pages),
+converting READs through the staging buffer (order, block size, TP head split); a killed producer,
+a stalled producer, a wrong-layout handshake — each a reported load error within the timeout, and
+the next request succeeds; an impossible conversion is refused with a reason."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from kv_connectors import KVTransferParams, NixlConfig
+from kv_connectors.testing import block_bytes, make_layout, random_cache
+from kv_spec import KVCacheLayout
+
+pytest.importorskip("nixl._api", reason="the nixl extra is not installed")
+from kv_connectors.nixl import NixlConnector
+
+TIMEOUT = 5.0
+BASE = make_layout("LBNHC")
+LAYOUTS: dict[str, KVCacheLayout] = {
+    "LBNHC": BASE,
+    "BLNHC": make_layout("BLNHC"),
+    "LHBNC": make_layout("LHBNC"),  # a block is one range per head
+    "BHLNC": make_layout("BHLNC"),
+    "fp8_pth": make_layout("BLNHC", dtype="fp8_e4m3", kv_quant="fp8_per_token_head"),
+    "diffkv": make_layout("LBNHC", head_size=192, head_size_v=128, num_kv_heads=1),
+    "padded": make_layout("LBNHC", page_size_bytes=BASE.page_bytes + 96),
+    "after_die": BASE,
+    "after_stall": BASE,
+    "wrong_layout": make_layout("LBNHC", dtype="bfloat16"),
+    "hnd": make_layout("LBHNC"),
+    "bs4": make_layout("LHBNC", block_size=4),
+    "tp1_h4": make_layout("BHLNC", num_kv_heads=4),
+}
+# producer name -> (consumer layout, consumer TP (rank, size))
+CONVERSIONS: dict[str, tuple[KVCacheLayout, tuple[int, int]]] = {
+    "hnd": (BASE, (0, 1)),
+    "bs4": (make_layout("BLNHC", block_size=8), (0, 1)),
+    "tp1_h4": (make_layout("LBHNC", num_kv_heads=2), (1, 2)),
+}
+PRODUCER_BLOCKS = [3, 9, 1, 6]
+
+
+def _producers(names: list[str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": n,
+            "layout": LAYOUTS[n].to_json(),
+            "seed": 10 + list(LAYOUTS).index(n),
+            "block_ids": PRODUCER_BLOCKS,
+        }
+        for n in names
+    ]
+
+
+@pytest.fixture(scope="module")
+def healthy(spawn_peer: Callable[..., Any]) -> Any:
+    return spawn_peer(
+        {"transport": "nixl", "timeout_s": TIMEOUT, "producers": _producers(list(LAYOUTS))}
+    )
+
+
+def _consumer(
+    layout: KVCacheLayout, tp: tuple[int, int] = (0, 1), **cfg: Any
+) -> tuple[NixlConnector, Any]:
+    conn = NixlConnector(
+        NixlConfig(timeout_s=TIMEOUT, progress_thread=False, **cfg),
+        block_size=layout.block_size,
+        tp_rank=tp[0],
+        tp_size=tp[1],
+    )
+    cache = random_cache(layout, seed=100)
+    conn.register_kv_caches(cache, layout)
+    return conn, cache
+
+
+def _start(
+    conn: NixlConnector,
+    params: dict[str, Any],
+    local: list[int],
+    make_request: Callable[..., Any],
+    rid: str,
+) -> int:
+    req = make_request(rid, len(local), conn.block_size)
+    conn.add_remote_request(rid, params)
+    tokens, async_load = conn.get_num_new_matched_tokens(req, 0)
+    if tokens:
+        assert async_load
+        conn.update_state_after_alloc(req, local, tokens)
+        conn.start_load_kv(conn.build_connector_meta())
+    return tokens
+
+
+def _finish(conn: NixlConnector, rid: str, limit_s: float) -> tuple[float, set[int]]:
+    start = time.monotonic()
+    recving: set[str] = set()
+    while rid not in recving and time.monotonic() - start < limit_s:
+        recving |= conn.get_finished()[1]
+        time.sleep(0.005)
+    assert rid in recving, "every load ends in done_recving, failed or not"
+    return time.monotonic() - start, conn.get_block_ids_with_load_errors()
+
+
+@pytest.mark.parametrize(
+    "name", ["LBNHC", "BLNHC", "LHBNC", "BHLNC", "fp8_pth", "diffkv", "padded"]
+)
+def test_read_between_two_processes_is_byte_exact(
+    name: str, healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    layout = LAYOUTS[name]
+    conn, cache = _consumer(layout)
+    src = random_cache(layout, seed=10 + list(LAYOUTS).index(name))
+    local = [7, 2, 11, 5]
+    untouched = block_bytes(cache, layout, 0)
+    assert (
+        _start(conn, healthy.params[name], local, make_request, f"c-{name}")
+        == 4 * layout.block_size
+    )
+    _elapsed, errors = _finish(conn, f"c-{name}", 30)
+    assert errors == set(), conn.load_error_reasons
+    for b, p in zip(local, PRODUCER_BLOCKS, strict=True):
+        assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
+    assert torch.equal(block_bytes(cache, layout, 0), untouched)
+    healthy.expect((f"SENT req-{name}",), timeout_s=10)  # the notification freed the producer
+    conn.close()
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSIONS))
+def test_converting_read_is_exact(
+    name: str, healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    prod = LAYOUTS[name]
+    layout, (rank, size) = CONVERSIONS[name]
+    # a staging buffer of two producer rows: the request moves in pieces
+    conn, cache = _consumer(
+        layout, (rank, size), staging_bytes=2 * prod.num_layers * prod.page_bytes
+    )
+    src = random_cache(prod, seed=10 + list(LAYOUTS).index(name))
+    want = [block_bytes(src, prod, b) for b in PRODUCER_BLOCKS]  # [L, H, N, Cb]
+    if layout.block_size != prod.block_size:
+        k = layout.block_size // prod.block_size
+        want = [torch.cat(want[i : i + k], dim=2) for i in range(0, len(want), k)]
+    if layout.num_kv_heads != prod.num_kv_heads:
+        h = layout.num_kv_heads
+        want = [w[:, rank * h : (rank + 1) * h] for w in want]
+    local = [7, 2, 11, 5][: len(want)]
+    assert (
+        _start(conn, healthy.params[name], local, make_request, f"c-{name}")
+        == len(want) * layout.block_size
+    )
+    _elapsed, errors = _finish(conn, f"c-{name}", 30)
+    assert errors == set(), conn.load_error_reasons
+    for b, w in zip(local, want, strict=True):
+        assert torch.equal(block_bytes(cache, layout, b), w)
+    healthy.expect((f"SENT req-{name}",), timeout_s=10)
+    conn.close()
+
+
+def test_impossible_conversion_is_refused_with_a_reason(
+    healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    conn, _ = _consumer(make_layout("LBNHC", block_size=6))
+    assert _start(conn, healthy.params["bs4"], [1, 2, 3, 4], make_request, "c-bs6") == 0
+    assert "do not divide" in conn.load_error_reasons["c-bs6"]
+    conn.close()
+
+
+def test_live_handshake_mismatch_is_a_load_error(
+    healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    conn, cache = _consumer(BASE)
+    forged = dict(healthy.params["wrong_layout"])
+    keep = {k: v for k, v in forged.items() if k not in ("layouts_json", "compatibility_hashes")}
+    forged = KVTransferParams.for_layouts([BASE], **keep).to_dict()
+    before = block_bytes(cache, BASE, 2)
+    assert _start(conn, forged, [2, 3, 4, 5], make_request, "c-forged") == 4 * BASE.block_size
+    _elapsed, errors = _finish(conn, "c-forged", 30)
+    assert errors == {2, 3, 4, 5} and "now serves layouts" in conn.load_error_reasons["c-forged"]
+    assert torch.equal(block_bytes(cache, BASE, 2), before)
+    conn.close()
+
+
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_dead_or_stalled_producer_is_a_load_error_then_next_succeeds(
+    fault: str, spawn_peer: Callable[..., Any], healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    bad = spawn_peer(
+        {
+            "transport": "nixl",
+            "timeout_s": TIMEOUT,
+            "fault": fault,
+            "producers": _producers(["LBNHC"]),
+        }
+    )
+    conn, cache = _consumer(BASE)
+    assert (
+        _start(conn, bad.params["LBNHC"], [4, 5, 6, 7], make_request, f"c-{fault}")
+        == 4 * BASE.block_size
+    )
+    if fault == "die":
+        bad.expect(("CHUNK",), timeout_s=30)
+        bad.proc.kill()
+    elapsed, errors = _finish(conn, f"c-{fault}", TIMEOUT + 30)
+    assert errors == {4, 5, 6, 7}
+    assert elapsed < TIMEOUT + 10
+    bad.proc.kill()
+    name = f"after_{fault}"
+    assert (
+        _start(conn, healthy.params[name], [8, 9, 10, 11], make_request, f"c-next-{fault}")
+        == 4 * BASE.block_size
+    )
+    _elapsed, errors = _finish(conn, f"c-next-{fault}", 30)
+    assert errors == set()
+    src = random_cache(BASE, seed=10 + list(LAYOUTS).index(name))
+    for b, p in zip([8, 9, 10, 11], PRODUCER_BLOCKS, strict=True):
+        assert torch.equal(block_bytes(cache, BASE, b), block_bytes(src, BASE, p))
+    conn.close()

@@ -1,0 +1,147 @@
+"""OffloadingConnector: byte-exact GPU(CPU here) <-> CPU-tier round trips for every layout, prefix
+hits from the tier, budget and eviction order through the connector."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from kv_connectors import OffloadingConfig, OffloadingConnector
+from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
+
+LAYOUTS = standard_layouts(num_blocks=12)
+
+
+def _save(conn: OffloadingConnector, req: Any, block_ids: list[int]) -> None:
+    delay, params = conn.request_finished(req, block_ids)
+    assert delay and params is None
+    meta = conn.build_connector_meta()
+    conn.start_load_kv(meta)
+    for layer in range(conn.kv.num_layers):
+        conn.save_kv_layer(layer, meta)
+    conn.wait_for_save()
+    sending, recving = conn.get_finished()
+    assert sending == {req.request_id} and recving == set()
+
+
+def _load(conn: OffloadingConnector, req: Any, block_ids: list[int], computed: int = 0) -> int:
+    tokens, async_load = conn.get_num_new_matched_tokens(req, computed)
+    assert not async_load
+    conn.update_state_after_alloc(req, block_ids, tokens)
+    meta = conn.build_connector_meta()
+    conn.start_load_kv(meta)
+    for layer in range(conn.kv.num_layers):
+        conn.wait_for_layer_load(layer)
+    return tokens
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_round_trip_is_byte_exact(name: str, make_request: Callable[..., Any]) -> None:
+    layout = LAYOUTS[name]
+    bs = layout.block_size
+    cache = random_cache(layout, seed=1)
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
+    conn.register_kv_caches(cache, layout)
+    req = make_request("a", 3, bs, seed=7)
+    want = [block_bytes(cache, layout, b) for b in (3, 5, 7)]
+    _save(conn, req, [3, 5, 7])
+    other = random_cache(layout, seed=2)  # a fresh process's cache: different bytes everywhere
+    conn2 = conn  # same tier, new cache registered (restart of the GPU side)
+    conn2.register_kv_caches(other, layout)
+    before = block_bytes(other, layout, 0)
+    req2 = make_request("b", 3, bs, seed=7)
+    assert _load(conn2, req2, [9, 1, 4]) == 3 * bs
+    for dst, w in zip([9, 1, 4], want, strict=True):
+        assert torch.equal(block_bytes(other, layout, dst), w)
+    assert torch.equal(block_bytes(other, layout, 0), before)  # untouched block stays
+    assert conn2.get_block_ids_with_load_errors() == set()
+
+
+def test_prefix_hit_stops_at_first_miss(make_request: Callable[..., Any]) -> None:
+    layout = make_layout("BLNHC", num_blocks=16)
+    bs = layout.block_size
+    cache = random_cache(layout, seed=3)
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
+    conn.register_kv_caches(cache, layout)
+    a = make_request("a", 4, bs, seed=1)
+    _save(conn, a, [0, 1, 2, 3])
+    shared = list(a.token_ids[: 2 * bs])
+    b = make_request("b", 4, bs, seed=2, prefix=shared)
+    assert conn.get_num_new_matched_tokens(b, 0) == (2 * bs, False)
+    # one block computed locally already: only the second is external
+    assert conn.get_num_new_matched_tokens(b, bs) == (bs, False)
+    want = block_bytes(cache, layout, 1)
+    assert _load(conn, b, [8, 9, 10, 11], computed=bs) == bs
+    assert torch.equal(block_bytes(cache, layout, 9), want)
+    assert conn.stats.hit_blocks == 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_budget_is_whole_blocks_and_never_exceeded(
+    policy: str, make_request: Callable[..., Any]
+) -> None:
+    layout = make_layout("LBNHC", num_blocks=16)
+    row = layout.num_layers * layout.page_bytes
+    cache = random_cache(layout, seed=4)
+    conn = OffloadingConnector(
+        OffloadingConfig(cpu_bytes=3 * row + row - 1, policy=policy), block_size=layout.block_size
+    )
+    conn.register_kv_caches(cache, layout)
+    assert conn.capacity_blocks == 3 and conn.tier.numel() == 3 * row
+    for i in range(5):
+        _save(conn, make_request(f"r{i}", 2, layout.block_size, seed=10 + i), [2 * i, 2 * i + 1])
+        assert len(conn.stored_hashes()) <= 3
+    assert conn.stats.evicted_blocks == 10 - 3
+
+
+def test_lru_evicts_least_recently_used(make_request: Callable[..., Any]) -> None:
+    layout = make_layout("LBNHC", num_blocks=16)
+    row = layout.num_layers * layout.page_bytes
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=2 * row), block_size=layout.block_size)
+    conn.register_kv_caches(random_cache(layout, seed=5), layout)
+    bs = layout.block_size
+    a, b, c = (make_request(n, 1, bs, seed=s) for n, s in (("a", 1), ("b", 2), ("c", 3)))
+    _save(conn, a, [0])
+    _save(conn, b, [1])
+    _load(conn, make_request("a2", 1, bs, seed=1), [5])  # a is now most recent
+    _save(conn, c, [2])  # evicts b
+    assert conn.stored_hashes() == [a.block_hashes[0], c.block_hashes[0]]
+
+
+def test_arc_keeps_reused_blocks_through_a_scan(make_request: Callable[..., Any]) -> None:
+    layout = make_layout("LBNHC", num_blocks=64)
+    row = layout.num_layers * layout.page_bytes
+    bs = layout.block_size
+    conns = {
+        p: OffloadingConnector(OffloadingConfig(cpu_bytes=4 * row, policy=p), block_size=bs)
+        for p in ("lru", "arc")
+    }
+    survived = {}
+    for p, conn in conns.items():
+        conn.register_kv_caches(random_cache(layout, seed=6), layout)
+        hot = make_request("hot", 2, bs, seed=99)
+        _save(conn, hot, [0, 1])
+        _load(conn, make_request("hot2", 2, bs, seed=99), [2, 3])  # reused: frequency list
+        for i in range(6):  # a scan of one-time prompts
+            _save(conn, make_request(f"scan{i}", 1, bs, seed=200 + i), [10 + i])
+        survived[p] = sum(h in conn.stored_hashes() for h in hot.block_hashes)
+    assert survived == {"lru": 0, "arc": 2}
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"cpu_bytes=0"):
+        OffloadingConfig(cpu_bytes=0)
+    with pytest.raises(ValueError, match=r"policy='mru'"):
+        OffloadingConfig(cpu_bytes=10, policy="mru")
+    with pytest.raises(ValueError, match=r"timeout_s=inf"):
+        OffloadingConfig(cpu_bytes=10, timeout_s=float("inf"))
+    layout = make_layout("LBNHC")
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=10), block_size=layout.block_size)
+    with pytest.raises(ValueError, match=r"holds no block"):
+        conn.register_kv_caches(random_cache(layout, seed=0), layout)
+    with pytest.raises(ValueError, match=r"block_size"):
+        OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=8).register_kv_caches(
+            random_cache(layout, seed=0), layout
+        )

@@ -1,0 +1,361 @@
+"""P2pConnector between two real processes over gloo on 127.0.0.1: byte-exact pulls for several
+layouts and conversions (order + block size, TP head split); a producer killed mid-transfer, a
+stalled producer, a wrong-layout handshake — each a reported load error within the timeout, and the
+next request succeeds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from kv_connectors import KVTransferParams, P2pConfig, P2pConnector
+from kv_connectors.testing import block_bytes, make_layout, random_cache
+from kv_spec import KVCacheLayout
+
+TIMEOUT = 5.0
+
+# name -> (producer layout, producer TP, consumer layout, consumer TP)
+CASES: dict[str, tuple[KVCacheLayout, tuple[int, int], KVCacheLayout, tuple[int, int]]] = {
+    "LBNHC": (make_layout("LBNHC"), (0, 1), make_layout("LBNHC"), (0, 1)),
+    "BLNHC": (make_layout("BLNHC"), (0, 1), make_layout("BLNHC"), (0, 1)),
+    "int8_pth": (
+        make_layout("BLHNC", dtype="int8", kv_quant="int8_per_token_head"),
+        (0, 1),
+        make_layout("BLHNC", dtype="int8", kv_quant="int8_per_token_head"),
+        (0, 1),
+    ),
+    "diffkv": (
+        make_layout("LBNHC", head_size=192, head_size_v=128, num_kv_heads=1),
+        (0, 1),
+        make_layout("LBNHC", head_size=192, head_size_v=128, num_kv_heads=1),
+        (0, 1),
+    ),
+    "hnd_bs4_to_nhd_bs8": (
+        make_layout("LBHNC", block_size=4),
+        (0, 1),
+        make_layout("BLNHC", block_size=8),
+        (0, 1),
+    ),
+    "tp1_to_tp2_rank1": (
+        make_layout("LBNHC", num_kv_heads=4),
+        (0, 1),
+        make_layout("LBNHC", num_kv_heads=2),
+        (1, 2),
+    ),
+    "after_die": (make_layout("LBNHC"), (0, 1), make_layout("LBNHC"), (0, 1)),
+    "after_stall": (make_layout("LBNHC"), (0, 1), make_layout("LBNHC"), (0, 1)),
+    "wrong_layout": (make_layout("LBNHC", dtype="bfloat16"), (0, 1), make_layout("LBNHC"), (0, 1)),
+}
+PRODUCER_BLOCKS = [3, 9, 1, 6]
+
+
+def _producers(names: list[str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": n,
+            "layout": CASES[n][0].to_json(),
+            "seed": 10 + list(CASES).index(n),
+            "block_ids": PRODUCER_BLOCKS,
+            "tp": list(CASES[n][1]),
+        }
+        for n in names
+    ]
+
+
+@pytest.fixture(scope="module")
+def healthy(spawn_peer: Callable[..., Any]) -> Any:
+    return spawn_peer(
+        {"transport": "p2p", "timeout_s": TIMEOUT, "producers": _producers(list(CASES))}
+    )
+
+
+def _consumer(name: str, **cfg: Any) -> tuple[P2pConnector, Any]:
+    _prod, _ptp, layout, (rank, size) = CASES[name]
+    conn = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, buffer_bytes=cfg.pop("buffer_bytes", 1 << 20), **cfg),
+        block_size=layout.block_size,
+        tp_rank=rank,
+        tp_size=size,
+    )
+    cache = random_cache(layout, seed=100)
+    conn.register_kv_caches(cache, layout)
+    return conn, cache
+
+
+def _pull(
+    conn: P2pConnector,
+    params: dict[str, Any],
+    local_ids: list[int],
+    make_request: Callable[..., Any],
+    rid: str,
+) -> tuple[int, set[int]]:
+    req = make_request(rid, len(local_ids), conn.block_size)
+    conn.add_remote_request(req.request_id, params)
+    tokens, async_load = conn.get_num_new_matched_tokens(req, 0)
+    if tokens == 0:
+        return 0, set()
+    assert async_load
+    conn.update_state_after_alloc(req, local_ids, tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    start = time.monotonic()
+    recving: set[str] = set()
+    while rid not in recving and time.monotonic() - start < 3 * TIMEOUT + 10:
+        recving |= conn.get_finished()[1]
+        time.sleep(0.01)
+    assert rid in recving, "every load ends in done_recving, failed or not"
+    return tokens, conn.get_block_ids_with_load_errors()
+
+
+def _want(name: str) -> list[torch.Tensor]:
+    """Expected logical bytes of the consumer's blocks, from the producer's cache."""
+    prod, _ptp, cons, (rank, _size) = CASES[name]
+    src = random_cache(prod, seed=10 + list(CASES).index(name))
+    blocks = [block_bytes(src, prod, b) for b in PRODUCER_BLOCKS]  # [L, H, N, Cb] each
+    if cons.block_size != prod.block_size:
+        k = cons.block_size // prod.block_size
+        blocks = [torch.cat(blocks[i : i + k], dim=2) for i in range(0, len(blocks), k)]
+    if cons.num_kv_heads != prod.num_kv_heads:
+        h = cons.num_kv_heads
+        blocks = [b[:, rank * h : (rank + 1) * h] for b in blocks]
+    return blocks
+
+
+@pytest.mark.parametrize(
+    "name", ["LBNHC", "BLNHC", "int8_pth", "diffkv", "hnd_bs4_to_nhd_bs8", "tp1_to_tp2_rank1"]
+)
+def test_pull_between_two_processes_is_byte_exact(
+    name: str, healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    prod, cons = CASES[name][0], CASES[name][2]
+    row = max(prod.num_layers * prod.page_bytes, cons.num_layers * cons.page_bytes)
+    conn, cache = _consumer(name, buffer_bytes=4 * row)  # two rows per chunk: several chunks
+    want = _want(name)
+    local = [7, 2, 11, 5][: len(want)]
+    untouched = block_bytes(cache, conn.kv.layouts[0], 0)
+    tokens, errors = _pull(conn, healthy.params[name], local, make_request, f"c-{name}")
+    assert tokens == len(want) * conn.block_size and errors == set()
+    for b, w in zip(local, want, strict=True):
+        assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
+    assert torch.equal(block_bytes(cache, conn.kv.layouts[0], 0), untouched)
+    healthy.expect((f"SENT req-{name}",), timeout_s=10)  # the producer frees the blocks
+    conn.close()
+
+
+def test_refused_layout_matches_nothing_and_says_why(
+    healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    conn, _cache = _consumer("LBNHC")
+    req = make_request("c-refused", 4, conn.block_size)
+    conn.add_remote_request(req.request_id, healthy.params["wrong_layout"])
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "token content differs" in conn.load_error_reasons["c-refused"]
+    conn.close()
+
+
+def test_live_handshake_mismatch_is_a_load_error(
+    healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    conn, cache = _consumer("LBNHC")
+    forged = dict(healthy.params["wrong_layout"])  # declares our layout, serves bf16
+    lay = conn.kv.layouts[0]
+    forged.update(
+        KVTransferParams.for_layouts(
+            [lay],
+            **{
+                k: v for k, v in forged.items() if k not in ("layouts_json", "compatibility_hashes")
+            },
+        ).to_dict()
+    )
+    before = block_bytes(cache, lay, 2)
+    tokens, errors = _pull(conn, forged, [2, 3, 4, 5], make_request, "c-forged")
+    assert tokens == 4 * conn.block_size and errors == {2, 3, 4, 5}
+    assert "now serves layouts" in conn.load_error_reasons["c-forged"]
+    assert torch.equal(block_bytes(cache, lay, 2), before)
+    conn.close()
+
+
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_dead_or_stalled_producer_is_a_load_error_then_next_succeeds(
+    fault: str, spawn_peer: Callable[..., Any], healthy: Any, make_request: Callable[..., Any]
+) -> None:
+    bad = spawn_peer(
+        {
+            "transport": "p2p",
+            "timeout_s": TIMEOUT,
+            "fault": fault,
+            "producers": _producers(["LBNHC"]),
+        }
+    )
+    conn, cache = _consumer(
+        "LBNHC", buffer_bytes=2 * make_layout().num_layers * make_layout().page_bytes
+    )
+    req = make_request(f"c-{fault}", 4, conn.block_size)
+    conn.add_remote_request(req.request_id, bad.params["LBNHC"])
+    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, [4, 5, 6, 7], tokens)
+    start = time.monotonic()
+    conn.start_load_kv(conn.build_connector_meta())
+    if fault == "die":
+        bad.expect(("CHUNK",), timeout_s=30)
+        bad.proc.kill()  # mid-transfer: one chunk sent, three to go
+    recving: set[str] = set()
+    while not recving and time.monotonic() - start < TIMEOUT + 30:
+        recving |= conn.get_finished()[1]
+        time.sleep(0.01)
+    assert recving == {f"c-{fault}"}
+    elapsed = time.monotonic() - start
+    assert conn.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+    if fault == "stall":
+        assert TIMEOUT * 0.9 <= elapsed < TIMEOUT + 10
+        bad.proc.kill()
+    # the connector stays usable: the next request, from a healthy producer, succeeds
+    tokens, errors = _pull(
+        conn, healthy.params[f"after_{fault}"], [8, 9, 10, 11], make_request, f"c-next-{fault}"
+    )
+    assert errors == set() and tokens == 4 * conn.block_size
+    want = _want(f"after_{fault}")
+    assert all(
+        torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
+        for b, w in zip([8, 9, 10, 11], want, strict=True)
+    )
+    conn.close()
+
+
+def _push_consumer(**cfg: Any) -> tuple[P2pConnector, Any]:
+    layout = CASES["LBNHC"][2]
+    conn = P2pConnector(
+        P2pConfig(mode="write", timeout_s=TIMEOUT, **cfg), block_size=layout.block_size
+    )
+    cache = random_cache(layout, seed=100)
+    conn.register_kv_caches(cache, layout)
+    return conn, cache
+
+
+def _push_peer(spawn_peer: Callable[..., Any], conn: P2pConnector, fault: str | None = None) -> Any:
+    host, port = conn.address
+    layout = CASES["LBNHC"][0]
+    return spawn_peer(
+        {
+            "transport": "p2p",
+            "timeout_s": TIMEOUT,
+            "mode": "write",
+            "push_to": f"{host}:{port}",
+            "buffer_bytes": 2 * layout.num_layers * layout.page_bytes,  # one block per chunk
+            "fault": fault,
+            "producers": _producers(["LBNHC"]),
+        }
+    )
+
+
+def test_push_between_two_processes_is_byte_exact(
+    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    conn, cache = _push_consumer()
+    peer = _push_peer(spawn_peer, conn)
+    peer.expect(("SENT req-LBNHC",), timeout_s=30)  # pushed (and freed) before decode scheduled it
+    tokens, errors = _pull(conn, peer.params["LBNHC"], [7, 2, 11, 5], make_request, "c-push")
+    assert tokens == 4 * conn.block_size and errors == set()
+    for b, w in zip([7, 2, 11, 5], _want("LBNHC"), strict=True):
+        assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
+    assert conn._staged_bytes == 0  # the receive buffer is released
+    conn.close()
+
+
+def test_push_refused_when_receive_buffer_full_and_producer_killed_mid_push(
+    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    conn, _cache = _push_consumer(receive_bytes=1024)  # smaller than one request's KV
+    peer = _push_peer(spawn_peer, conn)
+    start = time.monotonic()
+    tokens, errors = _pull(conn, peer.params["LBNHC"], [1, 2, 3, 4], make_request, "c-full")
+    assert tokens == 4 * conn.block_size and errors == {1, 2, 3, 4}
+    assert "receive buffer full" in conn.load_error_reasons["c-full"]
+    assert time.monotonic() - start < TIMEOUT  # refused pushes fail fast, not at the timeout
+    conn.close()
+    conn, _cache = _push_consumer()
+    bad = _push_peer(spawn_peer, conn, fault="die")
+    bad.expect(("CHUNK",), timeout_s=30)
+    bad.proc.kill()  # one block pushed, three to go
+    tokens, errors = _pull(conn, bad.params["LBNHC"], [1, 2, 3, 4], make_request, "c-dead")
+    assert errors == {1, 2, 3, 4} and "broke" in conn.load_error_reasons["c-dead"]
+    assert conn._staged_bytes == 0
+    conn.close()
+
+
+def _pair(**producer_cfg: Any) -> tuple[P2pConnector, P2pConnector, Any]:
+    layout = CASES["LBNHC"][0]
+    prod = P2pConnector(P2pConfig(timeout_s=TIMEOUT, **producer_cfg), block_size=layout.block_size)
+    prod.register_kv_caches(random_cache(layout, seed=1), layout)
+    cons = P2pConnector(P2pConfig(timeout_s=TIMEOUT, role="consumer"), block_size=layout.block_size)
+    cache = random_cache(layout, seed=2)
+    cons.register_kv_caches(cache, layout)
+    return prod, cons, cache
+
+
+def test_roles_and_consumer_requests_are_never_held(make_request: Callable[..., Any]) -> None:
+    prod, cons, _cache = _pair(role="producer")
+    bs = prod.block_size
+    req = make_request("p", 4, bs)
+    delay, params = prod.request_finished(req, [3, 9, 1, 6])
+    assert delay and params is not None and params["block_ids"] == [3, 9, 1, 6]
+    assert cons.request_finished(make_request("own", 2, bs), [0, 1]) == (False, None)  # consumer
+    producer_side = make_request("x", 2, bs)
+    prod.add_remote_request("x", params)
+    assert prod.get_num_new_matched_tokens(producer_side, 0) == (0, False)  # producer never loads
+    # the engine may accept fewer tokens than offered: only those producer blocks are pulled
+    c = make_request("c", 4, bs)
+    cons.add_remote_request("c", params)
+    assert cons.get_num_new_matched_tokens(c, 0) == (4 * bs, True)
+    cons.update_state_after_alloc(c, [5, 6, 7, 8], 2 * bs)
+    (load,) = cons.build_connector_meta().loads
+    assert load.block_ids == (5, 6) and load.params is not None and load.params.block_ids == (3, 9)
+    assert cons.request_finished(c, [5, 6, 7, 8]) == (False, None)  # loaded, never served on
+    prod.close()
+    cons.close()
+
+
+def test_abandoned_request_is_freed_and_later_pulls_are_refused(
+    make_request: Callable[..., Any],
+) -> None:
+    prod, cons, cache = _pair(abandon_after_s=0.2)
+    req = make_request("p", 2, prod.block_size)
+    _delay, params = prod.request_finished(req, [3, 9])
+    assert params is not None
+    time.sleep(0.3)
+    assert prod.get_finished()[0] == {"p"}  # given up on: the engine frees the blocks
+    before = block_bytes(cache, cons.kv.layouts[0], 5)
+    tokens, errors = _pull(cons, params, [5, 6], make_request, "late")
+    assert tokens == 2 * prod.block_size and errors == {5, 6}
+    assert "not held for sending" in cons.load_error_reasons["late"]
+    assert torch.equal(block_bytes(cache, cons.kv.layouts[0], 5), before)
+    prod.close()
+    cons.close()
+
+
+def test_restarted_producer_on_the_same_address_gets_a_fresh_session(
+    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = {
+        "transport": "p2p",
+        "timeout_s": TIMEOUT,
+        "port": port,
+        "producers": _producers(["LBNHC"]),
+    }
+    conn, cache = _consumer("LBNHC")
+    first = spawn_peer(cfg)
+    assert _pull(conn, first.params["LBNHC"], [1, 2, 3, 4], make_request, "r1")[1] == set()
+    first.stop()  # the cached session now points at a dead process
+    second = spawn_peer(cfg)  # same address, new process
+    tokens, errors = _pull(conn, second.params["LBNHC"], [5, 6, 7, 8], make_request, "r2")
+    assert tokens == 4 * conn.block_size and errors == set(), conn.load_error_reasons
+    for b, w in zip([5, 6, 7, 8], _want("LBNHC"), strict=True):
+        assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
+    conn.close()
