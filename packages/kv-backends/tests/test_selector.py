@@ -81,7 +81,15 @@ EXPECTED = {
         }
         for k in ("full", "sliding_window")
     },
-    "DeepSeek-V3": {"mla": {p: (None, ["TORCH_SDPA: MLA not supported"]) for p in PLATFORMS}},
+    "DeepSeek-V3": {
+        "mla": {
+            "cpu": (None, ["TORCH_SDPA: MLA not supported"]),
+            **{
+                p: ("TRITON_MLA", ["FLASH_ATTN: head_size 576 not supported"])
+                for p in ("sm_80", "sm_90", "sm_100")
+            },
+        }
+    },
 }
 EXPECTED["Llama-3-70B"] = EXPECTED["Qwen3-32B"] = EXPECTED["Llama-3-8B"]
 

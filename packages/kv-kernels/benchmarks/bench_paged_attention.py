@@ -9,9 +9,17 @@ Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block
 - prefill: 4 x 4096 tokens, causal, block 16. Metric: TFLOP/s,
   ``flops = 2 * 2 * B * Hq * L^2 * D / 2`` (QK^T and PV, half the square under the causal mask).
 
-``--tune`` also sweeps tile configs and split counts of our kernel (printing the best) before the
-main run. Writes ``DIR/paged_attention.json`` (list of records, see the repo's benchmark format)
-and prints one JSON line per record.
+- issue 12 paths (``_attention_cases.py``, decode, each against the copy bandwidth measured in
+  this process): per-token-head int8 / fp8 caches (bytes = data + inline scales), MLA absorbed
+  decode (DeepSeek-V3: 128 heads over a 512 + 64 latent, page 64, 64 x 4k and 8 x 32k) and
+  DiffKV 192/128 without padding.
+
+``--cases PATTERNS`` (comma-separated ``fnmatch`` patterns over case names, e.g. ``'mla*,pth*'``)
+picks cases; ``--smoke`` runs the issue-12 cases at tiny shapes under the Triton interpreter on
+the CPU (checks that the script works; no meaningful numbers). ``--tune`` also sweeps tile configs
+and split counts of our kernel (printing the best) before the main run. Writes
+``DIR/paged_attention.json`` (list of records, see the repo's benchmark format), ``.md`` and
+``.png``, and prints one JSON line per record.
 
     PYTHONPATH=packages/kv-spec/src:packages/kv-kernels/src python3 \\
         packages/kv-kernels/benchmarks/bench_paged_attention.py --out /tmp/bench [--tune]
@@ -20,6 +28,7 @@ and prints one JSON line per record.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import sys
@@ -27,12 +36,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+if "--smoke" in sys.argv:
+    # before the first import of the Triton kernels: the interpreter decides at definition time
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import torch
 import triton
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
 from kv_kernels.paged_attention import triton as pa_triton  # the package name is shadowed by the op
 from kv_spec import KVCacheLayout
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _attention_cases import new_cases
 
 HQ, H, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -203,11 +219,93 @@ def _measure(
         return None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def copy_limit() -> float:
-    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+def copy_limit(device: str = "cuda") -> float:
+    x = torch.empty(2**30 if device == "cuda" else 2**24, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
+    if device != "cuda":
+        t0 = time.perf_counter()
+        y.copy_(x)
+        return 2 * x.numel() / ((time.perf_counter() - t0) * 1e3) / 1e9
     ms = _bench(lambda: y.copy_(x))
     return 2 * x.numel() / ms / 1e9
+
+
+def run_new_cases(
+    records: list[dict], limit: float, *, smoke: bool, keep: Callable[[str], bool]
+) -> None:
+    """The issue-12 decode cases, each as TB/s of its stored bytes against the copy limit."""
+    device = "cpu" if smoke else "cuda"
+    for make in new_cases(device=device, smoke=smoke, keep=keep):
+        case = make()
+        try:
+            case.run()
+            if smoke:
+                t0 = time.perf_counter()
+                case.run()
+                ms = (time.perf_counter() - t0) * 1e3
+            else:
+                torch.cuda.synchronize()
+                ms = _bench(case.run)
+            value, err = case.nbytes / ms / 1e9, None
+        except Exception as e:  # recorded, not fatal: the other cases still run
+            ms, value, err = None, None, f"{type(e).__name__}: {str(e)[:300]}"
+        rec = {
+            "bench": "paged_attention", "case": case.name, "impl": "triton", "ms": ms,
+            "metric": "TB/s", "value": value, "baseline": "copy", "baseline_value": limit,
+            "ratio": value / limit if value is not None else None, "copy_limit": limit,
+            "bytes": case.nbytes, "smoke": smoke,
+        }  # fmt: skip
+        if err:
+            rec["error"] = err
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        del case
+        if not smoke:
+            torch.cuda.empty_cache()
+
+
+def write_report(records: list[dict], out: str, device: str) -> None:
+    """``paged_attention.json``, ``.md`` (the table printed below too) and ``.png`` (ratio of
+    each record to its baseline, one bar per record)."""
+    for r in records:
+        r.setdefault("device", device)
+    with open(os.path.join(out, "paged_attention.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    lines = [
+        f"# paged attention on {device}",
+        "",
+        "| case | impl | metric | value | vs | ratio |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        v = "—" if r["value"] is None else f"{r['value']:.3f}"
+        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(
+            f"| {r['case']} | {r['impl']} | {r['metric']} | {v} | {r['baseline']} | {ratio} |"
+        )
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "paged_attention.md"), "w") as f:
+        f.write(text)
+    print("\n" + text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG", file=sys.stderr)
+        return
+    shown = [r for r in records if r["ratio"] is not None and r["impl"] == "triton"]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(shown) + 1.5))
+    labels = [f"{r['case']} vs {r['baseline']}" for r in shown]
+    ax.barh(labels, [r["ratio"] for r in shown], color="tab:blue")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("ours / baseline (TB/s vs copy limit, or vs the named kernel)")
+    ax.set_title(f"paged attention, {device}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "paged_attention.png"), dpi=120)
+    plt.close(fig)
 
 
 DECODE = [(64, 4096, 16), (64, 4096, 128), (8, 32768, 16), (8, 32768, 128)]
@@ -301,12 +399,28 @@ def main() -> int:
     ap.add_argument(
         "--no-flex", action="store_true", help="skip FlexAttention (its compile is slow)"
     )
+    ap.add_argument(
+        "--cases", default="*", help="comma-separated fnmatch patterns of case names to run"
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="issue-12 cases, tiny, interpreted on the CPU"
+    )
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
-        return 2
+    patterns = [p.strip() for p in args.cases.split(",") if p.strip()]
+
+    def keep(name: str) -> bool:
+        return any(fnmatch.fnmatch(name, p) for p in patterns)
+
     os.makedirs(args.out, exist_ok=True)
     records: list[dict] = []
+    if args.smoke:
+        limit = copy_limit("cpu")
+        run_new_cases(records, limit, smoke=True, keep=keep)
+        write_report(records, args.out, "cpu (smoke, Triton interpreter)")
+        return 0 if all(r["value"] is not None for r in records) else 1
+    if not torch.cuda.is_available():
+        print("bench_paged_attention needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
     if args.tune:
         best = tune(records)
         with open(os.path.join(args.out, "paged_attention_tune.json"), "w") as f:
@@ -376,8 +490,10 @@ def main() -> int:
     for kind, shapes in (("decode", DECODE), ("prefill", PREFILL)):
         for batch, ctx, block in shapes:
             q_len = 1 if kind == "decode" else ctx
-            case = Case(batch=batch, ctx=ctx, block=block, q_len=q_len)
             name = f"{kind}_b{batch}_ctx{ctx}_n{block}"
+            if not keep(name):
+                continue
+            case = Case(batch=batch, ctx=ctx, block=block, q_len=q_len)
             ours = case.ours()
             ref = ours().clone()
             work = case.kv_bytes() if kind == "decode" else case.causal_flops()
@@ -409,14 +525,8 @@ def main() -> int:
             emit(name, metric, values, errors, ms_of)
             del case, ours, ref
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "paged_attention.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    print("\n| case | impl | metric | value | vs | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in records:
-        v = "—" if r["value"] is None else f"{r['value']:.3f}"
-        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"| {r['case']} | {r['impl']} | {r['metric']} | {v} | {r['baseline']} | {ratio} |")
+    run_new_cases(records, limit, smoke=False, keep=keep)
+    write_report(records, args.out, torch.cuda.get_device_name())
     return 0
 
 

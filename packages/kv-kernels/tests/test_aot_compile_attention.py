@@ -2,7 +2,8 @@
 
 The variants and tile configs come from ``kv_kernels.paged_attention.triton.aot_specs``, the same
 ``select_config`` the launcher uses, so CI compiles what a GPU would run (bf16 and fp8 caches,
-head sizes 64 / 128 / 192-128 / 256, kernel blocks 16 / 128), through ptxas, and checks that each
+head sizes 64 / 128 / 192-128 / 256, kernel blocks 16 / 128; int8 / fp8 per-token-head caches and
+the MLA latent since issue 12), through ptxas, and checks that each
 fits the arch's shared memory. Compiles run in subprocesses without the interpreter (an
 interpreted kernel object cannot be compiled), two at a time.
 
@@ -31,14 +32,18 @@ _SCRIPT = textwrap.dedent(
     from kv_kernels.paged_attention.triton import aot_specs
 
     DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4": torch.float8_e4m3fn,
-          "fp8e5": torch.float8_e5m2}
+          "fp8e5": torch.float8_e5m2, "i8": torch.int8}
     out = {}
     for case in json.load(sys.stdin):
-        arch, q, cache, d, dv, bs = case
-        key = f"sm{arch}-{cache}-d{d}-{dv}-n{bs}"
+        arch, q, cache, d, dv, bs, *variant = case
+        variant = variant[0] if variant else ""
+        key = f"sm{arch}-{cache}-d{d}-{dv}-n{bs}" + (f"-{variant}" if variant else "")
+        mla = variant == "mla"
         try:
             specs = aot_specs(q_dtype=DT[q], cache_dtype=DT[cache], head_size=d, head_size_v=dv,
-                              num_q_heads=32, num_kv_heads=8, block_size=bs, arch=arch)
+                              num_q_heads=128 if mla else 32, num_kv_heads=1 if mla else 8,
+                              block_size=bs, arch=arch, mla=mla,
+                              kv_quant=variant if variant.endswith("per_token_head") else None)
         except Exception:
             out[key] = {"_specs": {"ok": False, "error": traceback.format_exc()[-3000:]}}
             continue
@@ -77,12 +82,24 @@ DEFAULT = [
     (90, "bf16", "bf16", 256, 256, 128),
     (80, "bf16", "bf16", 256, 256, 16),
     (80, "bf16", "fp8e5", 64, 64, 128),
+    # issue 12: per-token-head caches (scales inline) and MLA's 512 + 64 latent at page 64 (the
+    # 192/128 case above already runs the head split 128 + 64 instead of padding to 256)
+    (90, "bf16", "i8", 128, 128, 16, "int8_per_token_head"),
+    (90, "bf16", "bf16", 576, 512, 64, "mla"),
+]
+FULL += [
+    (90, "bf16", "fp8e4", 128, 128, 16, "fp8_per_token_head"),
+    (90, "bf16", "i8", 192, 128, 128, "int8_per_token_head"),
+    (80, "bf16", "i8", 128, 128, 16, "int8_per_token_head"),
+    (90, "bf16", "bf16", 576, 512, 64, "mla"),
+    (80, "bf16", "bf16", 576, 512, 64, "mla"),
+    (90, "fp16", "fp16", 576, 512, 16, "mla"),
 ]
 
 
 def _key(case: tuple) -> str:
-    arch, _, cache, d, dv, bs = case
-    return f"sm{arch}-{cache}-d{d}-{dv}-n{bs}"
+    arch, _, cache, d, dv, bs, *variant = case
+    return f"sm{arch}-{cache}-d{d}-{dv}-n{bs}" + (f"-{variant[0]}" if variant else "")
 
 
 def _compile(cases: list[tuple]) -> dict[str, dict]:

@@ -18,6 +18,7 @@ __all__ = ["BACKEND_CLASSES", "BACKEND_PRIORITY", "backend_names", "get_backend"
 BACKEND_CLASSES: Final[dict[str, str]] = {
     "TORCH_SDPA": "kv_backends.backends.torch_sdpa:TorchSDPABackend",
     "TRITON": "kv_backends.backends.triton_attn:TritonBackend",
+    "TRITON_MLA": "kv_backends.backends.triton_mla:TritonMLABackend",
     "FLEX_ATTENTION": "kv_backends.backends.flex_attention:FlexAttentionBackend",
     "FLASH_ATTN": "kv_backends.backends.flash_attn:FlashAttnBackend",
     "FLASH_ATTN_DIFFKV": "kv_backends.backends.flash_attn_diffkv:FlashAttnDiffKVBackend",
@@ -25,10 +26,18 @@ BACKEND_CLASSES: Final[dict[str, str]] = {
 
 #: Per platform, the order the selector tries backends in; the first that validates wins.
 #: FLASH_ATTN_DIFFKV comes first on CUDA because it serves only head_size_v != head_size layers
-#: (and rejects the rest), so DiffKV layers get it automatically.
+#: (and rejects the rest), so DiffKV layers get it automatically. TRITON_MLA serves only MLA
+#: layers, which every other backend rejects, so its place among them decides nothing else.
 BACKEND_PRIORITY: Final[dict[str, tuple[str, ...]]] = {
     "cpu": ("TORCH_SDPA", "FLEX_ATTENTION"),
-    "cuda": ("FLASH_ATTN_DIFFKV", "FLASH_ATTN", "TRITON", "FLEX_ATTENTION", "TORCH_SDPA"),
+    "cuda": (
+        "FLASH_ATTN_DIFFKV",
+        "FLASH_ATTN",
+        "TRITON_MLA",
+        "TRITON",
+        "FLEX_ATTENTION",
+        "TORCH_SDPA",
+    ),
 }
 
 

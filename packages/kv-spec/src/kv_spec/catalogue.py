@@ -51,6 +51,32 @@ class ModelConfig:
             return False
         return self.sliding_layers is None or layer in self.sliding_layers
 
+    def check_tensor_parallel(self, tensor_parallel_size: object) -> int:
+        """``tensor_parallel_size`` if this model's heads split evenly over it, else ``ValueError``.
+
+        vLLM's rule: query heads must divide evenly (``num_q_heads % tp == 0``); KV heads are
+        split when ``tp <= num_kv_heads`` (``num_kv_heads % tp == 0``) and replicated when
+        ``tp > num_kv_heads`` (``tp % num_kv_heads == 0``, one head a rank). MLA's single latent
+        is replicated on every rank. (kv_backends.check_tensor_parallel states the same rule.)
+        """
+        tp = check_positive_int(self.name, "tensor_parallel_size", tensor_parallel_size)
+        if self.num_q_heads % tp:
+            divisors = [d for d in range(1, self.num_q_heads + 1) if self.num_q_heads % d == 0]
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide {self.name}'s {self.num_q_heads} query "
+                f"heads; use one of {divisors}"
+            )
+        if self.mla:
+            return tp
+        for heads in sorted({self.num_kv_heads, self.swa_num_kv_heads or self.num_kv_heads}):
+            if (tp <= heads and heads % tp) or (tp > heads and tp % heads):
+                raise ValueError(
+                    f"tensor_parallel_size={tp} neither divides {self.name}'s {heads} KV heads nor "
+                    f"is a multiple of them (to replicate one head per rank); use a divisor of "
+                    f"{heads} or a multiple of {heads} that divides {self.num_q_heads}"
+                )
+        return tp
+
     def kv_specs(
         self,
         *,
@@ -59,8 +85,12 @@ class ModelConfig:
         kv_quant: KVQuantMode | str = KVQuantMode.NONE,
         tensor_parallel_size: int = 1,
     ) -> dict[str, AttentionSpec]:
-        """Per-layer specs (``model.layers.{i}.self_attn``) as one tensor-parallel rank holds them."""
-        tp = check_positive_int(self.name, "tensor_parallel_size", tensor_parallel_size)
+        """Per-layer specs (``model.layers.{i}.self_attn``) as one tensor-parallel rank holds them.
+
+        ``tensor_parallel_size`` must split the heads evenly (:meth:`check_tensor_parallel`);
+        nothing is floored.
+        """
+        tp = self.check_tensor_parallel(tensor_parallel_size)
         cache_dtype = dtype or self.dtype
         kv_quant = KVQuantMode.parse(kv_quant)
         out: dict[str, AttentionSpec] = {}
@@ -83,8 +113,9 @@ class ModelConfig:
                     if sliding and self.swa_num_kv_heads
                     else self.num_kv_heads
                 )
-                # KV heads split across ranks; with fewer heads than ranks each rank keeps a replica.
-                local = max(1, heads // tp)
+                # KV heads split across ranks; with fewer heads than ranks (tp a multiple of
+                # them, checked above) each rank keeps one replicated head.
+                local = heads // tp if tp <= heads else 1
                 common = dict(
                     block_size=block_size,
                     num_kv_heads=local,

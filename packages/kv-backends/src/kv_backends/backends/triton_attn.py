@@ -5,6 +5,17 @@ The impl passes ``impl="triton"`` explicitly: on CUDA that is the kernel, on the
 under ``TRITON_INTERPRET=1`` (the tests) and otherwise raises; it never quietly runs the reference.
 Batch invariance comes from a fixed split count (``num_splits``, default 1 under
 ``batch_invariant``), which makes each sequence's result independent of the rest of the batch.
+
+Bad metadata on the device. ``check_metadata=True`` gives the impl an int32 counter per device
+that the kernels add to instead of syncing: bad block ids / pages and ``q_len > seq_len`` in
+attention, slots past the cache in the cache write. Read it when a sync is free anyway (e.g. once
+per step, after sampling): ``impl.metadata_errors(device)`` returns the tensor (no sync),
+``impl.reset_metadata_errors()`` zeroes it. It is made on the first call on a device (or at
+construction with ``device=``), so it exists before a CUDA graph is captured and is updated by
+every replay.
+
+Per-token-head quantized caches (``int8_per_token_head`` / ``fp8_per_token_head``) are read with
+their inline float32 scales; the layer passes no ``k_scale`` / ``v_scale`` for them.
 """
 
 from __future__ import annotations
@@ -22,8 +33,9 @@ __all__ = ["TritonBackend", "TritonImpl"]
 
 class TritonImpl(AttentionImpl):
     """Per-layer TRITON attention. Options: ``num_splits`` (``None`` = the kernel's heuristic;
-    forced to 1 under batch invariance unless given) and ``impl`` (``"triton"``; tests may pass
-    ``"reference"`` to compare dispatch overhead)."""
+    forced to 1 under batch invariance unless given), ``impl`` (``"triton"``; tests may pass
+    ``"reference"`` to compare dispatch overhead) and ``check_metadata`` (count bad metadata in
+    a device flag, see the module docstring)."""
 
     def __init__(
         self,
@@ -32,8 +44,13 @@ class TritonImpl(AttentionImpl):
         *,
         num_splits: int | None = None,
         impl: str = "triton",
+        check_metadata: bool = False,
         **kw: Any,
     ) -> None:
+        if not isinstance(check_metadata, bool):
+            raise TypeError(f"check_metadata={check_metadata!r} must be a bool")
+        self.check_metadata = check_metadata
+        self._error_flags: dict[torch.device, torch.Tensor] = {}
         super().__init__(config, layout, **kw)
         if num_splits is None and config.batch_invariant:
             num_splits = 1
@@ -46,6 +63,49 @@ class TritonImpl(AttentionImpl):
 
     def cache_write_impl(self) -> str:
         return self.impl
+
+    def device_params(self, device: torch.device) -> Any:
+        params = super().device_params(device)
+        if self.check_metadata and device not in self._error_flags:
+            # made beside the layer's other device tensors: never inside a CUDA-graph capture
+            self._error_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return params
+
+    def metadata_errors(self, device: torch.device | str) -> torch.Tensor:
+        """The int32 ``[1]`` count of bad metadata the kernels saw on ``device`` since the last
+        reset (a device tensor: reading its value is the caller's one sync)."""
+        if not self.check_metadata:
+            raise ValueError("metadata_errors needs the impl made with check_metadata=True")
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device_params(dev)
+        return self._error_flags[dev]
+
+    def reset_metadata_errors(self) -> None:
+        for flag in self._error_flags.values():
+            flag.zero_()
+
+    def _error_flag(self, device: torch.device) -> torch.Tensor | None:
+        return self._error_flags[device] if self.check_metadata else None
+
+    def do_kv_cache_update(
+        self,
+        layer: object,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """The base write, with slots past the cache counted in the metadata flag when on."""
+        from kv_kernels.reshape_and_cache import reshape_and_cache
+
+        self.check_cache(kv_cache)
+        k_scale, v_scale = self.scales(layer, kv_cache.device)
+        reshape_and_cache(
+            key, value, kv_cache, slot_mapping, self.layout, k_scale, v_scale,
+            impl=self.cache_write_impl(), error_flag=self._error_flag(kv_cache.device),
+        )  # fmt: skip
 
     def forward(
         self,
@@ -84,6 +144,7 @@ class TritonImpl(AttentionImpl):
             num_splits=self.num_splits,
             out=result,
             impl=self.impl,
+            error_flag=self._error_flag(q.device),
         )
         return result
 
@@ -92,8 +153,8 @@ class TritonBackend(AttentionBackend):
     NAME: ClassVar[str] = "TRITON"
     CAPABILITIES: ClassVar[BackendCapabilities] = BackendCapabilities(
         dtypes=("float32", "float16", "bfloat16"),
-        kv_cache_dtypes=("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
-        kv_quant_modes=("none", "fp8_per_tensor"),
+        kv_cache_dtypes=("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"),
+        kv_quant_modes=("none", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head"),
         head_size_rule=(16, 256, 1),
         supports_head_size_v_diff=True,
         kernel_block_size_multiple_of=1,
@@ -108,7 +169,7 @@ class TritonBackend(AttentionBackend):
         cudagraph_support="uniform_batch",
         min_compute_capability=(8, 0),
         needs_gpu=True,
-        notes="kv-kernels' unified Triton kernel; reads any layout order through strides; batch-invariant with a fixed num_splits.",
+        notes="kv-kernels' unified Triton kernel; reads any layout order through strides; per-token-head int8/fp8 caches with inline scales; batch-invariant with a fixed num_splits.",
     )
     builder_cls = MetadataBuilder
     impl_cls = TritonImpl

@@ -8,11 +8,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kv_kernels.paged_attention._kernels import (
-    merge_splits_kernel,
-    merge_two_kernel,
-    paged_attention_kernel,
-)
+from kv_kernels.paged_attention._kernels import paged_attention_kernel
+from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
 from kv_kernels.paged_attention._tiles import kernel_constexprs, pow2, select_config
 
 __all__ = ["AotSpec", "aot_specs"]
@@ -36,15 +33,18 @@ _TRITON_TYPES = {
     torch.bfloat16: "bf16",
     torch.float8_e4m3fn: "fp8e4nv",
     torch.float8_e5m2: "fp8e5",
+    torch.int8: "i8",
 }
 
 
-def _attention_signature(qt: str, ct: str) -> dict[str, str]:
-    """Argument types of the attention kernel; cache strides are ``i64`` (the large-cache case)."""
+def _attention_signature(qt: str, ct: str, st: str) -> dict[str, str]:
+    """Argument types of the attention kernel; cache strides are ``i64`` (the large-cache case).
+    ``st``: the type the inline scales are read as (``fp32`` words; the cache's own otherwise)."""
     i32, i64 = "i32", "i64"
     return {
         "q_ptr": f"*{qt}", "stride_qt": i32, "stride_qh": i32, "stride_qd": i32,
         "kv_ptr": f"*{ct}", "stride_kb": i64, "stride_kh": i64, "stride_kn": i64, "stride_kc": i64,
+        "kvs_ptr": f"*{st}",
         "bt_ptr": "*i32", "stride_bts": i32, "stride_btb": i32,
         "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32",
         "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "stride_ks": i32, "stride_vs": i32,
@@ -53,7 +53,7 @@ def _attention_signature(qt: str, ct: str) -> dict[str, str]:
         "lse_ptr": "*fp32", "stride_lt": i32, "stride_lh": i32,
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "err_ptr": "*i32",
         "num_seqs": i32, "num_q_heads": i32, "num_blocks": i32, "max_blocks": i32,
-        "k_start": i32, "v_start": i32, "scale": "fp32", "softcap": "fp32", "window": i32,
+        "k_start": i32, "v_start": i32, "ks_idx": i32, "vs_idx": i32, "scale": "fp32", "softcap": "fp32", "window": i32,
         "q_len_min": i32, "q_len_max": i32,
     }  # fmt: skip
 
@@ -67,9 +67,13 @@ def _attention_specs(
     group: int,
     block_size: int,
     arch: int,
+    inline_scales: bool,
+    mla: bool,
 ) -> list[AotSpec]:
-    sig = _attention_signature(_TRITON_TYPES[q_dtype], _TRITON_TYPES[cache_dtype])
+    ct = _TRITON_TYPES[cache_dtype]
+    sig = _attention_signature(_TRITON_TYPES[q_dtype], ct, "fp32" if inline_scales else ct)
     elem = torch.empty((), dtype=cache_dtype).element_size()
+    scale_mode = 3 if inline_scales else (2 if elem == 1 else 0)
     # Arguments Triton sees as multiples of 16 at launch (aligned pointers, page strides).
     aligned = (
         *tuple(n for n, t in sig.items() if t.startswith("*")),
@@ -86,6 +90,7 @@ def _attention_specs(
             block_size=block_size,
             elem_bytes=elem,
             arch=arch,
+            v_from_k=mla,
         )
         consts: dict[str, Any] = kernel_constexprs(
             cfg,
@@ -99,11 +104,13 @@ def _attention_specs(
             sinks=not split,
             softcap=kind == "prefill",
             alibi=False,
-            kv_scale_mode=2 if elem == 1 else 0,
+            kv_scale_mode=scale_mode,
             split=split,
             write_lse=True,
             dot_ieee=q_dtype == torch.float32,
             check=not split,  # both the counting and the plain variant compile
+            v_from_k=mla,
+            scale_words=inline_scales,
         )
         # Unit strides are specialized to constants at launch (Triton does so for ints == 1);
         # the AOT build does the same so it compiles the vectorized code that runs.
@@ -180,10 +187,19 @@ def aot_specs(
     num_kv_heads: int,
     block_size: int,
     arch: int,
+    kv_quant: str | None = None,
+    mla: bool = False,
 ) -> list[AotSpec]:
     """Every kernel variant the launcher would run on such a cache, with the launcher's own
     configs (so CI compiles what runs). Strides of the cache are ``i64`` (the large-cache case);
-    ``aligned`` names the arguments Triton would see as multiples of 16 at launch."""
+    ``aligned`` names the arguments Triton would see as multiples of 16 at launch.
+
+    ``kv_quant``: ``None`` (unquantized, or fp8 per tensor for an fp8 cache) or a per-token-head
+    mode (scales read inline as float32 words); ``mla``: one latent (``head_size = head_size_v``
+    + rope tail), V read from K's tile."""
+    inline = kv_quant in ("int8_per_token_head", "fp8_per_token_head")
+    if kv_quant not in (None, "none", "fp8_per_tensor") and not inline:
+        raise ValueError(f"aot_specs: kv_quant={kv_quant!r} is not a mode the kernel reads")
     return [
         *_attention_specs(
             q_dtype,
@@ -193,6 +209,8 @@ def aot_specs(
             group=num_q_heads // num_kv_heads,
             block_size=block_size,
             arch=arch,
+            inline_scales=inline,
+            mla=mla,
         ),
         *_merge_specs(_TRITON_TYPES[q_dtype], head_size_v),
     ]

@@ -17,9 +17,22 @@ vectorized), so the rows that touch it are wrong but nothing faults; the program
 such reads (and of sequences with ``q_len > seq_len``) to the int32 ``err_ptr[0]`` when ``CHECK``
 is on, so a caller can test one flag instead of syncing every step.
 
+Head shapes. A head that is a power of two plus a power-of-two tail >= 16 (DiffKV 192 = 128 + 64,
+MLA 576 = 512 + 64) is read as two column tiles, ``D_PAD`` and ``D_TAIL``, and q.k is the sum of
+two dots: no padding to the next power of two. ``V_FROM_K`` (MLA, absorbed): V is the first
+``HEAD_SIZE_V = D_PAD`` columns of the latent tile just read for K, so each page is read once. A
+GQA group too large for one accumulator (MLA's 128 heads x 512) is cut into ``HEAD_CHUNKS``
+programs of ``HEADS_PER_PROG`` heads each (grid axis 1 is kv head x chunk).
+
+Quantized pages. fp8 per tensor (``KV_SCALE`` 1, 2): the scale is folded into the q.k scale and
+the output. Per token and head (``KV_SCALE`` 3, int8 / fp8 with float32 scales inline after each
+row's data, ``reshape_and_cache``'s layout): the tile is upcast exactly and the scales multiply the
+logit columns (K) and the probability columns before P.V (V), so no dequantized copy of the tile
+is made; the scales are read as float32 words when the cache's strides allow, else byte by byte.
+
 Split KV (flash-decoding). With ``num_splits = S > 1`` the third grid axis cuts each program's KV
 tile range into ``S`` contiguous chunks; each writes a normalized partial output and its LSE, and
-:func:`_merge_splits_kernel` merges them by log-sum-exp in a fixed order. The chunk bounds depend
+:func:`._merge.merge_splits_kernel` merges them by log-sum-exp in a fixed order. The chunk bounds depend
 only on the sequence and ``S``, so a fixed ``num_splits`` gives bit-identical results regardless of
 the batch.
 """
@@ -29,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["merge_splits_kernel", "merge_two_kernel", "paged_attention_kernel"]
+__all__ = ["paged_attention_kernel"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -110,11 +123,45 @@ def _page_offsets(
 
 
 @triton.jit
+def _inline_scale(
+    kvs_head_ptr,
+    tok_off,  # [TILE_N] int64 element offsets of the tile's tokens (1-byte cache elements)
+    idx,  # first element of the scale: a float32 index (SCALE_WORDS) or a byte index
+    stride_kc,
+    mask,  # [TILE_N] tokens to read (others read as scale 0)
+    MASKED: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+):
+    """The float32 per-token-head scales ``[TILE_N]`` stored inline after the token's data.
+
+    ``SCALE_WORDS``: the cache is also seen as float32 (every stride and the scale offset are
+    multiples of 4 bytes, ``stride_kc == 1``), so a scale is one 4-byte load at ``tok_off / 4``.
+    Otherwise the scale can sit at any byte offset and is assembled from its 4 little-endian
+    bytes, as the write kernel stores it (a misaligned float32 load would fault).
+    """
+    if SCALE_WORDS:
+        ptrs = kvs_head_ptr + tok_off // 4 + idx
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0.0)
+        return tl.load(ptrs)
+    j = tl.arange(0, 4)
+    ptrs = kvs_head_ptr + tok_off[:, None] + (idx + j[None, :]).to(tl.int64) * stride_kc
+    if MASKED:
+        b = tl.load(ptrs, mask=mask[:, None], other=0).to(tl.int32)  # [TILE_N, 4]
+    else:
+        b = tl.load(ptrs).to(tl.int32)
+    # the four bytes occupy disjoint bits, so their sum is their bitwise or
+    bits = tl.sum(b << (j * 8)[None, :], 1)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _attend_tiles(
     acc,  # [M, DV_PAD] f32
     l_i,  # [M] f32
     m_i,  # [M] f32 (log2 units)
     q,  # [M, D_PAD]
+    q2,  # [M, D_TAIL] the tail columns of q (unused, any tensor, when D_TAIL == 0)
     t_begin,
     t_end,  # KV tile range [t_begin, t_end)
     bt_row_ptr,
@@ -122,11 +169,14 @@ def _attend_tiles(
     max_blocks,
     num_blocks,
     kv_head_ptr,
+    kvs_head_ptr,  # the same head's memory as float32 words or bytes (inline scales)
     stride_kb,
     stride_kn,
     stride_kc,
     k_start,
     v_start,
+    ks_idx,
+    vs_idx,  # where K's / V's inline scale starts (see _inline_scale)
     seq_len,
     q_pos,  # [M]
     slopes,  # [M]
@@ -137,7 +187,9 @@ def _attend_tiles(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_V: tl.constexpr,
     D_PAD: tl.constexpr,
+    D_TAIL: tl.constexpr,
     DV_PAD: tl.constexpr,
+    V_FROM_K: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
@@ -146,6 +198,8 @@ def _attend_tiles(
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     FOLD_LOG2: tl.constexpr,
+    INLINE_SCALES: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     CHECK: tl.constexpr,
 ):
@@ -155,6 +209,9 @@ def _attend_tiles(
     dv_ok = offs_dv < HEAD_SIZE_V
     k_cols = (k_start + offs_d) * stride_kc  # [D_PAD]
     v_cols = (v_start + offs_dv) * stride_kc  # [DV_PAD]
+    # Split head (D_TAIL > 0): K is read as a D_PAD-wide main tile and a D_TAIL-wide tail tile and
+    # q.k is the sum of two dots, so a 192 head costs 128 + 64 columns of work, not 256.
+    k2_cols = (k_start + D_PAD + tl.arange(0, D_TAIL if D_TAIL > 0 else 16)) * stride_kc
     for t in range(t_begin, t_end):
         kpos = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
         tok_off, tok_ok = _page_offsets(
@@ -163,31 +220,57 @@ def _attend_tiles(
         )  # fmt: skip
         k_ptrs = kv_head_ptr + tok_off[:, None] + k_cols[None, :]  # [TILE_N, D_PAD]
         v_ptrs = kv_head_ptr + tok_off[:, None] + v_cols[None, :]  # [TILE_N, DV_PAD]
+        k2_ptrs = kv_head_ptr + tok_off[:, None] + k2_cols[None, :]  # [TILE_N, D_TAIL]
+        in_seq = tok_ok & (kpos < seq_len)
         if MASKED:
             # boundary tiles: tokens past the sequence and on invalid pages read as zeros
-            in_seq = tok_ok & (kpos < seq_len)
             k = tl.load(k_ptrs, mask=in_seq[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_seq[:, None] & dv_ok[None, :], other=0.0)
+            if D_TAIL > 0:
+                k2 = tl.load(k2_ptrs, mask=in_seq[:, None], other=0.0)
+            if not V_FROM_K:
+                v = tl.load(v_ptrs, mask=in_seq[:, None] & dv_ok[None, :], other=0.0)
         else:
             # the hot path keeps its unmasked, vectorized loads: an invalid page was already
             # redirected to block 0 (inside the cache) and counted by _page_offsets
-            if D_PAD == HEAD_SIZE:
+            if D_PAD + D_TAIL == HEAD_SIZE:
                 k = tl.load(k_ptrs)
             else:
                 k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            if DV_PAD == HEAD_SIZE_V:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-        # fp8 pages are upcast to the query dtype right after the load (their scale is folded
-        # into qk_scale / the output); for 16-bit caches this is a no-op.
+            if D_TAIL > 0:
+                k2 = tl.load(k2_ptrs)
+            if not V_FROM_K:
+                if DV_PAD == HEAD_SIZE_V:
+                    v = tl.load(v_ptrs)
+                else:
+                    v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+        # fp8 / int8 pages are upcast to the query dtype right after the load (exact: int8 and
+        # fp8 values are representable in 16 bits); a per-tensor scale is folded into qk_scale /
+        # the output, a per-token-head scale into the logits and the probabilities below.
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if V_FROM_K:
+            # MLA: V is the first HEAD_SIZE_V (= D_PAD) columns of the latent, the tile just read
+            v = k
+        else:
+            v = v.to(q.dtype)
         if DOT_IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            if D_TAIL > 0:
+                s = tl.dot(q2, tl.trans(k2.to(q.dtype)), s, input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # [M, TILE_N] f32
+            if D_TAIL > 0:
+                s = tl.dot(q2, tl.trans(k2.to(q.dtype)), s)
         s = s * qk_scale
+        if INLINE_SCALES:
+            # Dequantize per token and head without touching the tile: q.(k * s_k) = (q.k) s_k,
+            # and p.(v * s_v) = (p s_v).v, so the scales scale logit columns and P columns.
+            k_sc = _inline_scale(
+                kvs_head_ptr, tok_off, ks_idx, stride_kc, in_seq, MASKED, SCALE_WORDS
+            )
+            v_sc = _inline_scale(
+                kvs_head_ptr, tok_off, vs_idx, stride_kc, in_seq, MASKED, SCALE_WORDS
+            )
+            s = s * k_sc[None, :]
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
         if USE_ALIBI:
@@ -214,6 +297,8 @@ def _attend_tiles(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if INLINE_SCALES:
+            p = p * v_sc[None, :]
         if DOT_IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -271,6 +356,7 @@ def _add_sink(o, lse, sinks_ptr, head):
 def paged_attention_kernel(
     q_ptr, stride_qt, stride_qh, stride_qd,  # [T, Hq, D]
     kv_ptr, stride_kb, stride_kh, stride_kn, stride_kc,  # [B, H, N, C] layer view
+    kvs_ptr,  # the cache as float32 words (SCALE_WORDS) or bytes: inline scales (KV_SCALE == 3)
     bt_ptr, stride_bts, stride_btb,  # [num_seqs, max_blocks]
     seq_lens_ptr, qsl_ptr,  # [num_seqs], [num_seqs + 1]
     sinks_ptr, alibi_ptr,  # [Hq] f32 each (dummies when unused)
@@ -280,19 +366,24 @@ def paged_attention_kernel(
     part_out_ptr, part_lse_ptr,  # [T, Hq, S, DV_PAD] / [T, Hq, S] f32, contiguous
     err_ptr,  # [1] int32 error counter (CHECK)
     num_seqs, num_q_heads, num_blocks, max_blocks,
-    k_start, v_start, scale, softcap, window,
+    k_start, v_start, ks_idx, vs_idx, scale, softcap, window,
     q_len_min, q_len_max,  # this launch's query-length class
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    D_TAIL: tl.constexpr, V_FROM_K: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     SEQ_PER_PROGRAM: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, FOLD_LOG2: tl.constexpr,
-    KV_SCALE: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    KV_SCALE: tl.constexpr, SCALE_WORDS: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_IEEE: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
     pid_q = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # axis 1: kv head x chunk of its query heads (HEAD_CHUNKS > 1 only when GROUP > BLOCK_M,
+    # e.g. MLA's 128 heads over one latent: the accumulator of all of them would not fit)
+    kvh = tl.program_id(1) // HEAD_CHUNKS
+    chunk = tl.program_id(1) % HEAD_CHUNKS
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     if SEQ_PER_PROGRAM:
@@ -309,16 +400,17 @@ def paged_attention_kernel(
     ctx = seq_len - q_len  # absolute position of this sequence's first query token
     if CHECK:
         # q_len > seq_len has no positions for its first rows: counted once per sequence.
-        first = (q_tile == 0) & (kvh == 0) & (split == 0)
+        first = (q_tile == 0) & (tl.program_id(1) == 0) & (split == 0)
         tl.atomic_add(err_ptr, 1, mask=first & (ctx < 0))
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
-    r_tok = offs_m // GROUP
-    head = kvh * GROUP + offs_m % GROUP  # [M] q head of each row
+    r_tok = offs_m // HEADS_PER_PROG
+    head_in_group = chunk * HEADS_PER_PROG + offs_m % HEADS_PER_PROG
+    head = kvh * GROUP + head_in_group  # [M] q head of each row
     q_local = q_tile * BLOCK_Q + r_tok
-    row_ok = (r_tok < BLOCK_Q) & (q_local < q_len)
+    row_ok = (r_tok < BLOCK_Q) & (q_local < q_len) & (head_in_group < GROUP)
     q_pos = ctx + q_local  # [M]
     tok = (q_start + q_local).to(tl.int64)  # [M] row of q / out
     q_ptrs = (
@@ -328,6 +420,17 @@ def paged_attention_kernel(
         + offs_d[None, :] * stride_qd
     )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_SIZE), other=0.0)
+    if D_TAIL > 0:
+        offs_t = D_PAD + tl.arange(0, D_TAIL)
+        q2_ptrs = (
+            q_ptr
+            + tok[:, None] * stride_qt
+            + head[:, None].to(tl.int64) * stride_qh
+            + offs_t[None, :] * stride_qd
+        )
+        q2 = tl.load(q2_ptrs, mask=row_ok[:, None], other=0.0)  # [M, D_TAIL]
+    else:
+        q2 = q
 
     if KV_SCALE == 1:
         k_deq = k_scale_val
@@ -360,6 +463,10 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     kv_head_ptr = kv_ptr + kvh.to(tl.int64) * stride_kh
+    if SCALE_WORDS:
+        kvs_head_ptr = kvs_ptr + kvh.to(tl.int64) * (stride_kh // 4)
+    else:
+        kvs_head_ptr = kvs_ptr + kvh.to(tl.int64) * stride_kh
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bts
     # Three phases: the window's lower edge (masked), the fully visible middle (no mask), the
     # causal diagonal / tail (masked).
@@ -374,19 +481,20 @@ def paged_attention_kernel(
             p_lo = tl.maximum(tf_hi, s_lo)
             p_hi = tl.minimum(t_hi, s_hi)
         acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, p_lo, p_hi,
+            acc, l_i, m_i, q, q2, p_lo, p_hi,
             bt_row_ptr, stride_btb, max_blocks, num_blocks,
-            kv_head_ptr, stride_kb, stride_kn, stride_kc, k_start, v_start,
-            seq_len, q_pos, slopes, qk_scale, softcap, window, err_ptr,
-            HEAD_SIZE, HEAD_SIZE_V, D_PAD, DV_PAD, BLOCK_SIZE, TILE_N,
-            phase != 1, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, FOLD_LOG2, DOT_IEEE, CHECK,
+            kv_head_ptr, kvs_head_ptr, stride_kb, stride_kn, stride_kc, k_start, v_start,
+            ks_idx, vs_idx, seq_len, q_pos, slopes, qk_scale, softcap, window, err_ptr,
+            HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, BLOCK_SIZE, TILE_N,
+            phase != 1, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, FOLD_LOG2,
+            KV_SCALE == 3, SCALE_WORDS, DOT_IEEE, CHECK,
         )  # fmt: skip
 
     has = l_i > 0.0
     l_div = tl.where(has, l_i, 1.0)
     o = acc / l_div[:, None]  # rows that saw nothing have acc = 0
     lse = tl.where(has, (m_i + tl.log2(l_div)) * 0.6931471805599453, float("-inf"))  # natural log
-    if KV_SCALE != 0:
+    if KV_SCALE == 1 or KV_SCALE == 2:
         o = o * v_deq
     if SPLIT:
         part = (tok * num_q_heads + head) * num_splits + split  # [M] int64
@@ -408,111 +516,3 @@ def paged_attention_kernel(
         )
         if WRITE_LSE:
             tl.store(lse_ptr + tok * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
-
-
-@triton.jit
-def merge_splits_kernel(
-    part_out_ptr,
-    part_lse_ptr,  # [T, Hq, S, DV_PAD] / [T, Hq, S] f32, contiguous
-    out_ptr,
-    stride_ot,
-    stride_oh,
-    stride_od,  # [T, Hq, Dv]
-    lse_ptr,
-    stride_lt,
-    stride_lh,  # [T, Hq] f32
-    sinks_ptr,
-    qsl_ptr,
-    num_seqs,
-    num_q_heads,
-    num_splits,
-    HEAD_SIZE_V: tl.constexpr,
-    DV_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
-    USE_SINKS: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if tok >= tl.load(qsl_ptr + num_seqs):
-        return  # CUDA-graph padding rows: nothing wrote their partials
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, DV_PAD)
-    s_ok = offs_s < num_splits
-    base = (tok * num_q_heads + head) * num_splits
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))  # [S_PAD]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)  # [S_PAD]; empty splits (lse = -inf) weigh 0
-    tot = tl.sum(w, 0)
-    o = tl.load(
-        part_out_ptr + (base + offs_s)[:, None] * DV_PAD + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )
-    o = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)  # [DV_PAD]
-    lse_tot = tl.where(tot > 0.0, m + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf"))
-    if USE_SINKS:
-        sink = tl.load(sinks_ptr + head)
-        mm = tl.maximum(lse_tot, sink)
-        mm = tl.where(mm == float("-inf"), 0.0, mm)
-        with_sink = mm + tl.log(tl.exp(lse_tot - mm) + tl.exp(sink - mm))
-        o = o * tl.exp(lse_tot - with_sink)
-        lse_tot = with_sink
-    o_ptrs = out_ptr + tok * stride_ot + head.to(tl.int64) * stride_oh + offs_d * stride_od
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE_V)
-    if WRITE_LSE:
-        tl.store(lse_ptr + tok * stride_lt + head.to(tl.int64) * stride_lh, lse_tot)
-
-
-@triton.jit
-def merge_two_kernel(
-    a_ptr,
-    stride_at,
-    stride_ah,
-    stride_ad,
-    lse_a_ptr,
-    stride_lat,
-    stride_lah,
-    b_ptr,
-    stride_bt,
-    stride_bh,
-    stride_bd,
-    lse_b_ptr,
-    stride_lbt,
-    stride_lbh,
-    o_ptr,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    lse_o_ptr,  # out [T, Hq, Dv], lse [T, Hq] contiguous
-    num_q_heads,
-    HEAD_SIZE_V: tl.constexpr,
-    DV_PAD: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    offs_d = tl.arange(0, DV_PAD)
-    d_ok = offs_d < HEAD_SIZE_V
-    la = tl.load(lse_a_ptr + tok * stride_lat + head * stride_lah)
-    lb = tl.load(lse_b_ptr + tok * stride_lbt + head * stride_lbh)
-    m = tl.maximum(la, lb)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    wa = tl.exp(la - m)
-    wb = tl.exp(lb - m)
-    tot = wa + wb
-    inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
-    a = tl.load(
-        a_ptr + tok * stride_at + head * stride_ah + offs_d * stride_ad, mask=d_ok, other=0.0
-    ).to(tl.float32)
-    b = tl.load(
-        b_ptr + tok * stride_bt + head * stride_bh + offs_d * stride_bd, mask=d_ok, other=0.0
-    ).to(tl.float32)
-    o = a * (wa * inv) + b * (wb * inv)
-    tl.store(
-        o_ptr + tok * stride_ot + head * stride_oh + offs_d * stride_od,
-        o.to(o_ptr.dtype.element_ty),
-        mask=d_ok,
-    )
-    lse = tl.where(tot > 0.0, m + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf"))
-    tl.store(lse_o_ptr + tok * num_q_heads + head, lse)

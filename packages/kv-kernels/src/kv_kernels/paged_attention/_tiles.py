@@ -17,6 +17,7 @@ __all__ = [
     "pick_num_splits",
     "pow2",
     "select_config",
+    "split_head",
 ]
 
 #: Shared memory we let one program's pipeline buffers take (bytes): the sm_90 / sm_80 limits
@@ -33,6 +34,21 @@ class AttentionConfig:
     tile_n: int  # KV tokens per inner step
     num_warps: int
     num_stages: int
+    #: q heads of one kv head per program: the whole GQA group, or a chunk of it when the group
+    #: times the value width would not fit the accumulator (MLA: 128 heads x 512); 0 (a config
+    #: made by hand, e.g. a tuning sweep) means the whole group
+    heads_per_program: int = 0
+
+
+def split_head(head_size: int) -> tuple[int, int]:
+    """``(main, tail)`` column tiles of a head: a power of two and a power-of-two tail >= 16 that
+    sum to ``head_size`` (192 = 128 + 64, MLA's 576 = 512 + 64), so q.k does no padded work;
+    ``(pow2(head_size), 0)`` when no such split exists (a tail < 16 is below the MMA's K)."""
+    main = 1 << (head_size.bit_length() - 1)
+    tail = head_size - main
+    if tail >= 16 and tail & (tail - 1) == 0:
+        return main, tail
+    return pow2(head_size), 0
 
 
 def pow2(n: int) -> int:
@@ -49,6 +65,7 @@ def select_config(
     block_size: int,
     elem_bytes: int = 2,
     arch: int = 90,
+    v_from_k: bool = False,
 ) -> AttentionConfig:
     """Tile shapes for ``kind`` that fit the arch's shared memory.
 
@@ -59,10 +76,19 @@ def select_config(
     group of 4 fills 4 of them, speculative steps of up to 4 tokens fill all) and deep
     pipelines of KV tiles. Prefill is compute-bound: 128 rows (64 past head size 128) so each
     KV tile feeds two warpgroups' MMAs.
+
+    Rows are capped so the float32 accumulator ``[block_m, pow2(head_size_v)]`` stays within
+    16K values (64 registers a thread at 8 warps, beside the q tile's); a larger GQA group (MLA:
+    128 heads over one 512-wide latent value) is split over programs that each take
+    ``heads_per_program`` heads of one token. (sm_90 AOT build of MLA decode: 64 rows spill ~1 KiB
+    a thread at 255 registers, 32 rows do not; the 4 programs per token share the latent via L2.) ``v_from_k`` (MLA): V is the first columns of the K tile, no second tile.
     """
-    d_pad, dv_pad = pow2(head_size), pow2(head_size_v)
+    d_main, d_tail = split_head(head_size)
+    d_pad, dv_pad = d_main + d_tail, pow2(head_size_v)
     budget = _SMEM_BUDGET.get(arch, _SMEM_BUDGET[80])
-    row_bytes = (d_pad + dv_pad) * max(elem_bytes, 2)  # one KV token of K and V in shared memory
+    # one KV token of K (and V, unless it is K's own columns) in shared memory
+    row_bytes = (d_pad + (0 if v_from_k else dv_pad)) * max(elem_bytes, 2)
+    max_rows = max(16, 16384 // dv_pad)
     if kind == "decode":
         block_m = max(16, pow2(group))
         # H100, head 128, bf16: every tile_n in 32..128 and 2..4 stages read within 1% of each
@@ -70,6 +96,10 @@ def select_config(
         tile_n = 64 if d_pad + dv_pad <= 256 else 32
         num_warps = 4
         num_stages = 4
+        if block_m > max_rows:
+            # MLA-sized: 32 rows x 512 values over two warpgroups (64 accumulator registers a
+            # thread), 32-token tiles of the 1152-byte latent rows
+            block_m, tile_n, num_warps = max_rows, 32, 8
     elif kind == "prefill":
         block_m = 128 if max(d_pad, dv_pad) <= 128 else 64
         block_m = max(block_m, pow2(group))
@@ -79,16 +109,22 @@ def select_config(
         # 2 / 3 / 4 stages; 64 rows gave 287.
         num_warps = 4
         num_stages = 3
+        if block_m > max_rows:
+            block_m, tile_n, num_warps = max_rows, 32, 8
     else:
         raise ValueError(f"config kind={kind!r} must be 'decode' or 'prefill'")
     if elem_bytes == 1:
-        # fp8 pages are upcast to 16 bits before the MMA: a second copy of each tile.
-        row_bytes += (d_pad + dv_pad) * 2
+        # fp8 / int8 pages are upcast to 16 bits before the MMA: a second copy of each tile.
+        row_bytes += (d_pad + (0 if v_from_k else dv_pad)) * 2
+    if block_m * d_pad * 2 > 16 * 1024:
+        # a large q tile (MLA: 64 x 576 bf16 = 72 KiB) is an MMA operand in shared memory too
+        budget -= block_m * d_pad * 2
     while num_stages > 2 and num_stages * tile_n * row_bytes > budget:
         num_stages -= 1
     while tile_n > 16 and num_stages * tile_n * row_bytes > budget:
         tile_n //= 2
-    return AttentionConfig(block_m, block_m // group, tile_n, num_warps, num_stages)
+    heads = min(group, block_m)
+    return AttentionConfig(block_m, block_m // heads, tile_n, num_warps, num_stages, heads)
 
 
 def pick_num_splits(
@@ -139,22 +175,36 @@ def kernel_constexprs(
     write_lse: bool,
     dot_ieee: bool,
     check: bool,
+    v_from_k: bool = False,
+    scale_words: bool = False,
 ) -> dict[str, Any]:
     """Every ``tl.constexpr`` of :func:`~._kernels.paged_attention_kernel` for one launch.
 
-    ``kv_scale_mode``: 0 unquantized, 1 scales as scalar arguments, 2 scales read from tensors.
+    ``kv_scale_mode``: 0 unquantized, 1 scales as scalar arguments, 2 scales read from tensors,
+    3 per-token-head scales inline in the page (``scale_words``: read as aligned float32 words).
     ``FOLD_LOG2`` folds the base-2 conversion into the q.k scale, which is exact only when nothing
     (softcap, ALiBi) acts on the logits between the scale and the exponent.
     """
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind={kind!r} must be 'decode' or 'prefill'")
+    d_main, d_tail = split_head(head_size)
+    heads = cfg.heads_per_program or group
+    if v_from_k and (head_size_v != d_main or d_tail == 0):
+        raise ValueError(
+            f"v_from_k needs head_size_v={head_size_v} equal to the main tile {d_main} of "
+            f"head_size={head_size} with a tail (MLA: 576 = 512 + 64)"
+        )
     return dict(
         HEAD_SIZE=head_size,
         HEAD_SIZE_V=head_size_v,
-        D_PAD=pow2(head_size),
+        D_PAD=d_main,
         DV_PAD=pow2(head_size_v),
+        D_TAIL=d_tail,
+        V_FROM_K=v_from_k,
         BLOCK_SIZE=block_size,
         GROUP=group,
+        HEADS_PER_PROG=heads,
+        HEAD_CHUNKS=-(-group // heads),
         BLOCK_M=cfg.block_m,
         BLOCK_Q=cfg.block_q,
         TILE_N=cfg.tile_n,
@@ -166,6 +216,7 @@ def kernel_constexprs(
         USE_ALIBI=alibi,
         FOLD_LOG2=not (softcap or alibi),
         KV_SCALE=kv_scale_mode,
+        SCALE_WORDS=scale_words,
         SPLIT=split,
         WRITE_LSE=write_lse,
         DOT_IEEE=dot_ieee,

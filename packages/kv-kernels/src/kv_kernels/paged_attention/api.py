@@ -42,19 +42,35 @@ def _check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None
         raise ValueError(f"{name} is on {t.device} but q is on {device}; move it to {device}")
 
 
-def _check_layout(layout: KVCacheLayout) -> None:
+def _check_layout(layout: KVCacheLayout, kv_lora_rank: object) -> tuple[int, int]:
+    """The ``[start, stop)`` of V in C: the layout's, or for MLA the latent's first
+    ``kv_lora_rank`` columns (the absorbed form: K = the whole row, V = its latent part)."""
     if not isinstance(layout, KVCacheLayout):
         raise ValueError(f"layout must be a kv_spec.KVCacheLayout, got {type(layout).__name__}")
-    if layout.is_mla:
+    if not layout.is_mla:
+        if kv_lora_rank is not None:
+            raise ValueError(
+                f"kv_lora_rank={kv_lora_rank!r} is only for MLA layouts (is_mla=True); pass None"
+            )
+        assert layout.v_range is not None
+        return layout.v_range
+    if layout.kv_quant is not KVQuantMode.NONE:
         raise ValueError(
-            "paged_attention does not support MLA layouts (is_mla=True: one latent, no separate V); "
-            "use an MLA attention backend"
+            f"paged_attention over an MLA latent supports kv_quant='none' only, got "
+            f"{layout.kv_quant.value!r}; store the latent unquantized"
         )
-    if layout.kv_quant.per_token_head:
+    if kv_lora_rank is None:
         raise ValueError(
-            f"paged_attention does not support kv_quant={layout.kv_quant.value!r} (inline per-token-head "
-            f"scales) yet; use {KVQuantMode.FP8_PER_TENSOR.value!r} or an unquantized cache"
+            f"an MLA layout (is_mla=True, latent head_size={layout.head_size}) needs kv_lora_rank, "
+            "the latent width that V reads (DeepSeek-V3: kv_lora_rank=512 of 512 + 64)"
         )
+    rank = _int_option("kv_lora_rank", kv_lora_rank, 1, "the latent width (V columns) of MLA")
+    if rank >= layout.head_size:
+        raise ValueError(
+            f"kv_lora_rank={rank} must be < the latent row's head_size={layout.head_size} "
+            "(K = latent + rope part, V = the first kv_lora_rank columns; DeepSeek-V3: 512 of 576)"
+        )
+    return (0, rank)
 
 
 def _check_scale(
@@ -153,7 +169,7 @@ def _check_tensors(
             f"kv_cache dtype {kv_cache.dtype} does not match layout dtype {layout.dtype}"
         )
     quantized = layout.kv_quant is KVQuantMode.FP8_PER_TENSOR
-    if not quantized and q.dtype != kv_cache.dtype:
+    if layout.kv_quant is KVQuantMode.NONE and q.dtype != kv_cache.dtype:
         raise ValueError(
             f"q dtype {q.dtype} must match the unquantized cache dtype {kv_cache.dtype}; cast q"
         )
@@ -230,6 +246,7 @@ def paged_attention(
     impl: str = "auto",
     error_flag: torch.Tensor | None = None,  # [1] int32 on q's device
     validate: bool | None = None,
+    kv_lora_rank: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen paged attention for prefill, chunked prefill and decode in one batch.
 
@@ -248,6 +265,13 @@ def paged_attention(
     - ``alibi_slopes``: ``logit += slope * (key_pos - query_pos)``.
     - fp8 caches (``kv_quant='fp8_per_tensor'``): ``k_scale`` / ``v_scale`` (float, 1-element or
       per-kv-head ``[H]`` tensor), dequant ``stored * scale``.
+    - per-token-head caches (``int8_per_token_head`` / ``fp8_per_token_head``): each token's K
+      and V row of each head is ``stored * s`` with its float32 ``s`` read from the page
+      (``layout.scale_range``, as ``reshape_and_cache`` writes it); pass no ``k_scale``/``v_scale``.
+    - MLA (``layout.is_mla``, absorbed decode): ``q`` is ``[T, Hq, head_size]`` against one latent
+      row per token (``head_size = kv_lora_rank + rope``, DeepSeek-V3: 512 + 64); K is the whole
+      row, V its first ``kv_lora_rank`` columns of the same storage (no second copy), and the
+      output is ``[T, Hq, kv_lora_rank]``. ``kv_lora_rank`` is required exactly for MLA layouts.
     - ``num_splits``: ``None`` lets the Triton kernel pick a KV split count (flash-decoding) for the
       batch; an int fixes it, which makes every sequence's result bit-identical whatever else is in
       the batch (batch invariance). The reference computes the exact softmax and ignores it.
@@ -266,8 +290,13 @@ def paged_attention(
     Returns ``out`` ``[T, Hq, head_size_v]`` in ``q.dtype`` and, with ``return_lse``, the float32
     log-sum-exp ``[T, Hq]`` (natural log, sinks included). A row that sees no key gets zeros and
     ``lse = -inf`` (or its sink). Rows past ``query_start_loc[-1]`` (CUDA-graph padding) are not
-    written. Unsupported: MLA layouts and per-token-head quantized caches (``ValueError``).
+    written. Unsupported: quantized MLA latents (``ValueError``).
     """
+    if torch.compiler.is_compiling() and kv_lora_rank is not None:
+        raise ValueError(
+            "paged_attention with kv_lora_rank (MLA) has no custom op yet, so it cannot run "
+            "inside torch.compile; call it outside the compiled region"
+        )
     if torch.compiler.is_compiling():
         # One opaque node for torch.compile; the op runs this function again, eagerly, and
         # validates there (validation itself is not traceable).
@@ -280,11 +309,11 @@ def paged_attention(
             alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
             return_lse=return_lse, out=out, impl=impl, error_flag=error_flag,
         )  # fmt: skip
-    _check_layout(layout)
+    v_range = _check_layout(layout, kv_lora_rank)
     quantized = _check_tensors(q, kv_cache, layout, block_table, seq_lens, query_start_loc)
     device = q.device
     num_tokens, num_q_heads, head_size = q.shape
-    block_size, head_size_v = layout.block_size, layout.head_size_v
+    block_size, head_size_v = layout.block_size, v_range[1] - v_range[0]
     max_query_len = _int_option("max_query_len", max_query_len, 0, "the longest query count")
     max_seq_len = _int_option("max_seq_len", max_seq_len, 0, "None or the longest sequence", True)
     sliding_window = _int_option("sliding_window", sliding_window, 1, "None or a window", True)
@@ -306,6 +335,13 @@ def paged_attention(
         raise ValueError(f"softcap={softcap!r} must be a finite float >= 0 (0 disables it)")
     _check_head_vector("sinks", sinks, num_q_heads, device)
     _check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, device)
+    if layout.kv_quant.per_token_head:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} was given but kv_quant={layout.kv_quant.value!r} keeps its scales "
+                    f"inline in the page (one per token and head); pass {name}=None"
+                )
     k_scale = _check_scale("k_scale", k_scale, quantized, layout.num_kv_heads, device)
     v_scale = _check_scale("v_scale", v_scale, quantized, layout.num_kv_heads, device)
     out = _prepare_out(out, q, head_size_v)
@@ -317,8 +353,9 @@ def paged_attention(
         validate = device.type == "cpu" or host_validation_requested()
     if validate:
         _check_values(block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout)
+    scale_start = layout.scale_range[0] if layout.scale_range is not None else None
     common: dict[str, Any] = dict(
-        k_range=layout.k_range, v_range=layout.v_range, block_table=block_table,
+        k_range=layout.k_range, v_range=v_range, scale_start=scale_start, block_table=block_table,
         seq_lens=seq_lens, query_start_loc=query_start_loc, scale=float(scale), causal=causal,
         sliding_window=sliding_window, sinks=sinks, softcap=float(softcap),
         alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
@@ -328,17 +365,35 @@ def paged_attention(
         from kv_kernels.paged_attention.reference import paged_attention_reference
 
         return paged_attention_reference(q, kv_cache, **common)
-    if head_size > MAX_HEAD_SIZE or head_size_v > MAX_HEAD_SIZE:
-        raise ValueError(
-            f"impl='triton' supports head sizes up to {MAX_HEAD_SIZE}, got head_size={head_size}, "
-            f"head_size_v={head_size_v}; use impl='reference'"
-        )
+    _check_triton_heads(head_size, head_size_v, layout.is_mla)
     from kv_kernels.paged_attention.triton import paged_attention_triton
 
     return paged_attention_triton(
         q, kv_cache, **common, max_query_len=max_query_len, max_seq_len=max_seq_len,
         block_size=block_size, num_splits=num_splits, error_flag=error_flag,
+        v_from_k=layout.is_mla,
     )  # fmt: skip
+
+
+def _check_triton_heads(head_size: int, head_size_v: int, mla: bool) -> None:
+    """Head sizes the Triton kernel tiles: up to 256 (padded to a power of two, or split into a
+    power of two and a power-of-two tail); MLA latents up to 512 + a tail, V = the main tile."""
+    from kv_kernels.paged_attention._tiles import split_head
+
+    main, tail = split_head(head_size)
+    if mla:
+        if tail == 0 or head_size_v != main or main > 2 * MAX_HEAD_SIZE:
+            raise ValueError(
+                f"impl='triton' reads an MLA latent of head_size={head_size} with "
+                f"kv_lora_rank={head_size_v} only as a power-of-two latent (<= 512) plus a "
+                f"power-of-two rope tail >= 16 (DeepSeek-V3: 512 + 64); use impl='reference'"
+            )
+        return
+    if head_size > MAX_HEAD_SIZE or head_size_v > MAX_HEAD_SIZE:
+        raise ValueError(
+            f"impl='triton' supports head sizes up to {MAX_HEAD_SIZE}, got head_size={head_size}, "
+            f"head_size_v={head_size_v}; use impl='reference'"
+        )
 
 
 def _check_values(

@@ -26,12 +26,20 @@ def _as_head_scale(
     return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
 
 
+def _inline_scale(kv: torch.Tensor, start: int) -> torch.Tensor:
+    """The float32 stored at C elements ``[start, start + 4)`` of each row of a 1-byte cache:
+    ``kv`` ``[H, L, C]`` -> ``[H, L]`` (the 4 bytes reinterpreted, little-endian as written)."""
+    raw = kv.view(torch.uint8)[..., start : start + 4].contiguous()  # [H, L, 4]
+    return raw.view(torch.float32)[..., 0]
+
+
 def paged_attention_reference(
     q: torch.Tensor,  # [T, Hq, head_size]
     kv_cache: torch.Tensor,  # [B, H, N, C] layer view
     *,
     k_range: tuple[int, int],
     v_range: tuple[int, int],
+    scale_start: int | None = None,
     block_table: torch.Tensor,  # [num_seqs, max_blocks]
     seq_lens: torch.Tensor,  # [num_seqs]
     query_start_loc: torch.Tensor,  # [num_seqs + 1]
@@ -47,6 +55,10 @@ def paged_attention_reference(
     out: torch.Tensor,  # [T, Hq, head_size_v], written in place
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention in float32 torch; writes ``out`` and returns it (and ``lse`` ``[T, Hq]``).
+
+    ``scale_start`` (per-token-head quantized caches): the C element where each token's inline
+    float32 K scale starts, the V scale right after it; K and V rows are multiplied by them.
+    For MLA ``k_range`` is the whole latent row and ``v_range`` its first columns.
 
     Query ``i`` of a sequence with ``q_len`` new tokens and ``seq_len`` KV tokens sits at absolute
     position ``seq_len - q_len + i``; with ``causal`` it sees keys ``<= `` that position, with a
@@ -85,6 +97,9 @@ def paged_attention_reference(
         kv = kv.permute(1, 0, 2, 3).reshape(num_kv_heads, n_pages * block_size, -1)[:, :seq_len]
         k = kv[..., k_range[0] : k_range[1]].float() * k_deq[:, None, None]  # [H, seq_len, D]
         v = kv[..., v_range[0] : v_range[1]].float() * v_deq[:, None, None]  # [H, seq_len, Dv]
+        if scale_start is not None:
+            k = k * _inline_scale(kv, scale_start)[..., None]
+            v = v * _inline_scale(kv, scale_start + 4)[..., None]
         k = k.repeat_interleave(group, dim=0)  # [Hq, seq_len, D]: q head h reads kv head h // group
         v = v.repeat_interleave(group, dim=0)  # [Hq, seq_len, Dv]
         qs = q[q0:q1].float().transpose(0, 1)  # [Hq, q_len, D]

@@ -19,11 +19,8 @@ from typing import Any
 import torch
 
 from kv_kernels.paged_attention._aot import AotSpec, aot_specs
-from kv_kernels.paged_attention._kernels import (
-    merge_splits_kernel,
-    merge_two_kernel,
-    paged_attention_kernel,
-)
+from kv_kernels.paged_attention._kernels import paged_attention_kernel
+from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
 from kv_kernels.paged_attention._tiles import (
     AttentionConfig,
     arch_and_sms,
@@ -71,18 +68,47 @@ def _scale_args(
     return 1, (q, q, 0, 0, float(k_scale), float(v_scale))  # type: ignore[arg-type]
 
 
-def _configs(q: torch.Tensor, kv_cache: torch.Tensor, head_size_v: int, block_size: int):
+def _configs(
+    q: torch.Tensor, kv_cache: torch.Tensor, head_size_v: int, block_size: int, v_from_k: bool
+):
     arch, num_sms = arch_and_sms(q.device)
     group = q.shape[1] // kv_cache.shape[1]
-    shape = dict(
+    shape: dict[str, Any] = dict(
         head_size=q.shape[2],
         head_size_v=head_size_v,
         group=group,
         block_size=block_size,
         elem_bytes=kv_cache.element_size(),
         arch=arch,
+        v_from_k=v_from_k,
     )
     return select_config("decode", **shape), select_config("prefill", **shape), num_sms
+
+
+def _inline_scale_args(
+    kv_cache: torch.Tensor, scale_start: int | None
+) -> tuple[torch.Tensor, int, int, bool]:
+    """``(kvs, k_idx, v_idx, words)``: the cache seen as float32 words when every stride and the
+    scale offset allow it (one 4-byte load per scale), else as bytes (the scale assembled from
+    its 4 bytes: it may sit at any byte offset). Per-token-head caches are 1-byte dtypes, so
+    element offsets are byte offsets."""
+    if scale_start is None:
+        return kv_cache, 0, 0, False
+    raw = kv_cache.view(torch.uint8)
+    # the whole storage as bytes, so a float32 view of it covers every layer slot the view spans
+    flat = torch.empty(0, dtype=torch.uint8, device=raw.device).set_(raw.untyped_storage())
+    aligned = (
+        raw.stride(3) == 1
+        and all(st % 4 == 0 for st in raw.stride()[:3])
+        and scale_start % 4 == 0
+        and raw.storage_offset() % 4 == 0
+        and flat.numel() % 4 == 0
+    )
+    if aligned:
+        # word offsets are the byte offsets / 4 (the kernel divides; all are multiples of 4)
+        words = flat.view(torch.float32)[raw.storage_offset() // 4 :]
+        return words, scale_start // 4, scale_start // 4 + 1, True
+    return raw, scale_start, scale_start + 4, False
 
 
 def paged_attention_triton(
@@ -109,6 +135,8 @@ def paged_attention_triton(
     block_size: int,
     num_splits: int | None,
     error_flag: torch.Tensor | None = None,  # [1] int32, counts invalid metadata
+    scale_start: int | None = None,  # first C element of the inline per-token-head scales
+    v_from_k: bool = False,  # MLA: V is the first head_size_v columns of K (one latent)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the unified kernel (and the split merge); inputs validated by the api."""
     _check_runnable(q.device)
@@ -121,19 +149,26 @@ def paged_attention_triton(
     num_seqs = block_table.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return (out, lse) if lse is not None else out
-    cfg_dec, cfg_pre, num_sms = _configs(q, kv_cache, head_size_v, block_size)
+    cfg_dec, cfg_pre, num_sms = _configs(q, kv_cache, head_size_v, block_size, v_from_k)
+    group = num_q_heads // num_kv_heads
+    # (a hand-made config may leave heads_per_program at 0: the whole group, as kernel_constexprs)
+    chunks_dec = -(-group // (cfg_dec.heads_per_program or group))
+    chunks_pre = -(-group // (cfg_pre.heads_per_program or group))
     run_prefill = max_query_len > cfg_dec.block_q
     if num_splits is None:
         # prefill tiles fill the GPU on their own; decode splits KV to fill it
         bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
         num_splits = 1 if run_prefill else pick_num_splits(
-            num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_seq_len=bound,
+            num_seqs=num_seqs, num_kv_heads=num_kv_heads * chunks_dec, max_seq_len=bound,
             tile_n=cfg_dec.tile_n, num_sms=num_sms,
         )  # fmt: skip
     split = num_splits > 1
     dv_pad = pow2(head_size_v)
     part_out, part_lse = _split_buffers(out, num_splits, dv_pad)
     kv_scale_mode, scale_args = _scale_args(k_scale, v_scale, q)
+    kvs, ks_idx, vs_idx, scale_words = _inline_scale_args(kv_cache, scale_start)
+    if scale_start is not None:
+        kv_scale_mode = 3
     lse_t = lse if lse is not None else out
     features = dict(
         head_size=head_size,
@@ -150,18 +185,20 @@ def paged_attention_triton(
         write_lse=return_lse,
         dot_ieee=q.dtype == torch.float32,
         check=error_flag is not None,
+        v_from_k=v_from_k,
+        scale_words=scale_words,
     )
     args = (
-        q, *q.stride(), kv_cache, *kv_cache.stride(),
+        q, *q.stride(), kv_cache, *kv_cache.stride(), kvs,
         block_table, *block_table.stride(), seq_lens, query_start_loc,
         sinks if sinks is not None else q, alibi_slopes if alibi_slopes is not None else q,
         *scale_args, out, *out.stride(), lse_t, lse_t.stride(0), lse_t.stride(1),
         part_out, part_lse, error_flag if error_flag is not None else seq_lens,
         num_seqs, num_q_heads, num_blocks, block_table.shape[1],
-        k_range[0], v_range[0], scale, float(softcap), int(sliding_window or 0),
+        k_range[0], v_range[0], ks_idx, vs_idx, scale, float(softcap), int(sliding_window or 0),
     )  # fmt: skip
     # decode class: q_len in [1, block_q(decode)], one program per sequence
-    paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+    paged_attention_kernel[(num_seqs, num_kv_heads * chunks_dec, num_splits)](
         *args,
         1,
         cfg_dec.block_q,
@@ -171,7 +208,7 @@ def paged_attention_triton(
     )
     if run_prefill:
         grid_q = num_tokens // cfg_pre.block_q + num_seqs
-        paged_attention_kernel[(grid_q, num_kv_heads, num_splits)](
+        paged_attention_kernel[(grid_q, num_kv_heads * chunks_pre, num_splits)](
             *args,
             cfg_dec.block_q + 1,
             2**31 - 1,

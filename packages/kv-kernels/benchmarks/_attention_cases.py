@@ -1,0 +1,176 @@
+"""Decode cases of the paths added for issue 12, for ``bench_paged_attention.py``: per-token-head
+int8 / fp8 caches, MLA absorbed decode and DiffKV 192/128. Each is bandwidth-bound, so each is
+reported as TB/s of the bytes the kernel must read, against the copy bandwidth measured in the
+same process (``ratio = value / copy``).
+
+Bytes counted (the query, output and block table are < 0.1% and not counted):
+
+- ``pth_{int8,fp8}``: ``batch * ctx * H * (D + Dv + 8)`` -- one byte per K/V element plus the two
+  inline float32 scales of each token and head, i.e. the stored bytes.
+- ``mla``: ``batch * ctx * (512 + 64) * 2`` -- the one bf16 latent row per token, read once for
+  K and V (128 query heads over one latent, page 64).
+- ``diffkv``: ``batch * ctx * H * (192 + 128) * 2``.
+
+``smoke=True`` shrinks every shape so the same code runs under the Triton interpreter on a CPU
+(a check that the cases and the report work, not a measurement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.paged_attention import paged_attention
+from kv_spec import KVCacheLayout
+
+__all__ = ["NewCase", "new_cases"]
+
+
+@dataclass(frozen=True)
+class NewCase:
+    """One decode case: ``run()`` launches our kernel once; ``nbytes`` is what it must read."""
+
+    name: str
+    nbytes: int
+    run: Callable[[], Any]
+
+
+def _paged(
+    *, batch: int, ctx: int, block: int, device: str, gen: torch.Generator, **layout_kw: Any
+) -> tuple[KVCacheLayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A shuffled block table over a fresh cache: ``(layout, kv, block_table, seq_lens, qsl)``."""
+    pages = -(-ctx // block)
+    num_blocks = batch * pages + 1
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=num_blocks, block_size=block, **layout_kw
+    )
+    kv = layer_view(allocate_kv_cache(layout, device, zero=False), layout, 0)
+    perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * pages] + 1
+    table = perm.view(batch, pages).to(device=device, dtype=torch.int32)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)  # one query token each
+    return layout, kv, table, seq_lens, qsl
+
+
+def _fill_quantized(kv: torch.Tensor, layout: KVCacheLayout, gen: torch.Generator) -> None:
+    """Random data (never zeros) and valid float32 scales, block chunk by block chunk."""
+    data = layout.head_size + layout.head_size_v
+    assert layout.scale_range is not None
+    s0, s1 = layout.scale_range
+    for lo in range(0, kv.shape[0], 1024):
+        chunk = kv[lo : lo + 1024]  # [b, H, N, C]
+        x = torch.randn(*chunk.shape[:-1], data, generator=gen) * 30
+        if kv.dtype == torch.int8:
+            x = x.round().clamp(-127, 127)
+        chunk[..., :data] = x.to(kv.dtype).to(kv.device)
+        scales = torch.rand(*chunk.shape[:-1], (s1 - s0) // 4, generator=gen) * 0.01 + 1e-3
+        chunk.view(torch.uint8)[..., s0:s1] = scales.view(torch.uint8).to(kv.device)
+
+
+def _pth(quant: str, batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
+    hq, h, d = (4, 2, 32) if device == "cpu" else (32, 8, 128)
+    cache_dtype = "int8" if quant == "int8" else "fp8_e4m3"
+    layout, kv, table, seq_lens, qsl = _paged(
+        batch=batch, ctx=ctx, block=block, device=device, gen=gen, num_kv_heads=h,
+        head_size=d, head_size_v=d, dtype=cache_dtype, kv_quant=f"{quant}_per_token_head",
+    )  # fmt: skip
+    _fill_quantized(kv, layout, gen)
+    q = torch.randn(batch, hq, d, generator=gen).to(device=device, dtype=torch.bfloat16)
+    if device == "cpu":
+        q = q.float()  # the interpreter computes bf16 wrongly (DESIGN.md)
+    out = torch.empty_like(q)
+
+    def run() -> Any:
+        return paged_attention(
+            q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, impl="triton"
+        )
+
+    nbytes = batch * ctx * h * (2 * d + 8)
+    return NewCase(f"pth_{quant}_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run)
+
+
+def _mla(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
+    heads, rank, rope = (8, 64, 16) if device == "cpu" else (128, 512, 64)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    layout, kv, table, seq_lens, qsl = _paged(
+        batch=batch, ctx=ctx, block=block, device=device, gen=gen, num_kv_heads=1,
+        head_size=rank + rope, head_size_v=0, dtype=str(dt).removeprefix("torch."), is_mla=True,
+    )  # fmt: skip
+    kv.normal_(generator=gen) if device == "cpu" else kv.normal_()
+    q = torch.randn(batch, heads, rank + rope, generator=gen).to(device=device, dtype=dt)
+    out = torch.empty(batch, heads, rank, device=device, dtype=dt)
+    scale = 1.0 / (192**0.5)  # DeepSeek-V3's softmax scale (qk_nope 128 + rope 64)
+
+    def run() -> Any:
+        return paged_attention(
+            q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, scale=scale,
+            kv_lora_rank=rank, impl="triton",
+        )  # fmt: skip
+
+    nbytes = batch * ctx * (rank + rope) * kv.element_size()
+    return NewCase(f"mla_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run)
+
+
+def _diffkv(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
+    hq, h = (4, 1) if device == "cpu" else (32, 8)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    layout, kv, table, seq_lens, qsl = _paged(
+        batch=batch, ctx=ctx, block=block, device=device, gen=gen, num_kv_heads=h,
+        head_size=192, head_size_v=128, dtype=str(dt).removeprefix("torch."),
+    )  # fmt: skip
+    kv.normal_(generator=gen) if device == "cpu" else kv.normal_()
+    q = torch.randn(batch, hq, 192, generator=gen).to(device=device, dtype=dt)
+    out = torch.empty(batch, hq, 128, device=device, dtype=dt)
+
+    def run() -> Any:
+        return paged_attention(
+            q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, impl="triton"
+        )
+
+    nbytes = batch * ctx * h * (192 + 128) * kv.element_size()
+    return NewCase(f"diffkv_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run)
+
+
+#: (builder, args) per case: decode at 64 x 4k and 8 x 32k (MLA at page 64, as DeepSeek serves).
+_GPU = [
+    (_pth, ("int8", 64, 4096, 16)),
+    (_pth, ("fp8", 64, 4096, 16)),
+    (_pth, ("int8", 8, 32768, 16)),
+    (_mla, (64, 4096, 64)),
+    (_mla, (8, 32768, 64)),
+    (_diffkv, (64, 4096, 16)),
+    (_diffkv, (8, 32768, 16)),
+]
+_SMOKE = [
+    (_pth, ("int8", 2, 40, 16)),
+    (_pth, ("fp8", 2, 40, 16)),
+    (_mla, (2, 70, 64)),
+    (_diffkv, (2, 40, 16)),
+]
+
+
+def new_cases(
+    *, device: str, smoke: bool, keep: Callable[[str], bool]
+) -> list[Callable[[], NewCase]]:
+    """Lazy makers of the cases whose name ``keep`` accepts (each allocates its cache when
+    called, so one case's cache is freed before the next is made)."""
+    gen = torch.Generator().manual_seed(0)
+    table = _SMOKE if smoke else _GPU
+    makers = []
+    for build, args in table:
+        name = _name_of(build, args)
+        if keep(name):
+            makers.append(lambda b=build, a=args: b(*a, device, gen))
+    return makers
+
+
+def _name_of(build: Callable[..., NewCase], args: tuple) -> str:
+    if build is _pth:
+        quant, batch, ctx, block = args
+        return f"pth_{quant}_decode_b{batch}_ctx{ctx}_n{block}"
+    kind = "mla" if build is _mla else "diffkv"
+    batch, ctx, block = args
+    return f"{kind}_decode_b{batch}_ctx{ctx}_n{block}"

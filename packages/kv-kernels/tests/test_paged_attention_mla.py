@@ -1,0 +1,176 @@
+"""MLA absorbed decode through ``paged_attention``: one latent row per token (``kv_lora_rank`` +
+rope columns), K = the whole row, V = its first ``kv_lora_rank`` columns of the same storage.
+
+DeepSeek-V3 is 128 query heads over a 512 + 64 latent at page 64; under the interpreter the
+shapes are scaled down (latent 64 + 16, 8 or 32 heads) but take the same code paths: the head
+split into a power-of-two main tile and a tail, V read from K's tile, and (forced here with a
+small config) query heads split over programs. The oracle attends over the latent rows the test
+itself drew (never the cache), with V sliced from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.paged_attention import paged_attention
+from kv_kernels.paged_attention._tiles import select_config
+from kv_kernels.reshape_and_cache import reshape_and_cache
+from kv_kernels.testing import (
+    assert_close_to_oracle,
+    attention_oracle,
+    check_close_to_oracle,
+    plant_wrong_page,
+)
+from kv_spec import KVCacheLayout
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RANK, ROPE = 64, 16
+
+
+def make_mla_batch(
+    *,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int = 8,
+    rank: int = RANK,
+    rope: int = ROPE,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 3
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=num_blocks, num_kv_heads=1,
+        block_size=block_size, head_size=rank + rope, head_size_v=0,
+        dtype=str(dtype).removeprefix("torch."), is_mla=True,
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, DEVICE), layout, 0)
+    kv.fill_(float("nan"))  # a read outside the sequence's rows shows up as nan
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(seq_lens), max(pages) + 2), -1, dtype=torch.int32)
+    latents = []
+    used = 0
+    for s, n in enumerate(seq_lens):
+        ids = torch.tensor(perm[used : used + pages[s]], dtype=torch.int32)
+        used += pages[s]
+        table[s, : pages[s]] = ids
+        pos = torch.arange(n)
+        slots = ids[pos // block_size].long() * block_size + pos % block_size
+        latent = torch.randn(n, 1, rank + rope, generator=gen).to(dtype)  # [n, 1, rank + rope]
+        reshape_and_cache(latent.to(DEVICE), None, kv, slots.to(DEVICE), layout, impl="reference")
+        latents.append(latent.double())
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), num_heads, rank + rope, generator=gen).to(dtype)
+    return dict(
+        q=q.to(DEVICE), kv=kv, layout=layout, block_table=table.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl=qsl.to(DEVICE),
+        max_query_len=max(q_lens), latents=latents, q_lens=q_lens, rank=rank,
+    )  # fmt: skip
+
+
+def run(b: dict, impl: str, **kw) -> torch.Tensor:
+    return paged_attention(
+        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"],
+        b["max_query_len"], impl=impl, kv_lora_rank=b["rank"], scale=0.1, **kw,
+    )  # fmt: skip
+
+
+def oracle(b: dict) -> torch.Tensor:
+    ks = b["latents"]  # [L, 1, rank + rope]: K is the whole row
+    vs = [lat[..., : b["rank"]] for lat in ks]  # V is its first `rank` columns
+    return attention_oracle(b["q"].cpu(), ks, vs, b["q_lens"], scale=0.1)[0]
+
+
+DECODE = dict(q_lens=[1, 1, 1, 1], seq_lens=[70, 1, 33, 16])
+
+
+def test_reference_matches_oracle() -> None:
+    b = make_mla_batch(q_lens=[1, 4, 1], seq_lens=[40, 20, 1])
+    out = run(b, "reference")
+    assert out.shape == (6, 8, RANK)
+    assert_close_to_oracle(out.cpu(), oracle(b), dtype=torch.float32)
+
+
+def test_triton_decode_matches_oracle(triton_device: str) -> None:
+    b = make_mla_batch(**DECODE)
+    want = oracle(b)
+    assert_close_to_oracle(run(b, "triton").cpu(), want, dtype=torch.float32)
+    assert_close_to_oracle(run(b, "triton", num_splits=2).cpu(), want, dtype=torch.float32)
+
+
+def test_triton_chunked_prefill_and_fp16(triton_device: str) -> None:
+    b = make_mla_batch(q_lens=[6, 1], seq_lens=[30, 17], dtype=torch.float16)
+    assert_close_to_oracle(run(b, "triton").cpu(), oracle(b), dtype=torch.float16)
+
+
+def test_triton_heads_split_over_programs(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek-V3's 128 heads x 512 do not fit one program's accumulator, so the config gives
+    each program a chunk of the heads; force that here with 32 heads in chunks of 16."""
+    launcher = importlib.import_module("kv_kernels.paged_attention.triton")
+
+    def small_chunks(kind: str, **shape):
+        cfg = select_config(kind, **shape)
+        return dataclasses.replace(cfg, block_m=16, block_q=1, heads_per_program=16)
+
+    monkeypatch.setattr(launcher, "select_config", small_chunks)
+    b = make_mla_batch(q_lens=[1, 1, 2], seq_lens=[40, 9, 20], num_heads=32)
+    assert_close_to_oracle(run(b, "triton").cpu(), oracle(b), dtype=torch.float32)
+
+
+def test_deepseek_v3_config_splits_heads() -> None:
+    cfg = select_config("decode", head_size=576, head_size_v=512, group=128, block_size=64,
+                        arch=90, v_from_k=True)  # fmt: skip
+    assert (cfg.block_m, cfg.block_q, cfg.heads_per_program, cfg.num_warps) == (32, 1, 32, 8)
+    # the latent tile is the only KV tile: no separate V row in the shared-memory budget
+    assert cfg.tile_n == 32 and cfg.num_stages >= 2
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_wrong_page_fails_the_check(impl: str, request: pytest.FixtureRequest) -> None:
+    if impl == "triton":
+        request.getfixturevalue("triton_device")
+    b = make_mla_batch(q_lens=[1, 1], seq_lens=[64, 20])
+    b["kv"].nan_to_num_(0.0)  # the spare page is read on purpose here
+    b["block_table"] = plant_wrong_page(
+        b["block_table"].cpu(), [64, 20], 16, b["layout"].num_blocks
+    ).to(DEVICE)
+    assert not check_close_to_oracle(run(b, impl).cpu(), oracle(b), dtype=torch.float32).ok
+
+
+def test_mla_arguments_are_checked() -> None:
+    b = make_mla_batch(q_lens=[1], seq_lens=[5])
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        paged_attention(b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"], 1)
+    with pytest.raises(ValueError, match="kv_lora_rank=80 must be <"):
+        run(dict(b, rank=80), "reference")
+    with pytest.raises(ValueError, match="power-of-two latent"):
+        run(dict(b, rank=48), "triton")
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_v3_shapes_bf16() -> None:
+    """DeepSeek-V3 decode at its real shapes (128 heads, 512 + 64, page 64, bf16): the compiled
+    kernel (heads split over programs, split KV) against the oracle, with the bf16 torch run as
+    the low-precision reference; one wrong page must fail the same check."""
+    b = make_mla_batch(q_lens=[1, 1, 1], seq_lens=[3000, 700, 64], num_heads=128, rank=512,
+                       rope=64, block_size=64, dtype=torch.bfloat16)  # fmt: skip
+    b["kv"].nan_to_num_(0.0)
+    want = oracle(b)
+    low = run(b, "reference").cpu()  # float32 math, rounded to bf16 once
+    assert_close_to_oracle(run(b, "triton").cpu(), want, lowprec_reference=low)
+    bad = dict(b, block_table=plant_wrong_page(b["block_table"].cpu(), [3000, 700, 64], 64,
+                                               b["layout"].num_blocks).to(DEVICE))  # fmt: skip
+    assert not check_close_to_oracle(run(bad, "triton").cpu(), want, lowprec_reference=low).ok
