@@ -1,0 +1,533 @@
+"""kv-blocktable's scheduler side against vLLM 0.33's own BlockPool / KVCacheManager, one run.
+
+    .venv/bin/python packages/kv-blocktable/benchmarks/bench_blocktable.py \\
+        [--vllm-python /tmp/vllm-env/bin/python] [--device cpu|cuda] [--quick]
+
+Workloads (the same on both sides, same machine, same job; vLLM runs in its own interpreter
+through ``_vllm_side.py`` because it is installed outside this workspace — see the ``how`` fields):
+
+1. allocate + free, batches of 16 blocks, caching off: ``allocate(16)`` then ``free`` them.
+2. allocate + free with caching on: ``allocate(16)`` (evicting 16 cached blocks once the pool has
+   gone round), enter 16 fresh hashes in the prefix cache, ``free``: a full prefix-cached pool.
+3. chained hashing of 16-token blocks: a request's whole chain (256 blocks), sha256 and xxhash-128.
+4. a decode step of 256 running requests (prompts of 500..515 tokens, so 1/16 of the requests
+   cross a block boundary each step): each appends one token and gets its slot (a new block
+   every 16 steps). ``manager``: the KV manager alone (what vLLM's number covers). ``full step``:
+   plus the block-table update of the rows that got a block, one commit and the slot mapping
+   (``kv_blocktable.block_table``, torch; on ``--device`` — host time, CUDA work is async).
+
+The two sides alternate run by run (vLLM's interpreter stays up and runs one workload per
+request), so load on the shared machine falls on both alike. Throughputs are the best of
+``repeats`` runs (the least disturbed one); step times are medians over all steps. Writes ``docs/benchmarks/blocktable.json``,
+``.md`` and ``.png``. Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kv_blocktable
+import kv_spec
+from kv_blocktable import BlockHasher, BlockPool, KVCacheManager, Request
+
+ROOT = Path(__file__).resolve().parents[3]
+DOCS = ROOT / "docs" / "benchmarks"
+VLLM_SIDE = Path(__file__).with_name("_vllm_side.py")
+TARGETS = {"ratio": 1.5, "decode_full_step_us": 200.0}
+
+PARAMS: dict[str, Any] = {
+    "num_blocks": 16384,
+    "batch": 16,
+    "alloc_iters": 20000,
+    "repeats": 7,
+    "hash_blocks": 256,
+    "hash_iters": 100,
+    "num_reqs": 256,
+    "prompt_len": 500,
+    "decode_chunk": 16,  # decode steps per run; `repeats` runs alternate with vLLM's
+    "max_model_len": 4096,
+}
+
+
+def fresh_hashes(n: int, batch: int) -> list[list[bytes]]:
+    # Same scheme as _vllm_side.py: distinct 32-byte hashes for twice the pool.
+    return [
+        [i.to_bytes(4, "little") + j.to_bytes(28, "little") for j in range(batch)]
+        for i in range(2 * n // batch)
+    ]
+
+
+def ours_alloc_free(p: dict[str, Any], caching: bool) -> tuple[Callable[[], float], str]:
+    n, batch, iters = p["num_blocks"], p["batch"], p["alloc_iters"]
+    pool = BlockPool(n, enable_caching=caching)
+    hashes = fresh_hashes(n, batch)
+    state = {"i": 0}
+
+    def run() -> float:
+        alloc, free, cache = pool.allocate, pool.free, pool.cache_block
+        t0 = time.perf_counter()
+        if caching:
+            i0 = state["i"]
+            for i in range(i0, i0 + iters):
+                ids = alloc(batch)
+                for b, h in zip(ids, hashes[i % len(hashes)], strict=True):
+                    cache(0, b, h)
+                free(ids)
+            state["i"] = i0 + iters
+        else:
+            for _ in range(iters):
+                free(alloc(batch))
+        return time.perf_counter() - t0
+
+    how = f"BlockPool(num_blocks, enable_caching={caching}); loop: ids = allocate(16); " + (
+        "cache_block(0, b, h) for 16 fresh hashes; " if caching else ""
+    )
+    return run, how + "free(ids)"
+
+
+def ours_hashing(p: dict[str, Any], algo: str) -> tuple[Callable[[], float], str]:
+    hasher = BlockHasher(16, algo)
+    tokens = list(range(p["hash_blocks"] * 16))
+
+    def run() -> float:
+        total = 0.0
+        for r in range(p["hash_iters"]):
+            req = Request(f"h{r}", tokens)
+            t0 = time.perf_counter()
+            req.bind_hasher(hasher)
+            total += time.perf_counter() - t0
+            assert len(req.block_hashes) == p["hash_blocks"]
+        return total
+
+    how = (
+        f"Request(id, {p['hash_blocks'] * 16} tokens).bind_hasher(BlockHasher(16, {algo!r})): "
+        "the whole chain (only the bind call is timed)"
+    )
+    return run, how
+
+
+class OursDecode:
+    """256 running requests; ``manager()`` runs steps of the KV manager alone, ``full()`` steps
+    with the block-table update and slot mapping as well (when the torch extra is usable)."""
+
+    def __init__(self, p: dict[str, Any], device: str) -> None:
+        spec = kv_spec.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128)
+        cfg = kv_spec.plan_kv_cache(
+            {"layers.0": spec},
+            p["num_blocks"] * spec.page_size_bytes,
+            max_model_len=p["max_model_len"],
+        )
+        self.p = p
+        self.mgr = KVCacheManager(cfg)
+        self.reqs = []
+        for i in range(p["num_reqs"]):
+            req = Request(f"r{i}", [i] * 8 + list(range(p["prompt_len"] - 8 + i % 16)))
+            hit, n_hit = self.mgr.get_computed_blocks(req)
+            assert self.mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit) is not None
+            self.reqs.append(req)
+        self.cfg, self.device, self.step = cfg, device, 0
+        self.tables: Callable[[list[Any]], None] | None = None
+        self.table_error: str | None = None
+        self.how = (
+            "KVCacheManager(plan of FullAttentionSpec(16, 8, 128, bf16), prefix caching on, "
+            "sha256); per step and request: append_token_ids(tok); allocate_slots(req, 1)"
+        )
+
+    def _steps(self, with_tables: bool) -> list[float]:
+        times = []
+        mgr, reqs = self.mgr, self.reqs
+        for _ in range(self.p["decode_chunk"]):
+            tok = self.step % 100
+            self.step += 1
+            t0 = time.perf_counter()
+            alloc = mgr.allocate_slots
+            if with_tables:
+                news = []
+                for req in reqs:
+                    req.append_token_ids(tok)
+                    news.append(alloc(req, 1))
+                assert self.tables is not None
+                self.tables(news)
+            else:
+                for req in reqs:
+                    req.append_token_ids(tok)
+                    alloc(req, 1)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def manager(self) -> list[float]:
+        return self._steps(False)
+
+    def full(self) -> list[float]:
+        if self.tables is None and self.table_error is None:
+            self.tables, self.table_error = _block_tables(
+                self.cfg, self.p, self.device, self.mgr, self.reqs
+            )
+        return self._steps(True) if self.tables is not None else []
+
+
+def _block_tables(
+    cfg: kv_spec.KVCacheConfig,
+    p: dict[str, Any],
+    device: str,
+    mgr: KVCacheManager,
+    reqs: list[Request],
+) -> tuple[Callable[[list[Any]], None] | None, str | None]:
+    """The worker-side part of the step, if the torch extra is importable here."""
+    try:
+        import torch
+        from kv_blocktable.block_table import BlockTables
+
+        if device == "cpu":
+            # On the CPU the "device" work is host work too; one thread keeps torch's idle
+            # workers from spinning against this process on a small shared machine.
+            torch.set_num_threads(1)
+
+        n = len(reqs)
+        bt = BlockTables.from_config(
+            cfg,
+            max_num_reqs=n,
+            max_model_len=p["max_model_len"],
+            max_num_batched_tokens=max(n, 8192),
+            device=device,
+            pin_memory=device == "cuda",
+        )
+        for row, req in enumerate(reqs):
+            bt.add_row(row, mgr.get_block_ids(req))
+        bt.commit(n)
+        qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
+        positions = torch.tensor(
+            [mgr.num_computed_tokens(r.request_id) for r in reqs], dtype=torch.int64, device=device
+        )
+
+        def step(news: list[Any]) -> None:
+            for row, new in enumerate(news):
+                if new:
+                    bt.append_row(row, new.get_block_ids())
+            bt.commit(n)
+            positions.add_(1)
+            bt.compute_slot_mapping(qsl, positions)
+
+        step([None] * n)  # warm up (first-call costs out of the timing)
+        positions.sub_(1)
+        return step, None
+    except Exception as e:  # torch extra missing, or its API moved: the manager part still runs
+        return None, f"{type(e).__name__}: {e}"
+
+
+class VllmSide:
+    """vLLM in its own interpreter (``_vllm_side.py``), asked for one run of a workload at a time."""
+
+    def __init__(self, vllm_python: str, p: dict[str, Any]) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+        if not Path(vllm_python).exists():
+            self.info = {"error": f"no vLLM interpreter at {vllm_python} (pass --vllm-python)"}
+            return
+        self.proc = subprocess.Popen(
+            [vllm_python, str(VLLM_SIDE), json.dumps(p)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd="/tmp",  # keep the workspace's packages off vLLM's path
+        )
+        line = self._readline()
+        if line is None:
+            self.info = {"error": "the vLLM side exited before it was ready (run it by hand)"}
+            self.proc = None
+        else:
+            self.info = json.loads(line)
+
+    def _readline(self) -> str | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        return line or None
+
+    def usable(self, key: str) -> bool:
+        return self.proc is not None and "how" in self.info.get(key, {})
+
+    def run(self, key: str) -> Any:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(key + "\n")
+        self.proc.stdin.flush()
+        line = self._readline()
+        if line is None:
+            raise RuntimeError(f"the vLLM side died running {key}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.stdin is not None:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def measure(
+    p: dict[str, Any], device: str, vside: VllmSide
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Alternate the two sides run by run (best of ``repeats`` each), so load on the shared
+    machine falls on both alike."""
+    ours: dict[str, Any] = {}
+    vllm: dict[str, Any] = dict(vside.info)
+    units = {
+        "alloc_free_nocache": p["alloc_iters"] * p["batch"],
+        "alloc_free_cache": p["alloc_iters"] * p["batch"],
+        "hash_sha256": p["hash_iters"] * p["hash_blocks"],
+        "hash_xxhash128": p["hash_iters"] * p["hash_blocks"],
+    }
+    builders = {
+        "alloc_free_nocache": lambda: ours_alloc_free(p, caching=False),
+        "alloc_free_cache": lambda: ours_alloc_free(p, caching=True),
+        "hash_sha256": lambda: ours_hashing(p, "sha256"),
+        "hash_xxhash128": lambda: ours_hashing(p, "xxhash128"),
+    }
+    try:
+        for key, build in builders.items():
+            run, how = build()
+            mine, theirs = [], []
+            for _ in range(p["repeats"]):
+                mine.append(run())
+                if vside.usable(key):
+                    theirs.append(vside.run(key))
+            ours[key] = {"blocks_per_s": units[key] / min(mine), "how": how}
+            if theirs:
+                vllm[key]["blocks_per_s"] = units[key] / min(theirs)
+        dec = OursDecode(p, device)
+        m_t: list[float] = []
+        v_t: list[float] = []
+        for _ in range(p["repeats"]):
+            m_t += dec.manager()
+            if vside.usable("decode_step"):
+                v_t += vside.run("decode_step")
+        f_t: list[float] = []
+        for _ in range(p["repeats"]):
+            f_t += dec.full()
+    finally:
+        vside.close()
+    d: dict[str, Any] = {
+        "manager_median_us": median(m_t) * 1e6,
+        "manager_min_us": min(m_t) * 1e6,
+        "steps": len(m_t),
+        "how": dec.how,
+    }
+    if f_t:
+        d["full_step_median_us"] = median(f_t) * 1e6
+        d["full_step_device"] = device
+        d["full_step_how"] = (
+            "then (separately, after the manager-only steps) the same step + "
+            "BlockTables.append_row(row, new ids) for the rows that got a block, commit(256), "
+            "positions += 1 (in place), compute_slot_mapping(query_start_loc, positions)"
+        )
+    else:
+        d["full_step_error"] = dec.table_error
+    ours["decode_step"] = d
+    if v_t:
+        vllm["decode_step"].update(
+            median_us=median(v_t) * 1e6, min_us=min(v_t) * 1e6, steps=len(v_t)
+        )
+    return ours, vllm
+
+
+def median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    return ys[len(ys) // 2]
+
+
+def summarize(ours: dict[str, Any], vllm: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for key, label in (
+        ("alloc_free_nocache", "allocate+free, batches of 16, caching off (blocks/s)"),
+        ("alloc_free_cache", "allocate+free+cache, batches of 16, caching on (blocks/s)"),
+        ("hash_sha256", "chained hashing, 16-token blocks, sha256 (blocks/s)"),
+        ("hash_xxhash128", "chained hashing, 16-token blocks, xxhash-128 (blocks/s)"),
+    ):
+        o = ours[key]["blocks_per_s"]
+        v = vllm.get(key, {}).get("blocks_per_s")
+        rows.append(
+            {
+                "key": key,
+                "what": label,
+                "ours": o,
+                "vllm": v,
+                "ratio": None if v is None else o / v,
+                "target": f">= {TARGETS['ratio']}x vLLM",
+            }
+        )
+    d, vd = ours["decode_step"], vllm.get("decode_step", {})
+    v_us = vd.get("median_us")
+    rows.append(
+        {
+            "key": "decode_manager",
+            "what": "decode step, 256 requests: KV manager alone (host us, median)",
+            "ours": d["manager_median_us"],
+            "vllm": v_us,
+            "ratio": None if v_us is None else v_us / d["manager_median_us"],
+            "target": "(vLLM's KV manager alone, for the ratio)",
+        }
+    )
+    if "full_step_median_us" in d:
+        rows.append(
+            {
+                "key": "decode_full_step",
+                "what": f"decode step, 256 requests: manager + block table + slot mapping "
+                f"(host us, median, {d['full_step_device']})",
+                "ours": d["full_step_median_us"],
+                "vllm": None,  # vLLM's number covers its KV manager only: no like-for-like ratio
+                "ratio": None,
+                "target": f"<= {TARGETS['decode_full_step_us']:.0f} us host time (on a GPU)",
+            }
+        )
+    return rows
+
+
+def fmt(x: float | None, key: str) -> str:
+    if x is None:
+        return "n/a"
+    if key.startswith("decode"):
+        return f"{x:,.0f} us"
+    return f"{x / 1e6:.2f} M/s" if x >= 1e6 else f"{x / 1e3:,.0f} k/s"
+
+
+def write_md(path: Path, record: dict[str, Any]) -> None:
+    lines = [
+        "# kv-blocktable vs vLLM: scheduler-side host costs",
+        "",
+        f"One run of `packages/kv-blocktable/benchmarks/bench_blocktable.py` on {record['cpu']} "
+        f"({record['cpu_count']} cores, shared), Python {record['python']}; kv-blocktable "
+        f"{record['kv_blocktable']}, vLLM {record['vllm'].get('vllm_version', 'n/a')} (same "
+        "machine, same job, its own interpreter). Ratio > 1: kv-blocktable is faster.",
+        "",
+        "| workload | kv-blocktable | vLLM | ratio | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in record["rows"]:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        lines.append(
+            f"| {r['what']} | {fmt(r['ours'], r['key'])} | {fmt(r['vllm'], r['key'])} | "
+            f"{ratio} | {r['target']} |"
+        )
+    lines += ["", "How each side was called:", ""]
+    for key in ("alloc_free_nocache", "alloc_free_cache", "hash_sha256", "hash_xxhash128"):
+        lines.append(f"- `{key}` — ours: {record['ours'][key]['how']}.")
+        v = record["vllm"].get(key, {})
+        lines.append(f"  vLLM: {v.get('how', v.get('error', 'not run'))}.")
+    d = record["ours"]["decode_step"]
+    lines.append(
+        f"- `decode_step` — ours: {d['how']}; {d.get('full_step_how', d.get('full_step_error'))}."
+    )
+    vd = record["vllm"].get("decode_step", {})
+    lines.append(f"  vLLM: {vd.get('how', vd.get('error', 'not run'))}.")
+    d = record["ours"]["decode_step"]
+    if "full_step_median_us" in d:
+        lines += [
+            "",
+            f"The full decode step ran its block tables on `{d['full_step_device']}`. On the CPU "
+            "the block-table update and the slot mapping are torch CPU work done on the host, so "
+            "the number is not the host cost of a GPU step; run with `--device cuda` on a GPU "
+            "machine for the <= 200 us target (CUDA work is asynchronous there).",
+        ]
+    if "error" in record["vllm"]:
+        lines += ["", f"vLLM side failed: `{record['vllm']['error']}`"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_png(path: Path, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    short = {
+        "alloc_free_nocache": "allocate+free, caching off",
+        "alloc_free_cache": "allocate+cache+free, caching on",
+        "hash_sha256": "chained hashing, sha256",
+        "hash_xxhash128": "chained hashing, xxhash-128",
+        "decode_manager": "decode step x256, KV manager",
+    }
+    shown = [r for r in rows if r["ratio"] is not None]
+    if not shown:  # no vLLM interpreter (e.g. the GPU machine): the table says so; no ratio plot
+        print(f"no ratio to plot (vLLM side not run); {path} not written")
+        return
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(shown) + 1.6))
+    ax.barh([short.get(r["key"], r["key"]) for r in shown], [r["ratio"] for r in shown])
+    ax.set_xlim(0, max(r["ratio"] for r in shown) * 1.18)
+    ax.set_title("kv-blocktable vs vLLM 0.33, same machine, same run (CPU host time)")
+    ax.axvline(1.0, color="gray", lw=1)
+    ax.axvline(TARGETS["ratio"], color="#c44e52", lw=1, ls="--", label="1.5x target")
+    for i, r in enumerate(shown):
+        ax.text(r["ratio"], i, f" {r['ratio']:.2f}x", va="center")
+    ax.set_xlabel("speed-up over vLLM (higher is better)")
+    ax.invert_yaxis()
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--vllm-python", default=os.environ.get("KVSTACK_VLLM_PYTHON", "/tmp/vllm-env/bin/python")
+    )
+    ap.add_argument("--device", default="cpu", help="device of the block tables (cpu or cuda)")
+    ap.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
+    ap.add_argument("--out", type=Path, default=DOCS / "blocktable")
+    ap.add_argument(
+        "--render-only", action="store_true", help="redraw .md and .png from the existing .json"
+    )
+    args = ap.parse_args()
+    if args.render_only:
+        saved: dict[str, Any] = json.loads(args.out.with_suffix(".json").read_text())
+        write_md(args.out.with_suffix(".md"), saved)
+        write_png(args.out.with_suffix(".png"), saved["rows"])
+        return
+    p = dict(PARAMS)
+    if args.quick:
+        p.update(alloc_iters=2000, repeats=2, hash_iters=3, decode_chunk=4)
+
+    ours, vllm = measure(p, args.device, VllmSide(args.vllm_python, p))
+    record: dict[str, Any] = {
+        "benchmark": "kv-blocktable scheduler side vs vLLM",
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "kv_blocktable": kv_blocktable.__version__,
+        "params": p,
+        "ours": ours,
+        "vllm": vllm,
+    }
+    record["rows"] = summarize(ours, vllm)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    write_md(args.out.with_suffix(".md"), record)
+    write_png(args.out.with_suffix(".png"), record["rows"])
+    for r in record["rows"]:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        print(
+            f"{r['what']:<90} ours {fmt(r['ours'], r['key']):>12}  vLLM "
+            f"{fmt(r['vllm'], r['key']):>12}  {ratio}"
+        )
+    print(f"wrote {args.out.with_suffix('.json')} (.md, .png)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The request as the scheduler side sees it: an id, token ids and the keys that scope its cache.
+
+No engine types: a scheduler, a router or a test builds a :class:`Request` from plain values.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kv_blocktable.hashing import BlockExtraKeys, BlockHasher
+
+__all__ = ["ExtraKeys", "MultiModalHash", "Request"]
+
+
+@dataclass(frozen=True)
+class MultiModalHash:
+    """One multimodal input: its content hash and the placeholder tokens it occupies.
+
+    A block gets the hash of every input whose placeholder range ``[offset, offset + length)``
+    overlaps it, so two prompts with the same placeholder tokens but different images differ.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str) or not self.identifier:
+            raise ValueError(
+                f"MultiModalHash.identifier={self.identifier!r} must be a non-empty str"
+            )
+        for name, minimum in (("offset", 0), ("length", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ValueError(f"MultiModalHash.{name}={v!r} must be an int >= {minimum}")
+
+
+@dataclass(frozen=True)
+class ExtraKeys:
+    """What besides the tokens decides whether a cached block may be reused.
+
+    - ``cache_salt``: isolates tenants; it enters the first block's hash, and the chain carries it.
+    - ``lora_name``: the adapter the KV was computed with; it enters every block's hash.
+    - ``mm_hashes``: multimodal inputs; each enters the hash of the blocks its placeholders overlap.
+    """
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    mm_hashes: tuple[MultiModalHash, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("cache_salt", "lora_name"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"ExtraKeys.{name}={v!r} must be a non-empty str or None")
+        mm = tuple(self.mm_hashes)
+        for m in mm:
+            if not isinstance(m, MultiModalHash):
+                raise TypeError(
+                    f"ExtraKeys.mm_hashes holds a {type(m).__name__}; pass MultiModalHash values"
+                )
+        object.__setattr__(self, "mm_hashes", tuple(sorted(mm, key=lambda m: m.offset)))
+
+    def for_block(self, start: int, end: int) -> BlockExtraKeys:
+        """The ``(kind, value)`` pairs that enter the hash of the block of tokens ``[start, end)``."""
+        keys: list[tuple[str, str]] = []
+        if start == 0 and self.cache_salt is not None:
+            keys.append(("cache_salt", self.cache_salt))
+        if self.lora_name is not None:
+            keys.append(("lora_name", self.lora_name))
+        for m in self.mm_hashes:
+            if m.offset < end and m.offset + m.length > start:
+                keys.append(("mm_hash", m.identifier))
+        return tuple(keys)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A request's id, its tokens (prompt, then outputs as they are appended) and extra keys.
+
+    ``block_hashes`` holds the chained hashes of the request's *full* hash blocks and is extended
+    as tokens are appended. It is computed by the bound :class:`BlockHasher`; a
+    ``KVCacheManager`` binds its own on first sight (a request belongs to one manager's hash space).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    extra_keys: ExtraKeys | None = None
+    block_hasher: BlockHasher | None = None
+    _block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
+    # Token count at which the next block hash is due (never, until a hasher is bound): one
+    # comparison per appended token instead of a division.
+    _next_hash_at: int = field(default=sys.maxsize, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"Request.request_id={self.request_id!r} must be a non-empty str")
+        if self.extra_keys is not None and not isinstance(self.extra_keys, ExtraKeys):
+            raise TypeError(
+                f"Request.extra_keys is a {type(self.extra_keys).__name__}; pass ExtraKeys or None"
+            )
+        self.token_ids = _check_tokens(self.request_id, self.token_ids)
+        if self.block_hasher is not None:
+            self._extend_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """Hashes of the full hash blocks so far (read-only by convention: do not mutate)."""
+        return self._block_hashes
+
+    def append_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append output token ids (one int or several) and hash any block they complete."""
+        if type(token_ids) is int and -_I64 <= token_ids < _I64:  # the decode fast path
+            self.token_ids.append(token_ids)
+        else:
+            self.token_ids.extend(_check_tokens(self.request_id, _iterable(token_ids)))
+        if len(self.token_ids) >= self._next_hash_at:
+            self._extend_hashes()
+
+    def bind_hasher(self, hasher: BlockHasher) -> None:
+        """Hash this request's blocks with ``hasher`` (a no-op if it is already bound to it)."""
+        if self.block_hasher == hasher:
+            return
+        if self.block_hasher is not None:
+            raise ValueError(
+                f"request {self.request_id!r} is hashed with {self.block_hasher} but this manager "
+                f"uses {hasher}; a request belongs to one manager (build a new Request to move it)"
+            )
+        self.block_hasher = hasher
+        self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        h = self.block_hasher
+        assert h is not None
+        hashes = self._block_hashes
+        hashes.extend(
+            h.hash_blocks(
+                self.token_ids,
+                self.extra_keys,
+                parent_hash=hashes[-1] if hashes else None,
+                start_block=len(hashes),
+            )
+        )
+        self._next_hash_at = (len(hashes) + 1) * h.block_size
+
+
+_I64 = 2**63
+
+
+def _iterable(token_ids: int | Iterable[int]) -> Iterable[int]:
+    return [token_ids] if isinstance(token_ids, int) else token_ids
+
+
+def _check_tokens(request_id: str, token_ids: Iterable[int]) -> list[int]:
+    ids = list(token_ids)  # a copy: the request owns its tokens
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not -(2**63) <= t < 2**63:
+            raise ValueError(
+                f"request {request_id!r}: token id {t!r} must be an int in [-2**63, 2**63) "
+                "(they are hashed as int64)"
+            )
+    return ids
