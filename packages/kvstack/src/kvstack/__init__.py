@@ -2,8 +2,9 @@
 
 The umbrella over ``kv_spec`` (specs, layouts, planner), ``kv_kernels`` (cache ops and paged
 attention), ``kv_backends`` (attention backends and the selector), ``kv_blocktable`` and
-``kv_connectors``, with the ``kvstack`` command line (``kvstack demo``, ``kvstack plan``,
-``kvstack models``).
+``kv_connectors``: the reference engine (:mod:`kvstack.engine`: Hugging Face checkpoints of real
+architectures, continuous batching, held to transformers token for token) and the ``kvstack``
+command line (``demo``, ``generate``, ``plan``, ``backends``, ``bench``, ``models``).
 """
 
 from __future__ import annotations

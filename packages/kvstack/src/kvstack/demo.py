@@ -1,241 +1,321 @@
-"""``kvstack demo``: the main job, on the CPU.
+"""``kvstack demo``: the whole stack on a small random-weight model, on the CPU (or a GPU).
 
-1. Plan the KV cache of every catalogue model for a memory budget (kv-spec).
-2. Serve a tiny gpt-oss-shaped model (alternating sliding-window / full layers with sinks, GQA)
-   for a few continuous-batching steps over one paged cache: prefills, a chunked prefill and
-   decodes in the same batch; the selector picks each group's backend on this CPU and says why;
-   K/V go into the cache through the backend's ``do_kv_cache_update`` (kv-kernels'
-   ``reshape_and_cache``); attention runs through every backend that runs on a CPU and is held to
-   a float64 dense oracle computed from the K/V history.
-3. Say plainly what is not built yet.
-
-Q/K/V are random (there are no model weights here); everything else is the real stack.
+1. Plans: the KV cache of every catalogue model for a memory budget (kv-spec).
+2. A small Qwen3-architecture model with **random weights** (no download): full-attention and
+   sliding-window layers (two KV groups), GQA, q/k norms. Written as a Hugging Face checkpoint
+   (``config.json`` + safetensors) by our own writer, so transformers is not needed.
+3. The engine serves a batch of requests with shared system prompts: continuous batching, chunked
+   prefill, prefix caching (kv-blocktable), paged attention through the backend the selector picks
+   per KV group (kv-backends), the cache planned by kv-spec. Throughput, KV memory, hit rate.
+4. Every request's tokens are checked against the dense reference (the same weights without a
+   cache) and, when transformers is installed, against transformers itself.
+5. One request is handed from a "prefill" process to a "decode" process through a kv-connectors
+   connector (see :mod:`kvstack.handoff`), and the continued tokens are checked.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from kv_spec import CATALOGUE
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from kvstack.cli import _plan_row, _plan_table
+from kvstack.planning import plan_model, plan_table
 from kvstack.units import format_bytes
 
-if TYPE_CHECKING:
+__all__ = ["DEMO_CONFIG", "GreedyCheck", "check_greedy", "run", "write_random_checkpoint"]
+
+#: The demo model: Qwen3's architecture (q/k RMSNorm, GQA, tied embeddings) with its sliding
+#: window turned on for the upper half of the layers, so the cache has two KV groups (full and
+#: sliding) sharing one block pool — scaled down to run in seconds on two CPU cores.
+DEMO_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "use_sliding_window": True,
+    "sliding_window": 32,
+    "max_window_layers": 2,
+    "layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": True,
+    "eos_token_id": None,
+    "bos_token_id": None,
+}
+NUM_SYSTEM_PROMPTS, REQUESTS_PER_PROMPT, SYSTEM_LEN, MAX_NEW = 4, 4, 32, 16
+#: Random weights make near-ties between the two best logits happen now and then; within this
+#: (float32, ~1e-5 relative) either token is a correct greedy choice, and the demo says so.
+TIE_ATOL = 1e-3
+
+
+def write_random_checkpoint(path: str | Path, config: dict[str, Any], *, seed: int = 0) -> Path:
+    """Write ``config.json`` and random weights (``model.safetensors``) for ``config``.
+
+    Weights are N(0, 0.2) (large enough that attention is far from uniform, so a wrong page or
+    position changes the tokens) and norm gains U(0.5, 1.5). Needs only torch and safetensors.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from kvstack.engine.hf_config import ArchConfig
+    from kvstack.engine.models import CausalLM
+
+    arch = ArchConfig.from_hf(config)
+    torch.manual_seed(seed)
+    model = CausalLM(arch)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.2)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+@dataclass(frozen=True)
+class GreedyCheck:
+    """How a request's generated tokens compare with a reference's logits (teacher-forced)."""
+
+    exact: bool  # every token is the reference's argmax
+    near_ties: int  # tokens that are not the argmax but within TIE_ATOL of it (either is right)
+    ok: bool  # every token is within TIE_ATOL of the reference's best logit
+
+
+def check_greedy(ref_logits: Any, tokens: list[int], atol: float = TIE_ATOL) -> GreedyCheck:
+    """``ref_logits`` ``[n, vocab]``: the reference's logits before each of the ``n`` tokens.
+
+    Teacher forcing: feeding the engine's own tokens to the reference and checking each one is
+    the reference's argmax is the same test as comparing greedy sequences, in one forward pass.
+    """
     import torch
 
-__all__ = ["run"]
-
-NOT_BUILT = (
-    "kv-blocktable: block pool, prefix cache, block tables — the demo hands out blocks from a plain "
-    "free list (skeleton; its issue is not filed yet)",
-    "kv-connectors: CPU offload, disk, P2P, NIXL (skeleton; its issue is not filed yet)",
-    "the reference engine (continuous batching with a scheduler) — this demo drives the steps by hand",
-)
-
-# The tiny model: gpt-oss's attention shape, scaled down to run in a second on a CPU.
-NUM_LAYERS, Q_HEADS, KV_HEADS, HEAD, WINDOW, BLOCK = 4, 8, 2, 64, 32, 16
-CPU_BACKENDS = ("TORCH_SDPA", "FLEX_ATTENTION")
-GPU_BACKENDS = ("TRITON", "FLASH_ATTN")
+    t = torch.tensor(tokens)
+    best = ref_logits.max(dim=-1).values  # [n]
+    chosen = ref_logits.gather(1, t[:, None])[:, 0]  # [n]
+    exact = bool((ref_logits.argmax(dim=-1) == t).all())
+    gap = best - chosen  # >= 0; 0 where the token is an argmax
+    return GreedyCheck(exact, int(((gap > 0) & (gap <= atol)).sum()), bool((gap <= atol).all()))
 
 
-@dataclass
-class Request:
-    name: str
-    prompt_len: int
-    chunk: int  # prefill chunk size (chunked prefill when < prompt_len)
-    decode_steps: int
-    computed: int = 0
-    blocks: dict[int, list[int]] = field(default_factory=dict)  # group id -> manager blocks
-
-    def next_query_len(self) -> int:
-        if self.computed < self.prompt_len:
-            return min(self.chunk, self.prompt_len - self.computed)
-        return 1 if self.computed < self.prompt_len + self.decode_steps else 0
-
-
-def _oracle(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sinks: torch.Tensor,
-    window: int | None,
-    scale: float,
-) -> torch.Tensor:
-    """float64 dense attention of one request: q [Tq, Hq, D], k/v [S, H, D]; the last Tq positions."""
+def _dense_logits(model: Any, prompt: list[int], tokens: list[int]) -> Any:
+    """The dense (cache-free) reference's logits before each generated token ``[n, vocab]``."""
     import torch
 
-    tq, s = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    kk = k.double().repeat_interleave(group, dim=1)  # [S, Hq, D]
-    vv = v.double().repeat_interleave(group, dim=1)
-    logits = torch.einsum("thd,shd->hts", q.double(), kk) * scale  # [Hq, Tq, S]
-    pos = torch.arange(s - tq, s)[:, None]
-    kv_pos = torch.arange(s)[None, :]
-    ok = kv_pos <= pos
-    if window is not None:
-        ok &= kv_pos > pos - window
-    logits = logits.masked_fill(~ok, float("-inf"))
-    sink = sinks.double()[:, None, None].expand(-1, tq, 1)
-    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("hts,shd->thd", probs, vv)
+    seq = torch.tensor(prompt + tokens[:-1], dtype=torch.int64)
+    return model.forward_dense(seq)[len(prompt) - 1 :]
 
 
-def _serve_tiny_model(console: Console) -> bool:
+def _workload(vocab: int, seed: int = 0) -> list[list[int]]:
     import torch
-    from kv_backends import (
-        AttentionConfig,
-        CommonAttentionMetadata,
-        Platform,
-        get_backend,
-        select_backend,
-    )
-    from kv_kernels import allocate_kv_cache, layer_view
-    from kv_spec import FullAttentionSpec, SlidingWindowSpec, plan_kv_cache
 
-    torch.manual_seed(0)
-    common_kw: dict[str, Any] = dict(
-        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype="float32"
-    )
-    specs = {
-        f"layers.{i}": SlidingWindowSpec(sliding_window=WINDOW, **common_kw)
-        if i % 2 == 0
-        else FullAttentionSpec(**common_kw)
-        for i in range(NUM_LAYERS)
-    }
-    plan = plan_kv_cache(specs, 2 * 2**20, max_model_len=256, max_num_batched_tokens=128)
-    console.print(
-        f"\n[bold]Step 2 — a tiny gpt-oss-shaped model on this CPU[/bold]: {NUM_LAYERS} layers "
-        f"(sliding window {WINDOW} / full, alternating), {Q_HEADS} q / {KV_HEADS} kv heads, head {HEAD}, sinks; "
-        f"plan: {plan.num_blocks} blocks of {format_bytes(plan.page_size_bytes)} × {plan.num_layer_slots} layer slots, "
-        f"{len(plan.groups)} groups sharing one block-id space"
-    )
-    # Layer slots are shared by the groups: same page format, so one storage serves both.
-    layouts = {g.group_id: plan.layout(g.group_id) for g in plan.groups}
-    storage = allocate_kv_cache(layouts[0])
-    platform = Platform.cpu()
-    impls: dict[str, dict[str, Any]] = {name: {} for name in CPU_BACKENDS}
-    builders: dict[tuple[str, int], Any] = {}
-    sinks = {name: torch.randn(Q_HEADS) for name in specs}
-    for g in plan.groups:
-        config = AttentionConfig.from_spec(g.spec, num_q_heads=Q_HEADS, has_sinks=True)
-        console.print(str(select_backend(config, platform)))
-        for gpu_backend in GPU_BACKENDS:
-            reasons = get_backend(gpu_backend).validate(config, platform)
-            console.print(f"  {gpu_backend} here: {'; '.join(reasons) or 'usable'}")
-        for backend_name in CPU_BACKENDS:
-            backend = get_backend(backend_name)
-            reasons = backend.validate(config, platform)
-            if reasons:
-                raise RuntimeError(f"{backend_name} cannot serve the demo model: {reasons}")
-            builders[backend_name, g.group_id] = backend.make_builder(
-                config, layouts[g.group_id], max_num_batched_tokens=128
-            )
-            for layer_name in g.layer_names:
-                impls[backend_name][layer_name] = backend.make_impl(
-                    config, layouts[g.group_id], sinks=sinks[layer_name]
-                )
+    g = torch.Generator().manual_seed(seed)
+    systems = [
+        torch.randint(0, vocab, (SYSTEM_LEN,), generator=g).tolist()
+        for _ in range(NUM_SYSTEM_PROMPTS)
+    ]
+    prompts = []
+    for _r in range(REQUESTS_PER_PROMPT):
+        for s in systems:
+            n = int(torch.randint(8, 40, (1,), generator=g))
+            prompts.append(s + torch.randint(0, vocab, (n,), generator=g).tolist())
+    return prompts
 
-    requests = [Request("A", 45, 64, 3), Request("B", 7, 64, 4), Request("C", 80, 40, 2)]
-    free = list(range(plan.num_blocks - 1, -1, -1))  # stand-in for kv-blocktable's BlockPool
-    history: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    table = Table(
-        title="continuous batching over one paged cache (max |error| vs a float64 dense oracle)"
+
+def _serve(
+    console: Console, model_dir: Path, device: str
+) -> tuple[Any, list[list[int]], list[Any]]:
+    from kvstack.engine.engine import LLMEngine
+    from kvstack.engine.sampling import SamplingParams
+
+    engine = LLMEngine(
+        model_dir,
+        device=device,
+        block_size=16,
+        kv_cache_memory=5 * 2**18,  # 80 blocks: tight enough that the batch preempts
+        max_model_len=256,
+        max_num_batched_tokens=512,
+        max_num_seqs=16,
     )
-    for col in ("step", "batch", "tokens", *CPU_BACKENDS):
+    prompts = _workload(engine.runner.arch.vocab_size)
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    total = len(prompts) * MAX_NEW
+    with Progress(
+        TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+        console=console, transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("tokens", total=total)
+        while engine.has_unfinished:
+            bar.advance(task, len(engine.step()))
+    completions = [engine.completion(str(i)) for i in range(len(prompts))]
+    return engine, prompts, completions
+
+
+def _report_engine(console: Console, engine: Any) -> None:
+    from kv_backends import backend_names, get_backend
+
+    st = engine.stats()
+    sched = st.scheduler
+    cfg = engine.runner.kv_cache_config
+    table = Table(title="the engine, over the whole stack", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row(
+        "throughput",
+        f"{st.tokens_per_second:,.0f} generated tokens/s ({st.num_generated_tokens} tokens, "
+        f"{st.num_computed_tokens} tokens computed, {sched.num_steps} steps, {st.wall_seconds:.2f} s)",
+    )
+    table.add_row(
+        "KV memory",
+        f"planned {format_bytes(cfg.total_bytes)} = {cfg.num_blocks} blocks x "
+        f"{format_bytes(cfg.page_size_bytes)} pages x {cfg.num_layer_slots} layer slots; "
+        f"peak use {sched.max_usage:.0%} = {format_bytes(sched.max_usage * cfg.total_bytes)}",
+    )
+    table.add_row(
+        "prefix cache",
+        f"hit rate {sched.prefix_hit_rate:.0%} ({sched.prefix_hit_tokens:,} of "
+        f"{sched.prefix_query_tokens:,} prompt tokens served from cached blocks)",
+    )
+    table.add_row("preemptions", f"{sched.num_preemptions} (resumed {sched.num_resumes}, "
+                  f"{sched.resume_hit_tokens} tokens back from the prefix cache)")  # fmt: skip
+    console.print(table)
+    groups = Table(title="attention backend per KV group (kv-backends' selector)")
+    for col in ("group", "layers", "spec", "backend", "why"):
+        groups.add_column(col, overflow="fold")
+    for g in cfg.groups:
+        sel = engine.runner.selections[g.group_id]
+        why = [f"first usable in {sel.platform.label}'s priority order"]
+        why += [f"{r.name} rejected: {'; '.join(r.reasons)}" for r in sel.rejected]
+        why += list(sel.notes)
+        # Backends the walk never reached or never tries here: what they would say.
+        for name in backend_names():
+            if name != sel.name and name not in {r.name for r in sel.rejected}:
+                reasons = get_backend(name).validate(sel.config, sel.platform)
+                why.append(f"{name}: {'; '.join(reasons) if reasons else 'usable, lower priority'}")
+        window = getattr(g.spec, "sliding_window", None)
+        spec = f"{g.spec.kind}" + (f" {window}" if window else "") + f", block {g.spec.block_size}"
+        groups.add_row(str(g.group_id), str(len(g.layer_names)), spec, sel.name, "\n".join(why))
+    console.print(groups)
+
+
+def _check(
+    console: Console, engine: Any, prompts: list[list[int]], completions: list[Any], model_dir: Path
+) -> bool:
+    """Every request against the dense reference and, when installed, transformers."""
+    model = engine.runner.model
+    dense = [
+        check_greedy(_dense_logits(model, p, list(c.token_ids)), list(c.token_ids))
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    hf = _transformers_check(model_dir, prompts, completions)
+    table = Table(title="generated tokens vs references (teacher-forced greedy check)")
+    for col in ("reference", "requests", "match"):
         table.add_column(col)
-    scale = 1 / math.sqrt(HEAD)
-    ok = True
-    for step in range(1, 8):
-        active = [(r, r.next_query_len()) for r in requests if r.next_query_len() > 0]
-        if not active:
-            break
-        query_lens = [n for _, n in active]
-        seq_lens = [r.computed + n for r, n in active]
-        per_group_md: dict[int, CommonAttentionMetadata] = {}
-        for g in plan.groups:
-            for r, _ in active:
-                have = r.blocks.setdefault(g.group_id, [])
-                while len(have) * BLOCK < r.computed + r.next_query_len():
-                    have.append(free.pop())
-            width = max(len(r.blocks[g.group_id]) for r, _ in active)
-            rows = [
-                r.blocks[g.group_id] + [0] * (width - len(r.blocks[g.group_id])) for r, _ in active
-            ]
-            per_group_md[g.group_id] = CommonAttentionMetadata.from_lists(
-                query_lens=query_lens, seq_lens=seq_lens, block_table=rows, block_size=BLOCK
-            )
-        errors = dict.fromkeys(CPU_BACKENDS, 0.0)
-        num_tokens = sum(query_lens)
-        for g in plan.groups:
-            common = per_group_md[g.group_id]
-            window = getattr(g.spec, "sliding_window", None)
-            for layer_name in g.layer_names:
-                slot = plan.layer_slot(layer_name)
-                kv_cache = layer_view(storage, layouts[g.group_id], slot)
-                q = torch.randn(num_tokens, Q_HEADS, HEAD)
-                k = torch.randn(num_tokens, KV_HEADS, HEAD)
-                v = torch.randn(num_tokens, KV_HEADS, HEAD)
-                # One backend writes the cache (they share it); every backend then reads it.
-                impls["TORCH_SDPA"][layer_name].do_kv_cache_update(
-                    None, k, v, kv_cache, common.slot_mapping
-                )
-                expected = []
-                start = 0
-                for (r, n), _s in zip(active, seq_lens, strict=True):
-                    hk, hv = history.get((r.name, layer_name), (k[:0], v[:0]))
-                    hk, hv = (
-                        torch.cat([hk, k[start : start + n]]),
-                        torch.cat([hv, v[start : start + n]]),
-                    )
-                    history[r.name, layer_name] = (hk, hv)
-                    expected.append(
-                        _oracle(q[start : start + n], hk, hv, sinks[layer_name], window, scale)
-                    )
-                    start += n
-                want = torch.cat(expected)
-                for backend_name in CPU_BACKENDS:
-                    md = builders[backend_name, g.group_id].build(common)
-                    got = impls[backend_name][layer_name].forward(None, q, kv_cache, md)
-                    errors[backend_name] = max(
-                        errors[backend_name], (got.double() - want).abs().max().item()
-                    )
-        for r, n in active:
-            r.computed += n
-        kinds = ", ".join(
-            f"{r.name}:{'decode' if r.computed > r.prompt_len else ('prefill' if n == r.prompt_len else 'chunk')}({n})"
-            for r, n in active
-        )
-        cells = []
-        for name in CPU_BACKENDS:
-            good = errors[name] < 1e-4
-            ok &= good
-            cells.append(f"[{'green' if good else 'red'}]{errors[name]:.1e}[/]")
-        table.add_row(str(step), kinds, str(num_tokens), *cells)
+    table.add_row("dense: same weights, no cache, no batching", str(len(dense)), _summary(dense))
+    if hf is None:
+        table.add_row("transformers", "-", "not installed (pip install 'kvstack[hf]' to compare)")
+    else:
+        table.add_row("transformers (eager attention)", str(len(hf)), _summary(hf))
     console.print(table)
+    return all(c.ok for c in dense) and (hf is None or all(c.ok for c in hf))
+
+
+def _summary(checks: list[GreedyCheck]) -> str:
+    exact = sum(c.exact for c in checks)
+    ties = sum(c.near_ties for c in checks if not c.exact and c.ok)
+    bad = sum(not c.ok for c in checks)
+    text = f"{exact}/{len(checks)} token for token"
+    if ties:
+        text += f"; {ties} near-tie token(s) (top-2 logits within {TIE_ATOL:g}: either is greedy)"
+    return _mark(bad == 0, text if not bad else f"{text}; {bad} WRONG")
+
+
+def _transformers_check(
+    model_dir: Path, prompts: list[list[int]], completions: list[Any]
+) -> list[GreedyCheck] | None:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    out = []
+    with torch.no_grad():
+        for p, c in zip(prompts, completions, strict=True):
+            toks = list(c.token_ids)
+            logits = model(torch.tensor([p + toks[:-1]])).logits[0, len(p) - 1 :].float()
+            out.append(check_greedy(logits, toks))
+    return out
+
+
+def _mark(ok: bool, text: str) -> str:
+    return f"[green]✓ {text}[/green]" if ok else f"[red]✗ {text}[/red]"
+
+
+def run(console: Console, *, memory: int, device: str | None = None, handoff: bool = True) -> int:
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    reports = [plan_model(m, memory) for m in CATALOGUE.values()]
     console.print(
-        "On a GPU the same code runs with TRITON (kv-kernels' unified kernel) or FLASH_ATTN, "
-        "which `select_backend` picks there."
+        plan_table(
+            f"1. KV-cache plans for {format_bytes(memory)} of KV memory per GPU (block 16, TP 1)",
+            reports,
+        )
     )
-    return ok
+    with tempfile.TemporaryDirectory(prefix="kvstack-demo-") as tmp:
+        model_dir = write_random_checkpoint(Path(tmp) / "tiny-qwen3", DEMO_CONFIG)
+        c = DEMO_CONFIG
+        console.print(
+            f"\n[bold]2. A tiny Qwen3-architecture model with RANDOM weights[/bold] (nothing is "
+            "downloaded; its text would be gibberish, so we show token ids): "
+            f"{c['num_hidden_layers']} layers (2 full attention, 2 with a {c['sliding_window']}-token "
+            f"sliding window), {c['num_attention_heads']} q / {c['num_key_value_heads']} kv heads of "
+            f"{c['head_dim']}, q/k RMSNorm, on {device}. Written as a Hugging Face checkpoint "
+            f"(config.json + safetensors) to {model_dir}."
+        )
+        console.print(
+            f"\n[bold]3. Serving {NUM_SYSTEM_PROMPTS * REQUESTS_PER_PROMPT} requests[/bold] ({NUM_SYSTEM_PROMPTS} shared "
+            f"{SYSTEM_LEN}-token system prompts + different questions, {MAX_NEW} new tokens each) with continuous batching"
+        )
+        engine, prompts, completions = _serve(console, model_dir, device)
+        _report_engine(console, engine)
+        console.print("\n[bold]4. Checking the tokens[/bold]")
+        ok = _check(console, engine, prompts, completions, model_dir)
+        if handoff:
+            console.print("\n[bold]5. Prefill in one process, decode in another[/bold]")
+            from kvstack import handoff as handoff_mod
 
-
-def run(console: Console, *, memory: int) -> int:
-    table = _plan_table(
-        f"Step 1 — KV-cache plans for {format_bytes(memory)} of KV memory per GPU (block 16, TP 1)"
-    )
-    for name in CATALOGUE:
-        table.add_row(*_plan_row(name, memory, 16, 1, None, "LBNHC"))
-    console.print(table)
-    ok = _serve_tiny_model(console)
-    console.print("\n[bold]Step 3 — not built yet:[/bold]")
-    for line in NOT_BUILT:
-        console.print(f"  • {line}")
-    if not ok:
-        console.print("[red]a backend disagreed with the oracle[/red]")
-        return 1
-    return 0
+            ok &= handoff_mod.run_demo(
+                console, model_dir, prompts[0], MAX_NEW, list(completions[0].token_ids), device
+            )
+    elapsed = time.perf_counter() - start
+    verdict = "[green]all tokens match[/green]" if ok else "[red]MISMATCH: see above[/red]"
+    console.print(f"\n{verdict} — demo took {elapsed:.1f} s")
+    return 0 if ok else 1

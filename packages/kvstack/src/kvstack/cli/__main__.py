@@ -1,0 +1,9 @@
+"""``python -m kvstack.cli``."""
+
+from __future__ import annotations
+
+import sys
+
+from kvstack.cli import main
+
+sys.exit(main())
