@@ -3,7 +3,8 @@
 The backend is split by job: :mod:`~kv_backends.backends.flex_mask` (tile options, cache geometry,
 block-mask entries, mask mods), :mod:`~kv_backends.backends.flex_decode` (the decode call),
 :mod:`~kv_backends.backends.flex_metadata` (metadata and the builder's persistent buffers),
-:mod:`~kv_backends.backends.flex_compile` (the compiled entry point and its scoped Dynamo limits)
+:mod:`~kv_backends.backends.flex_compile` (the compiled entry point and its scoped Dynamo limits),
+:mod:`~kv_backends.backends.flex_trainer` (the trainer's dense calls, "rollout equals trainer")
 and this module (the per-layer impl and the backend class).
 
 How the cache is seen. The kernel-block view ``[B, H, n, C]`` of a token-major (NHD) order has a
@@ -21,12 +22,24 @@ requests needs, trimmed to the causal bound and the window. ``mask_mod`` then de
 pair: ``physical -> logical`` is a per-block table (``phys_to_logical[block]``, written for the
 blocks of this batch only: O(tokens) per step, never O(batch x total blocks)), and ownership is
 checked exactly (``block_table[req, logical] == block``), so blocks of other requests inside a KV
-tile, shared prefix blocks and stale entries are all handled.
+tile, shared prefix blocks and stale entries are all handled. Only columns a query of the batch
+can see enter the table: a sliding-window row's columns before the window (the null block, or ids
+the pool has reused) are never mapped. Tiles that every served row of a single-request query
+block sees whole are listed as *full* blocks, on which Flex skips the mask mod (the interior of
+the causal triangle; a decode's whole pages).
+
+Static shapes (default on CUDA). The builder pads the flattened call's rows and the decode
+call's batch to powers of 2 and the mask mods' tables to fixed sizes, and the impl compiles with
+``dynamic=False``: a serving loop meets a few captured graphs, and the decode batch is a static
+size, which Flex's split-KV decoding kernel needs (the impl asks for it on decode calls outside
+batch invariance, GQA packed into its rows).
 
 Decodes (``query_len == 1``) run as a batch of their own (:mod:`~kv_backends.backends.flex_decode`);
 mixed batches make two Flex calls, each written into its own rows of ``out``. Under batch
-invariance the decode call is kept on the main Flex template (the decode template's split count
-depends on the batch size).
+invariance both calls stay on the main Flex template with the layer's ``BLOCK_M`` / ``BLOCK_N``
+(the decode template's split count depends on the batch size), each request's KV tiles are
+listed in logical order and none is full: a request's rows then equal, bitwise on CUDA,
+:func:`~kv_backends.backends.flex_trainer.flex_trainer_attention` over that request alone.
 
 Large caches. Torch's Flex templates compute element offsets in 32 bits, so a view over more
 than 2^31 elements overflows. The view is cut into aligned *windows* of at most
@@ -53,7 +66,12 @@ from kv_backends.backends.flex_compile import (
     flex_dynamo_limits,
 )
 from kv_backends.backends.flex_decode import FlexDecode
-from kv_backends.backends.flex_mask import FlexOptions, build_flex_block_indices
+from kv_backends.backends.flex_gather import gather_tokens
+from kv_backends.backends.flex_mask import (
+    FlexOptions,
+    build_flex_block_indices,
+    flex_has_backend_option,
+)
 from kv_backends.backends.flex_metadata import FlexAttentionMetadata, FlexMetadataBuilder
 from kv_backends.base import AttentionBackend, AttentionImpl
 from kv_backends.capabilities import BackendCapabilities
@@ -81,11 +99,29 @@ class FlexAttentionImpl(AttentionImpl):
         *,
         compiled: bool | None = None,
         kernel_options: dict[str, Any] | None = None,
+        options: FlexOptions | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(config, layout, **kw)
+        if compiled is not None and not isinstance(compiled, bool):
+            raise TypeError(f"FLEX_ATTENTION compiled={compiled!r} must be a bool or None")
+        if options is not None and not isinstance(options, FlexOptions):
+            raise TypeError(f"FLEX_ATTENTION options={options!r} must be a FlexOptions")
+        if options is not None:
+            assert config.kernel_block_size is not None
+            # Validate against this layer (a value resolved for another block size may not fit).
+            FlexOptions.resolve(
+                config.kernel_block_size,
+                batch_invariant=config.batch_invariant,
+                q_block_size=options.q_block_size,
+                kv_block_size=options.kv_block_size,
+                block_m=options.block_m,
+                block_n=options.block_n,
+            )
         self.compiled = compiled
         self.kernel_options = dict(kernel_options) if kernel_options else None
+        #: The layer's tiles when pinned; forward refuses metadata built with other tiles.
+        self.options = options
 
     def _kernel_options(
         self, md: FlexAttentionMetadata, device: torch.device, *, decode: bool = False
@@ -94,13 +130,23 @@ class FlexAttentionImpl(AttentionImpl):
             return self.kernel_options
         if device.type != "cuda":
             return None
-        opts: dict[str, Any] = {"BLOCK_M": md.options.block_m, "BLOCK_N": md.options.block_n}
-        if md.options.kv_block_size < 128 or (decode and self.config.batch_invariant):
-            # The decode template wants KV tiles of >= 128 tokens; force the main template so
-            # 16-token pages work. Its split count also follows the batch size, which batch
-            # invariance forbids for the decode call.
-            opts["FORCE_USE_FLEX_ATTENTION"] = True
-        return opts
+        # The decode call takes Flex's split-KV decoding kernel unless: batch invariance (its
+        # split count follows the batch size; both calls then pass exactly the options
+        # flex_trainer_attention passes), unpadded metadata (it needs a static batch), a
+        # GQA group that is not a power of 2 (packed into its BLOCK_M rows), or torch without
+        # the BACKEND option (2.11) with KV tiles < 128 (not known to work there).
+        g = self.config.num_queries_per_kv
+        old_torch_small_tiles = not flex_has_backend_option() and md.options.kv_block_size < 128
+        main = (
+            self.config.batch_invariant
+            or not decode
+            or not md.static_shapes
+            or g & (g - 1)
+            or old_torch_small_tiles
+        )
+        return md.options.kernel_options(
+            main_template=bool(main), batch_invariant=self.config.batch_invariant
+        )
 
     def _flex(
         self,
@@ -114,15 +160,21 @@ class FlexAttentionImpl(AttentionImpl):
         score_mod: Any,
         need_lse: bool,
         kernel_options: dict[str, Any] | None,
+        gather: torch.Tensor | None = None,
+        tpb: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One Flex call over the window of ``length`` physical tokens from ``base_token``; K/V
-        are ``[1, H, length, D]`` views (batch 1, broadcast over the query batch)."""
+        are ``[1, H, length, D]`` views (batch 1, broadcast over the query batch). With
+        ``gather`` (``[length]`` physical tokens) the call reads a gathered copy instead."""
         h = cache.shape[1]
         _, sh, sn, _ = cache.stride()
+        base_off = cache.storage_offset() + base_token * sn
+        if gather is not None:
+            cache = gather_tokens(cache, tpb, gather)  # [G, H, C], token stride H * C
+            sh, sn, base_off = cache.stride(1), cache.stride(0), cache.storage_offset()
         k0, k1 = self.layout.k_range
         assert self.layout.v_range is not None
         v0, v1 = self.layout.v_range
-        base_off = cache.storage_offset() + base_token * sn
         k = cache.as_strided((1, h, length, k1 - k0), (0, sh, sn, 1), base_off + k0)
         v = cache.as_strided((1, h, length, v1 - v0), (0, sh, sn, 1), base_off + v0)
         with warnings.catch_warnings():
@@ -156,6 +208,11 @@ class FlexAttentionImpl(AttentionImpl):
         from torch.nn.attention.flex_attention import flex_attention
 
         self.check_forward_inputs(q, kv_cache, metadata)
+        if self.options is not None and metadata.options != self.options:
+            raise ValueError(
+                f"FLEX_ATTENTION layer tiles {self.options} differ from the metadata's "
+                f"{metadata.options}; build the group's metadata with the same FlexOptions"
+            )
         result = self.empty_output(q, out)
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0:
@@ -175,7 +232,10 @@ class FlexAttentionImpl(AttentionImpl):
         if not use_compiled:
             fn = flex_attention
         else:
-            fn = compiled_flex() if q.device.type == "cuda" else compiled_flex(static=True)
+            # Static graphs on the CPU (see compiled_flex) and wherever the builder pads shapes
+            # to captured sizes; otherwise torch's automatic dynamic shapes.
+            static = q.device.type != "cuda" or metadata.static_shapes
+            fn = compiled_flex(static=static)
         # The log-sum-exp is needed only to apply sinks or merge windows; torch's compiled CPU
         # template cannot return it, so ask for it only then.
         need_lse = self.sinks is not None or len(metadata.windows) > 1
@@ -203,8 +263,14 @@ class FlexAttentionImpl(AttentionImpl):
         result: torch.Tensor,
         need_lse: bool,
     ) -> None:
-        num_tokens = md.num_actual_tokens
-        qx = q[:num_tokens].transpose(0, 1)[None]  # [1, Hq, T, D]
+        num_tokens, padded = md.num_actual_tokens, md.padded_tokens
+        if q.shape[0] >= padded:
+            qx = q[:padded].transpose(0, 1)[None]  # [1, Hq, T_padded, D], a view
+        else:
+            # The caller's q is shorter than the captured size: one copy into zero rows.
+            qpad = q.new_zeros(padded, *q.shape[1:])
+            qpad[:num_tokens] = q[:num_tokens]
+            qx = qpad.transpose(0, 1)[None]
         kernel_options = self._kernel_options(md, q.device)
         outs: list[torch.Tensor] = []
         lses: list[torch.Tensor] = []
@@ -219,10 +285,12 @@ class FlexAttentionImpl(AttentionImpl):
                 score_mod=self._score_mod(md, win.base_token // md.tpb),
                 need_lse=need_lse,
                 kernel_options=kernel_options,
+                gather=win.gather,
+                tpb=md.tpb,
             )
-            outs.append(o[0])  # [Hq, T, Dv]
+            outs.append(o[0, :, :num_tokens])  # [Hq, T, Dv]
             if lse is not None:
-                lses.append(lse[0].float())  # [Hq, T]
+                lses.append(lse[0, :, :num_tokens].float())  # [Hq, T]
         if not need_lse:
             # The common case: one window, no sinks; one copy into [T, Hq, Dv], no upcast.
             result[:num_tokens] = outs[0].transpose(0, 1)
@@ -251,8 +319,9 @@ class FlexAttentionImpl(AttentionImpl):
         result: torch.Tensor,
     ) -> None:
         r = dec.tok.numel()
-        # [R, Hq, 1, D]: a view of the first R rows when the decodes lead the batch.
-        qd = (q[:r] if dec.contiguous else q[dec.tok]).unsqueeze(2)
+        # [rows, Hq, 1, D]: a view of the first rows when the decodes lead the batch.
+        view = dec.contiguous and q.shape[0] >= dec.rows
+        qd = (q[: dec.rows] if view else q[dec.gather]).unsqueeze(2)
         need_lse = self.sinks is not None
         o, lse = self._flex(
             fn,
@@ -265,11 +334,11 @@ class FlexAttentionImpl(AttentionImpl):
             need_lse=need_lse,
             kernel_options=self._kernel_options(md, q.device, decode=True),
         )
-        o = o[:, :, 0]  # [R, Hq, Dv]
+        o = o[:r, :, 0]  # [R, Hq, Dv]
         if lse is not None:
             sinks = self.device_params(o.device).sinks
             assert sinks is not None
-            gate = torch.sigmoid(lse[:, :, 0].float() - sinks[None])
+            gate = torch.sigmoid(lse[:r, :, 0].float() - sinks[None])
             o = (o.float() * gate[..., None]).to(result.dtype)
         if dec.contiguous:
             result[:r] = o

@@ -7,6 +7,11 @@ against the same batch-1 K/V view, and a block mask whose batch dim is ``R``: ro
 request ``r``'s KV blocks, and the mask mod reads request ``r``'s block-table row and length
 through the batch index. It runs when every decode request's blocks lie in one cache window
 (always below 2^31 cache elements); otherwise the whole batch takes the flattened call.
+
+With static shapes the batch is padded to a power of 2 (rows of length 0, no tiles, outputs
+dropped), so compiled Flex sees a static batch size: the condition for its split-KV decoding
+kernel, which packs a KV head's query heads (GQA) into one tile's rows and splits long contexts
+across programs. Whole visible pages are full tiles (no mask mod) outside batch invariance.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from kv_backends.backends.flex_mask import (
     CacheGeometry,
-    build_flex_block_indices,
+    build_flex_block_entries,
     make_decode_mask_mod,
 )
 from kv_backends.base import AttentionMetadata
@@ -36,7 +41,9 @@ class FlexDecode:
 
     tok: torch.Tensor  # [R] int64 query row of each decode request
     contiguous: bool  # tok == arange(R): queries and outputs are the first R rows, no gather
-    pos: torch.Tensor  # [R] int32 logical position of each query (seq_len - 1)
+    pos: torch.Tensor  # [rows] int32 logical position of each query (seq_len - 1; 0 padding)
+    rows: int  # batch rows of the call: R, or R padded to a captured size (static shapes)
+    gather: torch.Tensor  # [rows] int64 query row of each batch row (tok, then 0 for padding)
     base_token: int  # first physical token of the (single) window the call reads
     length: int  # physical tokens in that window
     block_mask: Any  # torch BlockMask of batch R
@@ -81,7 +88,7 @@ def build_decode_call(
     block_table = base.block_table[dec_req]  # [R, M] int32
     # One request per "query block" of one token: the same trimming as the flattened path;
     # pos is each query's position, seq_len - 1.
-    _, pos, e_row, e_f = build_flex_block_indices(
+    ent = build_flex_block_entries(
         query_start_loc=torch.arange(r + 1, device=dev),
         seq_lens=seq_lens,
         block_table=block_table,
@@ -92,35 +99,54 @@ def build_decode_call(
         kv_block_size=opts.kv_block_size,
         causal=cfg.causal,
         sliding_window=cfg.sliding_window,
+        logical_order=cfg.batch_invariant,
+        full_blocks=builder.full_blocks,
     )
+    pos_r, e_row, e_f, e_full = ent.q_pos, ent.qb, ent.kv, ent.full.long()
     kv_per_window = geo.window_tokens // opts.kv_block_size
     e_w = e_f // kv_per_window
-    counts = torch.zeros(r, dtype=torch.long, device=dev)
-    counts.index_add_(0, e_row, torch.ones_like(e_row))
+    counts = torch.zeros(2, r, dtype=torch.long, device=dev)  # [partial/full, R]
+    counts.index_put_((e_full, e_row), torch.ones_like(e_row), accumulate=True)
     # One host sync for the window test and the column count.
     w_lo, w_hi, max_cols = torch.stack([e_w.min(), e_w.max(), counts.max()]).tolist()
     if w_lo != w_hi:
         return None, None
-    if max_cols > builder.dec_indices.shape[1]:
-        grown = 1 << (max_cols - 1).bit_length()
-        builder.dec_indices = torch.zeros(
-            builder.dec_indices.shape[0], grown, dtype=torch.int32, device=builder.device
-        )
-    num = builder.dec_num_blocks[:r]
-    num.copy_(counts)
-    idx = builder.dec_indices[:r]
-    idx.zero_()
-    # Entries are sorted by (row, KV block): position in the row = index - row start.
-    row_start = torch.cumsum(counts, 0) - counts
-    col = torch.arange(e_row.numel(), device=dev) - row_start[e_row]
-    idx[e_row, col] = (e_f - w_lo * kv_per_window).int()
-    mask = _decode_block_mask(builder, geo, num, idx, seq_lens, block_table, w_lo)
+    builder._grow("dec_indices", max_cols)
+    builder._grow("dec_full_indices", max_cols)
+    rows = builder.decode_rows(r)
+    tables = []
+    for kind, (nbuf, ibuf) in enumerate(
+        [
+            (builder.dec_num_blocks, builder.dec_indices),
+            (builder.dec_full_num_blocks, builder.dec_full_indices),
+        ]
+    ):
+        num, idx = nbuf[:rows], ibuf[:rows]
+        num.zero_()
+        num[:r] = counts[kind]
+        idx.zero_()
+        sel = e_full == kind
+        # Entries are sorted by row first: position in the row = index - row start.
+        row_start = torch.cumsum(counts[kind], 0) - counts[kind]
+        col = torch.arange(int(sel.sum()), device=dev) - row_start[e_row[sel]]
+        idx[e_row[sel], col] = (e_f[sel] - w_lo * kv_per_window).int()
+        tables.append((num, idx))
+    if rows != r or builder.static_shapes:
+        # Padded rows: length 0 (the mask refuses every key), no KV tiles, outputs dropped.
+        seq_lens, block_table, pos = builder.padded_decode_rows(seq_lens, block_table, pos_r, rows)
+    else:
+        pos = pos_r
+    mask = _decode_block_mask(builder, geo, tables[0], tables[1], seq_lens, block_table, w_lo)
     served = torch.zeros(base.num_reqs, dtype=torch.bool, device=dev)
     served[dec_req] = True
+    gather = torch.zeros(rows, dtype=torch.long)
+    gather[:r] = tok_h
     decode = FlexDecode(
         tok=tok_h.to(dev),
         contiguous=bool(torch.equal(tok_h, torch.arange(r))),
         pos=pos,
+        rows=rows,
+        gather=gather.to(dev),
         base_token=w_lo * geo.window_tokens,
         length=geo.window_len(w_lo),
         block_mask=mask,
@@ -131,19 +157,29 @@ def build_decode_call(
 def _decode_block_mask(
     builder: FlexMetadataBuilder,
     geo: CacheGeometry,
-    num: torch.Tensor,  # [R] int32 KV blocks per row
-    idx: torch.Tensor,  # [R, cols] int32 window-relative KV block ids
-    seq_lens: torch.Tensor,  # [R] int32
-    block_table: torch.Tensor,  # [R, M] int32
+    partial: tuple[torch.Tensor, torch.Tensor],  # [rows] count, [rows, cols] window-relative ids
+    full: tuple[torch.Tensor, torch.Tensor],  # the same for tiles the row sees whole
+    seq_lens: torch.Tensor,  # [rows] int32
+    block_table: torch.Tensor,  # [rows, M] int32
     window: int,
 ) -> Any:
     from torch.nn.attention.flex_attention import BlockMask
 
     opts, cfg = builder.options, builder.config
+    extra: dict[str, torch.Tensor] = {}
+    # Full tiles outside batch invariance; on the CPU always (empty under batch invariance):
+    # torch 2.15's C++ Flex decoding template reads full_kv_num_blocks unconditionally and fails
+    # to compile without them.
+    if builder.full_blocks or partial[0].device.type == "cpu":
+        extra = {
+            "full_kv_num_blocks": full[0][:, None, None],
+            "full_kv_indices": full[1][:, None, None],
+        }
     return BlockMask.from_kv_blocks(
-        num[:, None, None],
-        idx[:, None, None],
-        BLOCK_SIZE=(opts.q_block_size, opts.kv_block_size),
+        partial[0][:, None, None],
+        partial[1][:, None, None],
+        **extra,
+        BLOCK_SIZE=(builder.decode_q_block_size, opts.kv_block_size),
         mask_mod=make_decode_mask_mod(
             seq_lens=seq_lens,
             phys_to_logical=builder.phys_to_logical,

@@ -1,10 +1,12 @@
 """FLEX_ATTENTION's per-batch metadata and the builder that owns its persistent index buffers.
 
-``q_req`` / ``q_pos`` / ``kv_num_blocks`` / ``kv_indices`` are allocated once per builder and
-sized by ``max_num_batched_tokens`` (query blocks), not by ``max_model_len``; the decode path's
-``dec_num_blocks`` / ``dec_indices`` by ``max_num_seqs``; each ``*_indices`` grows its column
-count when a batch needs more (outside CUDA-graph capture: this backend does not support graphs,
-its builder syncs once per step).
+``q_req`` / ``q_pos`` / ``kv_num_blocks`` / ``kv_indices`` (and the ``full_*`` pair of full
+tiles) are allocated once per builder and sized by ``max_num_batched_tokens`` (query blocks), not
+by ``max_model_len``; the decode path's ``dec_*`` buffers by ``max_num_seqs``; each ``*_indices``
+grows its column count (by powers of 2) when a batch needs more (outside CUDA-graph capture: this
+backend does not support graphs, its builder syncs once per step). With static shapes, the block
+tables and lengths the mask mods read are copied into ``[max_num_seqs, 2^k]`` buffers too, so
+their shapes stay fixed across steps.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from typing import Any
 import torch
 
 from kv_backends.backends.flex_decode import FlexDecode, build_decode_call
+from kv_backends.backends.flex_gather import PREFILL_MODES, build_gathered_window
 from kv_backends.backends.flex_mask import (
     INT32_LIMIT,
     CacheGeometry,
+    FlexEntries,
     FlexOptions,
-    build_flex_block_indices,
+    build_flex_block_entries,
     cache_geometry,
     make_mask_mod,
 )
@@ -37,6 +41,9 @@ class FlexWindow:
     base_token: int  # first physical token of the window
     length: int  # physical tokens in the window
     block_mask: Any  # torch BlockMask
+    #: Gathered prefill: the physical token of each row of the call's private K/V buffer
+    #: (``[length]`` int64); ``None`` when the call reads the paged cache itself.
+    gather: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,21 +52,33 @@ class FlexAttentionMetadata(AttentionMetadata):
     cache window the flattened call touches (none when every request takes the decode call) and
     the decode call (``None`` when the batch has no decode request or runs flattened)."""
 
-    q_req: torch.Tensor  # [num_tokens] int32
-    q_pos: torch.Tensor  # [num_tokens] int32
+    q_req: torch.Tensor  # [padded_tokens] int32 (padding rows: request 0)
+    q_pos: torch.Tensor  # [padded_tokens] int32 (padding rows: a position no key is <=)
     phys_to_logical: torch.Tensor  # [num_kernel_blocks] int32, valid for this batch's blocks
     windows: tuple[FlexWindow, ...]
     tpb: int
     options: FlexOptions
     decode: FlexDecode | None = None
+    #: Query rows of the flattened call: ``num_actual_tokens``, or that padded up to one of a
+    #: few captured sizes when the builder keeps shapes static (rows past the real ones are
+    #: computed and dropped).
+    padded_tokens: int = 0
+    #: The builder padded shapes to captured sizes: compile with ``dynamic=False``.
+    static_shapes: bool = False
 
 
 class FlexMetadataBuilder(MetadataBuilder):
     """Builds block masks; owns the persistent index buffers of one KV group.
 
     Options: ``q_block_size``, ``kv_block_size``, ``block_m``, ``block_n`` (see
-    :class:`FlexOptions`) and ``max_view_elements`` (window cut, default ``2**31 - 1``; tests
-    lower it to exercise the split path on small caches).
+    :class:`FlexOptions`), or ``options=`` one :class:`FlexOptions` value (the per-layer tile
+    config, shared with the impl and the trainer's dense call); ``max_view_elements`` (window
+    cut, default ``2**31 - 1``; tests lower it to exercise the split path on small caches);
+    ``static_shapes`` (default: on for CUDA): pad every shape a compiled Flex call sees — the
+    flattened call's query rows to a power of 2, the decode call's batch to a power of 2, the
+    block tables to ``max_num_seqs`` rows and a power-of-2 column count — so a serving loop hits
+    a handful of captured graphs instead of recompiling (or going symbolic, which also keeps
+    decodes off Flex's split-KV decoding kernel: it needs a static batch size).
     """
 
     def __init__(
@@ -74,7 +93,10 @@ class FlexMetadataBuilder(MetadataBuilder):
         kv_block_size: int | None = None,
         block_m: int | None = None,
         block_n: int | None = None,
+        options: FlexOptions | None = None,
         max_view_elements: int = INT32_LIMIT,
+        static_shapes: bool | None = None,
+        prefill: str = "paged",
     ) -> None:
         super().__init__(
             config,
@@ -85,31 +107,114 @@ class FlexMetadataBuilder(MetadataBuilder):
         )
         assert config.kernel_block_size is not None
         self.n = config.kernel_block_size
-        self.options = FlexOptions.resolve(
-            self.n,
-            batch_invariant=config.batch_invariant,
-            q_block_size=q_block_size,
-            kv_block_size=kv_block_size,
-            block_m=block_m,
-            block_n=block_n,
+        self.options = _resolve_options(
+            config, options, q_block_size, kv_block_size, block_m, block_n
         )
+        if static_shapes is not None and not isinstance(static_shapes, bool):
+            raise TypeError(f"static_shapes={static_shapes!r} must be a bool or None")
+        self.static_shapes = device.type == "cuda" if static_shapes is None else static_shapes
+        self.prefill = _check_prefill(prefill, config)
         if max_view_elements > INT32_LIMIT:
             raise ValueError(
                 f"max_view_elements={max_view_elements} exceeds 2**31 - 1: Flex templates use 32-bit offsets"
             )
         self.max_view_elements = max_view_elements
         self.num_kernel_blocks = layout.num_blocks * config.kernel_blocks_per_block
-        max_q_blocks = -(-max_num_batched_tokens // self.options.q_block_size)
+        qbs = self.options.q_block_size
+        max_q_blocks = -(-max_num_batched_tokens // qbs)
+        # The decode call's query-block size: its query length is 1, so any size works; Flex's
+        # decoding kernel packs the GQA group into BLOCK_M rows and needs that to divide it.
+        self.decode_q_block_size = max(qbs, 1 << (config.num_queries_per_kv - 1).bit_length())
         # Persistent buffers, sized by the batch bound (query blocks), never by max_model_len.
-        self.q_req = torch.zeros(max_num_batched_tokens, dtype=torch.int32, device=device)
-        self.q_pos = torch.zeros(max_num_batched_tokens, dtype=torch.int32, device=device)
+        # Token buffers round up to whole query blocks: the padded call reads up to there.
+        self.q_req = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
+        self.q_pos = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
         self.phys_to_logical = torch.zeros(self.num_kernel_blocks, dtype=torch.int32, device=device)
         self.kv_num_blocks = torch.zeros(max_q_blocks, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(max_q_blocks, 64, dtype=torch.int32, device=device)
+        # Tiles every query of a block sees whole: Flex skips the mask mod on them. Not under
+        # batch invariance (Flex visits them after the partial tiles; see flex_mask).
+        self.full_blocks = not config.batch_invariant and self.options.kv_block_size <= self.n
+        self.full_kv_num_blocks = torch.zeros_like(self.kv_num_blocks)
+        self.full_kv_indices = torch.zeros_like(self.kv_indices)
         # The decode call's rows: one per decode request.
         self.dec_num_blocks = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.dec_indices = torch.zeros(max_num_seqs, 64, dtype=torch.int32, device=device)
+        self.dec_full_num_blocks = torch.zeros_like(self.dec_num_blocks)
+        self.dec_full_indices = torch.zeros_like(self.dec_indices)
+        # Static shapes: block tables / lengths padded to fixed rows (columns grow by powers of
+        # 2), for the flattened call and the decode call (made on first use).
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dec_pos = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        # Gathered prefill: the buffer's physical -> logical map and token list (grown on use).
+        self._g_ptl = torch.zeros(0, dtype=torch.int32, device=device)
+        self._g_tokens = torch.zeros(0, dtype=torch.long, device=device)
         self._geometry: CacheGeometry | None = None
+
+    # -- static shapes ---------------------------------------------------------------------
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        """Query rows of the flattened call: ``num_tokens``, or with static shapes the smallest
+        power of 2 >= it (and >= ``q_block_size``), capped at the buffers' size."""
+        if not self.static_shapes:
+            return num_tokens
+        return min(_pow2_at_least(max(num_tokens, self.options.q_block_size)), self.q_req.numel())
+
+    def decode_rows(self, num_decodes: int) -> int:
+        """Batch rows of the decode call (static shapes: a power of 2 capped at max_num_seqs)."""
+        if not self.static_shapes:
+            return num_decodes
+        return min(_pow2_at_least(num_decodes), self.max_num_seqs)
+
+    def gathered_pages(self, pages: int) -> int:
+        """Pages of the gathered prefill buffer: ``pages``, or a power of 2 (static shapes)."""
+        return _pow2_at_least(pages) if self.static_shapes else pages
+
+    def gathered_phys_to_logical(self, pages: int) -> torch.Tensor:
+        """The gathered buffer's page -> logical column map, ``[pages]`` int32 (persistent)."""
+        if self._g_ptl.numel() < pages:
+            self._g_ptl = torch.zeros(_pow2_at_least(pages), dtype=torch.int32, device=self.device)
+        return self._g_ptl[:pages]
+
+    def gathered_token_buffer(self, tokens: int) -> torch.Tensor:
+        """The gathered buffer's physical token list, ``[tokens]`` int64 (persistent)."""
+        if self._g_tokens.numel() < tokens:
+            self._g_tokens = torch.zeros(
+                _pow2_at_least(tokens), dtype=torch.long, device=self.device
+            )
+        return self._g_tokens[:tokens]
+
+    def _padded_table(
+        self, key: str, seq_lens: torch.Tensor, block_table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``seq_lens`` ``[max_num_seqs]`` and ``block_table`` ``[max_num_seqs, C]`` (``C`` a
+        power of 2 >= 16) holding the batch's rows; rows past them have length 0."""
+        r, m = block_table.shape
+        sl, bt = self._tables.get(key, (None, None))
+        if sl is None or bt is None or bt.shape[1] < m:
+            cols = _pow2_at_least(max(m, 16))
+            sl = torch.zeros(self.max_num_seqs, dtype=torch.int32, device=self.device)
+            bt = torch.zeros(self.max_num_seqs, cols, dtype=torch.int32, device=self.device)
+            self._tables[key] = (sl, bt)
+        sl.zero_()
+        sl[:r] = seq_lens
+        bt[:r].zero_()
+        bt[:r, :m] = block_table
+        return sl, bt
+
+    def padded_decode_rows(
+        self,
+        seq_lens: torch.Tensor,  # [R] int32
+        block_table: torch.Tensor,  # [R, M] int32
+        pos: torch.Tensor,  # [R] int32
+        rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode call's lengths, table and positions padded to ``rows`` batch rows."""
+        sl, bt = self._padded_table("decode", seq_lens, block_table)
+        r = pos.numel()
+        self._dec_pos[:rows].zero_()
+        self._dec_pos[:r] = pos
+        return sl[:rows], bt[:rows], self._dec_pos[:rows]
 
     def geometry_for(self, kv_cache_kernel_view: torch.Tensor) -> CacheGeometry:
         return cache_geometry(
@@ -132,17 +237,31 @@ class FlexMetadataBuilder(MetadataBuilder):
     def _used_blocks(self, base: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel block ids this batch reads and their logical positions (``[U]`` each),
         checked against the cache: an id outside ``[0, num_kernel_blocks)`` would index the
-        physical->logical table out of bounds (or, negative, silently wrap)."""
+        physical->logical table out of bounds (or, negative, silently wrap).
+
+        Only the columns a query of the batch can see are mapped: from the first new token's
+        window start (sliding window) to the last context block, and nothing of a request
+        without queries. A block manager leaves the columns before a request's window holding
+        the null block (at many columns of many rows) or an id the pool has since handed to
+        another request; mapping those would put one block at two positions."""
         bt = base.block_table.long()
-        nblk = (base.seq_lens.long() + self.n - 1) // self.n  # [R]
+        sl = base.seq_lens.long()
+        qsl = base.query_start_loc.long()
+        q_len = qsl[1:] - qsl[:-1]  # [R]
+        hi = torch.where(q_len > 0, (sl + self.n - 1) // self.n, 0)  # [R] exclusive
+        lo = torch.zeros_like(hi)
+        w = self.config.sliding_window
+        if w is not None:
+            # The first new token sits at seq_len - query_len; it sees keys from w - 1 back.
+            lo = (sl - q_len - w + 1).clamp(min=0) // self.n
         cols = torch.arange(bt.shape[1], device=bt.device)
-        used = cols[None, :] < nblk[:, None]  # [R, M]
+        used = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])  # [R, M]
         phys, logical = bt[used], cols.expand_as(bt)[used]
         if phys.numel():
             # One host sync; this builder syncs once per step anyway (see the module docstring).
-            lo, hi = torch.stack([phys.min(), phys.max()]).tolist()
-            if lo < 0 or hi >= self.num_kernel_blocks:
-                bad = lo if lo < 0 else hi
+            lo_id, hi_id = torch.stack([phys.min(), phys.max()]).tolist()
+            if lo_id < 0 or hi_id >= self.num_kernel_blocks:
+                bad = lo_id if lo_id < 0 else hi_id
                 raise ValueError(
                     f"block_table holds kernel block id {bad} outside [0, {self.num_kernel_blocks}) "
                     f"(the cache has {self.layout.num_blocks} blocks of {self.layout.block_size} "
@@ -155,9 +274,19 @@ class FlexMetadataBuilder(MetadataBuilder):
         base = super().build(common)
         opts, geo, cfg = self.options, self._layout_geometry(), self.config
         num_tokens = common.num_actual_tokens
+        padded = self.padded_tokens(num_tokens)
         phys, logical = self._used_blocks(base)
         decode, served = build_decode_call(self, common, base, geo) if num_tokens else (None, None)
-        q_req, q_pos, e_qb, e_f = build_flex_block_indices(
+        if self.prefill == "gather":
+            return self._metadata(
+                base,
+                padded,
+                opts,
+                geo,
+                decode,
+                self._gathered(base, served, padded, geo, phys, logical),
+            )
+        ent = build_flex_block_entries(
             query_start_loc=base.query_start_loc,
             seq_lens=base.seq_lens,
             block_table=base.block_table,
@@ -169,13 +298,58 @@ class FlexMetadataBuilder(MetadataBuilder):
             causal=cfg.causal,
             sliding_window=cfg.sliding_window,
             exclude_reqs=served,
+            logical_order=cfg.batch_invariant,
+            full_blocks=self.full_blocks,
         )
-        self.q_req[:num_tokens] = q_req
-        self.q_pos[:num_tokens] = q_pos
+        self.write_queries(ent.q_req, ent.q_pos, padded)
         # physical -> logical for the blocks of this batch only (O(blocks in the batch)).
         self.phys_to_logical[phys] = logical.int()
         conflict = (self.phys_to_logical[phys].long() != logical).any()
-        windows = self._build_windows(base, geo, e_qb, e_f, conflict)
+        if self.static_shapes:
+            seq_lens, table = self._padded_table("flat", base.seq_lens, base.block_table)
+        else:
+            seq_lens, table = base.seq_lens, base.block_table
+        windows = self._build_windows(padded, seq_lens, table, geo, ent, conflict)
+        return self._metadata(base, padded, opts, geo, decode, windows)
+
+    def write_queries(self, q_req: torch.Tensor, q_pos: torch.Tensor, padded: int) -> None:
+        """Per query row its request and position; padding rows: request 0 at a position no
+        causal key is <= (non-causal layers let them attend; their rows are dropped either
+        way, and rows never affect each other)."""
+        t = q_req.numel()
+        self.q_req[:t] = q_req
+        self.q_pos[:t] = q_pos
+        self.q_req[t:padded] = 0
+        self.q_pos[t:padded] = -(2**30)
+
+    def _gathered(
+        self,
+        base: AttentionMetadata,
+        served: torch.Tensor | None,
+        padded: int,
+        geo: CacheGeometry,
+        phys: torch.Tensor,
+        logical: torch.Tensor,
+    ) -> tuple[FlexWindow, ...]:
+        # The decode call still reads the paged cache through the physical -> logical map.
+        self.phys_to_logical[phys] = logical.int()
+        if bool((self.phys_to_logical[phys].long() != logical).any()):
+            raise ValueError(
+                "a physical block appears at two different logical positions in this batch; the "
+                "Flex backend's physical->logical table needs one position per block per step"
+            )
+        return build_gathered_window(self, base, served, padded, geo)
+
+    def _metadata(
+        self,
+        base: AttentionMetadata,
+        padded: int,
+        opts: FlexOptions,
+        geo: CacheGeometry,
+        decode: FlexDecode | None,
+        windows: tuple[FlexWindow, ...],
+    ) -> FlexAttentionMetadata:
+        num_tokens = base.num_actual_tokens
         return FlexAttentionMetadata(
             query_start_loc=base.query_start_loc,
             seq_lens=base.seq_lens,
@@ -187,77 +361,104 @@ class FlexMetadataBuilder(MetadataBuilder):
             num_reqs=base.num_reqs,
             query_start_loc_cpu=base.query_start_loc_cpu,
             seq_lens_cpu=base.seq_lens_cpu,
-            q_req=self.q_req[:num_tokens],
-            q_pos=self.q_pos[:num_tokens],
+            q_req=self.q_req[:padded],
+            q_pos=self.q_pos[:padded],
             phys_to_logical=self.phys_to_logical,
             windows=windows,
             tpb=geo.tpb,
             options=opts,
             decode=decode,
+            padded_tokens=padded,
+            static_shapes=self.static_shapes,
         )
 
     def _build_windows(
         self,
-        base: AttentionMetadata,
+        padded: int,  # query rows of the call
+        seq_lens: torch.Tensor,  # [rows] int32, what the mask mod reads
+        table: torch.Tensor,  # [rows, cols] int32
         geo: CacheGeometry,
-        e_qb: torch.Tensor,  # [E] int64 query block of each entry
-        e_f: torch.Tensor,  # [E] int64 global Flex KV block of each entry
+        ent: FlexEntries,
         conflict: torch.Tensor,  # 0-d bool: a block at two logical positions
+        *,
+        phys_to_logical: torch.Tensor | None = None,  # default: the cache's map
+        n: int | None = None,  # tokens per page (default: the kernel block size)
+        full: bool | None = None,  # lay out full tiles (default: when the builder does)
     ) -> tuple[FlexWindow, ...]:
         """Cut the entries into cache windows; one block mask per window that holds entries."""
         opts = self.options
-        num_tokens = base.num_actual_tokens
+        e_qb, e_f, e_full = ent.qb, ent.kv, ent.full.long()
         kv_per_window = geo.window_tokens // opts.kv_block_size
         e_w = e_f // kv_per_window
-        nqb = -(-num_tokens // opts.q_block_size)
+        nqb = max(-(-padded // opts.q_block_size), 1)
         windows_present = torch.unique(e_w) if e_w.numel() else e_w
         w_list = windows_present.tolist()
-        per_qb_w = torch.zeros(
-            max(len(w_list), 1), max(nqb, 1), dtype=torch.long, device=e_qb.device
-        )
         w_rank = torch.searchsorted(windows_present, e_w) if e_w.numel() else e_w
-        per_qb_w.index_put_((w_rank, e_qb), torch.ones_like(e_qb), accumulate=True)
+        # Entries per (window, partial/full, query block): the column counts this step needs.
+        row_key = (w_rank * 2 + e_full) * nqb + e_qb
+        per_row = torch.zeros(max(len(w_list), 1) * 2 * nqb, dtype=torch.long, device=e_qb.device)
+        per_row.index_put_((row_key,), torch.ones_like(e_qb), accumulate=True)
         # One host sync for every count this step needs.
-        max_cols, has_conflict = int(per_qb_w.max()), bool(conflict)
+        max_cols, has_conflict = int(per_row.max()), bool(conflict)
         if has_conflict:
             raise ValueError(
                 "a physical block appears at two different logical positions in this batch; the "
                 "Flex backend's physical->logical table needs one position per block per step"
             )
-        if max_cols > self.kv_indices.shape[1]:
-            grown = 1 << (max_cols - 1).bit_length()
-            self.kv_indices = torch.zeros(
-                self.kv_indices.shape[0], grown, dtype=torch.int32, device=self.device
-            )
-        row_key = w_rank * max(nqb, 1) + e_qb
+        use_full = self.full_blocks if full is None else full
+        self._grow("kv_indices", max_cols)
+        if use_full:
+            self._grow("full_kv_indices", max_cols)
         windows: list[FlexWindow] = []
         for rank, w in enumerate(w_list):
-            sel = w_rank == rank
-            num, idx = self._window_rows(
-                nqb, e_qb[sel], e_f[sel] - w * kv_per_window, row_key[sel], fresh=rank > 0
-            )
-            windows.append(self._window(base, geo, w, num, idx))
+            rows: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+            for kind in (0, 1) if use_full else (0,):
+                sel = (w_rank == rank) & (e_full == kind)
+                rows[kind] = self._window_rows(
+                    nqb,
+                    e_qb[sel],
+                    e_f[sel] - w * kv_per_window,
+                    row_key[sel],
+                    full=kind == 1,
+                    fresh=rank > 0,
+                )
+            windows.append(
+                self._window(
+                    padded, seq_lens, table, geo, w, rows[0], rows[1],
+                    phys_to_logical=self.phys_to_logical if phys_to_logical is None else phys_to_logical,
+                    n=self.n if n is None else n,
+                )
+            )  # fmt: skip
         return tuple(windows)
+
+    def _grow(self, name: str, cols: int) -> None:
+        """Widen the persistent index buffer ``name`` to hold ``cols`` columns (powers of 2)."""
+        buf = getattr(self, name)
+        if cols > buf.shape[1]:
+            grown = 1 << (cols - 1).bit_length()
+            setattr(self, name, buf.new_zeros(buf.shape[0], grown))
 
     def _window_rows(
         self,
         nqb: int,
         qbs: torch.Tensor,  # [E_w] query block of each entry of this window
         fs: torch.Tensor,  # [E_w] window-relative Flex KV block
-        rk: torch.Tensor,  # [E_w] (window, query block) row key, sorted
+        rk: torch.Tensor,  # [E_w] (window, kind, query block) row key, sorted
         *,
+        full: bool,
         fresh: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv_num_blocks`` ``[nqb]`` and ``kv_indices`` ``[nqb, cols]`` of one window."""
-        # Position of each entry within its (window, query block) row; entries are sorted by
-        # (query block, global KV block), so within one (window, qb) they are contiguous.
+        """``kv_num_blocks`` ``[nqb]`` and ``kv_indices`` ``[nqb, cols]`` of one window (its
+        partial tiles, or with ``full`` its full ones)."""
+        # Position of each entry within its row; entries are sorted by query block first, so
+        # the selected entries of one (window, kind, qb) are contiguous.
         first = torch.ones_like(rk, dtype=torch.bool)
         first[1:] = rk[1:] != rk[:-1]
         ar = torch.arange(rk.numel(), device=rk.device)
         group_start = torch.cummax(torch.where(first, ar, 0), 0).values
         pos = ar - group_start
-        num = self.kv_num_blocks[:nqb]
-        idx = self.kv_indices[:nqb]
+        num = (self.full_kv_num_blocks if full else self.kv_num_blocks)[:nqb]
+        idx = (self.full_kv_indices if full else self.kv_indices)[:nqb]
         if fresh:
             # Each window needs its own buffers (the block masks live together in one step).
             num, idx = num.clone(), idx.clone()
@@ -269,34 +470,103 @@ class FlexMetadataBuilder(MetadataBuilder):
 
     def _window(
         self,
-        base: AttentionMetadata,
+        padded: int,
+        seq_lens: torch.Tensor,
+        table: torch.Tensor,
         geo: CacheGeometry,
         w: int,
-        num: torch.Tensor,
-        idx: torch.Tensor,
+        partial: tuple[torch.Tensor, torch.Tensor] | None,
+        full: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        phys_to_logical: torch.Tensor,
+        n: int,
     ) -> FlexWindow:
         from torch.nn.attention.flex_attention import BlockMask
 
         opts, cfg = self.options, self.config
-        num_tokens = base.num_actual_tokens
+        assert partial is not None
         length = geo.window_len(w)
+        extra = {}
+        if full is not None:
+            extra = {
+                "full_kv_num_blocks": full[0][None, None],
+                "full_kv_indices": full[1][None, None],
+            }
         mask = BlockMask.from_kv_blocks(
-            num[None, None],
-            idx[None, None],
+            partial[0][None, None],
+            partial[1][None, None],
+            **extra,
             BLOCK_SIZE=(opts.q_block_size, opts.kv_block_size),
             mask_mod=make_mask_mod(
-                q_req=self.q_req[:num_tokens],
-                q_pos=self.q_pos[:num_tokens],
-                phys_to_logical=self.phys_to_logical,
-                block_table=base.block_table,
-                seq_lens=base.seq_lens,
-                n=self.n,
+                q_req=self.q_req[:padded],
+                q_pos=self.q_pos[:padded],
+                phys_to_logical=phys_to_logical,
+                block_table=table,
+                seq_lens=seq_lens,
+                n=n,
                 tpb=geo.tpb,
                 base_block=w * geo.window_tokens // geo.tpb,
                 causal=cfg.causal,
                 sliding_window=cfg.sliding_window,
             ),
-            seq_lengths=(num_tokens, length),
+            seq_lengths=(padded, length),
             compute_q_blocks=False,
         )
         return FlexWindow(w * geo.window_tokens, length, mask)
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+def _resolve_options(
+    config: AttentionConfig,
+    options: FlexOptions | None,
+    q_block_size: int | None,
+    kv_block_size: int | None,
+    block_m: int | None,
+    block_n: int | None,
+) -> FlexOptions:
+    """The builder's tiles: one :class:`FlexOptions` value, or the four loose options (not
+    both); validated against the kernel block size either way."""
+    assert config.kernel_block_size is not None
+    loose = {
+        "q_block_size": q_block_size,
+        "kv_block_size": kv_block_size,
+        "block_m": block_m,
+        "block_n": block_n,
+    }
+    if options is not None:
+        given = sorted(k for k, v in loose.items() if v is not None)
+        if given:
+            raise ValueError(
+                f"pass the Flex tiles either as options=FlexOptions(...) or as {given}, not both"
+            )
+        if not isinstance(options, FlexOptions):
+            raise TypeError(f"options={options!r} must be a FlexOptions (FlexOptions.resolve(...))")
+        loose = {
+            "q_block_size": options.q_block_size,
+            "kv_block_size": options.kv_block_size,
+            "block_m": options.block_m,
+            "block_n": options.block_n,
+        }
+    return FlexOptions.resolve(
+        config.kernel_block_size, batch_invariant=config.batch_invariant, **loose
+    )
+
+
+def _check_prefill(prefill: object, config: AttentionConfig) -> str:
+    """The builder option ``prefill``: ``"paged"`` or ``"gather"`` (see flex_gather)."""
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"FLEX_ATTENTION prefill={prefill!r} must be one of {PREFILL_MODES}")
+    if prefill == "gather" and config.batch_invariant:
+        raise ValueError(
+            "FLEX_ATTENTION prefill='gather' cannot keep batch invariance (the gathered "
+            "buffer's tiles are not the trainer's); use prefill='paged'"
+        )
+    if prefill == "gather" and config.use_alibi:
+        raise ValueError(
+            "FLEX_ATTENTION prefill='gather' does not support ALiBi (its score mod reads cache "
+            "positions); use prefill='paged'"
+        )
+    return str(prefill)

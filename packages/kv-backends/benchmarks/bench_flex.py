@@ -1,0 +1,470 @@
+"""FLEX_ATTENTION against torch's own paged-Flex recipe and dense Flex, in one process.
+
+Cases (bf16, 32 query / 8 KV heads, head size 128, shuffled pages):
+
+- decode 64 x 4096 and 8 x 32768 at pages of 16 and 128 tokens: the FLEX_ATTENTION backend
+  (``impl.forward`` with prebuilt metadata), torch's paged-Flex recipe (see :func:`_recipe`),
+  dense ``flex_attention`` over contiguous K/V of the same lengths, and the copy bandwidth of
+  this GPU (a ``copy_`` of 2 GiB) as the roofline.
+- prefill 4 x 4096 causal at pages of 16 and 128: the backend against dense causal
+  ``flex_attention`` over the same tokens (each request its own batch row).
+- mixed: 2 prefills of 2048 + 32 decodes of 4096 at pages 16 and 128 (the backend only; its
+  TFLOP/s counts the prefills' causal FLOPs plus ``2 * Hq * (D + Dv) * S`` per decode).
+- prefill and mixed again with the builder option ``prefill="gather"`` (the flattened call over a
+  gathered contiguous copy of the visible context, see ``flex_gather``).
+- ``--fa4``: the backend's flattened call on Flex's FlashAttention-4 (CuTe) kernel
+  (``kernel_options={"BACKEND": "FLASH"}``), where torch has the option and ``flash_attn.cute``
+  is installed; skipped with the reason otherwise.
+
+Formulas (bytes and FLOPs count what attention must touch, not what a kernel happens to read):
+
+- decode bytes: ``sum(seq_lens) * H * (D + Dv) * 2`` (K and V, bf16) ``+ R * Hq * (D + Dv) * 2``
+  (Q in, O out); TB/s = bytes / seconds / 1e12.
+- prefill FLOPs: ``sum_r 2 * Hq * (D + Dv) * L_r * (L_r + 1) / 2`` (QK^T and PV, two FLOPs per
+  multiply-add, the causal half); TFLOP/s = FLOPs / seconds / 1e12.
+- copy bandwidth: ``2 * bytes`` (read + write) / seconds.
+
+Times are CUDA-event medians of ``triton.testing.do_bench`` (25 warm-up, 200 ms of repeats).
+
+Usage::
+
+    python packages/kv-backends/benchmarks/bench_flex.py            # GPU: writes docs/benchmarks/flex.*
+    python packages/kv-backends/benchmarks/bench_flex.py --smoke    # CPU: tiny shapes, eager Flex,
+                                                                    # checks the script end to end
+
+Writes ``flex.json`` (records), ``flex.md`` (table) and ``flex.png`` (ratios) under ``--out``
+(default ``docs/benchmarks``; ``--smoke`` defaults to a temp dir so it never overwrites results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HQ, H, D = 32, 8, 128
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  # "decode" | "prefill" | "mixed"
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block: int
+
+
+@dataclass
+class Record:
+    case: str
+    impl: str
+    ms: float
+    value: float
+    metric: str
+    note: str = ""
+
+
+def _cases(smoke: bool) -> list[Case]:
+    if smoke:
+        dec = [(4, 64), (2, 160)]
+        pre, mixed_pre, mixed_dec = (2, 48), (1, 32), (3, 64)
+    else:
+        dec = [(64, 4096), (8, 32768)]
+        pre, mixed_pre, mixed_dec = (4, 4096), (2, 2048), (32, 4096)
+    out = []
+    for block in (16, 128):
+        for r, s in dec:
+            out.append(Case(f"decode {r}x{s} block {block}", "decode", (1,) * r, (s,) * r, block))
+    for block in (16, 128):
+        r, s = pre
+        out.append(
+            Case(f"prefill {r}x{s} causal block {block}", "prefill", (s,) * r, (s,) * r, block)
+        )
+    for block in (16, 128):
+        (pr, ps), (dr, ds) = mixed_pre, mixed_dec
+        out.append(
+            Case(
+                f"mixed {pr}x{ps} prefill + {dr}x{ds} decode block {block}",
+                "mixed",
+                (ps,) * pr + (1,) * dr,
+                (ps,) * pr + (ds,) * dr,
+                block,
+            )
+        )
+    return out
+
+
+def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=25, rep=200))
+
+    def cpu(fn: Callable[[], Any]) -> float:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return cpu
+
+
+def _decode_bytes(c: Case) -> float:
+    return sum(c.seq_lens) * H * 2 * D * 2 + len(c.query_lens) * HQ * 2 * D * 2
+
+
+def _prefill_flops(lens: tuple[int, ...]) -> float:
+    return sum(2 * HQ * 2 * D * n * (n + 1) / 2 for n in lens)
+
+
+def _metric(c: Case, ms: float) -> tuple[float, str]:
+    if c.kind == "decode":
+        return _decode_bytes(c) / (ms * 1e-3) / 1e12, "TB/s"
+    # prefill and mixed: FLOPs of the prefills plus the decodes' (2 * Hq * (D + Dv) * S each)
+    flops = _prefill_flops(tuple(q for q in c.query_lens if q > 1)) + sum(
+        2 * HQ * 2 * D * s for q, s in zip(c.query_lens, c.seq_lens, strict=True) if q == 1
+    )
+    return flops / (ms * 1e-3) / 1e12, "TFLOP/s"
+
+
+def _batch(c: Case, device: str) -> Any:
+    from kv_backends.testing import make_paged_batch
+
+    return make_paged_batch(
+        query_lens=list(c.query_lens),
+        seq_lens=list(c.seq_lens),
+        num_q_heads=HQ,
+        num_kv_heads=H,
+        head_size=D,
+        block_size=c.block,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        device=device,
+        make_kv=device != "cuda",  # on the GPU the cache is filled below, on the device
+    )
+
+
+def _backend(
+    c: Case,
+    b: Any,
+    device: str,
+    compiled: bool,
+    kernel_options: Any = None,
+    **builder_options: Any,
+) -> Callable[[], Any]:
+    from kv_backends import get_backend
+
+    if device == "cuda":
+        b.kv_cache.normal_()
+    backend = get_backend("FLEX_ATTENTION")
+    builder = backend.make_builder(
+        b.config,
+        b.layout,
+        device=device,
+        max_num_batched_tokens=max(sum(c.query_lens), 16),
+        max_num_seqs=len(c.query_lens),
+        **builder_options,
+    )
+    md = builder.build(b.common)
+    impl = backend.make_impl(b.config, b.layout, compiled=compiled, kernel_options=kernel_options)
+    out = torch.empty(b.q.shape[0], HQ, D, dtype=b.q.dtype, device=device)
+    return lambda: impl.forward(None, b.q, b.kv_cache, md, out=out)
+
+
+def _flex_fn(device: str, compiled: bool) -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+
+
+def _recipe(c: Case, device: str, compiled: bool) -> Callable[[], Any]:
+    """torch's paged-Flex recipe (attention-gym ``PagedAttention``, PyTorch's paged-attention
+    tests), written out here: a *logical* block mask over each request's ``[0, max_len)`` with
+    ``BLOCK_SIZE = page``, converted to the physical cache by mapping each ``kv_indices`` entry
+    through the page table and wrapping the mask mod in a physical -> logical lookup. K and V are
+    separate ``[1, H, pages * page, D]`` caches (its own layout); pages are shuffled."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    r, page = len(c.seq_lens), c.block
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    logical_pages = -(-max(c.seq_lens) // page)
+    num_pages = r * logical_pages
+    k = torch.randn(1, H, num_pages * page, D, dtype=dt, device=device)
+    v = torch.randn_like(k)
+    q = torch.randn(r, HQ, 1, D, dtype=dt, device=device)
+    page_table = torch.randperm(num_pages, device=device).view(r, logical_pages)  # [R, P]
+    phys_to_log = torch.empty(r, num_pages, dtype=torch.long, device=device)
+    phys_to_log.fill_(-1)
+    rows = torch.arange(r, device=device)[:, None].expand(r, logical_pages)
+    phys_to_log[rows, page_table] = torch.arange(logical_pages, device=device)[None].expand(r, -1)
+    seq_lens = torch.tensor(c.seq_lens, device=device)
+
+    def logical_mask(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return kv_idx < seq_lens[b]
+
+    lbm = create_block_mask(
+        logical_mask, r, None, 1, logical_pages * page, device=device, BLOCK_SIZE=(page, page)
+    )
+    # Physical kv_indices: page_table[b, logical block]; the logical block size is the page.
+    phys_idx = torch.gather(
+        page_table[:, None, None, :].expand(-1, 1, lbm.kv_indices.shape[2], -1),
+        3,
+        lbm.kv_indices.long(),
+    ).int()
+
+    def physical_mask(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        log_page = phys_to_log[b, kv_idx // page]
+        log_kv = log_page * page + kv_idx % page
+        return torch.where(log_page >= 0, logical_mask(b, h, q_idx, log_kv), False)
+
+    pbm = BlockMask.from_kv_blocks(
+        lbm.kv_num_blocks,
+        phys_idx,
+        BLOCK_SIZE=(page, page),
+        mask_mod=physical_mask,
+        seq_lengths=(1, num_pages * page),
+    )
+    fn = _flex_fn(device, compiled)
+    return lambda: fn(q, k, v, block_mask=pbm, enable_gqa=True)
+
+
+def _dense_decode(c: Case, device: str, compiled: bool) -> Callable[[], Any]:
+    """Dense flex_attention over contiguous ``[R, H, S, D]`` K/V (equal lengths), no mask."""
+    r, s = len(c.seq_lens), max(c.seq_lens)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    k = torch.randn(r, H, s, D, dtype=dt, device=device)
+    v = torch.randn_like(k)
+    q = torch.randn(r, HQ, 1, D, dtype=dt, device=device)
+    fn = _flex_fn(device, compiled)
+    return lambda: fn(q, k, v, enable_gqa=True)
+
+
+def _dense_causal(lens: tuple[int, ...], device: str, compiled: bool) -> Callable[[], Any]:
+    """Dense causal flex_attention, one batch row per request (equal lengths)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    r, s = len(lens), max(lens)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.randn(r, HQ, s, D, dtype=dt, device=device)
+    k = torch.randn(r, H, s, D, dtype=dt, device=device)
+    v = torch.randn_like(k)
+
+    def causal(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return kv_idx <= q_idx
+
+    bm = create_block_mask(causal, None, None, s, s, device=device)
+    fn = _flex_fn(device, compiled)
+    return lambda: fn(q, k, v, block_mask=bm, enable_gqa=True)
+
+
+def _copy_bandwidth(device: str, timer: Callable[[Callable[[], Any]], float], smoke: bool) -> float:
+    n = (1 << 20) if smoke else (1 << 30)  # bf16 elements: 2 GiB on the GPU
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+
+
+def _fa4_options() -> tuple[dict[str, Any] | None, str]:
+    import importlib.util
+
+    from kv_backends.backends.flex_mask import flex_has_backend_option
+
+    if not flex_has_backend_option():
+        return None, "this torch has no kernel_options BACKEND"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return None, "flash_attn.cute (flash-attn-4) is not installed"
+    return {"BACKEND": "FLASH"}, ""
+
+
+def run(args: argparse.Namespace) -> list[Record]:
+    device = "cpu" if args.smoke else "cuda"
+    compiled = not args.smoke
+    timer = _timer(device)
+    records: list[Record] = []
+
+    def add(
+        case: str, impl: str, fn: Callable[[], Any] | None, c: Case | None, note: str = ""
+    ) -> None:
+        if fn is None or c is None:
+            records.append(Record(case, impl, float("nan"), float("nan"), "", note))
+        else:
+            ms = timer(fn)
+            value, metric = _metric(c, ms)
+            records.append(Record(case, impl, ms, value, metric, note))
+        print(json.dumps(asdict(records[-1])), flush=True)
+
+    copy = _copy_bandwidth(device, timer, args.smoke)
+    records.append(Record("copy", "torch copy_ (read + write)", float("nan"), copy, "TB/s"))
+    print(json.dumps(asdict(records[-1])), flush=True)
+    fa4, fa4_reason = _fa4_options() if args.fa4 else (None, "not requested (--fa4)")
+    for c in _cases(args.smoke):
+        b = _batch(c, device)
+        add(c.name, "FLEX_ATTENTION", _backend(c, b, device, compiled), c)
+        if c.kind == "decode":
+            add(c.name, "torch paged-Flex recipe", _recipe(c, device, compiled), c)
+            add(c.name, "dense flex_attention", _dense_decode(c, device, compiled), c)
+        elif c.kind == "prefill":
+            add(
+                c.name,
+                "dense causal flex_attention",
+                _dense_causal(c.seq_lens, device, compiled),
+                c,
+            )
+        if c.kind != "decode":
+            gather = _backend(c, b, device, compiled, prefill="gather")
+            add(c.name, "FLEX_ATTENTION prefill=gather", gather, c)
+        if args.fa4 and c.kind != "decode":
+            if fa4 is None:
+                add(c.name, "FLEX_ATTENTION (FA4 backend)", None, None, fa4_reason)
+            else:
+                try:
+                    add(
+                        c.name,
+                        "FLEX_ATTENTION (FA4 backend)",
+                        _backend(c, b, device, compiled, fa4),
+                        c,
+                    )
+                except Exception as e:  # report what FA4-through-Flex refuses, keep measuring
+                    add(
+                        c.name,
+                        "FLEX_ATTENTION (FA4 backend)",
+                        None,
+                        None,
+                        f"{type(e).__name__}: {e}"[:200],
+                    )
+        del b
+    return records
+
+
+def _ratios(records: list[Record]) -> list[dict[str, Any]]:
+    """Per case: the backend's value over each other impl's (higher is better for both metrics)."""
+    by_case: dict[str, dict[str, Record]] = {}
+    for r in records:
+        by_case.setdefault(r.case, {})[r.impl] = r
+    copy = next((r.value for r in records if r.case == "copy"), float("nan"))
+    rows = []
+    for case, impls in by_case.items():
+        for mine, ours in impls.items():
+            if not mine.startswith("FLEX_ATTENTION") or ours.value != ours.value:
+                continue
+            label = (
+                ""
+                if mine == "FLEX_ATTENTION"
+                else f" [{mine.removeprefix('FLEX_ATTENTION').strip()}]"
+            )
+            for name, other in impls.items():
+                if not name.startswith("FLEX_ATTENTION") and other.value == other.value:
+                    rows.append(
+                        {"case": case + label, "vs": name, "ratio": ours.value / other.value}
+                    )
+            if ours.metric == "TB/s":
+                rows.append(
+                    {"case": case + label, "vs": "copy bandwidth", "ratio": ours.value / copy}
+                )
+    return rows
+
+
+def _write(out: Path, records: list[Record], smoke: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    dev = "CPU (smoke)" if smoke else torch.cuda.get_device_name()
+    meta = {
+        "device": dev,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "heads": {"q": HQ, "kv": H, "head_size": D},
+        "dtype": "float32 (smoke)" if smoke else "bfloat16",
+    }
+    ratios = _ratios(records)
+    (out / "flex.json").write_text(
+        json.dumps(
+            {"meta": meta, "records": [asdict(r) for r in records], "ratios": ratios}, indent=1
+        )
+    )
+    lines = [
+        "# flex",
+        "",
+        f"Written by `packages/kv-backends/benchmarks/bench_flex.py` on {dev} (torch {meta['torch']}), "
+        f"{meta['date']}; {meta['dtype']}, {HQ} q / {H} kv heads, head size {D}. Formulas in the script's docstring.",
+        "",
+        "| case | impl | ms | value | metric | note |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r.case} | {r.impl} | {r.ms:.4g} | {r.value:.4g} | {r.metric} | {r.note} |"
+        )
+    lines += ["", "| case | FLEX_ATTENTION / | ratio |", "|---|---|---|"]
+    lines += [f"| {x['case']} | {x['vs']} | {x['ratio']:.3g} |" for x in ratios]
+    lines += ["", "![flex](flex.png)", ""]
+    (out / "flex.md").write_text("\n".join(lines))
+    _plot(out / "flex.png", ratios, dev)
+
+
+def _plot(path: Path, ratios: list[dict[str, Any]], dev: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{x['case']}\nvs {x['vs']}" for x in ratios]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(labels) + 1.5))
+    ax.barh(range(len(labels)), [x["ratio"] for x in ratios], color="tab:blue")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.axvline(0.9, color="tab:red", lw=0.8, ls="--", label="0.9 (prefill goal)")
+    ax.axvline(0.6, color="tab:orange", lw=0.8, ls=":", label="0.6 (decode / copy goal)")
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("FLEX_ATTENTION value / other (higher is better)")
+    ax.set_title(f"FLEX_ATTENTION ratios, {dev}")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny CPU run (eager Flex) to check the script"
+    )
+    p.add_argument("--fa4", action="store_true", help="also try Flex's FlashAttention-4 backend")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default docs/benchmarks)")
+    args = p.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench_flex needs CUDA; use --smoke on the CPU", file=sys.stderr)
+        return 2
+    out = args.out
+    if out is None:
+        out = (
+            Path(tempfile.mkdtemp(prefix="bench_flex_")) if args.smoke else Path("docs/benchmarks")
+        )
+    records = run(args)
+    _write(out, records, args.smoke)
+    print(f"wrote {out / 'flex.json'}, flex.md, flex.png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
