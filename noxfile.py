@@ -199,7 +199,7 @@ def isolated(session: nox.Session, package: str) -> None:
         walk = (
             f"import importlib, pkgutil, {mod}; "
             f"names = [m.name for m in pkgutil.walk_packages({mod}.__path__, '{mod}.') "
-            f"if m.name not in {skip!r}]; "
+            f"if m.name not in {skip!r} and not m.name.endswith('__main__')]; "
             "[importlib.import_module(n) for n in names]; "
             f"print('{package}', {mod}.__version__, 'imports alone with', len(names), 'submodules')"
         )

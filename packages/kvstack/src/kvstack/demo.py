@@ -233,7 +233,7 @@ def _check(
         table.add_column(col)
     table.add_row("dense: same weights, no cache, no batching", str(len(dense)), _summary(dense))
     if hf is None:
-        table.add_row("transformers", "-", "not installed (pip install 'kvstack[hf]' to compare)")
+        table.add_row("transformers", "-", "not installed (pip install 'kvstack\\[hf]' to compare)")
     else:
         table.add_row("transformers (eager attention)", str(len(hf)), _summary(hf))
     console.print(table)

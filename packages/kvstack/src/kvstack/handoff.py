@@ -16,6 +16,7 @@ The connector is NIXL (UCX) when the ``nixl`` package works here, else P2P over 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import select
 import subprocess
@@ -24,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rich.markup import escape
 
 __all__ = ["make_connector", "pair_blocks", "run_demo"]
 
@@ -46,7 +49,11 @@ def make_connector(prefer_nixl: bool = True) -> tuple[Any, str]:
     """The connector for this machine and a sentence saying which and why."""
     from kv_connectors import P2pConfig, P2pConnector
 
-    if prefer_nixl:
+    if prefer_nixl and importlib.util.find_spec("nixl") is None:
+        # kv_connectors.nixl imports without nixl and fails only when an agent is made, later:
+        # decide here (`uv run kvstack demo` does not install the nixl extra).
+        why = "the nixl package is not installed: pip install 'kv-connectors[nixl]'"
+    elif prefer_nixl:
         try:
             from kv_connectors import NixlConfig
             from kv_connectors.nixl import NixlConnector
@@ -220,7 +227,7 @@ def run_demo(
     )
     ok = tokens == expected
     console.print(
-        f"connector: {why}. The prefill process computed the {len(prompt)}-token prompt and its first "
+        f"connector: {escape(why)}. The prefill process computed the {len(prompt)}-token prompt and its first "
         f"token ({first}); {loaded['blocks']} blocks ({loaded['blocks'] * page:,} bytes, every layer and "
         f"KV group) moved to this process in {loaded['seconds'] * 1000:.0f} ms; this process decoded the rest."
     )
