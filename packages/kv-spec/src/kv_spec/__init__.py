@@ -40,7 +40,7 @@ from kv_spec.specs import (
     merge_specs,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CATALOGUE",
