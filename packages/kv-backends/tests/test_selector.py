@@ -22,7 +22,7 @@ from kv_spec import CATALOGUE, FullAttentionSpec
 # an A100 box typically has flash-attn 2.
 PLATFORMS = {
     "cpu": Platform.cpu(),
-    "sm_80": Platform.cuda((8, 0), installed={"flash_attn"}),
+    "sm_80": Platform.cuda((8, 0), installed={"flash_attn_2_cuda"}),
     "sm_90": Platform.cuda((9, 0), installed={"flash_attn.cute"}),
     "sm_100": Platform.cuda((10, 0), installed={"flash_attn.cute"}),
 }
@@ -167,18 +167,39 @@ def _cfg(**kw) -> AttentionConfig:
             4,
             "FA3 -> FA4 on sm_90",
         ),
-        ((9, 0), {"flash_attn"}, {"block_size": 256}, 2, "FA3: flash_attn_interface not installed"),
         (
             (9, 0),
-            {"flash_attn"},
+            {"flash_attn_2_cuda"},
+            {"block_size": 256},
+            2,
+            "FA3: flash_attn_interface not installed",
+        ),
+        (
+            (9, 0),
+            {"flash_attn_2_cuda"},
             {},
             None,
             "FA2 needs kernel block sizes that are multiples of 256",
         ),
-        ((10, 0), {"flash_attn.cute", "flash_attn"}, {}, 4, None),
-        ((10, 0), {"flash_attn"}, {"block_size": 512}, 2, "FA4: flash_attn.cute not installed"),
-        ((8, 6), {"flash_attn", "flash_attn.cute"}, {"block_size": 256}, 2, None),
+        ((10, 0), {"flash_attn.cute", "flash_attn_2_cuda"}, {}, 4, None),
+        (
+            (10, 0),
+            {"flash_attn_2_cuda"},
+            {"block_size": 512},
+            2,
+            "FA4: flash_attn.cute not installed",
+        ),
+        ((8, 6), {"flash_attn_2_cuda", "flash_attn.cute"}, {"block_size": 256}, 2, None),
         ((8, 0), {"flash_attn.cute"}, {}, None, "FA4 runs on compute capability 9.0-11.9, not 8.0"),
+        # FA4 installed makes the `flash_attn` namespace importable; FA2 is probed by its compiled
+        # extension, so ALiBi (FA2 only) is refused instead of selecting an FA2 that cannot import
+        (
+            (9, 0),
+            {"flash_attn", "flash_attn.cute"},
+            {"use_alibi": True, "block_size": 256},
+            None,
+            "FA2: flash_attn_2_cuda not installed",
+        ),
     ],
 )
 def test_fa_version_rules(cc, installed, cfg, version, note) -> None:
@@ -203,7 +224,7 @@ def test_fa_explicit_version_is_validated() -> None:
     assert sel.explicit and "requested by flash_attn_version" in str(sel)
     missing = resolve_fa_version(_cfg(flash_attn_version=2, block_size=256), sm90)
     assert missing.version is None and any(
-        "flash_attn is not installed" in r for r in missing.reasons
+        "flash_attn_2_cuda is not installed" in r for r in missing.reasons
     )
 
 
@@ -249,7 +270,7 @@ def test_prepare_kernel_block_sizes() -> None:
     assert prepare_kernel_block_sizes(
         [spec, 48], [["FLEX_ATTENTION", "TRITON"], ["FLEX_ATTENTION"]]
     ) == [64, 16]
-    sm80 = Platform.cuda((8, 0), installed={"flash_attn"})
+    sm80 = Platform.cuda((8, 0), installed={"flash_attn_2_cuda"})
     fa2 = select_backend(_cfg(block_size=512), sm80)
     assert fa2.name == "FLASH_ATTN"
     # FA2's rule comes from the selection's version: 512 works, 256 would too, 128 would not.

@@ -324,7 +324,10 @@ class FlashAttnBackend(AttentionBackend):
             "config_field": "flash_attn_version",
             "versions": {
                 2: {
-                    "module": "flash_attn",
+                    # FA2's compiled extension, not the ``flash_attn`` package: FA4 installs
+                    # ``flash_attn/cute``, which makes ``flash_attn`` importable without FA2 (a
+                    # GPU conformance run selected FA2 for ALiBi and failed to import it).
+                    "module": "flash_attn_2_cuda",
                     "package": "flash-attn",
                     "min_compute_capability": (8, 0),
                     "max_compute_capability": None,
