@@ -131,13 +131,24 @@ def _layout(order: str, shape: dict[str, Any]) -> Any:
     return KVCacheLayout(order=order, **shape)
 
 
+def _cache(order: str, shape: dict[str, Any], device: torch.device) -> tuple[Any, Any, int]:
+    """``(layout, storage, row bytes)``: a freshly allocated cache of ``shape`` in ``order``."""
+    from kv_kernels import allocate_kv_cache
+
+    layout = _layout(order, shape)
+    return layout, allocate_kv_cache(layout, device), layout.num_layers * layout.page_bytes
+
+
+ORDERS = ("LBNHC", "BLNHC")  # the offload and gather sections measure both
+
+
 # -- 1. offload ---------------------------------------------------------------------------------
 
 
 def bench_offload(
     res: Results, device: torch.device, shape: dict[str, Any], n: int, iters: int
 ) -> None:
-    for order in ("LBNHC", "BLNHC"):
+    for order in ORDERS:
         _offload_order(res, device, shape, n, iters, order)
 
 
@@ -145,11 +156,8 @@ def _offload_order(
     res: Results, device: torch.device, shape: dict[str, Any], n: int, iters: int, order: str
 ) -> None:
     from kv_connectors import OffloadingConfig, OffloadingConnector
-    from kv_kernels import allocate_kv_cache
 
-    layout = _layout(order, shape)
-    storage = allocate_kv_cache(layout, device)
-    row = layout.num_layers * layout.page_bytes
+    layout, storage, row = _cache(order, shape, device)
     conn = OffloadingConnector(OffloadingConfig(cpu_bytes=n * row), block_size=layout.block_size)
     conn.register_kv_caches(storage, layout)
     gen = torch.Generator().manual_seed(0)
@@ -201,11 +209,8 @@ def bench_overlap(
     res: Results, device: torch.device, shape: dict[str, Any], n: int, iters: int
 ) -> None:
     from kv_connectors import OffloadingConfig, OffloadingConnector
-    from kv_kernels import allocate_kv_cache
 
-    layout = _layout("LBNHC", shape)
-    row = layout.num_layers * layout.page_bytes
-    storage = allocate_kv_cache(layout, device)
+    layout, storage, row = _cache("LBNHC", shape, device)
     conn = OffloadingConnector(OffloadingConfig(cpu_bytes=n * row), block_size=layout.block_size)
     conn.register_kv_caches(storage, layout)
     dim = 4096 if device.type == "cuda" else 128
@@ -260,18 +265,16 @@ def bench_overlap(
 def bench_gather(
     res: Results, device: torch.device, shape: dict[str, Any], n: int, iters: int
 ) -> None:
-    for order in ("LBNHC", "BLNHC"):
+    for order in ORDERS:
         _gather_order(res, device, shape, n, iters, order)
 
 
 def _gather_order(
     res: Results, device: torch.device, shape: dict[str, Any], n: int, iters: int, order: str
 ) -> None:
-    from kv_kernels import allocate_kv_cache, gather_blocks
+    from kv_kernels import gather_blocks
 
-    layout = _layout(order, shape)
-    storage = allocate_kv_cache(layout, device)
-    row = layout.num_layers * layout.page_bytes
+    layout, storage, row = _cache(order, shape, device)
     ids = torch.randperm(layout.num_blocks, device=device)[:n]
     out = torch.empty(n, row, dtype=torch.uint8, device=device)
 

@@ -5,17 +5,22 @@
   with its ``BlockHasher``: real chained block hashes (the connectors read only ``request_id`` and
   ``block_hashes``).
 - ``spawn_peer(cfg)``: a producer process (``peer.py``), stopped at the end of the module.
+- ``remote_load``: drives a disaggregated consumer (P2P, NIXL) through loads of producer params, as
+  the engine does, and says which bytes the consumer's blocks should then hold.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 from kv_blocktable import BlockHasher, Request
+from kv_connectors.testing import block_bytes
+from kv_spec import KVCacheLayout
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -129,3 +134,58 @@ def spawn_peer() -> Any:
     yield spawn
     for p in peers:
         p.stop()
+
+
+class RemoteLoad:
+    """One consumer-side load of producer ``params`` at a time, driven as the engine drives it."""
+
+    def __init__(self, make_request: Callable[..., Any]) -> None:
+        self._make_request = make_request
+
+    def start(self, conn: Any, params: dict[str, Any], local_ids: list[int], rid: str) -> int:
+        """Match, allocate ``local_ids`` and start the load; returns the matched tokens (0: the
+        connector refused, nothing started)."""
+        req = self._make_request(rid, len(local_ids), conn.block_size)
+        conn.add_remote_request(rid, params)
+        tokens, async_load = conn.get_num_new_matched_tokens(req, 0)
+        if tokens:
+            assert async_load
+            conn.update_state_after_alloc(req, local_ids, tokens)
+            conn.start_load_kv(conn.build_connector_meta())
+        return int(tokens)
+
+    def finish(
+        self, conn: Any, rid: str, limit_s: float, *, poll_s: float = 0.005
+    ) -> tuple[float, set[int]]:
+        """Poll until ``rid`` is in ``done_recving``: ``(seconds waited, blocks with errors)``."""
+        start = time.monotonic()
+        recving: set[str] = set()
+        while rid not in recving and time.monotonic() - start < limit_s:
+            recving |= conn.get_finished()[1]
+            time.sleep(poll_s)
+        assert rid in recving, "every load ends in done_recving, failed or not"
+        return time.monotonic() - start, conn.get_block_ids_with_load_errors()
+
+    @staticmethod
+    def expected(
+        src: Any,
+        prod: KVCacheLayout,
+        cons: KVCacheLayout,
+        producer_blocks: Sequence[int],
+        tp_rank: int = 0,
+    ) -> list[torch.Tensor]:
+        """The logical bytes (``[L, H, N, Cb]`` each) the consumer's blocks hold after loading
+        ``producer_blocks`` of cache ``src``: merged to the consumer's block size, its TP heads."""
+        blocks = [block_bytes(src, prod, b) for b in producer_blocks]
+        if cons.block_size != prod.block_size:
+            k = cons.block_size // prod.block_size
+            blocks = [torch.cat(blocks[i : i + k], dim=2) for i in range(0, len(blocks), k)]
+        if cons.num_kv_heads != prod.num_kv_heads:
+            h = cons.num_kv_heads
+            blocks = [b[:, tp_rank * h : (tp_rank + 1) * h] for b in blocks]
+        return blocks
+
+
+@pytest.fixture
+def remote_load(make_request: Callable[..., Any]) -> RemoteLoad:
+    return RemoteLoad(make_request)

@@ -6,7 +6,6 @@ the next request succeeds; an impossible conversion is refused with a reason."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,38 +77,11 @@ def _consumer(
     return conn, cache
 
 
-def _start(
-    conn: NixlConnector,
-    params: dict[str, Any],
-    local: list[int],
-    make_request: Callable[..., Any],
-    rid: str,
-) -> int:
-    req = make_request(rid, len(local), conn.block_size)
-    conn.add_remote_request(rid, params)
-    tokens, async_load = conn.get_num_new_matched_tokens(req, 0)
-    if tokens:
-        assert async_load
-        conn.update_state_after_alloc(req, local, tokens)
-        conn.start_load_kv(conn.build_connector_meta())
-    return tokens
-
-
-def _finish(conn: NixlConnector, rid: str, limit_s: float) -> tuple[float, set[int]]:
-    start = time.monotonic()
-    recving: set[str] = set()
-    while rid not in recving and time.monotonic() - start < limit_s:
-        recving |= conn.get_finished()[1]
-        time.sleep(0.005)
-    assert rid in recving, "every load ends in done_recving, failed or not"
-    return time.monotonic() - start, conn.get_block_ids_with_load_errors()
-
-
 @pytest.mark.parametrize(
     "name", ["LBNHC", "BLNHC", "LHBNC", "BHLNC", "fp8_pth", "diffkv", "padded"]
 )
 def test_read_between_two_processes_is_byte_exact(
-    name: str, healthy: Any, make_request: Callable[..., Any]
+    name: str, healthy: Any, remote_load: Any
 ) -> None:
     layout = LAYOUTS[name]
     conn, cache = _consumer(layout)
@@ -117,10 +89,9 @@ def test_read_between_two_processes_is_byte_exact(
     local = [7, 2, 11, 5]
     untouched = block_bytes(cache, layout, 0)
     assert (
-        _start(conn, healthy.params[name], local, make_request, f"c-{name}")
-        == 4 * layout.block_size
+        remote_load.start(conn, healthy.params[name], local, f"c-{name}") == 4 * layout.block_size
     )
-    _elapsed, errors = _finish(conn, f"c-{name}", 30)
+    _elapsed, errors = remote_load.finish(conn, f"c-{name}", 30)
     assert errors == set(), conn.load_error_reasons
     for b, p in zip(local, PRODUCER_BLOCKS, strict=True):
         assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
@@ -130,9 +101,7 @@ def test_read_between_two_processes_is_byte_exact(
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSIONS))
-def test_converting_read_is_exact(
-    name: str, healthy: Any, make_request: Callable[..., Any]
-) -> None:
+def test_converting_read_is_exact(name: str, healthy: Any, remote_load: Any) -> None:
     prod = LAYOUTS[name]
     layout, (rank, size) = CONVERSIONS[name]
     # a staging buffer of two producer rows: the request moves in pieces
@@ -140,19 +109,13 @@ def test_converting_read_is_exact(
         layout, (rank, size), staging_bytes=2 * prod.num_layers * prod.page_bytes
     )
     src = random_cache(prod, seed=10 + list(LAYOUTS).index(name))
-    want = [block_bytes(src, prod, b) for b in PRODUCER_BLOCKS]  # [L, H, N, Cb]
-    if layout.block_size != prod.block_size:
-        k = layout.block_size // prod.block_size
-        want = [torch.cat(want[i : i + k], dim=2) for i in range(0, len(want), k)]
-    if layout.num_kv_heads != prod.num_kv_heads:
-        h = layout.num_kv_heads
-        want = [w[:, rank * h : (rank + 1) * h] for w in want]
+    want = remote_load.expected(src, prod, layout, PRODUCER_BLOCKS, rank)
     local = [7, 2, 11, 5][: len(want)]
     assert (
-        _start(conn, healthy.params[name], local, make_request, f"c-{name}")
+        remote_load.start(conn, healthy.params[name], local, f"c-{name}")
         == len(want) * layout.block_size
     )
-    _elapsed, errors = _finish(conn, f"c-{name}", 30)
+    _elapsed, errors = remote_load.finish(conn, f"c-{name}", 30)
     assert errors == set(), conn.load_error_reasons
     for b, w in zip(local, want, strict=True):
         assert torch.equal(block_bytes(cache, layout, b), w)
@@ -160,25 +123,21 @@ def test_converting_read_is_exact(
     conn.close()
 
 
-def test_impossible_conversion_is_refused_with_a_reason(
-    healthy: Any, make_request: Callable[..., Any]
-) -> None:
+def test_impossible_conversion_is_refused_with_a_reason(healthy: Any, remote_load: Any) -> None:
     conn, _ = _consumer(make_layout("LBNHC", block_size=6))
-    assert _start(conn, healthy.params["bs4"], [1, 2, 3, 4], make_request, "c-bs6") == 0
+    assert remote_load.start(conn, healthy.params["bs4"], [1, 2, 3, 4], "c-bs6") == 0
     assert "do not divide" in conn.load_error_reasons["c-bs6"]
     conn.close()
 
 
-def test_live_handshake_mismatch_is_a_load_error(
-    healthy: Any, make_request: Callable[..., Any]
-) -> None:
+def test_live_handshake_mismatch_is_a_load_error(healthy: Any, remote_load: Any) -> None:
     conn, cache = _consumer(BASE)
     forged = dict(healthy.params["wrong_layout"])
     keep = {k: v for k, v in forged.items() if k not in ("layouts_json", "compatibility_hashes")}
     forged = KVTransferParams.for_layouts([BASE], **keep).to_dict()
     before = block_bytes(cache, BASE, 2)
-    assert _start(conn, forged, [2, 3, 4, 5], make_request, "c-forged") == 4 * BASE.block_size
-    _elapsed, errors = _finish(conn, "c-forged", 30)
+    assert remote_load.start(conn, forged, [2, 3, 4, 5], "c-forged") == 4 * BASE.block_size
+    _elapsed, errors = remote_load.finish(conn, "c-forged", 30)
     assert errors == {2, 3, 4, 5} and "now serves layouts" in conn.load_error_reasons["c-forged"]
     assert torch.equal(block_bytes(cache, BASE, 2), before)
     conn.close()
@@ -186,7 +145,7 @@ def test_live_handshake_mismatch_is_a_load_error(
 
 @pytest.mark.parametrize("fault", ["die", "stall"])
 def test_dead_or_stalled_producer_is_a_load_error_then_next_succeeds(
-    fault: str, spawn_peer: Callable[..., Any], healthy: Any, make_request: Callable[..., Any]
+    fault: str, spawn_peer: Callable[..., Any], healthy: Any, remote_load: Any
 ) -> None:
     bad = spawn_peer(
         {
@@ -198,22 +157,22 @@ def test_dead_or_stalled_producer_is_a_load_error_then_next_succeeds(
     )
     conn, cache = _consumer(BASE)
     assert (
-        _start(conn, bad.params["LBNHC"], [4, 5, 6, 7], make_request, f"c-{fault}")
+        remote_load.start(conn, bad.params["LBNHC"], [4, 5, 6, 7], f"c-{fault}")
         == 4 * BASE.block_size
     )
     if fault == "die":
         bad.expect(("CHUNK",), timeout_s=30)
         bad.proc.kill()
-    elapsed, errors = _finish(conn, f"c-{fault}", TIMEOUT + 30)
+    elapsed, errors = remote_load.finish(conn, f"c-{fault}", TIMEOUT + 30)
     assert errors == {4, 5, 6, 7}
     assert elapsed < TIMEOUT + 10
     bad.proc.kill()
     name = f"after_{fault}"
     assert (
-        _start(conn, healthy.params[name], [8, 9, 10, 11], make_request, f"c-next-{fault}")
+        remote_load.start(conn, healthy.params[name], [8, 9, 10, 11], f"c-next-{fault}")
         == 4 * BASE.block_size
     )
-    _elapsed, errors = _finish(conn, f"c-next-{fault}", 30)
+    _elapsed, errors = remote_load.finish(conn, f"c-next-{fault}", 30)
     assert errors == set()
     src = random_cache(BASE, seed=10 + list(LAYOUTS).index(name))
     for b, p in zip([8, 9, 10, 11], PRODUCER_BLOCKS, strict=True):

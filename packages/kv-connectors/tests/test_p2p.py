@@ -86,56 +86,35 @@ def _consumer(name: str, **cfg: Any) -> tuple[P2pConnector, Any]:
 
 
 def _pull(
-    conn: P2pConnector,
-    params: dict[str, Any],
-    local_ids: list[int],
-    make_request: Callable[..., Any],
-    rid: str,
+    conn: P2pConnector, params: dict[str, Any], local_ids: list[int], loads: Any, rid: str
 ) -> tuple[int, set[int]]:
-    req = make_request(rid, len(local_ids), conn.block_size)
-    conn.add_remote_request(req.request_id, params)
-    tokens, async_load = conn.get_num_new_matched_tokens(req, 0)
+    """Start a load and wait for it: ``(matched tokens, blocks with errors)``."""
+    tokens = loads.start(conn, params, local_ids, rid)
     if tokens == 0:
         return 0, set()
-    assert async_load
-    conn.update_state_after_alloc(req, local_ids, tokens)
-    conn.start_load_kv(conn.build_connector_meta())
-    start = time.monotonic()
-    recving: set[str] = set()
-    while rid not in recving and time.monotonic() - start < 3 * TIMEOUT + 10:
-        recving |= conn.get_finished()[1]
-        time.sleep(0.01)
-    assert rid in recving, "every load ends in done_recving, failed or not"
-    return tokens, conn.get_block_ids_with_load_errors()
+    return tokens, loads.finish(conn, rid, 3 * TIMEOUT + 10, poll_s=0.01)[1]
 
 
-def _want(name: str) -> list[torch.Tensor]:
+def _want(loads: Any, name: str) -> list[torch.Tensor]:
     """Expected logical bytes of the consumer's blocks, from the producer's cache."""
     prod, _ptp, cons, (rank, _size) = CASES[name]
     src = random_cache(prod, seed=10 + list(CASES).index(name))
-    blocks = [block_bytes(src, prod, b) for b in PRODUCER_BLOCKS]  # [L, H, N, Cb] each
-    if cons.block_size != prod.block_size:
-        k = cons.block_size // prod.block_size
-        blocks = [torch.cat(blocks[i : i + k], dim=2) for i in range(0, len(blocks), k)]
-    if cons.num_kv_heads != prod.num_kv_heads:
-        h = cons.num_kv_heads
-        blocks = [b[:, rank * h : (rank + 1) * h] for b in blocks]
-    return blocks
+    return loads.expected(src, prod, cons, PRODUCER_BLOCKS, rank)
 
 
 @pytest.mark.parametrize(
     "name", ["LBNHC", "BLNHC", "int8_pth", "diffkv", "hnd_bs4_to_nhd_bs8", "tp1_to_tp2_rank1"]
 )
 def test_pull_between_two_processes_is_byte_exact(
-    name: str, healthy: Any, make_request: Callable[..., Any]
+    name: str, healthy: Any, remote_load: Any
 ) -> None:
     prod, cons = CASES[name][0], CASES[name][2]
     row = max(prod.num_layers * prod.page_bytes, cons.num_layers * cons.page_bytes)
     conn, cache = _consumer(name, buffer_bytes=4 * row)  # two rows per chunk: several chunks
-    want = _want(name)
+    want = _want(remote_load, name)
     local = [7, 2, 11, 5][: len(want)]
     untouched = block_bytes(cache, conn.kv.layouts[0], 0)
-    tokens, errors = _pull(conn, healthy.params[name], local, make_request, f"c-{name}")
+    tokens, errors = _pull(conn, healthy.params[name], local, remote_load, f"c-{name}")
     assert tokens == len(want) * conn.block_size and errors == set()
     for b, w in zip(local, want, strict=True):
         assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
@@ -155,9 +134,7 @@ def test_refused_layout_matches_nothing_and_says_why(
     conn.close()
 
 
-def test_live_handshake_mismatch_is_a_load_error(
-    healthy: Any, make_request: Callable[..., Any]
-) -> None:
+def test_live_handshake_mismatch_is_a_load_error(healthy: Any, remote_load: Any) -> None:
     conn, cache = _consumer("LBNHC")
     forged = dict(healthy.params["wrong_layout"])  # declares our layout, serves bf16
     lay = conn.kv.layouts[0]
@@ -170,7 +147,7 @@ def test_live_handshake_mismatch_is_a_load_error(
         ).to_dict()
     )
     before = block_bytes(cache, lay, 2)
-    tokens, errors = _pull(conn, forged, [2, 3, 4, 5], make_request, "c-forged")
+    tokens, errors = _pull(conn, forged, [2, 3, 4, 5], remote_load, "c-forged")
     assert tokens == 4 * conn.block_size and errors == {2, 3, 4, 5}
     assert "now serves layouts" in conn.load_error_reasons["c-forged"]
     assert torch.equal(block_bytes(cache, lay, 2), before)
@@ -179,7 +156,7 @@ def test_live_handshake_mismatch_is_a_load_error(
 
 @pytest.mark.parametrize("fault", ["die", "stall"])
 def test_dead_or_stalled_producer_is_a_load_error_then_next_succeeds(
-    fault: str, spawn_peer: Callable[..., Any], healthy: Any, make_request: Callable[..., Any]
+    fault: str, spawn_peer: Callable[..., Any], healthy: Any, remote_load: Any
 ) -> None:
     bad = spawn_peer(
         {
@@ -192,31 +169,22 @@ def test_dead_or_stalled_producer_is_a_load_error_then_next_succeeds(
     conn, cache = _consumer(
         "LBNHC", buffer_bytes=2 * make_layout().num_layers * make_layout().page_bytes
     )
-    req = make_request(f"c-{fault}", 4, conn.block_size)
-    conn.add_remote_request(req.request_id, bad.params["LBNHC"])
-    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
-    conn.update_state_after_alloc(req, [4, 5, 6, 7], tokens)
-    start = time.monotonic()
-    conn.start_load_kv(conn.build_connector_meta())
+    tokens = remote_load.start(conn, bad.params["LBNHC"], [4, 5, 6, 7], f"c-{fault}")
+    assert tokens == 4 * conn.block_size
     if fault == "die":
         bad.expect(("CHUNK",), timeout_s=30)
         bad.proc.kill()  # mid-transfer: one chunk sent, three to go
-    recving: set[str] = set()
-    while not recving and time.monotonic() - start < TIMEOUT + 30:
-        recving |= conn.get_finished()[1]
-        time.sleep(0.01)
-    assert recving == {f"c-{fault}"}
-    elapsed = time.monotonic() - start
-    assert conn.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+    elapsed, errors = remote_load.finish(conn, f"c-{fault}", TIMEOUT + 30, poll_s=0.01)
+    assert errors == {4, 5, 6, 7}
     if fault == "stall":
         assert TIMEOUT * 0.9 <= elapsed < TIMEOUT + 10
         bad.proc.kill()
     # the connector stays usable: the next request, from a healthy producer, succeeds
     tokens, errors = _pull(
-        conn, healthy.params[f"after_{fault}"], [8, 9, 10, 11], make_request, f"c-next-{fault}"
+        conn, healthy.params[f"after_{fault}"], [8, 9, 10, 11], remote_load, f"c-next-{fault}"
     )
     assert errors == set() and tokens == 4 * conn.block_size
-    want = _want(f"after_{fault}")
+    want = _want(remote_load, f"after_{fault}")
     assert all(
         torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
         for b, w in zip([8, 9, 10, 11], want, strict=True)
@@ -251,26 +219,26 @@ def _push_peer(spawn_peer: Callable[..., Any], conn: P2pConnector, fault: str | 
 
 
 def test_push_between_two_processes_is_byte_exact(
-    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+    spawn_peer: Callable[..., Any], remote_load: Any
 ) -> None:
     conn, cache = _push_consumer()
     peer = _push_peer(spawn_peer, conn)
     peer.expect(("SENT req-LBNHC",), timeout_s=30)  # pushed (and freed) before decode scheduled it
-    tokens, errors = _pull(conn, peer.params["LBNHC"], [7, 2, 11, 5], make_request, "c-push")
+    tokens, errors = _pull(conn, peer.params["LBNHC"], [7, 2, 11, 5], remote_load, "c-push")
     assert tokens == 4 * conn.block_size and errors == set()
-    for b, w in zip([7, 2, 11, 5], _want("LBNHC"), strict=True):
+    for b, w in zip([7, 2, 11, 5], _want(remote_load, "LBNHC"), strict=True):
         assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
     assert conn._staged_bytes == 0  # the receive buffer is released
     conn.close()
 
 
 def test_push_refused_when_receive_buffer_full_and_producer_killed_mid_push(
-    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+    spawn_peer: Callable[..., Any], remote_load: Any
 ) -> None:
     conn, _cache = _push_consumer(receive_bytes=1024)  # smaller than one request's KV
     peer = _push_peer(spawn_peer, conn)
     start = time.monotonic()
-    tokens, errors = _pull(conn, peer.params["LBNHC"], [1, 2, 3, 4], make_request, "c-full")
+    tokens, errors = _pull(conn, peer.params["LBNHC"], [1, 2, 3, 4], remote_load, "c-full")
     assert tokens == 4 * conn.block_size and errors == {1, 2, 3, 4}
     assert "receive buffer full" in conn.load_error_reasons["c-full"]
     assert time.monotonic() - start < TIMEOUT  # refused pushes fail fast, not at the timeout
@@ -279,7 +247,7 @@ def test_push_refused_when_receive_buffer_full_and_producer_killed_mid_push(
     bad = _push_peer(spawn_peer, conn, fault="die")
     bad.expect(("CHUNK",), timeout_s=30)
     bad.proc.kill()  # one block pushed, three to go
-    tokens, errors = _pull(conn, bad.params["LBNHC"], [1, 2, 3, 4], make_request, "c-dead")
+    tokens, errors = _pull(conn, bad.params["LBNHC"], [1, 2, 3, 4], remote_load, "c-dead")
     assert errors == {1, 2, 3, 4} and "broke" in conn.load_error_reasons["c-dead"]
     assert conn._staged_bytes == 0
     conn.close()
@@ -318,7 +286,7 @@ def test_roles_and_consumer_requests_are_never_held(make_request: Callable[..., 
 
 
 def test_abandoned_request_is_freed_and_later_pulls_are_refused(
-    make_request: Callable[..., Any],
+    make_request: Callable[..., Any], remote_load: Any
 ) -> None:
     prod, cons, cache = _pair(abandon_after_s=0.2)
     req = make_request("p", 2, prod.block_size)
@@ -327,7 +295,7 @@ def test_abandoned_request_is_freed_and_later_pulls_are_refused(
     time.sleep(0.3)
     assert prod.get_finished()[0] == {"p"}  # given up on: the engine frees the blocks
     before = block_bytes(cache, cons.kv.layouts[0], 5)
-    tokens, errors = _pull(cons, params, [5, 6], make_request, "late")
+    tokens, errors = _pull(cons, params, [5, 6], remote_load, "late")
     assert tokens == 2 * prod.block_size and errors == {5, 6}
     assert "not held for sending" in cons.load_error_reasons["late"]
     assert torch.equal(block_bytes(cache, cons.kv.layouts[0], 5), before)
@@ -336,7 +304,7 @@ def test_abandoned_request_is_freed_and_later_pulls_are_refused(
 
 
 def test_restarted_producer_on_the_same_address_gets_a_fresh_session(
-    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+    spawn_peer: Callable[..., Any], remote_load: Any
 ) -> None:
     import socket
 
@@ -351,11 +319,11 @@ def test_restarted_producer_on_the_same_address_gets_a_fresh_session(
     }
     conn, cache = _consumer("LBNHC")
     first = spawn_peer(cfg)
-    assert _pull(conn, first.params["LBNHC"], [1, 2, 3, 4], make_request, "r1")[1] == set()
+    assert _pull(conn, first.params["LBNHC"], [1, 2, 3, 4], remote_load, "r1")[1] == set()
     first.stop()  # the cached session now points at a dead process
     second = spawn_peer(cfg)  # same address, new process
-    tokens, errors = _pull(conn, second.params["LBNHC"], [5, 6, 7, 8], make_request, "r2")
+    tokens, errors = _pull(conn, second.params["LBNHC"], [5, 6, 7, 8], remote_load, "r2")
     assert tokens == 4 * conn.block_size and errors == set(), conn.load_error_reasons
-    for b, w in zip([5, 6, 7, 8], _want("LBNHC"), strict=True):
+    for b, w in zip([5, 6, 7, 8], _want(remote_load, "LBNHC"), strict=True):
         assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
     conn.close()

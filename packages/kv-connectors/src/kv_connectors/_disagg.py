@@ -20,18 +20,27 @@ computes the prompt) and its reason is kept in ``load_error_reasons``. Loads run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import socket
 import threading
 import time
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kv_connectors._sidechannel import SideChannelServer
+from kv_connectors._sidechannel import (
+    SideChannelServer,
+    StaleSession,
+    connect,
+    recv_msg,
+    request,
+    send_msg,
+)
 from kv_connectors.base import KVConnector, LoadSpec, RequestLike, log, transfer_params_of
 from kv_connectors.config import KVRole, NixlConfig, P2pConfig
 from kv_connectors.handshake import (
@@ -44,6 +53,15 @@ from kv_connectors.handshake import (
 from kv_connectors.views import RegisteredKV
 
 __all__ = ["DisaggConnector", "RemotePlan"]
+
+
+class _Peer(Protocol):
+    """What the consumer keeps per producer address: the side-channel socket, the producer's live
+    compatibility hashes and a lock that serializes pulls (P2P sessions, NIXL remote agents)."""
+
+    sock: socket.socket
+    hashes: tuple[str, ...]
+    lock: threading.Lock
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,9 @@ class DisaggConnector(KVConnector):
             max_workers=4, thread_name_prefix=f"kv-{self.transport}"
         )
         self._server: SideChannelServer | None = None
+        # consumer: one cached peer per producer side channel (host, port)
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._peers_lock = threading.Lock()
 
     def _on_register(self, kv: RegisteredKV) -> None:
         if self._server is None:
@@ -125,7 +146,16 @@ class DisaggConnector(KVConnector):
     def _serve_session(self, sock: Any) -> None: ...
 
     @abstractmethod
-    def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None: ...
+    def _open_peer(self, host: str, sock: socket.socket, reply: dict[str, Any]) -> Any:
+        """Set up the transport for a producer that answered ``hello`` with ``reply`` (``ok``)."""
+
+    @abstractmethod
+    def _release_peer(self, peer: Any) -> None:
+        """Free a dropped peer's transport resources (its socket is already closed)."""
+
+    @abstractmethod
+    def _pull_in(self, peer: Any, spec: LoadSpec, plan: RemotePlan) -> None:
+        """Move the planned blocks from ``peer`` (its lock held, its live layouts checked)."""
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -252,6 +282,99 @@ class DisaggConnector(KVConnector):
             if self._sendable.pop(request_id, None) is not None:
                 self._worker.done_sending.add(request_id)
 
+    def _live_hashes(self) -> list[str]:
+        return [lay.compatibility_hash() for lay in self.kv.layouts]
+
+    @staticmethod
+    def _recv_hello(sock: socket.socket) -> dict[str, Any]:
+        hello = recv_msg(sock)
+        if hello.get("op") != "hello":
+            raise ConnectionError(f"expected hello, got {hello.get('op')!r}")
+        return hello
+
+    def _accept_pull(self, sock: socket.socket, rid: str, ids: list[int]) -> bool:
+        """Answer a consumer's ``pull``: ``ok`` if the blocks are held for it, else the reason."""
+        try:
+            self._take_sendable(rid, ids)
+            self.kv.check_block_ids(ids, what="pull block_ids")
+        except (KeyError, ValueError) as exc:
+            send_msg(sock, {"ok": False, "error": str(exc)})
+            return False
+        send_msg(sock, {"ok": True})
+        return True
+
+    # -- consumer side (pull threads) -----------------------------------------------------------
+
+    def _hello(self) -> dict[str, Any]:
+        return {"op": "hello"}
+
+    def _peer(self, host: str, port: int) -> Any:
+        """The cached peer for ``(host, port)``, or a new one after a ``hello`` handshake."""
+        key = (host, port)
+        with self._peers_lock:
+            peer = self._peers.get(key)
+        if peer is not None:
+            return peer
+        sock = connect(host, port, self.config.timeout_s)
+        try:
+            send_msg(sock, self._hello())
+            reply = recv_msg(sock)
+            if not reply.get("ok"):
+                raise HandshakeRefused(str(reply.get("error")))
+            peer = self._open_peer(host, sock, reply)
+        except BaseException:
+            sock.close()
+            raise
+        with self._peers_lock:
+            self._peers[key] = peer
+        return peer
+
+    def _drop_peer(self, host: str, port: int) -> None:
+        with self._peers_lock:
+            peer = self._peers.pop((host, port), None)
+        if peer is None:
+            return
+        with contextlib.suppress(OSError):
+            peer.sock.close()
+        self._release_peer(peer)
+
+    def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
+        params = plan.params
+        for attempt in range(2):
+            with self._peers_lock:
+                cached = (params.host, params.port) in self._peers
+            try:
+                peer = self._peer(params.host, params.port)
+                with peer.lock:
+                    if peer.hashes != params.compatibility_hashes:
+                        raise HandshakeRefused(
+                            f"producer {params.host}:{params.port} now serves layouts "
+                            f"{list(peer.hashes)}, the request's params declared "
+                            f"{list(params.compatibility_hashes)}"
+                        )
+                    self._pull_in(peer, spec, plan)
+                return
+            except HandshakeRefused:
+                raise
+            except StaleSession:
+                self._drop_peer(params.host, params.port)
+                if not cached or attempt:
+                    raise
+                # the producer restarted since this peer was made: one retry with a fresh one
+            except Exception:
+                self._drop_peer(params.host, params.port)  # the next request makes a new one
+                raise
+
+    def _ask_pull(self, sock: socket.socket, params: KVTransferParams, **extra: Any) -> list[int]:
+        """Ask the producer to serve ``params.block_ids``; returns them (a refusal raises)."""
+        ids = list(params.block_ids)
+        reply = request(
+            sock, {"op": "pull", "request_id": params.request_id, "block_ids": ids, **extra}
+        )
+        if not reply.get("ok"):
+            raise KeyError(f"producer refused the pull: {reply.get('error')}")
+        return ids
+
     # -- worker side ---------------------------------------------------------------------------
 
     def start_load_kv(self, meta: Any) -> None:
@@ -338,3 +461,7 @@ class DisaggConnector(KVConnector):
         if self._server is not None:
             self._server.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._peers_lock:
+            keys = list(self._peers)
+        for host, port in keys:
+            self._drop_peer(host, port)

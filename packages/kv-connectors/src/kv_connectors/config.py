@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = [
     "DEFAULT_HOST",
@@ -27,6 +28,28 @@ __all__ = [
 
 DEFAULT_HOST = "127.0.0.1"
 
+_E = TypeVar("_E", bound=Enum)
+
+
+def _parse_enum(
+    cls: type[_E],
+    value: object,
+    *,
+    owner: str,
+    field: str,
+    choices: str | None = None,
+    aliases: dict[str, str] | None = None,
+) -> _E:
+    """``value`` as a member of ``cls`` (a member, or its value in any case, or an alias)."""
+    if isinstance(value, cls):
+        return value
+    text = str(value).lower()
+    try:
+        return cls((aliases or {}).get(text, text))
+    except ValueError:
+        expected = choices if choices is not None else [m.value for m in cls]
+        raise ValueError(f"{owner}.{field}={value!r} is not one of {expected}") from None
+
 
 class EvictionPolicy(str, Enum):
     """Which stored block an offload tier drops when its byte budget is full."""
@@ -36,14 +59,7 @@ class EvictionPolicy(str, Enum):
 
     @classmethod
     def parse(cls, value: object, *, owner: str) -> EvictionPolicy:
-        if isinstance(value, EvictionPolicy):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(
-                f"{owner}.policy={value!r} is not one of {[p.value for p in cls]}"
-            ) from None
+        return _parse_enum(cls, value, owner=owner, field="policy")
 
 
 class KVRole(str, Enum):
@@ -55,14 +71,7 @@ class KVRole(str, Enum):
 
     @classmethod
     def parse(cls, value: object, *, owner: str) -> KVRole:
-        if isinstance(value, KVRole):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(
-                f"{owner}.role={value!r} is not one of {[r.value for r in cls]}"
-            ) from None
+        return _parse_enum(cls, value, owner=owner, field="role")
 
 
 class TransferMode(str, Enum):
@@ -74,16 +83,14 @@ class TransferMode(str, Enum):
 
     @classmethod
     def parse(cls, value: object, *, owner: str) -> TransferMode:
-        if isinstance(value, TransferMode):
-            return value
-        aliases = {"pull": "read", "push": "write"}
-        text = aliases.get(str(value).lower(), str(value).lower())
-        try:
-            return cls(text)
-        except ValueError:
-            raise ValueError(
-                f"{owner}.mode={value!r} is not one of read (pull) / write (push)"
-            ) from None
+        return _parse_enum(
+            cls,
+            value,
+            owner=owner,
+            field="mode",
+            choices="read (pull) / write (push)",
+            aliases={"pull": "read", "push": "write"},
+        )
 
 
 def _check_timeout(owner: str, field: str, value: object) -> float:
@@ -175,6 +182,25 @@ class FilesystemConfig:
         object.__setattr__(self, "timeout_s", _check_timeout(owner, "timeout_s", self.timeout_s))
 
 
+def _check_endpoint(cfg: P2pConfig | NixlConfig, owner: str) -> None:
+    """The side-channel address, engine id, mode and role of a disaggregated config (P2P, NIXL)."""
+    _check_host(owner, "host", cfg.host)
+    _check_int(owner, "port", cfg.port, minimum=0)
+    if cfg.port > 65535:
+        raise ValueError(f"{owner}.port={cfg.port} must be <= 65535")
+    if not isinstance(cfg.engine_id, str) or not cfg.engine_id:
+        raise ValueError(f"{owner}.engine_id={cfg.engine_id!r} must be a non-empty string")
+    object.__setattr__(cfg, "mode", TransferMode.parse(cfg.mode, owner=owner))
+    object.__setattr__(cfg, "role", KVRole.parse(cfg.role, owner=owner))
+
+
+def _check_timeouts(cfg: P2pConfig | NixlConfig, owner: str) -> None:
+    object.__setattr__(cfg, "timeout_s", _check_timeout(owner, "timeout_s", cfg.timeout_s))
+    object.__setattr__(
+        cfg, "abandon_after_s", _check_timeout(owner, "abandon_after_s", cfg.abandon_after_s)
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class P2pConfig:
     """Direct transfer between two workers over ``torch.distributed`` point-to-point.
@@ -201,24 +227,14 @@ class P2pConfig:
 
     def __post_init__(self) -> None:
         owner = "P2pConfig"
-        _check_host(owner, "host", self.host)
-        _check_int(owner, "port", self.port, minimum=0)
-        if self.port > 65535:
-            raise ValueError(f"{owner}.port={self.port} must be <= 65535")
-        if not isinstance(self.engine_id, str) or not self.engine_id:
-            raise ValueError(f"{owner}.engine_id={self.engine_id!r} must be a non-empty string")
-        object.__setattr__(self, "mode", TransferMode.parse(self.mode, owner=owner))
-        object.__setattr__(self, "role", KVRole.parse(self.role, owner=owner))
+        _check_endpoint(self, owner)
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"{owner}.backend={self.backend!r} must be 'auto', 'gloo' or 'nccl'")
         _check_int(owner, "buffer_bytes", self.buffer_bytes, minimum=1)
         _check_int(owner, "receive_bytes", self.receive_bytes, minimum=1)
         if self.push_to is not None:
             parse_address(owner, "push_to", self.push_to)
-        object.__setattr__(self, "timeout_s", _check_timeout(owner, "timeout_s", self.timeout_s))
-        object.__setattr__(
-            self, "abandon_after_s", _check_timeout(owner, "abandon_after_s", self.abandon_after_s)
-        )
+        _check_timeouts(self, owner)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,19 +264,9 @@ class NixlConfig:
 
     def __post_init__(self) -> None:
         owner = "NixlConfig"
-        _check_host(owner, "host", self.host)
-        _check_int(owner, "port", self.port, minimum=0)
-        if self.port > 65535:
-            raise ValueError(f"{owner}.port={self.port} must be <= 65535")
-        if not isinstance(self.engine_id, str) or not self.engine_id:
-            raise ValueError(f"{owner}.engine_id={self.engine_id!r} must be a non-empty string")
-        object.__setattr__(self, "mode", TransferMode.parse(self.mode, owner=owner))
-        object.__setattr__(self, "role", KVRole.parse(self.role, owner=owner))
+        _check_endpoint(self, owner)
         if not self.backends or not all(isinstance(b, str) and b for b in self.backends):
             raise ValueError(f"{owner}.backends={self.backends!r} must name at least one plugin")
         object.__setattr__(self, "backends", tuple(self.backends))
         _check_int(owner, "staging_bytes", self.staging_bytes, minimum=1)
-        object.__setattr__(self, "timeout_s", _check_timeout(owner, "timeout_s", self.timeout_s))
-        object.__setattr__(
-            self, "abandon_after_s", _check_timeout(owner, "abandon_after_s", self.abandon_after_s)
-        )
+        _check_timeouts(self, owner)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kv_connectors._disagg import DisaggConnector, RemotePlan
-from kv_connectors._sidechannel import StaleSession, connect, recv_msg, request, send_msg
+from kv_connectors._sidechannel import recv_msg, send_msg
 from kv_connectors.base import LoadSpec, log
 from kv_connectors.config import NixlConfig, TransferMode
 from kv_connectors.handshake import HandshakeRefused
@@ -114,8 +114,6 @@ class NixlConnector(DisaggConnector):
         self.config: NixlConfig = config
         self._agent: Any = None
         self._agent_lock = threading.Lock()
-        self._remotes: dict[tuple[str, int], _Remote] = {}
-        self._remotes_lock = threading.Lock()
         self._mem_type = "DRAM"
         self._dev = 0
 
@@ -162,9 +160,7 @@ class NixlConnector(DisaggConnector):
 
     def _serve_session(self, sock: socket.socket) -> None:
         try:
-            hello = recv_msg(sock)
-            if hello.get("op") != "hello":
-                raise ConnectionError(f"expected hello, got {hello.get('op')!r}")
+            self._recv_hello(sock)
             with self._agent_lock:
                 meta = self._agent.get_agent_metadata()
             send_msg(
@@ -172,7 +168,7 @@ class NixlConnector(DisaggConnector):
                 {
                     "ok": True,
                     "agent_metadata": base64.b64encode(meta).decode(),
-                    "hashes": [lay.compatibility_hash() for lay in self.kv.layouts],
+                    "hashes": self._live_hashes(),
                     "pattern": self._pattern,
                     "num_blocks": self.kv.num_blocks,
                     "mem_type": self._mem_type,
@@ -190,15 +186,7 @@ class NixlConnector(DisaggConnector):
             log.warning("nixl session ended: %s: %s", type(exc).__name__, exc)
 
     def _serve_pull(self, sock: socket.socket, msg: dict[str, Any]) -> None:
-        rid = str(msg["request_id"])
-        ids = [int(b) for b in msg["block_ids"]]
-        try:
-            self._take_sendable(rid, ids)
-            self.kv.check_block_ids(ids, what="pull block_ids")
-        except (KeyError, ValueError) as exc:
-            send_msg(sock, {"ok": False, "error": str(exc)})
-            return
-        send_msg(sock, {"ok": True})
+        self._accept_pull(sock, str(msg["request_id"]), [int(b) for b in msg["block_ids"]])
 
     def _poll(self) -> None:
         if self._agent is not None:
@@ -223,78 +211,27 @@ class NixlConnector(DisaggConnector):
             )
         return plan
 
-    def _remote_agent(self, host: str, port: int) -> _Remote:
-        key = (host, port)
-        with self._remotes_lock:
-            rem = self._remotes.get(key)
-        if rem is not None:
-            return rem
-        sock = connect(host, port, self.config.timeout_s)
-        try:
-            send_msg(sock, {"op": "hello"})
-            reply = recv_msg(sock)
-            if not reply.get("ok"):
-                raise HandshakeRefused(str(reply.get("error")))
-            with self._agent_lock:
-                agent = self._agent.add_remote_agent(base64.b64decode(reply["agent_metadata"]))
-                remote = _descs(reply["pattern"], int(reply["num_blocks"]), int(reply["dev"]))
-                handle = self._agent.prep_xfer_dlist(
-                    agent, self._agent.get_xfer_descs(remote, reply["mem_type"])
-                )
-        except BaseException:
-            sock.close()
-            raise
+    def _open_peer(self, host: str, sock: socket.socket, reply: dict[str, Any]) -> _Remote:
+        """Add the producer's agent and prepare its descriptor list (once per producer)."""
+        with self._agent_lock:
+            agent = self._agent.add_remote_agent(base64.b64decode(reply["agent_metadata"]))
+            remote = _descs(reply["pattern"], int(reply["num_blocks"]), int(reply["dev"]))
+            handle = self._agent.prep_xfer_dlist(
+                agent, self._agent.get_xfer_descs(remote, reply["mem_type"])
+            )
         lens = [int(n) for seg in reply["pattern"] for _off, n in seg["ranges"]]
-        rem = _Remote(agent, handle, lens, tuple(reply["hashes"]), sock, threading.Lock())
-        with self._remotes_lock:
-            self._remotes[key] = rem
-        return rem
+        return _Remote(agent, handle, lens, tuple(reply["hashes"]), sock, threading.Lock())
 
-    def _drop_remote(self, host: str, port: int) -> None:
-        with self._remotes_lock:
-            rem = self._remotes.pop((host, port), None)
-        if rem is None:
-            return
-        with contextlib.suppress(OSError):
-            rem.sock.close()
+    def _release_peer(self, rem: _Remote) -> None:
         with self._agent_lock, contextlib.suppress(Exception):
             self._agent.release_dlist_handle(rem.handle)
             if rem.staging is not None:
                 self._agent.release_dlist_handle(rem.staging)
             self._agent.remove_remote_agent(rem.agent)
 
-    def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
-        params = plan.params
-        for attempt in range(2):
-            with self._remotes_lock:
-                cached = (params.host, params.port) in self._remotes
-            try:
-                rem = self._remote_agent(params.host, params.port)
-                with rem.lock:
-                    self._pull_in(rem, spec, plan)
-                return
-            except HandshakeRefused:
-                raise
-            except StaleSession:
-                self._drop_remote(params.host, params.port)
-                if not cached or attempt:
-                    raise
-                # the producer restarted since this agent was added: one retry with a fresh one
-            except Exception:
-                self._drop_remote(params.host, params.port)
-                raise
-
     def _pull_in(self, rem: _Remote, spec: LoadSpec, plan: RemotePlan) -> None:
         params = plan.params
-        if rem.hashes != params.compatibility_hashes:
-            raise HandshakeRefused(
-                f"producer {params.host}:{params.port} now serves layouts {list(rem.hashes)}, "
-                f"the request's params declared {list(params.compatibility_hashes)}"
-            )
-        ids = list(params.block_ids)
-        reply = request(rem.sock, {"op": "pull", "request_id": params.request_id, "block_ids": ids})
-        if not reply.get("ok"):
-            raise KeyError(f"producer refused the pull: {reply.get('error')}")
+        ids = self._ask_pull(rem.sock, params)
         deadline = time.monotonic() + self.config.timeout_s
         notif = f"kv-done:{params.request_id}".encode()
         remote_idx = self._indices(ids, rem.ranges_per_block)
@@ -373,11 +310,7 @@ class NixlConnector(DisaggConnector):
                 self._agent.release_xfer_handle(xfer)
 
     def close(self) -> None:
-        super().close()
-        with self._remotes_lock:
-            keys = list(self._remotes)
-        for host, port in keys:
-            self._drop_remote(host, port)
+        super().close()  # drops the remote agents too
         if self._agent is not None:
             with self._agent_lock, contextlib.suppress(Exception):
                 self._agent.release_dlist_handle(self._local)

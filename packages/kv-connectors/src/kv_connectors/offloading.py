@@ -19,7 +19,7 @@ the CPU the "GPU" cache is a CPU tensor and the same code runs with synchronous 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,13 +149,9 @@ class OffloadingConnector(KVConnector):
         if self._stream is None:
             kv.gather(ids, dst, segments=range(seg, seg + 1), cols=False)
             return
-        width = kv.segments[seg].row_bytes
-        step = self.config.staging_bytes // width
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            stage = self._staging[: (b - a) * width].view(b - a, width)
-            kv.gather(ids[a:b], stage, segments=range(seg, seg + 1), cols=False)
-            dst[a:b].copy_(stage, non_blocking=True)
+        for part, stage in self._staged_pieces(seg, n):
+            kv.gather(ids[part], stage, segments=range(seg, seg + 1), cols=False)
+            dst[part].copy_(stage, non_blocking=True)
 
     def _copy_in(self, seg: int, slot: int, n: int, ids: torch.Tensor) -> None:
         """Tier slots ``[slot, slot + n)`` -> blocks ``ids`` of segment ``seg`` (inverse of
@@ -165,13 +161,18 @@ class OffloadingConnector(KVConnector):
         if self._stream is None:
             kv.scatter(src, ids, segments=range(seg, seg + 1), cols=False)
             return
-        width = kv.segments[seg].row_bytes
+        for part, stage in self._staged_pieces(seg, n):
+            stage.copy_(src[part], non_blocking=True)
+            kv.scatter(stage, ids[part], segments=range(seg, seg + 1), cols=False)
+
+    def _staged_pieces(self, seg: int, n: int) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``n`` rows of segment ``seg`` in pieces that fit the staging buffer: per piece, its
+        slice of the ``n`` rows and the staging view ``[piece rows, segment row bytes]``."""
+        width = self.kv.segments[seg].row_bytes
         step = self.config.staging_bytes // width
         for a in range(0, n, step):
             b = min(n, a + step)
-            stage = self._staging[: (b - a) * width].view(b - a, width)
-            stage.copy_(src[a:b], non_blocking=True)
-            kv.scatter(stage, ids[a:b], segments=range(seg, seg + 1), cols=False)
+            yield slice(a, b), self._staging[: (b - a) * width].view(b - a, width)
 
     def _policy_or_raise(self) -> Policy:
         if self._policy is None:

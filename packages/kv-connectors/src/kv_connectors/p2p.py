@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from kv_connectors._disagg import DisaggConnector, RemotePlan
-from kv_connectors._sidechannel import StaleSession, connect, recv_msg, request, send_msg
+from kv_connectors._sidechannel import recv_msg, send_msg
 from kv_connectors.base import LoadSpec, log
 from kv_connectors.config import P2pConfig, TransferMode, parse_address
 from kv_connectors.handshake import HandshakeRefused
@@ -80,8 +80,6 @@ class P2pConnector(DisaggConnector):
             raise TypeError(f"config must be a P2pConfig, got {type(config).__name__}")
         super().__init__(config, block_size=block_size, tp_rank=tp_rank, tp_size=tp_size)
         self.config: P2pConfig = config
-        self._sessions: dict[tuple[str, int], _Session] = {}
-        self._sessions_lock = threading.Lock()
         self._session_ids = itertools.count()
         self._store: Any = None
         self._backend = "gloo"
@@ -152,9 +150,7 @@ class P2pConnector(DisaggConnector):
 
     def _serve_session(self, sock: socket.socket) -> None:
         try:
-            hello = recv_msg(sock)
-            if hello.get("op") != "hello":
-                raise ConnectionError(f"expected hello, got {hello.get('op')!r}")
+            hello = self._recv_hello(sock)
             session = f"{next(self._session_ids)}-{threading.get_ident()}"
             send_msg(
                 sock,
@@ -162,7 +158,7 @@ class P2pConnector(DisaggConnector):
                     "ok": True,
                     "store_port": self._store.port,
                     "session": session,
-                    "hashes": [lay.compatibility_hash() for lay in self.kv.layouts],
+                    "hashes": self._live_hashes(),
                 },
             )
             sock.settimeout(self.config.timeout_s)
@@ -189,14 +185,8 @@ class P2pConnector(DisaggConnector):
         rid = str(msg["request_id"])
         ids = [int(b) for b in msg["block_ids"]]
         chunk = int(msg["chunk_rows"])
-        try:
-            self._take_sendable(rid, ids)
-            self.kv.check_block_ids(ids, what="pull block_ids")
-        except (KeyError, ValueError) as exc:
-            send_msg(sock, {"ok": False, "error": str(exc)})
-            return
-        send_msg(sock, {"ok": True})
-        self._send_rows(pg, 1, ids, chunk)
+        if self._accept_pull(sock, rid, ids):
+            self._send_rows(pg, 1, ids, chunk)
 
     def _send_rows(self, pg: Any, dst: int, ids: list[int], chunk: int) -> None:
         """Gather blocks ``ids`` chunk by chunk and send each to ``dst``, double-buffered: the
@@ -226,86 +216,36 @@ class P2pConnector(DisaggConnector):
 
     # -- consumer ------------------------------------------------------------------------------
 
-    def _session(self, host: str, port: int) -> _Session:
-        key = (host, port)
-        with self._sessions_lock:
-            sess = self._sessions.get(key)
-        if sess is not None:
-            return sess
-        sock = connect(host, port, self.config.timeout_s)
-        try:
-            send_msg(
-                sock,
-                {"op": "hello", "hashes": [lay.compatibility_hash() for lay in self.kv.layouts]},
-            )
-            reply = recv_msg(sock)
-            if not reply.get("ok"):
-                raise HandshakeRefused(str(reply.get("error")))
-            store = dist.TCPStore(
-                host, int(reply["store_port"]), is_master=False, timeout=self._timedelta()
-            )
-            pg = self._group(store, str(reply["session"]), 1)
-        except BaseException:
-            sock.close()
-            raise
-        sess = _Session(sock, pg, tuple(reply["hashes"]), threading.Lock())
-        with self._sessions_lock:
-            self._sessions[key] = sess
-        return sess
+    def _hello(self) -> dict[str, Any]:
+        return {"op": "hello", "hashes": self._live_hashes()}
 
-    def _drop_session(self, host: str, port: int) -> None:
-        with self._sessions_lock:
-            sess = self._sessions.pop((host, port), None)
-        if sess is not None:
-            with contextlib.suppress(OSError):
-                sess.sock.close()
-            abort = getattr(sess.pg, "abort", None)  # NCCL: free a communicator that may be stuck
-            if abort is not None and self._backend == "nccl":
-                with contextlib.suppress(Exception):
-                    abort()
+    def _open_peer(self, host: str, sock: socket.socket, reply: dict[str, Any]) -> _Session:
+        """Join the two-rank group the producer made for this session (rendezvous on its store)."""
+        store = dist.TCPStore(
+            host, int(reply["store_port"]), is_master=False, timeout=self._timedelta()
+        )
+        pg = self._group(store, str(reply["session"]), 1)
+        return _Session(sock, pg, tuple(reply["hashes"]), threading.Lock())
+
+    def _release_peer(self, sess: _Session) -> None:
+        abort = getattr(sess.pg, "abort", None)  # NCCL: free a communicator that may be stuck
+        if abort is not None and self._backend == "nccl":
+            with contextlib.suppress(Exception):
+                abort()
 
     def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
-        params = plan.params
         if self.config.mode is TransferMode.WRITE:
             self._load_pushed(spec, plan)
             return
-        for attempt in range(2):
-            with self._sessions_lock:
-                cached = (params.host, params.port) in self._sessions
-            try:
-                sess = self._session(params.host, params.port)
-                with sess.lock:
-                    self._pull_in(sess, spec, plan)
-                return
-            except HandshakeRefused:
-                raise
-            except StaleSession:
-                self._drop_session(params.host, params.port)
-                if not cached or attempt:
-                    raise
-                # the producer restarted since this session was made: one retry on a fresh one
-            except Exception:
-                self._drop_session(params.host, params.port)  # the next request makes a new one
-                raise
+        super()._pull(spec, plan)
 
     def _pull_in(self, sess: _Session, spec: LoadSpec, plan: RemotePlan) -> None:
         params = plan.params
-        if sess.hashes != params.compatibility_hashes:
-            raise HandshakeRefused(
-                f"producer {params.host}:{params.port} now serves layouts {list(sess.hashes)}, "
-                f"the request's params declared {list(params.compatibility_hashes)}"
-            )
         src_row = self.producer_row_bytes(plan)
         # two buffers on each side (double buffering) within buffer_bytes
         per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, self.kv.row_bytes)))
         chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
-        ids = list(params.block_ids)
-        reply = request(
-            sess.sock,
-            {"op": "pull", "request_id": params.request_id, "block_ids": ids, "chunk_rows": chunk},
-        )
-        if not reply.get("ok"):
-            raise KeyError(f"producer refused the pull: {reply.get('error')}")
+        ids = self._ask_pull(sess.sock, params, chunk_rows=chunk)
         deadline = time.monotonic() + self.config.timeout_s
         # Double-buffered: chunk i+1 arrives in one buffer while chunk i is scattered from the other.
         bufs = [self._buffer(min(chunk, len(ids)), src_row) for _ in range(2)]
@@ -358,7 +298,7 @@ class P2pConnector(DisaggConnector):
         assert self.config.push_to is not None
         host, port = parse_address("P2pConfig", "push_to", self.config.push_to)
         try:
-            sess = self._session(host, port)
+            sess = self._peer(host, port)
             with sess.lock:
                 chunk = max(1, self.config.buffer_bytes // (2 * self.kv.row_bytes))
                 msg = {"op": "push", "request_id": rid, "block_ids": ids, "chunk_rows": chunk}
@@ -368,7 +308,7 @@ class P2pConnector(DisaggConnector):
                     raise KeyError(f"consumer refused the push: {reply.get('error')}")
                 self._send_rows(sess.pg, 0, ids, chunk)
         except Exception:
-            self._drop_session(host, port)
+            self._drop_peer(host, port)
             raise
 
     def _receive_push(
@@ -460,10 +400,3 @@ class P2pConnector(DisaggConnector):
                 assert isinstance(entry, _Staged)
                 self._staged_bytes -= entry.rows.numel()
         super()._poll()
-
-    def close(self) -> None:
-        super().close()
-        with self._sessions_lock:
-            keys = list(self._sessions)
-        for host, port in keys:
-            self._drop_session(host, port)
