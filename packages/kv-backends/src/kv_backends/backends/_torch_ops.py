@@ -3,11 +3,26 @@ attention the TORCH_SDPA backend (and so every test's oracle) is made of."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from kv_spec import KVCacheLayout
 
-__all__ = ["attend_one_request", "dequant", "gather_request_kv"]
+__all__ = [
+    "PaddedGroup",
+    "PaddedMask",
+    "attend_one_request",
+    "attend_padded",
+    "check_block_table",
+    "dequant",
+    "gather_padded_kv",
+    "gather_request_kv",
+    "padded_block_rows",
+    "padded_length",
+    "padded_mask",
+    "plan_padded_groups",
+]
 
 
 def _scale_shape(scale: torch.Tensor, ndim: int, head_dim: int) -> torch.Tensor:
@@ -116,3 +131,300 @@ def attend_one_request(
     else:
         probs = torch.softmax(logits, dim=-1)
     return torch.einsum("hls,hsd->lhd", probs, vv)  # [L, Hq, Dv]
+
+
+# -- batched: many requests in one padded attention call -------------------------------------------
+#
+# Looping over requests costs one gather and one SDPA call per request per layer; on small models
+# that per-call overhead is most of a decode step. The batched path pads a group of requests to one
+# query length ``Lb`` and one context length ``Sb`` and runs one gather and one attention call.
+#
+# Batch invariance by construction: a request's padded shape is a function of its own lengths only
+# (``padded_length``), never of its neighbours', and requests are grouped by that shape. So a
+# request sees the same kernel, the same reduction length and the same padding whatever else is in
+# the batch; only the batch dimension of the call changes, and on the CPU every op used here picks
+# its kernel per matrix shape and computes batch elements independently (TORCH_SDPA keeps one
+# request per call elsewhere; tests/test_torch_sdpa_batched.py checks the CPU bitwise).
+
+# The smallest padding step: contexts of 2..64 tokens share one shape. Fewer, wider shapes mean
+# fewer calls but more padded K/V to gather; on the engine benchmark 64 and 128 tie and 256 loses
+# a third of the tokens/s.
+_PAD_QUANTUM = 64
+
+
+def padded_length(n: int) -> int:
+    """The padded length of a query or context of ``n`` tokens: ``n`` itself for a single token
+    (decode), else ``n`` rounded up to a multiple of ``max(64, 2**ceil(log2 n) / 8)``. Padding
+    wastes fewer than ``max(64, n / 4)`` tokens, while the number of distinct shapes (and so of
+    attention calls per step) grows only logarithmically with the longest context."""
+    if n <= 1:
+        return n
+    quantum = max(_PAD_QUANTUM, (1 << (n - 1).bit_length()) // 8)
+    return -(-n // quantum) * quantum
+
+
+@dataclass(frozen=True)
+class PaddedGroup:
+    """Requests that share one padded shape, attended in one call.
+
+    ``q_index`` ``[G, Lb]`` holds each request's query rows (pad rows repeat its first row, so every
+    index is valid) and ``q_valid`` ``[G, Lb]`` marks the real ones; ``q_lens`` and ``seq_lens``
+    ``[G]`` are int64 on the query's device."""
+
+    reqs: torch.Tensor  # [G] int64, request indices into the batch
+    q_index: torch.Tensor  # [G, Lb] int64
+    q_valid: torch.Tensor  # [G, Lb] bool
+    q_lens: torch.Tensor  # [G] int64
+    seq_lens: torch.Tensor  # [G] int64
+    query_len: int  # Lb
+    seq_len: int  # Sb, a whole number of cache blocks
+
+
+def plan_padded_groups(
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    device: torch.device,
+    *,
+    one_request_per_group: bool = False,
+) -> list[PaddedGroup]:
+    """Group the requests of a batch by padded (query, context) shape; requests with no query rows
+    are left out. ``query_start_loc`` has ``num_reqs + 1`` entries and ``seq_lens`` ``num_reqs``.
+    Contexts pad to :func:`padded_length` rounded up to whole blocks of ``block_size`` (still a
+    function of the request's own length), so gathered pages need no trimming.
+    ``one_request_per_group`` keeps the padded shapes but gives every request its own group."""
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for r, s in enumerate(seq_lens):
+        n = query_start_loc[r + 1] - query_start_loc[r]
+        if n == 0:
+            continue
+        if n > s:
+            raise ValueError(f"request {r}: query_len={n} exceeds seq_len={s}")
+        sb = -(-padded_length(s) // block_size) * block_size
+        lb = 1 if n == 1 else padded_length(n)
+        by_shape.setdefault((lb, sb, r if one_request_per_group else 0), []).append(r)
+    groups = []
+    for (lb, sb, _), reqs in sorted(by_shape.items()):
+        # One host tensor per group, one copy to the device: this runs once per step, and small
+        # tensor ops cost more than their data here.
+        cols = torch.tensor(
+            [
+                reqs,
+                [query_start_loc[r] for r in reqs],
+                [query_start_loc[r + 1] - query_start_loc[r] for r in reqs],
+                [seq_lens[r] for r in reqs],
+            ]
+        ).to(device)  # [4, G]
+        req_t, start_t, len_t, seq_t = cols.unbind(0)
+        if lb == 1:  # decodes: one real row each
+            index, valid = start_t[:, None], torch.ones_like(start_t, dtype=torch.bool)[:, None]
+        else:
+            offs = torch.arange(lb, device=device)  # [Lb]
+            valid = offs[None, :] < len_t[:, None]  # [G, Lb]
+            index = start_t[:, None] + offs[None, :] * valid  # [G, Lb]; pad rows -> the first
+        groups.append(
+            PaddedGroup(
+                reqs=req_t,
+                q_index=index,
+                q_valid=valid,
+                q_lens=len_t,
+                seq_lens=seq_t,
+                query_len=lb,
+                seq_len=sb,
+            )
+        )
+    return groups
+
+
+def check_block_table(
+    block_table: torch.Tensor, seq_lens: list[int], num_blocks: int, block_size: int
+) -> None:
+    """Raise unless every block a request's context needs is in its row and inside the cache
+    (one host sync for the whole batch, not one per request)."""
+    need = [-(-s // block_size) for s in seq_lens]
+    if not need:
+        return
+    widest = max(need)
+    if widest > block_table.shape[1]:
+        r = need.index(widest)
+        raise ValueError(
+            f"request {r}: seq_len={seq_lens[r]} needs {widest} blocks of {block_size} tokens but "
+            f"block_table has {block_table.shape[1]} columns; widen the block table"
+        )
+    used = (
+        torch.arange(widest, device=block_table.device)[None, :]
+        < torch.tensor(need, device=block_table.device)[:, None]
+    )  # [R, widest]
+    ids = block_table[: len(need), :widest][used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        bad = int(((ids < 0) | (ids >= num_blocks)).nonzero()[0, 0])
+        raise ValueError(
+            f"block table references block {int(ids[bad])} outside [0, {num_blocks}); "
+            "every block a request's context covers must be a real cache block"
+        )
+
+
+def padded_block_rows(
+    block_table: torch.Tensor, group: PaddedGroup, block_size: int
+) -> torch.Tensor:
+    """The cache blocks holding the group's padded contexts, ``[G, Sb / N]`` int64. Blocks past a
+    request's context read block 0: they are masked, and a real block keeps the index in range.
+    Call :func:`check_block_table` first."""
+    nblk = group.seq_len // block_size
+    rows = block_table[group.reqs].long()  # [G, max_blocks]
+    if rows.shape[1] < nblk:  # the padded length may reach past the table's last column
+        rows = F.pad(rows, (0, nblk - rows.shape[1]))
+    rows = rows[:, :nblk]  # [G, nblk]
+    needed = -(-group.seq_lens // block_size)  # [G]
+    return rows.masked_fill(torch.arange(nblk, device=rows.device)[None, :] >= needed[:, None], 0)
+
+
+def gather_padded_kv(
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,
+    layout: KVCacheLayout,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded contexts as contiguous float32 ``k`` ``[G, H, Sb, D]`` and ``v`` ``[G, H, Sb, Dv]``
+    (dequantized by the per-tensor or per-head scales) from ``kv_cache`` ``[B, H, N, C]`` and
+    ``rows`` ``[G, nblk]`` (:func:`padded_block_rows`; ``Sb = nblk * N``).
+
+    Two copies: ``index_select`` over the cache viewed in its memory order moves whole blocks as
+    runs of contiguous bytes (indexing the ``[B, H, N, C]`` view copies element by element when
+    the layout order puts tokens outside heads), then one copy each for K and V brings heads ahead
+    of tokens and converts to float32 in the same pass; both come out contiguous for ``bmm``."""
+    g, nblk = rows.shape
+    _, h, n, c = kv_cache.shape
+    strides = kv_cache.stride()
+    inner = sorted((1, 2, 3), key=lambda d: -strides[d])  # block dims, outermost first
+    mem = kv_cache.permute(0, *inner)  # a view; each block's part is in memory order
+    pages = mem.index_select(0, rows.reshape(-1))  # [G*nblk, *block dims in memory order]
+    back = [0] + [1 + inner.index(d) for d in (1, 2, 3)]
+    pages = pages.permute(*back).view(g, nblk, h, n, c)  # [G, nblk, H, N, C] (strided)
+    k0, k1 = layout.k_range
+    assert layout.v_range is not None
+    v0, v1 = layout.v_range
+    out = []
+    for (c0, c1), scale in (((k0, k1), k_scale), ((v0, v1), v_scale)):
+        # K and V apart, each contiguous: bmm on column slices of one shared copy measured ~40%
+        # slower per decode step than the extra copy costs.
+        x = torch.empty(g, h, nblk, n, c1 - c0, dtype=torch.float32, device=kv_cache.device)
+        x.copy_(pages[..., c0:c1].transpose(1, 2))  # heads ahead of tokens, cast to float32
+        x = x.view(g, h, nblk * n, c1 - c0)  # [G, H, Sb, D or Dv]
+        if scale is not None:
+            x.mul_(_scale_shape(scale.to(x.device), 4, 1))
+        out.append(x)
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class PaddedMask:
+    """Which keys each padded query row of a group sees, with the rows' and keys' positions, and
+    the same mask as an additive ``0 / -inf`` term laid out like the grouped-query logits
+    (``[G * H, rep * Lb, Sb]``, ``rep = Hq // H``) so ``baddbmm`` applies it with the scale."""
+
+    allowed: torch.Tensor  # [G, Lb, Sb] bool
+    q_pos: torch.Tensor  # [G, Lb] int64
+    kv_pos: torch.Tensor  # [Sb] int64
+    additive: torch.Tensor  # [G * H, rep * Lb, Sb] float32
+
+
+def padded_mask(
+    group: PaddedGroup,
+    causal: bool,
+    sliding_window: int | None,
+    num_kv_heads: int,
+    q_per_kv: int,
+) -> PaddedMask:
+    """The group's mask under the layer's rules (the same for every layer with the same rules and
+    head counts, so callers may reuse it). Pad rows see key 0 only, so no row is all ``-inf``."""
+    lb, sb, device = group.query_len, group.seq_len, group.seq_lens.device
+    s = group.seq_lens[:, None]  # [G, 1]
+    q_pos = s - group.q_lens[:, None] + torch.arange(lb, device=device)[None, :]  # [G, Lb]
+    kv_pos = torch.arange(sb, device=device)  # [Sb]
+    allowed = kv_pos[None, None, :] < s[:, :, None]  # [G, 1, Sb]: the context
+    if causal and lb > 1:  # a decode row sits at s - 1: causal adds nothing to the context rule
+        allowed = allowed & (kv_pos[None, None, :] <= q_pos[:, :, None])
+    if sliding_window is not None:
+        # As attend_one_request: the window counts the query itself, both sides when non-causal.
+        allowed = allowed & ((q_pos[:, :, None] - kv_pos[None, None, :]).abs() < sliding_window)
+    allowed = allowed.expand(-1, lb, -1)
+    if lb > 1:
+        pad = ~group.q_valid[:, :, None] & (kv_pos == 0)[None, None, :]  # [G, Lb, Sb]
+        allowed = (allowed & group.q_valid[:, :, None]) | pad
+    g = allowed.shape[0]
+    additive = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+    additive = (additive[:, None, None].expand(g, num_kv_heads, q_per_kv, lb, sb)).reshape(
+        g * num_kv_heads, q_per_kv * lb, sb
+    )
+    return PaddedMask(allowed=allowed, q_pos=q_pos, kv_pos=kv_pos, additive=additive)
+
+
+def attend_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: PaddedMask,
+    *,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 attention of a padded group: the same rules as :func:`attend_one_request` (causal
+    and window live in ``mask``).
+
+    ``q`` ``[G, Lb, Hq, D]``; ``k`` ``[G, H, Sb, D]``, ``v`` ``[G, H, Sb, Dv]`` (float32,
+    contiguous). Returns ``[G, Lb, Hq, Dv]`` float32; pad rows (``~group.q_valid``) hold garbage to
+    be dropped. ``mask`` is :func:`padded_mask` of the group under this layer's rules.
+    """
+    g, lb, hq, _ = q.shape
+    h, sb = k.shape[1], k.shape[2]
+    allowed, q_pos, kv_pos = mask.allowed, mask.q_pos, mask.kv_pos  # [G, Lb, Sb], [G, Lb], [Sb]
+    qf = q.float().permute(0, 2, 1, 3)  # [G, Hq, Lb, D]
+    bias = None
+    if alibi_slopes is not None:
+        bias = (
+            alibi_slopes.float().to(q.device)[None, :, None, None]
+            * (kv_pos[None, None, None, :] - q_pos[:, None, :, None]).float()
+        )  # [G, Hq, Lb, Sb]
+    if sinks is None and softcap == 0.0 and lb > 1:
+        # Plain prefill: one SDPA call for the whole group (GQA without copying K/V), which never
+        # holds a [Lb, Sb] score matrix per head; its CPU kernel gives each (request, head, query
+        # block) the whole KV loop, so neighbours cannot change a request's reduction. Decodes
+        # (lb == 1) do not come here: SDPA's one-query path splits the KV loop across threads by
+        # batch size, so a request's bits would depend on its neighbours (measured: 2 threads,
+        # 1e-8 differences); the bmm path below is as fast at one query and keeps batch elements
+        # apart.
+        attn_mask = allowed[:, None]  # [G, 1, Lb, Sb]
+        if bias is not None:
+            attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
+        out = F.scaled_dot_product_attention(
+            qf, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=hq != h
+        )  # [G, Hq, Lb, Dv]
+        return out.permute(0, 2, 1, 3)
+    # Decodes, sinks or softcap: explicit softmax. Query head hq reads KV head hq // (Hq // H): view
+    # the query heads as [H, Hq // H] so K/V broadcast over the group instead of being repeated.
+    rep = hq // h
+    q3 = qf.reshape(g * h, rep * lb, -1)  # [G*H, rep*Lb, D]
+    k3t = k.reshape(g * h, sb, -1).transpose(1, 2)  # [G*H, D, Sb]
+    if softcap:
+        logits = (torch.bmm(q3, k3t) * scale).view(g, hq, lb, sb)
+        logits = softcap * torch.tanh(logits / softcap)
+        if bias is not None:
+            logits = logits + bias
+        logits = logits.masked_fill(~allowed[:, None], float("-inf"))  # [G, Hq, Lb, Sb]
+    else:
+        # scale * (q . k) + (0 or -inf) in one op; ALiBi (finite) may follow the mask.
+        logits = torch.baddbmm(mask.additive, q3, k3t, alpha=scale).view(g, hq, lb, sb)
+        if bias is not None:
+            logits = logits + bias
+    if sinks is not None:
+        # The sink is one more logit per head that takes probability mass but has no value.
+        sink_col = sinks.float().to(q.device)[None, :, None, None].expand(g, hq, lb, 1)
+        probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :sb]
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    out = torch.bmm(probs.reshape(g * h, rep * lb, sb), v.reshape(g * h, sb, -1))
+    return out.view(g, hq, lb, -1).permute(0, 2, 1, 3)  # [G, Lb, Hq, Dv]

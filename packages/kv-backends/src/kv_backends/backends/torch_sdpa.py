@@ -1,26 +1,108 @@
-"""TORCH_SDPA: gathers each request's pages and runs torch attention in float32.
+"""TORCH_SDPA: gathers the batch's pages and runs torch attention in float32.
 
-The CPU default and the oracle every other backend is tested against: one request at a time, no
-tiling, no tricks, so a reader can check it by eye. Plain batches go through
-``torch.nn.functional.scaled_dot_product_attention``; sinks and softcap (which SDPA cannot take)
-through an explicit softmax with the sink as an extra logit column.
+The CPU default and the reference the other backends are read against: no tiling, no custom
+kernels, so a reader can check it by eye. Requests are grouped by padded shape (a function of each
+request's own query and context length, ``_torch_ops.padded_length``) and every group is one
+gather and one attention call, instead of one of each per request per layer, which on small models
+was most of a decode step. Prefill groups go through ``torch.nn.functional.
+scaled_dot_product_attention``; decodes, sinks and softcap (which SDPA cannot take) through an
+explicit ``bmm`` softmax with the sink as an extra logit column. Because a request's padded shape
+never depends on its neighbours and each op computes batch elements independently, the output stays
+bitwise batch invariant (``batch_invariant=True``; see ``_torch_ops`` for why decodes avoid SDPA).
+Off the CPU each request keeps its own call (same padded shapes): cuBLAS picks kernels by batch
+count too, and TORCH_SDPA is not the GPU's fast path.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import ClassVar
 
 import torch
 
 from kv_backends.backends._torch_ops import (
-    attend_one_request,
-    dequant,
-    gather_request_kv,
+    PaddedGroup,
+    PaddedMask,
+    attend_padded,
+    check_block_table,
+    gather_padded_kv,
+    padded_block_rows,
+    padded_mask,
+    plan_padded_groups,
 )
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
 
 __all__ = ["TorchSDPABackend", "TorchSDPAImpl"]
+
+
+class _StepPlan:
+    """What every layer of one step shares: the request groups, their gather rows and (per causal
+    and window rule) their masks. Made by the first layer that sees a metadata object, reused by
+    the rest; ``key`` pins the block table's identity, in-place version and the batch's lengths,
+    so a table edited in place or a different batch never reuses a stale plan."""
+
+    def __init__(
+        self,
+        key: tuple[object, ...],
+        table: torch.Tensor,
+        groups: list[PaddedGroup],
+        rows: list[torch.Tensor],
+    ) -> None:
+        self.key = key
+        self.table = weakref.ref(table)
+        self.groups = groups
+        self.rows = rows  # per group, [G, nblk] int64
+        self.masks: dict[tuple[bool, int | None, int, int], list[PaddedMask]] = {}
+
+    def masks_for(
+        self, causal: bool, sliding_window: int | None, num_kv_heads: int, q_per_kv: int
+    ) -> list[PaddedMask]:
+        rule = (causal, sliding_window, num_kv_heads, q_per_kv)
+        if rule not in self.masks:
+            self.masks[rule] = [padded_mask(g, *rule) for g in self.groups]
+        return self.masks[rule]
+
+
+# A few recent plans (one per KV-cache group is the steady state); a dict keeps insertion order.
+_PLANS: dict[int, _StepPlan] = {}
+_MAX_PLANS = 8
+
+
+def _step_plan(
+    metadata: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device
+) -> _StepPlan:
+    qsl = (
+        metadata.query_start_loc_cpu
+        if metadata.query_start_loc_cpu is not None
+        else metadata.query_start_loc.cpu()
+    ).tolist()[: metadata.num_reqs + 1]
+    seq_lens = (
+        metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens.cpu()
+    ).tolist()[: metadata.num_reqs]
+    table = metadata.block_table
+    key = (table._version, tuple(qsl), tuple(seq_lens), num_blocks, block_size, device)
+    plan = _PLANS.get(id(table))
+    if plan is not None and plan.table() is table and plan.key == key:
+        return plan
+    # On the CPU, torch's bmm and SDPA pick their kernel per matrix shape, so a group's batch size
+    # cannot change a request's bits (test_torch_sdpa_batched.py checks it). cuBLAS heuristics
+    # also weigh the batch count (split-K among them), so elsewhere each request keeps a call of
+    # its own, as before batching: invariant by construction, slower, and TORCH_SDPA is not the
+    # GPU's fast path.
+    groups = plan_padded_groups(
+        qsl, seq_lens, block_size, device, one_request_per_group=device.type != "cpu"
+    )
+    # Only requests with query rows read their pages (as before batching: an idle row may be stale).
+    read = [s if qsl[r + 1] > qsl[r] else 0 for r, s in enumerate(seq_lens)]
+    check_block_table(table, read, num_blocks, block_size)
+    rows = [padded_block_rows(table, g, block_size) for g in groups]
+    plan = _StepPlan(key, table, groups, rows)
+    _PLANS.pop(id(table), None)
+    _PLANS[id(table)] = plan
+    while len(_PLANS) > _MAX_PLANS:
+        del _PLANS[next(iter(_PLANS))]
+    return plan
 
 
 class TorchSDPAImpl(AttentionImpl):
@@ -45,33 +127,28 @@ class TorchSDPAImpl(AttentionImpl):
         cache, klayout = self.kernel_cache(kv_cache)  # [B*k, H, kbs, C]
         params = self.device_params(q.device)
         k_scale, v_scale = self.scales(layer, q.device)
-        qsl = (
-            metadata.query_start_loc_cpu
-            if metadata.query_start_loc_cpu is not None
-            else metadata.query_start_loc.cpu()
-        ).tolist()
-        seq_lens = (
-            metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens.cpu()
-        ).tolist()
-        for r in range(metadata.num_reqs):
-            q0, q1, s = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
-            if q1 == q0:
-                continue
-            if q1 - q0 > s:
-                raise ValueError(f"request {r}: query_len={q1 - q0} exceeds seq_len={s}")
-            k, v = gather_request_kv(cache, metadata.block_table[r], s, klayout)
-            o = attend_one_request(
-                q[q0:q1],
-                dequant(k, k_scale),
-                dequant(v, v_scale),
+        plan = _step_plan(metadata, cache.shape[0], klayout.block_size, q.device)
+        num_kv_heads = cache.shape[1]
+        masks = plan.masks_for(
+            self.causal, self.sliding_window, num_kv_heads, self.num_q_heads // num_kv_heads
+        )
+        for group, rows, mask in zip(plan.groups, plan.rows, masks, strict=True):
+            k, v = gather_padded_kv(cache, rows, klayout, k_scale, v_scale)  # [G, H, Sb, D|Dv]
+            qg = q.index_select(0, group.q_index.view(-1))  # [G*Lb, Hq, D]
+            o = attend_padded(
+                qg.view(*group.q_index.shape, *q.shape[1:]),  # [G, Lb, Hq, D]
+                k,
+                v,
+                mask,
                 scale=self.scale,
-                causal=self.causal,
-                sliding_window=self.sliding_window,
                 sinks=params.sinks,
                 softcap=self.softcap,
                 alibi_slopes=params.alibi_slopes,
-            )
-            result[q0:q1] = o.to(result.dtype)
+            )  # [G, Lb, Hq, Dv]
+            if group.query_len == 1:  # decode: every row is real
+                result.index_copy_(0, group.q_index[:, 0], o[:, 0].to(result.dtype))
+            else:
+                result[group.q_index[group.q_valid]] = o[group.q_valid].to(result.dtype)
         if q.shape[0] > metadata.num_actual_tokens:
             result[metadata.num_actual_tokens :] = 0
         return result
@@ -96,7 +173,7 @@ class TorchSDPABackend(AttentionBackend):
         batch_invariant=True,
         cudagraph_support="never",
         needs_gpu=False,
-        notes="Reference: gathers pages per request, float32 math; CPU default and test oracle.",
+        notes="Reference: gathers pages in padded per-request shapes (one gather and one attention call per shape group), float32 math; CPU default and test oracle.",
     )
     builder_cls = MetadataBuilder
     impl_cls = TorchSDPAImpl

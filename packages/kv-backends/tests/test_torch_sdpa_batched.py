@@ -1,0 +1,262 @@
+"""TORCH_SDPA's batched path: requests grouped by padded shape, one gather and one attention call
+per group. Checked against the per-request loop it replaced (``gather_request_kv`` +
+``attend_one_request``, kept as the by-eye reference), against the float64 oracle, for bitwise
+batch invariance across padding buckets, and for its step-plan cache and input errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kv_backends import CommonAttentionMetadata, get_backend
+from kv_backends.backends import torch_sdpa
+from kv_backends.backends._torch_ops import (
+    attend_one_request,
+    dequant,
+    gather_request_kv,
+    padded_length,
+    plan_padded_groups,
+)
+from kv_backends.testing import PagedBatch, make_paged_batch, oracle_attention, run_backend
+
+EXAMPLES = int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "60"))
+
+# Lengths that straddle the padding buckets (64, 128, 192, ...) and the query-length buckets, with
+# an empty request, so one batch makes several groups of different shapes.
+QUERY_LENS = [1, 7, 1, 70, 0, 3, 1, 65]
+SEQ_LENS = [9, 30, 64, 70, 5, 129, 200, 140]
+
+FEATURES = {
+    "plain": {},
+    "window": {"sliding_window": 5},
+    "non_causal_window": {"causal": False, "sliding_window": 7},
+    "sinks": {"has_sinks": True},
+    "softcap": {"softcap": 4.0},
+    "alibi": {"use_alibi": True},
+    "alibi_sinks": {"use_alibi": True, "has_sinks": True},
+    "mqa_diffkv": {"num_kv_heads": 1, "head_size": 48, "head_size_v": 32},
+    "kernel_blocks": {"block_size": 32, "kernel_block_size": 8},
+    "fp8": {"kv_cache_dtype": "fp8_e4m3"},
+}
+
+# float32 on both sides; only the summation order differs (SDPA vs explicit softmax, padding).
+TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+def _per_request(b: PagedBatch) -> torch.Tensor:
+    """The loop TORCH_SDPA ran before batching: one gather and one attention call per request."""
+    impl = get_backend("TORCH_SDPA").make_impl(
+        b.config, b.layout, sinks=b.sinks, alibi_slopes=b.alibi_slopes,
+        k_scale=b.k_scale, v_scale=b.v_scale,
+    )  # fmt: skip
+    cache, klayout = impl.kernel_cache(b.kv_cache)
+    params = impl.device_params(b.q.device)
+    qsl = b.common.host_query_start_loc().tolist()
+    seq = b.common.host_seq_lens().tolist()
+    out = torch.zeros(b.q.shape[0], impl.num_q_heads, impl.head_size_v, dtype=b.q.dtype)
+    for r, s in enumerate(seq):
+        if qsl[r + 1] == qsl[r]:
+            continue
+        k, v = gather_request_kv(cache, b.common.block_table[r], s, klayout)
+        out[qsl[r] : qsl[r + 1]] = attend_one_request(
+            b.q[qsl[r] : qsl[r + 1]], dequant(k, params.k_scale), dequant(v, params.v_scale),
+            scale=impl.scale, causal=impl.causal, sliding_window=impl.sliding_window,
+            sinks=params.sinks, softcap=impl.softcap, alibi_slopes=params.alibi_slopes,
+        ).to(out.dtype)  # fmt: skip
+    return out
+
+
+def _batch(**kw: object) -> PagedBatch:
+    kw.setdefault("query_lens", QUERY_LENS)
+    kw.setdefault("seq_lens", SEQ_LENS)
+    kw.setdefault("pad_tokens", 2)
+    return make_paged_batch(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_batched_matches_per_request_loop_and_oracle(feature: str) -> None:
+    b = _batch(**FEATURES[feature])
+    out = run_backend("TORCH_SDPA", b)
+    t = b.common.num_actual_tokens
+    torch.testing.assert_close(out[:t], _per_request(b)[:t], **TOL)
+    torch.testing.assert_close(out[:t].double(), oracle_attention(b)[:t], **TOL)
+    assert torch.all(out[t:] == 0), "padding rows must be zero"
+
+
+def test_groups_cover_every_query_row_once() -> None:
+    qsl = [0]
+    for n in QUERY_LENS:
+        qsl.append(qsl[-1] + n)
+    groups = plan_padded_groups(qsl, SEQ_LENS, 16, torch.device("cpu"))
+    rows = torch.cat([g.q_index[g.q_valid] for g in groups]).sort().values
+    assert rows.tolist() == list(range(qsl[-1]))
+    for g in groups:  # every request in a group pads to the group's shape
+        for n, s in zip(g.q_lens.tolist(), g.seq_lens.tolist(), strict=True):
+            assert padded_length(n) == g.query_len
+            assert g.seq_len == -(-padded_length(s) // 16) * 16
+    assert len(groups) > 3, "the fixture should exercise several padded shapes"
+
+
+def test_one_request_per_group_keeps_the_padded_shapes() -> None:
+    qsl = [0]
+    for n in QUERY_LENS:
+        qsl.append(qsl[-1] + n)
+    cpu = torch.device("cpu")
+    shared = plan_padded_groups(qsl, SEQ_LENS, 16, cpu)
+    alone = plan_padded_groups(qsl, SEQ_LENS, 16, cpu, one_request_per_group=True)
+    assert [len(g.reqs) for g in alone] == [1] * sum(n > 0 for n in QUERY_LENS)
+    shape = {int(r): (g.query_len, g.seq_len) for g in shared for r in g.reqs}
+    assert {int(g.reqs[0]): (g.query_len, g.seq_len) for g in alone} == shape
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(st.integers(min_value=0, max_value=1 << 20))
+def test_padded_length_bounds(n: int) -> None:
+    p = padded_length(n)
+    assert p >= n
+    assert p == n if n <= 1 else p % 64 == 0
+    assert p - n < max(64, n / 4), "padding wastes less than one quantum"
+    assert padded_length(n + 1) >= p, "monotone: a longer context never pads shorter"
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Invariance bugs of threaded kernels (SDPA's one-query path splits KV across threads by
+    batch size) show only with more than one thread; pin two whatever the machine has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("feature", ["plain", "sinks", "alibi", "non_causal_window"])
+def test_bitwise_invariant_to_neighbours_in_other_buckets(feature: str) -> None:
+    """A request alone, next to neighbours in other buckets, or next to same-bucket neighbours
+    with longer contexts gets bitwise the same rows (its padded shape is its own), for decodes
+    and prefill chunks."""
+    _check_invariance(FEATURES[feature], device="cpu", dtype="float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("feature", ["plain", "sinks"])
+def test_bitwise_invariant_on_cuda(feature: str) -> None:
+    """Off the CPU each request keeps a call of its own; it must stay invariant there too."""
+    _check_invariance(FEATURES[feature], device="cuda", dtype="bfloat16")
+
+
+def _check_invariance(feature: dict[str, object], *, device: str, dtype: str) -> None:
+    qlens = [1, 1, 1, 5, 1, 1, 40, 30]
+    seqs = [40, 300, 63, 150, 2, 64, 100, 120]
+    b = _batch(query_lens=qlens, seq_lens=seqs, pad_tokens=0, device=device, dtype=dtype, **feature)
+    full = run_backend("TORCH_SDPA", b)
+    cases = [(0, [0]), (0, [2, 0, 5]), (2, [1, 2]), (3, [3]), (3, [4, 3, 1]), (6, [6])]
+    cases.append((6, [3, 7, 6]))
+    for target, reqs in cases:
+        out = run_backend("TORCH_SDPA", _sub_batch(b, reqs, qlens, seqs))
+        sq = [0]
+        for r in reqs:
+            sq.append(sq[-1] + qlens[r])
+        j = reqs.index(target)
+        q0 = sum(qlens[:target])
+        assert torch.equal(out[sq[j] : sq[j + 1]], full[q0 : q0 + qlens[target]]), (target, reqs)
+
+
+def _sub_batch(b: PagedBatch, reqs: list[int], qlens: list[int], seqs: list[int]) -> PagedBatch:
+
+    starts = [sum(qlens[:r]) for r in reqs]
+    rows = [i for r, s in zip(reqs, starts, strict=True) for i in range(s, s + qlens[r])]
+    common = CommonAttentionMetadata.from_lists(
+        query_lens=[qlens[r] for r in reqs],
+        seq_lens=[seqs[r] for r in reqs],
+        block_table=b.common.block_table[reqs].cpu(),
+        block_size=b.config.kernel_block_size,
+        device=b.q.device,
+    )
+    return dataclasses.replace(b, common=common, q=b.q[rows])
+
+
+def test_block_table_edited_in_place_is_not_served_from_a_stale_plan() -> None:
+    """Layers of one step share a plan keyed on the block table; an in-place edit must rebuild it."""
+    b = _batch(query_lens=[1, 1], seq_lens=[20, 33], pad_tokens=0)
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    md = (
+        get_backend("TORCH_SDPA")
+        .builder_cls(
+            b.config,
+            b.layout,
+            device=torch.device("cpu"),
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+        )
+        .build(b.common)
+    )
+    first = impl.forward(None, b.q, b.kv_cache, md)
+    md.block_table[[0, 1]] = md.block_table[[1, 0]]  # swap the requests' pages, same object
+    md.block_table[0, 2:] = md.block_table[1, 2:]  # so request 0 (20 tokens) stays in range
+    second = impl.forward(None, b.q, b.kv_cache, md)
+    assert not torch.equal(first, second), "the edit changed the pages but not the output"
+    fresh = impl.forward(None, b.q, b.kv_cache, md)
+    assert torch.equal(second, fresh)
+    torch_sdpa._PLANS.clear()
+    assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), second)
+
+
+def test_plans_stay_bounded() -> None:
+    for seq in range(20, 20 + 3 * torch_sdpa._MAX_PLANS):
+        b = _batch(query_lens=[1], seq_lens=[seq], pad_tokens=0)
+        run_backend("TORCH_SDPA", b)
+    assert len(torch_sdpa._PLANS) <= torch_sdpa._MAX_PLANS
+
+
+def _metadata(b: PagedBatch):  # type: ignore[no-untyped-def]
+    return (
+        get_backend("TORCH_SDPA")
+        .builder_cls(
+            b.config,
+            b.layout,
+            device=torch.device("cpu"),
+            max_num_batched_tokens=256,
+            max_num_seqs=8,
+        )
+        .build(b.common)
+    )
+
+
+def test_block_outside_the_cache_is_named() -> None:
+    b = _batch(query_lens=[1, 1], seq_lens=[20, 33], pad_tokens=0)
+    md = _metadata(b)
+    md.block_table[1, 2] = b.kv_cache.shape[0] + 5
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    with pytest.raises(ValueError, match=rf"block {b.kv_cache.shape[0] + 5} outside"):
+        impl.forward(None, b.q, b.kv_cache, md)
+
+
+def test_block_table_too_narrow_is_named() -> None:
+    b = _batch(query_lens=[1, 1], seq_lens=[20, 33], pad_tokens=0)
+    md = _metadata(b)
+    md = dataclasses.replace(md, block_table=md.block_table[:, :2])  # request 1 needs 3 of 16
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    with pytest.raises(ValueError, match=r"request 1: seq_len=33 needs 3 blocks .* 2 columns"):
+        impl.forward(None, b.q, b.kv_cache, md)
+
+
+def test_query_longer_than_context_is_named() -> None:
+    with pytest.raises(ValueError, match=r"request 1: query_len=5 exceeds seq_len=4"):
+        plan_padded_groups([0, 1, 6], [3, 4], 16, torch.device("cpu"))
+
+
+def test_idle_request_pages_are_not_read() -> None:
+    """A request with no query rows reads nothing, so a stale row of its block table is fine."""
+    b = _batch(query_lens=[1, 0], seq_lens=[20, 33], pad_tokens=0)
+    md = _metadata(b)
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    want = impl.forward(None, b.q, b.kv_cache, md)
+    md.block_table[1, 0] = b.kv_cache.shape[0] + 5
+    assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), want)
