@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _direct import direct_flash_attn, direct_paged_attention
 
 
 def _bench(fn: Callable[[], Any]) -> float:
@@ -72,20 +73,7 @@ def _direct(name: str, b: Any, md: Any, impl: Any, out: torch.Tensor) -> Callabl
     """The kernel the backend wraps, called by hand with the same inputs."""
     cfg = b.config
     if name == "TRITON":
-        from kv_kernels.paged_attention import paged_attention
-
-        return lambda: paged_attention(
-            b.q,
-            b.kv_cache,
-            b.layout,
-            md.block_table,
-            md.seq_lens,
-            md.query_start_loc,
-            md.max_query_len,
-            max_seq_len=md.max_seq_len,
-            out=out,
-            impl="triton",
-        )
+        return direct_paged_attention(b, md, out)
     if name == "FLEX_ATTENTION":
         from kv_backends.backends.flex_compile import compiled_flex as _compiled_flex
 
@@ -118,22 +106,7 @@ def _direct(name: str, b: Any, md: Any, impl: Any, out: torch.Tensor) -> Callabl
             kernel_options=opts,
         )
     if name in ("FLASH_ATTN", "FLASH_ATTN_DIFFKV"):
-        from flash_attn.cute import flash_attn_varlen_func
-
-        nhd = b.kv_cache.transpose(1, 2)
-        k, v = nhd[..., : cfg.head_size], nhd[..., cfg.head_size :]
-        return lambda: flash_attn_varlen_func(
-            b.q,
-            k,
-            v,
-            cu_seqlens_q=md.query_start_loc,
-            max_seqlen_q=md.max_query_len,
-            max_seqlen_k=md.max_seq_len,
-            seqused_k=md.seq_lens,
-            page_table=md.block_table,
-            softmax_scale=impl.scale,
-            causal=True,
-        )
+        return direct_flash_attn(b, md, impl)
     raise ValueError(name)
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _direct import direct_flash_attn, direct_paged_attention
 
 HEADS_Q, HEADS_KV, HEAD = 32, 8, 128
 BACKENDS = ("TRITON", "FLASH_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
@@ -69,38 +70,9 @@ def _device_us(fn: Callable[[], Any], iters: int) -> float:
 def _direct(name: str, b: Any, md: Any, impl: Any, out: torch.Tensor) -> Callable[[], Any] | None:
     """The wrapped kernel called by hand with the backend's own inputs (None: no single kernel)."""
     if name == "TRITON":
-        from kv_kernels.paged_attention import paged_attention
-
-        return lambda: paged_attention(
-            b.q,
-            b.kv_cache,
-            b.layout,
-            md.block_table,
-            md.seq_lens,
-            md.query_start_loc,
-            md.max_query_len,
-            max_seq_len=md.max_seq_len,
-            scale=impl.scale,
-            out=out,
-            impl="triton",
-        )
+        return direct_paged_attention(b, md, out, scale=impl.scale)
     if name == "FLASH_ATTN" and getattr(impl, "version", None) == 4:
-        from flash_attn.cute import flash_attn_varlen_func
-
-        nhd = b.kv_cache.transpose(1, 2)
-        k, v = nhd[..., :HEAD], nhd[..., HEAD:]
-        return lambda: flash_attn_varlen_func(
-            b.q,
-            k,
-            v,
-            cu_seqlens_q=md.query_start_loc,
-            max_seqlen_q=md.max_query_len,
-            max_seqlen_k=md.max_seq_len,
-            seqused_k=md.seq_lens,
-            page_table=md.block_table,
-            softmax_scale=impl.scale,
-            causal=True,
-        )
+        return direct_flash_attn(b, md, impl)
     return None
 
 

@@ -14,7 +14,13 @@ import torch
 from kv_backends import Platform, get_backend
 from kv_backends.capabilities import CUDAGRAPH_NEVER
 from kv_backends.registry import BACKEND_CLASSES
-from kv_backends.testing import PagedBatch, lowprec_reference, make_paged_batch, oracle_attention
+from kv_backends.testing import (
+    PagedBatch,
+    lowprec_reference,
+    make_batch_impl,
+    make_paged_batch,
+    oracle_attention,
+)
 from kv_kernels.testing import check_close_to_oracle
 
 pytestmark = [
@@ -57,15 +63,7 @@ def _setup(name: str, b: PagedBatch):
     reasons = backend.validate(b.config, Platform.detect())
     if reasons:
         pytest.skip(f"{name} cannot serve this case here: {reasons}")
-    impl = backend.make_impl(
-        b.config,
-        b.layout,
-        sinks=b.sinks,
-        alibi_slopes=b.alibi_slopes,
-        k_scale=b.k_scale,
-        v_scale=b.v_scale,
-        device="cuda",
-    )
+    impl = make_batch_impl(backend, b, device="cuda")
     md = backend.make_builder(b.config, b.layout, device="cuda").build(b.common)
     return impl, md
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +13,8 @@ from kvstack.engine import ArchConfig, load_arch_config, load_model
 from kvstack.engine.testing import diffkv_config, write_checkpoint
 from safetensors.torch import load_file, save_file
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: OpenMP workers only add wake-up latency, and on a busy 2-core CI machine a
-    # descheduled worker stalls every op (greedy generation measured 60x slower with 2 threads).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One torch thread for the whole module (see conftest's ``one_thread``).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def llama_config(**overrides: Any) -> dict[str, Any]:

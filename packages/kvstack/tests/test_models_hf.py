@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,14 +50,8 @@ FAMILIES = list(TINY_CONFIGS)
 Refs = list[tuple[list[int], torch.Tensor]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: OpenMP workers only add wake-up latency, and on a busy 2-core CI machine a
-    # descheduled worker stalls every op (greedy generation measured 60x slower with 2 threads).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One torch thread for the whole module (see conftest's ``one_thread``).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,8 @@ MAX_NEW = 4
 EXAMPLES = int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "8"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: OpenMP workers only add wake-up latency, and on a busy 2-core CI machine a
-    # descheduled worker stalls every op (greedy generation measured 60x slower with 2 threads).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One torch thread for the whole module (see conftest's ``one_thread``).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gpt_oss_config() -> dict[str, Any]:

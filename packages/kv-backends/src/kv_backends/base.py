@@ -483,21 +483,27 @@ class AttentionImpl:
         if tuple(out.shape) != shape or out.dtype != q.dtype:
             raise ValueError(
                 f"out has shape {tuple(out.shape)} / {out.dtype}; expected {shape} / {q.dtype}"
+                + self._out_note
             )
         return out
+
+    #: Appended to :meth:`empty_output`'s error (what the output holds, where it is unusual).
+    _out_note: ClassVar[str] = ""
 
     def do_kv_cache_update(
         self,
         layer: object,
         key: torch.Tensor,
-        value: torch.Tensor,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         """Write ``key`` ``[T, H, D]`` and ``value`` ``[T, H, Dv]`` to their slots (``-1`` skipped).
 
         Every backend writes through kv-kernels' ``reshape_and_cache`` (the layout says where K, V
-        and inline scales go); the layer's own scales win over the impl's.
+        and inline scales go); the layer's own scales win over the impl's. ``value`` is ``None``
+        only for MLA caches (one latent row per token); slots past the cache are counted in
+        :meth:`_error_flag`'s counter where the backend keeps one.
         """
         from kv_kernels.reshape_and_cache import reshape_and_cache
 
@@ -512,11 +518,17 @@ class AttentionImpl:
             k_scale,
             v_scale,
             impl=self.cache_write_impl(),
+            error_flag=self._error_flag(kv_cache.device),
         )
 
     def cache_write_impl(self) -> str:
         """The ``reshape_and_cache`` implementation: ``"auto"`` (Triton on CUDA, torch on CPU)."""
         return "auto"
+
+    def _error_flag(self, device: torch.device) -> torch.Tensor | None:
+        """The int32 device counter the kernels add bad metadata to (``None``: not counted; the
+        TRITON backends keep one under ``check_metadata=True``)."""
+        return None
 
     def forward(
         self,

@@ -17,13 +17,16 @@ from kv_spec import (
     to_torch_dtype,
 )
 
+from kv_backends.base import AttentionBackend, AttentionImpl
 from kv_backends.config import AttentionConfig
 from kv_backends.metadata import CommonAttentionMetadata
 from kv_backends.registry import get_backend
 
 __all__ = [
     "PagedBatch",
+    "fresh_dynamo_for_gpu_test",
     "lowprec_reference",
+    "make_batch_impl",
     "make_paged_batch",
     "oracle_attention",
     "run_backend",
@@ -309,6 +312,22 @@ def lowprec_reference(b: PagedBatch, *, scale: float | None = None) -> torch.Ten
     return out
 
 
+def make_batch_impl(
+    backend: type[AttentionBackend], b: PagedBatch, **options: Any
+) -> AttentionImpl:
+    """``backend``'s impl for ``b``'s layer: its config and layout, with its sinks, ALiBi slopes
+    and KV scales; ``options``: further impl options (e.g. ``device``)."""
+    return backend.make_impl(
+        b.config,
+        b.layout,
+        sinks=b.sinks,
+        alibi_slopes=b.alibi_slopes,
+        k_scale=b.k_scale,
+        v_scale=b.v_scale,
+        **options,
+    )
+
+
 def run_backend(
     name: str,
     b: PagedBatch,
@@ -318,15 +337,19 @@ def run_backend(
 ) -> torch.Tensor:
     """Build metadata and an impl for ``b`` and return ``forward``'s output."""
     backend = get_backend(name)
-    impl = backend.make_impl(
-        b.config,
-        b.layout,
-        sinks=b.sinks,
-        alibi_slopes=b.alibi_slopes,
-        k_scale=b.k_scale,
-        v_scale=b.v_scale,
-        **(impl_options or {}),
-    )
+    impl = make_batch_impl(backend, b, **(impl_options or {}))
     builder = backend.make_builder(b.config, b.layout, device=b.q.device, **(builder_options or {}))
     md = builder.build(b.common)
     return impl.forward(None, b.q, b.kv_cache, md)
+
+
+def fresh_dynamo_for_gpu_test(node: Any) -> None:
+    """Reset Dynamo before a test marked ``gpu`` (``node``: pytest's ``request.node``); the body
+    of the autouse ``_fresh_dynamo_for_gpu_tests`` fixture of kv-backends' and kvstack's tests.
+
+    GPU tests compile Flex for many tile/shape parametrizations in one process: each static
+    graph counts against Dynamo's per-code-object recompile limit (64 inside our calls), which a
+    whole test session passes although no single model or serving loop does. Start each GPU test
+    from an empty Dynamo cache so a test's verdict does not depend on how many ran before it."""
+    if node.get_closest_marker("gpu") is not None:
+        torch._dynamo.reset()

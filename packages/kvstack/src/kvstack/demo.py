@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from dataclasses import dataclass
@@ -68,27 +67,9 @@ def write_random_checkpoint(path: str | Path, config: dict[str, Any], *, seed: i
     Weights are N(0, 0.2) (large enough that attention is far from uniform, so a wrong page or
     position changes the tokens) and norm gains U(0.5, 1.5). Needs only torch and safetensors.
     """
-    import torch
-    from safetensors.torch import save_file
+    from kvstack.engine.testing import write_checkpoint
 
-    from kvstack.engine.hf_config import ArchConfig
-    from kvstack.engine.models import CausalLM
-
-    arch = ArchConfig.from_hf(config)
-    torch.manual_seed(seed)
-    model = CausalLM(arch)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.2)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"))
-    return out
+    return write_checkpoint(config, path, seed=seed)
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,8 @@ from kv_backends.backends.flex_mask import (
     FlexOptions,
     build_flex_block_indices,
     flex_has_backend_option,
+    make_score_mod,
+    window_kv_position,
 )
 from kv_backends.backends.flex_metadata import FlexAttentionMetadata, FlexMetadataBuilder
 from kv_backends.base import AttentionBackend, AttentionImpl
@@ -357,28 +359,13 @@ class FlexAttentionImpl(AttentionImpl):
         n, tpb, ncols = self.kernel_block_size, md.tpb, md.block_table.shape[1]
         assert n is not None
         slopes_f = None if slopes is None else self.device_params(q_pos.device).alibi_slopes
-        # A 0-d tensor, not a Python float: once Dynamo sees several Flex graphs (the decode and
-        # the flattened call), it makes captured floats symbolic, which Flex's score_mod
-        # buffers reject ("can only be of Tensor, int, SymInt ... but got SymFloat").
-        cap = torch.full((), softcap, dtype=torch.float32, device=q_pos.device) if softcap else None
 
-        def score_mod(
-            score: torch.Tensor,
-            b: torch.Tensor,
-            h: torch.Tensor,
-            q_idx: torch.Tensor,
-            kv_idx: torch.Tensor,
-        ) -> torch.Tensor:
-            if cap is not None:
-                score = cap * torch.tanh(score / cap)
-            if slopes_f is not None:
-                blk = base_block + kv_idx // tpb
-                kv_pos = ptl[blk].clamp(0, ncols - 1) * n + kv_idx % tpb
-                qp = q_pos[q_idx] if dec_pos is None else dec_pos[b]
-                score = score + slopes_f[h] * (kv_pos - qp).to(score.dtype)
-            return score
+        def distance(b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            kv_pos = window_kv_position(kv_idx, base_block, tpb, n, ptl, ncols)[3]
+            qp = q_pos[q_idx] if dec_pos is None else dec_pos[b]
+            return kv_pos - qp
 
-        return score_mod
+        return make_score_mod(softcap, slopes_f, q_pos.device, distance)
 
 
 class FlexAttentionBackend(AttentionBackend):

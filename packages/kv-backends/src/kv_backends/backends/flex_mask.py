@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,7 +27,9 @@ __all__ = [
     "flex_has_backend_option",
     "make_decode_mask_mod",
     "make_mask_mod",
+    "make_score_mod",
     "valid_kv_block_sizes",
+    "window_kv_position",
 ]
 
 #: Torch's Flex templates compute element offsets in 32 bits.
@@ -405,6 +408,23 @@ def _full_units(
     return ok
 
 
+def window_kv_position(
+    kv_idx: torch.Tensor,
+    base_block: int,
+    tpb: int,
+    n: int,
+    phys_to_logical: torch.Tensor,
+    ncols: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A window's key index (counted from ``base_block``, ``tpb`` physical tokens a block) as
+    ``(physical block, offset in it, logical block, logical position)``; the logical block is
+    clamped into ``[0, ncols)`` (stale table entries: the callers' ownership test drops them)."""
+    blk = base_block + kv_idx // tpb
+    off = kv_idx % tpb
+    lb = phys_to_logical[blk].clamp(0, ncols - 1)
+    return blk, off, lb, lb * n + off
+
+
 def make_mask_mod(
     *,
     q_req: torch.Tensor,
@@ -425,12 +445,11 @@ def make_mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
         r = q_req[q_idx]
-        blk = base_block + kv_idx // tpb
-        off = kv_idx % tpb
         # Stale entries (blocks of earlier batches) are in range after the clamp and then fail
         # the ownership test below: block_table[r, lb] == blk only for this batch's blocks.
-        lb = phys_to_logical[blk].clamp(0, ncols - 1)
-        kv_pos = lb * n + off
+        blk, off, lb, kv_pos = window_kv_position(
+            kv_idx, base_block, tpb, n, phys_to_logical, ncols
+        )
         ok = (block_table[r, lb] == blk) & (off < n) & (kv_pos < seq_lens[r])
         qp = q_pos[q_idx]
         if causal:
@@ -462,10 +481,9 @@ def make_decode_mask_mod(
     def mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
-        blk = base_block + kv_idx // tpb
-        off = kv_idx % tpb
-        lb = phys_to_logical[blk].clamp(0, ncols - 1)
-        kv_pos = lb * n + off
+        blk, off, lb, kv_pos = window_kv_position(
+            kv_idx, base_block, tpb, n, phys_to_logical, ncols
+        )
         s = seq_lens[b]
         # kv_pos < s is also the causal bound of a query at s - 1, and (kv_pos <= s - 1) makes a
         # window one-sided whether or not the layer is causal.
@@ -475,3 +493,36 @@ def make_decode_mask_mod(
         return ok
 
     return mask_mod
+
+
+def make_score_mod(
+    softcap: float,
+    slopes: torch.Tensor | None,
+    device: torch.device,
+    distance: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Any:
+    """Softcap then ALiBi, the one score mod of the backend and of the trainer's reference
+    (same ops, same order): ``cap * tanh(score / cap)``, then ``+ slopes[h] * distance(b,
+    q_idx, kv_idx)`` (the key's position minus the query's). ``slopes``: float32 on
+    ``device``. ``None`` when there is neither."""
+    if not softcap and slopes is None:
+        return None
+    # A 0-d tensor, not a Python float: once Dynamo sees several Flex graphs (the decode and
+    # the flattened call), it makes captured floats symbolic, which Flex's score_mod
+    # buffers reject ("can only be of Tensor, int, SymInt ... but got SymFloat").
+    cap = torch.full((), softcap, dtype=torch.float32, device=device) if softcap else None
+
+    def score_mod(
+        score: torch.Tensor,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q_idx: torch.Tensor,
+        kv_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:
+            score = score + slopes[h] * distance(b, q_idx, kv_idx).to(score.dtype)
+        return score
+
+    return score_mod

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kv_backends.backends.flex_compile import compiled_flex, flex_dynamo_limits
-from kv_backends.backends.flex_mask import FlexOptions
+from kv_backends.backends.flex_mask import FlexOptions, make_score_mod
 
 __all__ = ["flex_trainer_attention", "flex_trainer_block_mask", "triton_trainer_attention"]
 
@@ -176,28 +176,17 @@ def flex_trainer_attention(
 def _score_mod(
     softcap: float, slopes: torch.Tensor | None, offset: int, device: torch.device
 ) -> Any:
-    """Softcap then ALiBi, written as the backend's score mod writes them (same ops, same
-    order; the cap is a 0-d tensor there too)."""
+    """Softcap then ALiBi: the backend's own score mod (:func:`make_score_mod`), with a query's
+    position ``q_idx + offset`` and a key's ``kv_idx``."""
     if not softcap and slopes is None:
         return None
-    cap = torch.full((), softcap, dtype=torch.float32, device=device) if softcap else None
     slopes_f = None if slopes is None else slopes.to(device, torch.float32)
     off = torch.tensor(offset, device=device)
 
-    def score_mod(
-        score: torch.Tensor,
-        b: torch.Tensor,
-        h: torch.Tensor,
-        q_idx: torch.Tensor,
-        kv_idx: torch.Tensor,
-    ) -> torch.Tensor:
-        if cap is not None:
-            score = cap * torch.tanh(score / cap)
-        if slopes_f is not None:
-            score = score + slopes_f[h] * (kv_idx - (q_idx + off)).to(score.dtype)
-        return score
+    def distance(b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return kv_idx - (q_idx + off)
 
-    return score_mod
+    return make_score_mod(softcap, slopes_f, device, distance)
 
 
 def triton_trainer_attention(

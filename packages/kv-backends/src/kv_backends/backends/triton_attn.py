@@ -89,24 +89,6 @@ class TritonImpl(AttentionImpl):
     def _error_flag(self, device: torch.device) -> torch.Tensor | None:
         return self._error_flags[device] if self.check_metadata else None
 
-    def do_kv_cache_update(
-        self,
-        layer: object,
-        key: torch.Tensor,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """The base write, with slots past the cache counted in the metadata flag when on."""
-        from kv_kernels.reshape_and_cache import reshape_and_cache
-
-        self.check_cache(kv_cache)
-        k_scale, v_scale = self.scales(layer, kv_cache.device)
-        reshape_and_cache(
-            key, value, kv_cache, slot_mapping, self.layout, k_scale, v_scale,
-            impl=self.cache_write_impl(), error_flag=self._error_flag(kv_cache.device),
-        )  # fmt: skip
-
     def forward(
         self,
         layer: object,
@@ -123,7 +105,6 @@ class TritonImpl(AttentionImpl):
         cache, klayout = self.kernel_cache(kv_cache)
         # float32 on q's device, made once per device (no copies on the step path or in capture).
         params = self.device_params(q.device)
-        k_scale, v_scale = self.scales(layer, q.device)
         paged_attention(
             q,
             cache,
@@ -135,18 +116,25 @@ class TritonImpl(AttentionImpl):
             max_seq_len=metadata.max_seq_len,
             scale=self.scale,
             causal=self.causal,
-            sliding_window=self.sliding_window,
-            sinks=params.sinks,
-            softcap=self.softcap,
-            alibi_slopes=params.alibi_slopes,
-            k_scale=k_scale,
-            v_scale=v_scale,
             num_splits=self.num_splits,
             out=result,
             impl=self.impl,
             error_flag=self._error_flag(q.device),
+            **self._kernel_features(layer, q, params),
         )
         return result
+
+    def _kernel_features(self, layer: object, q: torch.Tensor, params: Any) -> dict[str, Any]:
+        """The kernel's per-layer feature arguments (window, sinks, softcap, ALiBi, KV scales)."""
+        k_scale, v_scale = self.scales(layer, q.device)
+        return {
+            "sliding_window": self.sliding_window,
+            "sinks": params.sinks,
+            "softcap": self.softcap,
+            "alibi_slopes": params.alibi_slopes,
+            "k_scale": k_scale,
+            "v_scale": v_scale,
+        }
 
 
 class TritonBackend(AttentionBackend):

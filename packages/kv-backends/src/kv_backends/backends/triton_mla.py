@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from kv_backends.backends.triton_attn import TritonImpl
-from kv_backends.base import AttentionBackend, AttentionMetadata, MetadataBuilder
+from kv_backends.base import AttentionBackend, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
 from kv_backends.config import AttentionConfig, Platform
 
@@ -40,6 +40,8 @@ class TritonMLAImpl(TritonImpl):
     """Per-layer absorbed MLA decode. Options as :class:`TritonImpl`, plus ``kv_lora_rank``
     (default :func:`default_kv_lora_rank`): the latent width, i.e. the V columns and the output
     width."""
+
+    _out_note: ClassVar[str] = " (MLA: one kv_lora_rank-wide latent output per query head)"
 
     def __init__(
         self,
@@ -64,17 +66,6 @@ class TritonMLAImpl(TritonImpl):
         self.kv_lora_rank = rank
         self.head_size_v = rank  # the output width (before the layer's W_UV)
 
-    def empty_output(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        shape = (q.shape[0], self.num_q_heads, self.kv_lora_rank)
-        if out is None:
-            return torch.zeros(shape, dtype=q.dtype, device=q.device)
-        if tuple(out.shape) != shape or out.dtype != q.dtype:
-            raise ValueError(
-                f"out has shape {tuple(out.shape)} / {out.dtype}; expected {shape} / {q.dtype} "
-                "(MLA: one kv_lora_rank-wide latent output per query head)"
-            )
-        return out
-
     def do_kv_cache_update(
         self,
         layer: object,
@@ -92,31 +83,11 @@ class TritonMLAImpl(TritonImpl):
             )
         super().do_kv_cache_update(layer, key, None, kv_cache, slot_mapping)
 
-    def forward(
-        self,
-        layer: object,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Absorbed attention of ``q`` ``[T, Hq, head_size]`` over the latent cache; returns
-        ``[T, Hq, kv_lora_rank]`` (padding rows zero)."""
-        from kv_kernels.paged_attention import paged_attention
-
-        self.check_forward_inputs(q, kv_cache, metadata)
-        result = self.empty_output(q, out)
-        cache, klayout = self.kernel_cache(kv_cache)
-        self.device_params(q.device)
-        paged_attention(
-            q, cache, klayout, metadata.block_table, metadata.seq_lens,
-            metadata.query_start_loc, metadata.max_query_len,
-            max_seq_len=metadata.max_seq_len, scale=self.scale, causal=self.causal,
-            num_splits=self.num_splits, out=result, impl=self.impl,
-            error_flag=self._error_flag(q.device), kv_lora_rank=self.kv_lora_rank,
-        )  # fmt: skip
-        return result
+    def _kernel_features(self, layer: object, q: torch.Tensor, params: Any) -> dict[str, Any]:
+        """Absorbed attention of ``q`` ``[T, Hq, head_size]`` over the latent cache: the kernel
+        returns ``[T, Hq, kv_lora_rank]`` (padding rows zero); MLA layers have no window, sinks,
+        softcap, ALiBi or KV scales."""
+        return {"kv_lora_rank": self.kv_lora_rank}
 
 
 class TritonMLABackend(AttentionBackend):
