@@ -210,9 +210,8 @@ def _block_tables(
         )
 
         def step(news: list[Any]) -> None:
-            for row, new in enumerate(news):
-                if new:
-                    bt.append_row(row, new.get_block_ids())
+            rows = [row for row, new in enumerate(news) if new]
+            bt.append_rows(rows, [news[row].get_block_ids() for row in rows])  # one scatter
             bt.commit(n)
             positions.add_(1)
             bt.compute_slot_mapping(qsl, positions)
@@ -335,7 +334,7 @@ def measure(
         d["full_step_device"] = device
         d["full_step_how"] = (
             "then (separately, after the manager-only steps) the same step + "
-            "BlockTables.append_row(row, new ids) for the rows that got a block, commit(256), "
+            "BlockTables.append_rows(rows, new ids) for the rows that got a block, commit(256), "
             "positions += 1 (in place), compute_slot_mapping(query_start_loc, positions)"
         )
     else:

@@ -161,6 +161,19 @@ class BlockTablesMachine(RuleBasedStateMachine):
         self.bt.append_row(row, ids)
         self.rows[row] = [r + list(x) for r, x in zip(self.rows[row], ids, strict=True)]
 
+    @rule(data=st.data(), rows=st.lists(st.integers(0, MAX_REQS - 1), max_size=4))
+    def append_rows(self, data: st.DataObject, rows: list[int]) -> None:
+        # A row may repeat: its appends apply in order, so each draw leaves room for the next.
+        model = [list(map(list, r)) for r in self.rows]
+        batch = []
+        for row in rows:
+            room = [m - len(r) for m, r in zip(self.maxb, model[row], strict=True)]
+            ids = self._ids(data, room)
+            batch.append(ids)
+            model[row] = [r + list(x) for r, x in zip(model[row], ids, strict=True)]
+        self.bt.append_rows(rows, batch)
+        self.rows = model
+
     @rule(row=st.integers(0, MAX_REQS - 1))
     def append_too_many(self, row: int) -> None:
         g = 0
@@ -313,6 +326,51 @@ def test_failed_append_writes_nothing() -> None:
         t.append_row(0, ([4], [5, 6]))  # group 0 fits, group 1 does not
     assert t.num_blocks_of_row(0) == (2, 1)
     assert t.host_table(0)[0].tolist() == [1, 2, -1, -1]
+
+
+def test_failed_append_rows_writes_nothing() -> None:
+    t = _tables()
+    t.add_row(0, ([1, 2], [3]))
+    t.add_row(1, ([4], []))
+    with pytest.raises(ValueError, match="row 0 group 1 would hold 3 blocks"):
+        t.append_rows([1, 0], [([5], [6]), ([7], [8, 9])])  # row 1 fits, row 0 does not
+    with pytest.raises(ValueError, match="block id 10 is >= num_blocks=10"):
+        t.append_rows([1, 0], [([5], [6]), ([10], [])])
+    with pytest.raises(ValueError, match="row=3"):
+        t.append_rows([1, 3], [([5], [6]), ([7], [])])
+    with pytest.raises(ValueError, match="2 rows but 1 block-id tuples"):
+        t.append_rows([1, 0], [([5], [6])])
+    assert (t.num_blocks_of_row(0), t.num_blocks_of_row(1)) == ((2, 1), (1, 0))
+    assert t.host_table(0)[:2].tolist() == [[1, 2, -1, -1], [4, -1, -1, -1]]
+
+
+def test_append_rows_matches_append_row() -> None:
+    one, many = _tables(), _tables()
+    for t in (one, many):
+        t.add_row(0, ([1], [2]))
+        t.add_row(2, ([3, 4], []))
+    batch = [(2, ([5], [6])), (0, ([], [7])), (2, ([8], [])), (0, (torch.tensor([9]), []))]
+    for row, ids in batch:
+        one.append_row(row, ids)
+    many.append_rows([r for r, _ in batch], [ids for _, ids in batch])
+    for g in range(2):
+        assert torch.equal(one.host_table(g), many.host_table(g))
+    assert [many.num_blocks_of_row(r) for r in range(3)] == [(2, 2), (0, 0), (4, 1)]
+    many.append_rows([], [])  # nothing to do
+    assert many.host_table(0)[2].tolist() == [3, 4, 5, 8]
+
+
+def test_slot_mapping_past_the_table_still_raises() -> None:
+    # On the host only the columns the positions reach go to the reference; a position past the
+    # table must still be refused with the full table's column count.
+    t = _tables()
+    t.add_row(0, ([1, 2, 3, 4], [5, 6]))
+    t.commit(1)
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    slots = t.compute_slot_mapping(qsl, torch.tensor([17, 63]))
+    assert [s.tolist() for s in slots] == [[2 * 16 + 1, 4 * 16 + 15], [5 * 32 + 17, 6 * 32 + 31]]
+    with pytest.raises(ValueError, match="block_table has 4 columns"):
+        t.compute_slot_mapping(qsl, torch.tensor([3, 64]))
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 A :class:`BlockTables` holds, for every KV group of a model, a table of *manager* block ids with
 one persistent row per batch slot. The scheduler's :class:`~kv_blocktable.KVCacheManager` hands out
 block ids; the worker mirrors them here with :meth:`~BlockTables.add_row` /
-:meth:`~BlockTables.append_row` and keeps rows in batch order with :meth:`~BlockTables.move_row` /
+:meth:`~BlockTables.append_row` (:meth:`~BlockTables.append_rows` for a whole step's new blocks
+in one scatter) and keeps rows in batch order with :meth:`~BlockTables.move_row` /
 :meth:`~BlockTables.swap_rows` (condensing after finished requests, reordering decodes first) —
 rows persist across steps, so a step only writes what changed.
 
@@ -180,6 +181,14 @@ class BlockTables:
         if impl not in _IMPLS:
             raise ValueError(f"{owner}: impl={impl!r} is not one of {_IMPLS}")
         self.impl = impl
+        # The largest block id each group's table takes (pool size, int32 kernel block ids).
+        self._max_id = tuple(
+            min(
+                _INT32_MAX if num_blocks is None else num_blocks - 1,
+                (_INT32_MAX - k + 1) // k,
+            )
+            for k in self.kernel_blocks_per_block
+        )
         self.device = torch.device(device)
         self.pin_memory = bool(pin_memory)
         self._alloc_buffers()
@@ -315,6 +324,44 @@ class BlockTables:
             raise ValueError(f"group={group!r} is not in [0, {self.num_groups}) (one per KV group)")
         return group
 
+    def _id_error(self, g: int, row: int, lo: int, hi: int) -> str | None:
+        """Why group ``g``'s ids for ``row`` (smallest ``lo``, largest ``hi``) are refused, if so."""
+        if lo < 0:
+            return (
+                f"group {g} row {row}: block id {lo} is negative; block ids are >= 0 "
+                f"(the null block is {self.null_block})"
+            )
+        if self.num_blocks is not None and hi >= self.num_blocks:
+            return (
+                f"group {g} row {row}: block id {hi} is >= num_blocks={self.num_blocks}; "
+                "the ids must come from this cache's block pool"
+            )
+        k = self.kernel_blocks_per_block[g]
+        if hi * k + k - 1 > _INT32_MAX:  # tables are int32: never wrap silently
+            return (
+                f"group {g} row {row}: block id {hi} expands to kernel block "
+                f"{hi * k + k - 1} (k={k}), past the int32 range of block tables"
+            )
+        return None
+
+    def _id_lists(self, row: int, block_ids: object) -> list[list[int]]:
+        """:meth:`_as_ids` as plain lists, without torch ops for lists of ints (the common case:
+        ``KVCacheManager.get_block_ids`` returns them), so a decode step's appends cost
+        microseconds per row."""
+        if isinstance(block_ids, (tuple, list)) and len(block_ids) == self.num_groups:
+            out: list[list[int]] = []
+            for g, ids in enumerate(block_ids):
+                if not isinstance(ids, (list, tuple)) or not all(type(b) is int for b in ids):
+                    break  # tensors, numpy arrays, odd values: the general path below
+                if ids:
+                    lo, hi = min(ids), max(ids)
+                    if lo < 0 or hi > self._max_id[g]:
+                        raise ValueError(self._id_error(g, row, lo, hi))
+                out.append(list(ids))
+            else:
+                return out
+        return [t.tolist() for t in self._as_ids(row, block_ids)]
+
     def _as_ids(self, row: int, block_ids: object) -> list[torch.Tensor]:
         """Validate per-group block ids for ``row`` (all groups before any write)."""
         if not isinstance(block_ids, (tuple, list)) or len(block_ids) != self.num_groups:
@@ -332,23 +379,9 @@ class BlockTables:
             except (TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"group {g} block ids for row {row} are not ints: {e}") from None
             if t.numel():
-                lo, hi = int(t.min()), int(t.max())
-                if lo < 0:
-                    raise ValueError(
-                        f"group {g} row {row}: block id {lo} is negative; block ids are >= 0 "
-                        f"(the null block is {self.null_block})"
-                    )
-                if self.num_blocks is not None and hi >= self.num_blocks:
-                    raise ValueError(
-                        f"group {g} row {row}: block id {hi} is >= num_blocks={self.num_blocks}; "
-                        "the ids must come from this cache's block pool"
-                    )
-                k = self.kernel_blocks_per_block[g]
-                if hi * k + k - 1 > _INT32_MAX:  # tables are int32: never wrap silently
-                    raise ValueError(
-                        f"group {g} row {row}: block id {hi} expands to kernel block "
-                        f"{hi * k + k - 1} (k={k}), past the int32 range of block tables"
-                    )
+                err = self._id_error(g, row, int(t.min()), int(t.max()))
+                if err is not None:
+                    raise ValueError(err)
             out.append(t)
         return out
 
@@ -390,9 +423,66 @@ class BlockTables:
 
     def append_row(self, row: int, new_block_ids: tuple[list[int], ...]) -> None:
         """Append newly allocated manager block ids per group to ``row``."""
-        self._check_row("row", row)
-        ids = self._as_ids(row, new_block_ids)
-        self._write(row, ids, start=self._row_blocks[row].tolist())
+        self.append_rows([row], [new_block_ids])
+
+    def append_rows(
+        self, rows: Sequence[int], new_block_ids: Sequence[tuple[list[int], ...]]
+    ) -> None:
+        """:meth:`append_row` for many rows at once: ``rows[i]`` gets ``new_block_ids[i]``.
+
+        Everything is checked before anything is written (a bad row or id changes no row), then
+        all ids land in the host table with one scatter: a decode step appends to the few rows
+        that crossed a block boundary in one call instead of a few torch ops per row. A row may
+        appear more than once; its appends apply in order.
+        """
+        rows, new_block_ids = list(rows), list(new_block_ids)
+        if len(rows) != len(new_block_ids):
+            raise ValueError(
+                f"append_rows: got {len(rows)} rows but {len(new_block_ids)} block-id tuples; "
+                "pass one tuple (one list per KV group) per row"
+            )
+        for row in rows:
+            self._check_row("row", row)
+        lists = [self._id_lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)]
+        if not rows:
+            return
+        ends: dict[int, list[int]] = {}  # row -> blocks per group after its appends so far
+        have = (  # [len(rows), G]
+            [self._row_blocks[rows[0]].tolist()]
+            if len(rows) == 1
+            else self._row_blocks[rows].tolist()
+        )
+        flat: list[int] = []
+        vals: list[int] = []
+        width = self._col[-1]
+        for row, start, per_group in zip(rows, have, lists, strict=True):
+            end = ends.setdefault(row, start)
+            for g, ids in enumerate(per_group):
+                n = end[g] + len(ids)
+                if n > self.max_num_blocks_per_req[g]:
+                    raise ValueError(
+                        f"row {row} group {g} would hold {n} blocks (block_size="
+                        f"{self.block_sizes[g]}, {n * self.block_sizes[g]} tokens), more than "
+                        f"max_num_blocks_per_req={self.max_num_blocks_per_req[g]}; raise "
+                        "max_model_len or finish the request"
+                    )
+                c0 = row * width + self._col[g] + end[g]
+                flat.extend(range(c0, c0 + len(ids)))
+                vals.extend(ids)
+                end[g] = n
+        self._wait_staged()
+        if len(rows) == 1:  # append_row: slices, cheaper than a scatter for one row
+            row, end = rows[0], ends[rows[0]]
+            for g, ids in enumerate(lists[0]):
+                if ids:
+                    c1 = self._col[g] + end[g]
+                    self._host[row, c1 - len(ids) : c1] = torch.tensor(ids, dtype=torch.int32)
+            self._row_blocks[row] = torch.tensor(end, dtype=torch.int64)
+        else:
+            if flat:
+                self._host.view(-1)[torch.tensor(flat)] = torch.tensor(vals, dtype=torch.int32)
+            self._row_blocks[list(ends)] = torch.tensor(list(ends.values()), dtype=torch.int64)
+        self._committed = None
 
     def clear_row(self, row: int) -> None:
         """Empty ``row`` (its request finished or was preempted)."""
@@ -485,10 +575,21 @@ class BlockTables:
             )
         self._require_committed(query_start_loc.numel() - 1, "compute_slot_mapping")
         num_reqs = query_start_loc.numel() - 1
+        top = None
+        if positions.device.type == "cpu" and num_tokens:
+            # Host tables: the torch reference expands every column it is given, so give it only
+            # the columns the step's positions reach (a decode step at position ~500 reads 32 of
+            # 256). Reading the max is free on the host; on a device it would sync, and the
+            # kernel reads only the columns it needs anyway. An out-of-range position keeps the
+            # full table, so kv-kernels' check reports it exactly as before.
+            top = int(positions.max())
         out = []
         for g in range(self.num_groups):
+            cols = self.max_num_blocks_per_req[g]
+            if top is not None and top >= 0:
+                cols = min(cols, top // self.block_sizes[g] + 1)
             slots = compute_slot_mapping(
-                self._dev[:num_reqs, self._col[g] : self._col[g + 1]],
+                self._dev[:num_reqs, self._col[g] : self._col[g] + cols],
                 positions,
                 query_start_loc,
                 self.block_sizes[g],
