@@ -25,7 +25,13 @@ IMPORT_NAMES = {p: p.replace("-", "_") for p in PACKAGES}
 TEST_EXTRAS = {"kv-blocktable": ("torch",)}
 # Extras that `isolated` leaves out: modules needing them are not imported there, and the package
 # must install and import without them (a scheduler installs kv-blocktable without torch).
-EXTRA_MODULES = {"kv-blocktable": ("kv_blocktable.block_table", "kv_blocktable.attn_metadata")}
+EXTRA_MODULES = {
+    "kv-blocktable": (
+        "kv_blocktable.block_table",
+        "kv_blocktable.attn_metadata",
+        "kv_blocktable._block_ids",
+    )
+}
 # Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).
 TEST_GROUPS = {
     "kv-blocktable": ("xxhash",),

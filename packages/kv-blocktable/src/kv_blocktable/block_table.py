@@ -39,52 +39,22 @@ import torch
 from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
 
 from kv_blocktable import attn_metadata as _md
+from kv_blocktable._block_ids import (
+    INT32_MAX,
+    BlockIdCheck,
+    check_kernel_block_split,
+    positive_int,
+)
 from kv_blocktable.attn_metadata import KeyWindow
 from kv_blocktable.pool import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
     from kv_backends import CommonAttentionMetadata
-    from kv_spec import KVCacheConfig, KVCacheLayout
+    from kv_spec import KVCacheConfig
 
 __all__ = ["BlockTables", "KeyWindow", "check_kernel_block_split"]
 
-_INT32_MAX = 2**31 - 1
 _IMPLS = ("auto", "reference", "triton")
-
-
-def _positive_int(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
-    return value
-
-
-def check_kernel_block_split(group_id: int, layout: KVCacheLayout, kernel_block_size: int) -> None:
-    """Refuse a kernel block size the cache cannot be addressed with.
-
-    Kernel block ``b * k + i`` of ``kernel_block_size`` tokens is only the right memory when a
-    manager block's tokens are evenly strided (block stride = ``block_size`` x token stride):
-    LBNHC or LHBNC without padded pages, MLA latents included. Cross-layer orders (BLNHC, ...),
-    head-major blocks (LBHNC) and padded pages break that, and a kernel block id would then point
-    into another layer, head or the padding — so they raise here, with the fix, instead of
-    silently mis-addressing.
-    """
-    n = layout.block_size
-    if kernel_block_size == n:
-        return
-    if kernel_block_size <= 0 or n % kernel_block_size:
-        raise ValueError(
-            f"group {group_id}: kernel_block_size={kernel_block_size} must be a positive divisor of "
-            f"the storage block_size={n}; pick one with kv_backends.prepare_kernel_block_sizes"
-        )
-    _, sb, _, sn, _ = layout.strides  # element strides of the logical [L, B, H, N, C] dims
-    if sb != n * sn:
-        padded = layout.page_bytes != layout.real_page_size_bytes
-        raise ValueError(
-            f"group {group_id}: cannot address {n}-token blocks as {kernel_block_size}-token kernel "
-            f"blocks: block stride {sb} != block_size x token stride {n * sn} (order "
-            f"{layout.order.value}{', padded pages' if padded else ''}); use LBNHC or LHBNC "
-            f"without page padding, or kernel_block_size={n}"
-        )
 
 
 class BlockTables:
@@ -128,12 +98,12 @@ class BlockTables:
         impl: str = "auto",
     ) -> None:
         owner = "BlockTables"
-        self.block_sizes = tuple(_positive_int(owner, "block_sizes[]", b) for b in block_sizes)
+        self.block_sizes = tuple(positive_int(owner, "block_sizes[]", b) for b in block_sizes)
         self.kernel_block_sizes = tuple(
-            _positive_int(owner, "kernel_block_sizes[]", b) for b in kernel_block_sizes
+            positive_int(owner, "kernel_block_sizes[]", b) for b in kernel_block_sizes
         )
         self.max_num_blocks_per_req = tuple(
-            _positive_int(owner, "max_num_blocks_per_req[]", m) for m in max_num_blocks_per_req
+            positive_int(owner, "max_num_blocks_per_req[]", m) for m in max_num_blocks_per_req
         )
         num_groups = len(self.block_sizes)
         if num_groups == 0:
@@ -151,14 +121,14 @@ class BlockTables:
                     "a manager block must be k whole kernel blocks "
                     "(kv_backends.prepare_kernel_block_sizes picks one)"
                 )
-        self.max_num_reqs = _positive_int(owner, "max_num_reqs", max_num_reqs)
-        self.max_num_batched_tokens = _positive_int(
+        self.max_num_reqs = positive_int(owner, "max_num_reqs", max_num_reqs)
+        self.max_num_batched_tokens = positive_int(
             owner, "max_num_batched_tokens", max_num_batched_tokens
         )
         if num_blocks is not None:
-            _positive_int(owner, "num_blocks", num_blocks)
+            positive_int(owner, "num_blocks", num_blocks)
             for g, k in enumerate(self.kernel_blocks_per_block):
-                if num_blocks * k - 1 > _INT32_MAX:
+                if num_blocks * k - 1 > INT32_MAX:
                     raise ValueError(
                         f"{owner}: group {g} has {num_blocks} blocks x k={k} kernel blocks each, "
                         "past the int32 range of kernel block tables; use a larger kernel block size"
@@ -181,14 +151,7 @@ class BlockTables:
         if impl not in _IMPLS:
             raise ValueError(f"{owner}: impl={impl!r} is not one of {_IMPLS}")
         self.impl = impl
-        # The largest block id each group's table takes (pool size, int32 kernel block ids).
-        self._max_id = tuple(
-            min(
-                _INT32_MAX if num_blocks is None else num_blocks - 1,
-                (_INT32_MAX - k + 1) // k,
-            )
-            for k in self.kernel_blocks_per_block
-        )
+        self._ids = BlockIdCheck(null_block, num_blocks, self.kernel_blocks_per_block)
         self.device = torch.device(device)
         self.pin_memory = bool(pin_memory)
         self._alloc_buffers()
@@ -245,7 +208,7 @@ class BlockTables:
         cross-layer orders, head-major blocks and padded pages are refused with the reason. MLA
         groups store one latent per token, which splits like any NHD page.
         """
-        _positive_int("BlockTables.from_config", "max_model_len", max_model_len)
+        positive_int("BlockTables.from_config", "max_model_len", max_model_len)
         groups = kv_cache_config.groups
         block_sizes = [g.spec.block_size for g in groups]
         kbs = list(block_sizes if kernel_block_sizes is None else kernel_block_sizes)
@@ -324,67 +287,6 @@ class BlockTables:
             raise ValueError(f"group={group!r} is not in [0, {self.num_groups}) (one per KV group)")
         return group
 
-    def _id_error(self, g: int, row: int, lo: int, hi: int) -> str | None:
-        """Why group ``g``'s ids for ``row`` (smallest ``lo``, largest ``hi``) are refused, if so."""
-        if lo < 0:
-            return (
-                f"group {g} row {row}: block id {lo} is negative; block ids are >= 0 "
-                f"(the null block is {self.null_block})"
-            )
-        if self.num_blocks is not None and hi >= self.num_blocks:
-            return (
-                f"group {g} row {row}: block id {hi} is >= num_blocks={self.num_blocks}; "
-                "the ids must come from this cache's block pool"
-            )
-        k = self.kernel_blocks_per_block[g]
-        if hi * k + k - 1 > _INT32_MAX:  # tables are int32: never wrap silently
-            return (
-                f"group {g} row {row}: block id {hi} expands to kernel block "
-                f"{hi * k + k - 1} (k={k}), past the int32 range of block tables"
-            )
-        return None
-
-    def _id_lists(self, row: int, block_ids: object) -> list[list[int]]:
-        """:meth:`_as_ids` as plain lists, without torch ops for lists of ints (the common case:
-        ``KVCacheManager.get_block_ids`` returns them), so a decode step's appends cost
-        microseconds per row."""
-        if isinstance(block_ids, (tuple, list)) and len(block_ids) == self.num_groups:
-            out: list[list[int]] = []
-            for g, ids in enumerate(block_ids):
-                if not isinstance(ids, (list, tuple)) or not all(type(b) is int for b in ids):
-                    break  # tensors, numpy arrays, odd values: the general path below
-                if ids:
-                    lo, hi = min(ids), max(ids)
-                    if lo < 0 or hi > self._max_id[g]:
-                        raise ValueError(self._id_error(g, row, lo, hi))
-                out.append(list(ids))
-            else:
-                return out
-        return [t.tolist() for t in self._as_ids(row, block_ids)]
-
-    def _as_ids(self, row: int, block_ids: object) -> list[torch.Tensor]:
-        """Validate per-group block ids for ``row`` (all groups before any write)."""
-        if not isinstance(block_ids, (tuple, list)) or len(block_ids) != self.num_groups:
-            raise ValueError(
-                f"block ids for row {row} must be a tuple of {self.num_groups} lists (one per KV "
-                f"group, as KVCacheManager.get_block_ids returns); got {type(block_ids).__name__}"
-                + (f" of {len(block_ids)}" if isinstance(block_ids, (tuple, list)) else "")
-            )
-        out = []
-        for g, ids in enumerate(block_ids):
-            if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
-                raise ValueError(f"group {g} block ids are on {ids.device}; pass host ids")
-            try:
-                t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
-            except (TypeError, ValueError, RuntimeError) as e:
-                raise ValueError(f"group {g} block ids for row {row} are not ints: {e}") from None
-            if t.numel():
-                err = self._id_error(g, row, int(t.min()), int(t.max()))
-                if err is not None:
-                    raise ValueError(err)
-            out.append(t)
-        return out
-
     # -- rows --------------------------------------------------------------------------------
 
     def _wait_staged(self) -> None:
@@ -414,7 +316,7 @@ class BlockTables:
     def add_row(self, row: int, block_ids: tuple[list[int], ...]) -> None:
         """Give ``row`` these manager block ids per group (replacing what it held)."""
         self._check_row("row", row)
-        ids = self._as_ids(row, block_ids)
+        ids = self._ids.tensors(row, block_ids)
         self._write(row, ids, start=[0] * self.num_groups)
         self._wait_staged()
         for g in range(self.num_groups):  # the rest of the row is padding again
@@ -443,7 +345,7 @@ class BlockTables:
             )
         for row in rows:
             self._check_row("row", row)
-        lists = [self._id_lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)]
+        lists = [self._ids.lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)]
         if not rows:
             return
         ends: dict[int, list[int]] = {}  # row -> blocks per group after its appends so far

@@ -1,0 +1,135 @@
+"""Checks of ``BlockTables``' inputs: positive sizes, kernel-block splits a layout can address,
+and per-group manager block ids (range, pool size, int32 kernel-block expansion) — every group
+checked before any row is written."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kv_spec import KVCacheLayout
+
+__all__ = ["INT32_MAX", "BlockIdCheck", "check_kernel_block_split", "positive_int"]
+
+INT32_MAX = 2**31 - 1
+
+
+def positive_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
+    return value
+
+
+def check_kernel_block_split(group_id: int, layout: KVCacheLayout, kernel_block_size: int) -> None:
+    """Refuse a kernel block size the cache cannot be addressed with.
+
+    Kernel block ``b * k + i`` of ``kernel_block_size`` tokens is only the right memory when a
+    manager block's tokens are evenly strided (block stride = ``block_size`` x token stride):
+    LBNHC or LHBNC without padded pages, MLA latents included. Cross-layer orders (BLNHC, ...),
+    head-major blocks (LBHNC) and padded pages break that, and a kernel block id would then point
+    into another layer, head or the padding — so they raise here, with the fix, instead of
+    silently mis-addressing.
+    """
+    n = layout.block_size
+    if kernel_block_size == n:
+        return
+    if kernel_block_size <= 0 or n % kernel_block_size:
+        raise ValueError(
+            f"group {group_id}: kernel_block_size={kernel_block_size} must be a positive divisor of "
+            f"the storage block_size={n}; pick one with kv_backends.prepare_kernel_block_sizes"
+        )
+    _, sb, _, sn, _ = layout.strides  # element strides of the logical [L, B, H, N, C] dims
+    if sb != n * sn:
+        padded = layout.page_bytes != layout.real_page_size_bytes
+        raise ValueError(
+            f"group {group_id}: cannot address {n}-token blocks as {kernel_block_size}-token kernel "
+            f"blocks: block stride {sb} != block_size x token stride {n * sn} (order "
+            f"{layout.order.value}{', padded pages' if padded else ''}); use LBNHC or LHBNC "
+            f"without page padding, or kernel_block_size={n}"
+        )
+
+
+class BlockIdCheck:
+    """Validates the manager block ids a row receives, one tuple entry per KV group."""
+
+    def __init__(
+        self,
+        null_block: int | None,
+        num_blocks: int | None,
+        kernel_blocks_per_block: tuple[int, ...],
+    ) -> None:
+        self.null_block = null_block
+        self.num_blocks = num_blocks
+        self.kernel_blocks_per_block = kernel_blocks_per_block
+        self.num_groups = len(kernel_blocks_per_block)
+        # The largest block id each group's table takes (pool size, int32 kernel block ids).
+        self._max_id = tuple(
+            min(
+                INT32_MAX if num_blocks is None else num_blocks - 1,
+                (INT32_MAX - k + 1) // k,
+            )
+            for k in kernel_blocks_per_block
+        )
+
+    def error(self, g: int, row: int, lo: int, hi: int) -> str | None:
+        """Why group ``g``'s ids for ``row`` (smallest ``lo``, largest ``hi``) are refused, if so."""
+        if lo < 0:
+            return (
+                f"group {g} row {row}: block id {lo} is negative; block ids are >= 0 "
+                f"(the null block is {self.null_block})"
+            )
+        if self.num_blocks is not None and hi >= self.num_blocks:
+            return (
+                f"group {g} row {row}: block id {hi} is >= num_blocks={self.num_blocks}; "
+                "the ids must come from this cache's block pool"
+            )
+        k = self.kernel_blocks_per_block[g]
+        if hi * k + k - 1 > INT32_MAX:  # tables are int32: never wrap silently
+            return (
+                f"group {g} row {row}: block id {hi} expands to kernel block "
+                f"{hi * k + k - 1} (k={k}), past the int32 range of block tables"
+            )
+        return None
+
+    def lists(self, row: int, block_ids: object) -> list[list[int]]:
+        """:meth:`tensors` as plain lists, without torch ops for lists of ints (the common case:
+        ``KVCacheManager.get_block_ids`` returns them), so a decode step's appends cost
+        microseconds per row."""
+        if isinstance(block_ids, (tuple, list)) and len(block_ids) == self.num_groups:
+            out: list[list[int]] = []
+            for g, ids in enumerate(block_ids):
+                if not isinstance(ids, (list, tuple)) or not all(type(b) is int for b in ids):
+                    break  # tensors, numpy arrays, odd values: the general path below
+                if ids:
+                    lo, hi = min(ids), max(ids)
+                    if lo < 0 or hi > self._max_id[g]:
+                        raise ValueError(self.error(g, row, lo, hi))
+                out.append(list(ids))
+            else:
+                return out
+        return [t.tolist() for t in self.tensors(row, block_ids)]
+
+    def tensors(self, row: int, block_ids: object) -> list[torch.Tensor]:
+        """Validate per-group block ids for ``row`` (all groups before any write)."""
+        if not isinstance(block_ids, (tuple, list)) or len(block_ids) != self.num_groups:
+            raise ValueError(
+                f"block ids for row {row} must be a tuple of {self.num_groups} lists (one per KV "
+                f"group, as KVCacheManager.get_block_ids returns); got {type(block_ids).__name__}"
+                + (f" of {len(block_ids)}" if isinstance(block_ids, (tuple, list)) else "")
+            )
+        out = []
+        for g, ids in enumerate(block_ids):
+            if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
+                raise ValueError(f"group {g} block ids are on {ids.device}; pass host ids")
+            try:
+                t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"group {g} block ids for row {row} are not ints: {e}") from None
+            if t.numel():
+                err = self.error(g, row, int(t.min()), int(t.max()))
+                if err is not None:
+                    raise ValueError(err)
+            out.append(t)
+        return out
