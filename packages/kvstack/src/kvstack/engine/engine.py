@@ -224,13 +224,17 @@ class LLMEngine:
     def _prepare_rows(self, out: SchedulerOutput) -> None:
         for rid in out.preempted:
             self._release_row(rid)
+        append_rows: list[int] = []
+        append_ids: list[tuple[list[int], ...]] = []
         for i, chunk in enumerate(out.chunks):
-            rid = chunk.seq.request_id
-            self._place(rid, i)
+            self._place(chunk.seq.kv.request_id, i)
             if chunk.admitted:
                 self.tables.add_row(i, chunk.new_block_ids)
             elif any(chunk.new_block_ids):
-                self.tables.append_row(i, chunk.new_block_ids)
+                append_rows.append(i)
+                append_ids.append(chunk.new_block_ids)
+        if append_rows:  # the rows that crossed a block boundary, in one scatter
+            self.tables.append_rows(append_rows, append_ids)
         self.tables.commit(len(out.chunks))
 
     # -- stepping ------------------------------------------------------------------------------
@@ -244,18 +248,30 @@ class LLMEngine:
                 self._release_row(rid)
             return []
         self._prepare_rows(out)
-        qlens = [c.num_new_tokens for c in out.chunks]
-        seq_lens = [c.end for c in out.chunks]
-        metadata = self.tables.build_common_metadata(len(qlens), qlens, seq_lens)
+        # One pass over the chunks builds every host list (no per-chunk tensors).
+        qlens: list[int] = []
+        seq_lens: list[int] = []
         ids: list[int] = []
+        pos: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Seq] = []
         for c in out.chunks:
-            ids += c.seq.token_ids[c.start : c.end]
-            if c.samples:
+            start, n = c.start, c.num_new_tokens
+            end = start + n
+            qlens.append(n)
+            seq_lens.append(end)
+            tokens = c.seq.kv.token_ids
+            if n == 1:  # a decode
+                ids.append(tokens[start])
+                pos.append(start)
+            else:
+                ids += tokens[start:end]
+                pos += range(start, end)
+            if end == len(tokens):  # fed its last known token: sample a new one
                 sample_rows.append(len(ids) - 1)
                 sampled.append(c.seq)
-        positions = torch.cat([torch.arange(c.start, c.end) for c in out.chunks])  # [T]
+        metadata = self.tables.build_common_metadata(len(qlens), qlens, seq_lens)
+        positions = torch.tensor(pos, dtype=torch.int64)  # [T]
         for c in out.chunks:
             if c.admitted and c.seq.num_external_tokens and c.seq.num_preemptions == 0:
                 assert self.external_loader is not None
@@ -281,7 +297,7 @@ class LLMEngine:
         return [
             TokenEvent(
                 s.request_id,
-                len(s.output_token_ids) - 1,
+                s.num_tokens - s.prompt_len - 1,
                 t,
                 s.finish_reason is not None,
                 s.finish_reason,

@@ -289,9 +289,12 @@ class ModelRunner:
             raise ValueError(
                 f"logits_indices must be int64 [R]; got {logits_indices.dtype} {tuple(logits_indices.shape)}"
             )
-        if logits_indices.numel() and not (
-            int(logits_indices.min()) >= 0 and int(logits_indices.max()) < n
-        ):
+        if logits_indices.numel():
+            lo, hi = torch.aminmax(logits_indices)  # one reduction, not two
+            ok = bool(((lo >= 0) & (hi < n)).item())
+        else:
+            ok = True
+        if not ok:
             raise ValueError(f"logits_indices must lie in [0, {n}) (token rows of this batch)")
         self._check_positions(positions, metadata[0])
 

@@ -309,7 +309,7 @@ class Scheduler:
             seq.kv.append_token_ids(token)
             if token in seq.stop_ids:
                 seq.finish_reason = FinishReason.STOP
-            elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
+            elif seq.kv.num_tokens - seq.prompt_len >= seq.params.max_new_tokens:
                 seq.finish_reason = FinishReason.LENGTH
             else:
                 continue
