@@ -204,15 +204,21 @@ def test_block_table_edited_in_place_is_not_served_from_a_stale_plan() -> None:
     assert not torch.equal(first, second), "the edit changed the pages but not the output"
     fresh = impl.forward(None, b.q, b.kv_cache, md)
     assert torch.equal(second, fresh)
-    torch_sdpa._PLANS.clear()
+    md.plans.clear()
     assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), second)
 
 
-def test_plans_stay_bounded() -> None:
-    for seq in range(20, 20 + 3 * torch_sdpa._MAX_PLANS):
-        b = _batch(query_lens=[1], seq_lens=[seq], pad_tokens=0)
-        run_backend("TORCH_SDPA", b)
-    assert len(torch_sdpa._PLANS) <= torch_sdpa._MAX_PLANS
+def test_plans_live_on_the_step_metadata() -> None:
+    # No module state: each step's metadata keeps its own plan (one per cache geometry and table
+    # version), so plans die with the step and two steps never share one.
+    b = _batch(query_lens=[1, 3], seq_lens=[20, 30], pad_tokens=0)
+    md = _metadata(b)
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    impl.forward(None, b.q, b.kv_cache, md)
+    impl.forward(None, b.q, b.kv_cache, md)  # a second layer of the same step reuses it
+    assert isinstance(md, torch_sdpa.TorchSDPAMetadata) and len(md.plans) == 1
+    assert not hasattr(torch_sdpa, "_PLANS")
+    assert not _metadata(b).plans
 
 
 def _metadata(b: PagedBatch):  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ count too, and TORCH_SDPA is not the GPU's fast path.
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -32,25 +32,22 @@ from kv_backends.backends._torch_ops import (
 )
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
+from kv_backends.metadata import CommonAttentionMetadata
 
-__all__ = ["TorchSDPABackend", "TorchSDPAImpl"]
+__all__ = ["TorchSDPABackend", "TorchSDPABuilder", "TorchSDPAImpl", "TorchSDPAMetadata"]
 
 
 class _StepPlan:
     """What every layer of one step shares: the request groups, their gather rows and (per causal
-    and window rule) their masks. Made by the first layer that sees a metadata object, reused by
-    the rest; ``key`` pins the block table's identity, in-place version and the batch's lengths,
-    so a table edited in place or a different batch never reuses a stale plan."""
+    and window rule) their masks. Made by the first layer that sees a step's metadata and kept on
+    that metadata object (per-batch facts live on metadata instances, not in module state);
+    ``key`` pins the block table's in-place version and the cache geometry, so a table edited in
+    place never reuses a stale plan."""
 
     def __init__(
-        self,
-        key: tuple[object, ...],
-        table: torch.Tensor,
-        groups: list[PaddedGroup],
-        rows: list[torch.Tensor],
+        self, key: tuple[object, ...], groups: list[PaddedGroup], rows: list[torch.Tensor]
     ) -> None:
         self.key = key
-        self.table = weakref.ref(table)
         self.groups = groups
         self.rows = rows  # per group, [G, nblk] int64
         self.masks: dict[tuple[bool, int | None, int, int], list[PaddedMask]] = {}
@@ -64,14 +61,31 @@ class _StepPlan:
         return self.masks[rule]
 
 
-# A few recent plans (one per KV-cache group is the steady state); a dict keeps insertion order.
-_PLANS: dict[int, _StepPlan] = {}
-_MAX_PLANS = 8
+@dataclass(frozen=True, kw_only=True)
+class TorchSDPAMetadata(AttentionMetadata):
+    """:class:`AttentionMetadata` plus the step's plans, built once and shared by the group's
+    layers (keyed by cache geometry; not part of equality)."""
+
+    plans: dict[tuple[object, ...], _StepPlan] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+
+class TorchSDPABuilder(MetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        md = super().build(common)
+        return TorchSDPAMetadata(**{f.name: getattr(md, f.name) for f in fields(md)})
 
 
 def _step_plan(
     metadata: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device
 ) -> _StepPlan:
+    table = metadata.block_table
+    key = (table._version, num_blocks, block_size, device)
+    plans = metadata.plans if isinstance(metadata, TorchSDPAMetadata) else {}
+    plan = plans.get(key)
+    if plan is not None:
+        return plan
     qsl = (
         metadata.query_start_loc_cpu
         if metadata.query_start_loc_cpu is not None
@@ -80,11 +94,6 @@ def _step_plan(
     seq_lens = (
         metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens.cpu()
     ).tolist()[: metadata.num_reqs]
-    table = metadata.block_table
-    key = (table._version, tuple(qsl), tuple(seq_lens), num_blocks, block_size, device)
-    plan = _PLANS.get(id(table))
-    if plan is not None and plan.table() is table and plan.key == key:
-        return plan
     # On the CPU, torch's bmm and SDPA pick their kernel per matrix shape, so a group's batch size
     # cannot change a request's bits (test_torch_sdpa_batched.py checks it). cuBLAS heuristics
     # also weigh the batch count (split-K among them), so elsewhere each request keeps a call of
@@ -97,11 +106,7 @@ def _step_plan(
     read = [s if qsl[r + 1] > qsl[r] else 0 for r, s in enumerate(seq_lens)]
     check_block_table(table, read, num_blocks, block_size)
     rows = [padded_block_rows(table, g, block_size) for g in groups]
-    plan = _StepPlan(key, table, groups, rows)
-    _PLANS.pop(id(table), None)
-    _PLANS[id(table)] = plan
-    while len(_PLANS) > _MAX_PLANS:
-        del _PLANS[next(iter(_PLANS))]
+    plan = plans[key] = _StepPlan(key, groups, rows)
     return plan
 
 
@@ -175,5 +180,5 @@ class TorchSDPABackend(AttentionBackend):
         needs_gpu=False,
         notes="Reference: gathers pages in padded per-request shapes (one gather and one attention call per shape group), float32 math; CPU default and test oracle.",
     )
-    builder_cls = MetadataBuilder
+    builder_cls = TorchSDPABuilder
     impl_cls = TorchSDPAImpl
