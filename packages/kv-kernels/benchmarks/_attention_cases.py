@@ -8,8 +8,14 @@ Bytes counted (the query, output and block table are < 0.1% and not counted):
 - ``pth_{int8,fp8}``: ``batch * ctx * H * (D + Dv + 8)`` -- one byte per K/V element plus the two
   inline float32 scales of each token and head, i.e. the stored bytes.
 - ``mla``: ``batch * ctx * (512 + 64) * 2`` -- the one bf16 latent row per token, read once for
-  K and V (128 query heads over one latent, page 64).
+  K and V (128 query heads over one latent, page 64). Also reported as TFLOP/s
+  (``2 * heads * (576 + 512)`` per token): at 128 heads a latent byte feeds 242 FLOPs, so 80% of
+  an H200's 4.3 TB/s copy would need ~830 TFLOP/s of bf16 MMA -- compute-bound, as FlashMLA's
+  own 128-head figure is. ``mla_h16`` is DeepSeek-V3 at tensor-parallel 8 (16 heads per GPU),
+  where decode is bandwidth-bound.
 - ``diffkv``: ``batch * ctx * H * (192 + 128) * 2``.
+- ``fp8pt``: ``batch * ctx * H * (D + Dv)`` -- fp8 per-tensor, one byte per element (the goal:
+  >= 90% of the copy counted in these bytes, ~2x bf16's tokens/s).
 
 ``smoke=True`` shrinks every shape so the same code runs under the Triton interpreter on a CPU
 (a check that the cases and the report work, not a measurement).
@@ -35,7 +41,8 @@ class NewCase:
 
     name: str
     nbytes: int
-    run: Callable[[], Any]
+    run: Callable[..., Any]  # run(num_splits=None): None is the launcher's own choice
+    flops: int = 0  # MLA: 2 * heads * (576 + 512) per token read (128 heads are compute-bound)
 
 
 def _paged(
@@ -83,17 +90,48 @@ def _pth(quant: str, batch: int, ctx: int, block: int, device: str, gen) -> NewC
         q = q.float()  # the interpreter computes bf16 wrongly (DESIGN.md)
     out = torch.empty_like(q)
 
-    def run() -> Any:
+    def run(num_splits: int | None = None) -> Any:
         return paged_attention(
-            q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, impl="triton"
-        )
+            q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, impl="triton",
+            num_splits=num_splits,
+        )  # fmt: skip
 
     nbytes = batch * ctx * h * (2 * d + 8)
     return NewCase(f"pth_{quant}_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run)
 
 
-def _mla(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
-    heads, rank, rope = (8, 64, 16) if device == "cpu" else (128, 512, 64)
+def _fp8(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
+    """fp8 (e4m3) per-tensor cache: half the bytes of bf16, scales as two floats."""
+    hq, h, d = (4, 2, 32) if device == "cpu" else (32, 8, 128)
+    layout, kv, table, seq_lens, qsl = _paged(
+        batch=batch, ctx=ctx, block=block, device=device, gen=gen, num_kv_heads=h,
+        head_size=d, head_size_v=d, dtype="fp8_e4m3", kv_quant="fp8_per_tensor",
+    )  # fmt: skip
+    _fill_fp8(kv)
+    q = torch.randn(batch, hq, d, generator=gen).to(device=device, dtype=torch.bfloat16)
+    if device == "cpu":
+        q = q.float()
+    out = torch.empty_like(q)
+
+    def run(num_splits: int | None = None) -> Any:
+        return paged_attention(
+            q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, impl="triton",
+            k_scale=0.02, v_scale=0.03, num_splits=num_splits,
+        )  # fmt: skip
+
+    nbytes = batch * ctx * h * 2 * d
+    return NewCase(f"fp8pt_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run)
+
+
+def _fill_fp8(kv: torch.Tensor) -> None:
+    for lo in range(0, kv.shape[0], 1024):
+        chunk = kv[lo : lo + 1024]
+        chunk.copy_((torch.randn(chunk.shape, device=kv.device) * 30).to(kv.dtype))
+
+
+def _mla(batch: int, ctx: int, block: int, device: str, gen, heads_tp: int = 128) -> NewCase:
+    """``heads_tp``: DeepSeek-V3's 128 heads (one GPU) or a tensor-parallel share (16 at TP 8)."""
+    heads, rank, rope = (8, 64, 16) if device == "cpu" else (heads_tp, 512, 64)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
     layout, kv, table, seq_lens, qsl = _paged(
         batch=batch, ctx=ctx, block=block, device=device, gen=gen, num_kv_heads=1,
@@ -104,14 +142,16 @@ def _mla(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
     out = torch.empty(batch, heads, rank, device=device, dtype=dt)
     scale = 1.0 / (192**0.5)  # DeepSeek-V3's softmax scale (qk_nope 128 + rope 64)
 
-    def run() -> Any:
+    def run(num_splits: int | None = None) -> Any:
         return paged_attention(
             q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, scale=scale,
-            kv_lora_rank=rank, impl="triton",
+            kv_lora_rank=rank, impl="triton", num_splits=num_splits,
         )  # fmt: skip
 
     nbytes = batch * ctx * (rank + rope) * kv.element_size()
-    return NewCase(f"mla_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run)
+    flops = 2 * batch * ctx * heads * (2 * rank + rope)
+    tag = "mla" if heads_tp == 128 else f"mla_h{heads}"
+    return NewCase(f"{tag}_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run, flops)
 
 
 def _diffkv(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
@@ -125,10 +165,11 @@ def _diffkv(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
     q = torch.randn(batch, hq, 192, generator=gen).to(device=device, dtype=dt)
     out = torch.empty(batch, hq, 128, device=device, dtype=dt)
 
-    def run() -> Any:
+    def run(num_splits: int | None = None) -> Any:
         return paged_attention(
-            q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, impl="triton"
-        )
+            q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, impl="triton",
+            num_splits=num_splits,
+        )  # fmt: skip
 
     nbytes = batch * ctx * h * (192 + 128) * kv.element_size()
     return NewCase(f"diffkv_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run)
@@ -139,14 +180,18 @@ _GPU = [
     (_pth, ("int8", 64, 4096, 16)),
     (_pth, ("fp8", 64, 4096, 16)),
     (_pth, ("int8", 8, 32768, 16)),
+    (_fp8, (64, 4096, 16)),
+    (_fp8, (8, 32768, 16)),
     (_mla, (64, 4096, 64)),
     (_mla, (8, 32768, 64)),
+    (_mla, (64, 4096, 64, 16)),  # DeepSeek-V3 at TP 8: 16 heads per GPU, bandwidth-bound
     (_diffkv, (64, 4096, 16)),
     (_diffkv, (8, 32768, 16)),
 ]
 _SMOKE = [
     (_pth, ("int8", 2, 40, 16)),
     (_pth, ("fp8", 2, 40, 16)),
+    (_fp8, (2, 40, 16)),
     (_mla, (2, 70, 64)),
     (_diffkv, (2, 40, 16)),
 ]
@@ -163,14 +208,26 @@ def new_cases(
     for build, args in table:
         name = _name_of(build, args)
         if keep(name):
-            makers.append(lambda b=build, a=args: b(*a, device, gen))
+            makers.append(lambda b=build, a=args: _make(b, a, device, gen))
     return makers
+
+
+def _make(build: Callable[..., NewCase], args: tuple, device: str, gen: torch.Generator) -> NewCase:
+    if build is _mla and len(args) == 4:
+        return _mla(*args[:3], device, gen, heads_tp=args[3])
+    return build(*args, device, gen)
 
 
 def _name_of(build: Callable[..., NewCase], args: tuple) -> str:
     if build is _pth:
         quant, batch, ctx, block = args
         return f"pth_{quant}_decode_b{batch}_ctx{ctx}_n{block}"
-    kind = "mla" if build is _mla else "diffkv"
+    if build is _fp8:
+        batch, ctx, block = args
+        return f"fp8pt_decode_b{batch}_ctx{ctx}_n{block}"
+    if build is _mla:
+        batch, ctx, block, *tp = args
+        tag = "mla" if not tp or tp[0] == 128 else f"mla_h{tp[0]}"
+        return f"{tag}_decode_b{batch}_ctx{ctx}_n{block}"
     batch, ctx, block = args
-    return f"{kind}_decode_b{batch}_ctx{ctx}_n{block}"
+    return f"diffkv_decode_b{batch}_ctx{ctx}_n{block}"

@@ -259,6 +259,12 @@ def run_new_cases(
             rec["error"] = err
         records.append(rec)
         print(json.dumps(rec), flush=True)
+        if case.flops and value is not None:
+            # MLA's compute rate beside its bandwidth: at 128 heads the MMA, not HBM, is the roof
+            flop_rec = {**rec, "metric": "TFLOP/s", "value": case.flops / ms / 1e9,
+                        "baseline": None, "baseline_value": None, "ratio": None}  # fmt: skip
+            records.append(flop_rec)
+            print(json.dumps(flop_rec), flush=True)
         del case
         if not smoke:
             torch.cuda.empty_cache()
@@ -397,6 +403,11 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="directory for paged_attention.json")
     ap.add_argument("--tune", action="store_true", help="sweep our tile configs / splits first")
     ap.add_argument(
+        "--tune-paths",
+        action="store_true",
+        help="sweep decode configs of the issue-12 cases (--cases picks them) first",
+    )
+    ap.add_argument(
         "--no-flex", action="store_true", help="skip FlexAttention (its compile is slow)"
     )
     ap.add_argument(
@@ -424,6 +435,12 @@ def main() -> int:
     if args.tune:
         best = tune(records)
         with open(os.path.join(args.out, "paged_attention_tune.json"), "w") as f:
+            json.dump(best, f, indent=1)
+    if args.tune_paths:
+        from _tune_paths import tune_paths
+
+        best = tune_paths(lambda fn: _bench(fn, warmup=5, rep=25), keep)
+        with open(os.path.join(args.out, "paged_attention_tune_paths.json"), "w") as f:
             json.dump(best, f, indent=1)
     limit = copy_limit()
     print(

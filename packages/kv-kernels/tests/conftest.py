@@ -73,6 +73,7 @@ _AOT_SCRIPT = textwrap.dedent(
                 # 16-byte vector accesses, the sign that loads/stores were vectorized
                 "ld_v4": len(re.findall(r"ld\\.global[^\\n]*\\.v4", ptx)),
                 "st_v4": len(re.findall(r"st\\.global[^\\n]*\\.v4", ptx)),
+                "st_v2": len(re.findall(r"st\\.global[^\\n]*\\.v2", ptx)),
             }
         except Exception:
             results[case["id"]] = {"ok": False, "error": traceback.format_exc()[-4000:]}

@@ -133,9 +133,15 @@ def test_triton_heads_split_over_programs(
 def test_deepseek_v3_config_splits_heads() -> None:
     cfg = select_config("decode", head_size=576, head_size_v=512, group=128, block_size=64,
                         arch=90, v_from_k=True)  # fmt: skip
-    assert (cfg.block_m, cfg.block_q, cfg.heads_per_program, cfg.num_warps) == (32, 1, 32, 8)
-    # the latent tile is the only KV tile: no separate V row in the shared-memory budget
-    assert cfg.tile_n == 32 and cfg.num_stages >= 2
+    # 64 of the 128 heads per program, over 8 warps: Hopper's warpgroup MMA (MLA is MMA-bound)
+    assert (cfg.block_m, cfg.block_q, cfg.heads_per_program, cfg.num_warps) == (64, 1, 64, 8)
+    # the latent tile is the only KV tile: no separate V row in the shared-memory budget; the
+    # q tile (64 x 576) and one 64-token latent tile fit, and one such program fills an SM
+    assert cfg.tile_n == 64 and cfg.num_stages == 1 and cfg.waves == 1
+    # without the warpgroup MMA (sm_80) the accumulator of 64 heads x 512 would not fit
+    cfg80 = select_config("decode", head_size=576, head_size_v=512, group=128, block_size=64,
+                          arch=80, v_from_k=True)  # fmt: skip
+    assert (cfg80.block_m, cfg80.heads_per_program) == (32, 32)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

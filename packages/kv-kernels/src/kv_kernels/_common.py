@@ -24,6 +24,7 @@ __all__ = [
     "layout_from_json",
     "layout_json",
     "resolve_impl",
+    "row_align",
     "scale_tensor",
     "triton_interpreting",
 ]
@@ -171,3 +172,14 @@ def scale_tensor(value: float | torch.Tensor, device: torch.device) -> torch.Ten
     if isinstance(value, torch.Tensor):
         return value
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def row_align(strides: Iterable[int]) -> int:
+    """The alignment (elements, <= 16) a Triton kernel may assume of every page, head and token
+    offset built from ``strides`` (a cache's block, head and token strides), for when Triton
+    cannot see it: a stride that is not a multiple of 16 (per-token-head rows of ``2 * 128 + 8``
+    bytes) makes Triton move the rows byte by byte (H200: 0.17 of the copy bandwidth), while the
+    strides' gcd still proves 8-byte rows. 1 when all are multiples of 16 (Triton specializes
+    them itself, and the compiled variant stays the same)."""
+    align = math.gcd(16, *strides)
+    return 1 if align == 16 else align

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from kv_spec import KVQuantMode, normalize_dtype, pages
 
+from kv_kernels._common import row_align
 from kv_kernels.paged_attention._kernels import paged_attention_kernel
 from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
 from kv_kernels.paged_attention._tiles import kernel_constexprs, pow2, select_config
@@ -78,8 +80,21 @@ def _attention_specs(
     aligned = (
         *tuple(n for n, t in sig.items() if t.startswith("*")),
         "stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kn", "stride_bts",
-        "stride_ot", "stride_oh", "v_start",
+        "stride_ot", "stride_oh", "k_start", "v_start",
     )  # fmt: skip
+    # A token row that is not a multiple of 16 elements (heads of 80 + 72): Triton does not
+    # specialize its stride, and the launcher passes the alignment it has (kv-spec pads
+    # per-token-head rows to 16 bytes, so theirs are aligned).
+    row = pages.content_size(
+        head_size=head_size,
+        head_size_v=0 if mla else head_size_v,
+        kv_quant=KVQuantMode.INT8_PER_TOKEN_HEAD if inline_scales else KVQuantMode.NONE,
+        is_mla=mla,
+        dtype=normalize_dtype(cache_dtype),
+    )
+    if row % 16:
+        aligned = tuple(a for a in aligned if a != "stride_kn")
+    align = row_align((row,))
     specs: list[AotSpec] = []
     for kind, split in (("decode", False), ("decode", True), ("prefill", False)):
         cfg = select_config(
@@ -111,6 +126,7 @@ def _attention_specs(
             check=not split,  # both the counting and the plain variant compile
             v_from_k=mla,
             scale_words=inline_scales,
+            row_align=align,
         )
         # Unit strides are specialized to constants at launch (Triton does so for ints == 1);
         # the AOT build does the same so it compiles the vectorized code that runs.

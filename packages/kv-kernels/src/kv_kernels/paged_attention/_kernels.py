@@ -88,12 +88,17 @@ def _page_offsets(
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
     CHECK: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     """Token offsets ``[TILE_N]`` (int64) of KV tile ``t`` and whether each token's page is valid.
 
     An invalid page (column past the table, id outside ``[0, num_blocks)``) is redirected inside the
     cache (block 0 for a one-page tile, the clamped id for a multi-page tile) and, on boundary
     tiles, its tokens flagged so masked loads read zeros; ``CHECK`` counts them.
+
+    ``ROW_ALIGN`` (> 1): every offset is a multiple of it (the launcher's gcd of the page and token
+    strides), told to the compiler so a token row that is not 16-byte aligned (a per-token-head
+    row of 128 + 128 + 8 bytes) is still read in 8-byte vectors instead of byte by byte.
     """
     kpos = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] absolute kv positions
     if BLOCK_SIZE % TILE_N == 0:
@@ -107,7 +112,10 @@ def _page_offsets(
         row = ((t * TILE_N) % BLOCK_SIZE + tl.arange(0, TILE_N)).to(tl.int64)
         # broadcast through int32: the interpreter mistypes scalar-bool & vector-bool
         tok_ok = (tl.zeros([TILE_N], dtype=tl.int32) + ok.to(tl.int32)) != 0
-        return blk * stride_kb + row * stride_kn, tok_ok
+        off = blk * stride_kb + row * stride_kn
+        if ROW_ALIGN > 1:
+            off = tl.multiple_of(off, ROW_ALIGN)
+        return off, tok_ok
     # The tile spans several pages: one block id per token (cached loads of the same ids).
     # Performance (H200, decode 64 x 4k and 8 x 32k, block 16): a compare-and-select of every id
     # on the hot path cost 25% (4.20 -> 3.14 TB/s); clamping with min/max costs nothing measurable,
@@ -123,7 +131,10 @@ def _page_offsets(
     else:
         ok = kpos >= 0  # unused by the unmasked hot path
     blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-    return blk * stride_kb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_kn, ok
+    off = blk * stride_kb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_kn
+    if ROW_ALIGN > 1:
+        off = tl.multiple_of(off, ROW_ALIGN)
+    return off, ok
 
 
 @triton.jit
@@ -206,6 +217,7 @@ def _attend_tiles(
     SCALE_WORDS: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     CHECK: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -220,7 +232,7 @@ def _attend_tiles(
         kpos = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
         tok_off, tok_ok = _page_offsets(
             t, seq_len, bt_row_ptr, stride_btb, max_blocks, num_blocks, stride_kb, stride_kn,
-            err_ptr, BLOCK_SIZE, TILE_N, MASKED, CHECK,
+            err_ptr, BLOCK_SIZE, TILE_N, MASKED, CHECK, ROW_ALIGN,
         )  # fmt: skip
         k_ptrs = kv_head_ptr + tok_off[:, None] + k_cols[None, :]  # [TILE_N, D_PAD]
         v_ptrs = kv_head_ptr + tok_off[:, None] + v_cols[None, :]  # [TILE_N, DV_PAD]
@@ -381,7 +393,7 @@ def paged_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, FOLD_LOG2: tl.constexpr,
     KV_SCALE: tl.constexpr, SCALE_WORDS: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_IEEE: tl.constexpr, CHECK: tl.constexpr,
+    DOT_IEEE: tl.constexpr, CHECK: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):  # fmt: skip
     pid_q = tl.program_id(0)
     # axis 1: kv head x chunk of its query heads (HEAD_CHUNKS > 1 only when GROUP > BLOCK_M,
@@ -466,7 +478,10 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    kv_head_ptr = kv_ptr + kvh.to(tl.int64) * stride_kh
+    head_off = kvh.to(tl.int64) * stride_kh
+    if ROW_ALIGN > 1:
+        head_off = tl.multiple_of(head_off, ROW_ALIGN)
+    kv_head_ptr = kv_ptr + head_off
     if SCALE_WORDS:
         kvs_head_ptr = kvs_ptr + kvh.to(tl.int64) * (stride_kh // 4)
     else:
@@ -491,7 +506,7 @@ def paged_attention_kernel(
             ks_idx, vs_idx, seq_len, q_pos, slopes, qk_scale, softcap, window, err_ptr,
             HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, BLOCK_SIZE, TILE_N,
             phase != 1, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, FOLD_LOG2,
-            KV_SCALE == 3, SCALE_WORDS, DOT_IEEE, CHECK,
+            KV_SCALE == 3, SCALE_WORDS, DOT_IEEE, CHECK, ROW_ALIGN,
         )  # fmt: skip
 
     has = l_i > 0.0

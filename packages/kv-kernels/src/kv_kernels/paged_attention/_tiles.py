@@ -22,7 +22,7 @@ __all__ = [
 
 #: Shared memory we let one program's pipeline buffers take (bytes): the sm_90 / sm_80 limits
 #: (227 KiB / 163 KiB per block) less room for the Q tile, P and the compiler's scratch.
-_SMEM_BUDGET = {90: 160 * 1024, 80: 112 * 1024}
+_SMEM_BUDGET = {90: 176 * 1024, 80: 112 * 1024}
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class AttentionConfig:
     #: times the value width would not fit the accumulator (MLA: 128 heads x 512); 0 (a config
     #: made by hand, e.g. a tuning sweep) means the whole group
     heads_per_program: int = 0
+    #: GPU waves the decode KV splits aim for (:func:`pick_num_splits`); 1: MMA-bound programs that
+    #: each fill an SM take the most splits that still fit one wave
+    waves: int = 2
 
 
 def split_head(head_size: int) -> tuple[int, int]:
@@ -78,10 +81,21 @@ def select_config(
     KV tile feeds two warpgroups' MMAs.
 
     Rows are capped so the float32 accumulator ``[block_m, pow2(head_size_v)]`` stays within
-    16K values (64 registers a thread at 8 warps, beside the q tile's); a larger GQA group (MLA:
-    128 heads over one 512-wide latent value) is split over programs that each take
-    ``heads_per_program`` heads of one token. (sm_90 AOT build of MLA decode: 64 rows spill ~1 KiB
-    a thread at 255 registers, 32 rows do not; the 4 programs per token share the latent via L2.) ``v_from_k`` (MLA): V is the first columns of the K tile, no second tile.
+    16K values (64 registers a thread at 8 warps, beside the q tile's); a larger GQA group is
+    split over programs that each take ``heads_per_program`` heads of one token. MLA decode
+    (``v_from_k``: 128 heads over one 576-wide latent whose first 512 columns are V) is the
+    exception: at 128 heads a latent byte feeds ~240 FLOPs, so it is MMA-bound, and 64 rows (two
+    programs per token) over 8 warps run Hopper's warpgroup MMA where 32 rows fall back to
+    ``mma.sync``; such programs fill an SM each, so their KV splits fill one wave (``waves=1``).
+
+    Decode sweeps, H200 (``bench_paged_attention.py --tune-paths``, ms at 64 x 4k / 8 x 32k):
+    MLA 128 heads 0.385 / 0.405 at 64 rows, 64-token tiles, 1 stage, vs 0.89 / 0.88 at 32 rows
+    (sm_90 build: 255 registers, 8 bytes spilled); MLA at 16 heads (tensor-parallel 8) 0.117 at
+    64-token tiles over 8 warps vs 0.136; DiffKV 192/128 0.332 / 0.329 at 128-token tiles over
+    8 warps with 4 waves of splits vs 0.355 / 0.344; 1-byte caches 0.290 (fp8 per tensor) and
+    0.328 (int8 per token and head) at 2 stages and 4 waves vs 0.366 / 0.357 at 4 stages and
+    2 waves (they stay at 0.35-0.45 of the copy: the MMA's 8-bit V operand is read from shared
+    memory byte by byte, and fp8 widens to bf16 through f16 one element at a time).
     """
     d_main, d_tail = split_head(head_size)
     d_pad, dv_pad = d_main + d_tail, pow2(head_size_v)
@@ -95,11 +109,23 @@ def select_config(
         # other (2.85-2.94 TB/s of a 3.0 TB/s copy): bandwidth comes from occupancy and splits.
         tile_n = 64 if d_pad + dv_pad <= 256 else 32
         num_warps = 4
-        num_stages = 4
+        num_stages = 2 if elem_bytes == 1 else 4
+        # 1-byte pages: twice the KV splits (64 x 4k: 2 instead of 1) lift reads by 20-26%
+        waves = 4 if elem_bytes == 1 else 2
+        if d_tail and not v_from_k:
+            # split head (DiffKV 192 = 128 + 64 over V 128)
+            tile_n, num_warps, num_stages, waves = 128, 8, 2, 4
+        elif v_from_k and block_m <= max_rows:
+            # MLA with few heads per GPU (tensor parallel): bandwidth-bound
+            tile_n, num_warps, num_stages = 64, 8, 2
         if block_m > max_rows:
-            # MLA-sized: 32 rows x 512 values over two warpgroups (64 accumulator registers a
-            # thread), 32-token tiles of the 1152-byte latent rows
-            block_m, tile_n, num_warps = max_rows, 32, 8
+            if v_from_k and arch >= 90:
+                # MLA, MMA-bound (see above): 64 rows for the warpgroup MMA, one program an SM
+                block_m, tile_n, num_warps, num_stages, waves = 64, 64, 8, 1, 1
+            else:
+                # 32 rows x 512 values over two warpgroups (64 accumulator registers a thread),
+                # 32-token tiles of the 1152-byte latent rows
+                block_m, tile_n, num_warps = max_rows, 32, 8
     elif kind == "prefill":
         block_m = 128 if max(d_pad, dv_pad) <= 128 else 64
         block_m = max(block_m, pow2(group))
@@ -109,6 +135,7 @@ def select_config(
         # 2 / 3 / 4 stages; 64 rows gave 287.
         num_warps = 4
         num_stages = 3
+        waves = 2
         if block_m > max_rows:
             block_m, tile_n, num_warps = max_rows, 32, 8
     else:
@@ -124,18 +151,29 @@ def select_config(
     while tile_n > 16 and num_stages * tile_n * row_bytes > budget:
         tile_n //= 2
     heads = min(group, block_m)
-    return AttentionConfig(block_m, block_m // heads, tile_n, num_warps, num_stages, heads)
+    return AttentionConfig(block_m, block_m // heads, tile_n, num_warps, num_stages, heads, waves)
 
 
 def pick_num_splits(
-    *, num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int
+    *,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    tile_n: int,
+    num_sms: int,
+    waves: int = 2,
 ) -> int:
-    """KV split count for a decode batch: enough programs for ~2 waves of the GPU, while each
-    split keeps at least 8 KV tiles (fewer and the merge and the prologue dominate)."""
+    """KV split count for a decode batch: enough programs for ~``waves`` waves of the GPU, while
+    each split keeps at least 8 KV tiles (fewer and the merge and the prologue dominate).
+    ``waves=1`` (programs that each fill an SM): the most splits that still fit one wave."""
     programs = max(1, num_seqs * num_kv_heads)
     tiles = -(-max(max_seq_len, 1) // tile_n)
     splits = 1
-    while splits < 64 and programs * splits < 2 * num_sms and tiles >= 16 * splits:
+    if waves == 1:
+        while splits < 64 and programs * splits * 2 <= num_sms and tiles >= 32 * splits:
+            splits *= 2
+        return splits
+    while splits < 64 and programs * splits < waves * num_sms and tiles >= 16 * splits:
         splits *= 2
     return splits
 
@@ -177,13 +215,15 @@ def kernel_constexprs(
     check: bool,
     v_from_k: bool = False,
     scale_words: bool = False,
+    row_align: int = 1,
 ) -> dict[str, Any]:
     """Every ``tl.constexpr`` of :func:`~._kernels.paged_attention_kernel` for one launch.
 
     ``kv_scale_mode``: 0 unquantized, 1 scales as scalar arguments, 2 scales read from tensors,
     3 per-token-head scales inline in the page (``scale_words``: read as aligned float32 words).
     ``FOLD_LOG2`` folds the base-2 conversion into the q.k scale, which is exact only when nothing
-    (softcap, ALiBi) acts on the logits between the scale and the exponent.
+    (softcap, ALiBi) acts on the logits between the scale and the exponent. ``row_align``: see
+    :func:`kv_kernels._common.row_align`.
     """
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind={kind!r} must be 'decode' or 'prefill'")
@@ -221,4 +261,5 @@ def kernel_constexprs(
         WRITE_LSE=write_lse,
         DOT_IEEE=dot_ieee,
         CHECK=check,
+        ROW_ALIGN=row_align,
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kv_kernels._common import row_align
 from kv_kernels.paged_attention._aot import AotSpec, aot_specs
 from kv_kernels.paged_attention._kernels import paged_attention_kernel
 from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
@@ -160,7 +161,7 @@ def paged_attention_triton(
         bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
         num_splits = 1 if run_prefill else pick_num_splits(
             num_seqs=num_seqs, num_kv_heads=num_kv_heads * chunks_dec, max_seq_len=bound,
-            tile_n=cfg_dec.tile_n, num_sms=num_sms,
+            tile_n=cfg_dec.tile_n, num_sms=num_sms, waves=cfg_dec.waves,
         )  # fmt: skip
     split = num_splits > 1
     dv_pad = pow2(head_size_v)
@@ -187,6 +188,7 @@ def paged_attention_triton(
         check=error_flag is not None,
         v_from_k=v_from_k,
         scale_words=scale_words,
+        row_align=row_align(kv_cache.stride()[:3]),
     )
     args = (
         q, *q.stride(), kv_cache, *kv_cache.stride(), kvs,

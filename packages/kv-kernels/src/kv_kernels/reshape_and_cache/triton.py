@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from kv_spec import KVCacheLayout, KVQuantMode
 
+from kv_kernels._common import row_align
+
 __all__ = ["reshape_and_cache_triton"]
 
 # Quant codes the kernel specializes on.
@@ -75,6 +77,7 @@ def _reshape_and_cache_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     CHECK: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # see kv_kernels._common.row_align
 ):
     tok = tl.program_id(0).to(tl.int64)
     head0 = tl.program_id(1) * BLOCK_H
@@ -92,6 +95,10 @@ def _reshape_and_cache_kernel(
     heads64 = heads.to(tl.int64)
     # int64 offset of (block, head, offset, 0) for each head of the tile
     row = block * cache_sb + offset * cache_sn + heads64 * cache_sh  # [BLOCK_H]
+    if ROW_ALIGN > 1:
+        # rows whose strides Triton cannot see as 16-aligned (per-token-head: 2 * 128 + 8 bytes)
+        # are still written in ROW_ALIGN-element vectors, not byte by byte
+        row = tl.multiple_of(row, ROW_ALIGN)
 
     # ---- K ---------------------------------------------------------------------------------
     # Loads are masked by shape only, not by the slot, so they issue without waiting for the slot
@@ -230,5 +237,6 @@ def reshape_and_cache_triton(
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         CHECK=error_flag is not None,
+        ROW_ALIGN=row_align(kv_cache.stride()[:3]),
         num_warps=num_warps,
     )
