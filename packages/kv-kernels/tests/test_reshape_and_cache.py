@@ -109,7 +109,9 @@ def oracle_write(
 
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_reference_matches_oracle(order: str, dtype: str) -> None:
+# pad_every=0: no -1 slot, the reference's path without a padding mask (a decode step's usual batch)
+@pytest.mark.parametrize("pad_every", [3, 0], ids=["padded", "unpadded"])
+def test_reference_matches_oracle(order: str, dtype: str, pad_every: int) -> None:
     pad = 32 if LayoutOrder(order).page_contiguous else 0
     layout = make_layout(order, dtype=dtype, pad=pad)
     storage = random_storage(layout)
@@ -117,7 +119,7 @@ def test_reference_matches_oracle(order: str, dtype: str) -> None:
     n = 11
     key = torch.randn(n + 3, layout.num_kv_heads, layout.head_size).to(torch_dtype)  # padded T' > T
     value = torch.randn(n + 3, layout.num_kv_heads, layout.head_size_v).to(torch_dtype)
-    slots = make_slots(n, layout, seed=1)
+    slots = make_slots(n, layout, seed=1, pad_every=pad_every)
     view = layer_view(storage, layout, 1)
     expected = oracle_write(view.double(), key, value, slots, layout)
     other_before = layer_view(storage, layout, 0).double().clone()

@@ -12,6 +12,7 @@ from kv_spec import KVCacheLayout
 __all__ = [
     "PaddedGroup",
     "PaddedMask",
+    "attend_decode",
     "attend_one_request",
     "attend_padded",
     "check_block_table",
@@ -380,15 +381,8 @@ def attend_padded(
     be dropped. ``mask`` is :func:`padded_mask` of the group under this layer's rules.
     """
     g, lb, hq, _ = q.shape
-    h, sb = k.shape[1], k.shape[2]
-    allowed, q_pos, kv_pos = mask.allowed, mask.q_pos, mask.kv_pos  # [G, Lb, Sb], [G, Lb], [Sb]
+    h = k.shape[1]
     qf = q.float().permute(0, 2, 1, 3)  # [G, Hq, Lb, D]
-    bias = None
-    if alibi_slopes is not None:
-        bias = (
-            alibi_slopes.float().to(q.device)[None, :, None, None]
-            * (kv_pos[None, None, None, :] - q_pos[:, None, :, None]).float()
-        )  # [G, Hq, Lb, Sb]
     if sinks is None and softcap == 0.0 and lb > 1:
         # Plain prefill: one SDPA call for the whole group (GQA without copying K/V), which never
         # holds a [Lb, Sb] score matrix per head; its CPU kernel gives each (request, head, query
@@ -397,34 +391,88 @@ def attend_padded(
         # batch size, so a request's bits would depend on its neighbours (measured: 2 threads,
         # 1e-8 differences); the bmm path below is as fast at one query and keeps batch elements
         # apart.
-        attn_mask = allowed[:, None]  # [G, 1, Lb, Sb]
-        if bias is not None:
-            attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
+        attn_mask = mask.allowed[:, None]  # [G, 1, Lb, Sb]
+        if alibi_slopes is not None:
+            attn_mask = _alibi_bias(alibi_slopes, mask).masked_fill(~attn_mask, float("-inf"))
         out = F.scaled_dot_product_attention(
             qf, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=hq != h
         )  # [G, Hq, Lb, Dv]
         return out.permute(0, 2, 1, 3)
-    # Decodes, sinks or softcap: explicit softmax. Query head hq reads KV head hq // (Hq // H): view
-    # the query heads as [H, Hq // H] so K/V broadcast over the group instead of being repeated.
-    rep = hq // h
-    q3 = qf.reshape(g * h, rep * lb, -1)  # [G*H, rep*Lb, D]
+    # Query head hq reads KV head hq // (Hq // H): view the query heads as [H, Hq // H] so K/V
+    # broadcast over the group instead of being repeated.
+    out = _attend_explicit(
+        qf.reshape(g * h, (hq // h) * lb, -1), k, v, mask,
+        scale=scale, sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+    return out.view(g, hq, lb, -1).permute(0, 2, 1, 3)  # [G, Lb, Hq, Dv]
+
+
+def attend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: PaddedMask,
+    *,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`attend_padded` for a decode group (``Lb = 1``) with the query rows as they come:
+    ``q`` ``[G, Hq, D]`` -> ``[G, Hq, Dv]`` float32. The same ops on the same shapes, so the same
+    bits, without the query-length axis and its views: decodes are most of a step's groups."""
+    g, hq, _ = q.shape
+    h = k.shape[1]
+    out = _attend_explicit(
+        q.float().view(g * h, hq // h, -1), k, v, mask,
+        scale=scale, sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+    return out.view(g, hq, -1)
+
+
+def _alibi_bias(alibi_slopes: torch.Tensor, mask: PaddedMask) -> torch.Tensor:
+    """ALiBi's ``slope[h] * (kv_pos - q_pos)``, ``[G, Hq, Lb, Sb]`` float32."""
+    return (
+        alibi_slopes.float().to(mask.kv_pos.device)[None, :, None, None]
+        * (mask.kv_pos[None, None, None, :] - mask.q_pos[:, None, :, None]).float()
+    )
+
+
+def _attend_explicit(
+    q3: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: PaddedMask,
+    *,
+    scale: float,
+    sinks: torch.Tensor | None,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    """Decodes, sinks or softcap: an explicit softmax. ``q3`` ``[G*H, rep*Lb, D]`` float32 (query
+    head ``h * rep + i`` of request ``g`` at ``[g*H + h, i*Lb : (i+1)*Lb]``), ``k``/``v`` as in
+    :func:`attend_padded`. Returns ``[G*H, rep*Lb, Dv]``."""
+    g, h, sb = k.shape[0], k.shape[1], k.shape[2]
+    lb = mask.allowed.shape[1]
+    hq = q3.shape[1] // lb * h
     k3t = k.reshape(g * h, sb, -1).transpose(1, 2)  # [G*H, D, Sb]
+    bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, mask)  # [G, Hq, Lb, Sb]
     if softcap:
         logits = (torch.bmm(q3, k3t) * scale).view(g, hq, lb, sb)
         logits = softcap * torch.tanh(logits / softcap)
         if bias is not None:
             logits = logits + bias
-        logits = logits.masked_fill(~allowed[:, None], float("-inf"))  # [G, Hq, Lb, Sb]
+        logits = logits.masked_fill(~mask.allowed[:, None], float("-inf"))  # [G, Hq, Lb, Sb]
     else:
         # scale * (q . k) + (0 or -inf) in one op; ALiBi (finite) may follow the mask.
-        logits = torch.baddbmm(mask.additive, q3, k3t, alpha=scale).view(g, hq, lb, sb)
+        logits = torch.baddbmm(mask.additive, q3, k3t, alpha=scale)  # [G*H, rep*Lb, Sb]
         if bias is not None:
-            logits = logits + bias
+            logits = logits.view(g, hq, lb, sb) + bias
     if sinks is not None:
         # The sink is one more logit per head that takes probability mass but has no value.
-        sink_col = sinks.float().to(q.device)[None, :, None, None].expand(g, hq, lb, 1)
+        logits = logits.view(g, hq, lb, sb)
+        sink_col = sinks.float().to(q3.device)[None, :, None, None].expand(g, hq, lb, 1)
         probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :sb]
     else:
         probs = torch.softmax(logits, dim=-1)
-    out = torch.bmm(probs.reshape(g * h, rep * lb, sb), v.reshape(g * h, sb, -1))
-    return out.view(g, hq, lb, -1).permute(0, 2, 1, 3)  # [G, Lb, Hq, Dv]
+    return torch.bmm(probs.reshape(g * h, -1, sb), v.reshape(g * h, sb, -1))

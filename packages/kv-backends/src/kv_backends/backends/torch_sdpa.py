@@ -23,6 +23,7 @@ import torch
 from kv_backends.backends._torch_ops import (
     PaddedGroup,
     PaddedMask,
+    attend_decode,
     attend_padded,
     check_block_table,
     gather_padded_kv,
@@ -50,6 +51,8 @@ class _StepPlan:
         self.key = key
         self.groups = groups
         self.rows = rows  # per group, [G, nblk] int64
+        # per group, the query rows flat ([G] for a decode group, [G*Lb] for the rest)
+        self.q_rows = [g.q_index.view(-1) for g in groups]
         self.masks: dict[tuple[bool, int | None, int, int], list[PaddedMask]] = {}
 
     def masks_for(
@@ -137,23 +140,23 @@ class TorchSDPAImpl(AttentionImpl):
         masks = plan.masks_for(
             self.causal, self.sliding_window, num_kv_heads, self.num_q_heads // num_kv_heads
         )
-        for group, rows, mask in zip(plan.groups, plan.rows, masks, strict=True):
+        for group, rows, q_rows, mask in zip(
+            plan.groups, plan.rows, plan.q_rows, masks, strict=True
+        ):
             k, v = gather_padded_kv(cache, rows, klayout, k_scale, v_scale)  # [G, H, Sb, D|Dv]
-            qg = q.index_select(0, group.q_index.view(-1))  # [G*Lb, Hq, D]
+            qg = q.index_select(0, q_rows)  # [G*Lb, Hq, D]
+            if group.query_len == 1:  # decode: every row is real, no query-length axis
+                o = attend_decode(
+                    qg, k, v, mask, scale=self.scale, sinks=params.sinks,
+                    softcap=self.softcap, alibi_slopes=params.alibi_slopes,
+                )  # fmt: skip  # [G, Hq, Dv]
+                result.index_copy_(0, q_rows, o.to(result.dtype))
+                continue
             o = attend_padded(
-                qg.view(*group.q_index.shape, *q.shape[1:]),  # [G, Lb, Hq, D]
-                k,
-                v,
-                mask,
-                scale=self.scale,
-                sinks=params.sinks,
-                softcap=self.softcap,
-                alibi_slopes=params.alibi_slopes,
-            )  # [G, Lb, Hq, Dv]
-            if group.query_len == 1:  # decode: every row is real
-                result.index_copy_(0, group.q_index[:, 0], o[:, 0].to(result.dtype))
-            else:
-                result[group.q_index[group.q_valid]] = o[group.q_valid].to(result.dtype)
+                qg.view(*group.q_index.shape, *q.shape[1:]), k, v, mask, scale=self.scale,
+                sinks=params.sinks, softcap=self.softcap, alibi_slopes=params.alibi_slopes,
+            )  # fmt: skip  # [G, Lb, Hq, Dv]
+            result[group.q_index[group.q_valid]] = o[group.q_valid].to(result.dtype)
         if q.shape[0] > metadata.num_actual_tokens:
             result[metadata.num_actual_tokens :] = 0
         return result

@@ -93,13 +93,20 @@ def reshape_and_cache_reference(
 ) -> None:
     """Write the first ``T = slot_mapping.numel()`` tokens of ``key``/``value`` into ``kv_cache``."""
     num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
     block_size = kv_cache.shape[2]
     num_heads = kv_cache.shape[1]
     slots = slot_mapping.reshape(-1).to(torch.int64)
-    keep = slots >= 0  # [T] padding slots are skipped
-    slots = slots[keep]
-    if slots.numel() == 0:
-        return
+    # Padding slots (< 0) are skipped. Most batches have none: one reduction tells, and then no
+    # boolean mask is needed (a nonzero plus a copy of key and of value; the mask read the
+    # device back too, so a CUDA caller waits no more than before).
+    keep: torch.Tensor | None = None
+    if int(slots.min()) < 0:
+        keep = slots >= 0  # [T]
+        slots = slots[keep]
+        if slots.numel() == 0:
+            return
     blocks = slots // block_size  # [T_kept]
     offsets = slots % block_size  # [T_kept]
     mode = layout.kv_quant
@@ -111,7 +118,9 @@ def reshape_and_cache_reference(
     def write(
         x: torch.Tensor, rng: tuple[int, int], scale: torch.Tensor | None
     ) -> torch.Tensor | None:
-        x = x[:num_tokens][keep.to(x.device)].to(torch.float32)  # [T_kept, H, D]
+        x = x[:num_tokens] if keep is None else x[:num_tokens][keep.to(x.device)]  # [T_kept, H, D]
+        if mode is not KVQuantMode.NONE:
+            x = x.to(torch.float32)  # quantize in float32; an unquantized write copies as is
         q, row_scale = _quantize(x, mode, cache_dtype, _head_scale(scale, num_heads))
         target[blocks, :, offsets, rng[0] : rng[1]] = _bytes_of(q) if one_byte else q
         return row_scale
