@@ -14,7 +14,15 @@ from torch import nn
 
 from kvstack.engine.hf_config import RopeConfig
 
-__all__ = ["GatedMLP", "GptOssMoE", "Linear", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
+__all__ = [
+    "GatedMLP",
+    "GptOssMoE",
+    "Linear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "StackedLinear",
+    "rope_inv_freq",
+]
 
 
 class RMSNorm(nn.Module):
@@ -130,6 +138,53 @@ class Linear(nn.Linear):
         pass
 
 
+class StackedLinear:
+    """Linears that read the same input, run as one matmul.
+
+    Their weights (and biases) are stacked as row blocks of one tensor, and each linear's
+    parameters become views of its block: the names, shapes and values the checkpoint gave are
+    unchanged, an in-place edit of a parameter edits the stack, and no memory is doubled. One
+    ``[T, in] @ [in, sum(out)]`` matmul costs one call instead of one per linear, which is most of
+    a small model's decode step; each output column is the same dot product either way.
+
+    A parameter replaced since (``load_state_dict(assign=True)``, a new ``Parameter``, a move to
+    another device) no longer lives in the stack: :meth:`__call__` then returns ``None`` and the
+    caller runs the linears one by one, so a stale stack is never used.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        if len({lin.bias is None for lin in linears}) != 1:
+            raise ValueError("StackedLinear: the linears must all have a bias or all have none")
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight for lin in linears])  # [sum(out), in]
+            self.bias = (
+                None
+                if linears[0].bias is None
+                else torch.cat([lin.bias for lin in linears if lin.bias is not None])
+            )
+        for i, (lin, w) in enumerate(zip(linears, self.weight.split(self.sizes), strict=True)):
+            lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad)
+            if self.bias is not None:
+                b = self.bias.split(self.sizes)[i]
+                assert lin.bias is not None
+                lin.bias = nn.Parameter(b, requires_grad=lin.bias.requires_grad)
+        self._ptrs = self._param_ptrs()
+
+    def _param_ptrs(self) -> tuple[int, ...]:
+        return tuple(
+            p.data_ptr() for lin in self.linears for p in (lin.weight, lin.bias) if p is not None
+        )
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Each linear's output (column views of one result), or ``None`` if the parameters
+        left the stack."""
+        if self._param_ptrs() != self._ptrs:
+            return None
+        return list(nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+
+
 class GatedMLP(nn.Module):
     """Llama/Mistral/Qwen3 MLP: ``down(silu(gate(x)) * up(x))``."""
 
@@ -138,9 +193,16 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up: StackedLinear | None = None
+
+    def stack_projections(self) -> None:
+        """Run gate and up as one matmul (see :class:`StackedLinear`); call once weights are in."""
+        self.gate_up = StackedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        both = self.gate_up(x) if self.gate_up is not None else None
+        gate, up = both if both is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class GptOssRouter(nn.Module):

@@ -138,4 +138,5 @@ def load_model(
     # The rotary frequencies are a non-persistent buffer: put them on the device, in float32
     # whatever the weights' dtype, as transformers does.
     model.rotary = RotaryEmbedding(arch.rope, arch.head_dim).to(device)
+    model.stack_projections()
     return model.eval()

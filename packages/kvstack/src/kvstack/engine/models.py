@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from kvstack.engine.hf_config import ArchConfig
-from kvstack.engine.layers import GatedMLP, GptOssMoE, Linear, RMSNorm, RotaryEmbedding
+from kvstack.engine.layers import (
+    GatedMLP,
+    GptOssMoE,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    StackedLinear,
+)
 
 __all__ = ["AttendFn", "Attention", "CausalLM", "DecoderLayer", "dense_attention"]
 
@@ -78,15 +85,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(arch.num_q_heads)) if arch.has_sinks else None
+        self.stacked: StackedLinear | None = None
+
+    def stack_projections(self) -> None:
+        """Run q, k and v as one matmul (see :class:`StackedLinear`); call once weights are in."""
+        self.stacked = StackedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def qkv(
         self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[T, hidden]`` -> rotated ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v``."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_q_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.v_head_dim)
+        out = self.stacked(x) if self.stacked is not None else None
+        if out is None:  # not stacked, or a parameter was replaced since
+            out = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        q = out[0].view(t, self.num_q_heads, self.head_dim)
+        k = out[1].view(t, self.num_kv_heads, self.head_dim)
+        v = out[2].view(t, self.num_kv_heads, self.v_head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3: RMSNorm over each head's dims, before RoPE.
             q, k = self.q_norm(q), self.k_norm(k)
@@ -168,6 +183,15 @@ class CausalLM(nn.Module):
         """float32 logits ``[R, vocab]`` of hidden states ``[R, hidden]``."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return nn.functional.linear(hidden, weight).float()
+
+    def stack_projections(self) -> None:
+        """Run each layer's q/k/v (and a gated MLP's gate/up) projections as one matmul, once the
+        weights are in (the loader calls it). Names, shapes and values of every parameter stay
+        as the checkpoint gave them (see :class:`~kvstack.engine.layers.StackedLinear`)."""
+        for layer in self.decoder_layers():
+            layer.self_attn.stack_projections()
+            if isinstance(layer.mlp, GatedMLP):
+                layer.mlp.stack_projections()
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, m) for m in self.model.layers]

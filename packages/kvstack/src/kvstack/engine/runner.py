@@ -302,12 +302,12 @@ class ModelRunner:
     def _check_positions(positions: torch.Tensor, md: CommonAttentionMetadata) -> None:
         # Request r's new tokens sit at seq_len - query_len .. seq_len - 1: a position that
         # disagrees would rotate q/k for one place and write/attend for another.
+        # Token t of request r sits at seq_lens[r] - query_len(r) + (t - qsl[r]), which is
+        # t + (seq_lens[r] - qsl[r + 1]): one per-request shift, spread over its tokens.
         qsl = md.host_query_start_loc().to(torch.int64)
         seq = md.host_seq_lens().to(torch.int64)
-        qlens = qsl[1:] - qsl[:-1]
-        start = torch.repeat_interleave(seq - qlens, qlens)  # [num_actual]
-        offset = torch.arange(int(qsl[-1])) - torch.repeat_interleave(qsl[:-1], qlens)
-        expect = start + offset
+        shift = torch.repeat_interleave(seq - qsl[1:], qsl.diff())  # [qsl[-1]]
+        expect = torch.arange(shift.numel()) + shift
         got = positions[: md.num_actual_tokens].cpu()
         if got.numel() != expect.numel() or not torch.equal(got, expect):
             bad = (got != expect).nonzero()
