@@ -5,11 +5,15 @@ The checkpoints here are written by the engine itself (no transformers needed); 
 transformers lives in test_models_hf.py. The oracle is ``model.forward_dense`` over each whole
 sequence; float32 on both sides, differing only in summation order, so ``RTOL`` (1e-4 of the
 largest logit, observed ~1e-6) is loose for them and tight for any addressing bug.
+In bf16 the final logits of the MoE model are no test of attention (routing flips under rounding):
+there each attention call is held to float64 attention on the same q/k/v (``AttentionCalls``), and
+end-to-end logits are compared only for a model without experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +23,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_backends import CommonAttentionMetadata
+from kv_kernels.testing import (
+    OracleCheck,
+    attention_oracle,
+    check_close_to_oracle,
+    plant_wrong_page,
+)
 from kvstack.engine import ModelRunner
+from kvstack.engine.models import dense_attention
 from kvstack.engine.testing import GreedyResult, diffkv_config, greedy_generate, write_checkpoint
 
 RTOL = 1e-4
@@ -266,35 +277,310 @@ def test_gpu_backends_float32_match_the_cpu_reference(gpt_oss: Path, backend: st
         assert float((logits - dense).abs().max() / dense.abs().max()) <= 1e-3, runner.describe()
 
 
-# FLEX_ATTENTION in bf16 with sinks (head 16) is 0.25 of the max logit from its dense twin on an
-# H200 while float32 FLEX matches at 1e-3 and bf16 TORCH_SDPA/TRITON pass: a known FLEX bf16 bug,
-# kept visible (strict: the test fails loudly once it is fixed, so the mark comes off).
-_BF16_BACKENDS = [
-    pytest.param(
-        b,
-        marks=pytest.mark.xfail(strict=True, reason="FLEX bf16 with sinks: 0.25 off (H200)"),
-    )
-    if b == "FLEX_ATTENTION"
-    else b
-    for b in GPU_BACKENDS
-]
+# -- per attention call: each backend call against the float64 oracle on the same q/k/v -----------
+#
+# A model-level bf16 check (final logits within 5e-2 of the same model's dense bf16 forward) cannot
+# tell paging from rounding on gpt-oss: MoE top-k routing flips on a one-ulp change of an attention
+# output, so noise of half a bf16 step on every attention output fails that check in 7 of 8 runs of
+# TORCH_SDPA. The checks below look at each attention call instead: the backend's output against
+# float64 attention over the same q and the K/V the model produced for that request (kept by the
+# test from the model's own k/v, never read from the cache or through the block table), with the
+# flash-attention parity rule of kv-kernels (bound = 2 x a plain torch run's error in the dtype +
+# a few units of the dtype's rounding of the row). The model's own ``dense_attention`` over the same
+# q/k/v is held to the same oracle and rule, so the oracle's window and sink conventions are the
+# model's.
+
+
+def _lowprec_attention(
+    q: torch.Tensor,  # [T, Hq, D] in the compute dtype, CPU
+    ks: list[torch.Tensor],  # per request [L, Hkv, D]
+    vs: list[torch.Tensor],  # per request [L, Hkv, Dv]
+    q_lens: list[int],
+    *,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Plain torch attention in ``q.dtype`` (logits, softmax and P@V rounded to it), as
+    kv_backends.testing.lowprec_reference computes it: ``err_lowprec`` of the tolerance rule."""
+    dt = q.dtype
+    out = torch.zeros(q.shape[0], q.shape[1], vs[0].shape[-1], dtype=dt)
+    start = 0
+    for k, v, n in zip(ks, vs, q_lens, strict=True):
+        s, group = k.shape[0], q.shape[1] // k.shape[1]
+        qq = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+        kk = k.to(dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, S, D]
+        vv = v.to(dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, S, Dv]
+        logits = (qq @ kk.transpose(1, 2)) * scale  # [Hq, n, S]
+        p = torch.arange(s - n, s)[:, None]
+        kpos = torch.arange(s)[None, :]
+        ok = kpos <= p
+        if window is not None:
+            ok &= kpos > p - window
+        logits = logits.masked_fill(~ok, float("-inf"))
+        if sinks is not None:
+            sink = sinks.detach().cpu().to(dt)[:, None, None].expand(-1, n, 1)
+            probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :s]
+        else:
+            probs = torch.softmax(logits, -1)
+        out[start : start + n] = (probs.to(dt) @ vv).transpose(0, 1)
+        start += n
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    step: int
+    layer: int
+    q_lens: tuple[int, ...]
+    backend: OracleCheck  # the paged backend's output vs the oracle
+    dense: OracleCheck  # the model's dense_attention on the same q/k/v vs the oracle
+
+
+class AttentionCalls:
+    """Records every attention call of ``runner`` and checks it against the float64 oracle.
+
+    Two test-only wrappers, no engine change: ``runner.execute`` (to read each step's request
+    boundaries and identities from the metadata the caller built) and ``runner.model.forward`` (to
+    wrap the ``attend(layer, q, k, v)`` callback the runner hands the model: the seam between the
+    projections and attention, see models.py). A request is identified by the first entry of its
+    group-0 block-table row as the caller built it (blocks are never freed in ``greedy_generate``);
+    its K/V history per layer is the k/v the model handed to ``attend``, never read from the cache.
+    """
+
+    def __init__(self, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.runner = runner
+        self.calls: list[AttentionCall] = []
+        # (layer, request key) -> (q chunks, k chunks, v chunks), on the CPU
+        self._history: dict[tuple[int, int], tuple[list[torch.Tensor], ...]] = {}
+        self._step: tuple[list[int], list[int], list[int]] | None = None
+        self._steps = 0
+        execute, forward = runner.execute, runner.model.forward
+
+        def execute_hook(
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            metadata: list[CommonAttentionMetadata],
+            logits_indices: torch.Tensor,
+        ) -> torch.Tensor:
+            md = metadata[0]
+            n = md.query_start_loc.numel() - 1
+            self._step = (
+                md.query_start_loc.tolist(),
+                md.seq_lens.tolist(),
+                md.block_table[:n, 0].tolist(),
+            )
+            try:
+                return execute(input_ids, positions, metadata, logits_indices)
+            finally:
+                self._step = None
+                self._steps += 1
+
+        def forward_hook(input_ids: torch.Tensor, positions: torch.Tensor, attend: Any) -> Any:
+            if self._step is None:  # forward_dense, not a runner step
+                return forward(input_ids, positions, attend)
+
+            def attend_hook(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+                out = attend(i, q, k, v)
+                self._check(i, q, k, v, out)
+                return out
+
+            return forward(input_ids, positions, attend_hook)
+
+        monkeypatch.setattr(runner, "execute", execute_hook)
+        monkeypatch.setattr(runner.model, "forward", forward_hook)
+
+    def _check(
+        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        assert self._step is not None, "attend outside runner.execute"
+        qsl, seq_lens, keys = self._step
+        q_lens = [b - a for a, b in itertools.pairwise(qsl)]
+        t = qsl[-1]
+        q, k, v = (x[:t].detach().cpu() for x in (q, k, v))
+        model, arch = self.runner.model, self.runner.arch
+        window, sinks = arch.layer_window(i), model.layer_sinks(i)
+        sinks = None if sinks is None else sinks.detach().cpu()  # the references run on the CPU
+        qs, ks, vs, dense = [], [], [], []
+        for r, (a, b) in enumerate(itertools.pairwise(qsl)):
+            hq, hk, hv = self._history.setdefault((i, keys[r]), ([], [], []))
+            assert sum(x.shape[0] for x in hk) == seq_lens[r] - (b - a), "history out of step"
+            hq.append(q[a:b])
+            hk.append(k[a:b])
+            hv.append(v[a:b])
+            qs.append(torch.cat(hq))
+            ks.append(torch.cat(hk))
+            vs.append(torch.cat(hv))
+            # The model's own cache-free attention over the request's whole history.
+            full = dense_attention(
+                qs[-1], ks[-1], vs[-1], scale=model.scale, sliding_window=window, sinks=sinks
+            )
+            dense.append(full[full.shape[0] - (b - a) :])
+        oracle, _ = attention_oracle(
+            q, ks, vs, q_lens, scale=model.scale, sliding_window=window, sinks=sinks
+        )
+        kw: dict[str, Any] = dict(scale=model.scale, window=window, sinks=sinks)
+        low = _lowprec_attention(q, ks, vs, q_lens, **kw)
+        self.calls.append(
+            AttentionCall(
+                self._steps,
+                i,
+                tuple(q_lens),
+                check_close_to_oracle(out[:t], oracle, lowprec_reference=low),
+                check_close_to_oracle(torch.cat(dense), oracle, lowprec_reference=low),
+            )
+        )
+
+    def failures(self) -> list[str]:
+        return [
+            f"step {c.step} layer {c.layer} q_lens {c.q_lens}: {name}: {chk.message}"
+            for c in self.calls
+            for name, chk in (("backend", c.backend), ("dense_attention", c.dense))
+            if not chk.ok
+        ]
+
+    def assert_ok(self) -> None:
+        assert self.calls, "no attention call was recorded"
+        bad = self.failures()
+        assert not bad, f"{len(bad)} failed checks of {len(self.calls)} attention calls:\n" + (
+            "\n".join(bad[:10]) + "\n" + self.runner.describe()
+        )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", _BF16_BACKENDS)
-def test_gpu_backends_bf16_match_the_same_model_dense(gpt_oss: Path, backend: str | None) -> None:
-    # bf16 is held to the same bf16 model's dense forward on the same GPU, not to float32: a random
-    # gpt-oss in bf16 differs from its float32 self by ~0.14 of the max logit on an H200 whatever
-    # the backend (TORCH_SDPA included: MoE top-k routing flips under bf16 rounding), which says
-    # nothing about paging. The paged run and its dense twin share weights, dtype and routing.
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_backends_bf16_attention_matches_the_oracle_per_call(
+    gpt_oss: Path, backend: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every attention call of a bf16 gpt-oss run (sinks, sliding and full layers, chunked prefill
+    # and decodes in one batch) against float64 attention on the same q/k/v. No logit comparison:
+    # on this MoE model it measures routing flips, not attention (see the section comment).
     runner = _gpu_runner(gpt_oss, torch.bfloat16, backend)
+    calls = AttentionCalls(runner, monkeypatch)
+    result = generate(runner)
+    calls.assert_ok()
+    assert all(torch.isfinite(lg).all() for lg in result.logits)
+
+
+def generate_steps() -> int:
+    """Steps ``generate`` takes: the longest prompt's prefill chunks, then one per new token."""
+    return max(-(-len(p) // c) for p, c in zip(PROMPTS, CHUNKS, strict=True)) + MAX_NEW - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "FLEX_ATTENTION"])
+def test_attention_matches_the_oracle_per_call(
+    gpt_oss: Path, backend: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GPU test's logic on the CPU (eager FLEX, TORCH_SDPA), so CI runs it.
+    runner = make(gpt_oss, dtype=dtype, backend=backend)
+    calls = AttentionCalls(runner, monkeypatch)
+    generate(runner)
+    calls.assert_ok()
+    assert len(calls.calls) == runner.arch.num_layers * generate_steps()
+
+
+def _wrong_page(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once request 0 (the 27-token prompt) spans 2 pages, every group's attention reads one wrong
+    # page of it (kv-kernels' plant_wrong_page): the bug of a block-table builder or of a kernel's
+    # page walk. Writes (slot_mapping) stay right, as does the metadata the recorder reads.
+    execute, num_blocks = runner.execute, runner.kv_cache_config.num_blocks
+
+    def bad(ids: Any, pos: Any, metadata: list[CommonAttentionMetadata], rows: Any) -> Any:
+        planted = []
+        for gid, md in enumerate(metadata):
+            kbs, table = runner.kernel_block_sizes[gid], md.block_table
+            if -(-int(md.seq_lens[0]) // kbs) >= 2:
+                table = plant_wrong_page(table, md.seq_lens, kbs, num_blocks)
+            planted.append(dataclasses.replace(md, block_table=table))
+        return execute(ids, pos, planted, rows)
+
+    monkeypatch.setattr(runner, "execute", bad)
+
+
+def _no_sink(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every impl built with its sinks at -1e4 (exp(sink) = 0): the sink dropped.
+    layers = list(runner.layers)
+    for i, b in enumerate(layers):
+        sel = runner.selections[b.group_id]
+        config = sel.config.with_kernel_block_size(runner.kernel_block_sizes[b.group_id])
+        sinks = runner.model.layer_sinks(i)
+        assert sinks is not None
+        impl = sel.backend.make_impl(
+            config,
+            runner.layouts[b.group_id],
+            scale=runner.model.scale,
+            sinks=torch.full_like(sinks.detach().float(), -1e4),
+        )
+        layers[i] = dataclasses.replace(b, impl=impl)
+    monkeypatch.setattr(runner, "layers", layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("plant", [_wrong_page, _no_sink], ids=["wrong_page", "no_sink"])
+def test_per_call_check_catches_planted_bugs(
+    gpt_oss: Path, plant: Any, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make(gpt_oss, dtype=dtype, backend="TORCH_SDPA")
+    plant(runner, monkeypatch)  # under the recorder: it sees the metadata the caller built
+    calls = AttentionCalls(runner, monkeypatch)
+    generate(runner)
+    bad = calls.failures()
+    assert bad and all(": backend: " in f for f in bad), bad
+    worst = max(c.backend.err / c.backend.bound for c in calls.calls)
+    assert worst > 3, worst  # well past the bound, not at its edge
+
+
+# End to end in bf16, only where it means something: a model without experts (Qwen3-like, same
+# attention shapes and windows as gpt_oss_config, no sinks), whose logits move smoothly with
+# rounding. Measured on the CPU: TORCH_SDPA / FLEX 0.000-0.020 of the max logit from the same
+# model's dense bf16 forward, <= 0.028 with half a bf16 step of noise on every attention output
+# (the perturbation that fails the MoE model's logit check 7 times in 8), 1.4 with one wrong page.
+# Greedy tokens are not compared: near-ties flip under that noise.
+
+
+def dense_config() -> dict[str, Any]:
+    cfg = diffkv_config(head_dim=16, v_head_dim=16)
+    del cfg["v_head_dim"]
+    cfg.update(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(dense_config(), tmp_path_factory.mktemp("dense"), seed=3)
+
+
+def assert_bf16_logits_match_dense(runner: ModelRunner) -> None:
     result = generate(runner)
     for prompt, tokens, logits in zip(PROMPTS, result.tokens, result.logits, strict=True):
-        ids = torch.tensor(prompt + tokens, device="cuda")
-        dense = runner.model.forward_dense(ids)[len(prompt) - 1 : -1].float().cpu()
+        ids = torch.tensor(prompt + tokens, device=runner.device)
+        dense = runner.model.forward_dense(ids)[len(prompt) - 1 : -1].cpu()
         assert torch.isfinite(logits).all()
         assert float((logits - dense).abs().max() / dense.abs().max()) <= 5e-2, runner.describe()
+
+
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "FLEX_ATTENTION"])
+def test_bf16_dense_model_logits_match_its_dense_forward(dense_model: Path, backend: str) -> None:
+    assert_bf16_logits_match_dense(make(dense_model, dtype=torch.bfloat16, backend=backend))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_backends_bf16_dense_model_logits_match_its_dense_forward(
+    dense_model: Path, backend: str | None
+) -> None:
+    assert_bf16_logits_match_dense(_gpu_runner(dense_model, torch.bfloat16, backend))
 
 
 # -- with kv-blocktable's block tables ---------------------------------------------------------
