@@ -275,6 +275,8 @@ def write_report(records: list[dict], out: str, device: str) -> None:
     each record to its baseline, one bar per record)."""
     for r in records:
         r.setdefault("device", device)
+        r.setdefault("torch", torch.__version__)
+        r.setdefault("triton", triton.__version__)
     with open(os.path.join(out, "paged_attention.json"), "w") as f:
         json.dump(records, f, indent=1)
     lines = [
