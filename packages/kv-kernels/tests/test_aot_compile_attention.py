@@ -54,15 +54,18 @@ _SCRIPT = textwrap.dedent(
                 # with the alignments the launcher's arguments have at run time
                 ck = aot_compile(types.SimpleNamespace(fn=sp.kernel), sp.signature, sp.constexprs,
                                  arch=arch, num_warps=sp.num_warps, num_stages=sp.num_stages,
-                                 divisible_by_16=sp.aligned)
+                                 divisible_by_16=sp.aligned, max_registers=sp.max_registers)
                 ptx = ck.asm["ptx"]
                 # global reads of >= 8 bytes: asynchronous copies (pipelined K/V tiles) and
                 # vector loads (the q tile's few, and K/V's when a config runs one stage)
                 wide = len(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], "
                                       r"\[[^]]*\], (?:0x8|0x10|8|16),", ptx))
                 wide += len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx))
+                regs = re.search(r"\.maxnreg (\d+)", ptx)
                 res[sp.name] = {"ok": True, "shared": ck.metadata.shared,
-                                "mma": ("mma" in ptx), "wide": wide}
+                                "mma": ("mma" in ptx), "wide": wide,
+                                "maxnreg": int(regs.group(1)) if regs else 0,
+                                "want_maxnreg": sp.max_registers}
             except Exception:
                 res[sp.name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
         out[key] = res
@@ -169,6 +172,8 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
             # alignment the kernel is not told reads byte by byte, at 0.17 of the copy (H200),
             # leaving only the q tile's 2-9 vector loads
             assert r["wide"] >= 16, f"{_key(case)} {name}: K/V read without vector loads"
+            # a register cap the launcher asks for reaches ptxas (1-byte pages: 128)
+            assert r["maxnreg"] == r["want_maxnreg"], (_key(case), name, r)
 
 
 @pytest.mark.parametrize("case", DEFAULT, ids=_key)

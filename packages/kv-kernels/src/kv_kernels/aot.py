@@ -21,6 +21,7 @@ def aot_compile(
     num_warps: int = 4,
     num_stages: int = 3,
     divisible_by_16: tuple[str, ...] = (),
+    max_registers: int = 0,
 ) -> Any:
     """Compile ``kernel`` (a ``@triton.jit`` function) for ``cuda`` sm_``arch`` and return the
     compiled kernel (``.asm`` holds ``ttir``, ``ptx`` and ``cubin``).
@@ -28,7 +29,8 @@ def aot_compile(
     ``signature`` maps every argument to a Triton type (``"*bf16"``, ``"i64"``, ``"fp32"``) or
     ``"constexpr"``; ``constexprs`` gives the constexpr values by name. ``divisible_by_16`` names
     the pointer / int arguments the launcher would specialize as 16-divisible (aligned pointers,
-    strides and sizes), so the AOT build vectorizes like the JIT build on a GPU does.
+    strides and sizes), so the AOT build vectorizes like the JIT build on a GPU does;
+    ``max_registers``: ptxas's ``maxnreg`` (0: its own choice).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -50,5 +52,9 @@ def aot_compile(
     return triton.compile(
         src,
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={
+            "num_warps": num_warps,
+            "num_stages": num_stages,
+            **({"maxnreg": max_registers} if max_registers else {}),
+        },
     )

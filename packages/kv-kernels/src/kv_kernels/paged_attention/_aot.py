@@ -27,6 +27,7 @@ class AotSpec(NamedTuple):
     num_warps: int
     num_stages: int
     aligned: tuple[str, ...]
+    max_registers: int = 0
 
 
 _TRITON_TYPES = {
@@ -140,6 +141,7 @@ def _attention_specs(
                 cfg.num_warps,
                 cfg.num_stages,
                 aligned,
+                cfg.max_registers,
             )
         )
     return specs

@@ -41,6 +41,9 @@ class AttentionConfig:
     #: GPU waves the decode KV splits aim for (:func:`pick_num_splits`); 1: MMA-bound programs that
     #: each fill an SM take the most splits that still fit one wave
     waves: int = 2
+    #: a cap on registers a thread (ptxas ``maxnreg``; 0: the compiler's choice), for configs
+    #: where occupancy, not spills, is the limit
+    max_registers: int = 0
 
 
 def split_head(head_size: int) -> tuple[int, int]:
@@ -93,9 +96,9 @@ def select_config(
     (sm_90 build: 255 registers, 8 bytes spilled); MLA at 16 heads (tensor-parallel 8) 0.117 at
     64-token tiles over 8 warps vs 0.136; DiffKV 192/128 0.332 / 0.329 at 128-token tiles over
     8 warps with 4 waves of splits vs 0.355 / 0.344; 1-byte caches 0.290 (fp8 per tensor) and
-    0.328 (int8 per token and head) at 2 stages and 4 waves vs 0.366 / 0.357 at 4 stages and
-    2 waves (they stay at 0.35-0.45 of the copy: the MMA's 8-bit V operand is read from shared
-    memory byte by byte, and fp8 widens to bf16 through f16 one element at a time).
+    0.328 (int8 per token and head) at 2 stages vs 0.366 / 0.357 at 4, then 0.257 / 0.276 with
+    registers capped at 128 (they stay at 0.45-0.5 of the copy: issue-bound, the upcast of the
+    8-bit tiles and fp8's element-wise widening through f16 cost instructions per byte).
     """
     d_main, d_tail = split_head(head_size)
     d_pad, dv_pad = d_main + d_tail, pow2(head_size_v)
@@ -110,8 +113,11 @@ def select_config(
         tile_n = 64 if d_pad + dv_pad <= 256 else 32
         num_warps = 4
         num_stages = 2 if elem_bytes == 1 else 4
-        # 1-byte pages: twice the KV splits (64 x 4k: 2 instead of 1) lift reads by 20-26%
-        waves = 4 if elem_bytes == 1 else 2
+        waves = 2
+        # 1-byte pages: the upcast tiles take 254 registers a thread (ncu, H200: 2 programs an
+        # SM, 12.5% occupancy, issue-bound); capped at 128, 4 fit: 64 x 4k 0.377 -> 0.276 ms
+        # (int8 per token and head), 0.289 -> 0.257 ms (fp8 per tensor)
+        max_registers = 128 if elem_bytes == 1 else 0
         if d_tail and not v_from_k:
             # split head (DiffKV 192 = 128 + 64 over V 128)
             tile_n, num_warps, num_stages, waves = 128, 8, 2, 4
@@ -136,6 +142,7 @@ def select_config(
         num_warps = 4
         num_stages = 3
         waves = 2
+        max_registers = 0
         if block_m > max_rows:
             block_m, tile_n, num_warps = max_rows, 32, 8
     else:
@@ -151,7 +158,9 @@ def select_config(
     while tile_n > 16 and num_stages * tile_n * row_bytes > budget:
         tile_n //= 2
     heads = min(group, block_m)
-    return AttentionConfig(block_m, block_m // heads, tile_n, num_warps, num_stages, heads, waves)
+    return AttentionConfig(
+        block_m, block_m // heads, tile_n, num_warps, num_stages, heads, waves, max_registers
+    )
 
 
 def pick_num_splits(

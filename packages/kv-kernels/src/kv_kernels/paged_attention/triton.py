@@ -207,6 +207,7 @@ def paged_attention_triton(
         **kernel_constexprs(cfg_dec, kind="decode", **features),  # type: ignore[arg-type]
         num_warps=cfg_dec.num_warps,
         num_stages=cfg_dec.num_stages,
+        **_reg_cap(cfg_dec),
     )
     if run_prefill:
         grid_q = num_tokens // cfg_pre.block_q + num_seqs
@@ -217,10 +218,16 @@ def paged_attention_triton(
             **kernel_constexprs(cfg_pre, kind="prefill", **features),  # type: ignore[arg-type]
             num_warps=cfg_pre.num_warps,
             num_stages=cfg_pre.num_stages,
+            **_reg_cap(cfg_pre),
         )
     if split:
         _merge_splits(part_out, part_lse, out, lse_t, sinks, query_start_loc, return_lse)
     return (out, lse) if lse is not None else out
+
+
+def _reg_cap(cfg: AttentionConfig) -> dict[str, int]:
+    """``maxnreg`` for a config that caps registers (a launch option Triton passes to ptxas)."""
+    return {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
 
 
 def _split_buffers(
