@@ -12,6 +12,13 @@ Cases (bf16, 32 query / 8 KV heads, head size 128, shuffled pages):
   TFLOP/s counts the prefills' causal FLOPs plus ``2 * Hq * (D + Dv) * S`` per decode).
 - prefill and mixed again with the builder option ``prefill="gather"`` (the flattened call over a
   gathered contiguous copy of the visible context, see ``flex_gather``).
+- ``--decode-tiles auto|kv`` (default ``auto``): the builder's ``decode_tiles`` for the
+  FLEX_ATTENTION rows (issue 11: ``auto`` gives the decode call one-page KV tiles where the
+  layer's tiles are wider than a page; ``kv`` is the behaviour before). ``--legacy-decode`` adds
+  a row ``FLEX_ATTENTION decode_tiles=kv`` to every decode and mixed case, measured in the same
+  process, for an A/B on one GPU. ``--decode-kernel-options JSON`` passes the impl's
+  ``decode_kernel_options`` (e.g. ``'{"num_stages": 3}'``); ``--only TEXT`` keeps the cases whose
+  name contains TEXT (repeatable).
 - ``--fa4``: the backend's flattened call on Flex's FlashAttention-4 (CuTe) kernel
   (``kernel_options={"BACKEND": "FLASH"}``), where torch has the option and ``flash_attn.cute``
   is installed; skipped with the reason otherwise.
@@ -158,6 +165,7 @@ def _backend(
     device: str,
     compiled: bool,
     kernel_options: Any = None,
+    decode_kernel_options: Any = None,
     **builder_options: Any,
 ) -> Callable[[], Any]:
     from kv_backends import get_backend
@@ -174,7 +182,13 @@ def _backend(
         **builder_options,
     )
     md = builder.build(b.common)
-    impl = backend.make_impl(b.config, b.layout, compiled=compiled, kernel_options=kernel_options)
+    impl = backend.make_impl(
+        b.config,
+        b.layout,
+        compiled=compiled,
+        kernel_options=kernel_options,
+        decode_kernel_options=decode_kernel_options,
+    )
     out = torch.empty(b.q.shape[0], HQ, D, dtype=b.q.dtype, device=device)
     return lambda: impl.forward(None, b.q, b.kv_cache, md, out=out)
 
@@ -320,9 +334,16 @@ def run(args: argparse.Namespace) -> list[Record]:
     records.append(Record("copy", "torch copy_ (read + write)", float("nan"), copy, "TB/s"))
     print(json.dumps(asdict(records[-1])), flush=True)
     fa4, fa4_reason = _fa4_options() if args.fa4 else (None, "not requested (--fa4)")
+    dko = json.loads(args.decode_kernel_options) if args.decode_kernel_options else None
+    ours = {"decode_tiles": args.decode_tiles, "decode_kernel_options": dko}
     for c in _cases(args.smoke):
+        if args.only and not any(t in c.name for t in args.only):
+            continue
         b = _batch(c, device)
-        add(c.name, "FLEX_ATTENTION", _backend(c, b, device, compiled), c)
+        add(c.name, "FLEX_ATTENTION", _backend(c, b, device, compiled, **ours), c)
+        if args.legacy_decode and c.kind != "prefill":
+            legacy = _backend(c, b, device, compiled, decode_tiles="kv")
+            add(c.name, "FLEX_ATTENTION decode_tiles=kv", legacy, c)
         if c.kind == "decode":
             if args.skip_recipe:
                 add(c.name, "torch paged-Flex recipe", None, c, "skipped (--skip-recipe)")
@@ -337,7 +358,7 @@ def run(args: argparse.Namespace) -> list[Record]:
                 c,
             )
         if c.kind != "decode":
-            gather = _backend(c, b, device, compiled, prefill="gather")
+            gather = _backend(c, b, device, compiled, prefill="gather", **ours)
             add(c.name, "FLEX_ATTENTION prefill=gather", gather, c)
         if args.fa4 and c.kind != "decode":
             if fa4 is None:
@@ -460,6 +481,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave out the paged-Flex recipe baseline (it hits a device-side assert on torch 2.11 "
         "/ H200 at decode 64x4096 block 16; under investigation)",
+    )
+    p.add_argument(
+        "--decode-tiles",
+        choices=("auto", "kv"),
+        default="auto",
+        help="builder decode_tiles of the FLEX_ATTENTION rows (default auto)",
+    )
+    p.add_argument(
+        "--legacy-decode",
+        action="store_true",
+        help="also measure decode_tiles=kv (the old decode tiles) on decode and mixed cases",
+    )
+    p.add_argument(
+        "--decode-kernel-options",
+        default=None,
+        help="JSON dict of extra decode-call kernel_options, e.g. '{\"num_stages\": 3}'",
+    )
+    p.add_argument(
+        "--only", action="append", default=[], help="keep cases whose name contains this"
     )
     p.add_argument("--out", type=Path, default=None, help="output folder (default docs/benchmarks)")
     args = p.parse_args(argv)

@@ -245,10 +245,18 @@ DECODE_QUERY_LENS = [1 if s else 0 for s in DECODE_SEQ_LENS]
 
 
 def _decode_rows(md) -> set[tuple[int, int]]:
-    """(batch row, KV block) pairs of the decode block mask."""
+    """(batch row, KV block) pairs of the decode block mask, partial and full tiles."""
     bm = md.decode.block_mask
-    num, idx = bm.kv_num_blocks[:, 0, 0], bm.kv_indices[:, 0, 0]
-    return {(r, int(idx[r, j])) for r in range(num.numel()) for j in range(int(num[r]))}
+    out = set()
+    for nums, idxs in (
+        (bm.kv_num_blocks, bm.kv_indices),
+        (bm.full_kv_num_blocks, bm.full_kv_indices),
+    ):
+        if nums is None:
+            continue
+        num, idx = nums[:, 0, 0], idxs[:, 0, 0]
+        out |= {(r, int(idx[r, j])) for r in range(num.numel()) for j in range(int(num[r]))}
+    return out
 
 
 @pytest.mark.parametrize(
@@ -287,17 +295,21 @@ def test_flex_decode_call_matches(
     torch.testing.assert_close(out, run_backend("TORCH_SDPA", b), **TOL)
 
 
-def test_flex_decode_rows_list_only_their_own_blocks() -> None:
-    # Row r holds exactly the KV tiles of decode request r's window (no union over requests).
-    n, kv_block, window = 16, 32, 20
+@pytest.mark.parametrize(("decode_tiles", "kv_block"), [("kv", 32), ("auto", 16)])
+def test_flex_decode_rows_list_only_their_own_blocks(decode_tiles: str, kv_block: int) -> None:
+    # Row r holds exactly the KV tiles of decode request r's window (no union over requests);
+    # with decode_tiles="auto" the tiles of a layer at kv_block_size 32 are the pages (16).
+    n, window = 16, 20
     b = _batch(
         query_lens=DECODE_QUERY_LENS, seq_lens=DECODE_SEQ_LENS, sliding_window=window, seed=3
     )
     md = (
         get_backend("FLEX_ATTENTION")
-        .make_builder(b.config, b.layout, kv_block_size=kv_block)
+        .make_builder(b.config, b.layout, kv_block_size=32, decode_tiles=decode_tiles)
         .build(b.common)
     )
+    assert md.decode is not None and md.decode.kv_block_size == kv_block
+    assert md.decode.block_mask.BLOCK_SIZE[1] == kv_block
     bt = b.common.block_table
     want = set()
     row = 0

@@ -65,12 +65,11 @@ from kv_backends.backends.flex_compile import (
     compiled_flex,
     flex_dynamo_limits,
 )
-from kv_backends.backends.flex_decode import FlexDecode
+from kv_backends.backends.flex_decode import FlexDecode, uses_decoding_kernel
 from kv_backends.backends.flex_gather import gather_tokens
 from kv_backends.backends.flex_mask import (
     FlexOptions,
     build_flex_block_indices,
-    flex_has_backend_option,
     make_score_mod,
     window_kv_position,
 )
@@ -90,9 +89,17 @@ __all__ = [
 ]
 
 
+#: Pipeline stages of Flex's split-KV decoding kernel on CUDA outside batch invariance (measured,
+#: see ``FlexAttentionImpl._kernel_options``); ``decode_kernel_options`` overrides it.
+_DECODE_NUM_STAGES = 3
+
+
 class FlexAttentionImpl(AttentionImpl):
     """Per-layer FlexAttention. Option ``compiled``: run ``torch.compile``'d Flex (default: on
-    CUDA yes, on CPU no; the eager path is dense math, fine for tests only)."""
+    CUDA yes, on CPU no; the eager path is dense math, fine for tests only).
+    ``decode_kernel_options``: extra CUDA ``kernel_options`` for the decode call outside batch
+    invariance, merged over the backend's (tuning, e.g. ``{"num_stages": 3, "num_warps": 4}``);
+    ``kernel_options`` replaces the backend's options for every call instead."""
 
     def __init__(
         self,
@@ -101,6 +108,7 @@ class FlexAttentionImpl(AttentionImpl):
         *,
         compiled: bool | None = None,
         kernel_options: dict[str, Any] | None = None,
+        decode_kernel_options: dict[str, Any] | None = None,
         options: FlexOptions | None = None,
         **kw: Any,
     ) -> None:
@@ -122,6 +130,12 @@ class FlexAttentionImpl(AttentionImpl):
             )
         self.compiled = compiled
         self.kernel_options = dict(kernel_options) if kernel_options else None
+        if decode_kernel_options and config.batch_invariant:
+            raise ValueError(
+                "FLEX_ATTENTION decode_kernel_options would change the batch-invariant decode "
+                "call's kernel (it must match flex_trainer_attention's); drop them"
+            )
+        self.decode_kernel_options = dict(decode_kernel_options or {})
         #: The layer's tiles when pinned; forward refuses metadata built with other tiles.
         self.options = options
 
@@ -137,18 +151,34 @@ class FlexAttentionImpl(AttentionImpl):
         # flex_trainer_attention passes), unpadded metadata (it needs a static batch), a
         # GQA group that is not a power of 2 (packed into its BLOCK_M rows), or torch without
         # the BACKEND option (2.11) with KV tiles < 128 (not known to work there).
-        g = self.config.num_queries_per_kv
-        old_torch_small_tiles = not flex_has_backend_option() and md.options.kv_block_size < 128
-        main = (
-            self.config.batch_invariant
-            or not decode
-            or not md.static_shapes
-            or g & (g - 1)
-            or old_torch_small_tiles
+        dec = md.decode if decode else None
+        # The decode call's KV tiles may be narrower than the layer's (one page, flex_decode).
+        kvb = dec.kv_block_size if dec is not None and dec.kv_block_size else None
+        kvb = md.options.kv_block_size if kvb is None else kvb
+        main = not decode or not uses_decoding_kernel(
+            batch_invariant=self.config.batch_invariant,
+            static_shapes=md.static_shapes,
+            group=self.config.num_queries_per_kv,
+            kv_block_size=kvb,
         )
-        return md.options.kernel_options(
-            main_template=bool(main), batch_invariant=self.config.batch_invariant
+        opts = md.options.kernel_options(
+            main_template=main,
+            batch_invariant=self.config.batch_invariant,
+            block_n=min(md.options.block_n, kvb),
         )
+        if decode and not self.config.batch_invariant:
+            if not main:
+                split = dec.split_kv if dec is not None else None
+                if kvb < 64 or (split or 1) > 1:
+                    # Flex's decoding kernel defaults to 1 stage on sm_90 (no overlap of tile
+                    # loads); H200, bf16 32q/8kv, head 128: 3 stages took decode 64 x 4k at page
+                    # 16 from 2.22 to 4.07 TB/s, 8 x 32k (split) from 1.14 to 1.70 (page 16) and
+                    # 2.22 to 3.45 (page 128), but 64 x 4k at page 128 from 3.93 to 3.70
+                    opts["num_stages"] = _DECODE_NUM_STAGES
+                if split is not None:
+                    opts["SPLIT_KV"] = split
+            opts.update(self.decode_kernel_options)
+        return opts
 
     def _flex(
         self,

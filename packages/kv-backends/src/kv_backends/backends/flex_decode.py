@@ -12,10 +12,26 @@ With static shapes the batch is padded to a power of 2 (rows of length 0, no til
 dropped), so compiled Flex sees a static batch size: the condition for its split-KV decoding
 kernel, which packs a KV head's query heads (GQA) into one tile's rows and splits long contexts
 across programs. Whole visible pages are full tiles (no mask mod) outside batch invariance.
+
+KV tiles of the decode call (builder option ``decode_tiles``). A Flex KV tile is a contiguous
+run of the K/V view, so a tile wider than a page (``kv_block_size > n``: the default 64 at pages
+of 16) holds pages of other requests, which the kernel loads and the mask mod then discards:
+with shuffled pages ~``kv_block_size / n`` x the bytes a decode needs (3.9x at 64 over 16).
+``"auto"`` (default) gives the decode call tiles of one page (``n``, when that is a power of 2
+>= 16) whenever ``kv_block_size > n``, and ``BLOCK_N`` to match; otherwise its tiles are the
+layer's. It lists whole pages as full tiles only where the decoding kernel runs one split per
+(request, KV head) (``rows * H_kv > SMs``): with full tiles, torch's decoding template sizes each
+split from the whole K/V view (``cdiv(KV_LEN, SPLIT_KV)``, flex_decode.py.jinja), so one split
+would do every full tile while the others idle; below that batch size every tile is partial (the
+mask mod runs, the splits share the work), and the split count is pinned to the one this choice
+assumed. ``"kv"``: the layer's tiles and the full-tile rule of the flattened call (the behaviour
+before ``decode_tiles``; kept for A/B measurements). Batch invariance is unaffected either way:
+it needs ``kv_block_size <= n``, so its decode tiles are the layer's.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +40,7 @@ import torch
 from kv_backends.backends.flex_mask import (
     CacheGeometry,
     build_flex_block_entries,
+    flex_has_backend_option,
     make_decode_mask_mod,
 )
 from kv_backends.base import AttentionMetadata
@@ -32,7 +49,56 @@ from kv_backends.metadata import CommonAttentionMetadata
 if TYPE_CHECKING:
     from kv_backends.backends.flex_metadata import FlexMetadataBuilder
 
-__all__ = ["FlexDecode", "build_decode_call"]
+__all__ = [
+    "DECODE_TILE_MODES",
+    "FlexDecode",
+    "build_decode_call",
+    "decode_kv_block_size",
+    "decode_split_kv",
+    "uses_decoding_kernel",
+]
+
+#: Values of the builder option ``decode_tiles`` (see the module docstring).
+DECODE_TILE_MODES = ("auto", "kv")
+
+
+def decode_kv_block_size(mode: str, kv_block_size: int, n: int) -> int:
+    """The decode call's KV tile in physical tokens: one page (``n``) when the layer's tile is
+    wider than a page and ``mode == "auto"``; otherwise the layer's ``kv_block_size``."""
+    if mode not in DECODE_TILE_MODES:
+        raise ValueError(f"FLEX_ATTENTION decode_tiles={mode!r} must be one of {DECODE_TILE_MODES}")
+    # kv_block_size > n passes FlexOptions.resolve only for a power-of-2 n dividing it.
+    if mode == "kv" or kv_block_size <= n or n < 16 or n & (n - 1):
+        return kv_block_size
+    return n
+
+
+def uses_decoding_kernel(
+    *, batch_invariant: bool, static_shapes: bool, group: int, kv_block_size: int
+) -> bool:
+    """Whether a CUDA decode call runs Flex's split-KV decoding kernel (else the main one):
+    outside batch invariance, with static shapes, a power-of-2 GQA group, and a torch with the
+    ``BACKEND`` option or tiles >= 128 (not known to work below that on torch 2.11)."""
+    return not (
+        batch_invariant
+        or not static_shapes
+        or group & (group - 1)
+        or (not flex_has_backend_option() and kv_block_size < 128)
+    )
+
+
+def decode_split_kv(device: torch.device, rows: int, num_kv_heads: int) -> int:
+    """The split count torch's decoding kernel picks for ``rows`` x ``num_kv_heads`` programs
+    (``get_split_k`` in torch/_inductor/kernel/flex/flex_decoding.py): 2 per SM they leave free,
+    at least 1."""
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(sms // max(rows * num_kv_heads, 1) * 2, 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(index: int) -> int:
+    # one driver query per device, not one per step
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 @dataclass(frozen=True)
@@ -47,6 +113,10 @@ class FlexDecode:
     base_token: int  # first physical token of the (single) window the call reads
     length: int  # physical tokens in that window
     block_mask: Any  # torch BlockMask of batch R
+    kv_block_size: int = 0  # physical tokens per KV tile of this call (see decode_kv_block_size)
+    #: SPLIT_KV to pin on the decoding kernel (the count the full-tile choice assumed); ``None``:
+    #: leave it to torch (``decode_tiles="kv"``, CPU, or the main kernel).
+    split_kv: int | None = None
 
 
 def _decode_requests(
@@ -79,13 +149,15 @@ def build_decode_call(
     dec_h = _decode_requests(builder, common)
     if dec_h is None:
         return None, None
-    opts, cfg = builder.options, builder.config
+    cfg = builder.config
     r = dec_h.numel()
     dev = base.seq_lens.device
     tok_h = common.host_query_start_loc().long()[:-1][dec_h]
     dec_req = dec_h.to(dev)
     seq_lens = base.seq_lens[dec_req]  # [R] int32
     block_table = base.block_table[dec_req]  # [R, M] int32
+    rows = builder.decode_rows(r)
+    kvb, full_blocks, split = _decode_tiles(builder, dev, rows)
     # One request per "query block" of one token: the same trimming as the flattened path;
     # pos is each query's position, seq_len - 1.
     ent = build_flex_block_entries(
@@ -96,14 +168,15 @@ def build_decode_call(
         n=builder.n,
         tpb=geo.tpb,
         q_block_size=1,
-        kv_block_size=opts.kv_block_size,
+        kv_block_size=kvb,
         causal=cfg.causal,
         sliding_window=cfg.sliding_window,
         logical_order=cfg.batch_invariant,
-        full_blocks=builder.full_blocks,
+        full_blocks=full_blocks,
     )
     pos_r, e_row, e_f, e_full = ent.q_pos, ent.qb, ent.kv, ent.full.long()
-    kv_per_window = geo.window_tokens // opts.kv_block_size
+    # Windows are aligned to lcm(tpb, kv_block_size), a multiple of kvb (a power-of-2 divisor).
+    kv_per_window = geo.window_tokens // kvb
     e_w = e_f // kv_per_window
     counts = torch.zeros(2, r, dtype=torch.long, device=dev)  # [partial/full, R]
     counts.index_put_((e_full, e_row), torch.ones_like(e_row), accumulate=True)
@@ -113,7 +186,6 @@ def build_decode_call(
         return None, None
     builder._grow("dec_indices", max_cols)
     builder._grow("dec_full_indices", max_cols)
-    rows = builder.decode_rows(r)
     tables = []
     for kind, (nbuf, ibuf) in enumerate(
         [
@@ -136,7 +208,10 @@ def build_decode_call(
         seq_lens, block_table, pos = builder.padded_decode_rows(seq_lens, block_table, pos_r, rows)
     else:
         pos = pos_r
-    mask = _decode_block_mask(builder, geo, tables[0], tables[1], seq_lens, block_table, w_lo)
+    # Full tiles where listed; on the CPU always (empty when not listed): torch 2.15's C++ Flex
+    # decoding template reads full_kv_num_blocks unconditionally and fails to compile without.
+    full = tables[1] if full_blocks or dev.type == "cpu" else None
+    mask = _decode_block_mask(builder, geo, tables[0], full, seq_lens, block_table, w_lo, kvb)
     served = torch.zeros(base.num_reqs, dtype=torch.bool, device=dev)
     served[dec_req] = True
     gather = torch.zeros(rows, dtype=torch.long)
@@ -150,27 +225,52 @@ def build_decode_call(
         base_token=w_lo * geo.window_tokens,
         length=geo.window_len(w_lo),
         block_mask=mask,
+        kv_block_size=kvb,
+        split_kv=split,
     )
     return decode, served
+
+
+def _decode_tiles(
+    builder: FlexMetadataBuilder, dev: torch.device, rows: int
+) -> tuple[int, bool, int | None]:
+    """``(kv tile, list full tiles, SPLIT_KV to pin)`` of a decode call of ``rows`` batch rows."""
+    opts, cfg = builder.options, builder.config
+    kvb = decode_kv_block_size(builder.decode_tiles, opts.kv_block_size, builder.n)
+    if builder.decode_tiles == "kv":
+        return kvb, builder.full_blocks, None
+    full = not cfg.batch_invariant and kvb <= builder.n
+    split = None
+    if (
+        full
+        and dev.type == "cuda"
+        and uses_decoding_kernel(
+            batch_invariant=cfg.batch_invariant,
+            static_shapes=builder.static_shapes,
+            group=cfg.num_queries_per_kv,
+            kv_block_size=kvb,
+        )
+    ):
+        split = decode_split_kv(dev, rows, cfg.num_kv_heads)
+        full = split == 1
+    return kvb, full, split
 
 
 def _decode_block_mask(
     builder: FlexMetadataBuilder,
     geo: CacheGeometry,
     partial: tuple[torch.Tensor, torch.Tensor],  # [rows] count, [rows, cols] window-relative ids
-    full: tuple[torch.Tensor, torch.Tensor],  # the same for tiles the row sees whole
+    full: tuple[torch.Tensor, torch.Tensor] | None,  # the same for tiles the row sees whole
     seq_lens: torch.Tensor,  # [rows] int32
     block_table: torch.Tensor,  # [rows, M] int32
     window: int,
+    kv_block_size: int,
 ) -> Any:
     from torch.nn.attention.flex_attention import BlockMask
 
-    opts, cfg = builder.options, builder.config
+    cfg = builder.config
     extra: dict[str, torch.Tensor] = {}
-    # Full tiles outside batch invariance; on the CPU always (empty under batch invariance):
-    # torch 2.15's C++ Flex decoding template reads full_kv_num_blocks unconditionally and fails
-    # to compile without them.
-    if builder.full_blocks or partial[0].device.type == "cpu":
+    if full is not None:
         extra = {
             "full_kv_num_blocks": full[0][:, None, None],
             "full_kv_indices": full[1][:, None, None],
@@ -179,7 +279,7 @@ def _decode_block_mask(
         partial[0][:, None, None],
         partial[1][:, None, None],
         **extra,
-        BLOCK_SIZE=(builder.decode_q_block_size, opts.kv_block_size),
+        BLOCK_SIZE=(builder.decode_q_block_size, kv_block_size),
         mask_mod=make_decode_mask_mod(
             seq_lens=seq_lens,
             phys_to_logical=builder.phys_to_logical,

@@ -143,7 +143,7 @@ class FlexOptions:
         return cls(q_block_size, kv_block_size, block_m, block_n)
 
     def kernel_options(
-        self, *, main_template: bool, batch_invariant: bool = False
+        self, *, main_template: bool, batch_invariant: bool = False, block_n: int | None = None
     ) -> dict[str, Any]:
         """``kernel_options`` for a CUDA Flex call with these tiles.
 
@@ -158,18 +158,22 @@ class FlexOptions:
         ``batch_invariant=True`` also pins ``IS_DIVISIBLE=False``: torch otherwise picks it per
         call from the sequence lengths (padded paged call vs the trainer's exact lengths), and
         the two kernel variants differ in more than their boundary loads (masking between ops
-        can change which multiply-adds the compiler fuses). Pinned, both calls run one variant."""
+        can change which multiply-adds the compiler fuses). Pinned, both calls run one variant.
+
+        ``block_n`` overrides ``BLOCK_N`` (the decode call's tiles may be one page, narrower than
+        ``kv_block_size``; under batch invariance they are not, and it equals ``self.block_n``)."""
+        block_n = self.block_n if block_n is None else block_n
         if main_template:
             # The legacy switch, not BACKEND="TRITON": older torch (2.11) has no BACKEND option.
             opts: dict[str, Any] = {
                 "BLOCK_M": self.block_m,
-                "BLOCK_N": self.block_n,
+                "BLOCK_N": block_n,
                 "FORCE_USE_FLEX_ATTENTION": True,
             }
             if batch_invariant:
                 opts["IS_DIVISIBLE"] = False
             return opts
-        dec: dict[str, Any] = {"BLOCK_N": self.block_n}
+        dec: dict[str, Any] = {"BLOCK_N": block_n}
         if flex_has_backend_option():
             dec["BACKEND"] = "TRITON_DECODE"
         return dec

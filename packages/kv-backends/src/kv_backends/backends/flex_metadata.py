@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kv_backends.backends.flex_decode import FlexDecode, build_decode_call
+from kv_backends.backends.flex_decode import FlexDecode, build_decode_call, decode_kv_block_size
 from kv_backends.backends.flex_gather import PREFILL_MODES, build_gathered_window
 from kv_backends.backends.flex_mask import (
     INT32_LIMIT,
@@ -78,7 +78,9 @@ class FlexMetadataBuilder(MetadataBuilder):
     flattened call's query rows to a power of 2, the decode call's batch to a power of 2, the
     block tables to ``max_num_seqs`` rows and a power-of-2 column count — so a serving loop hits
     a handful of captured graphs instead of recompiling (or going symbolic, which also keeps
-    decodes off Flex's split-KV decoding kernel: it needs a static batch size).
+    decodes off Flex's split-KV decoding kernel: it needs a static batch size);
+    ``decode_tiles`` (``"auto"``, default, or ``"kv"``): the decode call's KV tiles (see
+    :mod:`~kv_backends.backends.flex_decode`).
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         max_view_elements: int = INT32_LIMIT,
         static_shapes: bool | None = None,
         prefill: str = "paged",
+        decode_tiles: str = "auto",
     ) -> None:
         super().__init__(
             config,
@@ -114,6 +117,8 @@ class FlexMetadataBuilder(MetadataBuilder):
             raise TypeError(f"static_shapes={static_shapes!r} must be a bool or None")
         self.static_shapes = device.type == "cuda" if static_shapes is None else static_shapes
         self.prefill = _check_prefill(prefill, config)
+        decode_kv_block_size(decode_tiles, self.options.kv_block_size, self.n)  # validates
+        self.decode_tiles = decode_tiles
         if max_view_elements > INT32_LIMIT:
             raise ValueError(
                 f"max_view_elements={max_view_elements} exceeds 2**31 - 1: Flex templates use 32-bit offsets"
