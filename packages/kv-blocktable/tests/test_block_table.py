@@ -463,3 +463,79 @@ def test_triton_interpreter_matches_reference() -> None:
     for (bt_r, sm_r), (bt_t, sm_t) in zip(out["reference"], out["triton"], strict=True):
         assert torch.equal(bt_r, bt_t)
         assert torch.equal(sm_r, sm_t)
+
+
+# -- fast paths: rows committed incrementally, pure-decode steps ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("block_sizes", "kernel_block_sizes"),
+    [([16], [16]), ([16], [4]), ([16, 32], [16, 8])],  # aliased kernel table, expanded, two groups
+)
+def test_incremental_commit_never_leaves_a_stale_row(
+    block_sizes: list[int], kernel_block_sizes: list[int]
+) -> None:
+    """Host tables commit only the rows written since their last commit: after every commit, the
+    committed and kernel tables of rows [0, n) equal a full copy and expansion of the host rows,
+    also for rows written while they were past n and for moves, swaps and clears. The batch is
+    wide enough that a few changed rows take the gather path, not the whole-range copy."""
+    g = torch.Generator().manual_seed(0)
+    ngroups, r = len(block_sizes), 40
+    t = BlockTables(block_sizes, kernel_block_sizes, r, [5] * ngroups, max_num_batched_tokens=8)
+
+    def ids() -> tuple[list[int], ...]:
+        return tuple(torch.randint(1, 50, (2,), generator=g).tolist() for _ in range(ngroups))
+
+    def check(n: int) -> None:
+        for grp, (bs, kbs) in enumerate(zip(block_sizes, kernel_block_sizes, strict=True)):
+            host = t.host_table(grp)[:n].tolist()
+            assert t.device_table(grp)[:n].tolist() == host
+            assert t.kernel_table(grp)[:n].tolist() == [
+                model_kernel_row([b for b in row if b >= 0], bs // kbs, 5 * (bs // kbs))
+                for row in host
+            ]
+
+    for row in range(r):
+        t.add_row(row, ids())
+    t.commit(r)
+    check(r)
+    ops = [
+        lambda: t.append_rows([1, 34], [ids(), ids()]),  # row 34 past the next commit's n
+        lambda: t.commit(30),
+        lambda: t.swap_rows(0, 35),
+        lambda: t.move_row(2, 1),
+        lambda: t.commit(20),
+        lambda: t.clear_row(0),
+        lambda: t.add_row(3, ids()),
+        lambda: t.commit(r),  # rows 34 and 35 were written while past n: committed now
+        lambda: t.append_row(39, ids()),
+        lambda: t.commit(r),
+    ]
+    for op in ops:
+        op()
+        if t._committed is not None:
+            check(t._committed)
+    check(r)
+
+
+def test_pure_decode_step_slots_and_positions() -> None:
+    """A step of one token per request takes the decode shortcut (positions = seq_len - 1); a
+    step with as many tokens as requests but uneven query lengths must not."""
+    t = _tables()
+    t.add_row(0, ([1, 2], [3]))
+    t.add_row(1, ([4, 5], [6]))
+    t.add_row(2, ([7, 8, 9], [9, 8]))
+    t.commit(3)
+    rows = [[[1, 2], [3]], [[4, 5], [6]], [[7, 8, 9], [9, 8]]]
+    for qlens, slens in (
+        ([1, 1, 1], [17, 32, 40]),
+        ([0, 2, 1], [5, 32, 40]),
+        ([2, 0, 1], [2, 9, 1]),
+    ):
+        mds = t.build_common_metadata(3, qlens, slens, pad_tokens_to=5)
+        for g, (bs, kbs) in enumerate(((16, 8), (32, 8))):
+            grows = [r[g] for r in rows]
+            assert mds[g].slot_mapping.tolist() == model_slots(grows, qlens, slens, bs, kbs, 5)
+        want_pos = [p for q, s in zip(qlens, slens, strict=True) for p in range(s - q, s)]
+        assert t._last_step.positions.tolist() == want_pos
+        assert mds[0].query_start_loc.tolist() == [0, qlens[0], qlens[0] + qlens[1], sum(qlens)]

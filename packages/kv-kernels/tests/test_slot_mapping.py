@@ -181,3 +181,34 @@ def test_validation_errors() -> None:
         expand_block_table(torch.tensor([[2**30]], dtype=torch.int32), 64, 16)
     with pytest.raises(ValueError, match="is not a valid implementation"):
         compute_slot_mapping(table, positions, qsl, 16, 16, impl="cuda")
+
+
+def test_out_buffer_is_written_and_checked(triton_device: str) -> None:
+    """``out=``: the slots land in the caller's buffer (stale values overwritten, -1 tail) and
+    a buffer of the wrong dtype, length, device or stride is refused."""
+    table = torch.tensor([[3, -1], [0, 2]], dtype=torch.int32)
+    positions = torch.tensor([0, 17, 5, 16, 99])
+    qsl = torch.tensor([0, 2, 4])
+    expected = [48, -1, 5, 32, -1, -1]
+    for impl, dev in (("reference", "cpu"), ("triton", triton_device)):
+        buf = torch.full((8,), 12345, dtype=torch.int64, device=dev)
+        got = compute_slot_mapping(
+            table.to(dev), positions.to(dev), qsl.to(dev), 16, 8, num_slots=6, impl=impl,
+            out=buf[:6],
+        )  # fmt: skip
+        assert got.data_ptr() == buf.data_ptr()
+        assert buf.cpu().tolist() == [*expected, 12345, 12345]  # nothing past num_slots
+    args = (table, positions, qsl, 16, 8)
+    with pytest.raises(ValueError, match=r"out is torch.int32 of shape \(6,\); slots need int64"):
+        compute_slot_mapping(*args, num_slots=6, out=torch.empty(6, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"shape \(5,\); slots need int64 of shape \(6,\)"):
+        compute_slot_mapping(*args, num_slots=6, out=torch.empty(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        compute_slot_mapping(*args, num_slots=6, out=torch.empty(12, dtype=torch.int64)[::2])
+    with pytest.raises(ValueError, match="out must be a torch.Tensor"):
+        compute_slot_mapping(*args, num_slots=6, out=[0] * 6)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="out is on cuda"):
+            compute_slot_mapping(
+                *args, num_slots=6, out=torch.empty(6, dtype=torch.int64, device="cuda")
+            )

@@ -4,6 +4,8 @@ checked before any row is written."""
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,9 +13,26 @@ import torch
 if TYPE_CHECKING:
     from kv_spec import KVCacheLayout
 
-__all__ = ["INT32_MAX", "BlockIdCheck", "check_kernel_block_split", "positive_int"]
+__all__ = [
+    "INT32_MAX",
+    "BlockIdCheck",
+    "check_kernel_block_split",
+    "int64_tensor",
+    "plan_appends",
+    "positive_int",
+]
 
 INT32_MAX = 2**31 - 1
+
+
+def int64_tensor(values: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """A fresh int64 CPU tensor of Python ints, through a C array: ``torch.tensor(list)`` walks
+    the list element by element (about 30 us for 256 ints here, 5 us this way). Raises
+    ``TypeError`` / ``OverflowError`` for anything but ints in the int64 range (callers that take
+    other input fall back to ``torch.as_tensor`` for its error message)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)  # owns the array
 
 
 def positive_int(owner: str, name: str, value: object) -> int:
@@ -133,3 +152,39 @@ class BlockIdCheck:
                     raise ValueError(err)
             out.append(t)
         return out
+
+
+def plan_appends(
+    rows: list[int],
+    have: list[list[int]],
+    lists: list[list[list[int]]],
+    col: Sequence[int],
+    max_blocks: Sequence[int],
+    block_sizes: Sequence[int],
+) -> tuple[dict[int, list[int]], list[int], list[int]]:
+    """Where ``BlockTables.append_rows`` writes, checked before anything is written.
+
+    ``rows[i]`` (holding ``have[i]`` blocks per group) gets ``lists[i]`` (ids per group); ``col``
+    are the groups' column offsets in the row-major host table (``col[-1]`` its width). Returns
+    ``(ends, flat, vals)``: each row's blocks per group after all its appends (a repeated row's
+    appends apply in order), and the flat host-table indices and ids to scatter.
+    """
+    ends: dict[int, list[int]] = {}  # row -> blocks per group after its appends so far
+    flat: list[int] = []
+    vals: list[int] = []
+    width = col[-1]
+    for row, start, per_group in zip(rows, have, lists, strict=True):
+        end = ends.setdefault(row, start)
+        for g, ids in enumerate(per_group):
+            n = end[g] + len(ids)
+            if n > max_blocks[g]:
+                raise ValueError(
+                    f"row {row} group {g} would hold {n} blocks (block_size={block_sizes[g]}, "
+                    f"{n * block_sizes[g]} tokens), more than max_num_blocks_per_req="
+                    f"{max_blocks[g]}; raise max_model_len or finish the request"
+                )
+            c0 = row * width + col[g] + end[g]
+            flat.extend(range(c0, c0 + len(ids)))
+            vals.extend(ids)
+            end[g] = n
+    return ends, flat, vals

@@ -29,6 +29,8 @@ from typing import NamedTuple
 import torch
 from kv_backends import CommonAttentionMetadata
 
+from kv_blocktable._block_ids import int64_tensor
+
 __all__ = [
     "KeyWindow",
     "PagedKVIndices",
@@ -89,6 +91,11 @@ def _host_lengths(name: str, values: object, num_reqs: int) -> torch.Tensor:
             f"{name} is on {values.device}; pass host lengths (a list, numpy array or CPU tensor): "
             "checking device values would synchronize every step"
         )
+    if isinstance(values, (list, tuple)) and len(values) == num_reqs:
+        try:  # the common case, a list of ints from the scheduler: the fast conversion
+            return int64_tensor(values)
+        except (TypeError, OverflowError):
+            pass  # not plain ints: torch.as_tensor below converts or explains
     try:
         t = torch.as_tensor(values, dtype=torch.int64)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -111,6 +118,7 @@ class StepInputs:
     query_start_loc: torch.Tensor  # [R + 1] int32
     seq_lens_i32: torch.Tensor  # [R] int32
     positions: torch.Tensor  # [T] int64, position of each new token within its request
+    token_reqs: torch.Tensor  # [T] int64, request (row) of each new token
     num_tokens: int  # T
     padded_tokens: int  # T plus padding (a CUDA graph's captured length)
     max_query_len: int
@@ -130,16 +138,21 @@ class StepInputs:
             raise ValueError(f"num_reqs={num_reqs!r} must be an int >= 0")
         q = _host_lengths("query_lens", query_lens, num_reqs)
         s = _host_lengths("seq_lens", seq_lens, num_reqs)
-        bad = ((q < 0) | (q > s)).nonzero()
-        if bad.numel():
-            r = int(bad[0])
-            raise ValueError(
-                f"request {r}: query_len={int(q[r])} must be in [0, seq_len={int(s[r])}] (the new "
-                "tokens are the last query_len of its seq_len tokens)"
-            )
-        if num_reqs and int(s.max()) > _INT32_MAX:
-            raise ValueError(f"seq_len={int(s.max())} exceeds the int32 range of seq_lens")
-        num_tokens = int(q.sum())
+        first_pos = s - q  # [R] position of each request's first new token
+        # Every step runs this: a few whole-batch reductions (each torch op costs microseconds
+        # on 256 lengths); the offending request is only searched for once one fails.
+        max_q = max_s = num_tokens = 0
+        if num_reqs:
+            q_lo, q_hi = torch.aminmax(q)
+            if int(q_lo) < 0 or int(first_pos.min()) < 0:
+                r = int(((q < 0) | (first_pos < 0)).nonzero()[0])
+                raise ValueError(
+                    f"request {r}: query_len={int(q[r])} must be in [0, seq_len={int(s[r])}] (the "
+                    "new tokens are the last query_len of its seq_len tokens)"
+                )
+            max_q, max_s, num_tokens = int(q_hi), int(s.max()), int(q.sum())
+        if max_s > _INT32_MAX:
+            raise ValueError(f"seq_len={max_s} exceeds the int32 range of seq_lens")
         padded = num_tokens if pad_tokens_to is None else pad_tokens_to
         if isinstance(padded, bool) or not isinstance(padded, int):
             raise ValueError(f"pad_tokens_to={pad_tokens_to!r} must be an int or None")
@@ -151,10 +164,17 @@ class StepInputs:
             )
         qsl = torch.zeros(num_reqs + 1, dtype=torch.int64)
         torch.cumsum(q, 0, out=qsl[1:])
-        # Token t of request r sits at position (seq_len - query_len) + (t - qsl[r]).
-        first_pos = s - q  # [R]
-        shift = torch.repeat_interleave(first_pos - qsl[:-1], q, output_size=num_tokens)  # [T]
-        positions = torch.arange(num_tokens, dtype=torch.int64) + shift
+        if max_q == 1 and num_tokens == num_reqs:
+            # Pure decode (every query_len is 1: none is above 1 and they sum to R): token r is
+            # request r's only new token, at its first new position.
+            token_reqs = torch.arange(num_reqs)
+            positions = first_pos
+        else:
+            token_reqs = torch.repeat_interleave(
+                torch.arange(num_reqs), q, output_size=num_tokens
+            )  # [T]
+            # Token t of request r sits at position (seq_len - query_len) + (t - qsl[r]).
+            positions = torch.arange(num_tokens) + (first_pos - qsl[:-1])[token_reqs]
         return cls(
             num_reqs=num_reqs,
             query_lens=q,
@@ -162,10 +182,11 @@ class StepInputs:
             query_start_loc=qsl.to(torch.int32),
             seq_lens_i32=s.to(torch.int32),
             positions=positions,
+            token_reqs=token_reqs,
             num_tokens=num_tokens,
             padded_tokens=padded,
-            max_query_len=int(q.max()) if num_reqs else 0,
-            max_seq_len=int(s.max()) if num_reqs else 0,
+            max_query_len=max_q,
+            max_seq_len=max_s,
         )
 
 
@@ -181,20 +202,21 @@ def check_rows_cover(
     attention would read padding: refuse the batch here, on host values, instead.
     """
     for g, bs in enumerate(block_sizes):
+        # seq_len <= blocks * block_size, i.e. ceil(seq_len / block_size) <= blocks.
+        if not bool((step.seq_lens > row_blocks[: step.num_reqs, g] * bs).any()):
+            continue
         need = (step.seq_lens + bs - 1) // bs  # [R]
-        short = (need > row_blocks[: step.num_reqs, g]).nonzero()
-        if short.numel():
-            r = int(short[0])
-            have, want = int(row_blocks[r, g]), int(need[r])
-            hint = (
-                f"max_num_blocks_per_req={max_blocks[g]} cannot hold it; raise max_model_len"
-                if want > max_blocks[g]
-                else "append the step's new blocks with append_row, then commit"
-            )
-            raise ValueError(
-                f"request {r}: seq_len={int(step.seq_lens[r])} needs {want} blocks of group {g} "
-                f"(block_size={bs}) but row {r} holds {have}; {hint}"
-            )
+        r = int((need > row_blocks[: step.num_reqs, g]).nonzero()[0])
+        have, want = int(row_blocks[r, g]), int(need[r])
+        hint = (
+            f"max_num_blocks_per_req={max_blocks[g]} cannot hold it; raise max_model_len"
+            if want > max_blocks[g]
+            else "append the step's new blocks with append_row, then commit"
+        )
+        raise ValueError(
+            f"request {r}: seq_len={int(step.seq_lens[r])} needs {want} blocks of group {g} "
+            f"(block_size={bs}) but row {r} holds {have}; {hint}"
+        )
 
 
 def check_new_tokens_not_null(
@@ -212,19 +234,17 @@ def check_new_tokens_not_null(
     """
     if step.num_tokens == 0:
         return
-    req = torch.repeat_interleave(
-        torch.arange(step.num_reqs), step.query_lens, output_size=step.num_tokens
-    )  # [T]
-    blocks = host_table[req, step.positions // block_size]  # [T]
-    hit = (blocks == null_block).nonzero()
-    if hit.numel():
-        t = int(hit[0])
-        r, pos = int(req[t]), int(step.positions[t])
-        raise ValueError(
-            f"request {r}: new token at position {pos} maps to the null block {null_block} "
-            f"(group {group}, column {pos // block_size}); the scheduler must allocate a real block "
-            "for every block the step writes"
-        )
+    blocks = host_table[step.token_reqs, step.positions // block_size]  # [T]
+    hit = blocks == null_block
+    if not bool(hit.any()):
+        return
+    t = int(hit.nonzero()[0])
+    r, pos = int(step.token_reqs[t]), int(step.positions[t])
+    raise ValueError(
+        f"request {r}: new token at position {pos} maps to the null block {null_block} "
+        f"(group {group}, column {pos // block_size}); the scheduler must allocate a real block "
+        "for every block the step writes"
+    )
 
 
 class StepBuffers:
@@ -235,12 +255,17 @@ class StepBuffers:
         self, max_num_reqs: int, max_num_tokens: int, device: torch.device, pinned: bool
     ) -> None:
         self.pinned = pinned
-        self.host_qsl = torch.zeros(max_num_reqs + 1, dtype=torch.int32, pin_memory=pinned)
-        self.host_seq = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pinned)
-        self.host_pos = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pinned)
         self.qsl = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         self.seq = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.pos = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        # On the CPU the "device" buffers are host memory already: no staging copy.
+        self.direct = device.type == "cpu"
+        if self.direct:
+            self.host_qsl, self.host_seq, self.host_pos = self.qsl, self.seq, self.pos
+        else:
+            self.host_qsl = torch.zeros(max_num_reqs + 1, dtype=torch.int32, pin_memory=pinned)
+            self.host_seq = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pinned)
+            self.host_pos = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pinned)
 
     def stage(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copy the step to the device; returns views ``qsl [R + 1]``, ``seq_lens [R]``,
@@ -254,7 +279,8 @@ class StepBuffers:
         )
         for host, dev, src in pairs:
             host.copy_(src)
-            dev.copy_(host, non_blocking=self.pinned)
+            if not self.direct:
+                dev.copy_(host, non_blocking=self.pinned)
         return self.qsl[: r + 1], self.seq[:r], self.pos[:t]
 
 

@@ -43,6 +43,8 @@ from kv_blocktable._block_ids import (
     INT32_MAX,
     BlockIdCheck,
     check_kernel_block_split,
+    int64_tensor,
+    plan_appends,
     positive_int,
 )
 from kv_blocktable.attn_metadata import KeyWindow
@@ -171,10 +173,23 @@ class BlockTables:
         self._dev = torch.full(shape, -1, dtype=torch.int32, device=self.device)  # [R, sum M_g]
         # Blocks in each row, per group (host only: the scheduler side is the truth).
         self._row_blocks = torch.zeros(self.max_num_reqs, self.num_groups, dtype=torch.int64)
-        self._kernel = tuple(  # per group [R, M_g * k_g] kernel block ids, -1 past a row's end
-            torch.full((self.max_num_reqs, m * k), -1, dtype=torch.int32, device=self.device)
-            for m, k in zip(self.max_num_blocks_per_req, self.kernel_blocks_per_block, strict=True)
-        )
+        if self.num_groups == 1 and self.kernel_blocks_per_block == (1,):
+            # One group whose kernel blocks are its manager blocks: the committed table is the
+            # kernel table (same shape, contiguous), so commit skips a copy of every row.
+            self._kernel: tuple[torch.Tensor, ...] = (self._dev,)
+        else:
+            self._kernel = tuple(  # per group [R, M_g * k_g] kernel block ids, -1 past a row's end
+                torch.full((self.max_num_reqs, m * k), -1, dtype=torch.int32, device=self.device)
+                for m, k in zip(
+                    self.max_num_blocks_per_req, self.kernel_blocks_per_block, strict=True
+                )
+            )
+        # Host tables: rows written since they were last committed. A commit copies (and
+        # expands) only those; a decode step changes the few rows that crossed a block boundary.
+        # CUDA tables copy rows [0, num_reqs) in one asynchronous copy instead (no host work to
+        # save), so nothing is tracked there.
+        self._track_rows = self.device.type == "cpu"
+        self._dirty: set[int] = set()
         self._slots = tuple(  # per group [max_num_batched_tokens] int64, -1 = padding
             torch.full((self.max_num_batched_tokens,), -1, dtype=torch.int64, device=self.device)
             for _ in range(self.num_groups)
@@ -296,6 +311,12 @@ class BlockTables:
             self._copy_event.synchronize()
             self._copy_event = None
 
+    def _touch(self, *rows: int) -> None:
+        """``rows`` of the host table changed: the device copy is stale until the next commit."""
+        if self._track_rows:
+            self._dirty.update(rows)
+        self._committed = None
+
     def _write(self, row: int, ids: list[torch.Tensor], *, start: Sequence[int]) -> None:
         for g, t in enumerate(ids):
             end = start[g] + t.numel()
@@ -311,7 +332,7 @@ class BlockTables:
             c0 = self._col[g] + start[g]
             self._host[row, c0 : c0 + t.numel()] = t.to(torch.int32)
             self._row_blocks[row, g] = start[g] + t.numel()
-        self._committed = None
+        self._touch(row)
 
     def add_row(self, row: int, block_ids: tuple[list[int], ...]) -> None:
         """Give ``row`` these manager block ids per group (replacing what it held)."""
@@ -348,30 +369,14 @@ class BlockTables:
         lists = [self._ids.lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)]
         if not rows:
             return
-        ends: dict[int, list[int]] = {}  # row -> blocks per group after its appends so far
         have = (  # [len(rows), G]
             [self._row_blocks[rows[0]].tolist()]
             if len(rows) == 1
-            else self._row_blocks[rows].tolist()
+            else self._row_blocks[int64_tensor(rows)].tolist()
         )
-        flat: list[int] = []
-        vals: list[int] = []
-        width = self._col[-1]
-        for row, start, per_group in zip(rows, have, lists, strict=True):
-            end = ends.setdefault(row, start)
-            for g, ids in enumerate(per_group):
-                n = end[g] + len(ids)
-                if n > self.max_num_blocks_per_req[g]:
-                    raise ValueError(
-                        f"row {row} group {g} would hold {n} blocks (block_size="
-                        f"{self.block_sizes[g]}, {n * self.block_sizes[g]} tokens), more than "
-                        f"max_num_blocks_per_req={self.max_num_blocks_per_req[g]}; raise "
-                        "max_model_len or finish the request"
-                    )
-                c0 = row * width + self._col[g] + end[g]
-                flat.extend(range(c0, c0 + len(ids)))
-                vals.extend(ids)
-                end[g] = n
+        ends, flat, vals = plan_appends(
+            rows, have, lists, self._col, self.max_num_blocks_per_req, self.block_sizes
+        )
         self._wait_staged()
         if len(rows) == 1:  # append_row: slices, cheaper than a scatter for one row
             row, end = rows[0], ends[rows[0]]
@@ -382,9 +387,13 @@ class BlockTables:
             self._row_blocks[row] = torch.tensor(end, dtype=torch.int64)
         else:
             if flat:
-                self._host.view(-1)[torch.tensor(flat)] = torch.tensor(vals, dtype=torch.int32)
-            self._row_blocks[list(ends)] = torch.tensor(list(ends.values()), dtype=torch.int64)
-        self._committed = None
+                # int64_tensor: torch.tensor(list) costs ~0.1 us per element; ids fit in int32
+                # (BlockIdCheck), so the cast is exact.
+                self._host.view(-1)[int64_tensor(flat)] = int64_tensor(vals).to(torch.int32)
+            self._row_blocks[int64_tensor(list(ends))] = int64_tensor(
+                [n for end in ends.values() for n in end]
+            ).view(len(ends), self.num_groups)
+        self._touch(*ends)
 
     def clear_row(self, row: int) -> None:
         """Empty ``row`` (its request finished or was preempted)."""
@@ -392,7 +401,7 @@ class BlockTables:
         self._wait_staged()
         self._host[row] = -1
         self._row_blocks[row] = 0
-        self._committed = None
+        self._touch(row)
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy row ``src`` to ``dst`` (every group); ``src`` is left as it was."""
@@ -401,7 +410,7 @@ class BlockTables:
         self._wait_staged()
         self._host[dst] = self._host[src]
         self._row_blocks[dst] = self._row_blocks[src]
-        self._committed = None
+        self._touch(dst)
 
     def swap_rows(self, a: int, b: int) -> None:
         """Exchange rows ``a`` and ``b`` (every group)."""
@@ -411,7 +420,7 @@ class BlockTables:
         idx = torch.tensor([a, b])
         self._host[idx] = self._host[idx.flip(0)]
         self._row_blocks[idx] = self._row_blocks[idx.flip(0)]
-        self._committed = None
+        self._touch(a, b)
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -425,20 +434,43 @@ class BlockTables:
         ):
             raise ValueError(f"num_reqs={num_reqs!r} must be an int in [0, {self.max_num_reqs}]")
         n = num_reqs
-        self._dev[:n].copy_(self._host[:n], non_blocking=self._pinned)
-        if self._pinned:
-            self._copy_event = torch.cuda.Event()
-            self._copy_event.record()
-        for g, k in enumerate(self.kernel_blocks_per_block):
-            manager = self._dev[:n, self._col[g] : self._col[g + 1]]  # [n, M_g]
-            if k == 1:
-                self._kernel[g][:n].copy_(manager)
-            else:
-                expanded = expand_block_table(
-                    manager, self.block_sizes[g], self.kernel_block_sizes[g], impl=self.impl
-                )  # [n, M_g * k]
-                self._kernel[g][:n].copy_(expanded)
+        if self._track_rows:
+            self._commit_rows(n)
+        else:
+            self._dev[:n].copy_(self._host[:n], non_blocking=self._pinned)
+            if self._pinned:
+                self._copy_event = torch.cuda.Event()
+                self._copy_event.record()
+            self._expand(slice(0, n), self._dev[:n])
         self._committed = n
+
+    def _commit_rows(self, n: int) -> None:
+        # Host tables: rows outside ``_dirty`` already match the host, so copy only the changed
+        # rows below n (rows at or past n stay marked until a commit covers them).
+        rows = sorted(r for r in self._dirty if r < n)
+        if not rows:
+            return
+        self._dirty.difference_update(rows)
+        if len(rows) * 4 >= n:  # most of the batch: slices beat gathers
+            self._dev[:n].copy_(self._host[:n])
+            self._expand(slice(0, n), self._dev[:n])
+        else:
+            idx = torch.tensor(rows)
+            committed = self._host[idx]  # [len(rows), sum M_g]
+            self._dev[idx] = committed
+            self._expand(idx, committed)
+
+    def _expand(self, rows: slice | torch.Tensor, committed: torch.Tensor) -> None:
+        """Write the kernel tables' ``rows`` from their committed manager ids ``committed``."""
+        for g, k in enumerate(self.kernel_blocks_per_block):
+            if self._kernel[g] is self._dev:
+                continue  # aliases the committed table
+            manager = committed[:, self._col[g] : self._col[g + 1]]  # [rows, M_g]
+            if k > 1:
+                manager = expand_block_table(
+                    manager, self.block_sizes[g], self.kernel_block_sizes[g], impl=self.impl
+                )  # [rows, M_g * k]
+            self._kernel[g][rows] = manager
 
     def _require_committed(self, num_reqs: int, what: str) -> None:
         if self._committed is None:
@@ -477,31 +509,19 @@ class BlockTables:
             )
         self._require_committed(query_start_loc.numel() - 1, "compute_slot_mapping")
         num_reqs = query_start_loc.numel() - 1
-        top = None
-        if positions.device.type == "cpu" and num_tokens:
-            # Host tables: the torch reference expands every column it is given, so give it only
-            # the columns the step's positions reach (a decode step at position ~500 reads 32 of
-            # 256). Reading the max is free on the host; on a device it would sync, and the
-            # kernel reads only the columns it needs anyway. An out-of-range position keeps the
-            # full table, so kv-kernels' check reports it exactly as before.
-            top = int(positions.max())
-        out = []
-        for g in range(self.num_groups):
-            cols = self.max_num_blocks_per_req[g]
-            if top is not None and top >= 0:
-                cols = min(cols, top // self.block_sizes[g] + 1)
-            slots = compute_slot_mapping(
-                self._dev[:num_reqs, self._col[g] : self._col[g] + cols],
+        return tuple(
+            compute_slot_mapping(
+                self._dev[:num_reqs, self._col[g] : self._col[g + 1]],
                 positions,
                 query_start_loc,
                 self.block_sizes[g],
                 self.kernel_block_sizes[g],
                 num_slots=length,
                 impl=self.impl,
-            )  # [length] int64
-            self._slots[g][:length].copy_(slots)
-            out.append(self._slots[g][:length])
-        return tuple(out)
+                out=self._slots[g][:length],
+            )  # [length] int64, written in place
+            for g in range(self.num_groups)
+        )
 
     def build_common_metadata(
         self,

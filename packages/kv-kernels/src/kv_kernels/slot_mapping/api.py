@@ -107,6 +107,7 @@ def compute_slot_mapping(
     *,
     num_slots: int | None = None,
     impl: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int64 slots ``[num_slots or T]`` of the ``T = positions.numel()`` new tokens.
 
@@ -117,13 +118,16 @@ def compute_slot_mapping(
         block_size: the manager block size; ``kernel_block_size`` must divide it.
         num_slots: length of the result (``>= T``; fixed for CUDA graphs); entries past the
             requests' tokens are ``-1``.
+        out: an int64 ``[num_slots]`` tensor on ``positions``' device (contiguous) to write the
+            slots into and return, e.g. a persistent buffer a CUDA graph captured; default: a
+            new tensor.
 
     ``slot = kernel_block * kernel_block_size + pos % kernel_block_size`` with kernel block
     ``table[r, pos // block_size] * k + (pos // kernel_block_size) % k``; a ``-1`` table entry gives
     slot ``-1``.
     """
     if torch.compiler.is_compiling():
-        return _op_calls.compute_slot_mapping_op(
+        slots = _op_calls.compute_slot_mapping_op(
             block_table,
             positions,
             query_start_loc,
@@ -132,6 +136,7 @@ def compute_slot_mapping(
             num_slots=num_slots,
             impl=impl,
         )
+        return slots if out is None else out.copy_(slots)
     _check_block_sizes(block_size, kernel_block_size)
     _check_index("block_table", block_table, 2)
     _check_index("positions", positions, 1)
@@ -153,6 +158,8 @@ def compute_slot_mapping(
         num_slots = num_tokens
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < num_tokens:
         raise ValueError(f"num_slots={num_slots!r} must be an int >= the {num_tokens} tokens")
+    if out is not None:
+        _check_out(out, num_slots, device)
     if device.type == "cpu":
         _check_values(block_table, positions, query_start_loc, block_size)
     chosen = _resolve_impl(impl, device, "compute_slot_mapping")
@@ -160,13 +167,27 @@ def compute_slot_mapping(
         from kv_kernels.slot_mapping.reference import compute_slot_mapping_reference
 
         return compute_slot_mapping_reference(
-            block_table, positions, query_start_loc, block_size, kernel_block_size, num_slots
+            block_table, positions, query_start_loc, block_size, kernel_block_size, num_slots, out
         )
     from kv_kernels.slot_mapping.triton import compute_slot_mapping_triton
 
     return compute_slot_mapping_triton(
-        block_table, positions, query_start_loc, block_size, kernel_block_size, num_slots
+        block_table, positions, query_start_loc, block_size, kernel_block_size, num_slots, out
     )
+
+
+def _check_out(out: object, num_slots: int, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != torch.int64 or tuple(out.shape) != (num_slots,):
+        raise ValueError(
+            f"out is {out.dtype} of shape {tuple(out.shape)}; slots need int64 of shape "
+            f"({num_slots},) (num_slots); pass buffer[:num_slots] of an int64 buffer"
+        )
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but positions is on {device}")
+    if num_slots and out.stride(0) != 1:
+        raise ValueError(f"out must be contiguous (stride {out.stride()}); pass a contiguous slice")
 
 
 def _check_values(
@@ -175,28 +196,31 @@ def _check_values(
     query_start_loc: torch.Tensor,
     block_size: int,
 ) -> None:
-    qsl = query_start_loc.to(torch.int64)
+    # A handful of reductions on the happy path (this runs every step on host tables); the
+    # offending token is only located once a bound is known to be broken.
     num_tokens = positions.numel()
-    if int(qsl[0]) != 0:
-        raise ValueError(f"query_start_loc[0]={int(qsl[0])} must be 0")
-    steps = qsl[1:] - qsl[:-1]
-    if steps.numel() and int(steps.min()) < 0:
+    first, end = int(query_start_loc[0]), int(query_start_loc[-1])
+    if first != 0:
+        raise ValueError(f"query_start_loc[0]={first} must be 0")
+    if query_start_loc.numel() > 1 and bool((query_start_loc[1:] < query_start_loc[:-1]).any()):
+        qsl = query_start_loc.to(torch.int64)
         raise ValueError(f"query_start_loc must be non-decreasing, got {qsl.tolist()[:16]}")
-    end = int(qsl[-1])
     if end > num_tokens:
         raise ValueError(f"query_start_loc[-1]={end} exceeds the {num_tokens} positions")
     if end == 0:
         return
-    pos = positions[:end].to(torch.int64)
-    if int(pos.min()) < 0:
-        raise ValueError(f"positions of request tokens must be >= 0, got {int(pos.min())}")
+    lo, hi = (int(v) for v in torch.aminmax(positions[:end]))
+    if lo < 0:
+        raise ValueError(f"positions of request tokens must be >= 0, got {lo}")
     max_cols = block_table.shape[1]
+    if hi // block_size < max_cols:  # the largest position needs the last column read
+        return
+    pos = positions[:end].to(torch.int64)
+    steps = query_start_loc[1:].to(torch.int64) - query_start_loc[:-1]
     req = torch.repeat_interleave(torch.arange(steps.numel()), steps)  # [end] request of each token
     col = pos // block_size
-    over = col >= max_cols
-    if bool(over.any()):
-        t = int(over.nonzero()[0])
-        raise ValueError(
-            f"token {t} of request {int(req[t])} is at position {int(pos[t])}, which needs block-table "
-            f"column {int(col[t])} but block_table has {max_cols} columns (block_size={block_size})"
-        )
+    t = int((col >= max_cols).nonzero()[0])
+    raise ValueError(
+        f"token {t} of request {int(req[t])} is at position {int(pos[t])}, which needs block-table "
+        f"column {int(col[t])} but block_table has {max_cols} columns (block_size={block_size})"
+    )

@@ -36,23 +36,31 @@ def compute_slot_mapping_reference(
     block_size: int,
     kernel_block_size: int,
     num_slots: int,
+    out: torch.Tensor | None = None,  # [num_slots] int64, written and returned when given
 ) -> torch.Tensor:
-    """int64 ``[num_slots]`` slots of the ``T`` tokens, ``-1`` for padding."""
+    """int64 ``[num_slots]`` slots of the ``T`` tokens, ``-1`` for padding.
+
+    Only the table entries the tokens read are looked at, so the cost follows the tokens, not
+    the table's width: the token at ``pos`` reads manager block ``b = table[r, pos // block_size]``,
+    whose kernel block is ``b * k + (pos % block_size) // kernel_block_size``, so its slot
+    ``kernel_block * kernel_block_size + pos % kernel_block_size`` is
+    ``b * block_size + pos % block_size``.
+    """
     device = positions.device
-    num_tokens = positions.numel()
-    table = expand_block_table_reference(block_table.to(torch.int64), block_size, kernel_block_size)
-    qsl = query_start_loc.to(device=device, dtype=torch.int64)
-    out = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
-    num_reqs = qsl.numel() - 1
-    if num_tokens == 0 or num_reqs == 0:
+    if out is None:
+        out = torch.empty(num_slots, dtype=torch.int64, device=device)
+    out.fill_(-1)
+    end = int(query_start_loc[-1])  # tokens past it are padding
+    if end == 0:
         return out
-    # request of each token: the r with qsl[r] <= t < qsl[r + 1]
-    tokens = torch.arange(num_tokens, device=device)
-    req = torch.searchsorted(qsl, tokens, right=True) - 1  # [T]
-    in_req = (tokens < qsl[-1]) & (req >= 0) & (req < num_reqs)
-    tokens, req = tokens[in_req], req[in_req]
-    pos = positions.to(torch.int64)[tokens]
-    kernel_block = table.to(device)[req, pos // kernel_block_size]
-    slots = kernel_block * kernel_block_size + pos % kernel_block_size
-    out[tokens] = torch.where(kernel_block >= 0, slots, torch.full_like(slots, -1))
+    # request of each token: request r owns tokens [qsl[r], qsl[r + 1])
+    req = torch.repeat_interleave(
+        torch.arange(query_start_loc.numel() - 1, device=device),
+        query_start_loc.diff(),
+        output_size=end,
+    )  # [end]
+    pos = positions[:end].to(torch.int64)
+    manager = block_table[req, pos // block_size].to(torch.int64)  # [end]
+    slots = manager * block_size + pos % block_size
+    out[:end] = torch.where(manager >= 0, slots, -1)
     return out

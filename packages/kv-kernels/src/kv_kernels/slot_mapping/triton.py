@@ -84,9 +84,11 @@ def compute_slot_mapping_triton(
     block_size: int,
     kernel_block_size: int,  # validated to divide block_size; slots do not depend on it
     num_slots: int,
+    out: torch.Tensor | None = None,  # [num_slots] int64, written and returned when given
 ) -> torch.Tensor:
     """int64 ``[num_slots]`` (one launch)."""
-    out = torch.empty(num_slots, dtype=torch.int64, device=positions.device)
+    if out is None:
+        out = torch.empty(num_slots, dtype=torch.int64, device=positions.device)
     num_reqs = query_start_loc.numel() - 1
     if num_slots == 0:
         return out
