@@ -3,6 +3,8 @@ block sizes, refusals that change nothing, events, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from kv_blocktable import (
     AllBlocksCleared,
@@ -220,9 +222,15 @@ def test_bad_input_names_value_and_bound() -> None:
     with pytest.raises(TypeError, match="KVCacheConfig"):
         KVCacheManager(object())  # type: ignore[arg-type]
     spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8)
-    tight = plan_kv_cache({"l": spec}, 4 * spec.page_size_bytes, max_model_len=16)
+    # kv-spec's planner counts the null block (kv_spec.NULL_BLOCKS): 4 blocks for a request of 4
+    # are refused there, 5 plan; a config made by hand with 4 is refused here
+    with pytest.raises(ValueError, match="besides the allocator's null block"):
+        plan_kv_cache({"l": spec}, 4 * spec.page_size_bytes, max_model_len=16)
+    fits = plan_kv_cache({"l": spec}, 5 * spec.page_size_bytes, max_model_len=16)
+    assert fits.num_blocks == 5 and fits.max_concurrency() == 1.0
+    KVCacheManager(fits)
     with pytest.raises(ValueError, match="null block"):
-        KVCacheManager(tight)  # 4 blocks, one request needs 4, block 0 is reserved
+        KVCacheManager(dataclasses.replace(fits, num_blocks=4))
 
 
 def test_caching_off_never_hits() -> None:

@@ -33,7 +33,8 @@ def test_llama3_8b_by_hand() -> None:
     assert len(cfg.groups) == 1 and len(cfg.groups[0].layer_names) == 32
     assert len(cfg.tensors) == 32 and all(t.size_bytes == 20480 * 65536 for t in cfg.tensors)
     assert cfg.blocks_per_request() == 8192 // 16
-    assert cfg.max_concurrency() == 40.0
+    # all blocks but the allocator's null block
+    assert cfg.max_concurrency() == (20480 - 1) / 512
 
 
 def test_llama3_70b_tp8_by_hand() -> None:
@@ -120,15 +121,17 @@ def test_unify_pads_when_no_integer_factor_and_errors_without_padding() -> None:
 
 
 def test_refuses_budget_too_small_for_one_request() -> None:
-    # exactly enough: 1 GiB / 2 MiB per block id = 512 blocks = 8192 tokens
+    # exactly enough: 1 GiB / 2 MiB per block id = 512 blocks = 8192 tokens, one of them the
+    # allocator's null block, so 511 blocks (8176 tokens) for a request
     assert (
-        plan_kv_cache(get_model("Llama-3-8B").kv_specs(), GiB, max_model_len=8192).num_blocks == 512
+        plan_kv_cache(get_model("Llama-3-8B").kv_specs(), GiB, max_model_len=8176).num_blocks == 512
     )
     with pytest.raises(
         ValueError,
-        match=r"one request of max_model_len=8193 needs 513 blocks; give at least 1075838976 bytes",
+        match=r"one request of max_model_len=8177 needs 512 blocks besides the allocator's null "
+        r"block; give at least 1075838976 bytes",
     ):
-        plan_kv_cache(get_model("Llama-3-8B").kv_specs(), GiB, max_model_len=8193)
+        plan_kv_cache(get_model("Llama-3-8B").kv_specs(), GiB, max_model_len=8177)
     with pytest.raises(ValueError, match="holds no block"):
         plan_kv_cache(llama_specs(), 1000)
     with pytest.raises(ValueError, match="available_bytes=-1 must be >= 0"):

@@ -185,7 +185,8 @@ def test_any_batch_shape_matches_dense_reference(
 def test_cache_sizing(gpt_oss: Path) -> None:
     runner = make(gpt_oss, num_blocks=None)
     cfg = runner.kv_cache_config
-    assert cfg.num_blocks == 4 * cfg.blocks_per_request(64)
+    assert cfg.num_blocks == 4 * cfg.blocks_per_request(64) + 1  # and the null block
+    assert cfg.max_concurrency(64) == 4.0
     by_bytes = make(gpt_oss, num_blocks=None, kv_cache_memory=cfg.page_size_bytes * 100)
     assert by_bytes.kv_cache_config.num_blocks == 100
     with pytest.raises(ValueError, match="not both"):
@@ -194,6 +195,11 @@ def test_cache_sizing(gpt_oss: Path) -> None:
         ValueError, match="num_blocks=3 cannot hold one request of max_model_len=64"
     ):
         make(gpt_oss, num_blocks=3)
+    # exactly one request's blocks is one short: block 0 is the allocator's null block
+    need = cfg.blocks_per_request(64)
+    with pytest.raises(ValueError, match=f"so at least {need + 1}"):
+        make(gpt_oss, num_blocks=need)
+    assert make(gpt_oss, num_blocks=need + 1).kv_cache_config.max_concurrency(64) == 1.0
 
 
 def test_forced_backend_that_cannot_serve_says_why(gpt_oss: Path) -> None:

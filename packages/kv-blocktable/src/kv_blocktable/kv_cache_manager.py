@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv_spec import KVCacheConfig, cdiv
+from kv_spec import NULL_BLOCKS, KVCacheConfig, cdiv
 
 from kv_blocktable.events import KVEvent
 from kv_blocktable.hashing import BlockHasher
@@ -118,12 +118,13 @@ class KVCacheManager:
         )
         if cfg.max_model_len is not None:
             need = cfg.blocks_per_request()
-            if need > cfg.num_blocks - 1:
+            if need > cfg.num_blocks - NULL_BLOCKS:
+                # kv-spec's planner refuses such a plan; a config built by hand can still be one
                 raise ValueError(
                     f"kv_cache_config.num_blocks={cfg.num_blocks} cannot hold one request of "
                     f"max_model_len={cfg.max_model_len}: it needs {need} blocks and block 0 is the "
-                    f"null block, so plan at least {need + 1} blocks (more memory or a shorter "
-                    "max_model_len)"
+                    f"null block, so plan at least {need + NULL_BLOCKS} blocks (more memory or a "
+                    "shorter max_model_len)"
                 )
         # Single full-attention group: the decode fast path in allocate_slots applies.
         self._single_full = len(self.managers) == 1 and type(self.managers[0]) is (

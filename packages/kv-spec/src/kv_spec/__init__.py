@@ -21,6 +21,7 @@ from kv_spec.pages import (
     real_page_size_bytes,
 )
 from kv_spec.planner import (
+    NULL_BLOCKS,
     KVCacheConfig,
     KVCacheGroup,
     KVCacheTensor,
@@ -46,6 +47,7 @@ __all__ = [
     "CATALOGUE",
     "DTYPE_BYTES",
     "LOGICAL_DIMS",
+    "NULL_BLOCKS",
     "SCALE_BYTES",
     "SPLITTABLE_ORDERS",
     "AttentionSpec",

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Final
 
 from kv_spec._checks import check_int, check_positive_int
 from kv_spec.layout import KVCacheLayout, LayoutOrder
 from kv_spec.specs import AttentionSpec, cdiv
 
 __all__ = [
+    "NULL_BLOCKS",
     "KVCacheConfig",
     "KVCacheGroup",
     "KVCacheTensor",
@@ -29,6 +31,11 @@ __all__ = [
     "plan_kv_cache",
     "unify_page_sizes",
 ]
+
+#: Block ids the allocator reserves and never gives a request: block 0, the *null block*
+#: (kv-blocktable's ``BlockPool``, as vLLM's), which block tables use for positions a group no
+#: longer reads (sliding windows). A plan must hold one request in the other blocks.
+NULL_BLOCKS: Final[int] = 1
 
 
 @dataclass(frozen=True)
@@ -104,8 +111,9 @@ class KVCacheConfig:
         )
 
     def max_concurrency(self, max_model_len: int | None = None) -> float:
-        """How many requests of ``max_model_len`` tokens fit at once."""
-        return self.num_blocks / self.blocks_per_request(max_model_len)
+        """How many requests of ``max_model_len`` tokens fit at once (in the blocks the allocator
+        hands out: all but the :data:`NULL_BLOCKS`)."""
+        return (self.num_blocks - NULL_BLOCKS) / self.blocks_per_request(max_model_len)
 
 
 def _blocks_per_request(
@@ -205,12 +213,13 @@ def plan_kv_cache(
         )
     if max_model_len is not None:
         need = _blocks_per_request(groups, page, max_model_len, max_num_batched_tokens)
-        if num_blocks < need:
+        if num_blocks - NULL_BLOCKS < need:
             raise ValueError(
                 f"available_bytes={available_bytes} gives num_blocks={num_blocks} "
                 f"({page}-byte pages x {slots} layer slots), but one request of "
-                f"max_model_len={max_model_len} needs {need} blocks; give at least "
-                f"{need * page * slots} bytes or lower max_model_len"
+                f"max_model_len={max_model_len} needs {need} blocks besides the allocator's "
+                f"null block; give at least {(need + NULL_BLOCKS) * page * slots} bytes or lower "
+                "max_model_len"
             )
 
     tensors: list[KVCacheTensor]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kv_spec import (
+    NULL_BLOCKS,
     KVCacheConfig,
     KVQuantMode,
     LayoutOrder,
@@ -216,8 +217,9 @@ def plan_model(
     big = plan_kv_cache(
         specs, 2**62, max_num_batched_tokens=max_num_batched_tokens, layout_order=order
     )
-    need = big.blocks_per_request(mml) * big.page_size_bytes * big.num_layer_slots
-    if memory < need:
+    block_bytes = big.page_size_bytes * big.num_layer_slots
+    need = big.blocks_per_request(mml) * block_bytes
+    if memory < need + NULL_BLOCKS * block_bytes:  # the allocator's null block holds no request
         return PlanReport(model, mml, memory, None, need)
     cfg = plan_kv_cache(
         specs,

@@ -118,8 +118,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     for r in short:
         sys.stderr.write(
             f"kvstack plan: {r.model.name}: {format_bytes(r.memory)} cannot hold one request of "
-            f"{r.max_model_len:,} tokens (needs {format_bytes(r.bytes_per_request)}); give more "
-            "--memory or a smaller --max-model-len\n"
+            f"{r.max_model_len:,} tokens (needs {format_bytes(r.bytes_per_request)} plus one "
+            "block for the allocator's null block); give more --memory or a smaller "
+            "--max-model-len\n"
         )
     return EXIT_DOES_NOT_FIT if short else 0
 

@@ -34,7 +34,14 @@ from kv_backends import (
 )
 from kv_kernels import allocate_kv_cache, layer_view
 from kv_kernels.cache import KVCacheStorage
-from kv_spec import KVCacheConfig, KVCacheLayout, LayoutOrder, plan_kv_cache, to_torch_dtype
+from kv_spec import (
+    NULL_BLOCKS,
+    KVCacheConfig,
+    KVCacheLayout,
+    LayoutOrder,
+    plan_kv_cache,
+    to_torch_dtype,
+)
 
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.loader import load_model
@@ -180,12 +187,13 @@ class ModelRunner:
         per_block = probe.page_size_bytes * probe.num_layer_slots
         need = probe.blocks_per_request(self.max_model_len)
         if num_blocks is None:
-            num_blocks = DEFAULT_CACHE_REQUESTS * need
-        if num_blocks < need:
+            num_blocks = DEFAULT_CACHE_REQUESTS * need + NULL_BLOCKS
+        if num_blocks < need + NULL_BLOCKS:
             raise ValueError(
                 f"num_blocks={num_blocks} cannot hold one request of max_model_len="
                 f"{self.max_model_len}: it needs {need} blocks over {len(probe.groups)} KV "
-                "group(s); give more blocks or a smaller max_model_len"
+                f"group(s) besides the allocator's null block, so at least {need + NULL_BLOCKS}; "
+                "give more blocks or a smaller max_model_len"
             )
         return plan_kv_cache(specs, num_blocks * per_block, **kw)
 
