@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 __all__ = [
     "INT32_MAX",
     "BlockIdCheck",
+    "check_group_sizes",
     "check_kernel_block_split",
+    "check_num_blocks",
     "int64_tensor",
     "plan_appends",
     "positive_int",
@@ -39,6 +41,50 @@ def positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
     return value
+
+
+def check_group_sizes(
+    owner: str,
+    block_sizes: Sequence[int],
+    kernel_block_sizes: Sequence[int],
+    max_num_blocks_per_req: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The per-group sizes as tuples of positive ints, one of each per group, every kernel block
+    size dividing its block size (a manager block is ``k`` whole kernel blocks)."""
+    sizes = tuple(positive_int(owner, "block_sizes[]", b) for b in block_sizes)
+    kernel = tuple(positive_int(owner, "kernel_block_sizes[]", b) for b in kernel_block_sizes)
+    cols = tuple(positive_int(owner, "max_num_blocks_per_req[]", m) for m in max_num_blocks_per_req)
+    if not sizes:
+        raise ValueError(f"{owner}: block_sizes is empty; pass one block size per KV group")
+    if (len(kernel), len(cols)) != (len(sizes), len(sizes)):
+        raise ValueError(
+            f"{owner}: got {len(sizes)} block_sizes, {len(kernel)} kernel_block_sizes and "
+            f"{len(cols)} max_num_blocks_per_req; pass one of each per KV group"
+        )
+    for g, (bs, kbs) in enumerate(zip(sizes, kernel, strict=True)):
+        if bs % kbs:
+            raise ValueError(
+                f"{owner}: group {g} kernel_block_size={kbs} does not divide block_size={bs}; "
+                "a manager block must be k whole kernel blocks "
+                "(kv_backends.prepare_kernel_block_sizes picks one)"
+            )
+    return sizes, kernel, cols
+
+
+def check_num_blocks(
+    owner: str, num_blocks: int | None, kernel_blocks_per_block: Sequence[int]
+) -> int | None:
+    """``num_blocks`` (``None``: unknown) when each group's kernel block ids fit int32."""
+    if num_blocks is None:
+        return None
+    positive_int(owner, "num_blocks", num_blocks)
+    for g, k in enumerate(kernel_blocks_per_block):
+        if num_blocks * k - 1 > INT32_MAX:
+            raise ValueError(
+                f"{owner}: group {g} has {num_blocks} blocks x k={k} kernel blocks each, "
+                "past the int32 range of kernel block tables; use a larger kernel block size"
+            )
+    return num_blocks
 
 
 def check_kernel_block_split(group_id: int, layout: KVCacheLayout, kernel_block_size: int) -> None:

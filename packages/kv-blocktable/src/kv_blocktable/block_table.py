@@ -40,9 +40,10 @@ from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
 
 from kv_blocktable import attn_metadata as _md
 from kv_blocktable._block_ids import (
-    INT32_MAX,
     BlockIdCheck,
+    check_group_sizes,
     check_kernel_block_split,
+    check_num_blocks,
     int64_tensor,
     plan_appends,
     positive_int,
@@ -100,47 +101,20 @@ class BlockTables:
         impl: str = "auto",
     ) -> None:
         owner = "BlockTables"
-        self.block_sizes = tuple(positive_int(owner, "block_sizes[]", b) for b in block_sizes)
-        self.kernel_block_sizes = tuple(
-            positive_int(owner, "kernel_block_sizes[]", b) for b in kernel_block_sizes
+        self.block_sizes, self.kernel_block_sizes, self.max_num_blocks_per_req = check_group_sizes(
+            owner, block_sizes, kernel_block_sizes, max_num_blocks_per_req
         )
-        self.max_num_blocks_per_req = tuple(
-            positive_int(owner, "max_num_blocks_per_req[]", m) for m in max_num_blocks_per_req
-        )
-        num_groups = len(self.block_sizes)
-        if num_groups == 0:
-            raise ValueError(f"{owner}: block_sizes is empty; pass one block size per KV group")
-        lens = (len(self.kernel_block_sizes), len(self.max_num_blocks_per_req))
-        if lens != (num_groups, num_groups):
-            raise ValueError(
-                f"{owner}: got {num_groups} block_sizes, {lens[0]} kernel_block_sizes and "
-                f"{lens[1]} max_num_blocks_per_req; pass one of each per KV group"
-            )
-        for g, (bs, kbs) in enumerate(zip(self.block_sizes, self.kernel_block_sizes, strict=True)):
-            if bs % kbs:
-                raise ValueError(
-                    f"{owner}: group {g} kernel_block_size={kbs} does not divide block_size={bs}; "
-                    "a manager block must be k whole kernel blocks "
-                    "(kv_backends.prepare_kernel_block_sizes picks one)"
-                )
         self.max_num_reqs = positive_int(owner, "max_num_reqs", max_num_reqs)
         self.max_num_batched_tokens = positive_int(
             owner, "max_num_batched_tokens", max_num_batched_tokens
         )
-        if num_blocks is not None:
-            positive_int(owner, "num_blocks", num_blocks)
-            for g, k in enumerate(self.kernel_blocks_per_block):
-                if num_blocks * k - 1 > INT32_MAX:
-                    raise ValueError(
-                        f"{owner}: group {g} has {num_blocks} blocks x k={k} kernel blocks each, "
-                        "past the int32 range of kernel block tables; use a larger kernel block size"
-                    )
-        self.num_blocks = num_blocks
+        self.num_blocks = check_num_blocks(owner, num_blocks, self.kernel_blocks_per_block)
         if null_block is not None and (
             isinstance(null_block, bool) or not isinstance(null_block, int) or null_block < 0
         ):
             raise ValueError(f"{owner}: null_block={null_block!r} must be an int >= 0 or None")
         self.null_block = null_block
+        num_groups = self.num_groups
         windows = tuple(key_windows) if key_windows is not None else (None,) * num_groups
         if len(windows) != num_groups or not all(
             w is None or isinstance(w, KeyWindow) for w in windows
