@@ -45,21 +45,23 @@ EXAMPLES = int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "8"))
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def gpt_oss_config() -> dict[str, Any]:
+def small_config(**overrides: Any) -> dict[str, Any]:
+    """A tiny 3-layer, 4q/2kv-head, head-16 model with a 6-token window, plus ``overrides``."""
     cfg = diffkv_config(head_dim=16, v_head_dim=16)
     del cfg["v_head_dim"]
-    cfg.update(
+    cfg.update(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, sliding_window=6)
+    cfg.update(overrides)
+    return cfg
+
+
+def gpt_oss_config() -> dict[str, Any]:
+    return small_config(
         architectures=["GptOssForCausalLM"],
         model_type="gpt_oss",
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_local_experts=4,
         num_experts_per_tok=2,
-        sliding_window=6,
-        num_hidden_layers=3,
         swiglu_limit=2.0,
     )
-    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -547,18 +549,11 @@ def test_per_call_check_catches_planted_bugs(
 
 
 def dense_config() -> dict[str, Any]:
-    cfg = diffkv_config(head_dim=16, v_head_dim=16)
-    del cfg["v_head_dim"]
-    cfg.update(
+    return small_config(
         architectures=["Qwen3ForCausalLM"],
         model_type="qwen3",
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=3,
-        sliding_window=6,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )
-    return cfg
 
 
 @pytest.fixture(scope="module")
