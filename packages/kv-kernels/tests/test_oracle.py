@@ -11,6 +11,7 @@ from kv_kernels import allocate_kv_cache, layer_view, paged_attention
 from kv_kernels.testing import (
     TOLERANCES,
     assert_close_to_oracle,
+    attention_lowprec,
     attention_oracle,
     attention_oracle_paged,
     check_close_to_oracle,
@@ -97,6 +98,20 @@ def test_oracle_matches_literal_semantics(causal, window, chunk, use_sink, softc
         scale=0.3,
     )
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+    # the low-precision reference is the same attention: in float64 it equals the oracle
+    low = attention_lowprec(
+        q.double(),
+        [k],
+        [v],
+        [q_len],
+        scale=0.3,
+        causal=causal,
+        sliding_window=window,
+        chunk_size=chunk,
+        sinks=sink,
+        softcap=softcap,
+    )
+    torch.testing.assert_close(low, want, atol=1e-12, rtol=1e-12)
 
 
 def test_oracle_sink_lse_and_empty_rows() -> None:

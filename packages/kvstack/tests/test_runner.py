@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from kv_backends import CommonAttentionMetadata
 from kv_kernels.testing import (
     OracleCheck,
+    attention_lowprec,
     attention_oracle,
     check_close_to_oracle,
     plant_wrong_page,
@@ -299,43 +300,6 @@ def test_gpu_backends_float32_match_the_cpu_reference(gpt_oss: Path, backend: st
 # model's.
 
 
-def _lowprec_attention(
-    q: torch.Tensor,  # [T, Hq, D] in the compute dtype, CPU
-    ks: list[torch.Tensor],  # per request [L, Hkv, D]
-    vs: list[torch.Tensor],  # per request [L, Hkv, Dv]
-    q_lens: list[int],
-    *,
-    scale: float,
-    window: int | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """Plain torch attention in ``q.dtype`` (logits, softmax and P@V rounded to it), as
-    kv_backends.testing.lowprec_reference computes it: ``err_lowprec`` of the tolerance rule."""
-    dt = q.dtype
-    out = torch.zeros(q.shape[0], q.shape[1], vs[0].shape[-1], dtype=dt)
-    start = 0
-    for k, v, n in zip(ks, vs, q_lens, strict=True):
-        s, group = k.shape[0], q.shape[1] // k.shape[1]
-        qq = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-        kk = k.to(dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, S, D]
-        vv = v.to(dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, S, Dv]
-        logits = (qq @ kk.transpose(1, 2)) * scale  # [Hq, n, S]
-        p = torch.arange(s - n, s)[:, None]
-        kpos = torch.arange(s)[None, :]
-        ok = kpos <= p
-        if window is not None:
-            ok &= kpos > p - window
-        logits = logits.masked_fill(~ok, float("-inf"))
-        if sinks is not None:
-            sink = sinks.detach().cpu().to(dt)[:, None, None].expand(-1, n, 1)
-            probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :s]
-        else:
-            probs = torch.softmax(logits, -1)
-        out[start : start + n] = (probs.to(dt) @ vv).transpose(0, 1)
-        start += n
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
     step: int
@@ -427,8 +391,9 @@ class AttentionCalls:
         oracle, _ = attention_oracle(
             q, ks, vs, q_lens, scale=model.scale, sliding_window=window, sinks=sinks
         )
-        kw: dict[str, Any] = dict(scale=model.scale, window=window, sinks=sinks)
-        low = _lowprec_attention(q, ks, vs, q_lens, **kw)
+        low = attention_lowprec(
+            q, ks, vs, q_lens, scale=model.scale, sliding_window=window, sinks=sinks
+        )
         self.calls.append(
             AttentionCall(
                 self._steps,

@@ -272,44 +272,28 @@ def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tens
 
 def lowprec_reference(b: PagedBatch, *, scale: float | None = None) -> torch.Tensor:
     """The same attention in plain torch at the batch's compute dtype (logits, softmax and P@V
-    rounded to it): ``err_lowprec`` of the flash-attention parity rule
-    (``err_backend <= rtol * err_lowprec + atol * max|oracle_row|``, kv-kernels'
-    ``check_close_to_oracle``). For bf16/fp16 on the GPU, where a kernel legitimately rounds P
-    to the input dtype. ``[T, Hq, Dv]`` on ``b.q``'s device, padding rows zero."""
+    rounded to it; kv-kernels' :func:`~kv_kernels.testing.attention_lowprec`): ``err_lowprec``
+    of the flash-attention parity rule (``err_backend <= rtol * err_lowprec + atol *
+    max|oracle_row|``, kv-kernels' ``check_close_to_oracle``). For bf16/fp16 on the GPU, where a
+    kernel legitimately rounds P to the input dtype. ``[T, Hq, Dv]`` on ``b.q``'s device, padding
+    rows zero."""
+    from kv_kernels.testing import attention_lowprec
+
     cfg = b.config
-    dt = b.q.dtype
-    scale = scale if scale is not None else cfg.head_size**-0.5
     ks, vs = b.request_kv()
     qsl = b.common.host_query_start_loc().tolist()
-    out = torch.zeros(b.q.shape[0], cfg.num_q_heads, cfg.head_size_v, dtype=dt, device=b.q.device)
-    group = cfg.num_q_heads // cfg.num_kv_heads
-    for r, (k, v) in enumerate(zip(ks, vs, strict=True)):
-        q0, q1, s = qsl[r], qsl[r + 1], k.shape[0]
-        if q1 == q0:
-            continue
-        q = b.q[q0:q1].transpose(0, 1)  # [Hq, L, D]
-        kk = k.to(dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, S, D]
-        vv = v.to(dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, S, Dv]
-        logits = (q @ kk.transpose(1, 2)) * scale  # [Hq, L, S] in dt
-        if cfg.softcap:
-            logits = cfg.softcap * torch.tanh(logits / cfg.softcap)
-        p = torch.arange(s - (q1 - q0), s, device=q.device)[:, None]  # [L, 1]
-        kpos = torch.arange(s, device=q.device)[None, :]  # [1, S]
-        if b.alibi_slopes is not None:
-            logits = logits + (b.alibi_slopes[:, None, None] * (kpos - p)).to(dt)
-        ok = torch.ones_like(kpos - p, dtype=torch.bool)
-        if cfg.causal:
-            ok &= kpos <= p
-        if cfg.sliding_window is not None:
-            ok &= (p - kpos).abs() < cfg.sliding_window
-        logits = logits.masked_fill(~ok, float("-inf"))
-        if b.sinks is not None:
-            sink = b.sinks.to(dt)[:, None, None].expand(-1, q1 - q0, 1)
-            probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :s]
-        else:
-            probs = torch.softmax(logits, -1)
-        out[q0:q1] = (probs.to(dt) @ vv).transpose(0, 1)
-    return out
+    return attention_lowprec(
+        b.q,
+        ks,
+        vs,
+        [qsl[r + 1] - qsl[r] for r in range(len(ks))],
+        scale=scale if scale is not None else cfg.head_size**-0.5,
+        causal=cfg.causal,
+        sliding_window=cfg.sliding_window,
+        sinks=b.sinks,
+        softcap=cfg.softcap,
+        alibi_slopes=b.alibi_slopes,
+    )
 
 
 def make_batch_impl(

@@ -59,6 +59,7 @@ __all__ = [
     "OracleCheck",
     "Tolerance",
     "assert_close_to_oracle",
+    "attention_lowprec",
     "attention_oracle",
     "attention_oracle_paged",
     "check_close_to_oracle",
@@ -163,6 +164,58 @@ def attention_oracle(
         lse[start : start + q_len] = row_lse.transpose(0, 1)
         start += q_len
     return out, lse
+
+
+def attention_lowprec(
+    q: torch.Tensor,  # [T, Hq, D] in the compute dtype
+    k_per_req: Sequence[torch.Tensor],  # each [L_r, H, D]
+    v_per_req: Sequence[torch.Tensor],  # each [L_r, H, Dv]
+    q_lens: Sequence[int],
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [Hq]
+) -> torch.Tensor:
+    """:func:`attention_oracle`'s attention in plain torch at ``q.dtype`` (logits, softmax and
+    P@V rounded to it), on ``q``'s device: ``err_lowprec`` of the parity rule
+    (:func:`check_close_to_oracle`), what a correct kernel that rounds P to the input dtype may
+    err by. ``[T, Hq, Dv]`` in ``q.dtype``, padding rows zero."""
+    dt, dev = q.dtype, q.device
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    head_size_v = v_per_req[0].shape[-1] if len(v_per_req) else q.shape[-1]
+    out = torch.zeros(q.shape[0], q.shape[1], head_size_v, dtype=dt, device=dev)
+    start = 0
+    for k, v, q_len in zip(k_per_req, v_per_req, q_lens, strict=True):
+        seq_len, group = k.shape[0], q.shape[1] // k.shape[1]
+        if q_len == 0:
+            continue
+        qs = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        kh = k.to(dev, dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
+        vh = v.to(dev, dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, Dv]
+        logits = (qs @ kh.transpose(1, 2)) * scale  # [Hq, q_len, L] in dt
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]  # [q_len, 1]
+        k_pos = torch.arange(seq_len)[None, :]  # [1, L]
+        if alibi_slopes is not None:
+            bias = alibi_slopes.to(dev)[:, None, None] * (k_pos - q_pos).to(dev)
+            logits = logits + bias.to(dt)
+        vis = _visible(
+            q_pos, k_pos, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size
+        )
+        logits = logits.masked_fill(~vis.to(dev), float("-inf"))
+        if sinks is not None:
+            sink = sinks.to(dev, dt)[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :seq_len]
+        else:
+            probs = torch.softmax(logits, -1)
+        out[start : start + q_len] = (probs.to(dt) @ vh).transpose(0, 1)
+        start += q_len
+    return out
 
 
 def _head_scale(scale: float | torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:  # [H]
