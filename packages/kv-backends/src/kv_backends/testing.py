@@ -245,21 +245,12 @@ def _fill(
     return k_back.to(out_dt), v_back.to(out_dt)
 
 
-def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tensor:
-    """float64 attention from ``b.key`` / ``b.value`` (the tokens as written): kv-kernels' one
-    oracle (:func:`kv_kernels.testing.attention_oracle`, docs/attention_semantics.md), fed the
-    dense per-request K/V so it cannot share a paging bug with any backend. ``[T, Hq, Dv]``."""
-    from kv_kernels.testing import attention_oracle
-
+def _reference_call(b: PagedBatch, scale: float | None) -> tuple[Any, ...]:
+    """``(q, ks, vs, q_lens, options)`` for kv-kernels' references over ``b``'s dense K/V."""
     cfg = b.config
     ks, vs = b.request_kv()
     qsl = b.common.host_query_start_loc().tolist()
-    q_lens = [qsl[r + 1] - qsl[r] for r in range(len(ks))]
-    out, _ = attention_oracle(
-        b.q,
-        ks,
-        vs,
-        q_lens,
+    options = dict(
         scale=scale if scale is not None else cfg.head_size**-0.5,
         causal=cfg.causal,
         sliding_window=cfg.sliding_window,
@@ -267,6 +258,17 @@ def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tens
         softcap=cfg.softcap,
         alibi_slopes=b.alibi_slopes,
     )
+    return b.q, ks, vs, [qsl[r + 1] - qsl[r] for r in range(len(ks))], options
+
+
+def oracle_attention(b: PagedBatch, *, scale: float | None = None) -> torch.Tensor:
+    """float64 attention from ``b.key`` / ``b.value`` (the tokens as written): kv-kernels' one
+    oracle (:func:`kv_kernels.testing.attention_oracle`, docs/attention_semantics.md), fed the
+    dense per-request K/V so it cannot share a paging bug with any backend. ``[T, Hq, Dv]``."""
+    from kv_kernels.testing import attention_oracle
+
+    q, ks, vs, q_lens, options = _reference_call(b, scale)
+    out, _ = attention_oracle(q, ks, vs, q_lens, **options)
     return out
 
 
@@ -279,21 +281,8 @@ def lowprec_reference(b: PagedBatch, *, scale: float | None = None) -> torch.Ten
     rows zero."""
     from kv_kernels.testing import attention_lowprec
 
-    cfg = b.config
-    ks, vs = b.request_kv()
-    qsl = b.common.host_query_start_loc().tolist()
-    return attention_lowprec(
-        b.q,
-        ks,
-        vs,
-        [qsl[r + 1] - qsl[r] for r in range(len(ks))],
-        scale=scale if scale is not None else cfg.head_size**-0.5,
-        causal=cfg.causal,
-        sliding_window=cfg.sliding_window,
-        sinks=b.sinks,
-        softcap=cfg.softcap,
-        alibi_slopes=b.alibi_slopes,
-    )
+    q, ks, vs, q_lens, options = _reference_call(b, scale)
+    return attention_lowprec(q, ks, vs, q_lens, **options)
 
 
 def make_batch_impl(
