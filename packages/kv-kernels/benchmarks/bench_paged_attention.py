@@ -59,11 +59,27 @@ def _bench(fn: Callable[[], Any], *, warmup: int = 15, rep: int = 60) -> float:
 
 
 class Case:
-    """A batch over a paged cache filled with random bf16 (never zeros: they hide bugs)."""
+    """A batch over a paged cache filled with random values (never zeros: they hide bugs).
 
-    def __init__(self, *, batch: int, ctx: int, block: int, q_len: int, seed: int = 0) -> None:
+    ``q_lens`` (one per sequence; default ``q_len`` each): a mixed batch of chunked prefills
+    (``q < ctx``: the rest of the sequence is cached context) and decodes (``q = 1``)."""
+
+    def __init__(
+        self,
+        *,
+        batch: int,
+        ctx: int,
+        block: int,
+        q_len: int,
+        seed: int = 0,
+        dtype: torch.dtype = DTYPE,
+        q_lens: list[int] | None = None,
+    ) -> None:
         torch.manual_seed(seed)
-        self.batch, self.ctx, self.block, self.q_len = batch, ctx, block, q_len
+        self.q_lens = q_lens or [q_len] * batch
+        self.batch, self.ctx, self.block, self.q_len = batch, ctx, block, max(self.q_lens)
+        self.dtype = dtype
+        self.uniform = len(set(self.q_lens)) == 1
         pages = ctx // block
         num_blocks = batch * pages + 1
         self.layout = KVCacheLayout(
@@ -74,23 +90,31 @@ class Case:
             block_size=block,
             head_size=D,
             head_size_v=D,
-            dtype="bfloat16",
+            dtype=str(dtype).removeprefix("torch."),
         )
         self.kv = layer_view(allocate_kv_cache(self.layout, "cuda", zero=False), self.layout, 0)
         self.kv.normal_()
         perm = torch.randperm(num_blocks - 1, device="cuda")[: batch * pages] + 1
         self.block_table = perm.view(batch, pages).to(torch.int32)
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        self.qsl = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
-        self.q = torch.randn(batch * q_len, HQ, D, dtype=DTYPE, device="cuda")
-        self.out = torch.empty(batch * q_len, HQ, D, dtype=DTYPE, device="cuda")
+        self.qsl = torch.tensor(
+            [0, *torch.tensor(self.q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+        )
+        tokens = sum(self.q_lens)
+        self.q = torch.randn(tokens, HQ, D, dtype=dtype, device="cuda")
+        self.out = torch.empty(tokens, HQ, D, dtype=dtype, device="cuda")
 
     # bytes and flops -----------------------------------------------------------------------
     def kv_bytes(self) -> int:
         return self.batch * self.ctx * H * 2 * D * 2
 
     def causal_flops(self) -> int:
-        return 2 * 2 * self.batch * HQ * self.ctx * self.ctx * D // 2
+        """QK^T and PV over the keys each query sees: a query at position ``p`` sees ``p + 1``
+        (a full causal prefill counted as half the square, as FA's benchmarks do)."""
+        if self.uniform and self.q_len == self.ctx:
+            return 2 * 2 * self.batch * HQ * self.ctx * self.ctx * D // 2
+        seen = sum(q * (self.ctx - q) + q * (q + 1) // 2 for q in self.q_lens)
+        return 2 * 2 * HQ * D * seen
 
     # implementations ------------------------------------------------------------------------
     def ours(self, **kw: Any) -> Callable[[], Any]:
@@ -317,16 +341,26 @@ def write_report(records: list[dict], out: str, device: str) -> None:
 
 
 DECODE = [(64, 4096, 16), (64, 4096, 128), (8, 32768, 16), (8, 32768, 128)]
-PREFILL = [(4, 4096, 16)]
+PREFILL = [(4, 4096, 16), (4, 4096, 128)]
+#: (name suffix, dtype, q_lens of 4k-context sequences): prefill in fp16 as well as bf16, and a
+#: mixed step of 4 chunked prefills (1024 new tokens over 3072 cached) and 32 decodes
+PREFILL_VARIANTS = [
+    ("", torch.bfloat16, None),
+    ("_fp16", torch.float16, None),
+    ("_mixed", torch.bfloat16, [1024] * 4 + [1] * 32),
+]
 
 
-def tune(records: list[dict]) -> dict:
-    """Sweep tile configs and split counts of our kernel; return the best per case."""
+def tune(records: list[dict], keep: Callable[[str], bool]) -> dict:
+    """Sweep tile configs and split counts of our kernel over the cases ``keep`` names (the
+    ``--cases`` patterns); return the best per case."""
     orig = pa_triton.select_config
     best: dict[str, Any] = {}
     for batch, ctx, block in DECODE:
-        case = Case(batch=batch, ctx=ctx, block=block, q_len=1)
         key = f"decode_b{batch}_ctx{ctx}_n{block}"
+        if not keep(key):
+            continue
+        case = Case(batch=batch, ctx=ctx, block=block, q_len=1)
         results = []
         for tile_n in (32, 64, 128):
             for warps in (4,):
@@ -362,22 +396,23 @@ def tune(records: list[dict]) -> dict:
         del case
         torch.cuda.empty_cache()
     for batch, ctx, block in PREFILL:
-        case = Case(batch=batch, ctx=ctx, block=block, q_len=ctx)
         key = f"prefill_b{batch}_ctx{ctx}_n{block}"
+        if not keep(key):
+            continue
+        case = Case(batch=batch, ctx=ctx, block=block, q_len=ctx)
         results = []
-        for bm, tn, w, st in (
-            (128, 64, 8, 2),
-            (128, 64, 8, 3),
-            (128, 64, 8, 4),
-            (128, 128, 8, 2),
-            (128, 32, 8, 3),
-            (128, 64, 4, 3),
-            (64, 64, 4, 3),
-            (64, 128, 4, 2),
-            (64, 64, 4, 4),
-            (128, 128, 8, 3),
+        for bm, tn, w, st, tma in (
+            (128, 64, 4, 2, True),
+            (128, 64, 4, 3, True),
+            (128, 64, 4, 2, False),
+            (128, 64, 4, 3, False),
+            (128, 128, 8, 2, True),
+            (128, 128, 8, 3, True),
+            (128, 64, 8, 2, True),
+            (64, 64, 4, 2, True),
+            (128, 32, 4, 3, False),
         ):
-            cfg = pa_triton.AttentionConfig(bm, bm // 4, tn, w, st)
+            cfg = pa_triton.AttentionConfig(bm, bm // 4, tn, w, st, tma=tma)
             pa_triton.select_config = lambda kind, _c=cfg, **kw: (
                 _c if kind == "prefill" else orig(kind, **kw)
             )
@@ -386,9 +421,9 @@ def tune(records: list[dict]) -> dict:
             except Exception as e:
                 print(f"tune {key} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
                 continue
-            results.append((ms, bm, tn, w, st))
+            results.append((ms, bm, tn, w, st, tma))
             print(
-                f"TUNE {key} block_m={bm} tile_n={tn} warps={w} stages={st}: {ms:.3f} ms "
+                f"TUNE {key} block_m={bm} tile_n={tn} warps={w} stages={st} tma={tma}: {ms:.3f} ms "
                 f"{case.causal_flops() / ms / 1e9:.1f} TFLOP/s",
                 flush=True,
             )
@@ -435,7 +470,7 @@ def main() -> int:
         print("bench_paged_attention needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
     if args.tune:
-        best = tune(records)
+        best = tune(records, keep)
         with open(os.path.join(args.out, "paged_attention_tune.json"), "w") as f:
             json.dump(best, f, indent=1)
     if args.tune_paths:
@@ -506,44 +541,50 @@ def main() -> int:
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
 
-    for kind, shapes in (("decode", DECODE), ("prefill", PREFILL)):
-        for batch, ctx, block in shapes:
-            q_len = 1 if kind == "decode" else ctx
-            name = f"{kind}_b{batch}_ctx{ctx}_n{block}"
-            if not keep(name):
-                continue
-            case = Case(batch=batch, ctx=ctx, block=block, q_len=q_len)
-            ours = case.ours()
-            ref = ours().clone()
-            work = case.kv_bytes() if kind == "decode" else case.causal_flops()
-            metric = "TB/s" if kind == "decode" else "TFLOP/s"
-            scale = 1e9  # bytes / ms / 1e9 = TB/s; flops / ms / 1e9 = TFLOP/s
-            makers: dict[str, Callable[[], Callable[[], Any]]] = {"triton": lambda c=case: c.ours()}
-            if have_fa4:
-                makers["fa4"] = case.fa4
+    runs = [("decode", shape, "", DTYPE, None) for shape in DECODE] + [
+        ("prefill", shape, *variant) for variant in PREFILL_VARIANTS for shape in PREFILL
+    ]
+    for kind, (batch, ctx, block), suffix, dtype, q_lens in runs:
+        q_len = 1 if kind == "decode" else ctx
+        name = f"{kind}_b{batch}_ctx{ctx}_n{block}{suffix}"
+        if q_lens:
+            batch = len(q_lens)
+            name = f"mixed_{q_lens.count(1)}dec_{batch - q_lens.count(1)}x{max(q_lens)}_ctx{ctx}_n{block}"
+        if not keep(name):
+            continue
+        case = Case(batch=batch, ctx=ctx, block=block, q_len=q_len, dtype=dtype, q_lens=q_lens)
+        ours = case.ours()
+        ref = ours().clone()
+        work = case.kv_bytes() if kind == "decode" else case.causal_flops()
+        metric = "TB/s" if kind == "decode" else "TFLOP/s"
+        scale = 1e9  # bytes / ms / 1e9 = TB/s; flops / ms / 1e9 = TFLOP/s
+        makers: dict[str, Callable[[], Callable[[], Any]]] = {"triton": lambda c=case: c.ours()}
+        if have_fa4:
+            makers["fa4"] = case.fa4
+        if case.uniform:  # the dense baselines take one length for all sequences
             if not args.no_flex:
                 makers["flex_attention"] = case.flex
             makers["torch_sdpa"] = case.sdpa
-            values: dict[str, float | None] = {}
-            errors: dict[str, str] = {}
-            ms_of: dict[str, float] = {}
-            for impl, make in makers.items():
-                t0 = time.time()
-                ms, err = _measure(impl, make, None if impl == "triton" else ref)
-                if ms is None:
-                    values[impl] = None
-                    errors[impl] = err or "failed"
-                else:
-                    values[impl] = work / ms / scale
-                    ms_of[impl] = ms
-                print(
-                    f"# {name} {impl}: {ms if ms is None else round(ms, 4)} ms ({time.time() - t0:.0f}s wall) {err or ''}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            emit(name, metric, values, errors, ms_of)
-            del case, ours, ref
-            torch.cuda.empty_cache()
+        values: dict[str, float | None] = {}
+        errors: dict[str, str] = {}
+        ms_of: dict[str, float] = {}
+        for impl, make in makers.items():
+            t0 = time.time()
+            ms, err = _measure(impl, make, None if impl == "triton" else ref)
+            if ms is None:
+                values[impl] = None
+                errors[impl] = err or "failed"
+            else:
+                values[impl] = work / ms / scale
+                ms_of[impl] = ms
+            print(
+                f"# {name} {impl}: {ms if ms is None else round(ms, 4)} ms ({time.time() - t0:.0f}s wall) {err or ''}",
+                file=sys.stderr,
+                flush=True,
+            )
+        emit(name, metric, values, errors, ms_of)
+        del case, ours, ref
+        torch.cuda.empty_cache()
     run_new_cases(records, limit, smoke=False, keep=keep)
     write_report(records, args.out, torch.cuda.get_device_name())
     return 0

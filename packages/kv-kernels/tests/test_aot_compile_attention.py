@@ -2,7 +2,7 @@
 
 The variants and tile configs come from ``kv_kernels.paged_attention.triton.aot_specs``, the same
 ``select_config`` the launcher uses, so CI compiles what a GPU would run (bf16 and fp8 caches,
-head sizes 64 / 128 / 192-128 / 256, kernel blocks 16 / 128; int8 / fp8 per-token-head caches and
+head sizes 64 / 128 / 192-128 / 256, kernel blocks 16 / 128 (TMA prefill tiles at 128); int8 / fp8 per-token-head caches and
 the MLA latent since issue 12), through ptxas, and checks that each
 fits the arch's shared memory. Compiles run in subprocesses without the interpreter (an
 interpreted kernel object cannot be compiled), two at a time.
@@ -62,10 +62,13 @@ _SCRIPT = textwrap.dedent(
                                       r"\[[^]]*\], (?:0x8|0x10|8|16),", ptx))
                 wide += len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx))
                 regs = re.search(r"\.maxnreg (\d+)", ptx)
+                # TMA copies of whole tiles (prefill of 16-bit pages holding whole tiles)
+                tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
                 res[sp.name] = {"ok": True, "shared": ck.metadata.shared,
                                 "mma": ("mma" in ptx), "wide": wide,
                                 "maxnreg": int(regs.group(1)) if regs else 0,
-                                "want_maxnreg": sp.max_registers}
+                                "want_maxnreg": sp.max_registers, "tma": tma,
+                                "want_tma": bool(sp.constexprs.get("TMA"))}
             except Exception:
                 res[sp.name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
         out[key] = res
@@ -91,6 +94,8 @@ DEFAULT = [
     (90, "bf16", "bf16", 128, 128, 16),
     (90, "bf16", "fp8e4", 192, 128, 128),
     (90, "bf16", "bf16", 256, 256, 128),
+    # prefill tiles read by TMA (a 64-token tile inside a 128-token page)
+    (90, "fp16", "fp16", 128, 128, 128),
     (80, "bf16", "bf16", 256, 256, 16),
     (80, "bf16", "fp8e5", 64, 64, 128),
     # issue 12: per-token-head caches (scales inline) and MLA's 512 + 64 latent at page 64 (the
@@ -174,6 +179,9 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
             assert r["wide"] >= 16, f"{_key(case)} {name}: K/V read without vector loads"
             # a register cap the launcher asks for reaches ptxas (1-byte pages: 128)
             assert r["maxnreg"] == r["want_maxnreg"], (_key(case), name, r)
+            # TMA where the launcher's config asks for it (sm_90 prefill over whole-tile pages),
+            # and nowhere else
+            assert (r["tma"] > 0) == r["want_tma"], (_key(case), name, r["tma"], r["want_tma"])
 
 
 @pytest.mark.parametrize("case", DEFAULT, ids=_key)

@@ -11,6 +11,7 @@ skips them where neither works (no GPU and no numpy for the interpreter).
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -283,6 +284,49 @@ def test_triton_block_size_64_and_window_skips_tiles(triton_device: str) -> None
     assert_close(out, ref, torch.float32)
 
 
+def _tma_launcher(monkeypatch: pytest.MonkeyPatch, plant=None) -> list[bool]:
+    """Spy on the launcher's TMA descriptors (``plant``: replace the cache they address); returns
+    the list of calls' ``descriptors made`` flags."""
+    launcher = importlib.import_module("kv_kernels.paged_attention.triton")
+    made: list[bool] = []
+    orig = launcher._tma_descriptors
+
+    def spy(kv_cache, *a, **kw):
+        descs = orig(plant(kv_cache) if plant else kv_cache, *a, **kw)
+        made.append(descs is not None)
+        return descs
+
+    monkeypatch.setattr(launcher, "_tma_descriptors", spy)
+    return made
+
+
+@pytest.mark.parametrize("feature", ["plain", "window", "sinks_softcap", "noncausal"])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_prefill_tma_tiles(
+    feature: str, block_size: int, triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16-bit pages holding whole 64-token prefill tiles: the unmasked tiles are read by TMA
+    boxes. They match the oracle (nan-poisoned spare pages catch a wrong page) and equal the
+    pointer gathers bit for bit; a descriptor one page off fails the oracle check."""
+    b = make_batch(
+        q_lens=[150, 1, 70], seq_lens=[150, 90, 260], block_size=block_size, head_size=32,
+        group=2, dtype=torch.float16,
+    )  # fmt: skip
+    kw = on(DEVICE, feature_kwargs(feature, b["q"].shape[1]))
+    ref = oracle(b, **kw)[0]
+    made = _tma_launcher(monkeypatch)
+    out = run(b, "triton", **kw)
+    assert made == [True]
+    assert_close(out, ref, torch.float16)
+    monkeypatch.undo()
+    gathered = run(b, "triton", **kw)
+    assert torch.equal(out, gathered)
+    if feature == "plain":
+        _tma_launcher(monkeypatch, plant=lambda kv: kv[1:])  # block b read from b + 1
+        with pytest.raises(AssertionError):
+            assert_close(run(b, "triton", **kw), ref, torch.float16)
+
+
 def test_split_kv_with_lse_and_sinks(triton_device: str) -> None:
     b = make_batch(q_lens=[1, 1, 0, 2], seq_lens=[150, 9, 0, 90], head_size=16, group=2)
     sinks = torch.randn(b["q"].shape[1])
@@ -419,12 +463,15 @@ def test_num_splits_batch_invariance(triton_device: str) -> None:
         assert torch.equal(o_big[41:42], o_alone), f"num_splits={splits}: batch changed the bits"
 
 
-def test_offsets_past_2_31_elements(triton_device: str) -> None:
+@pytest.mark.parametrize("n", [16, 64])  # 64: a prefill whose whole-page tiles TMA reads
+def test_offsets_past_2_31_elements(
+    n: int, triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Blocks whose element offset exceeds 2^31: a 4 GiB cache allocated lazily (torch.empty
     maps pages on first touch), of which only the few pages the batch uses are written."""
     if DEVICE == "cuda":
         pytest.skip("covered by the GPU test with a real allocation")
-    head, n, h = 32, 16, 2
+    head, h = 32, 2
     page = n * h * 2 * head  # elements per page
     num_blocks = 2**31 // page + 64
     layout = KVCacheLayout(
@@ -441,7 +488,12 @@ def test_offsets_past_2_31_elements(triton_device: str) -> None:
     kv = layer_view(storage, layout, 0)
     assert kv.stride(0) * (num_blocks - 1) > 2**31
     gen = torch.Generator().manual_seed(1)
-    lens, ids = [40, 20], [[num_blocks - 1, 3, num_blocks - 5], [num_blocks - 2, 5]]
+    if n == 16:
+        lens, q_lens = [40, 20], [2, 1]
+        ids = [[num_blocks - 1, 3, num_blocks - 5], [num_blocks - 2, 5]]
+    else:
+        lens, q_lens = [200, 20], [70, 1]
+        ids = [[num_blocks - 1, 3, num_blocks - 5, num_blocks - 3], [num_blocks - 2]]
     table = torch.full((2, 4), -1, dtype=torch.int32)
     ks, vs = [], []
     for s, L in enumerate(lens):
@@ -455,15 +507,14 @@ def test_offsets_past_2_31_elements(triton_device: str) -> None:
             kv[blk, :, : hi - lo, head:] = v[:, lo:hi]
         ks.append(k.double())
         vs.append(v.double())
-    q_lens = [2, 1]
     b = dict(
-        q=torch.randn(3, 2 * h, head, generator=gen).half(),
+        q=torch.randn(sum(q_lens), 2 * h, head, generator=gen).half(),
         kv=kv,
         layout=layout,
         block_table=table,
         seq_lens=torch.tensor(lens, dtype=torch.int32),
-        qsl=torch.tensor([0, 2, 3], dtype=torch.int32),
-        max_query_len=2,
+        qsl=torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32),
+        max_query_len=max(q_lens),
         ks=ks,
         vs=vs,
         q_lens=q_lens,
@@ -471,7 +522,9 @@ def test_offsets_past_2_31_elements(triton_device: str) -> None:
     )
     ref = oracle(b)[0]
     assert_close(run(b, "reference"), ref, torch.float16)
+    made = _tma_launcher(monkeypatch)
     assert_close(run(b, "triton"), ref, torch.float16)
+    assert made == ([True] if n == 64 else [])  # the prefill's TMA boxes address past 2^31 too
     assert_close(run(b, "triton", num_splits=2), ref, torch.float16)
 
 

@@ -47,7 +47,7 @@ def _attention_signature(qt: str, ct: str, st: str) -> dict[str, str]:
     return {
         "q_ptr": f"*{qt}", "stride_qt": i32, "stride_qh": i32, "stride_qd": i32,
         "kv_ptr": f"*{ct}", "stride_kb": i64, "stride_kh": i64, "stride_kn": i64, "stride_kc": i64,
-        "kvs_ptr": f"*{st}",
+        "kvs_ptr": f"*{st}", "k_desc": f"*{qt}", "v_desc": f"*{qt}",
         "bt_ptr": "*i32", "stride_bts": i32, "stride_btb": i32,
         "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32",
         "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "stride_ks": i32, "stride_vs": i32,
@@ -128,7 +128,13 @@ def _attention_specs(
             v_from_k=mla,
             scale_words=inline_scales,
             row_align=align,
+            tma=cfg.tma,
         )
+        sig_k = dict(sig)
+        if consts["TMA"]:
+            # the launcher's descriptors: one [1, tile_n, 1, head] box of K / V per tile
+            sig_k["k_desc"] = f"tensordesc<{ct}[1, {cfg.tile_n}, 1, {head_size}]>"
+            sig_k["v_desc"] = f"tensordesc<{ct}[1, {cfg.tile_n}, 1, {head_size_v}]>"
         # Unit strides are specialized to constants at launch (Triton does so for ints == 1);
         # the AOT build does the same so it compiles the vectorized code that runs.
         consts.update(stride_qd=1, stride_kc=1, stride_btb=1, stride_od=1)
@@ -136,7 +142,7 @@ def _attention_specs(
             AotSpec(
                 f"attn_{kind}{'_split' if split else ''}",
                 paged_attention_kernel,
-                {**sig, **dict.fromkeys(consts, "constexpr")},
+                {**sig_k, **dict.fromkeys(consts, "constexpr")},
                 consts,
                 cfg.num_warps,
                 cfg.num_stages,

@@ -44,6 +44,10 @@ class AttentionConfig:
     #: a cap on registers a thread (ptxas ``maxnreg``; 0: the compiler's choice), for configs
     #: where occupancy, not spills, is the limit
     max_registers: int = 0
+    #: read the unmasked KV tiles by TMA (one box per tile and operand, into shared memory
+    #: asynchronously) where the launcher finds the cache's strides aligned for it; needs sm_90,
+    #: 16-bit pages, a tile inside one page and power-of-two heads without a tail
+    tma: bool = False
 
 
 def split_head(head_size: int) -> tuple[int, int]:
@@ -136,9 +140,9 @@ def select_config(
         block_m = 128 if max(d_pad, dv_pad) <= 128 else 64
         block_m = max(block_m, pow2(group))
         tile_n = 64
-        # Measured on an H100 (4 x 4096 causal, head 128, block 16, tile_n 64): one warpgroup
-        # over the 128 rows with 3 stages gave 326 TFLOP/s; 8 warps gave 315 / 293 / 293 with
-        # 2 / 3 / 4 stages; 64 rows gave 287.
+        # One warpgroup over the 128 rows, 3 stages (H200, 4 x 4096 causal, head 128, heaviest
+        # tiles first, --tune): page 16 316 TFLOP/s (2 stages 235, 8 warps 263, 128-token
+        # tiles over 8 warps 304); page 128 with TMA 438 (2 stages 421, gathers 368).
         num_warps = 4
         num_stages = 3
         waves = 2
@@ -158,8 +162,20 @@ def select_config(
     while tile_n > 16 and num_stages * tile_n * row_bytes > budget:
         tile_n //= 2
     heads = min(group, block_m)
+    # TMA boxes: a prefill tile inside one page of 16-bit values, head and value widths whole
+    # powers of two (a box cannot mask columns), and Hopper's copy engine
+    tma = (
+        kind == "prefill"
+        and arch >= 90
+        and elem_bytes == 2
+        and not v_from_k
+        and d_tail == 0
+        and d_pad == head_size
+        and dv_pad == head_size_v
+        and block_size % tile_n == 0
+    )
     return AttentionConfig(
-        block_m, block_m // heads, tile_n, num_warps, num_stages, heads, waves, max_registers
+        block_m, block_m // heads, tile_n, num_warps, num_stages, heads, waves, max_registers, tma
     )
 
 
@@ -225,6 +241,7 @@ def kernel_constexprs(
     v_from_k: bool = False,
     scale_words: bool = False,
     row_align: int = 1,
+    tma: bool = False,
 ) -> dict[str, Any]:
     """Every ``tl.constexpr`` of :func:`~._kernels.paged_attention_kernel` for one launch.
 
@@ -232,7 +249,8 @@ def kernel_constexprs(
     3 per-token-head scales inline in the page (``scale_words``: read as aligned float32 words).
     ``FOLD_LOG2`` folds the base-2 conversion into the q.k scale, which is exact only when nothing
     (softcap, ALiBi) acts on the logits between the scale and the exponent. ``row_align``: see
-    :func:`kv_kernels._common.row_align`.
+    :func:`kv_kernels._common.row_align`. ``tma``: the launcher passes TMA descriptors (only
+    where ``cfg.tma`` and the cache's strides allow it).
     """
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind={kind!r} must be 'decode' or 'prefill'")
@@ -271,4 +289,6 @@ def kernel_constexprs(
         DOT_IEEE=dot_ieee,
         CHECK=check,
         ROW_ALIGN=row_align,
+        # (a hand-made config may ask for TMA where a tile spans pages: the boxes cannot)
+        TMA=bool(tma and cfg.tma and block_size % cfg.tile_n == 0),
     )

@@ -171,6 +171,7 @@ def paged_attention_triton(
     if scale_start is not None:
         kv_scale_mode = 3
     lse_t = lse if lse is not None else out
+    descs = _tma_descriptors(kv_cache, k_range, v_range, cfg_pre) if run_prefill else None
     features = dict(
         head_size=head_size,
         head_size_v=head_size_v,
@@ -190,8 +191,8 @@ def paged_attention_triton(
         scale_words=scale_words,
         row_align=row_align(kv_cache.stride()[:3]),
     )
+    head_args = (q, *q.stride(), kv_cache, *kv_cache.stride(), kvs)
     args = (
-        q, *q.stride(), kv_cache, *kv_cache.stride(), kvs,
         block_table, *block_table.stride(), seq_lens, query_start_loc,
         sinks if sinks is not None else q, alibi_slopes if alibi_slopes is not None else q,
         *scale_args, out, *out.stride(), lse_t, lse_t.stride(0), lse_t.stride(1),
@@ -201,6 +202,9 @@ def paged_attention_triton(
     )  # fmt: skip
     # decode class: q_len in [1, block_q(decode)], one program per sequence
     paged_attention_kernel[(num_seqs, num_kv_heads * chunks_dec, num_splits)](
+        *head_args,
+        q,  # no TMA descriptors in decode: its tiles are gathered
+        q,
         *args,
         1,
         cfg_dec.block_q,
@@ -212,10 +216,12 @@ def paged_attention_triton(
     if run_prefill:
         grid_q = num_tokens // cfg_pre.block_q + num_seqs
         paged_attention_kernel[(grid_q, num_kv_heads * chunks_pre, num_splits)](
+            *head_args,
+            *(descs or (q, q)),
             *args,
             cfg_dec.block_q + 1,
             2**31 - 1,
-            **kernel_constexprs(cfg_pre, kind="prefill", **features),  # type: ignore[arg-type]
+            **kernel_constexprs(cfg_pre, kind="prefill", tma=descs is not None, **features),  # type: ignore[arg-type]
             num_warps=cfg_pre.num_warps,
             num_stages=cfg_pre.num_stages,
             **_reg_cap(cfg_pre),
@@ -223,6 +229,34 @@ def paged_attention_triton(
     if split:
         _merge_splits(part_out, part_lse, out, lse_t, sinks, query_start_loc, return_lse)
     return (out, lse) if lse is not None else out
+
+
+def _tma_descriptors(
+    kv_cache: torch.Tensor, k_range: tuple[int, int], v_range: tuple[int, int], cfg: AttentionConfig
+) -> tuple[Any, Any] | None:
+    """TMA descriptors of K and V over the layer viewed as ``[B, N, H, C]`` (boxes of one tile of
+    one head) when ``cfg.tma`` and the copy engine can address the cache: unit column stride,
+    16-byte aligned strides and bases. ``None`` otherwise: the kernel gathers by pointers (same
+    results, bit for bit; only the copy mechanism differs)."""
+    if not cfg.tma:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    elem = kv_cache.element_size()
+    if kv_cache.stride(3) != 1 or any(st * elem % 16 for st in kv_cache.stride()[:3]):
+        return None
+    bnhc = kv_cache.permute(0, 2, 1, 3)
+    descs = []
+    for lo, hi in (k_range, v_range):
+        part = bnhc[..., lo:hi]
+        if part.data_ptr() % 16:
+            return None
+        descs.append(
+            TensorDescriptor(
+                part, list(part.shape), list(part.stride()), [1, cfg.tile_n, 1, hi - lo]
+            )
+        )
+    return descs[0], descs[1]
 
 
 def _reg_cap(cfg: AttentionConfig) -> dict[str, int]:
