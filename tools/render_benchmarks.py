@@ -8,7 +8,7 @@ Each ``docs/benchmarks/<name>.json`` is a list of records written by a ``bench_*
 This writes ``docs/benchmarks/<name>.md`` (one table per file) and, when matplotlib is installed,
 ``docs/benchmarks/<name>.png`` (ratio to the baseline per case). Usage::
 
-    uv run --with matplotlib python tools/render_benchmarks.py [docs/benchmarks]
+    uv run --with matplotlib python tools/render_benchmarks.py [docs/benchmarks | FILE.json ...]
 """
 
 from __future__ import annotations
@@ -79,11 +79,16 @@ def _plot(records: list[dict[str, object]], path: Path, title: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    root = Path(args[0]) if args else Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-    files = sorted(root.glob("*.json"))
-    if not files:
-        print(f"no benchmark JSON under {root}", file=sys.stderr)
-        return 1
+    if args and all(a.endswith(".json") for a in args):
+        files = [Path(a) for a in args]  # just these files
+    else:
+        root = (
+            Path(args[0]) if args else Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+        )
+        files = sorted(root.glob("*.json"))
+        if not files:
+            print(f"no benchmark JSON under {root}", file=sys.stderr)
+            return 1
     for f in files:
         records = json.loads(f.read_text())
         if not isinstance(records, list):

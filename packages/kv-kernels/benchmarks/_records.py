@@ -14,6 +14,14 @@ from typing import Any
 __all__ = ["BandwidthRecorder"]
 
 
+def _versions() -> dict[str, str]:
+    """torch / triton versions of the process, recorded in every record."""
+    import torch
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__}
+
+
 class BandwidthRecorder:
     """Collects TB/s records of one benchmark; ``bytes / ms / 1e9`` is TB/s."""
 
@@ -44,6 +52,7 @@ class BandwidthRecorder:
             "baseline_value": base_value,
             "ratio": (value / base_value) if base_value else None,
             "device": self.device,
+            **_versions(),
         }
         self.records.append(rec)
         print(json.dumps(rec), flush=True)

@@ -5,6 +5,7 @@ refuses it there), int8 with inline scales, MLA, odd head sizes, aligned and una
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -38,11 +39,19 @@ def _signature(
     return sig
 
 
+def _scale_word(layout: KVCacheLayout) -> int:
+    if layout.scale_range is None:
+        return 0
+    c = layout.content_size
+    align = math.gcd(16, layout.scale_range[0], layout.block_size * layout.num_kv_heads * c, c)
+    return 8 if layout.num_scales == 2 and align % 8 == 0 else 4 if align % 4 == 0 else 1
+
+
 def _reshape_case(
     name: str, arch: int, layout: KVCacheLayout, key_dtype: str, int_type: str = "i32"
 ) -> dict[str, Any]:
     kernel = rc_mod._reshape_and_cache_kernel
-    block_h, block_d, block_dv, num_warps = rc_mod.launch_config(layout, layout.element_bytes)
+    cfg = rc_mod.launch_config(layout, layout.element_bytes)
     quant = rc_mod._QUANT_CODE[layout.kv_quant]
     qmax = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}.get(layout.dtype, 0.0)
     constexprs = {
@@ -55,13 +64,18 @@ def _reshape_case(
         "HAS_V": not layout.is_mla,
         "QUANT": quant,
         "QMAX": qmax if quant else 0.0,
-        "BLOCK_H": block_h,
-        "BLOCK_D": block_d,
-        "BLOCK_DV": block_dv,
+        "QMAX_RCP": rc_mod._reciprocal_f32(qmax) if quant >= 2 else 0.0,
+        "BLOCK_T": cfg.block_t,
+        "BLOCK_H": cfg.block_h,
+        "BLOCK_D": cfg.block_d,
+        "BLOCK_DV": cfg.block_dv,
+        "ROW_SPLIT": cfg.row_split,
         "CHECK": arch == 90,  # compile both error-flag variants
         "ROW_ALIGN": row_align(
             (layout.block_size * layout.num_kv_heads * layout.content_size, layout.content_size)
         ),
+        # the launcher's inline-scale store width for a 16-byte aligned LBNHC cache
+        "SCALE_WORD": _scale_word(layout),
         # the JIT specializes unit strides; do the same here
         "key_sd": 1,
         "value_sd": 1,
@@ -101,7 +115,7 @@ def _reshape_case(
         "signature": _signature(kernel, pointers, constexprs, int_type),
         "constexprs": constexprs,
         "arch": arch,
-        "num_warps": num_warps,
+        "num_warps": cfg.num_warps,
     }
 
 

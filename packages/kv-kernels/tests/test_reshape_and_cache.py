@@ -178,6 +178,83 @@ def test_triton_matches_reference(
         assert torch.equal(ref, tri)
 
 
+def hard_rows(num_tokens: int, heads: int, size: int, seed: int) -> torch.Tensor:
+    """float32 ``[T, H, size]`` rows that stress the quantizer's two division paths: normal rows,
+    rows spanning many binades, halfway quotients, -0.0, subnormals, all-zero and all -0.0 rows,
+    and (in some tokens) rows whose absmax is below 2**-40 (subnormal rows among them: their
+    reciprocal overflows) or above 2**60, which send their whole program to the per-element
+    ``div_rn`` path."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, heads, size, generator=g)
+    x = x * torch.exp2(torch.randint(-30, 30, (num_tokens, heads, 1), generator=g).float())
+    wide = torch.exp2(torch.randint(-60, 8, (num_tokens, heads, size), generator=g).float())
+    x[::3] = (x[::3].sign() * wide[::3]).float()  # 68 binades inside a row
+    x[:, :, 0] = -0.0
+    x[1::4, 0, 1] = 1e-41  # a float32 subnormal
+    x[2::5, -1] = 0.0
+    x[3::5, 0] = -0.0
+    if size > 2:  # halfway points of int8: absmax 127 makes the step exactly 1
+        x[4::6, 0, 1], x[4::6, 0, 2] = 127.0, -2.5
+    small = torch.randn(x[5::7, 0].shape, generator=g) * 1e-20  # absmax below 2**-40
+    big = torch.randn(x[6::11, -1].shape, generator=g) * 1e25  # absmax above 2**60
+    x[5::7, 0], x[6::11, -1] = small, big
+    x[7::13, 1] = torch.randn(x[7::13, 1].shape, generator=g) * 1e-39  # subnormal rows
+    return x
+
+
+@pytest.mark.parametrize(
+    ("head_size", "head_size_v", "word"),
+    # C = head_size + head_size_v + 8 bytes; the scales start at head_size + head_size_v
+    [(10, 6, 8), (6, 6, 4), (9, 6, 1), (128, 128, 8)],
+)
+def test_triton_int8_hard_values_and_scale_stores(
+    head_size: int, head_size_v: int, word: int, triton_device: str
+) -> None:
+    """Bitwise parity with the reference on values that stress the reciprocal division path and
+    its per-program fallback, for each inline-scale store width (8: K and V scale in one store;
+    4: one per scale; 1: byte by byte)."""
+    from kv_kernels.reshape_and_cache import triton as rc_triton
+
+    layout = make_layout(
+        "LBNHC", num_layers=1, num_blocks=12, heads=3, block_size=4, head_size=head_size,
+        head_size_v=head_size_v, dtype="int8", kv_quant="int8_per_token_head",
+    )  # fmt: skip
+    n = 41  # not a multiple of any BLOCK_T
+    key = hard_rows(n + 3, 3, head_size, seed=1)
+    value = hard_rows(n + 3, 3, head_size_v, seed=2)
+    slots = make_slots(n, layout, seed=6, pad_every=5)
+    results = []
+    for impl, device in (("reference", "cpu"), ("triton", triton_device)):
+        storage = random_storage(layout, device, seed=9)
+        view = layer_view(storage, layout, 0)
+        if impl == "triton":
+            assert rc_triton.scale_word(layout, view) == word
+        reshape_and_cache(
+            key.to(device), value.to(device), view, slots.to(device), layout, impl=impl
+        )
+        results.append(raw_bytes(storage))
+    for ref, tri in zip(*results, strict=True):
+        assert torch.equal(ref, tri)
+
+
+def test_launch_configs_cover_the_tile() -> None:
+    """Every config the launcher picks tiles whole rows: powers of two, rows split evenly."""
+    from kv_kernels.reshape_and_cache.triton import launch_config
+
+    for kv_quant, dtype in (
+        ("none", "bfloat16"), ("fp8_per_tensor", "fp8_e4m3"),
+        ("int8_per_token_head", "int8"), ("fp8_per_token_head", "fp8_e4m3"),
+    ):  # fmt: skip
+        for heads, head, head_v in ((8, 128, 128), (3, 10, 6), (32, 256, 256), (1, 576, 576)):
+            layout = make_layout(
+                heads=heads, head_size=head, head_size_v=head_v, dtype=dtype, kv_quant=kv_quant
+            )
+            cfg = launch_config(layout, layout.element_bytes)
+            for v in (cfg.block_t, cfg.block_h, cfg.num_warps, cfg.row_split):
+                assert v >= 1 and v & (v - 1) == 0, cfg
+            assert cfg.block_d >= head and cfg.block_d % cfg.row_split == 0, cfg
+
+
 def test_triton_skips_padding_and_only_writes_its_slots(triton_device: str) -> None:
     layout = make_layout(
         "LBHNC", num_layers=1, num_blocks=3, heads=2, block_size=4, head_size=5, head_size_v=7
@@ -496,6 +573,41 @@ def test_gpu_parity_quantized(order: str, dtype: str, kv_quant: str, scales: str
         torch.testing.assert_close(
             v, v_in, rtol=rel, atol=0.05 if kv_quant == "fp8_per_tensor" else 1e-2
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "kv_quant"),
+    [
+        ("fp8_e4m3", "fp8_per_tensor"),
+        ("fp8_e5m2", "fp8_per_tensor"),
+        ("fp8_e4m3", "fp8_per_token_head"),
+        ("fp8_e5m2", "fp8_per_token_head"),
+        ("int8", "int8_per_token_head"),
+    ],
+)
+@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+def test_gpu_parity_quantized_hard_values(dtype: str, kv_quant: str, in_dtype: str) -> None:
+    """Bitwise parity on values that stress the reciprocal division (many binades in a row, -0.0,
+    subnormals, halfway points, zero rows, inf and NaN for per-tensor) and the per-program
+    fallback to ``div_rn`` (tiny and huge rows; per-head scales of 1e-25 and 1e25)."""
+    layout = make_layout(
+        "LBNHC", num_layers=2, num_blocks=96, heads=8, block_size=16, head_size=128,
+        head_size_v=128, dtype=dtype, kv_quant=kv_quant,
+    )  # fmt: skip
+    n = 1001
+    to = getattr(torch, in_dtype)
+    key = hard_rows(n, 8, 128, seed=3).to(to)
+    value = hard_rows(n, 8, 128, seed=4).to(to)
+    k_scale = v_scale = None
+    if kv_quant == "fp8_per_tensor":
+        key[7, 2, 5], key[8, 3, 6], value[9, 1, 2] = float("inf"), float("-inf"), float("nan")
+        k_scale = torch.tensor([0.05, 1e-3, 3.0, 1e-25, 0.5, 1e4, 2.0**-60, 7.0], device="cuda")
+        v_scale = torch.tensor([0.02, 1e25, 1.0, 0.3, 2.0**60, 1e-2, 4.0, 0.125], device="cuda")
+    slots = make_slots(n, layout, seed=5, pad_every=9).cuda()
+    ref, tri = _write_both(layout, key.cuda(), value.cuda(), slots, k_scale, v_scale)
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -1,22 +1,55 @@
-"""Triton cache write: one program per (token, chunk of heads), K and V rows moved as 2-D tiles.
+"""Triton cache write: one program per (``BLOCK_T`` tokens, chunk of ``BLOCK_H`` heads); the
+``BLOCK_T * BLOCK_H`` head rows of K and of V move as ``[ROW_SPLIT, rows, head_size / ROW_SPLIT]``
+tiles (``ROW_SPLIT = 1``: plain ``[rows, head_size]``).
 
 Performance notes. The op is a pure scatter of ``T * H * (head_size + head_size_v)`` elements, so
-it is bound by HBM bandwidth: each program moves ``BLOCK_H`` whole head rows of K and of V (about
-4 KiB of bf16 each for 8 heads x 128), every thread issues 16-byte vector loads/stores (the row
-dim has stride 1, which Triton specializes, and strides divisible by 16 give it the alignment),
-and ``num_warps`` is sized so that each thread holds one to two 16-byte vectors per tensor. The slot
-is read once per program; K/V loads do not wait for it (padding tokens, ``slot < 0``, are read
-but not written: they are rare, and a load that depends on the slot would add one full memory
-latency to every program). All cache offsets are int64: the program id and the slot are int64 before they meet a
+an unquantized write is bound by HBM bandwidth: every thread issues 16-byte vector loads/stores (the
+row dim has stride 1, which Triton specializes, and strides divisible by 16 give it the alignment),
+and ``num_warps`` is sized so that each thread holds one to two 16-byte vectors per tensor. The slots
+are read once per row; K/V loads do not wait for them (padding tokens, ``slot < 0``, are read but not
+written: they are rare, and a load that depends on the slot would add one full memory latency to
+every program). All cache offsets are int64: token indices and slots are int64 before they meet a
 stride, so caches past 2**31 elements are addressed correctly.
 
+Quantized writes were bound by instruction issue, not by bandwidth (H200, 64k tokens x 8 heads x
+128: int8 per-token-head at 0.52-0.60 of the copy; its sm_90 SASS ran ~28 instructions per
+element, about 10 of them the IEEE ``div.rn.f32`` sequence -- a reciprocal, four FMAs, a range check
+and a branch per element -- and ~5 the per-row absmax/scale work paid per 8 elements). So:
+
+- the quotient ``x / s`` is computed as ``q = x * y; q += (x - q * s) * y`` with ``y = 1 / s``
+  correctly rounded once per row (Markstein's theorem: with ``y = RN(1/s)`` and the remainder
+  exact through an FMA, ``q`` is ``RN(x / s)``, the bits ``div_rn`` gives) -- 3 instructions per
+  element instead of ~9. The theorem needs no overflow or underflow: the program takes this path
+  only when every row scale of its tile lies in ``[2**-64, 2**64]`` (a per-program check; otherwise
+  it runs ``div_rn`` exactly as before; per-token-head rows qualify by ``absmax`` in
+  ``[2**-40, 2**60]`` or 0), per-tensor inputs are first clamped to ``+-2 * qmax * s``
+  (any value past it saturates either way, and inf/NaN clamp as before), and the remainder is
+  formed as ``q * s - x`` so a ``-0.0`` input stays ``-0.0``. A remainder can still underflow when
+  ``|x| < 2**-100``; then ``|x / s| < 2**-36`` and both results quantize to the same (signed) zero.
+- the per-token-head scale ``absmax / qmax`` goes the same way through the constant
+  ``RN(1 / qmax)`` (equal to ``div_rn`` on the whole fast range: checked exhaustively over a
+  binade for 127, 448 and 57344).
+- ``ROW_SPLIT = 2`` gives a thread two vectors of the same row, so the row's absmax shuffle,
+  scale and reciprocal are paid per 16 elements instead of per 8; ``BLOCK_T`` tokens per program
+  spread the program's fixed cost (slots, offsets, the range check) over more bytes.
+- int8 values are read off the float's low byte after adding ``1.5 * 2**23`` (no float-to-int
+  conversion and mask per element).
+- the two inline float32 scales of a row (K's, then V's) are one 8-byte store when the host proves
+  the scale area 8-byte aligned (``SCALE_WORD``; 4: one 4-byte store per scale; 1: byte by byte, the
+  old path, for scale areas at odd offsets).
+
 Per-token-head quantization reduces each head row to its absmax in registers (the row is already
-there), writes the quantized row and the float32 scale's 4 bytes through a uint8 alias of the same
-cache (byte stores: the scale sits at any byte offset, so a float32 store could be misaligned).
-Division is ``div_rn`` (IEEE round to nearest) so the GPU agrees bit for bit with torch.
+there: a shuffle reduction inside a warp), and writes the quantized row and the scales. Every
+quotient is IEEE round-to-nearest (``div_rn`` or the exact reciprocal path above), so the GPU agrees
+bit for bit with torch (sm_90 instruction counts, AOT-compiled: int8 per-token-head ~19 per element,
+fp8 per-token-head ~15, fp8 per-tensor ~14.5, from ~28 / ~24 / ~17).
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,7 +58,7 @@ from kv_spec import KVCacheLayout, KVQuantMode
 
 from kv_kernels._common import row_align
 
-__all__ = ["reshape_and_cache_triton"]
+__all__ = ["WriteConfig", "launch_config", "reshape_and_cache_triton"]
 
 # Quant codes the kernel specializes on.
 _QUANT_NONE, _QUANT_FP8_TENSOR, _QUANT_INT8_TOKEN_HEAD, _QUANT_FP8_TOKEN_HEAD = 0, 1, 2, 3
@@ -39,6 +72,73 @@ _QUANT_CODE = {
 # Elements one program moves per tensor (K or V); more per program means fewer, longer programs,
 # fewer means more parallelism for small T. 2048 keeps ~4 KiB (bf16) of each in flight.
 _MAX_TILE = 2048
+# Quantized writes: elements per tensor per program (BLOCK_T tokens x BLOCK_H heads x head size)
+# and per thread; see launch_config.
+_QUANT_TILE = 2048
+_QUANT_PER_THREAD = 16
+
+
+@triton.jit
+def _quantize(x, s, QUANT: tl.constexpr, QMAX: tl.constexpr, FAST: tl.constexpr):
+    """``clamp(x / s)`` in float32, before the cast (int8: ``clamp(floor(x / s + 0.5))`` as int8).
+
+    ``x`` ``[ROW_SPLIT, R, D / ROW_SPLIT]`` float32, ``s`` ``[R]`` the row scales. ``FAST``: the
+    quotient through the row's correctly rounded reciprocal and one FMA correction (bitwise
+    ``div_rn``; the caller checked the scales' range, see the module notes), else ``div_rn``.
+    """
+    s3 = s[None, :, None]
+    if FAST:
+        if QUANT == 1:
+            # |x| > 2 * qmax * s saturates either way; clamping first keeps x * y finite (and
+            # maps inf/NaN where the clamp below maps their quotients: +-qmax, NaN to -qmax)
+            bound = ((2.0 * QMAX) * s)[None, :, None]
+            x = tl.minimum(tl.maximum(x, -bound), bound)
+        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[None, :, None]
+        q = x * y
+        r = tl.fma(q, s3, -x)  # exact: q * s - x (this sign keeps q = -0.0 for x = -0.0)
+        q = tl.fma(-r, y, q)
+    else:
+        q = tl.math.div_rn(x, s3)
+    if QUANT == 2:
+        # clamp(floor(q + 0.5), -127, 127) with the clamp first (the same value for every q, NaN
+        # included: -127), then the integer read off the float's low byte (exact below 2**22):
+        # one add instead of a float-to-int conversion and a mask per element
+        q = tl.floor(tl.minimum(tl.maximum(q + 0.5, -QMAX + 0.5), QMAX + 0.5))
+        q = (q + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)  # 1.5 * 2**23
+    else:
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    return q
+
+
+@triton.jit
+def _quantize_rn(
+    k, v, ks, vs, k_amax, v_amax, QUANT: tl.constexpr, QMAX: tl.constexpr, HAS_V: tl.constexpr
+):
+    """The IEEE-division path: per-token-head scales ``div_rn(absmax, qmax)`` (given scales
+    kept), quotients ``div_rn``; returns ``(kq, vq, ks, vs)`` (``vq``, ``vs`` are ``kq``, ``ks``
+    without V)."""
+    if QUANT >= 2:
+        ks = tl.where(k_amax > 0, tl.math.div_rn(k_amax, QMAX), 1.0)
+    kq = _quantize(k, ks, QUANT, QMAX, False)
+    vq = kq
+    if HAS_V:
+        if QUANT >= 2:
+            vs = tl.where(v_amax > 0, tl.math.div_rn(v_amax, QMAX), 1.0)
+        vq = _quantize(v, vs, QUANT, QMAX, False)
+    return kq, vq, ks, vs
+
+
+@triton.jit
+def _row_scale(amax, QMAX: tl.constexpr, QMAX_RCP: tl.constexpr):
+    """``(absmax / qmax or 1.0 for a zero row, in fast range)`` per row: the quotient by the
+    constant through ``QMAX_RCP = RN(1 / qmax)`` and one FMA correction, which equals ``div_rn``
+    for every ``amax`` in the fast range (checked exhaustively over a binade for 127, 448, 57344;
+    powers of two scale exactly); rows outside it make the program take the ``div_rn`` path."""
+    s = amax * QMAX_RCP
+    r = tl.fma(s, QMAX, -amax)
+    s = tl.fma(-r, QMAX_RCP, s)
+    fast = (amax == 0) | ((amax >= 9.094947017729282e-13) & (amax <= 1.152921504606847e18))
+    return tl.where(amax > 0, s, 1.0), fast  # 2**-40 <= amax <= 2**60: s in [2**-57, 2**60]
 
 
 @triton.jit
@@ -50,6 +150,7 @@ def _reshape_and_cache_kernel(
     slot_ptr,  # [T] int64
     k_scale_ptr,  # float32, 1 or H elements (FP8_PER_TENSOR)
     v_scale_ptr,
+    num_tokens,  # T
     num_slots,  # B * N: slots at or past it are never written (checked on the host for CPU tensors)
     key_st,
     key_sh,
@@ -73,111 +174,206 @@ def _reshape_and_cache_kernel(
     HAS_V: tl.constexpr,
     QUANT: tl.constexpr,
     QMAX: tl.constexpr,
+    QMAX_RCP: tl.constexpr,  # RN(1 / QMAX) as a float32 value (per-token-head)
+    BLOCK_T: tl.constexpr,  # tokens per program
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    ROW_SPLIT: tl.constexpr,  # a row is tiled as [ROW_SPLIT, row / ROW_SPLIT] (see launch_config)
     CHECK: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # see kv_kernels._common.row_align
+    SCALE_WORD: tl.constexpr,  # bytes per scale store: 8 (K and V scales), 4 or 1 (see launcher)
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    head0 = tl.program_id(1) * BLOCK_H
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    R: tl.constexpr = BLOCK_T * BLOCK_H
+    # row i of the tile is head (i % BLOCK_H) of token (i // BLOCK_H)
+    rows = tl.arange(0, R)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + (rows // BLOCK_H)  # [R] int64
+    heads = tl.program_id(1) * BLOCK_H + rows % BLOCK_H  # [R]
+    tok_ok = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)  # [R] int64
     live = (slot >= 0) & (slot < num_slots)
     if CHECK:
-        # a slot past the cache is never written; counted once per token (head chunk 0)
-        tl.atomic_add(err_ptr, 1, mask=(slot >= num_slots) & (tl.program_id(1) == 0))
+        # a slot past the cache is never written; counted once per token (its first head row)
+        # (tl.where rather than `&`: the interpreter mistypes a scalar-bool & vector-bool)
+        first = tl.where(tl.program_id(1) == 0, rows % BLOCK_H == 0, False)
+        tl.atomic_add(err_ptr + rows * 0, 1, mask=(slot >= num_slots) & first)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
 
-    heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    # (tl.where rather than `live & ...`: the interpreter mistypes a scalar-bool & vector-bool)
-    head_ok = tl.where(live, heads < NUM_HEADS, False)
+    head_in = (tok_ok & (heads < NUM_HEADS))[None, :, None]  # rows that exist in key/value
+    row_ok = live & (heads < NUM_HEADS)  # rows that are written
     heads64 = heads.to(tl.int64)
-    # int64 offset of (block, head, offset, 0) for each head of the tile
-    row = block * cache_sb + offset * cache_sn + heads64 * cache_sh  # [BLOCK_H]
+    # int64 offset of (block, head, offset, 0) for each row of the tile
+    row = block * cache_sb + offset * cache_sn + heads64 * cache_sh  # [R]
     if ROW_ALIGN > 1:
         # rows whose strides Triton cannot see as 16-aligned (per-token-head: 2 * 128 + 8 bytes)
         # are still written in ROW_ALIGN-element vectors, not byte by byte
         row = tl.multiple_of(row, ROW_ALIGN)
+    row3 = row[None, :, None]
+    k_row = (tok * key_st + heads64 * key_sh)[None, :, None]
 
-    # ---- K ---------------------------------------------------------------------------------
-    # Loads are masked by shape only, not by the slot, so they issue without waiting for the slot
-    # load (row tok < T <= T' always exists); stores carry the slot mask.
-    dk = tl.arange(0, BLOCK_D)
-    k_in = (heads < NUM_HEADS)[:, None] & (dk < HEAD_SIZE)[None, :]
-    k_mask = head_ok[:, None] & (dk < HEAD_SIZE)[None, :]
-    k_src = key_ptr + tok * key_st + heads64[:, None] * key_sh + dk[None, :] * key_sd
-    k = tl.load(k_src, mask=k_in, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
-    k_dst = cache_ptr + row[:, None] + dk[None, :].to(tl.int64) * cache_sc
-    if QUANT == 0:
-        tl.store(k_dst, k.to(cache_ptr.dtype.element_ty), mask=k_mask)
-    elif QUANT == 1:
-        ks = tl.load(k_scale_ptr + heads * k_scale_sh, mask=head_ok, other=1.0)  # [BLOCK_H]
-        kq = tl.math.div_rn(k, ks[:, None])
-        kq = tl.minimum(tl.maximum(kq, -QMAX), QMAX)
-        tl.store(k_dst, kq.to(cache_ptr.dtype.element_ty), mask=k_mask)
-    else:
-        k_amax = tl.max(tl.abs(k), axis=1)  # [BLOCK_H]
-        k_row_scale = tl.where(k_amax > 0, tl.math.div_rn(k_amax, QMAX), 1.0)
-        kq = tl.math.div_rn(k, k_row_scale[:, None])
-        if QUANT == 2:
-            kq = tl.floor(kq + 0.5)
-        kq = tl.minimum(tl.maximum(kq, -QMAX), QMAX)
-        tl.store(k_dst, kq.to(cache_ptr.dtype.element_ty), mask=k_mask)
-
-    # ---- V ---------------------------------------------------------------------------------
+    # Tiles are [SPLIT, R, BLOCK / SPLIT]: element (c, i, e) is column c * BLOCK / SPLIT + e of row
+    # i. Loads are masked by shape only, not by the slot, so they issue without waiting for the
+    # slot load; stores carry the slot mask.
+    SPLIT_K: tl.constexpr = ROW_SPLIT if ROW_SPLIT < BLOCK_D else BLOCK_D
+    dk = (
+        tl.arange(0, SPLIT_K)[:, None, None] * (BLOCK_D // SPLIT_K)
+        + tl.arange(0, BLOCK_D // SPLIT_K)[None, None, :]
+    )  # [SPLIT_K, 1, BLOCK_D / SPLIT_K]
+    k_in = head_in & (dk < HEAD_SIZE)
+    k_mask = row_ok[None, :, None] & (dk < HEAD_SIZE)
+    k_src = key_ptr + k_row + dk * key_sd
+    k_dst = cache_ptr + row3 + dk.to(tl.int64) * cache_sc
     if HAS_V:
-        dv = tl.arange(0, BLOCK_DV)
-        v_in = (heads < NUM_HEADS)[:, None] & (dv < HEAD_SIZE_V)[None, :]
-        v_mask = head_ok[:, None] & (dv < HEAD_SIZE_V)[None, :]
-        v_src = value_ptr + tok * value_st + heads64[:, None] * value_sh + dv[None, :] * value_sd
-        v = tl.load(v_src, mask=v_in, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DV]
-        v_dst = cache_ptr + row[:, None] + (V_OFFSET + dv[None, :]).to(tl.int64) * cache_sc
-        if QUANT == 0:
-            tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=v_mask)
-        elif QUANT == 1:
-            vs = tl.load(v_scale_ptr + heads * v_scale_sh, mask=head_ok, other=1.0)
-            vq = tl.math.div_rn(v, vs[:, None])
-            vq = tl.minimum(tl.maximum(vq, -QMAX), QMAX)
-            tl.store(v_dst, vq.to(cache_ptr.dtype.element_ty), mask=v_mask)
-        else:
-            v_amax = tl.max(tl.abs(v), axis=1)
-            v_row_scale = tl.where(v_amax > 0, tl.math.div_rn(v_amax, QMAX), 1.0)
-            vq = tl.math.div_rn(v, v_row_scale[:, None])
-            if QUANT == 2:
-                vq = tl.floor(vq + 0.5)
-            vq = tl.minimum(tl.maximum(vq, -QMAX), QMAX)
-            tl.store(v_dst, vq.to(cache_ptr.dtype.element_ty), mask=v_mask)
+        SPLIT_V: tl.constexpr = ROW_SPLIT if ROW_SPLIT < BLOCK_DV else BLOCK_DV
+        dv = (
+            tl.arange(0, SPLIT_V)[:, None, None] * (BLOCK_DV // SPLIT_V)
+            + tl.arange(0, BLOCK_DV // SPLIT_V)[None, None, :]
+        )
+        v_in = head_in & (dv < HEAD_SIZE_V)
+        v_mask = row_ok[None, :, None] & (dv < HEAD_SIZE_V)
+        v_src = value_ptr + (tok * value_st + heads64 * value_sh)[None, :, None] + dv * value_sd
+        v_dst = cache_ptr + row3 + (V_OFFSET + dv).to(tl.int64) * cache_sc
 
-    # ---- inline float32 scales: K's 4 bytes, then V's (little-endian, as torch lays them) -------
-    if QUANT >= 2:
-        NUM_SCALE_BYTES: tl.constexpr = 8 if HAS_V else 4
-        j = tl.arange(0, NUM_SCALE_BYTES)  # byte index within the scale area
-        k_bits = k_row_scale.to(tl.int32, bitcast=True)  # [BLOCK_H]
+    if QUANT == 0:
+        k = tl.load(k_src, mask=k_in, other=0.0)
+        tl.store(k_dst, k.to(cache_ptr.dtype.element_ty), mask=k_mask)
         if HAS_V:
-            v_bits = v_row_scale.to(tl.int32, bitcast=True)
-            bits = tl.where((j < 4)[None, :], k_bits[:, None], v_bits[:, None])
+            v = tl.load(v_src, mask=v_in, other=0.0)
+            tl.store(v_dst, v.to(cache_ptr.dtype.element_ty), mask=v_mask)
+    else:
+        k = tl.load(k_src, mask=k_in, other=0.0).to(tl.float32)
+        v = k  # (no V: unused stand-ins, so every path has the same names)
+        if HAS_V:
+            v = tl.load(v_src, mask=v_in, other=0.0).to(tl.float32)
+        # ---- row scales: given (per tensor / head) or absmax / qmax (per token-head) ----------
+        if QUANT == 1:
+            ks = tl.load(k_scale_ptr + heads * k_scale_sh, mask=heads < NUM_HEADS, other=1.0)
+            ok = (ks >= 5.421010862427522e-20) & (ks <= 1.8446744073709552e19)  # 2**+-64
+            vs = ks
+            if HAS_V:
+                vs = tl.load(v_scale_ptr + heads * v_scale_sh, mask=heads < NUM_HEADS, other=1.0)
+                ok = ok & (vs >= 5.421010862427522e-20) & (vs <= 1.8446744073709552e19)
+            k_amax = ks  # (given scales: no absmax)
+            v_amax = vs
         else:
-            bits = tl.broadcast_to(k_bits[:, None], (BLOCK_H, NUM_SCALE_BYTES))
-        byte = (bits >> ((j % 4) * 8)[None, :]) & 0xFF  # [BLOCK_H, NUM_SCALE_BYTES]
-        s_dst = cache_bytes_ptr + row[:, None] + (SCALE_OFFSET + j[None, :]).to(tl.int64) * cache_sc
-        tl.store(s_dst, byte.to(tl.uint8), mask=head_ok[:, None])
+            k_amax = tl.max(tl.max(tl.abs(k), axis=2), axis=0)  # [R]
+            ks, ok = _row_scale(k_amax, QMAX, QMAX_RCP)
+            v_amax = k_amax
+            vs = ks
+            if HAS_V:
+                v_amax = tl.max(tl.max(tl.abs(v), axis=2), axis=0)
+                vs, v_ok = _row_scale(v_amax, QMAX, QMAX_RCP)
+                ok = ok & v_ok
+        # ---- the reciprocal path when every scale of the tile is in range (NaN is not) --------
+        # Not for fp8 per token and head: on an H200 its bytes differed from torch's on the
+        # hard-values test (int8 per token and head and fp8 per tensor matched bit for bit), so it
+        # keeps the IEEE division until the difference is understood.
+        if QUANT != 3:
+            if tl.min(ok.to(tl.int32), axis=0) > 0:
+                kq = _quantize(k, ks, QUANT, QMAX, True)
+                if HAS_V:
+                    vq = _quantize(v, vs, QUANT, QMAX, True)
+            else:
+                kq, vq, ks, vs = _quantize_rn(k, v, ks, vs, k_amax, v_amax, QUANT, QMAX, HAS_V)
+        else:
+            kq, vq, ks, vs = _quantize_rn(k, v, ks, vs, k_amax, v_amax, QUANT, QMAX, HAS_V)
+        tl.store(k_dst, kq.to(cache_ptr.dtype.element_ty), mask=k_mask)
+        if HAS_V:
+            tl.store(v_dst, vq.to(cache_ptr.dtype.element_ty), mask=v_mask)
+
+        # ---- inline float32 scales: K's 4 bytes, then V's (little-endian, as torch lays them) ---
+        if QUANT >= 2:
+            # the word paths' scale area is contiguous (C stride 1, checked by the launcher)
+            s_base = cache_bytes_ptr + row + SCALE_OFFSET  # [R]
+            k_bits = ks.to(tl.uint32, bitcast=True)
+            if SCALE_WORD == 8:
+                # both scales in one aligned 8-byte store (the launcher proved the alignment)
+                v_bits = vs.to(tl.uint32, bitcast=True)
+                word = k_bits.to(tl.uint64) | (v_bits.to(tl.uint64) << 32)
+                tl.store(s_base.to(tl.pointer_type(tl.uint64)), word, mask=row_ok)
+            elif SCALE_WORD == 4:
+                tl.store(s_base.to(tl.pointer_type(tl.uint32)), k_bits, mask=row_ok)
+                if HAS_V:
+                    v_bits = vs.to(tl.uint32, bitcast=True)
+                    tl.store((s_base + 4).to(tl.pointer_type(tl.uint32)), v_bits, mask=row_ok)
+            else:
+                NUM_SCALE_BYTES: tl.constexpr = 8 if HAS_V else 4
+                j = tl.arange(0, NUM_SCALE_BYTES)  # byte index within the scale area
+                kb = k_bits.to(tl.int32, bitcast=True)
+                if HAS_V:
+                    vb = vs.to(tl.int32, bitcast=True)
+                    bits = tl.where((j < 4)[None, :], kb[:, None], vb[:, None])
+                else:
+                    bits = tl.broadcast_to(kb[:, None], (R, NUM_SCALE_BYTES))
+                byte = (bits >> ((j % 4) * 8)[None, :]) & 0xFF  # [R, NUM_SCALE_BYTES]
+                s_off = (SCALE_OFFSET + j[None, :]).to(tl.int64) * cache_sc
+                tl.store(
+                    cache_bytes_ptr + row[:, None] + s_off, byte.to(tl.uint8), mask=row_ok[:, None]
+                )
 
 
-def launch_config(layout: KVCacheLayout, element_bytes: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_H, BLOCK_D, BLOCK_DV, num_warps)`` for ``layout``'s head sizes.
+class WriteConfig(NamedTuple):
+    """Launch parameters of the write kernel (``launch_config`` picks them; benchmarks sweep them)."""
 
-    A tile holds ``BLOCK_H`` whole rows, up to :data:`_MAX_TILE` elements; ``num_warps`` gives each
-    thread one to two 16-byte vectors of the widest tile (4 warps for 8 heads x 128 of bf16).
+    block_t: int  # tokens per program
+    block_h: int  # heads per program (power of two)
+    block_d: int  # K row tile (next power of two of head_size)
+    block_dv: int  # V row tile
+    num_warps: int
+    row_split: int = 1  # a row is tiled [row_split, row / row_split]: chunks one thread holds
+
+
+def launch_config(layout: KVCacheLayout, element_bytes: int) -> WriteConfig:
+    """The :class:`WriteConfig` for ``layout``'s head sizes and cache element bytes.
+
+    Unquantized: one token per program, ``BLOCK_H`` whole rows up to :data:`_MAX_TILE` elements,
+    ``num_warps`` giving each thread one to two 16-byte vectors of the widest tile (4 warps for 8
+    heads x 128 of bf16). Quantized (bound by instruction issue, see the module notes): ``BLOCK_T``
+    tokens so that a program converts :data:`_QUANT_TILE` elements per tensor,
+    :data:`_QUANT_PER_THREAD` per thread (8 heads x 128: 2 tokens, 4 warps). Per-token-head rows
+    are split in 2: a row is a ``[2, 64]`` tile, so a thread holds two 8-element vectors of the
+    same row (8 threads span 64 columns) and the row's absmax, scale and reciprocal are paid once
+    per 16 elements instead of per 8 (the warps then lie along the rows: the absmax stays a
+    shuffle reduction inside a warp).
     """
     block_d = triton.next_power_of_2(layout.head_size)
     block_dv = triton.next_power_of_2(max(layout.head_size_v, 1))
     widest = max(block_d, block_dv)
     block_h = max(1, min(triton.next_power_of_2(layout.num_kv_heads), _MAX_TILE // widest))
-    tile_bytes = block_h * widest * element_bytes
-    num_warps = max(1, min(8, tile_bytes // (32 * 16)))
-    num_warps = 1 << (num_warps.bit_length() - 1)  # power of two
-    return block_h, block_d, block_dv, num_warps
+    if layout.kv_quant is KVQuantMode.NONE:
+        tile_bytes = block_h * widest * element_bytes
+        num_warps = max(1, min(8, tile_bytes // (32 * 16)))
+        num_warps = 1 << (num_warps.bit_length() - 1)  # power of two
+        return WriteConfig(1, block_h, block_d, block_dv, num_warps)
+    block_t = max(1, _QUANT_TILE // (block_h * widest))
+    elements = block_t * block_h * widest
+    num_warps = max(1, min(8, elements // (32 * _QUANT_PER_THREAD)))
+    num_warps = 1 << (num_warps.bit_length() - 1)
+    per_token_head = layout.kv_quant is not KVQuantMode.FP8_PER_TENSOR
+    row_split = 2 if per_token_head and min(block_d, block_dv) >= 32 else 1
+    return WriteConfig(block_t, block_h, block_d, block_dv, num_warps, row_split)
+
+
+@functools.lru_cache(maxsize=8)
+def _reciprocal_f32(qmax: float) -> float:
+    """``RN(1 / qmax)`` in float32 (a float32 division, not a rounded float64 one)."""
+    one = torch.ones((), dtype=torch.float32)
+    return float(one / torch.tensor(qmax, dtype=torch.float32))
+
+
+def scale_word(layout: KVCacheLayout, kv_cache: torch.Tensor) -> int:
+    """Bytes per inline-scale store the kernel may use: 8 (K's and V's scale in one store) or 4
+    when every scale area is that aligned in memory (base address, block/head/token strides and
+    the scale offset) and contiguous (C stride 1); else 1 (bytes). 0 without inline scales."""
+    if layout.scale_range is None:
+        return 0
+    if kv_cache.element_size() != 1 or kv_cache.stride(3) != 1:
+        return 1
+    align = math.gcd(kv_cache.data_ptr(), layout.scale_range[0], *kv_cache.stride()[:3])
+    if layout.num_scales == 2 and align % 8 == 0:
+        return 8
+    return 4 if align % 4 == 0 else 1
 
 
 def reshape_and_cache_triton(
@@ -195,7 +391,7 @@ def reshape_and_cache_triton(
     if num_tokens == 0:
         return
     num_blocks, num_heads, block_size, _ = kv_cache.shape
-    block_h, block_d, block_dv, num_warps = launch_config(layout, kv_cache.element_size())
+    cfg = launch_config(layout, kv_cache.element_size())
     has_v = value is not None
     value_arg = value if value is not None else key
     # 1-byte caches get a uint8 alias for the scale bytes (same strides); others never use it.
@@ -208,7 +404,7 @@ def reshape_and_cache_triton(
         qmax = 127.0 if kv_cache.dtype == torch.int8 else float(torch.finfo(kv_cache.dtype).max)
     v_offset = layout.v_range[0] if layout.v_range is not None else 0
     scale_offset = layout.scale_range[0] if layout.scale_range is not None else 0
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    grid = (triton.cdiv(num_tokens, cfg.block_t), triton.cdiv(num_heads, cfg.block_h))
     _reshape_and_cache_kernel[grid](
         key,
         value_arg,
@@ -217,6 +413,7 @@ def reshape_and_cache_triton(
         slot_mapping,
         k_scale_arg,
         v_scale_arg,
+        num_tokens,
         num_blocks * block_size,
         *key.stride(),
         *value_arg.stride(),
@@ -233,10 +430,14 @@ def reshape_and_cache_triton(
         HAS_V=has_v,
         QUANT=quant,
         QMAX=qmax,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
+        QMAX_RCP=_reciprocal_f32(qmax) if quant >= _QUANT_INT8_TOKEN_HEAD else 0.0,
+        BLOCK_T=cfg.block_t,
+        BLOCK_H=cfg.block_h,
+        BLOCK_D=cfg.block_d,
+        BLOCK_DV=cfg.block_dv,
+        ROW_SPLIT=cfg.row_split,
         CHECK=error_flag is not None,
         ROW_ALIGN=row_align(kv_cache.stride()[:3]),
-        num_warps=num_warps,
+        SCALE_WORD=scale_word(layout, kv_cache),
+        num_warps=cfg.num_warps,
     )
