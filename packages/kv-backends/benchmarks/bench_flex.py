@@ -8,8 +8,10 @@ Cases (bf16, 32 query / 8 KV heads, head size 128, shuffled pages):
   this GPU (a ``copy_`` of 2 GiB) as the roofline.
 - prefill 4 x 4096 causal at pages of 16 and 128: the backend against dense causal
   ``flex_attention`` over the same tokens (each request its own batch row).
-- mixed: 2 prefills of 2048 + 32 decodes of 4096 at pages 16 and 128 (the backend only; its
-  TFLOP/s counts the prefills' causal FLOPs plus ``2 * Hq * (D + Dv) * S`` per decode).
+- mixed: 2 prefills of 2048 + 32 decodes of 4096 at pages 16 and 128 (its TFLOP/s counts the
+  prefills' causal FLOPs plus ``2 * Hq * (D + Dv) * S`` per decode), against dense Flex doing
+  the same work in two calls: causal over the prefills (a batch row each) and the decodes over
+  contiguous K/V.
 - prefill and mixed again with the builder option ``prefill="gather"`` (the flattened call over a
   gathered contiguous copy of the visible context, see ``flex_gather``).
 - ``--decode-tiles auto|kv`` (default ``auto``): the builder's ``decode_tiles`` for the
@@ -19,6 +21,12 @@ Cases (bf16, 32 query / 8 KV heads, head size 128, shuffled pages):
   process, for an A/B on one GPU. ``--decode-kernel-options JSON`` passes the impl's
   ``decode_kernel_options`` (e.g. ``'{"num_stages": 3}'``); ``--only TEXT`` keeps the cases whose
   name contains TEXT (repeatable).
+- ``--legacy-mask``: adds rows ``FLEX_ATTENTION mask=table`` and ``FLEX_ATTENTION prefill=gather
+  mask=table`` to every prefill and mixed case: the flattened call with the block-table mask mod
+  (one table load per (query, key) pair of a partial tile; the behaviour before issue 11's
+  owner mask, see ``flex_windows``), measured in the same process for an A/B on one GPU.
+- ``--decodes-first``: the mixed cases put their decodes before the prefills, as a scheduler
+  orders a batch; the prefills' query blocks then straddle requests (more partial tiles).
 - ``--fa4``: the backend's flattened call on Flex's FlashAttention-4 (CuTe) kernel
   (``kernel_options={"BACKEND": "FLASH"}``), where torch has the option and ``flash_attn.cute``
   is installed; skipped with the reason otherwise.
@@ -80,7 +88,7 @@ class Record:
     note: str = ""
 
 
-def _cases(smoke: bool) -> list[Case]:
+def _cases(smoke: bool, decodes_first: bool = False) -> list[Case]:
     if smoke:
         dec = [(4, 64), (2, 160)]
         pre, mixed_pre, mixed_dec = (2, 48), (1, 32), (3, 64)
@@ -98,15 +106,13 @@ def _cases(smoke: bool) -> list[Case]:
         )
     for block in (16, 128):
         (pr, ps), (dr, ds) = mixed_pre, mixed_dec
-        out.append(
-            Case(
-                f"mixed {pr}x{ps} prefill + {dr}x{ds} decode block {block}",
-                "mixed",
-                (ps,) * pr + (1,) * dr,
-                (ps,) * pr + (ds,) * dr,
-                block,
-            )
-        )
+        if decodes_first:
+            name = f"mixed {dr}x{ds} decode + {pr}x{ps} prefill block {block}"
+            ql, sl = (1,) * dr + (ps,) * pr, (ds,) * dr + (ps,) * pr
+        else:
+            name = f"mixed {pr}x{ps} prefill + {dr}x{ds} decode block {block}"
+            ql, sl = (ps,) * pr + (1,) * dr, (ps,) * pr + (ds,) * dr
+        out.append(Case(name, "mixed", ql, sl, block))
     return out
 
 
@@ -198,6 +204,12 @@ def _flex_fn(device: str, compiled: bool) -> Any:
 
     if not compiled:
         return flex_attention
+    # One process compiles flex_attention for every case's shapes (a dozen and more): past
+    # Dynamo's default limit of 8 per function the mixed case's dense baseline failed
+    # (FailOnRecompileLimitHit on an H200). Serving compiles a few shapes; a benchmark many.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
     return torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
 
@@ -289,6 +301,15 @@ def _dense_causal(lens: tuple[int, ...], device: str, compiled: bool) -> Callabl
     return lambda: fn(q, k, v, block_mask=bm, enable_gqa=True)
 
 
+def _dense_mixed(c: Case, device: str, compiled: bool) -> Callable[[], Any]:
+    """Dense Flex over a mixed case's work: causal over the prefills, then the decodes."""
+    pre = tuple(s for q, s in zip(c.query_lens, c.seq_lens, strict=True) if q > 1)
+    dec = tuple(s for q, s in zip(c.query_lens, c.seq_lens, strict=True) if q == 1)
+    causal = _dense_causal(pre, device, compiled)
+    decode = _dense_decode(Case(c.name, "decode", (1,) * len(dec), dec, c.block), device, compiled)
+    return lambda: (causal(), decode())
+
+
 def _copy_bandwidth(device: str, timer: Callable[[Callable[[], Any]], float], smoke: bool) -> float:
     n = (1 << 20) if smoke else (1 << 30)  # bf16 elements: 2 GiB on the GPU
     src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
@@ -336,7 +357,7 @@ def run(args: argparse.Namespace) -> list[Record]:
     fa4, fa4_reason = _fa4_options() if args.fa4 else (None, "not requested (--fa4)")
     dko = json.loads(args.decode_kernel_options) if args.decode_kernel_options else None
     ours = {"decode_tiles": args.decode_tiles, "decode_kernel_options": dko}
-    for c in _cases(args.smoke):
+    for c in _cases(args.smoke, args.decodes_first):
         if args.only and not any(t in c.name for t in args.only):
             continue
         b = _batch(c, device)
@@ -357,9 +378,22 @@ def run(args: argparse.Namespace) -> list[Record]:
                 _dense_causal(c.seq_lens, device, compiled),
                 c,
             )
+        elif c.kind == "mixed":
+            add(
+                c.name,
+                "dense flex_attention (causal + decode)",
+                _dense_mixed(c, device, compiled),
+                c,
+            )
+        if args.legacy_mask and c.kind != "decode":
+            table = _backend(c, b, device, compiled, mask="table", **ours)
+            add(c.name, "FLEX_ATTENTION mask=table", table, c)
         if c.kind != "decode":
             gather = _backend(c, b, device, compiled, prefill="gather", **ours)
             add(c.name, "FLEX_ATTENTION prefill=gather", gather, c)
+        if args.legacy_mask and c.kind != "decode":
+            table = _backend(c, b, device, compiled, prefill="gather", mask="table", **ours)
+            add(c.name, "FLEX_ATTENTION prefill=gather mask=table", table, c)
         if args.fa4 and c.kind != "decode":
             if fa4 is None:
                 add(c.name, "FLEX_ATTENTION (FA4 backend)", None, None, fa4_reason)
@@ -492,6 +526,16 @@ def main(argv: list[str] | None = None) -> int:
         "--legacy-decode",
         action="store_true",
         help="also measure decode_tiles=kv (the old decode tiles) on decode and mixed cases",
+    )
+    p.add_argument(
+        "--legacy-mask",
+        action="store_true",
+        help="also measure mask=table (the block-table mask mod) on prefill and mixed cases",
+    )
+    p.add_argument(
+        "--decodes-first",
+        action="store_true",
+        help="mixed cases put their decodes before the prefills (a scheduler's order)",
     )
     p.add_argument(
         "--decode-kernel-options",

@@ -87,7 +87,7 @@ def test_decode_only_batch_has_no_gathered_call() -> None:
     [
         ({"batch_invariant": True}, "cannot keep batch invariance"),
         ({"use_alibi": True}, "does not support ALiBi"),
-        ({}, "must be one of"),
+        ({}, "must be .auto. or one of"),
     ],
 )
 def test_gathered_prefill_refusals(config: dict, message: str) -> None:

@@ -3,6 +3,7 @@
 The backend is split by job: :mod:`~kv_backends.backends.flex_mask` (tile options, cache geometry,
 block-mask entries, mask mods), :mod:`~kv_backends.backends.flex_decode` (the decode call),
 :mod:`~kv_backends.backends.flex_metadata` (metadata and the builder's persistent buffers),
+:mod:`~kv_backends.backends.flex_windows` (the flattened call's block masks and mask mods),
 :mod:`~kv_backends.backends.flex_compile` (the compiled entry point and its scoped Dynamo limits),
 :mod:`~kv_backends.backends.flex_trainer` (the trainer's dense calls, "rollout equals trainer")
 and this module (the per-layer impl and the backend class).
@@ -21,8 +22,10 @@ The batch. Queries are flattened to ``[1, Hq, T, D]``; query block ``i`` is toke
 requests needs, trimmed to the causal bound and the window. ``mask_mod`` then decides per token
 pair: ``physical -> logical`` is a per-block table (``phys_to_logical[block]``, written for the
 blocks of this batch only: O(tokens) per step, never O(batch x total blocks)), and ownership is
-checked exactly (``block_table[req, logical] == block``), so blocks of other requests inside a KV
-tile, shared prefix blocks and stale entries are all handled. Only columns a query of the batch
+checked exactly, so blocks of other requests inside a KV tile, shared prefix blocks and stale
+entries are all handled: by the block's one owning request (``block_req[block] == req``, one load
+per key column) where no block of the call is shared, else by the table (``block_table[req,
+logical] == block``, one load per (query, key) pair); see :mod:`~kv_backends.backends.flex_windows`. Only columns a query of the batch
 can see enter the table: a sliding-window row's columns before the window (the null block, or ids
 the pool has reused) are never mapped. Tiles that every served row of a single-request query
 block sees whole are listed as *full* blocks, on which Flex skips the mask mod (the interior of

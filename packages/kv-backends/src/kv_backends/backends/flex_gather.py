@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kv_backends.backends.flex_mask import CacheGeometry, FlexEntries, build_flex_block_entries
+from kv_backends.backends.flex_windows import FlexWindow, MaskInputs, build_windows
 from kv_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:
-    from kv_backends.backends.flex_metadata import FlexMetadataBuilder, FlexWindow
+    from kv_backends.backends.flex_metadata import FlexMetadataBuilder
 
 __all__ = ["PREFILL_MODES", "build_gathered_window", "gather_tokens"]
 
@@ -56,8 +57,6 @@ def build_gathered_window(
     geo: CacheGeometry,
 ) -> tuple[FlexWindow, ...]:
     """The flattened call of a batch over a gathered buffer: ``()`` when no request needs it."""
-    from kv_backends.backends.flex_metadata import FlexWindow
-
     kvb, cfg, n = builder.options.kv_block_size, builder.config, builder.n
     sl = base.seq_lens.long()
     qsl = base.query_start_loc.long()
@@ -84,6 +83,10 @@ def build_gathered_window(
     rr, cc = torch.nonzero(valid, as_tuple=True)  # sorted by (r, c): the buffer's page order
     ptl = builder.gathered_phys_to_logical(total_pad)
     ptl[table[rr, cc]] = cc.int()
+    # Each page is one request's private copy: the owner mask mod is exact here (flex_windows).
+    g_req = builder.gathered_block_req(total_pad)
+    g_req.fill_(-1)  # padding pages (and last step's entries) belong to no request
+    g_req[table[rr, cc]] = rr.int()
     tokens = builder.gathered_token_buffer(total_pad * kvb)
     tokens.zero_()
     pos = cc[:, None] * kvb + torch.arange(kvb, device=sl.device)[None]  # [P, kvb] positions
@@ -113,8 +116,8 @@ def build_gathered_window(
     else:
         seq_lens, tab = base.seq_lens, table.int()
     no_conflict = torch.zeros((), dtype=torch.bool, device=sl.device)
-    wins = builder._build_windows(
-        padded, seq_lens, tab, ggeo, ent, no_conflict, phys_to_logical=ptl, n=kvb, full=True
-    )
+    owner = torch.full((), builder.owner_mask, dtype=torch.bool, device=sl.device)
+    masks = MaskInputs(seq_lens, tab, ptl, kvb, g_req, owner)
+    wins = build_windows(builder, padded, ggeo, ent, no_conflict, masks, full=True)
     # One window: the buffer is far below 2^31 elements' worth of tokens per view.
     return tuple(FlexWindow(0, gtok, w.block_mask, gather=tokens[:gtok]) for w in wins)

@@ -27,6 +27,7 @@ __all__ = [
     "flex_has_backend_option",
     "make_decode_mask_mod",
     "make_mask_mod",
+    "make_owner_mask_mod",
     "make_score_mod",
     "valid_kv_block_sizes",
     "window_kv_position",
@@ -460,6 +461,57 @@ def make_mask_mod(
             ok = ok & (kv_pos <= qp)
         if sliding_window is not None:
             # Both sides: under causal the upper bound is already implied.
+            ok = ok & ((qp - kv_pos).abs() < sliding_window)
+        return ok
+
+    return mask_mod
+
+
+def make_owner_mask_mod(
+    *,
+    q_req: torch.Tensor,
+    q_pos: torch.Tensor,
+    phys_to_logical: torch.Tensor,
+    block_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    n: int,
+    tpb: int,
+    base_block: int,
+    causal: bool,
+    sliding_window: int | None,
+) -> Any:
+    """The exact mask of one window where every block the call's tiles hold has one user in
+    the batch: ``block_req[block]`` is that request. Same visibility as :func:`make_mask_mod`
+    with one load per query row and per key column and none per (query, key) pair.
+
+    Why. :func:`make_mask_mod`'s ownership test ``block_table[q_req[q], lb] == block`` is a
+    gather indexed by both the row's request and the column's block, so on a partial tile it
+    loads ``BLOCK_M x BLOCK_N`` table entries (after two dependent loads for the indices); dense
+    causal Flex's mask loads nothing. Here the request of a column is one load per column and
+    the test is a compare, so a partial tile costs little more than dense's.
+
+    Valid only where it is exact (the builder checks, else it uses :func:`make_mask_mod`): no
+    block read by two requests of the batch (a shared prefix block has several users), and
+    ``block_req`` -1 for every block outside the batch, so the mask is exact on every pair of
+    the window, in a listed tile or not (eager Flex evaluates them all). Causal: ``kv_pos <=
+    q_pos < seq_len`` makes the length test redundant (padding rows sit below every key)."""
+
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        blk = base_block + kv_idx // tpb
+        off = kv_idx % tpb
+        r = q_req[q_idx]
+        ok = block_req[blk] == r
+        if tpb != n:
+            ok = ok & (off < n)  # in-block tokens >= n belong to other layers or padding
+        kv_pos = phys_to_logical[blk] * n + off
+        qp = q_pos[q_idx]
+        if causal:
+            ok = ok & (kv_pos <= qp)
+        else:
+            ok = ok & (kv_pos < seq_lens[r])
+        if sliding_window is not None:
             ok = ok & ((qp - kv_pos).abs() < sliding_window)
         return ok
 

@@ -21,29 +21,16 @@ from kv_backends.backends.flex_gather import PREFILL_MODES, build_gathered_windo
 from kv_backends.backends.flex_mask import (
     INT32_LIMIT,
     CacheGeometry,
-    FlexEntries,
     FlexOptions,
     build_flex_block_entries,
     cache_geometry,
-    make_mask_mod,
 )
+from kv_backends.backends.flex_windows import MASK_MODES, FlexWindow, MaskInputs, build_windows
 from kv_backends.base import AttentionMetadata, MetadataBuilder, kernel_block_view
 from kv_backends.config import AttentionConfig
 from kv_backends.metadata import CommonAttentionMetadata
 
 __all__ = ["FlexAttentionMetadata", "FlexMetadataBuilder", "FlexWindow"]
-
-
-@dataclass(frozen=True)
-class FlexWindow:
-    """One flattened Flex call: the cache window it reads and its block mask."""
-
-    base_token: int  # first physical token of the window
-    length: int  # physical tokens in the window
-    block_mask: Any  # torch BlockMask
-    #: Gathered prefill: the physical token of each row of the call's private K/V buffer
-    #: (``[length]`` int64); ``None`` when the call reads the paged cache itself.
-    gather: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +67,13 @@ class FlexMetadataBuilder(MetadataBuilder):
     a handful of captured graphs instead of recompiling (or going symbolic, which also keeps
     decodes off Flex's split-KV decoding kernel: it needs a static batch size);
     ``decode_tiles`` (``"auto"``, default, or ``"kv"``): the decode call's KV tiles (see
-    :mod:`~kv_backends.backends.flex_decode`).
+    :mod:`~kv_backends.backends.flex_decode`); ``mask`` (``"auto"``, default, or ``"table"``):
+    the flattened call's mask mod, the per-column owner test where it is exact or always the
+    block-table test (see :mod:`~kv_backends.backends.flex_windows`); ``prefill`` (``"auto"``,
+    default, ``"paged"`` or ``"gather"``): whether the flattened call reads the paged cache or a
+    gathered copy of the batch's context (:mod:`~kv_backends.backends.flex_gather`); ``"auto"``
+    gathers where a KV tile is wider than a page (H200, 4 x 4096 causal at page 16: 48 -> 321
+    TFLOP/s, dense Flex 385) unless batch invariance or ALiBi rule it out.
     """
 
     def __init__(
@@ -98,8 +91,9 @@ class FlexMetadataBuilder(MetadataBuilder):
         options: FlexOptions | None = None,
         max_view_elements: int = INT32_LIMIT,
         static_shapes: bool | None = None,
-        prefill: str = "paged",
+        prefill: str = "auto",
         decode_tiles: str = "auto",
+        mask: str = "auto",
     ) -> None:
         super().__init__(
             config,
@@ -116,9 +110,14 @@ class FlexMetadataBuilder(MetadataBuilder):
         if static_shapes is not None and not isinstance(static_shapes, bool):
             raise TypeError(f"static_shapes={static_shapes!r} must be a bool or None")
         self.static_shapes = device.type == "cuda" if static_shapes is None else static_shapes
-        self.prefill = _check_prefill(prefill, config)
+        self.prefill = _check_prefill(prefill, config, self.options.kv_block_size > self.n)
         decode_kv_block_size(decode_tiles, self.options.kv_block_size, self.n)  # validates
         self.decode_tiles = decode_tiles
+        if mask not in MASK_MODES:
+            raise ValueError(f"FLEX_ATTENTION mask={mask!r} must be one of {MASK_MODES}")
+        # The owner mask mod (flex_windows): never under batch invariance, whose mask mod stays
+        # the one its bitwise equality with the trainer was established with.
+        self.owner_mask = mask == "auto" and not config.batch_invariant
         if max_view_elements > INT32_LIMIT:
             raise ValueError(
                 f"max_view_elements={max_view_elements} exceeds 2**31 - 1: Flex templates use 32-bit offsets"
@@ -135,6 +134,11 @@ class FlexMetadataBuilder(MetadataBuilder):
         self.q_req = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
         self.q_pos = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
         self.phys_to_logical = torch.zeros(self.num_kernel_blocks, dtype=torch.int32, device=device)
+        # The owner mask's request of each block: this batch's blocks hold theirs, every other
+        # block -1 (the previous batch's entries are reset, O(blocks in the batch)), so the mask
+        # is exact on every pair, listed tile or not (eager Flex evaluates all of them).
+        self.block_req = torch.full((self.num_kernel_blocks,), -1, dtype=torch.int32, device=device)
+        self._owned = torch.zeros(0, dtype=torch.long, device=device)
         self.kv_num_blocks = torch.zeros(max_q_blocks, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(max_q_blocks, 64, dtype=torch.int32, device=device)
         # Tiles every query of a block sees whole: Flex skips the mask mod on them. Not under
@@ -154,6 +158,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         # Gathered prefill: the buffer's physical -> logical map and token list (grown on use).
         self._g_ptl = torch.zeros(0, dtype=torch.int32, device=device)
         self._g_tokens = torch.zeros(0, dtype=torch.long, device=device)
+        self._g_req = torch.zeros(0, dtype=torch.int32, device=device)
         self._geometry: CacheGeometry | None = None
 
     # -- static shapes ---------------------------------------------------------------------
@@ -180,6 +185,12 @@ class FlexMetadataBuilder(MetadataBuilder):
         if self._g_ptl.numel() < pages:
             self._g_ptl = torch.zeros(_pow2_at_least(pages), dtype=torch.int32, device=self.device)
         return self._g_ptl[:pages]
+
+    def gathered_block_req(self, pages: int) -> torch.Tensor:
+        """The gathered buffer's page -> request map, ``[pages]`` int32 (persistent)."""
+        if self._g_req.numel() < pages:
+            self._g_req = torch.zeros(_pow2_at_least(pages), dtype=torch.int32, device=self.device)
+        return self._g_req[:pages]
 
     def gathered_token_buffer(self, tokens: int) -> torch.Tensor:
         """The gathered buffer's physical token list, ``[tokens]`` int64 (persistent)."""
@@ -239,8 +250,11 @@ class FlexMetadataBuilder(MetadataBuilder):
             self._geometry = self.geometry_for(view)
         return self._geometry
 
-    def _used_blocks(self, base: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel block ids this batch reads and their logical positions (``[U]`` each),
+    def _used_blocks(
+        self, base: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel block ids this batch reads, their logical positions and the request
+        reading each (``[U]`` each; a shared block comes once per request),
         checked against the cache: an id outside ``[0, num_kernel_blocks)`` would index the
         physical->logical table out of bounds (or, negative, silently wrap).
 
@@ -262,6 +276,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         cols = torch.arange(bt.shape[1], device=bt.device)
         used = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])  # [R, M]
         phys, logical = bt[used], cols.expand_as(bt)[used]
+        req = torch.arange(bt.shape[0], device=bt.device)[:, None].expand_as(bt)[used]
         if phys.numel():
             # One host sync; this builder syncs once per step anyway (see the module docstring).
             lo_id, hi_id = torch.stack([phys.min(), phys.max()]).tolist()
@@ -273,14 +288,14 @@ class FlexMetadataBuilder(MetadataBuilder):
                     f"tokens = {self.num_kernel_blocks} kernel blocks of {self.n}); fix the "
                     "block table or build the layout with more blocks"
                 )
-        return phys, logical
+        return phys, logical, req
 
     def build(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
         base = super().build(common)
         opts, geo, cfg = self.options, self._layout_geometry(), self.config
         num_tokens = common.num_actual_tokens
         padded = self.padded_tokens(num_tokens)
-        phys, logical = self._used_blocks(base)
+        phys, logical, req = self._used_blocks(base)
         decode, served = build_decode_call(self, common, base, geo) if num_tokens else (None, None)
         if self.prefill == "gather":
             return self._metadata(
@@ -314,7 +329,21 @@ class FlexMetadataBuilder(MetadataBuilder):
             seq_lens, table = self._padded_table("flat", base.seq_lens, base.block_table)
         else:
             seq_lens, table = base.seq_lens, base.block_table
-        windows = self._build_windows(padded, seq_lens, table, geo, ent, conflict)
+        masks = MaskInputs(seq_lens, table, self.phys_to_logical, self.n)
+        if self.owner_mask:
+            # Exact unless a block has two users among the flattened call's requests (decode
+            # requests, served by their own call, do not count: their blocks read as -1).
+            if served is not None:
+                keep = ~served[req]
+                phys, req = phys[keep], req[keep]
+            self.block_req[self._owned] = -1
+            self.block_req[phys] = req.int()
+            self._owned = phys
+            shared = (self.block_req[phys].long() != req).any()
+            masks = MaskInputs(
+                seq_lens, table, self.phys_to_logical, self.n, self.block_req, ~shared
+            )
+        windows = build_windows(self, padded, geo, ent, conflict, masks, full=self.full_blocks)
         return self._metadata(base, padded, opts, geo, decode, windows)
 
     def write_queries(self, q_req: torch.Tensor, q_pos: torch.Tensor, padded: int) -> None:
@@ -377,147 +406,12 @@ class FlexMetadataBuilder(MetadataBuilder):
             static_shapes=self.static_shapes,
         )
 
-    def _build_windows(
-        self,
-        padded: int,  # query rows of the call
-        seq_lens: torch.Tensor,  # [rows] int32, what the mask mod reads
-        table: torch.Tensor,  # [rows, cols] int32
-        geo: CacheGeometry,
-        ent: FlexEntries,
-        conflict: torch.Tensor,  # 0-d bool: a block at two logical positions
-        *,
-        phys_to_logical: torch.Tensor | None = None,  # default: the cache's map
-        n: int | None = None,  # tokens per page (default: the kernel block size)
-        full: bool | None = None,  # lay out full tiles (default: when the builder does)
-    ) -> tuple[FlexWindow, ...]:
-        """Cut the entries into cache windows; one block mask per window that holds entries."""
-        opts = self.options
-        e_qb, e_f, e_full = ent.qb, ent.kv, ent.full.long()
-        kv_per_window = geo.window_tokens // opts.kv_block_size
-        e_w = e_f // kv_per_window
-        nqb = max(-(-padded // opts.q_block_size), 1)
-        windows_present = torch.unique(e_w) if e_w.numel() else e_w
-        w_list = windows_present.tolist()
-        w_rank = torch.searchsorted(windows_present, e_w) if e_w.numel() else e_w
-        # Entries per (window, partial/full, query block): the column counts this step needs.
-        row_key = (w_rank * 2 + e_full) * nqb + e_qb
-        per_row = torch.zeros(max(len(w_list), 1) * 2 * nqb, dtype=torch.long, device=e_qb.device)
-        per_row.index_put_((row_key,), torch.ones_like(e_qb), accumulate=True)
-        # One host sync for every count this step needs.
-        max_cols, has_conflict = int(per_row.max()), bool(conflict)
-        if has_conflict:
-            raise ValueError(
-                "a physical block appears at two different logical positions in this batch; the "
-                "Flex backend's physical->logical table needs one position per block per step"
-            )
-        use_full = self.full_blocks if full is None else full
-        self._grow("kv_indices", max_cols)
-        if use_full:
-            self._grow("full_kv_indices", max_cols)
-        windows: list[FlexWindow] = []
-        for rank, w in enumerate(w_list):
-            rows: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
-            for kind in (0, 1) if use_full else (0,):
-                sel = (w_rank == rank) & (e_full == kind)
-                rows[kind] = self._window_rows(
-                    nqb,
-                    e_qb[sel],
-                    e_f[sel] - w * kv_per_window,
-                    row_key[sel],
-                    full=kind == 1,
-                    fresh=rank > 0,
-                )
-            windows.append(
-                self._window(
-                    padded, seq_lens, table, geo, w, rows[0], rows[1],
-                    phys_to_logical=self.phys_to_logical if phys_to_logical is None else phys_to_logical,
-                    n=self.n if n is None else n,
-                )
-            )  # fmt: skip
-        return tuple(windows)
-
     def _grow(self, name: str, cols: int) -> None:
         """Widen the persistent index buffer ``name`` to hold ``cols`` columns (powers of 2)."""
         buf = getattr(self, name)
         if cols > buf.shape[1]:
             grown = 1 << (cols - 1).bit_length()
             setattr(self, name, buf.new_zeros(buf.shape[0], grown))
-
-    def _window_rows(
-        self,
-        nqb: int,
-        qbs: torch.Tensor,  # [E_w] query block of each entry of this window
-        fs: torch.Tensor,  # [E_w] window-relative Flex KV block
-        rk: torch.Tensor,  # [E_w] (window, kind, query block) row key, sorted
-        *,
-        full: bool,
-        fresh: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv_num_blocks`` ``[nqb]`` and ``kv_indices`` ``[nqb, cols]`` of one window (its
-        partial tiles, or with ``full`` its full ones)."""
-        # Position of each entry within its row; entries are sorted by query block first, so
-        # the selected entries of one (window, kind, qb) are contiguous.
-        first = torch.ones_like(rk, dtype=torch.bool)
-        first[1:] = rk[1:] != rk[:-1]
-        ar = torch.arange(rk.numel(), device=rk.device)
-        group_start = torch.cummax(torch.where(first, ar, 0), 0).values
-        pos = ar - group_start
-        num = (self.full_kv_num_blocks if full else self.kv_num_blocks)[:nqb]
-        idx = (self.full_kv_indices if full else self.kv_indices)[:nqb]
-        if fresh:
-            # Each window needs its own buffers (the block masks live together in one step).
-            num, idx = num.clone(), idx.clone()
-        num.zero_()
-        num.index_put_((qbs,), torch.ones_like(qbs, dtype=torch.int32), accumulate=True)
-        idx.zero_()
-        idx[qbs, pos] = fs.int()
-        return num, idx
-
-    def _window(
-        self,
-        padded: int,
-        seq_lens: torch.Tensor,
-        table: torch.Tensor,
-        geo: CacheGeometry,
-        w: int,
-        partial: tuple[torch.Tensor, torch.Tensor] | None,
-        full: tuple[torch.Tensor, torch.Tensor] | None,
-        *,
-        phys_to_logical: torch.Tensor,
-        n: int,
-    ) -> FlexWindow:
-        from torch.nn.attention.flex_attention import BlockMask
-
-        opts, cfg = self.options, self.config
-        assert partial is not None
-        length = geo.window_len(w)
-        extra = {}
-        if full is not None:
-            extra = {
-                "full_kv_num_blocks": full[0][None, None],
-                "full_kv_indices": full[1][None, None],
-            }
-        mask = BlockMask.from_kv_blocks(
-            partial[0][None, None],
-            partial[1][None, None],
-            **extra,
-            BLOCK_SIZE=(opts.q_block_size, opts.kv_block_size),
-            mask_mod=make_mask_mod(
-                q_req=self.q_req[:padded],
-                q_pos=self.q_pos[:padded],
-                phys_to_logical=phys_to_logical,
-                block_table=table,
-                seq_lens=seq_lens,
-                n=n,
-                tpb=geo.tpb,
-                base_block=w * geo.window_tokens // geo.tpb,
-                causal=cfg.causal,
-                sliding_window=cfg.sliding_window,
-            ),
-            seq_lengths=(padded, length),
-            compute_q_blocks=False,
-        )
-        return FlexWindow(w * geo.window_tokens, length, mask)
 
 
 def _pow2_at_least(x: int) -> int:
@@ -560,10 +454,17 @@ def _resolve_options(
     )
 
 
-def _check_prefill(prefill: object, config: AttentionConfig) -> str:
-    """The builder option ``prefill``: ``"paged"`` or ``"gather"`` (see flex_gather)."""
+def _check_prefill(prefill: object, config: AttentionConfig, tile_spans_pages: bool) -> str:
+    """The builder option ``prefill`` resolved: ``"paged"`` or ``"gather"`` (see flex_gather).
+    ``"auto"``: gather where a KV tile spans pages (``tile_spans_pages``: most of a tile would be
+    other requests' keys) and nothing forbids it, else paged."""
+    if prefill == "auto":
+        ok = not (config.batch_invariant or config.use_alibi)
+        return "gather" if tile_spans_pages and ok else "paged"
     if prefill not in PREFILL_MODES:
-        raise ValueError(f"FLEX_ATTENTION prefill={prefill!r} must be one of {PREFILL_MODES}")
+        raise ValueError(
+            f"FLEX_ATTENTION prefill={prefill!r} must be 'auto' or one of {PREFILL_MODES}"
+        )
     if prefill == "gather" and config.batch_invariant:
         raise ValueError(
             "FLEX_ATTENTION prefill='gather' cannot keep batch invariance (the gathered "
