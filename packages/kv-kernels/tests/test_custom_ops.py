@@ -58,17 +58,21 @@ def test_layout_json_round_trip(layout: KVCacheLayout) -> None:
     )
 
 
+# The ops take error_flag as a required (nullable) argument (kv_kernels._ops says why): every
+# call below passes it, None here.
+
+
 def test_opcheck_reshape_and_cache() -> None:
     layout = _layout()
     storage = allocate_kv_cache(layout)
     view = layer_view(storage, layout, 1)  # a permuted, non-contiguous view of the layer tensor
     key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 6)
     slots = torch.tensor([3, -1, 7, 20, 0])
-    args = (key, value, view, slots, layout.to_json(), None, None, "reference")
+    args = (key, value, view, slots, layout.to_json(), None, None, "reference", None)
     torch.library.opcheck(torch.ops.kv_kernels.reshape_and_cache.default, args)
     int8 = _layout(dtype="int8", kv_quant="int8_per_token_head")
     view8 = layer_view(allocate_kv_cache(int8), int8, 0)
-    args8 = (key, value, view8, slots, int8.to_json(), None, None, "reference")
+    args8 = (key, value, view8, slots, int8.to_json(), None, None, "reference", None)
     torch.library.opcheck(torch.ops.kv_kernels.reshape_and_cache.default, args8)
     # fp8 caches with scale tensors: the schema check's value comparisons have no CPU fp8 kernels,
     # so check the fake/compile paths only
@@ -83,6 +87,7 @@ def test_opcheck_reshape_and_cache() -> None:
         torch.tensor([0.5]),
         torch.tensor([2.0, 1.0]),
         "reference",
+        None,
     )
     torch.library.opcheck(
         torch.ops.kv_kernels.reshape_and_cache.default,
@@ -103,15 +108,15 @@ def test_opcheck_block_copies(order: str) -> None:
     ids = torch.tensor([4, 1])
     js = layout.to_json()
     torch.library.opcheck(
-        torch.ops.kv_kernels.gather_blocks.default, (tensors, js, ids, out, "reference")
+        torch.ops.kv_kernels.gather_blocks.default, (tensors, js, ids, out, "reference", None)
     )
     buf = torch.randint(0, 255, (2, row), dtype=torch.uint8)
     torch.library.opcheck(
-        torch.ops.kv_kernels.scatter_blocks.default, (buf, tensors, js, ids, "reference")
+        torch.ops.kv_kernels.scatter_blocks.default, (buf, tensors, js, ids, "reference", None)
     )
     torch.library.opcheck(
         torch.ops.kv_kernels.copy_blocks.default,
-        (tensors, js, torch.tensor([4]), torch.tensor([0]), "reference"),
+        (tensors, js, torch.tensor([4]), torch.tensor([0]), "reference", None),
     )
 
 

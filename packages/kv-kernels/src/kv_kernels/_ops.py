@@ -5,7 +5,10 @@ declared) and what a CUDA graph captures; the public functions call it themselve
 under ``torch.compile`` (through :mod:`kv_kernels._op_calls`), so users call the plain functions
 everywhere.
 
-Schemas carry the layout as its JSON (a primitive that compiles into the graph as a constant) and
+``error_flag`` is a required (nullable) argument of every op that has it: with a default, a
+traced call may drop it, and torch 2.11's mutation bookkeeping then indexes past the arguments
+(``IndexError`` in ``increment_version``, under ``torch.compile`` and ``opcheck`` on that
+version). Schemas carry the layout as its JSON (a primitive that compiles into the graph as a constant) and
 scales / block ids as tensors, every optional as a primitive sentinel (``-1`` / ``0``). Each op's
 real implementation is the validating api function; the fake implementations only give output
 shapes. Imports go one way: this module imports the api modules, which never import it.
@@ -45,7 +48,7 @@ def _reshape_and_cache(
     k_scale: Tensor | None,
     v_scale: Tensor | None,
     impl: str,
-    error_flag: Tensor | None = None,
+    error_flag: Tensor | None,
 ) -> None:
     reshape_and_cache(
         key, value, kv_cache, slot_mapping, _layout(layout), k_scale, v_scale, impl=impl,
@@ -54,7 +57,7 @@ def _reshape_and_cache(
 
 
 @_reshape_and_cache.register_fake
-def _(key, value, kv_cache, slot_mapping, layout, k_scale, v_scale, impl, error_flag=None) -> None:
+def _(key, value, kv_cache, slot_mapping, layout, k_scale, v_scale, impl, error_flag) -> None:
     return None
 
 
@@ -68,14 +71,14 @@ def _gather_blocks(
     block_ids: Tensor,
     out: Tensor,
     impl: str,
-    error_flag: Tensor | None = None,
+    error_flag: Tensor | None,
 ) -> None:
     lay = _layout(layout)
     gather_blocks(_storage(kv_cache, lay), lay, block_ids, out, impl=impl, error_flag=error_flag)
 
 
 @_gather_blocks.register_fake
-def _(kv_cache, layout, block_ids, out, impl, error_flag=None) -> None:
+def _(kv_cache, layout, block_ids, out, impl, error_flag) -> None:
     return None
 
 
@@ -86,7 +89,7 @@ def _scatter_blocks(
     layout: str,
     block_ids: Tensor,
     impl: str,
-    error_flag: Tensor | None = None,
+    error_flag: Tensor | None,
 ) -> None:
     lay = _layout(layout)
     scatter_blocks(
@@ -95,7 +98,7 @@ def _scatter_blocks(
 
 
 @_scatter_blocks.register_fake
-def _(buffer, kv_cache, layout, block_ids, impl, error_flag=None) -> None:
+def _(buffer, kv_cache, layout, block_ids, impl, error_flag) -> None:
     return None
 
 
@@ -106,7 +109,7 @@ def _copy_blocks(
     src_block_ids: Tensor,
     dst_block_ids: Tensor,
     impl: str,
-    error_flag: Tensor | None = None,
+    error_flag: Tensor | None,
 ) -> None:
     lay = _layout(layout)
     copy_blocks(
@@ -116,7 +119,7 @@ def _copy_blocks(
 
 
 @_copy_blocks.register_fake
-def _(kv_cache, layout, src_block_ids, dst_block_ids, impl, error_flag=None) -> None:
+def _(kv_cache, layout, src_block_ids, dst_block_ids, impl, error_flag) -> None:
     return None
 
 
@@ -188,7 +191,7 @@ def _paged_attention(
     out: Tensor,
     lse: Tensor | None,
     impl: str,
-    error_flag: Tensor | None = None,
+    error_flag: Tensor | None,
 ) -> None:
     res = paged_attention(
         q,
@@ -239,6 +242,6 @@ def _(
     out,
     lse,
     impl,
-    error_flag=None,
+    error_flag,
 ) -> None:
     return None

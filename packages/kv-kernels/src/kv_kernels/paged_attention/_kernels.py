@@ -619,21 +619,33 @@ def paged_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * DV_PAD + offs_dv[None, :], o, mask=row_ok[:, None])
     else:
+        # Rows from scalars and thread-index ranges, not the per-row token / head / mask tensors
+        # of the q load: shared with these stores, those stayed live across the KV loops, and
+        # the prefill kernel spilled inside its loop for them (sm_90 build: 400 -> 160 bytes).
+        tok0 = q_start + q_tile * BLOCK_Q  # the tile's first token and q head
+        head0 = kvh * GROUP + chunk * HEADS_PER_PROG
+        h_in = offs_m % HEADS_PER_PROG
+        rows = (r_tok < tl.minimum(q_len - q_tile * BLOCK_Q, BLOCK_Q)) & (
+            h_in < GROUP - chunk * HEADS_PER_PROG
+        )
         if USE_SINKS:
-            o, lse = _add_sink(o, lse, sinks_ptr, head)
+            o, lse = _add_sink(o, lse, sinks_ptr, head0 + h_in)
         o_ptrs = (
             out_ptr
-            + tok[:, None] * stride_ot
-            + head[:, None].to(tl.int64) * stride_oh
+            + (tok0.to(tl.int64) * stride_ot + head0.to(tl.int64) * stride_oh)
+            + (r_tok.to(tl.int64) * stride_ot + h_in.to(tl.int64) * stride_oh)[:, None]
             + offs_dv[None, :] * stride_od
         )
         if DV_PAD == HEAD_SIZE_V:
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=rows[:, None])
         else:
-            tl.store(
-                o_ptrs,
-                o.to(out_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_SIZE_V),
-            )
+            o_mask = rows[:, None] & (offs_dv[None, :] < HEAD_SIZE_V)
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
         if WRITE_LSE:
-            tl.store(lse_ptr + tok * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+            lse_ptrs = (
+                lse_ptr
+                + (tok0.to(tl.int64) * stride_lt + head0.to(tl.int64) * stride_lh)
+                + r_tok.to(tl.int64) * stride_lt
+                + h_in.to(tl.int64) * stride_lh
+            )
+            tl.store(lse_ptrs, lse, mask=rows)
