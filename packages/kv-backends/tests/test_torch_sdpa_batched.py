@@ -266,3 +266,63 @@ def test_idle_request_pages_are_not_read() -> None:
     want = impl.forward(None, b.q, b.kv_cache, md)
     md.block_table[1, 0] = b.kv_cache.shape[0] + 5
     assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), want)
+
+
+# -- the CPU cache write: one index_copy_ where slots are one strided axis ------------------------
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"])
+@pytest.mark.parametrize("head_size_v", [32, 24])
+def test_cache_write_gives_the_reference_bytes(order: str, head_size_v: int) -> None:
+    """Every order (the fast path where slots are one strided axis, the reference elsewhere)
+    writes the reference's bytes into the whole storage (so nothing lands in another layer's
+    slot), with K/V a few tokens longer than the slots (CUDA-graph padding)."""
+    from kv_kernels.reshape_and_cache import reshape_and_cache
+
+    def batch() -> PagedBatch:
+        return make_paged_batch(
+            query_lens=[1], seq_lens=[70], order=order, num_layers=2, layer=1, fill=False,
+            head_size_v=head_size_v, num_blocks=9,
+        )  # fmt: skip
+
+    def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+    want, got = batch(), batch()
+    slots = want.all_slots[torch.randperm(want.all_slots.numel())]
+    key = torch.randn(slots.numel() + 3, 2, 32)
+    value = torch.randn(slots.numel() + 3, 2, head_size_v)
+    reshape_and_cache(key, value, want.kv_cache, slots, want.layout, impl="reference")
+    impl = get_backend("TORCH_SDPA").make_impl(got.config, got.layout)
+    impl.do_kv_cache_update(None, key, value, got.kv_cache, slots)
+    assert torch.equal(storage_bytes(got.kv_cache), storage_bytes(want.kv_cache))
+    assert got.kv_cache.abs().sum() > 0
+
+
+def test_cache_write_fast_path_applies_where_it_should() -> None:
+    """``write_kv_slots`` takes unpadded, in-range, unquantized writes to a slot-strided cache
+    and declines the rest (which the reference then skips or rejects)."""
+    from kv_backends.backends._torch_ops import write_kv_slots
+
+    def batch(order: str = "LBNHC", kv_cache_dtype: str | None = None) -> PagedBatch:
+        return make_paged_batch(
+            query_lens=[1], seq_lens=[40], fill=False, num_blocks=5, num_layers=2,
+            order=order, kv_cache_dtype=kv_cache_dtype,
+        )  # fmt: skip
+
+    b = batch()
+    k, v = torch.randn(40, 2, 32), torch.randn(40, 2, 32)
+    assert write_kv_slots(k, v, b.kv_cache, b.all_slots, b.layout)
+    padded = b.all_slots.clone()
+    padded[3] = -1
+    assert not write_kv_slots(k, v, b.kv_cache, padded, b.layout)
+    past = b.all_slots.clone()
+    past[0] = 5 * 16
+    assert not write_kv_slots(k, v, b.kv_cache, past, b.layout)
+    with pytest.raises(ValueError, match="slot"):
+        get_backend("TORCH_SDPA").make_impl(b.config, b.layout).do_kv_cache_update(
+            None, k, v, b.kv_cache, past
+        )
+    assert not write_kv_slots(k, v, batch(order="BLNHC").kv_cache, b.all_slots, b.layout)
+    fp8 = batch(kv_cache_dtype="fp8_e4m3")
+    assert not write_kv_slots(k, v, fp8.kv_cache, fp8.all_slots, fp8.layout)

@@ -1,9 +1,13 @@
 """``StackedLinear``: q/k/v (and gate/up) as one matmul must give the separate linears' outputs,
 follow in-place edits of the parameters, and never serve a stale stack once a parameter is
-replaced."""
+replaced. ``Attention.qkv`` norms and rotates q and k heads in one op each, with the bits of one
+op per projection."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from kvstack.engine.layers import GatedMLP, Linear, StackedLinear
 from torch import nn
@@ -66,3 +70,54 @@ def test_replaced_parameter_is_never_served_from_the_stack() -> None:
     )
     mlp.up_proj.weight = nn.Parameter(torch.zeros(16, 32))  # up(x) = 0: the output is 0
     assert torch.equal(mlp(x), torch.zeros_like(before))
+
+
+def test_rmsnorm_with_a_per_head_weight_equals_one_norm_per_head_group() -> None:
+    """One call over q and k heads side by side (a ``[Hq + Hkv, D]`` weight) gives each group's
+    own norm, bit for bit (Qwen3's q_norm / k_norm run this way)."""
+    from kvstack.engine.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    qn, kn = RMSNorm(32, 1e-6), RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        qn.weight.copy_(torch.randn(32, generator=g))
+        kn.weight.copy_(torch.randn(32, generator=g))
+    x = torch.randn(5, 6, 32, generator=g)  # 4 q heads, 2 k heads
+    weight = torch.cat([qn.weight.expand(4, 32), kn.weight.expand(2, 32)])
+    want = torch.cat([qn(x[:, :4]), kn(x[:, 4:])], dim=1)
+    assert torch.equal(qn(x, weight), want)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_qkv_equals_each_projection_normed_and_rotated_alone(tmp_path: Path, family: str) -> None:
+    """``Attention.qkv`` norms (Qwen3) and rotates q and k heads in one op each; the result is
+    each projection's output normed and rotated on its own, bit for bit, stacked or not."""
+    from kvstack.engine.loader import load_model
+    from kvstack.engine.testing import make_hf_checkpoint
+
+    model = load_model(make_hf_checkpoint(family, tmp_path / family, seed=3))
+    attn = model.decoder_layers()[1].self_attn
+    x = torch.randn(7, model.arch.hidden_size)
+    cos, sin = model.rotary.cos_sin(torch.arange(3, 10), x.dtype)
+
+    def one_by_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        q, k = q.view(7, attn.num_q_heads, -1), k.view(7, attn.num_kv_heads, -1)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return [
+            model.rotary(q, cos, sin),
+            model.rotary(k, cos, sin),
+            v.view(7, attn.num_kv_heads, -1),
+        ]
+
+    with torch.no_grad():
+        assert attn.stacked is not None
+        stacked_out = attn.stacked(x)
+        assert stacked_out is not None
+        cases = [(attn.qkv(x, model.rotary, cos, sin), one_by_one(*stacked_out))]
+        attn.k_proj.weight = nn.Parameter(attn.k_proj.weight.clone())  # leaves the stack
+        alone = one_by_one(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        cases.append((attn.qkv(x, model.rotary, cos, sin), alone))
+    for got, want in cases:
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kv_spec import KVCacheLayout
+from kv_spec import KVCacheLayout, KVQuantMode
 
 __all__ = [
     "PaddedGroup",
@@ -23,6 +23,7 @@ __all__ = [
     "padded_length",
     "padded_mask",
     "plan_padded_groups",
+    "write_kv_slots",
 ]
 
 
@@ -57,6 +58,43 @@ def gather_request_kv(
     assert layout.v_range is not None
     v0, v1 = layout.v_range
     return seq[..., k0:k1], seq[..., v0:v1]
+
+
+def write_kv_slots(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: KVCacheLayout,
+) -> bool:
+    """Write ``key`` ``[T', H, D]`` and ``value`` ``[T', H, Dv]`` to slots ``slot_mapping``
+    ``[T]`` with one ``index_copy_``, or return ``False`` (nothing written) where that does not
+    apply: a quantized cache, K and V not side by side in ``C``, a block stride other than
+    ``block_size`` x the token stride (so slots are not one strided axis), padding slots (``< 0``)
+    or slots past the cache (the caller's reference write skips or reports those).
+
+    Slot ``s`` is token ``s % N`` of block ``s // N``; with block stride ``N`` x token stride, it
+    sits at ``s`` x token stride, so ``[B, H, N, C]`` views as ``[B * N, H, C]``."""
+    k0, k1 = layout.k_range
+    b, h, n, _ = kv_cache.shape
+    sb, sh, sn, sc = kv_cache.stride()
+    if (
+        layout.kv_quant is not KVQuantMode.NONE
+        or layout.v_range is None
+        or layout.v_range[0] != k1
+        or sb != n * sn
+        or key.dtype != kv_cache.dtype
+        or value.dtype != kv_cache.dtype
+    ):
+        return False
+    lo, hi = torch.aminmax(slot_mapping)  # one reduction, one sync
+    if int(lo) < 0 or int(hi) >= b * n:
+        return False
+    t = slot_mapping.numel()
+    v1 = layout.v_range[1]
+    rows = kv_cache.as_strided((b * n, h, v1 - k0), (sn, sh, sc), kv_cache.storage_offset() + k0)
+    rows.index_copy_(0, slot_mapping, torch.cat([key[:t], value[:t]], dim=-1))
+    return True
 
 
 def dequant(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -38,13 +38,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight_first = weight_first  # gpt-oss order: (weight * x).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[..., size]`` normalized over its last dim, times ``weight`` (default: this
+        norm's own ``[size]``). A ``weight`` of another shape that broadcasts against ``x`` lets
+        one call serve rows with different weights (Qwen3's q and k heads, ``[Hq + Hkv, size]``):
+        every row is normalized on its own, so the bits are those of one call per weight."""
         dtype = x.dtype
+        w = self.weight if weight is None else weight
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_first:
-            return (self.weight * h).to(dtype)
-        return self.weight * h.to(dtype)
+            return (w * h).to(dtype)
+        return w * h.to(dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -180,9 +185,15 @@ class StackedLinear:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Each linear's output (column views of one result), or ``None`` if the parameters
         left the stack."""
+        out = self.fused(x)
+        return None if out is None else list(out.split(self.sizes, dim=-1))
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The one result ``[..., sum(sizes)]`` (linear ``i``'s output in the columns after the
+        first ``i`` linears'), or ``None`` if the parameters left the stack."""
         if self._param_ptrs() != self._ptrs:
             return None
-        return list(nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class GatedMLP(nn.Module):

@@ -94,18 +94,26 @@ class Attention(nn.Module):
     def qkv(
         self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` ``[T, hidden]`` -> rotated ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v``."""
-        t = x.shape[0]
-        out = self.stacked(x) if self.stacked is not None else None
+        """``x`` ``[T, hidden]`` -> rotated ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v``
+        ``[T, Hkv, Dv]``; q and k are head slices of one rotated tensor, v a column slice of the
+        projection (none of the three is contiguous: attention reads them through strides)."""
+        t, hq, hk, d = x.shape[0], self.num_q_heads, self.num_kv_heads, self.head_dim
+        out = self.stacked.fused(x) if self.stacked is not None else None
         if out is None:  # not stacked, or a parameter was replaced since
-            out = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-        q = out[0].view(t, self.num_q_heads, self.head_dim)
-        k = out[1].view(t, self.num_kv_heads, self.head_dim)
-        v = out[2].view(t, self.num_kv_heads, self.v_head_dim)
+            out = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        # q and k side by side, [T, Hq + Hkv, D]: the per-head norm and RoPE treat every head
+        # alike, so one set of ops covers both, with the same values element for element. Each
+        # is a handful of small ops per layer, and on a small model's decode step small ops, not
+        # arithmetic, are the cost.
+        qk = out[:, : (hq + hk) * d].view(t, hq + hk, d)
+        v = out[:, (hq + hk) * d :].view(t, hk, self.v_head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            # Qwen3: RMSNorm over each head's dims, before RoPE.
-            q, k = self.q_norm(q), self.k_norm(k)
-        return rotary(q, cos, sin), rotary(k, cos, sin), v
+            # Qwen3: RMSNorm over each head's dims, before RoPE (q heads take q_norm's weight,
+            # k heads k_norm's; the two norms share eps).
+            weight = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hk, d)])
+            qk = self.q_norm(qk, weight)
+        qk = rotary(qk, cos, sin)
+        return qk[:, :hq], qk[:, hq:], v
 
 
 class DecoderLayer(nn.Module):
