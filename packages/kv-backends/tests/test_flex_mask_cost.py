@@ -28,6 +28,17 @@ def _build(b: Any, **opts: Any) -> Any:
     return backend.make_builder(b.config, b.layout, static_shapes=True, **opts).build(b.common)
 
 
+def _assert_oracle(b: Any, md: Any) -> None:
+    """FLEX_ATTENTION's output over ``md`` equals the float64 oracle on the batch's tokens."""
+    out = (
+        get_backend("FLEX_ATTENTION")
+        .make_impl(b.config, b.layout)
+        .forward(None, b.q, b.kv_cache, md)
+    )
+    t = b.common.num_actual_tokens
+    torch.testing.assert_close(out[:t].double(), oracle_attention(b)[:t], **TOL)
+
+
 def _tiles(bm: Any) -> tuple[int, int]:
     full = 0 if bm.full_kv_num_blocks is None else int(bm.full_kv_num_blocks.sum())
     return int(bm.kv_num_blocks.sum()), full
@@ -128,13 +139,7 @@ def test_shared_block_takes_the_table_mask() -> None:
     b = _shared_prefix_batch(block_size=16)
     md = _build(b, kv_block_size=16)
     assert _pair_loads(md.windows[0].block_mask)[1] == 1, "a shared block needs the table test"
-    out = (
-        get_backend("FLEX_ATTENTION")
-        .make_impl(b.config, b.layout)
-        .forward(None, b.q, b.kv_cache, md)
-    )
-    t = b.common.num_actual_tokens
-    torch.testing.assert_close(out[:t].double(), oracle_attention(b)[:t], **TOL)
+    _assert_oracle(b, md)
 
 
 @pytest.mark.parametrize(
@@ -151,13 +156,7 @@ def test_owner_mask_matches_the_oracle(feature: dict, prefill: str) -> None:
     )
     md = _build(b, prefill=prefill, q_block_size=16, kv_block_size=16)
     assert _pair_loads(md.windows[0].block_mask, rows=16, cols=16)[1] == 0
-    out = (
-        get_backend("FLEX_ATTENTION")
-        .make_impl(b.config, b.layout)
-        .forward(None, b.q, b.kv_cache, md)
-    )
-    t = b.common.num_actual_tokens
-    torch.testing.assert_close(out[:t].double(), oracle_attention(b)[:t], **TOL)
+    _assert_oracle(b, md)
 
 
 def test_owner_entries_of_the_previous_batch_are_reset() -> None:
@@ -173,13 +172,7 @@ def test_owner_entries_of_the_previous_batch_are_reset() -> None:
         b.common.block_table.flatten().tolist()
     )
     assert stale and all(int(builder.block_req[x]) == -1 for x in stale)
-    out = (
-        get_backend("FLEX_ATTENTION")
-        .make_impl(b.config, b.layout)
-        .forward(None, b.q, b.kv_cache, md)
-    )
-    t = b.common.num_actual_tokens
-    torch.testing.assert_close(out[:t].double(), oracle_attention(b)[:t], **TOL)
+    _assert_oracle(b, md)
 
 
 def test_batch_invariant_keeps_the_table_mask() -> None:
@@ -210,10 +203,4 @@ def test_prefill_auto_gathers_where_tiles_span_pages(page: int, invariant: bool,
     assert builder.options.kv_block_size > page if want == "gather" else True
     assert builder.prefill == want
     md = builder.build(b.common)
-    out = (
-        get_backend("FLEX_ATTENTION")
-        .make_impl(b.config, b.layout)
-        .forward(None, b.q, b.kv_cache, md)
-    )
-    t = b.common.num_actual_tokens
-    torch.testing.assert_close(out[:t].double(), oracle_attention(b)[:t], **TOL)
+    _assert_oracle(b, md)
