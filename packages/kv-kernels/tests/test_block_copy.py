@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_kernels import allocate_kv_cache, layer_view
 from kv_kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
+from kv_kernels.testing_cache import storage_bytes, with_page_padding
 from kv_spec import KVCacheLayout, LayoutOrder
 
 ORDERS = [o.value for o in LayoutOrder]
@@ -26,23 +27,7 @@ def make_layout(order: str, *, dtype: str = "float16", pad: int = 0, **kw) -> KV
         dtype=dtype,
     )
     fields.update(kw)
-    layout = KVCacheLayout(**fields)
-    if pad:
-        d = layout.to_dict()
-        d["page_size_bytes"] = layout.page_bytes + pad
-        layout = KVCacheLayout.from_dict(d)
-    return layout
-
-
-def storage_bytes(storage) -> list[torch.Tensor]:
-    """Flat uint8 views of every allocation of ``storage`` (padding included)."""
-    tensors = [storage] if isinstance(storage, torch.Tensor) else list(storage)
-    out = []
-    for t in tensors:
-        raw = torch.empty(0, dtype=torch.uint8, device=t.device)
-        raw.set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes(),), (1,))
-        out.append(raw)
-    return out
+    return with_page_padding(KVCacheLayout(**fields), pad)
 
 
 def random_cache(layout: KVCacheLayout, device: str = "cpu", seed: int = 0):

@@ -13,6 +13,7 @@ import torch
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import merge_attn_states, paged_attention
 from kv_kernels.testing import assert_close_to_oracle, attention_oracle_paged
+from kv_kernels.testing_attention import run_batch
 from kv_spec import KVCacheLayout
 
 pytestmark = pytest.mark.gpu
@@ -69,20 +70,6 @@ def _batch(
     )
 
 
-def _run(b, impl, **kw):
-    return paged_attention(
-        b["q"],
-        b["kv"],
-        b["layout"],
-        b["block_table"],
-        b["seq_lens"],
-        b["qsl"],
-        b["max_query_len"],
-        impl=impl,
-        **kw,
-    )
-
-
 def _close(got, want, atol=ATOL, rtol=RTOL):
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
@@ -90,9 +77,9 @@ def _close(got, want, atol=ATOL, rtol=RTOL):
 
 def _check_against_oracle(b, **kw) -> None:
     """Triton vs the float64 oracle over the same pages, bounded by the bf16 reference's error."""
-    got = _run(b, "triton", **kw)
+    got = run_batch(b, "triton", **kw)
     ref_kw = {k: v for k, v in kw.items() if k != "num_splits"}
-    low = _run(b, "reference", **ref_kw)
+    low = run_batch(b, "reference", **ref_kw)
     oracle, _ = attention_oracle_paged(
         b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"],
         **{k: v for k, v in ref_kw.items() if k in (*_SEMANTICS, "k_scale", "v_scale")},
@@ -117,8 +104,8 @@ MIXED_L = [300, 5000, 0, 2100, 129, 900]
 )
 def test_gpu_bf16_matches_reference(d: int, dv: int, n: int, group: int) -> None:
     b = _batch(q_lens=MIXED_Q, seq_lens=MIXED_L, d=d, dv=dv, n=n, group=group)
-    _out, lse = _run(b, "triton", return_lse=True)
-    _ref, ref_lse = _run(b, "reference", return_lse=True)
+    _out, lse = run_batch(b, "triton", return_lse=True)
+    _ref, ref_lse = run_batch(b, "reference", return_lse=True)
     _check_against_oracle(b)
     fin = torch.isfinite(ref_lse)
     assert torch.equal(fin, torch.isfinite(lse))
@@ -192,9 +179,9 @@ def test_gpu_batch_invariance_bits() -> None:
         max_query_len=64,
     )
     for splits in (1, 8):
-        full = _run(b, "triton", num_splits=splits)
-        assert torch.equal(full[start : start + 1], _run(alone, "triton", num_splits=splits))
-        assert torch.equal(full[ps : ps + 64], _run(alone_p, "triton", num_splits=splits))
+        full = run_batch(b, "triton", num_splits=splits)
+        assert torch.equal(full[start : start + 1], run_batch(alone, "triton", num_splits=splits))
+        assert torch.equal(full[ps : ps + 64], run_batch(alone_p, "triton", num_splits=splits))
 
 
 def test_gpu_merge_attn_states() -> None:
@@ -243,7 +230,7 @@ def test_gpu_error_flag_without_sync() -> None:
     metadata, a counted one (and no fault) for an id far past the cache."""
     b = _batch(q_lens=[1, 1], seq_lens=[700, 64])
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    _run(b, "triton", error_flag=flag)  # compile outside the checked region
+    run_batch(b, "triton", error_flag=flag)  # compile outside the checked region
     # The bad table is made before the checked region: writing a Python int into a CUDA tensor is
     # itself a host->device copy that sync-debug mode reports.
     bad = dict(b, block_table=b["block_table"].clone())
@@ -251,8 +238,8 @@ def test_gpu_error_flag_without_sync() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _run(b, "triton", error_flag=flag)
-        _run(bad, "triton", error_flag=flag)
+        run_batch(b, "triton", error_flag=flag)
+        run_batch(bad, "triton", error_flag=flag)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(flag) > 0

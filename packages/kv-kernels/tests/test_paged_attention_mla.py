@@ -30,6 +30,7 @@ from kv_kernels.testing import (
     check_close_to_oracle,
     plant_wrong_page,
 )
+from kv_kernels.testing_attention import run_batch
 from kv_spec import KVCacheLayout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,10 +81,7 @@ def make_mla_batch(
 
 
 def run(b: dict, impl: str, **kw) -> torch.Tensor:
-    return paged_attention(
-        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"],
-        b["max_query_len"], impl=impl, kv_lora_rank=b["rank"], scale=0.1, **kw,
-    )  # fmt: skip
+    return run_batch(b, impl, kv_lora_rank=b["rank"], scale=0.1, **kw)
 
 
 def oracle(b: dict) -> torch.Tensor:

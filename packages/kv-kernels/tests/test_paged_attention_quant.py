@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kv_kernels.cache import allocate_kv_cache, layer_view
-from kv_kernels.paged_attention import paged_attention
 from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
 from kv_kernels.testing import assert_close_to_oracle, attention_oracle, check_close_to_oracle
+from kv_kernels.testing_attention import run_batch
 from kv_spec import KVCacheLayout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,13 +92,6 @@ def make_quant_batch(
     )
 
 
-def run(b: dict, impl: str, **kw) -> torch.Tensor:
-    return paged_attention(
-        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"],
-        b["max_query_len"], impl=impl, **kw,
-    )  # fmt: skip
-
-
 def oracle(b: dict) -> torch.Tensor:
     """The float64 oracle over each sequence's rows as ``read_kv`` dequantizes them."""
     ks, vs = [], []
@@ -116,7 +109,7 @@ MIXED = dict(q_lens=[5, 1, 3], seq_lens=[21, 40, 9])
 @pytest.mark.parametrize("kv_quant", list(CACHE_DTYPES))
 def test_reference_reads_inline_scales(kv_quant: str) -> None:
     b = make_quant_batch(kv_quant=kv_quant, **MIXED)
-    assert_close_to_oracle(run(b, "reference").cpu(), oracle(b), dtype=torch.float32)
+    assert_close_to_oracle(run_batch(b, "reference").cpu(), oracle(b), dtype=torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -135,10 +128,10 @@ def test_triton_reads_inline_scales(
 ) -> None:
     b = make_quant_batch(kv_quant=kv_quant, head_size_v=head_size_v, write_impl=write_impl, **MIXED)
     want = oracle(b)
-    out = run(b, "triton")
+    out = run_batch(b, "triton")
     assert_close_to_oracle(out.cpu(), want, dtype=torch.float32)
     # and split KV (flash-decoding partials merged by LSE) reads the same scales
-    assert_close_to_oracle(run(b, "triton", num_splits=3).cpu(), want, dtype=torch.float32)
+    assert_close_to_oracle(run_batch(b, "triton", num_splits=3).cpu(), want, dtype=torch.float32)
 
 
 def test_triton_inline_scales_16bit_query(triton_device: str) -> None:
@@ -147,7 +140,7 @@ def test_triton_inline_scales_16bit_query(triton_device: str) -> None:
     b = make_quant_batch(kv_quant="int8_per_token_head", **MIXED)
     b["q"] = b["q"].half()
     want = oracle(b)
-    assert_close_to_oracle(run(b, "triton").cpu(), want, dtype=torch.float16)
+    assert_close_to_oracle(run_batch(b, "triton").cpu(), want, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
@@ -158,20 +151,20 @@ def test_wrong_scale_fails_the_check(impl: str, request: pytest.FixtureRequest) 
         request.getfixturevalue("triton_device")
     b = make_quant_batch(kv_quant="int8_per_token_head", q_lens=[1], seq_lens=[24])
     want = oracle(b)
-    assert check_close_to_oracle(run(b, impl).cpu(), want, dtype=torch.float32).ok
+    assert check_close_to_oracle(run_batch(b, impl).cpu(), want, dtype=torch.float32).ok
     layout, slot = b["layout"], int(b["slots"][0][17])
     start, stop = layout.scale_range
     row = b["kv"][slot // layout.block_size, :, slot % layout.block_size]  # [H, C] view
     scales = row.view(torch.uint8)[:, start:stop].contiguous().view(torch.float32)  # [H, 2]
     row.view(torch.uint8)[:, start:stop] = (scales * 2).view(torch.uint8)
-    res = check_close_to_oracle(run(b, impl).cpu(), want, dtype=torch.float32)
+    res = check_close_to_oracle(run_batch(b, impl).cpu(), want, dtype=torch.float32)
     assert not res.ok, "a doubled scale went unnoticed"
 
 
 def test_scales_are_refused_for_inline_modes() -> None:
     b = make_quant_batch(kv_quant="int8_per_token_head", q_lens=[1], seq_lens=[5])
     with pytest.raises(ValueError, match="k_scale was given but kv_quant='int8_per_token_head'"):
-        run(b, "reference", k_scale=1.0)
+        run_batch(b, "reference", k_scale=1.0)
 
 
 @pytest.mark.gpu
@@ -184,5 +177,5 @@ def test_gpu_bf16_long_decode(kv_quant: str) -> None:
                          write_impl="triton")  # fmt: skip
     b["q"] = b["q"].bfloat16()
     want = oracle(b)
-    low = run(b, "reference").cpu()
-    assert_close_to_oracle(run(b, "triton").cpu(), want, lowprec_reference=low)
+    low = run_batch(b, "reference").cpu()
+    assert_close_to_oracle(run_batch(b, "triton").cpu(), want, lowprec_reference=low)

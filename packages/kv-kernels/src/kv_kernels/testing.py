@@ -42,6 +42,11 @@ of its size, not to a fixed ``atol = 2e-2`` larger than the row itself.
 
 **Planted bugs.** :func:`plant_wrong_page` and :func:`drop_last_page` make the two paging bugs the
 tolerance must catch, for negative tests.
+
+**Builders** live beside this module, which they import (so it cannot re-export them):
+:mod:`kv_kernels.testing_attention` (paged-attention batches over a nan-poisoned cache filled from
+dense K/V, the oracle over that K/V, the feature table) and :mod:`kv_kernels.testing_cache`
+(small layouts, random-byte storages, slot mappings, the write oracle, hard-to-quantize rows).
 """
 
 from __future__ import annotations

@@ -1,0 +1,212 @@
+"""Paged-attention test batches the kernel tests share: a varlen batch over a freshly filled,
+nan-poisoned paged cache with the dense K/V it was filled from, the float64 oracle over those dense
+tensors (never the cache), the call, and the per-row checks.
+
+The oracle's input is built independently of the paging: :func:`make_paged_batch` draws every
+sequence's K/V as dense ``[H, L, D]`` tensors and writes them page by page through a shuffled block
+table; :func:`batch_oracle` attends over the dense tensors, so a kernel that reads a wrong page or
+a position outside its sequence (nan) disagrees with it. The oracle and the tolerance rule are
+:mod:`kv_kernels.testing`'s.
+
+A batch is a plain ``dict`` (:data:`PagedBatch`) so a test can swap one field for a bad value
+(``dict(batch, seq_lens=...)``) and call again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from kv_spec import KVCacheLayout, LayoutOrder
+
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.paged_attention import paged_attention
+from kv_kernels.testing import assert_close_to_oracle, attention_oracle
+
+__all__ = [
+    "FEATURES",
+    "MIXED_Q_LENS",
+    "MIXED_SEQ_LENS",
+    "PagedBatch",
+    "assert_lse_close",
+    "assert_rows_close",
+    "batch_oracle",
+    "feature_kwargs",
+    "make_paged_batch",
+    "run_batch",
+    "tensors_to",
+]
+
+#: ``paged_attention``'s inputs under the keys ``q`` ``[T, Hq, D]``, ``kv`` (the ``[B, H, N, C]``
+#: layer view), ``storage``, ``layout``, ``block_table`` ``[num_seqs, max_blocks]`` int32 (-1
+#: padded), ``seq_lens`` ``[num_seqs]`` int32, ``qsl`` (query_start_loc, ``[num_seqs + 1]`` int32)
+#: and ``max_query_len``; and the oracle's: ``ks`` / ``vs`` (per sequence, dense ``[H, L, D]`` /
+#: ``[H, L, Dv]`` float64 on the CPU), ``q_lens`` and ``lens`` (the seq_lens as a list).
+PagedBatch = dict[str, Any]
+
+#: A mixed batch: a long prefill, a decode step, an empty sequence, a chunked prefill with
+#: context, and a speculative step of 3 tokens.
+MIXED_Q_LENS = [37, 1, 0, 9, 3]
+MIXED_SEQ_LENS = [37, 45, 0, 70, 19]
+
+#: Attention options by name, for parametrized parity tests; ``"sinks"`` / ``"alibi"`` stand for
+#: per-head tensors :func:`feature_kwargs` draws.
+FEATURES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "window": {"sliding_window": 11},
+    "sinks_softcap": {"sinks": "sinks", "softcap": 3.0},
+    "alibi": {"alibi_slopes": "alibi"},
+    "noncausal": {"causal": False, "scale": 0.2},
+    # a window on a non-causal layer bounds both sides (|p - k| < w)
+    "noncausal_window": {"causal": False, "sliding_window": 7},
+}
+
+
+def make_paged_batch(
+    *,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_kv_heads: int = 2,
+    group: int = 4,
+    head_size: int = 32,
+    head_size_v: int | None = None,
+    block_size: int = 16,
+    order: str = "LBNHC",
+    dtype: torch.dtype = torch.float32,
+    num_layers: int = 2,
+    layer: int = 1,
+    seed: int = 0,
+    spare_blocks: int = 3,
+    device: str | None = None,
+) -> PagedBatch:
+    """A varlen batch over a freshly filled paged cache (see :data:`PagedBatch` for its keys).
+
+    Sequence ``s`` has ``seq_lens[s]`` tokens and its last ``q_lens[s]`` are queries; there are
+    ``num_kv_heads * group`` query heads. Pages are drawn from a shuffled permutation of
+    ``sum(pages) + spare_blocks`` blocks, every page of layer ``layer`` is nan before the fill (a
+    read outside the sequence shows), and each table row has a tail of at least two -1 entries.
+    ``device`` defaults to ``"cuda"`` where available, else ``"cpu"``; ``ks``/``vs`` stay on the
+    CPU in float64 (the values stored, in ``dtype``).
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(seed)
+    head_size_v = head_size if head_size_v is None else head_size_v
+    pages = [-(-L // block_size) for L in seq_lens]
+    num_blocks = sum(pages) + spare_blocks
+    layout = KVCacheLayout(
+        order=LayoutOrder(order),
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        head_size=head_size,
+        head_size_v=head_size_v,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    storage = allocate_kv_cache(layout, device)
+    kv = layer_view(storage, layout, layer)  # [B, H, N, C]
+    # Poison every page first: a kernel that reads outside its sequence sees nan.
+    kv.fill_(float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max([*pages, 1]) + 2  # padded tail of -1
+    table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    ks, vs = [], []
+    used = 0
+    for s, L in enumerate(seq_lens):
+        ids = perm[used : used + pages[s]]
+        used += pages[s]
+        table[s, : pages[s]] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn(num_kv_heads, L, head_size, generator=gen).to(dtype)  # [H, L, D]
+        v = torch.randn(num_kv_heads, L, head_size_v, generator=gen).to(dtype)  # [H, L, Dv]
+        for p, b in enumerate(ids):
+            lo, hi = p * block_size, min(L, (p + 1) * block_size)
+            kv[b, :, : hi - lo, 0:head_size] = k[:, lo:hi].to(device)
+            kv[b, :, : hi - lo, head_size : head_size + head_size_v] = v[:, lo:hi].to(device)
+        ks.append(k.double())
+        vs.append(v.double())
+    qsl = torch.tensor(
+        [0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
+    )
+    q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=gen).to(dtype)
+    return dict(
+        q=q.to(device),
+        kv=kv,
+        storage=storage,
+        layout=layout,
+        block_table=table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        qsl=qsl.to(device),
+        max_query_len=max([*q_lens, 0]),
+        ks=ks,
+        vs=vs,
+        q_lens=q_lens,
+        lens=seq_lens,
+    )
+
+
+def batch_oracle(batch: PagedBatch, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~kv_kernels.testing.attention_oracle` over each sequence's own dense K/V (never the
+    cache): ``(out [T, Hq, Dv], lse [T, Hq])`` in float64 on the CPU. ``kw`` are the attention
+    options (``sliding_window``, ``sinks``, ...); tensors among them may sit on any device."""
+    options: dict[str, Any] = {
+        k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()
+    }
+    return attention_oracle(
+        batch["q"],
+        [k.transpose(0, 1) for k in batch["ks"]],  # [H, L, D] -> [L, H, D]
+        [v.transpose(0, 1) for v in batch["vs"]],
+        batch["q_lens"],
+        **options,
+    )
+
+
+def run_batch(batch: PagedBatch, impl: str, **kw: Any) -> Any:
+    """``paged_attention`` on the batch's inputs with ``impl=impl`` and extra keywords ``kw``;
+    returns what it returns (the output ``[T, Hq, Dv]``, or ``(out, lse)`` with ``return_lse``)."""
+    return paged_attention(
+        batch["q"],
+        batch["kv"],
+        batch["layout"],
+        batch["block_table"],
+        batch["seq_lens"],
+        batch["qsl"],
+        batch["max_query_len"],
+        impl=impl,
+        **kw,
+    )
+
+
+def assert_rows_close(
+    out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rows: int | None = None
+) -> None:
+    """The shared per-row oracle bound (:data:`kv_kernels.testing.TOLERANCES` ``[dtype]``) over
+    the first ``rows`` token rows of ``out`` (all by default) against the float64 ``ref``."""
+    assert_close_to_oracle(out.detach().cpu()[:rows], ref[:rows], dtype=dtype)
+
+
+def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor) -> None:
+    """The kernel's LSE ``[T, Hq]`` against the oracle's: the same rows are ``-inf`` (no key
+    seen), and the finite ones agree to 1e-4 (natural log, so ~1e-4 relative in the weights)."""
+    got, want = lse.detach().cpu().double(), ref.double()
+    if not torch.equal(torch.isinf(got), torch.isinf(want)):
+        raise AssertionError("lse -inf rows differ")
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=1e-4, rtol=1e-4)
+
+
+def feature_kwargs(name: str, num_q_heads: int) -> dict[str, Any]:
+    """The keyword arguments of :data:`FEATURES` ``[name]`` with its per-head tensors drawn (sinks
+    ``[Hq]`` ~ 2 N(0, 1), ALiBi slopes ``[Hq]`` in [0, 0.5)) from a fixed seed, on the CPU."""
+    gen = torch.Generator().manual_seed(7)
+    kw = dict(FEATURES[name])
+    if kw.get("sinks") == "sinks":
+        kw["sinks"] = torch.randn(num_q_heads, generator=gen) * 2
+    if kw.get("alibi_slopes") == "alibi":
+        kw["alibi_slopes"] = torch.rand(num_q_heads, generator=gen) * 0.5
+    return kw
+
+
+def tensors_to(device: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """``kw`` with its tensor values moved to ``device`` (other values as they are)."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}

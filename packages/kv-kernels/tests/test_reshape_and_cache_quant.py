@@ -1,0 +1,205 @@
+"""reshape_and_cache into quantized caches: int8 / fp8 per-token-head (scales inline in the page)
+and fp8 per-tensor, on the reference against float64 scale oracles, and the Triton kernel bitwise
+against the reference on values that stress the quantizer's division paths (interpreted, and on
+the GPU for every mode). Builders: ``kv_kernels.testing_cache``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_kernels import allocate_kv_cache, layer_view
+from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
+from kv_kernels.testing_cache import (
+    hard_rows,
+    make_slots,
+    random_storage,
+    raw_bytes,
+    small_layout,
+    write_case,
+    write_with_both_impls,
+)
+
+# ---- Triton vs reference on hard values (int8 per-token-head, every inline-scale store width) ------
+
+
+@pytest.mark.parametrize(
+    ("head_size", "head_size_v", "word"),
+    # C = head_size + head_size_v + 8 bytes; the scales start at head_size + head_size_v
+    [(10, 6, 8), (6, 6, 4), (9, 6, 1), (128, 128, 8)],
+)
+def test_triton_int8_hard_values_and_scale_stores(
+    head_size: int, head_size_v: int, word: int, triton_device: str
+) -> None:
+    """Bitwise parity with the reference on values that stress the reciprocal division path and
+    its per-program fallback, for each inline-scale store width (8: K and V scale in one store;
+    4: one per scale; 1: byte by byte)."""
+    from kv_kernels.reshape_and_cache import triton as rc_triton
+
+    layout = small_layout(
+        "LBNHC", num_layers=1, num_blocks=12, heads=3, block_size=4, head_size=head_size,
+        head_size_v=head_size_v, dtype="int8", kv_quant="int8_per_token_head",
+    )  # fmt: skip
+    n = 41  # not a multiple of any BLOCK_T
+    key = hard_rows(n + 3, 3, head_size, seed=1)
+    value = hard_rows(n + 3, 3, head_size_v, seed=2)
+    slots = make_slots(n, layout, seed=6, pad_every=5)
+    results = []
+    for impl, device in (("reference", "cpu"), ("triton", triton_device)):
+        storage = random_storage(layout, device, seed=9)
+        view = layer_view(storage, layout, 0)
+        if impl == "triton":
+            assert rc_triton.scale_word(layout, view) == word
+        reshape_and_cache(
+            key.to(device), value.to(device), view, slots.to(device), layout, impl=impl
+        )
+        results.append(raw_bytes(storage))
+    for ref, tri in zip(*results, strict=True):
+        assert torch.equal(ref, tri)
+
+
+# ---- quantized caches (reference on the CPU; the Triton fp8 path is tested on the GPU) -------------
+
+
+def test_int8_per_token_head_scales_and_error() -> None:
+    layout = small_layout(
+        "BLNHC", dtype="int8", kv_quant="int8_per_token_head", head_size=16, head_size_v=12
+    )
+    storage = allocate_kv_cache(layout)
+    view = layer_view(storage, layout, 1)
+    key = torch.randn(6, 3, 16, dtype=torch.float64) * 3
+    value = torch.randn(6, 3, 12, dtype=torch.float64)
+    key[2, 1] = 0  # an all-zero row stores scale 1.0
+    slots = torch.tensor([0, 5, 9, 27, 14, 3])
+    reshape_and_cache(key.float(), value.float(), view, slots, layout)
+    k, v = read_kv(view, layout, slots)
+    k_scale = key.abs().amax(-1) / 127  # float64 oracle of the scale
+    v_scale = value.abs().amax(-1) / 127
+    # dequantized error is at most half a quantization step (plus float32 rounding)
+    assert ((k.double() - key).abs() <= k_scale[..., None] * 0.5 + 1e-6).all()
+    assert ((v.double() - value).abs() <= v_scale[..., None] * 0.5 + 1e-6).all()
+    assert torch.equal(k[2, 1], torch.zeros(16))
+    raw = view.view(torch.uint8)[slots // 4, :, slots % 4]  # [T, H, C]
+    scales = raw[..., 28:36].contiguous().view(torch.float32)  # [T, H, 2]
+    assert scales[2, 1, 0].item() == 1.0
+    torch.testing.assert_close(scales[..., 1].double(), v_scale, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fp8", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_per_tensor_reference(fp8: str, per_head: bool) -> None:
+    layout = small_layout("LBNHC", dtype=fp8, kv_quant="fp8_per_tensor", head_size=8, head_size_v=8)
+    storage = allocate_kv_cache(layout)
+    view = layer_view(storage, layout, 0)
+    key = torch.randn(5, 3, 8) * 4
+    value = torch.randn(5, 3, 8)
+    k_scale = torch.tensor([0.5, 0.25, 2.0]) if per_head else 0.5
+    v_scale = torch.tensor([0.125]) if not per_head else torch.tensor([1.0, 0.5, 0.25])
+    slots = torch.tensor([1, 2, 3, -1, 8])
+    reshape_and_cache(key, value, view, slots, layout, k_scale, v_scale)
+    keep = slots >= 0
+    k, v = read_kv(view, layout, slots[keep], k_scale, v_scale)
+    rel = 2.0**-4 if fp8 == "fp8_e4m3" else 2.0**-3  # half an ulp of the format, relative
+    torch.testing.assert_close(k, key[keep], rtol=rel, atol=1e-2)
+    torch.testing.assert_close(v, value[keep], rtol=rel, atol=1e-2)
+    stored = view[slots[keep] // 4, :, slots[keep] % 4, :8].float()
+    ks = k_scale if isinstance(k_scale, float) else k_scale[None, :, None]
+    torch.testing.assert_close(stored, (key[keep] / ks).to(view.dtype).float())
+
+
+def test_fp8_per_token_head_reference_and_mla() -> None:
+    layout = small_layout(
+        "LBHNC", dtype="fp8_e4m3", kv_quant="fp8_per_token_head", is_mla=True, heads=1, head_size=24
+    )
+    storage = allocate_kv_cache(layout)
+    view = layer_view(storage, layout, 0)
+    latent = torch.randn(7, 1, 24) * 10
+    slots = torch.arange(7) * 3
+    reshape_and_cache(latent, None, view, slots, layout)
+    k, v = read_kv(view, layout, slots)
+    assert v is None
+    torch.testing.assert_close(k, latent, rtol=2.0**-4, atol=1e-3)
+    raw = view.view(torch.uint8)[slots // 4, :, slots % 4]
+    scale = raw[..., 24:28].contiguous().view(torch.float32)[..., 0]  # [T, 1]
+    torch.testing.assert_close(scale, latent.abs().amax(-1) / 448.0)
+
+
+# ---- GPU (fp8 / int8 numerics) ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BHLNC"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_quant", "scales"),
+    [
+        ("fp8_e4m3", "fp8_per_tensor", "float"),
+        ("fp8_e4m3", "fp8_per_tensor", "per_head"),
+        ("fp8_e5m2", "fp8_per_tensor", "tensor1"),
+        ("fp8_e4m3", "fp8_per_token_head", None),
+        ("fp8_e5m2", "fp8_per_token_head", None),
+        ("int8", "int8_per_token_head", None),
+    ],
+)
+def test_gpu_parity_quantized(order: str, dtype: str, kv_quant: str, scales: str | None) -> None:
+    layout, key, value, slots = write_case(order, dtype, kv_quant, seed=3)
+    k_scale = v_scale = None
+    # |k| < ~16, |v| < ~5.5: scales keep x / scale inside e4m3's 448 (values past it saturate)
+    if scales == "float":
+        k_scale, v_scale = 0.05, 0.02
+    elif scales == "per_head":
+        k_scale = torch.linspace(0.04, 0.1, 8, device="cuda")
+        v_scale = torch.linspace(0.015, 0.05, 8, device="cuda")
+    elif scales == "tensor1":
+        k_scale, v_scale = torch.tensor(0.05, device="cuda"), torch.tensor([0.02], device="cuda")
+    ref, tri = write_with_both_impls(layout, key, value, slots, k_scale, v_scale)
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)  # IEEE division and round-to-nearest-even casts on both sides
+    keep = slots >= 0
+    k, v = read_kv(layer_view(tri, layout, 1), layout, slots[keep], k_scale, v_scale)
+    k_in, v_in = key[: slots.numel()][keep].float(), value[: slots.numel()][keep].float()
+    # relative half-ulp of the format (int8: half a step of absmax / 127 per row)
+    if dtype == "int8":
+        step = k_in.abs().amax(-1, keepdim=True) / 127
+        assert ((k - k_in).abs() <= step * 0.5 + 1e-6).all()
+    else:
+        rel = 2.0**-4 if dtype == "fp8_e4m3" else 2.0**-3
+        torch.testing.assert_close(
+            k, k_in, rtol=rel, atol=0.05 if kv_quant == "fp8_per_tensor" else 1e-2
+        )
+        torch.testing.assert_close(
+            v, v_in, rtol=rel, atol=0.05 if kv_quant == "fp8_per_tensor" else 1e-2
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "kv_quant"),
+    [
+        ("fp8_e4m3", "fp8_per_tensor"),
+        ("fp8_e5m2", "fp8_per_tensor"),
+        ("fp8_e4m3", "fp8_per_token_head"),
+        ("fp8_e5m2", "fp8_per_token_head"),
+        ("int8", "int8_per_token_head"),
+    ],
+)
+@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+def test_gpu_parity_quantized_hard_values(dtype: str, kv_quant: str, in_dtype: str) -> None:
+    """Bitwise parity on values that stress the reciprocal division (many binades in a row, -0.0,
+    subnormals, halfway points, zero rows, inf and NaN for per-tensor) and the per-program
+    fallback to ``div_rn`` (tiny and huge rows; per-head scales of 1e-25 and 1e25)."""
+    layout = small_layout(
+        "LBNHC", num_layers=2, num_blocks=96, heads=8, block_size=16, head_size=128,
+        head_size_v=128, dtype=dtype, kv_quant=kv_quant,
+    )  # fmt: skip
+    n = 1001
+    to = getattr(torch, in_dtype)
+    key = hard_rows(n, 8, 128, seed=3).to(to)
+    value = hard_rows(n, 8, 128, seed=4).to(to)
+    k_scale = v_scale = None
+    if kv_quant == "fp8_per_tensor":
+        key[7, 2, 5], key[8, 3, 6], value[9, 1, 2] = float("inf"), float("-inf"), float("nan")
+        k_scale = torch.tensor([0.05, 1e-3, 3.0, 1e-25, 0.5, 1e4, 2.0**-60, 7.0], device="cuda")
+        v_scale = torch.tensor([0.02, 1e25, 1.0, 0.3, 2.0**60, 1e-2, 4.0, 0.125], device="cuda")
+    slots = make_slots(n, layout, seed=5, pad_every=9).cuda()
+    ref, tri = write_with_both_impls(layout, key.cuda(), value.cuda(), slots, k_scale, v_scale)
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)
