@@ -40,7 +40,7 @@ def workload(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
 
 
-REPEATS = 3
+REPEATS = 5
 
 
 def timed(peers: dict[str, Any]) -> dict[str, tuple[float, Any]]:

@@ -241,6 +241,27 @@ def test_execute_rejects_inconsistent_batches(gpt_oss: Path) -> None:
         runner.execute(ids, pos, short, rows)
 
 
+def test_engine_skips_the_checks_that_execute_keeps(
+    gpt_oss: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine builds its batches itself and calls execute_trusted; execute, the path for
+    # everyone else, still checks every call.
+    from kvstack.engine import LLMEngine, SamplingParams
+
+    runner = make(gpt_oss)
+    checks: list[int] = []
+    check = runner._check_inputs
+    monkeypatch.setattr(runner, "_check_inputs", lambda *a: checks.append(1) or check(*a))
+    LLMEngine(runner=runner, max_num_seqs=4).generate(
+        [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=3)
+    )
+    assert checks == []
+    ids, pos, md, rows = torch.arange(5), torch.arange(5), one_request(runner), torch.tensor([4])
+    with pytest.raises(ValueError, match="positions disagree with the metadata"):
+        runner.execute(ids, pos + 1, md, rows)
+    assert checks == [1]
+
+
 def test_execute_logits_are_float32_even_for_bf16_models(gpt_oss: Path) -> None:
     runner = make(gpt_oss, dtype=torch.bfloat16)
     assert runner.layouts[0].dtype == "bfloat16"

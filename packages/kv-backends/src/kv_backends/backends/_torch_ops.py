@@ -329,10 +329,11 @@ def gather_padded_kv(
     (dequantized by the per-tensor or per-head scales) from ``kv_cache`` ``[B, H, N, C]`` and
     ``rows`` ``[G, nblk]`` (:func:`padded_block_rows`; ``Sb = nblk * N``).
 
-    Two copies: ``index_select`` over the cache viewed in its memory order moves whole blocks as
-    runs of contiguous bytes (indexing the ``[B, H, N, C]`` view copies element by element when
-    the layout order puts tokens outside heads), then one copy each for K and V brings heads ahead
-    of tokens and converts to float32 in the same pass; both come out contiguous for ``bmm``."""
+    ``index_select`` over the cache viewed in its memory order moves whole blocks as runs of
+    contiguous bytes (indexing the ``[B, H, N, C]`` view copies element by element when the layout
+    order puts tokens outside heads), then one copy (two where V is not right after K, as wide)
+    brings heads ahead of tokens and converts to float32 in the same pass; K and V come out
+    contiguous for ``bmm``."""
     g, nblk = rows.shape
     _, h, n, c = kv_cache.shape
     strides = kv_cache.stride()
@@ -344,16 +345,26 @@ def gather_padded_kv(
     k0, k1 = layout.k_range
     assert layout.v_range is not None
     v0, v1 = layout.v_range
-    out = []
-    for (c0, c1), scale in (((k0, k1), k_scale), ((v0, v1), v_scale)):
-        # K and V apart, each contiguous: bmm on column slices of one shared copy measured ~40%
-        # slower per decode step than the extra copy costs.
-        x = torch.empty(g, h, nblk, n, c1 - c0, dtype=torch.float32, device=kv_cache.device)
-        x.copy_(pages[..., c0:c1].transpose(1, 2))  # heads ahead of tokens, cast to float32
-        x = x.view(g, h, nblk * n, c1 - c0)  # [G, H, Sb, D or Dv]
+    d = k1 - k0
+    if v0 == k1 and v1 - v0 == d:
+        # V right after K, as wide: both in one copy, K and V apart on a leading axis of 2, so
+        # each is still contiguous for bmm (bmm on column slices of one shared copy measured ~40%
+        # slower per decode step than a second copy). One copy, not two, matters beyond its
+        # bytes: each is an OpenMP region of all threads, and on a busy machine a region waits
+        # for its slowest thread's time slice (kvstack's engine benchmark on 2 shared cores).
+        kv = torch.empty(2, g, h, nblk, n, d, dtype=torch.float32, device=kv_cache.device)
+        both = pages[..., k0:v1].unflatten(-1, (2, d))  # [G, nblk, H, N, 2, D]
+        kv.copy_(both.permute(4, 0, 2, 1, 3, 5))  # heads ahead of tokens, cast to float32
+        out = list(kv.view(2, g, h, nblk * n, d).unbind(0))  # [G, H, Sb, D] each
+    else:
+        out = []
+        for c0, c1 in ((k0, k1), (v0, v1)):
+            x = torch.empty(g, h, nblk, n, c1 - c0, dtype=torch.float32, device=kv_cache.device)
+            x.copy_(pages[..., c0:c1].transpose(1, 2))  # heads ahead of tokens, cast to float32
+            out.append(x.view(g, h, nblk * n, c1 - c0))  # [G, H, Sb, D or Dv]
+    for x, scale in zip(out, (k_scale, v_scale), strict=True):
         if scale is not None:
             x.mul_(_scale_shape(scale.to(x.device), 4, 1))
-        out.append(x)
     return out[0], out[1]
 
 

@@ -53,11 +53,14 @@ def compute_slot_mapping_reference(
     end = int(query_start_loc[-1])  # tokens past it are padding
     if end == 0:
         return out
-    # request of each token: request r owns tokens [qsl[r], qsl[r + 1])
-    req = torch.repeat_interleave(
-        torch.arange(query_start_loc.numel() - 1, device=device),
-        query_start_loc.diff(),
-        output_size=end,
+    # request of each token: request r owns tokens [qsl[r], qsl[r + 1]), so token t belongs to
+    # the number of requests that end at or before t. (searchsorted, not repeat_interleave: the
+    # latter's CPU kernel is an OpenMP region of all threads at any size, which on a busy machine
+    # costs a time slice per call.)
+    req = torch.searchsorted(
+        query_start_loc[1:],
+        torch.arange(end, device=device, dtype=query_start_loc.dtype),
+        right=True,
     )  # [end]
     pos = positions[:end].to(torch.int64)
     manager = block_table[req, pos // block_size].to(torch.int64)  # [end]

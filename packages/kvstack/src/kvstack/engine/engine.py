@@ -277,7 +277,9 @@ class LLMEngine:
                 assert self.external_loader is not None
                 self.external_loader(c.seq.request_id, c.new_block_ids, c.start)
         t1 = time.perf_counter()
-        logits = self.runner.execute(
+        # Trusted: the metadata comes from build_common_metadata (lengths and rows checked on
+        # the host) and ids, positions and sample rows from the same chunks.
+        logits = self.runner.execute_trusted(
             torch.tensor(ids, dtype=torch.int64),
             positions,
             metadata,

@@ -28,6 +28,7 @@ from kvstack.engine.layers import (
     RMSNorm,
     RotaryEmbedding,
     StackedLinear,
+    linear,
 )
 
 __all__ = ["AttendFn", "Attention", "CausalLM", "DecoderLayer", "dense_attention"]
@@ -190,7 +191,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[R, vocab]`` of hidden states ``[R, hidden]``."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight, None).float()
 
     def stack_projections(self) -> None:
         """Run each layer's q/k/v (and a gated MLP's gate/up) projections as one matmul, once the

@@ -340,6 +340,21 @@ class ModelRunner:
         group order (layer ``name`` uses ``metadata[kv_cache_config.group_of(name).group_id]``).
         """
         self._check_inputs(input_ids, positions, metadata, logits_indices)
+        return self.execute_trusted(input_ids, positions, metadata, logits_indices)
+
+    @torch.no_grad()
+    def execute_trusted(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Sequence[CommonAttentionMetadata],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`execute` without its input checks, for a caller whose own construction
+        guarantees them: :class:`~kvstack.engine.LLMEngine` builds the metadata with
+        ``BlockTables.build_common_metadata`` (which checks the lengths and rows on the host)
+        and the positions and logits rows from the same lengths. The checks cost a host pass
+        over the positions every step; anything else should call :meth:`execute`."""
         built = [self.builders[gid].build(md) for gid, md in enumerate(metadata)]
         slots = [md.slot_mapping for md in metadata]
         layers = self.layers
@@ -351,4 +366,7 @@ class ModelRunner:
 
         ids = input_ids.to(self.device)
         hidden = self.model(ids, positions.to(self.device), attend)  # [T, hidden]
-        return self.model.compute_logits(hidden[logits_indices.to(self.device)])
+        # index_select, not hidden[...]: advanced indexing runs as a parallel region however
+        # few the rows, index_select only past a size threshold.
+        rows = hidden.index_select(0, logits_indices.to(self.device))  # [R, hidden]
+        return self.model.compute_logits(rows)
