@@ -89,10 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         if not files:
             print(f"no benchmark JSON under {root}", file=sys.stderr)
             return 1
+    named = bool(args) and all(a.endswith(".json") for a in args)
     for f in files:
         records = json.loads(f.read_text())
         if not isinstance(records, list):
-            raise ValueError(f"{f} must hold a list of records, got {type(records).__name__}")
+            if named:
+                raise ValueError(f"{f} must hold a list of records, got {type(records).__name__}")
+            # a folder holds other scripts' JSON too (engine, flex, host overhead: each renders
+            # its own table); leave those, say so
+            print(f"skipped {f}: not a list of records (its script renders it)", file=sys.stderr)
+            continue
         device = next((r.get("device") for r in records if r.get("device")), "unknown device")
         md = [
             f"# {f.stem}",
