@@ -1,5 +1,6 @@
-"""The ``@triton.jit`` bodies of paged attention; launchers live in :mod:`.triton`, tile shapes in
-:mod:`._tiles`, ahead-of-time specs in :mod:`._aot`.
+"""The ``@triton.jit`` bodies of paged attention; KV tile addressing and loads live in
+:mod:`._tile_loads`, launchers in :mod:`.triton`, tile shapes in :mod:`._tiles`, ahead-of-time
+specs in :mod:`._aot`.
 
 Work split. A program owns one tile of a sequence's query tokens and one kv head, and computes all
 ``G = Hq / H`` query heads of that kv head together: its ``BLOCK_M`` rows are ``BLOCK_Q`` tokens x
@@ -10,12 +11,10 @@ table (64-bit offsets: ``block_id * stride_B`` easily passes 2^31 elements on a 
 an online softmax in base 2. Tiles entirely outside the causal / sliding-window range are never
 visited; tiles entirely inside it run without the mask arithmetic.
 
-Bounds. Whatever the metadata says, no load leaves the cache or the block table: a block-table
-column past ``max_blocks`` or a block id outside ``[0, num_blocks)`` is redirected inside the cache
-(a zero page in boundary tiles, block 0 in the unmasked middle, whose loads stay unmasked and
-vectorized), so the rows that touch it are wrong but nothing faults; the program adds the number of
-such reads (and of sequences with ``q_len > seq_len``) to the int32 ``err_ptr[0]`` when ``CHECK``
-is on, so a caller can test one flag instead of syncing every step.
+Bounds. Whatever the metadata says, no load leaves the cache or the block table (how:
+:mod:`._tile_loads`, which reads the KV tiles); the program adds the number of redirected reads (and of sequences with
+``q_len > seq_len``) to the int32 ``err_ptr[0]`` when ``CHECK`` is on, so a caller can test one
+flag instead of syncing every step.
 
 Prefill tiles by TMA (``TMA``, sm_90): where a KV tile lies inside one page of 16-bit values
 (pages of 64+ tokens) and the head fills its tile, the unmasked middle tiles are read as one
@@ -49,10 +48,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["paged_attention_kernel"]
+from kv_kernels.paged_attention._tile_loads import (
+    gather_tile,
+    inline_scale,
+    page_offsets,
+    tile_page,
+)
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+__all__ = ["paged_attention_kernel"]
 
 
 @triton.jit
@@ -81,176 +84,6 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _tile_page(
-    t,
-    bt_row_ptr,
-    stride_btb,
-    max_blocks,
-    num_blocks,
-    err_ptr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    CHECK: tl.constexpr,
-):
-    """The block id (int32) of KV tile ``t`` when the tile lies inside one page, and whether it
-    is valid; an invalid one (column past the table, id outside ``[0, num_blocks)``) becomes
-    block 0, inside the cache, and ``CHECK`` counts it."""
-    col = (t * TILE_N) // BLOCK_SIZE
-    blk = tl.load(bt_row_ptr + col * stride_btb, mask=col < max_blocks, other=-1).to(tl.int32)
-    ok = (blk >= 0) & (blk < num_blocks)
-    if CHECK:
-        tl.atomic_add(err_ptr, 1, mask=~ok)
-    return tl.where(ok, blk, 0), ok
-
-
-@triton.jit
-def _page_offsets(
-    t,
-    seq_len,
-    bt_row_ptr,
-    stride_btb,
-    max_blocks,
-    num_blocks,
-    stride_kb,
-    stride_kn,
-    err_ptr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CHECK: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
-):
-    """Token offsets ``[TILE_N]`` (int64) of KV tile ``t`` and whether each token's page is valid.
-
-    An invalid page (column past the table, id outside ``[0, num_blocks)``) is redirected inside the
-    cache (block 0 for a one-page tile, the clamped id for a multi-page tile) and, on boundary
-    tiles, its tokens flagged so masked loads read zeros; ``CHECK`` counts them.
-
-    ``ROW_ALIGN`` (> 1): every offset is a multiple of it (the launcher's gcd of the page and token
-    strides), told to the compiler so a token row that is not 16-byte aligned (a per-token-head
-    row of 128 + 128 + 8 bytes) is still read in 8-byte vectors instead of byte by byte.
-    """
-    kpos = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] absolute kv positions
-    if BLOCK_SIZE % TILE_N == 0:
-        # The tile lies inside one page: one block id, consecutive rows.
-        blk, ok = _tile_page(
-            t, bt_row_ptr, stride_btb, max_blocks, num_blocks, err_ptr, BLOCK_SIZE, TILE_N, CHECK
-        )
-        blk = blk.to(tl.int64)
-        row = ((t * TILE_N) % BLOCK_SIZE + tl.arange(0, TILE_N)).to(tl.int64)
-        # broadcast through int32: the interpreter mistypes scalar-bool & vector-bool
-        tok_ok = (tl.zeros([TILE_N], dtype=tl.int32) + ok.to(tl.int32)) != 0
-        off = blk * stride_kb + row * stride_kn
-        if ROW_ALIGN > 1:
-            off = tl.multiple_of(off, ROW_ALIGN)
-        return off, tok_ok
-    # The tile spans several pages: one block id per token (cached loads of the same ids).
-    # Performance (H200, decode 64 x 4k and 8 x 32k, block 16): a compare-and-select of every id
-    # on the hot path cost 25% (4.20 -> 3.14 TB/s); clamping with min/max costs nothing measurable,
-    # so interior tiles clamp (reads stay inside the cache; an invalid id reads some valid page,
-    # counted when CHECK) and only boundary tiles (MASKED) and CHECK build the validity mask.
-    col = kpos // BLOCK_SIZE
-    blk = tl.load(bt_row_ptr + tl.minimum(col, max_blocks - 1) * stride_btb).to(tl.int64)
-    if MASKED or CHECK:
-        ok = (blk >= 0) & (blk < num_blocks) & (col < max_blocks)
-        if CHECK:
-            nbad = tl.sum(((kpos < seq_len) & ~ok).to(tl.int32), 0)
-            tl.atomic_add(err_ptr, nbad, mask=nbad > 0)
-    else:
-        ok = kpos >= 0  # unused by the unmasked hot path
-    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-    off = blk * stride_kb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_kn
-    if ROW_ALIGN > 1:
-        off = tl.multiple_of(off, ROW_ALIGN)
-    return off, ok
-
-
-@triton.jit
-def _inline_scale(
-    kvs_head_ptr,
-    tok_off,  # [TILE_N] int64 element offsets of the tile's tokens (1-byte cache elements)
-    idx,  # first element of the scale: a float32 index (SCALE_WORDS) or a byte index
-    stride_kc,
-    mask,  # [TILE_N] tokens to read (others read as scale 0)
-    MASKED: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-):
-    """The float32 per-token-head scales ``[TILE_N]`` stored inline after the token's data.
-
-    ``SCALE_WORDS``: the cache is also seen as float32 (every stride and the scale offset are
-    multiples of 4 bytes, ``stride_kc == 1``), so a scale is one 4-byte load at ``tok_off / 4``.
-    Otherwise the scale can sit at any byte offset and is assembled from its 4 little-endian
-    bytes, as the write kernel stores it (a misaligned float32 load would fault).
-    """
-    if SCALE_WORDS:
-        ptrs = kvs_head_ptr + tok_off // 4 + idx
-        if MASKED:
-            return tl.load(ptrs, mask=mask, other=0.0)
-        return tl.load(ptrs)
-    j = tl.arange(0, 4)
-    ptrs = kvs_head_ptr + tok_off[:, None] + (idx + j[None, :]).to(tl.int64) * stride_kc
-    if MASKED:
-        b = tl.load(ptrs, mask=mask[:, None], other=0).to(tl.int32)  # [TILE_N, 4]
-    else:
-        b = tl.load(ptrs).to(tl.int32)
-    # the four bytes occupy disjoint bits, so their sum is their bitwise or
-    bits = tl.sum(b << (j * 8)[None, :], 1)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _gather_tile(
-    k_head_ptr,  # the head's first K / V column (the token offsets add to them)
-    v_head_ptr,
-    tok_off,  # [TILE_N] int64 token offsets
-    k_cols,
-    k2_cols,
-    v_cols,
-    in_seq,  # [TILE_N] tokens inside the sequence on valid pages
-    d_ok,
-    dv_ok,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_SIZE_V: tl.constexpr,
-    D_PAD: tl.constexpr,
-    D_TAIL: tl.constexpr,
-    DV_PAD: tl.constexpr,
-    V_FROM_K: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """K (main and tail columns) and V of one KV tile by pointer gathers ``(k, k2, v)``; ``k2`` /
-    ``v`` are ``k`` when there is no tail / V is K's own columns."""
-    k_ptrs = k_head_ptr + tok_off[:, None] + k_cols[None, :]  # [TILE_N, D_PAD]
-    v_ptrs = v_head_ptr + tok_off[:, None] + v_cols[None, :]  # [TILE_N, DV_PAD]
-    k2_ptrs = k_head_ptr + tok_off[:, None] + k2_cols[None, :]  # [TILE_N, D_TAIL]
-    if MASKED:
-        # boundary tiles: tokens past the sequence and on invalid pages read as zeros
-        k = tl.load(k_ptrs, mask=in_seq[:, None] & d_ok[None, :], other=0.0)
-        k2 = k
-        if D_TAIL > 0:
-            k2 = tl.load(k2_ptrs, mask=in_seq[:, None], other=0.0)
-        v = k
-        if not V_FROM_K:
-            v = tl.load(v_ptrs, mask=in_seq[:, None] & dv_ok[None, :], other=0.0)
-    else:
-        # the hot path keeps its unmasked, vectorized loads: an invalid page was already
-        # redirected to block 0 (inside the cache) and counted by _page_offsets
-        if D_PAD + D_TAIL == HEAD_SIZE:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-        k2 = k
-        if D_TAIL > 0:
-            k2 = tl.load(k2_ptrs)
-        v = k
-        if not V_FROM_K:
-            if DV_PAD == HEAD_SIZE_V:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-    return k, k2, v
-
-
-@triton.jit
 def _attend_tiles(
     acc,  # [M, DV_PAD] f32
     l_i,  # [M] f32
@@ -274,7 +107,7 @@ def _attend_tiles(
     k_start,
     v_start,
     ks_idx,
-    vs_idx,  # where K's / V's inline scale starts (see _inline_scale)
+    vs_idx,  # where K's / V's inline scale starts (see inline_scale)
     seq_len,
     q_pos,  # [M]
     slopes,  # [M]
@@ -325,7 +158,7 @@ def _attend_tiles(
             # one TMA box per operand, copied into shared memory asynchronously (pipelined by
             # the compiler), where the MMA reads it. Boundary tiles keep the masked gathers:
             # the rows past the sequence may hold anything (nan), which must read as zeros.
-            blk, _ = _tile_page(
+            blk, _ = tile_page(
                 t, bt_row_ptr, stride_btb, max_blocks, num_blocks, err_ptr, BLOCK_SIZE, TILE_N,
                 CHECK,
             )  # fmt: skip
@@ -336,12 +169,12 @@ def _attend_tiles(
             tok_off = kpos.to(tl.int64)  # (no inline scales with TMA)
             in_seq = kpos < seq_len
         else:
-            tok_off, tok_ok = _page_offsets(
+            tok_off, tok_ok = page_offsets(
                 t, seq_len, bt_row_ptr, stride_btb, max_blocks, num_blocks, stride_kb, stride_kn,
                 err_ptr, BLOCK_SIZE, TILE_N, MASKED, CHECK, ROW_ALIGN,
             )  # fmt: skip
             in_seq = tok_ok & (kpos < seq_len)
-            k, k2, v = _gather_tile(
+            k, k2, v = gather_tile(
                 k_head_ptr, v_head_ptr, tok_off, k_cols, k2_cols, v_cols, in_seq, d_ok, dv_ok,
                 HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, MASKED,
             )  # fmt: skip
@@ -366,10 +199,10 @@ def _attend_tiles(
         if INLINE_SCALES:
             # Dequantize per token and head without touching the tile: q.(k * s_k) = (q.k) s_k,
             # and p.(v * s_v) = (p s_v).v, so the scales scale logit columns and P columns.
-            k_sc = _inline_scale(
+            k_sc = inline_scale(
                 kvs_head_ptr, tok_off, ks_idx, stride_kc, in_seq, MASKED, SCALE_WORDS
             )
-            v_sc = _inline_scale(
+            v_sc = inline_scale(
                 kvs_head_ptr, tok_off, vs_idx, stride_kc, in_seq, MASKED, SCALE_WORDS
             )
             s = s * k_sc[None, :]
@@ -486,7 +319,8 @@ def paged_attention_kernel(
     if not SEQ_PER_PROGRAM:
         # Heaviest tiles first: the last q tiles of a causal sequence see the most KV, and the
         # GPU starts programs in grid order, so reversing it leaves the light tiles for the last
-        # wave (H200, 4 x 4096 causal: +15% TFLOP/s). The order does not change any result.
+        # wave (H200, 4 x 4096 causal: +15% in a scratch kernel of the same tiles; this kernel's
+        # own gain was not measured apart). The order does not change any result.
         pid_q = tl.num_programs(0) - 1 - pid_q
     # axis 1: kv head x chunk of its query heads (HEAD_CHUNKS > 1 only when GROUP > BLOCK_M,
     # e.g. MLA's 128 heads over one latent: the accumulator of all of them would not fit)
