@@ -73,18 +73,11 @@ def test_oracle_matches_literal_semantics(causal, window, chunk, use_sink, softc
     k = torch.randn(seq_len, hkv, d, generator=gen)
     v = torch.randn(seq_len, hkv, dv, generator=gen)
     sink = torch.randn(hkv * g, generator=gen) if use_sink else None
-    out, _ = attention_oracle(
-        q,
-        [k],
-        [v],
-        [q_len],
-        scale=0.3,
-        causal=causal,
-        sliding_window=window,
-        chunk_size=chunk,
-        sinks=sink,
+    kw = dict(
+        scale=0.3, causal=causal, sliding_window=window, chunk_size=chunk, sinks=sink,
         softcap=softcap,
-    )
+    )  # fmt: skip
+    out, _ = attention_oracle(q, [k], [v], [q_len], **kw)
     want = _loop_oracle(
         q,
         k,
@@ -99,18 +92,7 @@ def test_oracle_matches_literal_semantics(causal, window, chunk, use_sink, softc
     )
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
     # the low-precision reference is the same attention: in float64 it equals the oracle
-    low = attention_lowprec(
-        q.double(),
-        [k],
-        [v],
-        [q_len],
-        scale=0.3,
-        causal=causal,
-        sliding_window=window,
-        chunk_size=chunk,
-        sinks=sink,
-        softcap=softcap,
-    )
+    low = attention_lowprec(q.double(), [k], [v], [q_len], **kw)
     torch.testing.assert_close(low, want, atol=1e-12, rtol=1e-12)
 
 

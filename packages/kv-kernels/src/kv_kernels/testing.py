@@ -98,6 +98,40 @@ def _visible(
     return vis
 
 
+def _masked_logits(
+    qs: torch.Tensor,  # [Hq, q_len, D]: one request's queries
+    k: torch.Tensor,  # [L, H, D] in qs's dtype and device
+    v: torch.Tensor,  # [L, H, Dv]
+    *,
+    scale: float,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,  # [Hq] on qs's device
+    causal: bool,
+    sliding_window: int | None,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's logits ``[Hq, q_len, L]`` by the module's semantics (scale, softcap, ALiBi,
+    ``-inf`` where a key is not visible), computed in ``qs``'s dtype, and its V per q head
+    ``[Hq, L, Dv]``: the part :func:`attention_oracle` (float64) and :func:`attention_lowprec`
+    (the input dtype) share. The query tokens are the last ``q_len`` of the sequence."""
+    q_len, seq_len = qs.shape[1], k.shape[0]
+    group = qs.shape[0] // k.shape[1]
+    kh = k.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
+    vh = v.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, Dv]
+    s = (qs @ kh.transpose(1, 2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]  # [q_len, 1]
+    k_pos = torch.arange(seq_len)[None, :]  # [1, L]
+    if alibi_slopes is not None:
+        bias = alibi_slopes[:, None, None] * (k_pos - q_pos).to(alibi_slopes.device)
+        s = s + bias.to(s.dtype)
+    vis = _visible(
+        q_pos, k_pos, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size
+    )
+    return s.masked_fill(~vis.to(s.device), -math.inf), vh
+
+
 def attention_oracle(
     q: torch.Tensor,  # [T, Hq, D]
     k_per_req: Sequence[torch.Tensor],  # each [L_r, H, D]
@@ -146,21 +180,11 @@ def attention_oracle(
             )
         if q_len == 0:
             continue
-        group = num_q_heads // k.shape[1]
-        kh = k.permute(1, 0, 2).repeat_interleave(group, 0)  # [Hq, L, D]
-        vh = v.permute(1, 0, 2).repeat_interleave(group, 0)  # [Hq, L, Dv]
         qs = qd[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        s = (qs @ kh.transpose(1, 2)) * scale  # [Hq, q_len, L]
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]  # [q_len, 1]
-        k_pos = torch.arange(seq_len)[None, :]  # [1, L]
-        if slopes is not None:
-            s = s + slopes[:, None, None] * (k_pos - q_pos).double()
-        vis = _visible(
-            q_pos, k_pos, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size
-        )
-        s = s.masked_fill(~vis, -math.inf)
+        s, vh = _masked_logits(
+            qs, k, v, scale=scale, softcap=softcap, alibi_slopes=slopes, causal=causal,
+            sliding_window=sliding_window, chunk_size=chunk_size,
+        )  # fmt: skip
         terms = s if sink is None else torch.cat([s, sink[:, None, None].expand(-1, q_len, 1)], -1)
         row_lse = torch.logsumexp(terms, dim=-1)  # [Hq, q_len]
         finite = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
@@ -194,25 +218,16 @@ def attention_lowprec(
     head_size_v = v_per_req[0].shape[-1] if len(v_per_req) else q.shape[-1]
     out = torch.zeros(q.shape[0], q.shape[1], head_size_v, dtype=dt, device=dev)
     start = 0
+    slopes = None if alibi_slopes is None else alibi_slopes.to(dev)
     for k, v, q_len in zip(k_per_req, v_per_req, q_lens, strict=True):
-        seq_len, group = k.shape[0], q.shape[1] // k.shape[1]
+        seq_len = k.shape[0]
         if q_len == 0:
             continue
         qs = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        kh = k.to(dev, dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
-        vh = v.to(dev, dt).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, Dv]
-        logits = (qs @ kh.transpose(1, 2)) * scale  # [Hq, q_len, L] in dt
-        if softcap > 0:
-            logits = softcap * torch.tanh(logits / softcap)
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]  # [q_len, 1]
-        k_pos = torch.arange(seq_len)[None, :]  # [1, L]
-        if alibi_slopes is not None:
-            bias = alibi_slopes.to(dev)[:, None, None] * (k_pos - q_pos).to(dev)
-            logits = logits + bias.to(dt)
-        vis = _visible(
-            q_pos, k_pos, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size
-        )
-        logits = logits.masked_fill(~vis.to(dev), float("-inf"))
+        logits, vh = _masked_logits(
+            qs, k.to(dev, dt), v.to(dev, dt), scale=scale, softcap=softcap, alibi_slopes=slopes,
+            causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
+        )  # fmt: skip
         if sinks is not None:
             sink = sinks.to(dev, dt)[:, None, None].expand(-1, q_len, 1)
             probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :seq_len]
