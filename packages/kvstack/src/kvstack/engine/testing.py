@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Callable, Sequence
@@ -22,13 +23,21 @@ from typing import Any
 
 import torch
 from kv_backends import CommonAttentionMetadata
+from kv_kernels.testing import (
+    OracleCheck,
+    attention_lowprec,
+    attention_oracle,
+    check_close_to_oracle,
+)
 
 from kvstack.engine.hf_config import ArchConfig
-from kvstack.engine.models import CausalLM
+from kvstack.engine.models import CausalLM, dense_attention
 from kvstack.engine.runner import ModelRunner
 
 __all__ = [
     "TINY_CONFIGS",
+    "AttentionCall",
+    "AttentionCalls",
     "GreedyResult",
     "diffkv_config",
     "greedy_generate",
@@ -297,3 +306,126 @@ def greedy_generate(
     result.tokens = [r.tokens[len(r.prompt) :] for r in reqs]
     result.logits = [torch.stack(r.logits) for r in reqs]
     return result
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One recorded attention call and its two checks against the float64 oracle."""
+
+    step: int
+    layer: int
+    q_lens: tuple[int, ...]
+    backend: OracleCheck  # the paged backend's output vs the oracle
+    dense: OracleCheck  # the model's dense_attention on the same q/k/v vs the oracle
+
+
+class AttentionCalls:
+    """Records every attention call of ``runner`` and checks it against the float64 oracle.
+
+    Two test-only wrappers (set with ``monkeypatch.setattr``, pytest's fixture, so they are undone
+    after the test), no engine change: ``runner.execute`` (to read each step's request
+    boundaries and identities from the metadata the caller built) and ``runner.model.forward`` (to
+    wrap the ``attend(layer, q, k, v)`` callback the runner hands the model: the seam between the
+    projections and attention, see models.py). A request is identified by the first entry of its
+    group-0 block-table row as the caller built it (blocks are never freed in ``greedy_generate``);
+    its K/V history per layer is the k/v the model handed to ``attend``, never read from the cache.
+    """
+
+    def __init__(self, runner: ModelRunner, monkeypatch: Any) -> None:
+        self.runner = runner
+        self.calls: list[AttentionCall] = []
+        # (layer, request key) -> (q chunks, k chunks, v chunks), on the CPU
+        self._history: dict[tuple[int, int], tuple[list[torch.Tensor], ...]] = {}
+        self._step: tuple[list[int], list[int], list[int]] | None = None
+        self._steps = 0
+        execute, forward = runner.execute, runner.model.forward
+
+        def execute_hook(
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            metadata: list[CommonAttentionMetadata],
+            logits_indices: torch.Tensor,
+        ) -> torch.Tensor:
+            md = metadata[0]
+            n = md.query_start_loc.numel() - 1
+            self._step = (
+                md.query_start_loc.tolist(),
+                md.seq_lens.tolist(),
+                md.block_table[:n, 0].tolist(),
+            )
+            try:
+                return execute(input_ids, positions, metadata, logits_indices)
+            finally:
+                self._step = None
+                self._steps += 1
+
+        def forward_hook(input_ids: torch.Tensor, positions: torch.Tensor, attend: Any) -> Any:
+            if self._step is None:  # forward_dense, not a runner step
+                return forward(input_ids, positions, attend)
+
+            def attend_hook(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+                out = attend(i, q, k, v)
+                self._check(i, q, k, v, out)
+                return out
+
+            return forward(input_ids, positions, attend_hook)
+
+        monkeypatch.setattr(runner, "execute", execute_hook)
+        monkeypatch.setattr(runner.model, "forward", forward_hook)
+
+    def _check(
+        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        assert self._step is not None, "attend outside runner.execute"
+        qsl, seq_lens, keys = self._step
+        q_lens = [b - a for a, b in itertools.pairwise(qsl)]
+        t = qsl[-1]
+        q, k, v = (x[:t].detach().cpu() for x in (q, k, v))
+        model, arch = self.runner.model, self.runner.arch
+        window, sinks = arch.layer_window(i), model.layer_sinks(i)
+        sinks = None if sinks is None else sinks.detach().cpu()  # the references run on the CPU
+        qs, ks, vs, dense = [], [], [], []
+        for r, (a, b) in enumerate(itertools.pairwise(qsl)):
+            hq, hk, hv = self._history.setdefault((i, keys[r]), ([], [], []))
+            assert sum(x.shape[0] for x in hk) == seq_lens[r] - (b - a), "history out of step"
+            hq.append(q[a:b])
+            hk.append(k[a:b])
+            hv.append(v[a:b])
+            qs.append(torch.cat(hq))
+            ks.append(torch.cat(hk))
+            vs.append(torch.cat(hv))
+            # The model's own cache-free attention over the request's whole history.
+            full = dense_attention(
+                qs[-1], ks[-1], vs[-1], scale=model.scale, sliding_window=window, sinks=sinks
+            )
+            dense.append(full[full.shape[0] - (b - a) :])
+        oracle, _ = attention_oracle(
+            q, ks, vs, q_lens, scale=model.scale, sliding_window=window, sinks=sinks
+        )
+        low = attention_lowprec(
+            q, ks, vs, q_lens, scale=model.scale, sliding_window=window, sinks=sinks
+        )
+        self.calls.append(
+            AttentionCall(
+                self._steps,
+                i,
+                tuple(q_lens),
+                check_close_to_oracle(out[:t], oracle, lowprec_reference=low),
+                check_close_to_oracle(torch.cat(dense), oracle, lowprec_reference=low),
+            )
+        )
+
+    def failures(self) -> list[str]:
+        return [
+            f"step {c.step} layer {c.layer} q_lens {c.q_lens}: {name}: {chk.message}"
+            for c in self.calls
+            for name, chk in (("backend", c.backend), ("dense_attention", c.dense))
+            if not chk.ok
+        ]
+
+    def assert_ok(self) -> None:
+        assert self.calls, "no attention call was recorded"
+        bad = self.failures()
+        assert not bad, f"{len(bad)} failed checks of {len(self.calls)} attention calls:\n" + (
+            "\n".join(bad[:10]) + "\n" + self.runner.describe()
+        )
