@@ -124,3 +124,23 @@ def test_decode_tiles_option_is_validated() -> None:
     b = _decode_batch()
     with pytest.raises(ValueError, match="decode_tiles"):
         get_backend("FLEX_ATTENTION").make_builder(b.config, b.layout, decode_tiles="page")
+
+
+@pytest.mark.parametrize(
+    ("sms", "rows", "heads", "split"),
+    [(132, 64, 8, 1), (132, 32, 8, 1), (132, 16, 8, 8), (132, 8, 8, 16), (132, 8, 4, 32),
+     (132, 1, 8, 128), (16, 1, 1, 128), (16, 16, 1, 8), (16, 2, 1, 64)],
+)  # fmt: skip
+def test_decode_split_kv_keeps_one_split_and_otherwise_fills_the_sms(
+    monkeypatch: pytest.MonkeyPatch, sms: int, rows: int, heads: int, split: int
+) -> None:
+    # One split per program where torch's rule gives 1 (whole pages stay full tiles); below
+    # that, the largest power of two giving at most 8 programs an SM (one-page tiles keep little
+    # in flight), never below torch's own count.
+    monkeypatch.setattr(flex_decode, "_num_sms", lambda index: sms)
+    got = flex_decode.decode_split_kv(torch.device("cuda", 0), rows, heads)
+    assert got == split
+    torch_split = max(sms // (rows * heads) * 2, 1)
+    assert (
+        got == torch_split or torch_split < got * rows * heads <= 8 * sms < 2 * got * rows * heads
+    )

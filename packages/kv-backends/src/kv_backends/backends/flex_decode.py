@@ -87,12 +87,29 @@ def uses_decoding_kernel(
     )
 
 
+#: Decode programs per SM that a pinned split aims for (see :func:`decode_split_kv`).
+_DECODE_SPLIT_PROGRAMS_PER_SM = 8
+
+
 def decode_split_kv(device: torch.device, rows: int, num_kv_heads: int) -> int:
-    """The split count torch's decoding kernel picks for ``rows`` x ``num_kv_heads`` programs
-    (``get_split_k`` in torch/_inductor/kernel/flex/flex_decoding.py): 2 per SM they leave free,
-    at least 1."""
+    """The KV split count of a decode call of ``rows`` x ``num_kv_heads`` programs.
+
+    Where torch's own choice (``get_split_k`` in torch/_inductor/kernel/flex/flex_decoding.py:
+    2 per SM the programs leave free) is 1, that stays (one split per program: whole pages then
+    run as full tiles). Otherwise the split is raised to the largest power of two that gives at
+    most ``_DECODE_SPLIT_PROGRAMS_PER_SM`` programs per SM: the decode call's tiles are one page, so
+    each split's loop of 16-token tiles has little in flight, and more splits are what keep
+    loads in flight. H100, bf16 32 q / 8 kv heads, decode 8 x 32k at page 16 (bench_flex.py
+    ``--decode-kernel-options``): torch's 4 splits 1.68 TB/s, 8 -> 2.53, 16 -> 2.85 (0.94 of
+    the copy), 32 -> 2.81. A function of the (padded) row count and the heads only, so a
+    serving loop compiles one kernel per captured row count."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return max(sms // max(rows * num_kv_heads, 1) * 2, 1)
+    programs = max(rows * num_kv_heads, 1)
+    torch_split = max(sms // programs * 2, 1)
+    if torch_split == 1:
+        return 1
+    want = _DECODE_SPLIT_PROGRAMS_PER_SM * sms // programs
+    return max(torch_split, 1 << (want.bit_length() - 1))
 
 
 @functools.lru_cache(maxsize=16)
