@@ -67,4 +67,8 @@ def recipe_fn(
         mask_mod=physical_mask,
         seq_lengths=(1, num_pages * page),
     )
-    return lambda: flex(q, k, v, block_mask=pbm, enable_gqa=True)
+    # Flex's decoding kernel walks BLOCK_N-token steps inside each sparse KV block; pages below
+    # its default BLOCK_N (64) need BLOCK_N = page (torch 2.11, H100: a device-side assert at
+    # page 16 without it), as the FLEX_ATTENTION backend sets for its own one-page tiles.
+    opts = {"BLOCK_N": page} if page < 64 else None
+    return lambda: flex(q, k, v, block_mask=pbm, enable_gqa=True, kernel_options=opts)

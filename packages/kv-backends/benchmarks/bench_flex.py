@@ -375,10 +375,14 @@ def _add_recipe(add: Callable[..., None], records: list[Record], c: Case, smoke:
         return
     line = next((x for x in res.stdout.splitlines() if x.startswith("RECIPE_MS ")), None)
     if res.returncode or line is None:
-        err = [x for x in (res.stderr or res.stdout).strip().splitlines() if x.strip()]
-        add(
-            c.name, "torch paged-Flex recipe", None, None, f"failed: {err[-1] if err else ''}"[:200]
+        err = [x.strip() for x in (res.stderr + res.stdout).splitlines() if x.strip()]
+        # a device-side assert prints its kernel-side "Assertion ... failed" line first; the
+        # Python error after it only says to compile with TORCH_USE_CUDA_DSA
+        why = next((x for x in err if "Assertion" in x), None) or next(
+            (x for x in reversed(err) if "Error" in x), err[-1] if err else ""
         )
+        print(f"recipe {c.name} failed:\n" + "\n".join(err[-12:]), file=sys.stderr, flush=True)
+        add(c.name, "torch paged-Flex recipe", None, None, f"failed: {why}"[:240])
         return
     ms = float(line.split()[1])
     value, metric = _metric(c, ms)
