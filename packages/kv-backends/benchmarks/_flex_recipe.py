@@ -50,6 +50,13 @@ def recipe_fn(
         3,
         lbm.kv_indices.long(),
     ).int()
+    # ... widened to one column per physical page, as attention-gym's conversion does:
+    # BlockMask.from_kv_blocks sizes its dense block grid by the indices' last dim, so physical
+    # ids past the logical width index out of bounds there (the device-side assert every
+    # recipe case hit on torch 2.11 / H100).
+    wide = torch.zeros(*phys_idx.shape[:3], num_pages, dtype=torch.int32, device=device)
+    wide[..., : phys_idx.shape[3]] = phys_idx
+    phys_idx = wide
 
     def physical_mask(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
