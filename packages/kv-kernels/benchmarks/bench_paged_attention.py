@@ -411,6 +411,10 @@ def tune(records: list[dict], keep: Callable[[str], bool]) -> dict:
             (128, 64, 8, 2, True),
             (64, 64, 4, 2, True),
             (128, 32, 4, 3, False),
+            (128, 64, 4, 4, False),
+            (128, 64, 4, 4, True),
+            (128, 128, 8, 2, False),
+            (64, 64, 4, 3, False),
         ):
             cfg = pa_triton.AttentionConfig(bm, bm // 4, tn, w, st, tma=tma)
             pa_triton.select_config = lambda kind, _c=cfg, **kw: (

@@ -56,19 +56,29 @@ _SCRIPT = textwrap.dedent(
                                  arch=arch, num_warps=sp.num_warps, num_stages=sp.num_stages,
                                  divisible_by_16=sp.aligned, max_registers=sp.max_registers)
                 ptx = ck.asm["ptx"]
-                # global reads of >= 8 bytes: asynchronous copies (pipelined K/V tiles) and
-                # vector loads (the q tile's few, and K/V's when a config runs one stage)
-                wide = len(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], "
-                                      r"\[[^]]*\], (?:0x8|0x10|8|16),", ptx))
+                # global reads of >= 8 bytes: asynchronous copies (pipelined K/V tiles, in 8-byte
+                # units: the same tile in fewer 16-byte copies counts the same) and vector loads
+                # (the q tile's few, and K/V's when a config runs one stage)
+                wide = sum(2 if n in ("0x10", "16") else 1 for n in re.findall(
+                    r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x8|0x10|8|16),",
+                    ptx))
                 wide += len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx))
                 regs = re.search(r"\.maxnreg (\d+)", ptx)
                 # TMA copies of whole tiles (prefill of 16-bit pages holding whole tiles)
                 tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+                # 1-byte pages: byte-wise shared loads (an 8-bit MMA operand read element by
+                # element) and the packed upcasts of KV_UPCAST
+                byte_lds = len(re.findall(r"ld\.shared(?:\.\w+)*\.[bsu]8\b", ptx))
+                upcasts = {k: len(re.findall(p, ptx)) for k, p in (
+                    ("e4m3x2", r"cvt\.rn\.f16x2\.e4m3x2"), ("bf16_f16", r"cvt(?:\.rn)?\.bf16\.f16"),
+                    ("i8_magic", r"sub\.f16x2"), ("e5m2_prmt", r"prmt\.b32 [^;]*0x1404;"))}
                 res[sp.name] = {"ok": True, "shared": ck.metadata.shared,
                                 "mma": ("mma" in ptx), "wide": wide,
                                 "maxnreg": int(regs.group(1)) if regs else 0,
                                 "want_maxnreg": sp.max_registers, "tma": tma,
-                                "want_tma": bool(sp.constexprs.get("TMA"))}
+                                "want_tma": bool(sp.constexprs.get("TMA")),
+                                "kv_upcast": bool(sp.constexprs.get("KV_UPCAST")),
+                                "byte_lds": byte_lds, **upcasts}
             except Exception:
                 res[sp.name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
         out[key] = res
@@ -102,6 +112,10 @@ DEFAULT = [
     # 192/128 case above already runs the head split 128 + 64 instead of padding to 256)
     (90, "bf16", "i8", 128, 128, 16, "int8_per_token_head"),
     (90, "bf16", "bf16", 576, 512, 64, "mla"),
+    # issue 12: fp8 per tensor, the decode shape of the benchmarks (KV_UPCAST: fp16 MMAs over
+    # tiles upcast by PTX; e5m2's upcast is a byte permute)
+    (90, "bf16", "fp8e4", 128, 128, 16),
+    (90, "fp16", "fp8e5", 128, 128, 128),
     # a token row of 80 + 72 bf16 (304 bytes) is 16-byte aligned only every other token: Triton
     # does not specialize its stride, so the kernel is told the 8-element alignment (ROW_ALIGN)
     (90, "bf16", "bf16", 80, 72, 16),
@@ -182,6 +196,23 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
             # TMA where the launcher's config asks for it (sm_90 prefill over whole-tile pages),
             # and nowhere else
             assert (r["tma"] > 0) == r["want_tma"], (_key(case), name, r["tma"], r["want_tma"])
+            # decode over 1-byte pages upcasts in the load layout (select_config's kv_upcast):
+            # no byte-wise shared loads, the packed conversion of the cache's dtype
+            # (per-token-head pages keep the plain upcast: slower with it on an H100)
+            one_byte = case[2] not in ("bf16", "fp16")
+            pth = len(case) > 6 and case[6].endswith("per_token_head")
+            assert r["kv_upcast"] == (one_byte and not pth and name.startswith("attn_decode")), (
+                name,
+                r,
+            )
+            if r["kv_upcast"]:
+                assert r["byte_lds"] == 0, f"{_key(case)} {name}: {r['byte_lds']} byte loads"
+                # (per-token-head pages keep a bf16 P.V under bf16 queries: p * s_v may leave
+                # fp16's range, so their fp8 V still widens to bf16 through f16)
+                if not (len(case) > 6 and case[6].endswith("per_token_head")):
+                    assert r["bf16_f16"] == 0, f"{_key(case)} {name}: element-wise fp8 -> bf16"
+                want = {"fp8e4": "e4m3x2", "fp8e5": "e5m2_prmt", "i8": "i8_magic"}[case[2]]
+                assert r[want] > 0, f"{_key(case)} {name}: no packed {want} upcast"
 
 
 @pytest.mark.parametrize("case", DEFAULT, ids=_key)

@@ -11,6 +11,7 @@ is a float32), so the same bound applies.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -20,6 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.paged_attention import triton as pa_triton
 from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
 from kv_kernels.testing import assert_close_to_oracle, attention_oracle, check_close_to_oracle
 from kv_kernels.testing_attention import run_batch
@@ -141,6 +143,33 @@ def test_triton_inline_scales_16bit_query(triton_device: str) -> None:
     b["q"] = b["q"].half()
     want = oracle(b)
     assert_close_to_oracle(run_batch(b, "triton").cpu(), want, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+@pytest.mark.parametrize("kv_quant", list(CACHE_DTYPES))
+def test_per_token_head_fp16_rows(
+    kv_quant: str, upcast: bool, triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp16 queries whose rows span 1e-2 .. 3e4, with the launcher's plain upcast and with a
+    config asking for KV_UPCAST (q.K as an fp16 MMA with each row scaled by a power of two,
+    test_paged_attention_upcast.py; not the default for these pages, slower on an H100, but a
+    config may ask for it), the inline scales on the logit and P columns; with and without KV
+    splits, held to the fp16 bound."""
+    orig = pa_triton.select_config
+
+    def pick(kind: str, **kw: object) -> object:
+        cfg = orig(kind, **kw)  # type: ignore[arg-type]
+        return dataclasses.replace(cfg, kv_upcast=upcast) if kind == "decode" else cfg
+
+    monkeypatch.setattr(pa_triton, "select_config", pick)
+    b = make_quant_batch(kv_quant=kv_quant, q_lens=[1, 3, 1], seq_lens=[50, 21, 9])
+    gen = torch.Generator().manual_seed(2)
+    mag = 10.0 ** (torch.rand(b["q"].shape[0], b["q"].shape[1], 1, generator=gen) * 6 - 2)
+    b["q"] = (b["q"].cpu() * mag).clamp(-3e4, 3e4).half().to(DEVICE)
+    want = oracle(b)
+    for splits in (None, 2):
+        out = run_batch(b, "triton", num_splits=splits).cpu()
+        assert_close_to_oracle(out, want, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

@@ -107,6 +107,7 @@ def _attention_specs(
             elem_bytes=elem,
             arch=arch,
             v_from_k=mla,
+            inline_scales=inline_scales,
         )
         consts: dict[str, Any] = kernel_constexprs(
             cfg,
@@ -129,6 +130,7 @@ def _attention_specs(
             scale_words=inline_scales,
             row_align=align,
             tma=cfg.tma,
+            kv_bytes=elem,
         )
         sig_k = dict(sig)
         if consts["TMA"]:

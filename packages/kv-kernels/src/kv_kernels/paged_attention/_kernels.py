@@ -35,6 +35,11 @@ the output. Per token and head (``KV_SCALE`` 3, int8 / fp8 with float32 scales i
 row's data, ``reshape_and_cache``'s layout): the tile is upcast exactly and the scales multiply the
 logit columns (K) and the probability columns before P.V (V), so no dequantized copy of the tile
 is made; the scales are read as float32 words when the cache's strides allow, else byte by byte.
+``KV_UPCAST`` (decode over 1-byte pages with 16-bit queries, :mod:`._upcast`): the tiles are
+upcast in their load layout by packed PTX, q.K runs as an fp16 MMA with every query row scaled
+by its own power of two (undone on the logits), and with per-tensor scales P.V too, its P
+carried as ``p * 2^15`` (l carries the factor; the LSE takes it out); per-token-head pages keep
+P.V in the query dtype (``p * s_v`` may leave fp16's range).
 
 Split KV (flash-decoding). With ``num_splits = S > 1`` the third grid axis cuts each program's KV
 tile range into ``S`` contiguous chunks; each writes a normalized partial output and its LSE, and
@@ -54,6 +59,7 @@ from kv_kernels.paged_attention._tile_loads import (
     page_offsets,
     tile_page,
 )
+from kv_kernels.paged_attention._upcast import f16_rows, upcast_tile
 
 __all__ = ["paged_attention_kernel"]
 
@@ -135,6 +141,9 @@ def _attend_tiles(
     CHECK: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
     TMA: tl.constexpr,
+    KV_UPCAST: tl.constexpr,
+    PTX: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
 ):
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -178,24 +187,39 @@ def _attend_tiles(
                 k_head_ptr, v_head_ptr, tok_off, k_cols, k2_cols, v_cols, in_seq, d_ok, dv_ok,
                 HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, MASKED,
             )  # fmt: skip
-        # fp8 / int8 pages are upcast to the query dtype right after the load (exact: int8 and
-        # fp8 values are representable in 16 bits); a per-tensor scale is folded into qk_scale /
+        # fp8 / int8 pages are upcast to 16 bits right after the load (exact: int8 and fp8
+        # values are representable in 16 bits); a per-tensor scale is folded into qk_scale /
         # the output, a per-token-head scale into the logits and the probabilities below.
-        k = k.to(q.dtype)
+        # KV_UPCAST (1-byte pages, 16-bit queries): K to fp16 for an fp16 q.K (q is fp16 rows,
+        # see f16_rows) and V to PV_DTYPE, in the load's layout (see _upcast), so the MMA
+        # operands come from 16-bit tiles; otherwise both to the query dtype.
         if V_FROM_K:
             # MLA: V is the first HEAD_SIZE_V (= D_PAD) columns of the latent, the tile just read
             v = k
+        k = upcast_tile(k, q.dtype, PTX and KV_UPCAST)
+        if KV_UPCAST:
+            if V_FROM_K and q.dtype == PV_DTYPE:
+                v = k
+            else:
+                v = upcast_tile(v, PV_DTYPE, PTX)
+        elif V_FROM_K:
+            v = k
         else:
             v = v.to(q.dtype)
+        if D_TAIL > 0:
+            k2 = upcast_tile(k2, q.dtype, PTX and KV_UPCAST)
         if DOT_IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             if D_TAIL > 0:
-                s = tl.dot(q2, tl.trans(k2.to(q.dtype)), s, input_precision="ieee")
+                s = tl.dot(q2, tl.trans(k2), s, input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # [M, TILE_N] f32
             if D_TAIL > 0:
-                s = tl.dot(q2, tl.trans(k2.to(q.dtype)), s)
-        s = s * qk_scale
+                s = tl.dot(q2, tl.trans(k2), s)
+        if KV_UPCAST:
+            s = s * qk_scale[:, None]  # (per row: each q row has its own power-of-two scale)
+        else:
+            s = s * qk_scale
         if INLINE_SCALES:
             # Dequantize per token and head without touching the tile: q.(k * s_k) = (q.k) s_k,
             # and p.(v * s_v) = (p s_v).v, so the scales scale logit columns and P columns.
@@ -229,7 +253,13 @@ def _attend_tiles(
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
+        if KV_UPCAST and not INLINE_SCALES:
+            # fp16 P: p * 2^15 (<= 32768) keeps probabilities down to 2^-39 of the row's maximum
+            # out of fp16's subnormals; l carries the same factor, so acc / l is unchanged (the
+            # LSE takes it out)
+            p = tl.exp2(s - (m_use - 15.0)[:, None])
+        else:
+            p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if INLINE_SCALES:
@@ -314,6 +344,7 @@ def paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, FOLD_LOG2: tl.constexpr,
     KV_SCALE: tl.constexpr, SCALE_WORDS: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_IEEE: tl.constexpr, CHECK: tl.constexpr, ROW_ALIGN: tl.constexpr, TMA: tl.constexpr,
+    KV_UPCAST: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     pid_q = tl.program_id(0)
     if not SEQ_PER_PROGRAM:
@@ -377,6 +408,16 @@ def paged_attention_kernel(
         q2 = tl.load(q2_ptrs, mask=row_ok[:, None], other=0.0)  # [M, D_TAIL]
     else:
         q2 = q
+    if KV_UPCAST:
+        # fp16 q.K over 1-byte pages: each row scaled by a power of two (q_unscale undoes it)
+        q, q2, q_unscale = f16_rows(q, q2, D_TAIL)
+        if KV_SCALE == 3:
+            pv_dtype = q_ptr.dtype.element_ty  # p * s_v may leave fp16's range
+        else:
+            pv_dtype = tl.float16
+    else:
+        q_unscale = 1.0
+        pv_dtype = q_ptr.dtype.element_ty
 
     if KV_SCALE == 1:
         k_deq = k_scale_val
@@ -390,6 +431,8 @@ def paged_attention_kernel(
     qk_scale = scale * k_deq
     if FOLD_LOG2:
         qk_scale = qk_scale * 1.4426950408889634
+    if KV_UPCAST:
+        qk_scale = qk_scale * q_unscale  # [M]
     if USE_ALIBI:
         slopes = tl.load(alibi_ptr + head)
     else:
@@ -440,8 +483,11 @@ def paged_attention_kernel(
                 HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, BLOCK_SIZE, TILE_N,
                 phase != 1, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, FOLD_LOG2,
                 KV_SCALE == 3, SCALE_WORDS, DOT_IEEE, CHECK, ROW_ALIGN, TMA,
+                KV_UPCAST, PTX, pv_dtype,
             )  # fmt: skip
 
+    if KV_UPCAST and KV_SCALE != 3:
+        m_i = m_i - 15.0  # l carries 2^15 (fp16 P, see _attend_tiles)
     has = l_i > 0.0
     l_div = tl.where(has, l_i, 1.0)
     o = acc / l_div[:, None]  # rows that saw nothing have acc = 0

@@ -48,6 +48,10 @@ class AttentionConfig:
     #: asynchronously) where the launcher finds the cache's strides aligned for it; needs sm_90,
     #: 16-bit pages, a tile inside one page and power-of-two heads without a tail
     tma: bool = False
+    #: 1-byte pages (fp8 / int8) with 16-bit queries: upcast K / V in the layout they are loaded
+    #: in by packed PTX conversions and run q.K (and P.V for per-tensor scales) as fp16 MMAs with
+    #: q scaled per row (``KV_UPCAST`` in :mod:`._kernels`, why in :mod:`._upcast`)
+    kv_upcast: bool = False
 
 
 def split_head(head_size: int) -> tuple[int, int]:
@@ -76,6 +80,7 @@ def select_config(
     elem_bytes: int = 2,
     arch: int = 90,
     v_from_k: bool = False,
+    inline_scales: bool = False,
 ) -> AttentionConfig:
     """Tile shapes for ``kind`` that fit the arch's shared memory.
 
@@ -122,6 +127,21 @@ def select_config(
         # SM, 12.5% occupancy, issue-bound); capped at 128, 4 fit: 64 x 4k 0.377 -> 0.276 ms
         # (int8 per token and head), 0.289 -> 0.257 ms (fp8 per tensor)
         max_registers = 128 if elem_bytes == 1 else 0
+        # 1-byte pages: upcast in the load layout, fp16 MMAs (AttentionConfig.kv_upcast). Compile-
+        # time proxies, not GPU timings (sm_90 SASS of the decode kernel's unmasked KV loop, bf16
+        # queries, 32 / 8 heads, head 128, page 16, one 64-token tile of K and V per iteration):
+        # fp8 per tensor 867 -> 434 instructions a tile (64 byte-wise shared loads LDS.U8 -> 0,
+        # 128 F2F.BF16.F16 -> 0; registers 128 -> 116, no spills), i.e. 0.21 -> 0.11 warp-
+        # instructions per KV byte against bf16 pages' 0.053; page 128: 749 -> 353. int8 per
+        # token and head (P.V stays bf16: p * s_v may leave fp16's range) 899 -> 669, spills 72
+        # -> 4 bytes; fp8 per token and head 839 -> 618. sm_80 (e5m2 / int8, 32-token tiles):
+        # 691 -> 296 / 562 -> 441. Shared memory grows by the 16-bit tiles (22 -> 53 KiB at
+        # sm_90: still 4 programs an SM, as the 128-register cap allows).
+        # Timed (H100, bench_paged_attention.py --tune-paths, same process): fp8 per tensor
+        # 64 x 4k 0.263 -> 0.240 ms (2.04 -> 2.23 TB/s), 8 x 32k 0.266 -> 0.246 ms; but per
+        # token and head (``inline_scales``) slower: int8 8 x 32k 0.277 -> 0.354 ms, fp8 64 x 4k
+        # 0.297 -> 0.343 ms, so those pages keep the plain upcast.
+        kv_upcast = elem_bytes == 1 and not inline_scales
         if d_tail and not v_from_k:
             # split head (DiffKV 192 = 128 + 64 over V 128)
             tile_n, num_warps, num_stages, waves = 128, 8, 2, 4
@@ -140,13 +160,16 @@ def select_config(
         block_m = 128 if max(d_pad, dv_pad) <= 128 else 64
         block_m = max(block_m, pow2(group))
         tile_n = 64
-        # One warpgroup over the 128 rows, 3 stages (H200, 4 x 4096 causal, head 128, heaviest
-        # tiles first, --tune): page 16 316 TFLOP/s (2 stages 235, 8 warps 263, 128-token
-        # tiles over 8 warps 304); page 128 with TMA 438 (2 stages 421, gathers 368).
+        # One warpgroup over the 128 rows, 2 stages (H100, 4 x 4096 causal, head 128, --tune,
+        # after the epilogue stopped keeping the q rows live): page 16 383 TFLOP/s (3 stages
+        # 358, 4 stages 357, 128-token tiles over 8 warps 348); page 128 with TMA 497 (3
+        # stages 420, gathers 425-435). Before that fix 3 stages led (H200: page 16 316 vs 235,
+        # TMA 438 vs 421): the third buffer hid the spills' traffic.
         num_warps = 4
-        num_stages = 3
+        num_stages = 2
         waves = 2
         max_registers = 0
+        kv_upcast = False
         if block_m > max_rows:
             block_m, tile_n, num_warps = max_rows, 32, 8
     else:
@@ -175,7 +198,16 @@ def select_config(
         and block_size % tile_n == 0
     )
     return AttentionConfig(
-        block_m, block_m // heads, tile_n, num_warps, num_stages, heads, waves, max_registers, tma
+        block_m,
+        block_m // heads,
+        tile_n,
+        num_warps,
+        num_stages,
+        heads,
+        waves,
+        max_registers,
+        tma,
+        kv_upcast,
     )
 
 
@@ -242,6 +274,8 @@ def kernel_constexprs(
     scale_words: bool = False,
     row_align: int = 1,
     tma: bool = False,
+    kv_bytes: int = 2,
+    ptx: bool = True,
 ) -> dict[str, Any]:
     """Every ``tl.constexpr`` of :func:`~._kernels.paged_attention_kernel` for one launch.
 
@@ -250,7 +284,9 @@ def kernel_constexprs(
     ``FOLD_LOG2`` folds the base-2 conversion into the q.k scale, which is exact only when nothing
     (softcap, ALiBi) acts on the logits between the scale and the exponent. ``row_align``: see
     :func:`kv_kernels._common.row_align`. ``tma``: the launcher passes TMA descriptors (only
-    where ``cfg.tma`` and the cache's strides allow it).
+    where ``cfg.tma`` and the cache's strides allow it). ``kv_bytes``: the cache's element size
+    (``cfg.kv_upcast`` acts on 1-byte pages with 16-bit queries only); ``ptx``: inline PTX may
+    run (off under the interpreter, which converts by ``.to`` instead).
     """
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind={kind!r} must be 'decode' or 'prefill'")
@@ -291,4 +327,6 @@ def kernel_constexprs(
         ROW_ALIGN=row_align,
         # (a hand-made config may ask for TMA where a tile spans pages: the boxes cannot)
         TMA=bool(tma and cfg.tma and block_size % cfg.tile_n == 0),
+        KV_UPCAST=bool(cfg.kv_upcast and kv_bytes == 1 and not dot_ieee),
+        PTX=ptx,
     )

@@ -70,7 +70,12 @@ def _scale_args(
 
 
 def _configs(
-    q: torch.Tensor, kv_cache: torch.Tensor, head_size_v: int, block_size: int, v_from_k: bool
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    head_size_v: int,
+    block_size: int,
+    v_from_k: bool,
+    inline_scales: bool = False,
 ):
     arch, num_sms = arch_and_sms(q.device)
     group = q.shape[1] // kv_cache.shape[1]
@@ -82,6 +87,7 @@ def _configs(
         elem_bytes=kv_cache.element_size(),
         arch=arch,
         v_from_k=v_from_k,
+        inline_scales=inline_scales,
     )
     return select_config("decode", **shape), select_config("prefill", **shape), num_sms
 
@@ -150,7 +156,9 @@ def paged_attention_triton(
     num_seqs = block_table.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return (out, lse) if lse is not None else out
-    cfg_dec, cfg_pre, num_sms = _configs(q, kv_cache, head_size_v, block_size, v_from_k)
+    cfg_dec, cfg_pre, num_sms = _configs(
+        q, kv_cache, head_size_v, block_size, v_from_k, inline_scales=scale_start is not None
+    )
     group = num_q_heads // num_kv_heads
     # (a hand-made config may leave heads_per_program at 0: the whole group, as kernel_constexprs)
     chunks_dec = -(-group // (cfg_dec.heads_per_program or group))
@@ -190,6 +198,8 @@ def paged_attention_triton(
         v_from_k=v_from_k,
         scale_words=scale_words,
         row_align=row_align(kv_cache.stride()[:3]),
+        kv_bytes=kv_cache.element_size(),
+        ptx=type(paged_attention_kernel).__name__ != "InterpretedFunction",
     )
     head_args = (q, *q.stride(), kv_cache, *kv_cache.stride(), kvs)
     args = (

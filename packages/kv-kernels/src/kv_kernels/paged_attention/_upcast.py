@@ -1,0 +1,114 @@
+"""Upcasts of 1-byte KV tiles (fp8 / int8 pages) for the paged-attention kernel's MMAs, and the
+per-row fp16 query they meet (``KV_UPCAST``, see :mod:`._kernels`).
+
+Why. Left to itself, Triton moves a tile's upcast after the layout conversion into the MMA
+operand (8 bits through shared memory are cheaper than 16), and on sm_90 (triton 3.6 and 3.9) an
+8-bit K^T operand is then read from shared memory one byte at a time, and fp8 widens to bf16
+element by element through f16. Upcasting here, in the layout the tile was loaded in, by packed
+PTX conversions that Triton treats as opaque (``is_pure=False``: it cannot move the layout
+conversion above them), leaves a 16-bit tile that reaches the MMA through shared memory in
+16-byte stores and ``ldmatrix``. The conversions emit only the exact integer / fp8 -> fp16
+widenings; fp16 holds every int8, e4m3 and e5m2 value exactly.
+
+The interpreter cannot run inline PTX: with ``PTX`` off the same tiles convert by ``.to`` (same
+values, Triton's own placement), which is what the interpreter tests run.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["f16_rows", "upcast_tile"]
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    # 4 bytes of a register -> two f16x2 registers, byte i -> element i (low half first)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def _e5m2_to_f16(x):
+    # an e5m2 byte is the high byte of the f16 of the same value: [0, b0, 0, b1], [0, b2, 0, b3]
+    return tl.inline_asm_elementwise(
+        "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;",
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def _i8_to_f16(x):
+    # x ^ 0x80 is x + 128 as an unsigned byte u; the f16 with bits 0x64uu is 1024 + u exactly
+    # (ulp 1 in [1024, 2048)); less 1152 (0x6480) gives x. 2 PRMT + 2 HSUB2 + 1 LOP3 per 4 values.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 u, a, b, c; xor.b32 u, $2, 0x80808080; "
+        "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x5342; "
+        "mov.b32 c, 0x64806480; sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def _pin_layout(x):
+    # a register move Triton cannot see through (ptxas removes it): keeps the layout conversion
+    # into the MMA operand after the upcast before it
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2
+    )
+
+
+@triton.jit
+def upcast_tile(x, DST: tl.constexpr, PTX: tl.constexpr):
+    """``x`` (any tile) as ``DST``; with ``PTX``, a 1-byte ``x`` converts in its own layout by the
+    packed PTX above (fp16 from int8 / e4m3 / e5m2; other pairs by ``.to``, then pinned)."""
+    if PTX and x.dtype.primitive_bitwidth == 8:
+        # (fp8 handed over as its bytes: the asm reads registers, not fp8 values)
+        if DST.is_fp16() and x.dtype.is_fp8e4nv():
+            return _e4m3_to_f16(x.to(tl.uint8, bitcast=True))
+        if DST.is_fp16() and x.dtype.is_fp8e5():
+            return _e5m2_to_f16(x.to(tl.uint8, bitcast=True))
+        if DST.is_fp16() and x.dtype.is_int8():
+            return _i8_to_f16(x)
+        return _pin_layout(x.to(DST))
+    return x.to(DST)
+
+
+@triton.jit
+def f16_rows(q, q2, D_TAIL: tl.constexpr):
+    """The query rows ``[M, D]`` (and tail ``[M, D_TAIL]``) as fp16, each scaled by the power of
+    two that puts its largest magnitude in ``[2^14, 2^15)``, and ``[M]`` the inverse scales.
+
+    A bf16 row has 8 significant bits, fp16 11: scaled this way every element within 2^-28 of
+    its row's maximum converts exactly (smaller ones add less than 2^-28 of the row's largest
+    product to a logit), and nothing overflows fp16 (65504) whatever the bf16 range. The scale
+    is built from the exponent bits (exact, no ``exp2``); an all-zero row keeps scale 1-ish.
+    """
+    a = tl.max(tl.abs(q.to(tl.float32)), 1)
+    if D_TAIL > 0:
+        a = tl.maximum(a, tl.max(tl.abs(q2.to(tl.float32)), 1))
+    e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: a in [2^(e-127), 2^(e-126))
+    e = tl.minimum(tl.maximum(e, 15), 254)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
+    down = ((e - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 141)
+    q16 = (q.to(tl.float32) * up[:, None]).to(tl.float16)
+    q2_16 = q16
+    if D_TAIL > 0:
+        q2_16 = (q2.to(tl.float32) * up[:, None]).to(tl.float16)
+    return q16, q2_16, down
