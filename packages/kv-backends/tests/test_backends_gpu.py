@@ -207,15 +207,20 @@ def test_cache_over_2_31_elements(name: str) -> None:
     assert b.kv_cache.numel() > 2**31
     _skip_unless_usable(name, b.config)
     if name == "FLEX_ATTENTION":
-        builder = get_backend(name).make_builder(b.config, b.layout, device="cuda")
-        md = builder.build(b.common)
-        # The view is cut into windows below 2^31 elements: at least two are touched here.
-        assert len(md.windows) >= 2 and all(w.base_token >= 0 for w in md.windows)
         impl = get_backend(name).make_impl(b.config, b.layout, sinks=b.sinks)
-        out = impl.forward(None, b.q, b.kv_cache, md)
-    else:
-        out = run_backend(name, b)
-    _check(out, b, "bfloat16")
+        # prefill="paged": the view is cut into windows below 2^31 elements, at least two
+        # touched here. The default ("auto": these 64-token tiles span pages of 16, so the
+        # flattened call reads a gathered copy) gathers from past 2^31 into one window.
+        for prefill, windows in (("paged", 2), ("auto", 1)):
+            builder = get_backend(name).make_builder(
+                b.config, b.layout, device="cuda", prefill=prefill
+            )
+            md = builder.build(b.common)
+            assert len(md.windows) >= windows and all(w.base_token >= 0 for w in md.windows)
+            assert (prefill == "auto") == all(w.gather is not None for w in md.windows)
+            _check(impl.forward(None, b.q, b.kv_cache, md), b, "bfloat16")
+        return
+    _check(run_backend(name, b), b, "bfloat16")
 
 
 def test_flex_compiled_block_16_needs_no_user_options() -> None:
