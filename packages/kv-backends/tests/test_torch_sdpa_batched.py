@@ -18,6 +18,7 @@ from kv_backends.backends import torch_sdpa
 from kv_backends.backends._torch_ops import (
     attend_one_request,
     dequant,
+    gather_padded_kv,
     gather_request_kv,
     padded_length,
     plan_padded_groups,
@@ -326,3 +327,50 @@ def test_cache_write_fast_path_applies_where_it_should() -> None:
     assert not write_kv_slots(k, v, batch(order="BLNHC").kv_cache, b.all_slots, b.layout)
     fp8 = batch(kv_cache_dtype="fp8_e4m3")
     assert not write_kv_slots(k, v, fp8.kv_cache, fp8.all_slots, fp8.layout)
+
+
+# -- the row gather: K/V rows of D elements in one index_select, where the layout allows -------
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"kv_cache_dtype": "bfloat16"}, {"kv_cache_dtype": "fp8_e4m3"}, {"head_size_v": 24}],
+    ids=["float32", "bf16_cache", "fp8", "diffkv"],
+)
+def test_row_gather_gives_the_page_gather_bytes(order: str, kw: dict[str, object]) -> None:
+    """``gather_kv_rows`` (one index_select of D-element rows) returns the page gather's bytes in
+    every layout order, on the second layer of a two-layer storage (so the index is relative to
+    the layer view); V narrower than K has no row array and falls back (``None``)."""
+    from kv_backends.backends._torch_ops import gather_kv_rows, kv_row_index
+
+    b = make_paged_batch(
+        query_lens=[1, 1, 1], seq_lens=[9, 40, 33], order=order, num_layers=2, layer=1, **kw
+    )  # type: ignore[arg-type]
+    impl = get_backend("TORCH_SDPA").make_impl(
+        b.config, b.layout, k_scale=b.k_scale, v_scale=b.v_scale
+    )
+    k_scale, v_scale = impl.scales(None, b.q.device)
+    rows = torch.tensor([[3, 0, 0], [1, 4, 2], [2, 5, 0]])  # [G, nblk], shuffled, 0 = padding
+    want = gather_padded_kv(b.kv_cache, rows, b.layout, k_scale, v_scale)
+    index = kv_row_index(b.kv_cache, rows, b.layout)
+    if b.layout.head_size_v != b.layout.head_size:
+        assert index is None
+        return
+    assert index is not None
+    got = gather_kv_rows(b.kv_cache, index, (3, 48), b.layout, k_scale, v_scale)
+    for g, w in zip(got, want, strict=True):
+        assert g.is_contiguous() and g.dtype == torch.float32
+        assert torch.equal(g, w)
+
+
+def test_the_engine_layout_takes_the_row_gather() -> None:
+    """The default float32 LBNHC cache (kvstack's engine) is a row array: the step plan holds one
+    row index per group, shared by the layers of one storage."""
+    b = _batch(query_lens=[1, 1, 5], seq_lens=[20, 130, 70], pad_tokens=0)
+    md = _metadata(b)
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    impl.forward(None, b.q, b.kv_cache, md)
+    (plan,) = md.plans.values()
+    assert len(plan.kv_rows) == 1
+    assert all(index is not None for index in next(iter(plan.kv_rows.values())))

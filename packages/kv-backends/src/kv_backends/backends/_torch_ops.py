@@ -4,6 +4,7 @@ attention the TORCH_SDPA backend (and so every test's oracle) is made of."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +16,14 @@ __all__ = [
     "attend_decode",
     "attend_one_request",
     "attend_padded",
-    "check_block_table",
+    "batch_columns",
     "dequant",
+    "gather_kv_rows",
     "gather_padded_kv",
     "gather_request_kv",
-    "padded_block_rows",
+    "group_by_padded_shape",
+    "kv_row_index",
+    "padded_groups",
     "padded_length",
     "padded_mask",
     "plan_padded_groups",
@@ -219,6 +223,70 @@ class PaddedGroup:
     seq_len: int  # Sb, a whole number of cache blocks
 
 
+def group_by_padded_shape(
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    *,
+    one_request_per_group: bool = False,
+) -> list[tuple[int, int, list[int]]]:
+    """``(Lb, Sb, requests)`` of each group of :func:`plan_padded_groups`, in its order (decode
+    groups, ``Lb = 1``, first), from host lengths only."""
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for r, s in enumerate(seq_lens):
+        n = query_start_loc[r + 1] - query_start_loc[r]
+        if n == 0:
+            continue
+        if n > s:
+            raise ValueError(f"request {r}: query_len={n} exceeds seq_len={s}")
+        sb = -(-padded_length(s) // block_size) * block_size
+        lb = 1 if n == 1 else padded_length(n)
+        by_shape.setdefault((lb, sb, r if one_request_per_group else 0), []).append(r)
+    return [(lb, sb, reqs) for (lb, sb, _), reqs in sorted(by_shape.items())]
+
+
+def batch_columns(
+    shapes: list[tuple[int, int, list[int]]],
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    device: torch.device,
+) -> torch.Tensor:
+    """int64 ``[4, R']`` on ``device``: request, first query row, query length and context
+    length of every grouped request, in group order. One host tensor and one copy for the whole
+    step (small tensor ops cost more than their data here); groups take views of it."""
+    reqs = [r for _, _, rs in shapes for r in rs]
+    qsl = query_start_loc
+    return torch.tensor(
+        [
+            reqs,
+            [qsl[r] for r in reqs],
+            [qsl[r + 1] - qsl[r] for r in reqs],
+            [seq_lens[r] for r in reqs],
+        ],
+        dtype=torch.int64,
+    ).to(device)
+
+
+def padded_groups(
+    shapes: list[tuple[int, int, list[int]]], columns: torch.Tensor
+) -> list[PaddedGroup]:
+    """The :class:`PaddedGroup` of each shape, over :func:`batch_columns` ``columns``."""
+    groups = []
+    g0 = 0
+    for lb, sb, reqs in shapes:
+        g1 = g0 + len(reqs)
+        req_t, start_t, len_t, seq_t = columns[:, g0:g1].unbind(0)
+        if lb == 1:  # decodes: one real row each
+            index, valid = start_t[:, None], torch.ones_like(start_t, dtype=torch.bool)[:, None]
+        else:
+            offs = torch.arange(lb, device=columns.device)  # [Lb]
+            valid = offs[None, :] < len_t[:, None]  # [G, Lb]
+            index = start_t[:, None] + offs[None, :] * valid  # [G, Lb]; pad rows -> the first
+        groups.append(PaddedGroup(req_t, index, valid, len_t, seq_t, lb, sb))
+        g0 = g1
+    return groups
+
+
 def plan_padded_groups(
     query_start_loc: list[int],
     seq_lens: list[int],
@@ -232,90 +300,10 @@ def plan_padded_groups(
     Contexts pad to :func:`padded_length` rounded up to whole blocks of ``block_size`` (still a
     function of the request's own length), so gathered pages need no trimming.
     ``one_request_per_group`` keeps the padded shapes but gives every request its own group."""
-    by_shape: dict[tuple[int, int, int], list[int]] = {}
-    for r, s in enumerate(seq_lens):
-        n = query_start_loc[r + 1] - query_start_loc[r]
-        if n == 0:
-            continue
-        if n > s:
-            raise ValueError(f"request {r}: query_len={n} exceeds seq_len={s}")
-        sb = -(-padded_length(s) // block_size) * block_size
-        lb = 1 if n == 1 else padded_length(n)
-        by_shape.setdefault((lb, sb, r if one_request_per_group else 0), []).append(r)
-    groups = []
-    for (lb, sb, _), reqs in sorted(by_shape.items()):
-        # One host tensor per group, one copy to the device: this runs once per step, and small
-        # tensor ops cost more than their data here.
-        cols = torch.tensor(
-            [
-                reqs,
-                [query_start_loc[r] for r in reqs],
-                [query_start_loc[r + 1] - query_start_loc[r] for r in reqs],
-                [seq_lens[r] for r in reqs],
-            ]
-        ).to(device)  # [4, G]
-        req_t, start_t, len_t, seq_t = cols.unbind(0)
-        if lb == 1:  # decodes: one real row each
-            index, valid = start_t[:, None], torch.ones_like(start_t, dtype=torch.bool)[:, None]
-        else:
-            offs = torch.arange(lb, device=device)  # [Lb]
-            valid = offs[None, :] < len_t[:, None]  # [G, Lb]
-            index = start_t[:, None] + offs[None, :] * valid  # [G, Lb]; pad rows -> the first
-        groups.append(
-            PaddedGroup(
-                reqs=req_t,
-                q_index=index,
-                q_valid=valid,
-                q_lens=len_t,
-                seq_lens=seq_t,
-                query_len=lb,
-                seq_len=sb,
-            )
-        )
-    return groups
-
-
-def check_block_table(
-    block_table: torch.Tensor, seq_lens: list[int], num_blocks: int, block_size: int
-) -> None:
-    """Raise unless every block a request's context needs is in its row and inside the cache
-    (one host sync for the whole batch, not one per request)."""
-    need = [-(-s // block_size) for s in seq_lens]
-    if not need:
-        return
-    widest = max(need)
-    if widest > block_table.shape[1]:
-        r = need.index(widest)
-        raise ValueError(
-            f"request {r}: seq_len={seq_lens[r]} needs {widest} blocks of {block_size} tokens but "
-            f"block_table has {block_table.shape[1]} columns; widen the block table"
-        )
-    used = (
-        torch.arange(widest, device=block_table.device)[None, :]
-        < torch.tensor(need, device=block_table.device)[:, None]
-    )  # [R, widest]
-    ids = block_table[: len(need), :widest][used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        bad = int(((ids < 0) | (ids >= num_blocks)).nonzero()[0, 0])
-        raise ValueError(
-            f"block table references block {int(ids[bad])} outside [0, {num_blocks}); "
-            "every block a request's context covers must be a real cache block"
-        )
-
-
-def padded_block_rows(
-    block_table: torch.Tensor, group: PaddedGroup, block_size: int
-) -> torch.Tensor:
-    """The cache blocks holding the group's padded contexts, ``[G, Sb / N]`` int64. Blocks past a
-    request's context read block 0: they are masked, and a real block keeps the index in range.
-    Call :func:`check_block_table` first."""
-    nblk = group.seq_len // block_size
-    rows = block_table[group.reqs].long()  # [G, max_blocks]
-    if rows.shape[1] < nblk:  # the padded length may reach past the table's last column
-        rows = F.pad(rows, (0, nblk - rows.shape[1]))
-    rows = rows[:, :nblk]  # [G, nblk]
-    needed = -(-group.seq_lens // block_size)  # [G]
-    return rows.masked_fill(torch.arange(nblk, device=rows.device)[None, :] >= needed[:, None], 0)
+    shapes = group_by_padded_shape(
+        query_start_loc, seq_lens, block_size, one_request_per_group=one_request_per_group
+    )
+    return padded_groups(shapes, batch_columns(shapes, query_start_loc, seq_lens, device))
 
 
 def gather_padded_kv(
@@ -368,16 +356,93 @@ def gather_padded_kv(
     return out[0], out[1]
 
 
+def kv_row_index(
+    kv_cache: torch.Tensor, rows: torch.Tensor, layout: KVCacheLayout
+) -> torch.Tensor | None:
+    """Where :func:`gather_kv_rows` finds the padded contexts of ``rows`` ``[G, nblk]``: int64
+    ``[2, G, H, nblk, N]``, the K (then V) row of ``D`` elements of ``kv_cache`` ``[B, H, N, C]``
+    holding each token, counted from its K range: token ``(b, h, n)`` is row
+    ``(b * sb + h * sh + n * sn) / D``. ``None`` where the cache is not such a row array: V not
+    as wide as K, or a stride (or V's offset from K) that is not a multiple of ``D``. The index
+    depends on the strides only, so every layer view of one storage shares it."""
+    k0, k1 = layout.k_range
+    if layout.v_range is None or layout.v_range[1] - layout.v_range[0] != k1 - k0:
+        return None
+    d = k1 - k0
+    sb, sh, sn, sc = kv_cache.stride()
+    v_off = layout.v_range[0] - k0
+    if sc != 1 or any(x % d for x in (sb, sh, sn, v_off)):
+        return None
+    _, h, n, _ = kv_cache.shape
+    dev = rows.device
+    token = (  # [H, 1, N]: row of token n of head h within a block
+        torch.arange(h, device=dev)[:, None, None] * (sh // d)
+        + torch.arange(n, device=dev)[None, None, :] * (sn // d)
+    )
+    k_rows = rows.long()[:, None, :, None] * (sb // d) + token  # [G, H, nblk, N]
+    return torch.stack([k_rows, k_rows + v_off // d])  # [2, G, H, nblk, N]
+
+
+def gather_kv_rows(
+    kv_cache: torch.Tensor,
+    index: torch.Tensor,
+    group_shape: tuple[int, int],
+    layout: KVCacheLayout,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_padded_kv` in one ``index_select`` of ``D``-element rows (``index`` from
+    :func:`kv_row_index`, flattened; ``group_shape`` = ``(G, Sb)``): K and V come out contiguous
+    ``[G, H, Sb, D]`` in heads-ahead-of-tokens order with no second pass, where the page gather
+    needs a permuting copy after it (kvstack's engine benchmark, 32 decodes of ~100 tokens, one
+    layer: ~85 us of page gather and copy became ~30). Same bytes, so the same attention bits.
+    Non-float32 caches take one cast, quantized ones their scales, as in the page gather.
+    ``out``: a float32 buffer of at least ``index.numel() * D`` elements that a float32 cache's
+    K and V are gathered into (and then view), so a step's gathers reuse one allocation."""
+    b, h, n, _ = kv_cache.shape
+    sb, sh, sn, _ = kv_cache.stride()
+    k0, k1 = layout.k_range
+    assert layout.v_range is not None
+    d = k1 - k0
+    num_rows = ((b - 1) * sb + (h - 1) * sh + (n - 1) * sn + layout.v_range[0] - k0) // d + 1
+    flat = kv_cache.as_strided((num_rows, d), (d, 1), kv_cache.storage_offset() + k0)
+    g, s = group_shape
+    index = index.reshape(-1)
+    if out is not None and kv_cache.dtype == torch.float32:
+        rows = torch.index_select(flat, 0, index, out=out[: index.numel() * d].view(-1, d))
+    else:
+        rows = flat.index_select(0, index)
+    kv = rows.view(2, g, h, s, d).float()  # [2, G, H, Sb, D]
+    k, v = kv.unbind(0)
+    for x, scale in ((k, k_scale), (v, v_scale)):
+        if scale is not None:
+            x.mul_(_scale_shape(scale.to(x.device), 4, 1))
+    return k, v
+
+
 @dataclass(frozen=True)
 class PaddedMask:
-    """Which keys each padded query row of a group sees, with the rows' and keys' positions, and
-    the same mask as an additive ``0 / -inf`` term laid out like the grouped-query logits
-    (``[G * H, rep * Lb, Sb]``, ``rep = Hq // H``) so ``baddbmm`` applies it with the scale."""
+    """Which keys each padded query row of a group sees, with the rows' and keys' positions.
+    :attr:`additive` is the same mask as a ``0 / -inf`` term laid out like the grouped-query
+    logits (``[G * H, rep * Lb, Sb]``, ``rep = Hq // H``) so ``baddbmm`` applies it with the
+    scale; it is made on first use, since only the explicit softmax reads it (a prefill group's
+    SDPA call takes ``allowed``, and its additive term would be megabytes per step)."""
 
     allowed: torch.Tensor  # [G, Lb, Sb] bool
     q_pos: torch.Tensor  # [G, Lb] int64
     kv_pos: torch.Tensor  # [Sb] int64
-    additive: torch.Tensor  # [G * H, rep * Lb, Sb] float32
+    num_kv_heads: int  # H
+    q_per_kv: int  # rep
+
+    @cached_property
+    def additive(self) -> torch.Tensor:
+        """``[G * H, rep * Lb, Sb]`` float32, ``0`` where ``allowed``, else ``-inf``."""
+        g, lb, sb = self.allowed.shape
+        h, rep = self.num_kv_heads, self.q_per_kv
+        additive = torch.full(self.allowed.shape, float("-inf"), device=self.allowed.device)
+        additive.masked_fill_(self.allowed, 0.0)  # [G, Lb, Sb]
+        return additive[:, None, None].expand(g, h, rep, lb, sb).reshape(g * h, rep * lb, sb)
 
 
 def padded_mask(
@@ -391,7 +456,10 @@ def padded_mask(
     head counts, so callers may reuse it). Pad rows see key 0 only, so no row is all ``-inf``."""
     lb, sb, device = group.query_len, group.seq_len, group.seq_lens.device
     s = group.seq_lens[:, None]  # [G, 1]
-    q_pos = s - group.q_lens[:, None] + torch.arange(lb, device=device)[None, :]  # [G, Lb]
+    if lb == 1:  # a decode group: every query length is 1
+        q_pos = s - 1  # [G, 1]
+    else:
+        q_pos = s - group.q_lens[:, None] + torch.arange(lb, device=device)[None, :]  # [G, Lb]
     kv_pos = torch.arange(sb, device=device)  # [Sb]
     allowed = kv_pos[None, None, :] < s[:, :, None]  # [G, 1, Sb]: the context
     if causal and lb > 1:  # a decode row sits at s - 1: causal adds nothing to the context rule
@@ -403,12 +471,7 @@ def padded_mask(
     if lb > 1:
         pad = ~group.q_valid[:, :, None] & (kv_pos == 0)[None, None, :]  # [G, Lb, Sb]
         allowed = (allowed & group.q_valid[:, :, None]) | pad
-    g = allowed.shape[0]
-    additive = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
-    additive = (additive[:, None, None].expand(g, num_kv_heads, q_per_kv, lb, sb)).reshape(
-        g * num_kv_heads, q_per_kv * lb, sb
-    )
-    return PaddedMask(allowed=allowed, q_pos=q_pos, kv_pos=kv_pos, additive=additive)
+    return PaddedMask(allowed, q_pos, kv_pos, num_kv_heads, q_per_kv)
 
 
 def attend_padded(
@@ -466,17 +529,20 @@ def attend_decode(
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`attend_padded` for a decode group (``Lb = 1``) with the query rows as they come:
     ``q`` ``[G, Hq, D]`` -> ``[G, Hq, Dv]`` float32. The same ops on the same shapes, so the same
-    bits, without the query-length axis and its views: decodes are most of a step's groups."""
+    bits, without the query-length axis and its views: decodes are most of a step's groups.
+    ``out``: a contiguous float32 ``[G, Hq, Dv]`` to write the result into (and return)."""
     g, hq, _ = q.shape
     h = k.shape[1]
-    out = _attend_explicit(
+    res = _attend_explicit(
         q.float().view(g * h, hq // h, -1), k, v, mask,
         scale=scale, sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+        out=None if out is None else out.view(g * h, hq // h, -1),
     )  # fmt: skip
-    return out.view(g, hq, -1)
+    return res.view(g, hq, -1)
 
 
 def _alibi_bias(alibi_slopes: torch.Tensor, mask: PaddedMask) -> torch.Tensor:
@@ -497,10 +563,11 @@ def _attend_explicit(
     sinks: torch.Tensor | None,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decodes, sinks or softcap: an explicit softmax. ``q3`` ``[G*H, rep*Lb, D]`` float32 (query
     head ``h * rep + i`` of request ``g`` at ``[g*H + h, i*Lb : (i+1)*Lb]``), ``k``/``v`` as in
-    :func:`attend_padded`. Returns ``[G*H, rep*Lb, Dv]``."""
+    :func:`attend_padded`. Returns ``[G*H, rep*Lb, Dv]`` (in ``out`` when given)."""
     g, h, sb = k.shape[0], k.shape[1], k.shape[2]
     lb = mask.allowed.shape[1]
     hq = q3.shape[1] // lb * h
@@ -524,4 +591,4 @@ def _attend_explicit(
         probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :sb]
     else:
         probs = torch.softmax(logits, dim=-1)
-    return torch.bmm(probs.reshape(g * h, -1, sb), v.reshape(g * h, sb, -1))
+    return torch.bmm(probs.reshape(g * h, -1, sb), v.reshape(g * h, sb, -1), out=out)

@@ -19,17 +19,20 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
+from kv_spec import KVCacheLayout
 
 from kv_backends.backends._torch_ops import (
-    PaddedGroup,
     PaddedMask,
     attend_decode,
     attend_padded,
-    check_block_table,
+    batch_columns,
+    gather_kv_rows,
     gather_padded_kv,
-    padded_block_rows,
+    group_by_padded_shape,
+    kv_row_index,
+    padded_groups,
     padded_mask,
-    plan_padded_groups,
     write_kv_slots,
 )
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
@@ -41,20 +44,66 @@ __all__ = ["TorchSDPABackend", "TorchSDPABuilder", "TorchSDPAImpl", "TorchSDPAMe
 
 class _StepPlan:
     """What every layer of one step shares: the request groups, their gather rows and (per causal
-    and window rule) their masks. Made by the first layer that sees a step's metadata and kept on
-    that metadata object (per-batch facts live on metadata instances, not in module state);
-    ``key`` pins the block table's in-place version and the cache geometry, so a table edited in
-    place never reuses a stale plan."""
+    and window rule, per cache geometry) their masks and K/V row indices. Made by the first layer
+    that sees a step's metadata and kept on that metadata object (per-batch facts live on
+    metadata instances, not in module state); ``key`` pins the block table's in-place version and
+    the cache geometry, so a table edited in place never reuses a stale plan.
+
+    Every per-request tensor is a view of one batch-wide tensor (requests in group order): a
+    plan costs a fixed handful of ops, not a handful per group, since it is rebuilt every step.
+    """
 
     def __init__(
-        self, key: tuple[object, ...], groups: list[PaddedGroup], rows: list[torch.Tensor]
+        self,
+        key: tuple[object, ...],
+        metadata: AttentionMetadata,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
     ) -> None:
         self.key = key
-        self.groups = groups
-        self.rows = rows  # per group, [G, nblk] int64
+        qsl = (
+            metadata.query_start_loc_cpu
+            if metadata.query_start_loc_cpu is not None
+            else metadata.query_start_loc.cpu()
+        ).tolist()[: metadata.num_reqs + 1]
+        seq_lens = (
+            metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens.cpu()
+        ).tolist()[: metadata.num_reqs]
+        # On the CPU, torch's bmm and SDPA pick their kernel per matrix shape, so a group's batch
+        # size cannot change a request's bits (test_torch_sdpa_batched.py checks it). cuBLAS
+        # heuristics also weigh the batch count (split-K among them), so elsewhere each request
+        # keeps a call of its own, as before batching: invariant by construction, slower, and
+        # TORCH_SDPA is not the GPU's fast path.
+        shapes = group_by_padded_shape(
+            qsl, seq_lens, block_size, one_request_per_group=device.type != "cpu"
+        )
+        columns = batch_columns(shapes, qsl, seq_lens, device)  # [4, R'], requests in group order
+        self.groups = padded_groups(shapes, columns)
+        self.bounds: list[tuple[int, int]] = []  # per group, its requests' range in ``columns``
+        for _, _, reqs in shapes:
+            g0 = self.bounds[-1][1] if self.bounds else 0
+            self.bounds.append((g0, g0 + len(reqs)))
+        self.num_rows = qsl[-1]  # query rows [0, num_rows) belong to some group
+        # Only requests with query rows read their pages (as before batching: an idle row may be
+        # stale), so only theirs are checked.
+        width = max((sb // block_size for _, sb, _ in shapes), default=0)
+        grouped_seq = [seq_lens[r] for _, _, reqs in shapes for r in reqs]
+        self.table_rows = _block_rows(
+            metadata.block_table, columns[0], grouped_seq, width, num_blocks, block_size
+        )  # [R', width]
+        self.rows = [  # per group, [G, nblk] int64 (views)
+            self.table_rows[g0:g1, : g.seq_len // block_size]
+            for g, (g0, g1) in zip(self.groups, self.bounds, strict=True)
+        ]
         # per group, the query rows flat ([G] for a decode group, [G*Lb] for the rest)
-        self.q_rows = [g.q_index.view(-1) for g in groups]
+        self.q_rows = [g.q_index.view(-1) for g in self.groups]
+        # Decode groups sort first (Lb = 1); their query rows, in group order, let a layer
+        # select all decode queries and place all their outputs with one op each.
+        num_decode = sum(len(reqs) for lb, _, reqs in shapes if lb == 1)
+        self.decode_rows = columns[1, :num_decode]  # [R_decode]
         self.masks: dict[tuple[bool, int | None, int, int], list[PaddedMask]] = {}
+        self.kv_rows: dict[tuple[object, ...], list[torch.Tensor | None]] = {}
 
     def masks_for(
         self, causal: bool, sliding_window: int | None, num_kv_heads: int, q_per_kv: int
@@ -64,54 +113,109 @@ class _StepPlan:
             self.masks[rule] = [padded_mask(g, *rule) for g in self.groups]
         return self.masks[rule]
 
+    def kv_rows_for(self, cache: torch.Tensor, layout: KVCacheLayout) -> list[torch.Tensor | None]:
+        """Per group, :func:`kv_row_index` of ``cache`` flattened (``None``: gather pages
+        instead); layer views of one storage have the same strides, so a step computes it once."""
+        geometry = (cache.stride(), layout.k_range, layout.v_range)
+        if geometry not in self.kv_rows:
+            index = kv_row_index(cache, self.table_rows, layout)  # [2, R', H, width, N]
+            self.kv_rows[geometry] = [
+                None if index is None else index[:, g0:g1, :, : rows.shape[1]].reshape(-1)
+                for rows, (g0, g1) in zip(self.rows, self.bounds, strict=True)
+            ]
+        return self.kv_rows[geometry]
+
+
+class _Scratch:
+    """A float32 buffer per device, grown as needed, that the K/V gathers of every step built by
+    one builder write into: a layer's gathered K/V are read by its attention calls and dropped
+    before the next gather, so one buffer serves every group, layer and step. A fresh buffer per
+    gather (megabytes on a long batch) costs the CPU a page fault per 4 KiB whenever the
+    allocator has handed the memory back in between (thousands per batch on kvstack's engine
+    benchmark)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A float32 ``[numel]`` view of the device's buffer (valid until the next ``take``)."""
+        buf = self.buffers.get(device)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[device] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf[:numel]
+
 
 @dataclass(frozen=True, kw_only=True)
 class TorchSDPAMetadata(AttentionMetadata):
     """:class:`AttentionMetadata` plus the step's plans, built once and shared by the group's
-    layers (keyed by cache geometry; not part of equality)."""
+    layers (keyed by cache geometry), and the builder's gather buffer (neither part of
+    equality)."""
 
     plans: dict[tuple[object, ...], _StepPlan] = field(
         default_factory=dict, compare=False, repr=False
     )
+    scratch: _Scratch = field(default_factory=_Scratch, compare=False, repr=False)
 
 
 class TorchSDPABuilder(MetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         md = super().build(common)
-        return TorchSDPAMetadata(**{f.name: getattr(md, f.name) for f in fields(md)})
+        if not hasattr(self, "_scratch"):
+            self._scratch = _Scratch()
+        return TorchSDPAMetadata(
+            **{f.name: getattr(md, f.name) for f in fields(md)}, scratch=self._scratch
+        )
 
 
 def _step_plan(
     metadata: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device
 ) -> _StepPlan:
-    table = metadata.block_table
-    key = (table._version, num_blocks, block_size, device)
+    key = (metadata.block_table._version, num_blocks, block_size, device)
     plans = metadata.plans if isinstance(metadata, TorchSDPAMetadata) else {}
     plan = plans.get(key)
-    if plan is not None:
-        return plan
-    qsl = (
-        metadata.query_start_loc_cpu
-        if metadata.query_start_loc_cpu is not None
-        else metadata.query_start_loc.cpu()
-    ).tolist()[: metadata.num_reqs + 1]
-    seq_lens = (
-        metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens.cpu()
-    ).tolist()[: metadata.num_reqs]
-    # On the CPU, torch's bmm and SDPA pick their kernel per matrix shape, so a group's batch size
-    # cannot change a request's bits (test_torch_sdpa_batched.py checks it). cuBLAS heuristics
-    # also weigh the batch count (split-K among them), so elsewhere each request keeps a call of
-    # its own, as before batching: invariant by construction, slower, and TORCH_SDPA is not the
-    # GPU's fast path.
-    groups = plan_padded_groups(
-        qsl, seq_lens, block_size, device, one_request_per_group=device.type != "cpu"
-    )
-    # Only requests with query rows read their pages (as before batching: an idle row may be stale).
-    read = [s if qsl[r + 1] > qsl[r] else 0 for r, s in enumerate(seq_lens)]
-    check_block_table(table, read, num_blocks, block_size)
-    rows = [padded_block_rows(table, g, block_size) for g in groups]
-    plan = plans[key] = _StepPlan(key, groups, rows)
+    if plan is None:
+        plan = plans[key] = _StepPlan(key, metadata, num_blocks, block_size, device)
     return plan
+
+
+def _block_rows(
+    block_table: torch.Tensor,
+    reqs: torch.Tensor,
+    seq_lens: list[int],
+    width: int,
+    num_blocks: int,
+    block_size: int,
+) -> torch.Tensor:
+    """int64 ``[R', width]``: the first ``width`` cache blocks of requests ``reqs`` ``[R']``
+    (device) whose contexts are ``seq_lens`` (host, one per request of ``reqs``). Blocks past a
+    request's context read block 0: they are masked, and a real block keeps the index in range.
+    Raises unless every block a context needs is in its row and inside the cache (one host sync
+    for the whole batch)."""
+    need = [-(-s // block_size) for s in seq_lens]
+    widest = max(need, default=0)
+    if widest > block_table.shape[1]:
+        i = need.index(widest)
+        raise ValueError(
+            f"request {int(reqs[i])}: seq_len={seq_lens[i]} needs {widest} blocks of {block_size} "
+            f"tokens but block_table has {block_table.shape[1]} columns; widen the block table"
+        )
+    rows = block_table[:, :width].index_select(0, reqs).long()  # [R', <= width]
+    if rows.shape[1] < width:  # the padded length may reach past the table's last column
+        rows = F.pad(rows, (0, width - rows.shape[1]))
+    past = (
+        torch.arange(width, device=rows.device)[None, :]
+        >= torch.tensor(need).to(rows.device)[:, None]
+    )  # [R', width]
+    rows = rows.masked_fill_(past, 0)
+    if rows.numel():
+        lo, hi = torch.aminmax(rows)  # one reduction, one sync
+        if int(lo) < 0 or int(hi) >= num_blocks:
+            bad = rows[(rows < 0) | (rows >= num_blocks)]
+            raise ValueError(
+                f"block table references block {int(bad[0])} outside [0, {num_blocks}); "
+                "every block a request's context covers must be a real cache block"
+            )
+    return rows
 
 
 class TorchSDPAImpl(AttentionImpl):
@@ -156,34 +260,55 @@ class TorchSDPAImpl(AttentionImpl):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.check_forward_inputs(q, kv_cache, metadata)
-        result = self.empty_output(q, out)
         cache, klayout = self.kernel_cache(kv_cache)  # [B*k, H, kbs, C]
         params = self.device_params(q.device)
         k_scale, v_scale = self.scales(layer, q.device)
         plan = _step_plan(metadata, cache.shape[0], klayout.block_size, q.device)
+        # Every query row below plan.num_rows is written by its group, so only the rest is
+        # cleared (no zero fill of the whole output first).
+        shape = (q.shape[0], self.num_q_heads, self.head_size_v)
+        result = torch.empty(shape, dtype=q.dtype, device=q.device) if out is None else out
+        result = self.empty_output(q, result)
         num_kv_heads = cache.shape[1]
         masks = plan.masks_for(
             self.causal, self.sliding_window, num_kv_heads, self.num_q_heads // num_kv_heads
         )
-        for group, rows, q_rows, mask in zip(
-            plan.groups, plan.rows, plan.q_rows, masks, strict=True
+        kv_rows = plan.kv_rows_for(cache, klayout)
+        scratch = metadata.scratch if isinstance(metadata, TorchSDPAMetadata) else None
+        head_size = self.head_size
+        # Decode groups come first: their queries are selected, and their outputs placed, with
+        # one op each for all of them (the groups read and write slices in between).
+        num_decode = plan.decode_rows.numel()
+        if num_decode:
+            q_dec = q.index_select(0, plan.decode_rows)  # [R_decode, Hq, D]
+            o_dec = torch.empty(num_decode, *shape[1:], dtype=torch.float32, device=q.device)
+        for group, rows, q_rows, (g0, g1), mask, index in zip(
+            plan.groups, plan.rows, plan.q_rows, plan.bounds, masks, kv_rows, strict=True
         ):
-            k, v = gather_padded_kv(cache, rows, klayout, k_scale, v_scale)  # [G, H, Sb, D|Dv]
-            qg = q.index_select(0, q_rows)  # [G*Lb, Hq, D]
+            if index is not None:
+                buf = scratch.take(index.numel() * head_size, q.device) if scratch else None
+                k, v = gather_kv_rows(
+                    cache, index, (g1 - g0, group.seq_len), klayout, k_scale, v_scale, out=buf
+                )  # [G, H, Sb, D] each
+            else:
+                k, v = gather_padded_kv(cache, rows, klayout, k_scale, v_scale)  # [G, H, Sb, D|Dv]
             if group.query_len == 1:  # decode: every row is real, no query-length axis
-                o = attend_decode(
-                    qg, k, v, mask, scale=self.scale, sinks=params.sinks,
-                    softcap=self.softcap, alibi_slopes=params.alibi_slopes,
+                attend_decode(
+                    q_dec[g0:g1], k, v, mask, scale=self.scale, sinks=params.sinks,
+                    softcap=self.softcap, alibi_slopes=params.alibi_slopes, out=o_dec[g0:g1],
                 )  # fmt: skip  # [G, Hq, Dv]
-                result.index_copy_(0, q_rows, o.to(result.dtype))
                 continue
+            qg = q.index_select(0, q_rows)  # [G*Lb, Hq, D]
             o = attend_padded(
                 qg.view(*group.q_index.shape, *q.shape[1:]), k, v, mask, scale=self.scale,
                 sinks=params.sinks, softcap=self.softcap, alibi_slopes=params.alibi_slopes,
             )  # fmt: skip  # [G, Lb, Hq, Dv]
             result[group.q_index[group.q_valid]] = o[group.q_valid].to(result.dtype)
-        if q.shape[0] > metadata.num_actual_tokens:
-            result[metadata.num_actual_tokens :] = 0
+        if num_decode:
+            result.index_copy_(0, plan.decode_rows, o_dec.to(result.dtype))
+        tail = min(plan.num_rows, metadata.num_actual_tokens)
+        if q.shape[0] > tail:
+            result[tail:] = 0
         return result
 
 

@@ -180,12 +180,14 @@ class CausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        # The residual stream is added to in place: x is this call's own tensor (the
+        # embedding's output) and nothing else holds it, so each add saves an allocation.
         for i, layer in enumerate(self.decoder_layers()):
             h = layer.input_layernorm(x)
             q, k, v = layer.self_attn.qkv(h, self.rotary, cos, sin)
             o = attend(i, q, k, v)  # [T, Hq, Dv]
-            x = x + layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x.add_(layer.self_attn.o_proj(o.reshape(o.shape[0], -1)))
+            x.add_(layer.mlp(layer.post_attention_layernorm(x)))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
