@@ -228,10 +228,14 @@ class AttentionImpl:
             return view, self._kernel_layout
         return _kernel_view(kv_cache, self.layout, kbs), self._kernel_layout
 
-    def empty_output(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    def empty_output(
+        self, q: torch.Tensor, out: torch.Tensor | None, *, zeroed: bool = True
+    ) -> torch.Tensor:
+        """``out`` checked against ``[T, Hq, Dv]`` in q's dtype, or a new such tensor: zeros, or
+        uninitialized with ``zeroed=False`` for a caller that writes every row itself."""
         shape = (q.shape[0], self.num_q_heads, self.head_size_v)
         if out is None:
-            return torch.zeros(shape, dtype=q.dtype, device=q.device)
+            return (torch.zeros if zeroed else torch.empty)(shape, dtype=q.dtype, device=q.device)
         if tuple(out.shape) != shape or out.dtype != q.dtype:
             raise ValueError(
                 f"out has shape {tuple(out.shape)} / {out.dtype}; expected {shape} / {q.dtype}"

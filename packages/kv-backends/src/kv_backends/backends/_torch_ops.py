@@ -390,16 +390,13 @@ def gather_kv_rows(
     layout: KVCacheLayout,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_padded_kv` in one ``index_select`` of ``D``-element rows (``index`` from
     :func:`kv_row_index`, flattened; ``group_shape`` = ``(G, Sb)``): K and V come out contiguous
     ``[G, H, Sb, D]`` in heads-ahead-of-tokens order with no second pass, where the page gather
-    needs a permuting copy after it (kvstack's engine benchmark, 32 decodes of ~100 tokens, one
-    layer: ~85 us of page gather and copy became ~30). Same bytes, so the same attention bits.
-    Non-float32 caches take one cast, quantized ones their scales, as in the page gather.
-    ``out``: a float32 buffer of at least ``index.numel() * D`` elements that a float32 cache's
-    K and V are gathered into (and then view), so a step's gathers reuse one allocation."""
+    needs a permuting copy after it (one op instead of two per group and layer; hand-timed as
+    cheaper on the CPU, not a committed benchmark). Same bytes, so the same attention bits.
+    Non-float32 caches take one cast, quantized ones their scales, as in the page gather."""
     b, h, n, _ = kv_cache.shape
     sb, sh, sn, _ = kv_cache.stride()
     k0, k1 = layout.k_range
@@ -409,11 +406,7 @@ def gather_kv_rows(
     flat = kv_cache.as_strided((num_rows, d), (d, 1), kv_cache.storage_offset() + k0)
     g, s = group_shape
     index = index.reshape(-1)
-    if out is not None and kv_cache.dtype == torch.float32:
-        rows = torch.index_select(flat, 0, index, out=out[: index.numel() * d].view(-1, d))
-    else:
-        rows = flat.index_select(0, index)
-    kv = rows.view(2, g, h, s, d).float()  # [2, G, H, Sb, D]
+    kv = flat.index_select(0, index).view(2, g, h, s, d).float()  # [2, G, H, Sb, D]
     k, v = kv.unbind(0)
     for x, scale in ((k, k_scale), (v, v_scale)):
         if scale is not None:

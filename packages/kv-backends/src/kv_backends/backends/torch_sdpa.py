@@ -126,45 +126,20 @@ class _StepPlan:
         return self.kv_rows[geometry]
 
 
-class _Scratch:
-    """A float32 buffer per device, grown as needed, that the K/V gathers of every step built by
-    one builder write into: a layer's gathered K/V are read by its attention calls and dropped
-    before the next gather, so one buffer serves every group, layer and step. A fresh buffer per
-    gather (megabytes on a long batch) costs the CPU a page fault per 4 KiB whenever the
-    allocator has handed the memory back in between (thousands per batch on kvstack's engine
-    benchmark)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-
-    def take(self, numel: int, device: torch.device) -> torch.Tensor:
-        """A float32 ``[numel]`` view of the device's buffer (valid until the next ``take``)."""
-        buf = self.buffers.get(device)
-        if buf is None or buf.numel() < numel:
-            buf = self.buffers[device] = torch.empty(numel, dtype=torch.float32, device=device)
-        return buf[:numel]
-
-
 @dataclass(frozen=True, kw_only=True)
 class TorchSDPAMetadata(AttentionMetadata):
     """:class:`AttentionMetadata` plus the step's plans, built once and shared by the group's
-    layers (keyed by cache geometry), and the builder's gather buffer (neither part of
-    equality)."""
+    layers (keyed by cache geometry; not part of equality)."""
 
     plans: dict[tuple[object, ...], _StepPlan] = field(
         default_factory=dict, compare=False, repr=False
     )
-    scratch: _Scratch = field(default_factory=_Scratch, compare=False, repr=False)
 
 
 class TorchSDPABuilder(MetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         md = super().build(common)
-        if not hasattr(self, "_scratch"):
-            self._scratch = _Scratch()
-        return TorchSDPAMetadata(
-            **{f.name: getattr(md, f.name) for f in fields(md)}, scratch=self._scratch
-        )
+        return TorchSDPAMetadata(**{f.name: getattr(md, f.name) for f in fields(md)})
 
 
 def _step_plan(
@@ -265,30 +240,25 @@ class TorchSDPAImpl(AttentionImpl):
         k_scale, v_scale = self.scales(layer, q.device)
         plan = _step_plan(metadata, cache.shape[0], klayout.block_size, q.device)
         # Every query row below plan.num_rows is written by its group, so only the rest is
-        # cleared (no zero fill of the whole output first).
-        shape = (q.shape[0], self.num_q_heads, self.head_size_v)
-        result = torch.empty(shape, dtype=q.dtype, device=q.device) if out is None else out
-        result = self.empty_output(q, result)
+        # cleared below (no zero fill of the whole output first).
+        result = self.empty_output(q, out, zeroed=False)
         num_kv_heads = cache.shape[1]
         masks = plan.masks_for(
             self.causal, self.sliding_window, num_kv_heads, self.num_q_heads // num_kv_heads
         )
         kv_rows = plan.kv_rows_for(cache, klayout)
-        scratch = metadata.scratch if isinstance(metadata, TorchSDPAMetadata) else None
-        head_size = self.head_size
         # Decode groups come first: their queries are selected, and their outputs placed, with
         # one op each for all of them (the groups read and write slices in between).
         num_decode = plan.decode_rows.numel()
         if num_decode:
             q_dec = q.index_select(0, plan.decode_rows)  # [R_decode, Hq, D]
-            o_dec = torch.empty(num_decode, *shape[1:], dtype=torch.float32, device=q.device)
+            o_dec = torch.empty(num_decode, *result.shape[1:], dtype=torch.float32, device=q.device)
         for group, rows, q_rows, (g0, g1), mask, index in zip(
             plan.groups, plan.rows, plan.q_rows, plan.bounds, masks, kv_rows, strict=True
         ):
             if index is not None:
-                buf = scratch.take(index.numel() * head_size, q.device) if scratch else None
                 k, v = gather_kv_rows(
-                    cache, index, (g1 - g0, group.seq_len), klayout, k_scale, v_scale, out=buf
+                    cache, index, (g1 - g0, group.seq_len), klayout, k_scale, v_scale
                 )  # [G, H, Sb, D] each
             else:
                 k, v = gather_padded_kv(cache, rows, klayout, k_scale, v_scale)  # [G, H, Sb, D|Dv]
