@@ -22,47 +22,28 @@ import triton.language as tl
 __all__ = ["f16_rows", "upcast_tile"]
 
 
-@triton.jit
-def _e4m3_to_f16(x):
-    # 4 bytes of a register -> two f16x2 registers, byte i -> element i (low half first)
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r",
-        [x],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
-    )
+# Packed 1-byte -> fp16 conversions: 4 bytes of a register in ($2), two f16x2 registers out
+# ($0: bytes 0-1, $1: bytes 2-3, low half first).
+#: e4m3: the hardware's pairwise conversion
+_E4M3_ASM = tl.constexpr(
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
+#: e5m2: a byte is the high byte of the f16 of the same value: [0, b0, 0, b1], [0, b2, 0, b3]
+_E5M2_ASM = tl.constexpr("prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;")
+#: int8: x ^ 0x80 is x + 128 as an unsigned byte u; the f16 with bits 0x64uu is 1024 + u exactly
+#: (ulp 1 in [1024, 2048)); less 1152 (0x6480) gives x. 2 PRMT + 2 HSUB2 + 1 LOP3 per 4 values.
+_I8_ASM = tl.constexpr(
+    "{ .reg .b32 u, a, b, c; xor.b32 u, $2, 0x80808080; "
+    "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x5342; "
+    "mov.b32 c, 0x64806480; sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }"
+)
 
 
 @triton.jit
-def _e5m2_to_f16(x):
-    # an e5m2 byte is the high byte of the f16 of the same value: [0, b0, 0, b1], [0, b2, 0, b3]
-    return tl.inline_asm_elementwise(
-        "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;",
-        "=r,=r,r",
-        [x],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
-    )
-
-
-@triton.jit
-def _i8_to_f16(x):
-    # x ^ 0x80 is x + 128 as an unsigned byte u; the f16 with bits 0x64uu is 1024 + u exactly
-    # (ulp 1 in [1024, 2048)); less 1152 (0x6480) gives x. 2 PRMT + 2 HSUB2 + 1 LOP3 per 4 values.
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 u, a, b, c; xor.b32 u, $2, 0x80808080; "
-        "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x5342; "
-        "mov.b32 c, 0x64806480; sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
-        "=r,=r,r",
-        [x],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
-    )
+def _packed_to_f16(x, ASM: tl.constexpr):
+    # opaque to Triton (is_pure=False), so the conversion into the MMA operand stays after it
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
@@ -81,11 +62,11 @@ def upcast_tile(x, DST: tl.constexpr, PTX: tl.constexpr):
     if PTX and x.dtype.primitive_bitwidth == 8:
         # (fp8 handed over as its bytes: the asm reads registers, not fp8 values)
         if DST.is_fp16() and x.dtype.is_fp8e4nv():
-            return _e4m3_to_f16(x.to(tl.uint8, bitcast=True))
+            return _packed_to_f16(x.to(tl.uint8, bitcast=True), _E4M3_ASM)
         if DST.is_fp16() and x.dtype.is_fp8e5():
-            return _e5m2_to_f16(x.to(tl.uint8, bitcast=True))
+            return _packed_to_f16(x.to(tl.uint8, bitcast=True), _E5M2_ASM)
         if DST.is_fp16() and x.dtype.is_int8():
-            return _i8_to_f16(x)
+            return _packed_to_f16(x, _I8_ASM)
         return _pin_layout(x.to(DST))
     return x.to(DST)
 
