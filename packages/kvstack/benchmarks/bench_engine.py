@@ -41,6 +41,7 @@ def workload(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 REPEATS = 5
+EAGER = "kvstack LLMEngine, no CUDA graphs"
 
 
 def timed(peers: dict[str, Any]) -> dict[str, tuple[float, Any]]:
@@ -62,18 +63,26 @@ def timed(peers: dict[str, Any]) -> dict[str, tuple[float, Any]]:
 
 
 def run_kvstack(
-    model_dir: Path, prompts: list[list[int]], new: int, device: str, dtype: torch.dtype
+    model_dir: Path,
+    prompts: list[list[int]],
+    new: int,
+    device: str,
+    dtype: torch.dtype,
+    cuda_graphs: bool | None = None,
 ) -> Any:
-    """A warmed-up run of the whole batch through kvstack's engine (a callable)."""
+    """A warmed-up run of the whole batch through kvstack's engine (a callable). On a GPU its
+    decode steps replay CUDA graphs unless ``cuda_graphs=False``; the warm-up batch is the whole
+    workload there, so every capture size is recorded before timing."""
     from kvstack.engine.engine import LLMEngine
     from kvstack.engine.sampling import SamplingParams
 
     engine = LLMEngine(
         model_dir, device=device, dtype=dtype, block_size=16, kv_cache_memory=64 * 2**20,
         max_model_len=256, max_num_batched_tokens=2048, max_num_seqs=len(prompts),
+        cuda_graphs=cuda_graphs,
     )  # fmt: skip
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-    engine.generate(prompts[:2], params)  # warm-up
+    engine.generate(prompts if engine.runner.graphs else prompts[:2], params)  # warm-up
 
     def go() -> list[list[int]]:  # a fresh scheduler and pool each time: a cold prefix cache
         out = LLMEngine(runner=engine.runner, max_num_seqs=len(prompts)).generate(prompts, params)
@@ -136,6 +145,9 @@ def bench_arch(arch: str, n: int, new: int, device: str, dtype: torch.dtype) -> 
         model_dir = make_hf_checkpoint(arch, Path(tmp) / arch, **SHAPE, **extra)
         prompts = workload(n, SHAPE["vocab_size"])
         ours_go = run_kvstack(model_dir, prompts, new, device, dtype)
+        peers = {"kvstack LLMEngine": ours_go}
+        if device.startswith("cuda"):  # the same engine without CUDA graphs, for the host cost
+            peers[EAGER] = run_kvstack(model_dir, prompts, new, device, dtype, cuda_graphs=False)
         model = (
             AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
             .to(device)
@@ -143,7 +155,7 @@ def bench_arch(arch: str, n: int, new: int, device: str, dtype: torch.dtype) -> 
         )
         best = timed(
             {
-                "kvstack LLMEngine": ours_go,
+                **peers,
                 "transformers generate_batch": run_generate_batch(model, prompts, new),
                 "transformers padded generate": run_padded_generate(model, prompts, new, device),
             }
@@ -153,7 +165,15 @@ def bench_arch(arch: str, n: int, new: int, device: str, dtype: torch.dtype) -> 
     ours_s, ours = best["kvstack LLMEngine"]
     cb_s, cb = best["transformers generate_batch"]
     pad_s, pad = best["transformers padded generate"]
+    eager_fields: dict[str, Any] = {}
+    if EAGER in best:
+        eager_s, eager = best[EAGER]
+        eager_fields = {
+            "eager_vs_padded_generate": pad_s / eager_s,
+            "eager_requests_equal_to_graphs": sum(a == b for a, b in zip(ours, eager, strict=True)),
+        }
     return {
+        **eager_fields,
         "arch": arch,
         "requests": n,
         "new_tokens": new,
@@ -198,6 +218,7 @@ def write(out_dir: Path, results: list[dict[str, Any]], meta: dict[str, Any]) ->
             "| model | requests x new | kvstack tok/s | generate_batch tok/s | padded generate tok/s | vs generate_batch | vs padded | equal to padded |",
             "|---|---|---|---|---|---|---|---|",
         ]
+        eager_lines = []
         for r in run["results"]:
             t = r["tokens_per_s"]
             lines.append(
@@ -206,6 +227,20 @@ def write(out_dir: Path, results: list[dict[str, Any]], meta: dict[str, Any]) ->
                 f"{r['kvstack_vs_generate_batch']:.2f}x | {r['kvstack_vs_padded_generate']:.2f}x | "
                 f"{r['requests_equal_to_padded_generate']}/{r['requests']} |"
             )
+            if EAGER in t:
+                eager_lines.append(
+                    f"- {r['arch']}: {t[EAGER]:,.0f} tok/s, {r['eager_vs_padded_generate']:.2f}x "
+                    f"padded generate; {r['eager_requests_equal_to_graphs']}/{r['requests']} "
+                    "requests' tokens equal to the graphed engine's"
+                )
+        if eager_lines:
+            lines += [
+                "",
+                "The kvstack column replays CUDA graphs for decode-only steps (the runner's "
+                "default on a GPU). The same engine without them, in the same rounds:",
+                "",
+                *eager_lines,
+            ]
         lines.append("")
     (out_dir / "engine.md").write_text("\n".join(lines))
     _plot(out_dir / "engine.png", runs)

@@ -43,6 +43,7 @@ from kv_spec import (
     to_torch_dtype,
 )
 
+from kvstack.engine.graphs import DecodeGraphs, reason_unsupported
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.loader import load_model
 from kvstack.engine.models import CausalLM
@@ -99,6 +100,10 @@ class ModelRunner:
     - ``backend`` forces one backend name for every group (the selector's ``prefer``: an error
       with its reasons if it cannot serve a group, never a silent fallback).
     - ``layout_order``: the physical KV-cache order (kv-spec's six names).
+    - ``cuda_graphs``: replay decode-only steps from CUDA graphs (:mod:`kvstack.engine.graphs`).
+      ``None`` (default): on where they can run (CUDA, every group's backend capturable, no
+      host-synced layer), else off with :attr:`cuda_graphs_reason` saying why; ``True``: on,
+      or a ``ValueError`` with the reason; ``False``: off.
     """
 
     def __init__(
@@ -115,7 +120,10 @@ class ModelRunner:
         max_num_seqs: int = 256,
         backend: str | None = None,
         layout_order: LayoutOrder | str = "LBNHC",
+        cuda_graphs: bool | None = None,
     ) -> None:
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs={cuda_graphs!r} must be None, True or False")
         if dtype not in _TORCH_TO_NAME:
             raise ValueError(f"dtype={dtype} is not supported; use one of {list(_TORCH_TO_NAME)}")
         if kv_cache_memory is not None and num_blocks is not None:
@@ -164,6 +172,18 @@ class ModelRunner:
         self.builders: dict[int, MetadataBuilder] = {}
         self.layers: list[LayerBinding] = []
         self._bind(layout_order, max_num_seqs)
+        self.graphs: DecodeGraphs | None = None
+        why = "cuda_graphs=False" if cuda_graphs is False else reason_unsupported(self)
+        if why is None:
+            self.graphs = DecodeGraphs(self, max_num_seqs)
+            self.cuda_graphs_reason = (
+                f"on: decode-only steps of up to {max_num_seqs} requests replay CUDA graphs "
+                f"(sizes {', '.join(map(str, self.graphs.sizes))})"
+            )
+        elif cuda_graphs:
+            raise ValueError(f"cuda_graphs=True, but CUDA graphs cannot run here: {why}")
+        else:
+            self.cuda_graphs_reason = f"off: {why}"
 
     # -- construction ------------------------------------------------------------------------
 
@@ -255,6 +275,7 @@ class ModelRunner:
                 f"group {g.group_id} ({len(g.layer_names)} layers, block {g.spec.block_size}, "
                 f"kernel block {self.kernel_block_sizes[g.group_id]}): {self.selections[g.group_id]}"
             )
+        lines.append(f"CUDA graphs {self.cuda_graphs_reason}")
         return "\n".join(lines)
 
     def _check_inputs(
@@ -355,6 +376,25 @@ class ModelRunner:
         ``BlockTables.build_common_metadata`` (which checks the lengths and rows on the host)
         and the positions and logits rows from the same lengths. The checks cost a host pass
         over the positions every step; anything else should call :meth:`execute`."""
+        graphs = self.graphs
+        if graphs is not None:
+            size = graphs.size_for(input_ids.numel(), metadata)
+            if size is not None:
+                return graphs.run(size, input_ids, positions, metadata, logits_indices)
+        hidden = self.forward_hidden(input_ids, positions, metadata)  # [T, hidden]
+        # index_select, not hidden[...]: advanced indexing runs as a parallel region however
+        # few the rows, index_select only past a size threshold.
+        rows = hidden.index_select(0, logits_indices.to(self.device))  # [R, hidden]
+        return self.model.compute_logits(rows)
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Sequence[CommonAttentionMetadata],
+    ) -> torch.Tensor:
+        """The last hidden states ``[T, hidden]`` of a step: every group's metadata built, the new
+        K/V written and attended per layer (what a captured decode step records)."""
         built = [self.builders[gid].build(md) for gid, md in enumerate(metadata)]
         slots = [md.slot_mapping for md in metadata]
         layers = self.layers
@@ -364,9 +404,4 @@ class ModelRunner:
             b.impl.do_kv_cache_update(None, k, v, b.kv_cache, slots[b.group_id])
             return b.impl.forward(None, q, b.kv_cache, built[b.group_id])
 
-        ids = input_ids.to(self.device)
-        hidden = self.model(ids, positions.to(self.device), attend)  # [T, hidden]
-        # index_select, not hidden[...]: advanced indexing runs as a parallel region however
-        # few the rows, index_select only past a size threshold.
-        rows = hidden.index_select(0, logits_indices.to(self.device))  # [R, hidden]
-        return self.model.compute_logits(rows)
+        return self.model(input_ids.to(self.device), positions.to(self.device), attend)

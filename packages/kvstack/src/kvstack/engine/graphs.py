@@ -1,0 +1,214 @@
+"""CUDA graphs of the engine's decode-only steps.
+
+A decode step of a small model is almost all host work: Python, the model's ops and one kernel
+launch each, per layer. :class:`DecodeGraphs` records the whole forward pass of a decode-only batch
+(every request feeding exactly one token), the backends' metadata build included, once per
+*capture size* (powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself), and replays it:
+a step then costs a few copies into the graph's input buffers and one launch.
+
+What a captured step reads, and how a smaller batch fills it. A step of ``R`` requests runs the
+graph of the smallest capture size ``B >= R``. Its static inputs are token ids and positions
+``[B]``, ``query_start_loc = arange(B + 1)`` (fixed: every row is one token), and per KV group
+``seq_lens [B]``, a block table ``[B, W]`` and slots ``[B]``. Rows ``R..B-1`` are padding: one
+token at position 0 with slot ``-1`` (the cache write skips it) and ``seq_len`` 1, so it attends
+to the first block id of its table row, a stale but valid id (the buffers start at block 0 and
+only ever hold ids a step used), and its logits are never read. The metadata's host bounds are
+baked in at capture: ``max_query_len = 1`` and ``max_seq_len = max_model_len`` (it only steers
+a kernel's split heuristic, so any context that fits the table is served).
+
+Which backends. Every group's backend must declare CUDA-graph support (kv-backends'
+``cudagraph_support``, tested there by capture and replay) and its builder must build from device
+tensors without a host sync; a model whose forward syncs (gpt-oss's expert loop) is not captured.
+:meth:`DecodeGraphs.reason_unsupported` says why not, and the runner reports it. A step the graphs
+cannot take (a prefill, more requests than the largest size, a wider block table) runs eagerly:
+the same kernels, so the same results up to a split count chosen from another ``max_seq_len``.
+
+``capture=False`` keeps every buffer and replays by calling the recorded function again: the CPU
+tests use it to check the buffer filling and padding rules without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from kv_backends import CommonAttentionMetadata, get_backend
+from kv_backends.capabilities import CUDAGRAPH_NEVER
+
+if TYPE_CHECKING:
+    from kvstack.engine.runner import ModelRunner
+
+__all__ = ["DecodeGraphs", "capture_sizes"]
+
+
+def capture_sizes(max_batch: int) -> tuple[int, ...]:
+    """Powers of two below ``max_batch``, then ``max_batch`` itself: ``8 -> (1, 2, 4, 8)``,
+    ``48 -> (1, 2, 4, 8, 16, 32, 48)``."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch={max_batch!r} must be an int >= 1 (the largest decode batch)")
+    sizes = []
+    b = 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_batch)
+
+
+def reason_unsupported(runner: ModelRunner) -> str | None:
+    """Why ``runner``'s decode steps cannot be captured, or ``None`` when they can."""
+    if runner.device.type != "cuda":
+        return f"the runner is on {runner.device.type}, CUDA graphs need a CUDA device"
+    for gid, name in runner.backends.items():
+        if get_backend(name).CAPABILITIES.cudagraph_support == CUDAGRAPH_NEVER:
+            return f"group {gid}'s backend {name} declares no CUDA-graph support"
+    if runner.arch.is_moe:
+        return "the mixture-of-experts layer picks its experts on the host (a sync per step)"
+    return None
+
+
+@dataclass
+class _Captured:
+    replay: Callable[[], object]
+    logits: torch.Tensor  # [B, vocab] float32, rewritten by every replay
+
+
+class DecodeGraphs:
+    """Captured decode steps of one :class:`~kvstack.engine.runner.ModelRunner` (module docstring).
+
+    ``max_batch``: the largest decode batch to capture (the engine's ``max_num_seqs``).
+    :attr:`num_captures` / :attr:`num_replays` count what happened (tests and benchmarks read
+    them: a step the graphs took is a replay).
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch: int, *, capture: bool = True) -> None:
+        if capture:
+            why = reason_unsupported(runner)
+            if why is not None:
+                raise ValueError(f"cannot capture CUDA graphs here: {why}")
+        self.runner = runner
+        self.capture = capture
+        self.sizes = capture_sizes(max_batch)
+        dev, big = runner.device, self.sizes[-1]
+        self._ids = torch.zeros(big, dtype=torch.int64, device=dev)
+        self._pos = torch.zeros(big, dtype=torch.int64, device=dev)
+        self._qsl = torch.arange(big + 1, dtype=torch.int32, device=dev)
+        self._seq: list[torch.Tensor] = []
+        self._slots: list[torch.Tensor] = []
+        self._tables: list[torch.Tensor] = []  # made on the first step: its table widths
+        self._graphs: dict[int, _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.num_captures = 0
+        self.num_replays = 0
+
+    # -- when ------------------------------------------------------------------------------------
+
+    def size_for(self, num_tokens: int, metadata: Sequence[CommonAttentionMetadata]) -> int | None:
+        """The capture size that serves this step, or ``None`` (then it runs eagerly)."""
+        if num_tokens == 0 or num_tokens > self.sizes[-1]:
+            return None
+        for gid, md in enumerate(metadata):
+            # Pure decode: every request one token, no padding tokens.
+            if md.max_query_len != 1 or md.num_reqs != num_tokens:
+                return None
+            if md.num_actual_tokens != num_tokens or md.slot_mapping.numel() < num_tokens:
+                return None
+            if self._tables and md.block_table.shape[1] > self._tables[gid].shape[1]:
+                return None
+        return next(b for b in self.sizes if b >= num_tokens)
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def run(
+        self,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Sequence[CommonAttentionMetadata],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Fill the buffers with this step (``size`` from :meth:`size_for`), replay, and return
+        float32 logits ``[R, vocab]`` of rows ``logits_indices`` (a tensor of its own)."""
+        if not self._tables:
+            self._make_group_buffers(metadata)
+        self._fill(size, input_ids, positions, metadata)
+        step = self._graphs.get(size)
+        if step is None:
+            step = self._capture(size)
+        step.replay()
+        self.num_replays += 1
+        return step.logits.index_select(0, logits_indices.to(step.logits.device))
+
+    def _fill(
+        self,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Sequence[CommonAttentionMetadata],
+    ) -> None:
+        """Copy the step into the buffers; rows past it become padding (module docstring)."""
+        n = input_ids.numel()
+        self._ids[:n].copy_(input_ids, non_blocking=True)
+        self._ids[n:size].zero_()
+        self._pos[:n].copy_(positions, non_blocking=True)
+        self._pos[n:size].zero_()
+        for gid, md in enumerate(metadata):
+            self._seq[gid][:n].copy_(md.seq_lens)
+            self._seq[gid][n:size].fill_(1)
+            self._tables[gid][:n, : md.block_table.shape[1]].copy_(md.block_table)
+            self._slots[gid][:n].copy_(md.slot_mapping[:n])
+            self._slots[gid][n:size].fill_(-1)
+
+    def _make_group_buffers(self, metadata: Sequence[CommonAttentionMetadata]) -> None:
+        dev, big = self.runner.device, self.sizes[-1]
+        for md in metadata:
+            self._seq.append(torch.ones(big, dtype=torch.int32, device=dev))
+            self._slots.append(torch.full((big,), -1, dtype=torch.int64, device=dev))
+            self._tables.append(
+                torch.zeros(big, md.block_table.shape[1], dtype=torch.int32, device=dev)
+            )
+
+    def _metadata(self, size: int) -> list[CommonAttentionMetadata]:
+        return [
+            CommonAttentionMetadata(
+                query_start_loc=self._qsl[: size + 1],
+                seq_lens=self._seq[gid][:size],
+                block_table=self._tables[gid][:size],
+                slot_mapping=self._slots[gid][:size],
+                max_query_len=1,
+                max_seq_len=self.runner.max_model_len,
+                num_actual_tokens=size,
+            )
+            for gid in range(len(self._tables))
+        ]
+
+    def _capture(self, size: int) -> _Captured:
+        runner, metadata = self.runner, self._metadata(size)
+
+        def step() -> torch.Tensor:
+            hidden = runner.forward_hidden(self._ids[:size], self._pos[:size], metadata)
+            return runner.model.compute_logits(hidden)  # [size, vocab]
+
+        self.num_captures += 1
+        if not self.capture:
+            holder = _Captured(lambda: None, step())
+
+            def again() -> None:
+                holder.logits = step()
+
+            holder.replay = again
+            return self._graphs.setdefault(size, holder)
+        # Warm up on a side stream (kernel compiles, per-device parameters), then record.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = step()
+        captured = _Captured(graph.replay, logits)
+        self._graphs[size] = captured
+        return captured

@@ -1,0 +1,182 @@
+"""CUDA graphs of decode-only steps (``kvstack.engine.graphs``).
+
+On the CPU the graphs run with ``capture=False`` (replay = calling the recorded step again over
+the same buffers), which checks what a GPU cannot hide: the buffer filling, the padding rows of
+a batch smaller than its capture size, and which steps take the graph. On a GPU (marked ``gpu``)
+the engine captures real graphs and must give the eager engine's tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kvstack.demo import write_random_checkpoint
+from kvstack.engine.engine import LLMEngine
+from kvstack.engine.graphs import DecodeGraphs, capture_sizes
+from kvstack.engine.runner import ModelRunner
+from kvstack.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "eos_token_id": None,
+}  # fmt: skip
+
+#: Five requests finishing at different steps: decode batches of 5, 4, 3, 2 and 1 requests, so
+#: capture sizes 8 (three padding rows), 4, 2 and 1 are all used.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 40], [99] * 20, [3, 1, 4, 1, 5], [7] * 11]
+NEW = [3, 5, 7, 9, 11]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("llama"), LLAMA)
+
+
+def engine_of(model_dir: Path, **kw: Any) -> LLMEngine:
+    args: dict[str, Any] = dict(
+        block_size=4, num_blocks=80, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8
+    )
+    args.update(kw)
+    return LLMEngine(model_dir, keep_logits=True, **args)
+
+
+def run(engine: LLMEngine) -> list[Any]:
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW]
+    return engine.generate(PROMPTS, params)
+
+
+def with_emulated_graphs(engine: LLMEngine, cls: type[DecodeGraphs] = DecodeGraphs) -> LLMEngine:
+    engine.runner.graphs = cls(engine.runner, 8, capture=False)
+    return engine
+
+
+def max_logit_gap(a: list[Any], b: list[Any]) -> float:
+    return max(float((x.logits - y.logits).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(8) == (1, 2, 4, 8)
+    assert capture_sizes(48) == (1, 2, 4, 8, 16, 32, 48)
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="max_batch"):
+            capture_sizes(bad)  # type: ignore[arg-type]
+
+
+def test_cpu_runner_says_why_graphs_are_off(llama_dir: Path) -> None:
+    engine = engine_of(llama_dir)
+    assert engine.runner.graphs is None
+    assert engine.runner.cuda_graphs_reason == (
+        "off: the runner is on cpu, CUDA graphs need a CUDA device"
+    )
+    assert "CUDA graphs off: the runner is on cpu" in engine.runner.describe()
+    with pytest.raises(ValueError, match="cuda_graphs=True, but CUDA graphs cannot run here"):
+        ModelRunner(llama_dir, cuda_graphs=True)
+    with pytest.raises(TypeError, match="cuda_graphs='yes' must be None, True or False"):
+        ModelRunner(llama_dir, cuda_graphs="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot capture CUDA graphs here: the runner is on cpu"):
+        DecodeGraphs(engine.runner, 8)
+
+
+def test_emulated_graphs_give_the_eager_engines_tokens(llama_dir: Path) -> None:
+    eager = run(engine_of(llama_dir))
+    engine = with_emulated_graphs(engine_of(llama_dir))
+    graphed = run(engine)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    # Every decode step (not the prefills) went through the graphs, at sizes 8, 4, 2 and 1.
+    assert graphs.num_replays == max(NEW) - 1
+    assert sorted(graphs._graphs) == [1, 2, 4, 8]
+    assert [c.token_ids for c in graphed] == [c.token_ids for c in eager]
+    # Padded rows change the matmuls' row count, not what a real row computes: float32 logits
+    # agree to rounding (a wrong page moves them by > 1e-2, see the planted bug below).
+    assert max_logit_gap(graphed, eager) <= 1e-5
+
+
+class _StaleTables(DecodeGraphs):
+    """A planted bug: the block tables are never refreshed after the first step's copy, so
+    requests attend their first step's pages (the null block past them)."""
+
+    def _fill(self, size: int, input_ids: Any, positions: Any, metadata: Any) -> None:
+        keep = [t.clone() for t in self._tables] if self.num_replays else None
+        super()._fill(size, input_ids, positions, metadata)
+        if keep is not None:
+            for t, k in zip(self._tables, keep, strict=True):
+                t.copy_(k)
+
+
+class _NoPadding(DecodeGraphs):
+    """A planted bug: padding rows keep the previous step's slots, so the padded replay writes a
+    stale token's K/V over a live page."""
+
+    def _fill(self, size: int, input_ids: Any, positions: Any, metadata: Any) -> None:
+        old = [s.clone() for s in self._slots]
+        super()._fill(size, input_ids, positions, metadata)
+        n = input_ids.numel()
+        for s, o in zip(self._slots, old, strict=True):
+            s[n:size] = o[n:size]
+
+
+def test_planted_stale_tables_are_caught(llama_dir: Path) -> None:
+    # Past their first step's pages the stale rows hold -1: TORCH_SDPA's table check refuses them
+    # (a GPU kernel redirects them inside the cache; the logits then differ, as below).
+    with pytest.raises(ValueError, match="block table references block -1"):
+        run(with_emulated_graphs(engine_of(llama_dir), _StaleTables))
+
+
+def test_planted_stale_padding_slots_are_caught(llama_dir: Path) -> None:
+    eager = run(engine_of(llama_dir))
+    graphed = run(with_emulated_graphs(engine_of(llama_dir), _NoPadding))
+    assert max_logit_gap(graphed, eager) > 1e-2
+
+
+def test_mixed_steps_run_eagerly(llama_dir: Path) -> None:
+    # A request arriving while others decode makes a mixed step: no replay for it.
+    engine = with_emulated_graphs(engine_of(llama_dir))
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    engine.step()  # a's prefill (eager)
+    engine.step()  # a decode (graph)
+    engine.add_request("b", PROMPTS[2], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    before = graphs.num_replays
+    engine.step()  # a's decode with b's prefill: mixed, eager
+    assert graphs.num_replays == before
+    engine.step()  # both decode: a graph of size 2
+    assert graphs.num_replays == before + 1
+    while engine.has_unfinished:
+        engine.step()
+    assert len(engine.completion("a").token_ids) == 6
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_replays_graphs_and_matches_eager(llama_dir: Path) -> None:
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        eager_engine = engine_of(llama_dir, device="cuda", cuda_graphs=False)
+        eager = run(eager_engine)
+        engine = engine_of(llama_dir, device="cuda")
+        graphed = run(engine)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    graphs = engine.runner.graphs
+    assert graphs is not None, engine.runner.cuda_graphs_reason
+    assert eager_engine.runner.graphs is None
+    assert graphs.num_replays == max(NEW) - 1
+    assert graphs.num_captures == 4
+    assert [c.token_ids for c in graphed] == [c.token_ids for c in eager]
+    # float32: the graph's kernels may split KV differently (max_seq_len is max_model_len at
+    # capture), which moves sums by rounding only.
+    assert max_logit_gap(graphed, eager) <= 1e-4
