@@ -230,3 +230,14 @@ def test_generate_streams_text_with_a_tokenizer_in_the_directory(tmp_path: Path)
     assert res.returncode == 0, res.stderr
     out = res.stdout.split()
     assert len(out) == 5 and all(w in words for w in out), res.stdout
+
+
+def test_python_dash_m_kvstack_is_the_same_command() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstack", "plan", "Llama-3-8B", "--memory", "4GiB", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == kvstack("plan", "Llama-3-8B", "--memory", "4GiB", "--json").stdout
