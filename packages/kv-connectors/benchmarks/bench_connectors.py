@@ -25,118 +25,18 @@ that is what an engine pays). Medians over ``--iters`` after warm-up.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
-import socket
-import statistics
 import tempfile
-import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+from _connector_common import Req, Results, device_s, make_cache, median_s
+from _two_process import bench_two_process
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-@dataclass
-class _Req:
-    request_id: str
-    block_hashes: list[bytes] = field(default_factory=list)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_s(fn: Callable[[], None], device: torch.device, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _device_s(fn: Callable[[], None], device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Seconds of device time per call: ``iters`` calls back to back between two CUDA events, so a
-    call's host work overlaps the previous call's kernel (the host cost is measured apart, by
-    :func:`_median_s`). On the CPU this is wall time."""
-    if device.type != "cuda":
-        return _median_s(fn, device, iters, warmup)
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-class Results:
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-        self.errors: list[dict[str, str]] = []
-        self.notes: list[str] = []
-
-    def add(
-        self, section: str, case: str, nbytes: int, t: float, base: str, t_base: float, **extra: Any
-    ) -> None:
-        gbps, base_gbps = nbytes / t / 1e9, nbytes / t_base / 1e9
-        rec = {
-            "section": section,
-            "case": case,
-            "bytes": nbytes,
-            "ms": t * 1e3,
-            "GB/s": gbps,
-            "baseline": base,
-            "baseline_ms": t_base * 1e3,
-            "baseline_GB/s": base_gbps,
-            "ratio": gbps / base_gbps,
-            **extra,
-        }
-        self.records.append(rec)
-        print(json.dumps(rec), flush=True)
-
-    def run(self, section: str, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception as exc:  # record and go on: one broken section must not hide the rest
-            self.errors.append(
-                {
-                    "section": section,
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "trace": traceback.format_exc(),
-                }
-            )
-            print(f"[{section}] FAILED: {exc}", flush=True)
-
-
-def _layout(order: str, shape: dict[str, Any]) -> Any:
-    from kv_spec import KVCacheLayout
-
-    return KVCacheLayout(order=order, **shape)
-
-
-def _cache(order: str, shape: dict[str, Any], device: torch.device) -> tuple[Any, Any, int]:
-    """``(layout, storage, row bytes)``: a freshly allocated cache of ``shape`` in ``order``."""
-    from kv_kernels import allocate_kv_cache
-
-    layout = _layout(order, shape)
-    return layout, allocate_kv_cache(layout, device), layout.num_layers * layout.page_bytes
 
 
 ORDERS = ("LBNHC", "BLNHC")  # the offload and gather sections measure both
@@ -157,18 +57,18 @@ def _offload_order(
 ) -> None:
     from kv_connectors import OffloadingConfig, OffloadingConnector
 
-    layout, storage, row = _cache(order, shape, device)
+    layout, storage, row = make_cache(order, shape, device)
     conn = OffloadingConnector(OffloadingConfig(cpu_bytes=n * row), block_size=layout.block_size)
     conn.register_kv_caches(storage, layout)
     gen = torch.Generator().manual_seed(0)
     src_ids = torch.randperm(layout.num_blocks, generator=gen)[: 2 * n].tolist()
     save_ids, load_ids = src_ids[:n], src_ids[n:]
     counter = iter(range(10**9))
-    last: list[_Req] = []
+    last: list[Req] = []
 
     def save() -> None:
         i = next(counter)
-        req = _Req(f"s{i}", [i.to_bytes(8, "little") + j.to_bytes(8, "little") for j in range(n)])
+        req = Req(f"s{i}", [i.to_bytes(8, "little") + j.to_bytes(8, "little") for j in range(n)])
         conn.request_finished(req, save_ids)
         meta = conn.build_connector_meta()
         conn.start_load_kv(meta)
@@ -177,7 +77,7 @@ def _offload_order(
         last[:] = [req]
 
     def load() -> None:
-        req = _Req(f"l{next(counter)}", last[0].block_hashes)
+        req = Req(f"l{next(counter)}", last[0].block_hashes)
         tokens, _ = conn.get_num_new_matched_tokens(req, 0)
         assert tokens == n * layout.block_size, "the saved blocks must hit"
         conn.update_state_after_alloc(req, load_ids, tokens)
@@ -187,10 +87,10 @@ def _offload_order(
 
     dev_buf = torch.empty(n * row, dtype=torch.uint8, device=device)
     host = torch.empty(n * row, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    t_save = _median_s(save, device, iters)
-    t_d2h = _median_s(lambda: host.copy_(dev_buf, non_blocking=True), device, iters)
-    t_load = _median_s(load, device, iters)
-    t_h2d = _median_s(lambda: dev_buf.copy_(host, non_blocking=True), device, iters)
+    t_save = median_s(save, device, iters)
+    t_d2h = median_s(lambda: host.copy_(dev_buf, non_blocking=True), device, iters)
+    t_load = median_s(load, device, iters)
+    t_h2d = median_s(lambda: dev_buf.copy_(host, non_blocking=True), device, iters)
     block = layout.block_bytes  # contiguous bytes of one block in its allocation
     extra = {"order": order, "physical_block_bytes": block, "blocks": n, "row_bytes": row}
     res.add(
@@ -210,7 +110,7 @@ def bench_overlap(
 ) -> None:
     from kv_connectors import OffloadingConfig, OffloadingConnector
 
-    layout, storage, row = _cache("LBNHC", shape, device)
+    layout, storage, row = make_cache("LBNHC", shape, device)
     conn = OffloadingConnector(OffloadingConfig(cpu_bytes=n * row), block_size=layout.block_size)
     conn.register_kv_caches(storage, layout)
     dim = 4096 if device.type == "cuda" else 128
@@ -226,7 +126,7 @@ def bench_overlap(
         i = next(counter)
         meta = None
         if with_save:
-            req = _Req(
+            req = Req(
                 f"o{i}", [i.to_bytes(8, "little") + j.to_bytes(8, "little") for j in range(n)]
             )
             conn.request_finished(req, list(range(n)))
@@ -241,9 +141,9 @@ def bench_overlap(
             conn.wait_for_save()
             conn.get_finished()
 
-    t_compute = _median_s(lambda: step(True, False), device, iters)
-    t_save = _median_s(lambda: step(False, True), device, iters)
-    t_both = _median_s(lambda: step(True, True), device, iters)
+    t_compute = median_s(lambda: step(True, False), device, iters)
+    t_save = median_s(lambda: step(False, True), device, iters)
+    t_both = median_s(lambda: step(True, True), device, iters)
     overlap = (t_compute + t_save - t_both) / min(t_compute, t_save)
     res.add(
         "overlap",
@@ -274,7 +174,7 @@ def _gather_order(
 ) -> None:
     from kv_kernels import gather_blocks
 
-    layout, storage, row = _cache(order, shape, device)
+    layout, storage, row = make_cache(order, shape, device)
     ids = torch.randperm(layout.num_blocks, device=device)[:n]
     out = torch.empty(n, row, dtype=torch.uint8, device=device)
 
@@ -283,8 +183,8 @@ def _gather_order(
 
     # GPU time back to back (the ratio), and the wall time of one synced call (host cost included:
     # gather_blocks validates its inputs on the host, which a 0.3 ms copy does not hide).
-    t_gather = _device_s(gather, device, iters)
-    t_gather_wall = _median_s(gather, device, iters)
+    t_gather = device_s(gather, device, iters)
+    t_gather_wall = median_s(gather, device, iters)
     if order == "LBNHC":
         views = [
             t.view(-1).view(torch.uint8).view(layout.num_blocks, layout.page_bytes) for t in storage
@@ -299,8 +199,8 @@ def _gather_order(
         def index_select() -> None:
             torch.index_select(slab, 0, ids)
 
-    t_base = _device_s(index_select, device, iters)
-    t_base_wall = _median_s(index_select, device, iters)
+    t_base = device_s(index_select, device, iters)
+    t_base_wall = median_s(index_select, device, iters)
     res.add(
         "gather",
         f"gather_blocks {order} (GPU time)",
@@ -311,138 +211,6 @@ def _gather_order(
         order=order,
         wall_ms=t_gather_wall * 1e3,
         baseline_wall_ms=t_base_wall * 1e3,
-        physical_block_bytes=layout.block_bytes,
-    )
-
-
-# -- 4. two processes ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _peer(
-    rank: int, transport: str, layout_json: str, n: int, iters: int, port: int, q: Any, out: Any
-) -> None:
-    """Rank 0 produces (``iters + 2`` finished requests), rank 1 pulls and times; then raw send/recv."""
-    import torch.distributed as dist
-    from kv_kernels import allocate_kv_cache
-    from kv_spec import KVCacheLayout
-
-    layout = KVCacheLayout.from_json(layout_json)
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    storage = allocate_kv_cache(layout, device)
-    row = layout.num_layers * layout.page_bytes
-    if transport == "p2p":
-        from kv_connectors import P2pConfig, P2pConnector
-
-        conn: Any = P2pConnector(
-            P2pConfig(buffer_bytes=max(256 * 2**20, row), timeout_s=60),
-            block_size=layout.block_size,
-        )
-    else:
-        from kv_connectors import NixlConfig
-        from kv_connectors.nixl import NixlConnector
-
-        conn = NixlConnector(
-            NixlConfig(timeout_s=60, progress_thread=cuda), block_size=layout.block_size
-        )
-    conn.register_kv_caches(storage, layout)
-    ids = list(range(n))
-    total = iters + 2
-    if rank == 0:
-        for i in range(total):
-            _delay, params = conn.request_finished(_Req(f"r{i}", [b"h"] * n), ids)
-            q.put(params)
-        deadline = time.monotonic() + 600
-        sent = 0
-        while sent < total and time.monotonic() < deadline:
-            sent += len(conn.get_finished()[0])
-            time.sleep(0.001)
-    else:
-        times = []
-        for i in range(total):
-            params = q.get(timeout=120)
-            req = _Req(f"c{i}", [b"x"] * n)
-            conn.add_remote_request(req.request_id, params)
-            t0 = time.perf_counter()
-            tokens, _ = conn.get_num_new_matched_tokens(req, 0)
-            conn.update_state_after_alloc(req, ids, tokens)
-            conn.start_load_kv(conn.build_connector_meta())
-            done: set[str] = set()
-            while req.request_id not in done:
-                done |= conn.get_finished()[1]
-                time.sleep(5e-5)  # an engine polls once per step; a hot loop would starve the GIL
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            errors = conn.get_block_ids_with_load_errors()
-            if errors:
-                raise RuntimeError(f"pull failed: {conn.load_error_reasons}")
-        out.put(("connector", statistics.median(times[2:])))
-    conn.close()
-    # raw baseline: one contiguous tensor of the same bytes
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    buf = torch.empty(n * row, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(iters + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-        else:
-            dist.recv(buf, 0)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    if rank == 1:
-        out.put(("raw", statistics.median(times[2:])))
-    dist.destroy_process_group()
-
-
-def bench_two_process(
-    res: Results, transport: str, shape: dict[str, Any], n: int, iters: int
-) -> None:
-    layout = _layout("BLNHC", shape)
-    ctx = mp.get_context("spawn")
-    q, out = ctx.Queue(), ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_peer, args=(r, transport, layout.to_json(), n, iters, port, q, out))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[str, float] = {}
-    try:
-        while len(got) < 2:
-            kind, t = out.get(timeout=600)
-            got[kind] = t
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    row = layout.num_layers * layout.page_bytes
-    base = "torch.distributed send/recv (" + ("NCCL" if torch.cuda.is_available() else "gloo") + ")"
-    res.add(
-        transport,
-        f"{transport} pull BLNHC",
-        n * row,
-        got["connector"],
-        base,
-        got["raw"],
         physical_block_bytes=layout.block_bytes,
     )
 
