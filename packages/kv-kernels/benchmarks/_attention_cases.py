@@ -185,6 +185,7 @@ _GPU = [
     (_mla, (64, 4096, 64)),
     (_mla, (8, 32768, 64)),
     (_mla, (64, 4096, 64, 16)),  # DeepSeek-V3 at TP 8: 16 heads per GPU, bandwidth-bound
+    (_mla, (8, 32768, 64, 16)),
     (_diffkv, (64, 4096, 16)),
     (_diffkv, (8, 32768, 16)),
 ]

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
-from kv_kernels.paged_attention._tiles import select_config
+from kv_kernels.paged_attention._tiles import pick_num_splits, select_config
 from kv_kernels.reshape_and_cache import reshape_and_cache
 from kv_kernels.testing import (
     assert_close_to_oracle,
@@ -140,6 +140,21 @@ def test_deepseek_v3_config_splits_heads() -> None:
     cfg80 = select_config("decode", head_size=576, head_size_v=512, group=128, block_size=64,
                           arch=80, v_from_k=True)  # fmt: skip
     assert (cfg80.block_m, cfg80.heads_per_program) == (32, 32)
+
+
+def test_tensor_parallel_mla_config_fills_one_wave_of_two_programs_an_sm() -> None:
+    # DeepSeek-V3 at TP 8 (16 heads): bandwidth-bound; registers capped so two programs share
+    # an SM, and the splits fill one wave of those two-per-SM slots
+    cfg = select_config("decode", head_size=576, head_size_v=512, group=16, block_size=64,
+                        arch=90, v_from_k=True)  # fmt: skip
+    assert (cfg.tile_n, cfg.num_warps, cfg.num_stages) == (32, 4, 3)
+    assert (cfg.waves, cfg.programs_per_sm, cfg.max_registers) == (1, 2, 128)
+    kw = dict(num_kv_heads=1, tile_n=32, num_sms=132, waves=1)
+    # 64 x 4k: 4 splits make 256 programs (<= 264 slots); 8 would need two waves
+    assert pick_num_splits(num_seqs=64, max_seq_len=4096, programs_per_sm=2, **kw) == 4
+    assert pick_num_splits(num_seqs=8, max_seq_len=32768, programs_per_sm=2, **kw) == 32
+    # one program an SM (MLA at 128 heads): half the programs
+    assert pick_num_splits(num_seqs=64, max_seq_len=4096, programs_per_sm=1, **kw) == 2
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

@@ -38,8 +38,8 @@ class AttentionConfig:
     #: times the value width would not fit the accumulator (MLA: 128 heads x 512); 0 (a config
     #: made by hand, e.g. a tuning sweep) means the whole group
     heads_per_program: int = 0
-    #: GPU waves the decode KV splits aim for (:func:`pick_num_splits`); 1: MMA-bound programs that
-    #: each fill an SM take the most splits that still fit one wave
+    #: GPU waves the decode KV splits aim for (:func:`pick_num_splits`); 1: the most splits whose
+    #: programs still fit one wave of ``programs_per_sm`` programs on every SM
     waves: int = 2
     #: a cap on registers a thread (ptxas ``maxnreg``; 0: the compiler's choice), for configs
     #: where occupancy, not spills, is the limit
@@ -52,6 +52,8 @@ class AttentionConfig:
     #: in by packed PTX conversions and run q.K (and P.V for per-tensor scales) as fp16 MMAs with
     #: q scaled per row (``KV_UPCAST`` in :mod:`._kernels`, why in :mod:`._upcast`)
     kv_upcast: bool = False
+    #: with ``waves=1``: programs resident on an SM at once (1: programs that fill an SM)
+    programs_per_sm: int = 1
 
 
 def split_head(head_size: int) -> tuple[int, int]:
@@ -123,6 +125,7 @@ def select_config(
         num_warps = 4
         num_stages = 2 if elem_bytes == 1 else 4
         waves = 2
+        programs_per_sm = 1
         # 1-byte pages: the upcast tiles take 254 registers a thread (ncu, H200: 2 programs an
         # SM, 12.5% occupancy, issue-bound); capped at 128, 4 fit: 64 x 4k 0.377 -> 0.276 ms
         # (int8 per token and head), 0.289 -> 0.257 ms (fp8 per tensor)
@@ -146,8 +149,13 @@ def select_config(
             # split head (DiffKV 192 = 128 + 64 over V 128)
             tile_n, num_warps, num_stages, waves = 128, 8, 2, 4
         elif v_from_k and block_m <= max_rows:
-            # MLA with few heads per GPU (tensor parallel): bandwidth-bound
-            tile_n, num_warps, num_stages = 64, 8, 2
+            # MLA with few heads per GPU (tensor parallel): bandwidth-bound. H100, 16 heads
+            # (do_bench medians, one process): 32-token tiles over 4 warps, 3 stages, registers
+            # capped at 128 so two programs share an SM, and splits filling one wave of those:
+            # 64 x 4k 0.128 ms (2.35 TB/s, 0.78 of the copy), 8 x 32k 0.129, vs 0.150 / 0.153
+            # at 64-token tiles over 8 warps uncapped (134 registers: one program an SM, ncu)
+            tile_n, num_warps, num_stages, waves = 32, 4, 3, 1
+            max_registers, programs_per_sm = 128, 2
         if block_m > max_rows:
             if v_from_k and arch >= 90:
                 # MLA, MMA-bound (see above): 64 rows for the warpgroup MMA, one program an SM
@@ -169,6 +177,7 @@ def select_config(
         num_stages = 2
         waves = 2
         max_registers = 0
+        programs_per_sm = 1
         kv_upcast = False
         if block_m > max_rows:
             block_m, tile_n, num_warps = max_rows, 32, 8
@@ -208,6 +217,7 @@ def select_config(
         max_registers,
         tma,
         kv_upcast,
+        programs_per_sm,
     )
 
 
@@ -219,6 +229,7 @@ def pick_num_splits(
     tile_n: int,
     num_sms: int,
     waves: int = 2,
+    programs_per_sm: int = 1,
 ) -> int:
     """KV split count for a decode batch: enough programs for ~``waves`` waves of the GPU, while
     each split keeps at least 8 KV tiles (fewer and the merge and the prologue dominate).
@@ -227,7 +238,8 @@ def pick_num_splits(
     tiles = -(-max(max_seq_len, 1) // tile_n)
     splits = 1
     if waves == 1:
-        while splits < 64 and programs * splits * 2 <= num_sms and tiles >= 32 * splits:
+        slots = num_sms * programs_per_sm
+        while splits < 64 and programs * splits * 2 <= slots and tiles >= 32 * splits:
             splits *= 2
         return splits
     while splits < 64 and programs * splits < waves * num_sms and tiles >= 16 * splits:

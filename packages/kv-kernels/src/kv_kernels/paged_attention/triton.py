@@ -170,6 +170,7 @@ def paged_attention_triton(
         num_splits = 1 if run_prefill else pick_num_splits(
             num_seqs=num_seqs, num_kv_heads=num_kv_heads * chunks_dec, max_seq_len=bound,
             tile_n=cfg_dec.tile_n, num_sms=num_sms, waves=cfg_dec.waves,
+            programs_per_sm=cfg_dec.programs_per_sm,
         )  # fmt: skip
     split = num_splits > 1
     dv_pad = pow2(head_size_v)
