@@ -233,7 +233,7 @@ def pick_num_splits(
 ) -> int:
     """KV split count for a decode batch: enough programs for ~``waves`` waves of the GPU, while
     each split keeps at least 8 KV tiles (fewer and the merge and the prologue dominate).
-    ``waves=1`` (programs that each fill an SM): the most splits that still fit one wave."""
+    ``waves=1``: the most splits that still fit one wave of ``programs_per_sm`` programs an SM."""
     programs = max(1, num_seqs * num_kv_heads)
     tiles = -(-max(max_seq_len, 1) // tile_n)
     splits = 1
