@@ -16,23 +16,27 @@ from kv_kernels.paged_attention import triton as pa_triton
 
 __all__ = ["tune_paths"]
 
-#: (block_m, tile_n, num_warps, num_stages[, max_registers[, kv_upcast]]) per case family; block_m
-#: is the GQA rows of a program (pth / DiffKV: 16 = 4 heads x 4 tokens; MLA: 32 or 64 of the 128
-#: heads). kv_upcast (1-byte pages, ``AttentionConfig.kv_upcast``): 1 upcasts the tiles in their
-#: load layout with fp16 MMAs (select_config's choice since issue 12's SASS counts), 0 the
-#: earlier path, timed beside it in the same process.
+#: (block_m, tile_n, num_warps, num_stages[, max_registers[, kv_upcast[, k_direct, v_direct]]])
+#: per case family; block_m is the GQA rows of a program (pth / DiffKV: 16 = 4 heads x 4 tokens;
+#: MLA: 32 or 64 of the 128 heads). kv_upcast (1-byte pages, ``AttentionConfig.kv_upcast``): 1
+#: upcasts the tiles with fp16 MMAs, 0 the plain upcast; k_direct / v_direct (with kv_upcast): 1
+#: reads K / V from shared memory as bytes in the MMA operand's layout (select_config's choice,
+#: from compile-time proxies), 0 through an fp16 copy (the earlier kv_upcast path); all timed
+#: beside each other in the same process.
 SWEEP: dict[str, list[tuple[int, ...]]] = {
     "pth_*": [
-        (16, 64, 4, 2, 128, 0), (16, 64, 4, 2, 128, 1), (16, 64, 4, 2, 168, 1),
-        (16, 64, 4, 3, 128, 1), (16, 128, 8, 2, 128, 1), (16, 32, 4, 3, 128, 1),
+        (16, 64, 4, 2, 128, 0), (16, 64, 4, 2, 128, 1, 0, 0), (16, 64, 4, 2, 128, 1, 1, 0),
+        (16, 64, 4, 2, 128, 1, 1, 1), (16, 64, 4, 3, 128, 1, 1, 1), (16, 64, 4, 4, 128, 1, 1, 1),
+        (16, 64, 4, 2, 168, 1, 1, 1), (16, 32, 4, 3, 128, 1, 1, 1),
     ],
     "mla_h16_*": [(16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 3), (16, 16, 4, 4)],
     "mla_*": [
         (32, 32, 8, 3), (64, 16, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1),
     ],
     "fp8pt_*": [
-        (16, 64, 4, 2, 128, 0), (16, 64, 4, 2, 128, 1), (16, 64, 4, 2, 0, 1),
-        (16, 64, 4, 3, 128, 1), (16, 128, 8, 2, 128, 1), (16, 32, 4, 3, 128, 1),
+        (16, 64, 4, 2, 128, 0), (16, 64, 4, 2, 128, 1, 0, 0), (16, 64, 4, 2, 128, 1, 1, 0),
+        (16, 64, 4, 2, 128, 1, 1, 1), (16, 64, 4, 3, 128, 1, 1, 1), (16, 64, 4, 4, 128, 1, 1, 1),
+        (16, 64, 4, 2, 0, 1, 1, 1), (16, 32, 4, 3, 128, 1, 1, 1),
     ],
     "diffkv_*": [(16, 32, 4, 4), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 3), (16, 128, 8, 2)],
 }  # fmt: skip
@@ -51,16 +55,17 @@ def tune_paths(bench: Callable[[Callable[[], Any]], float], keep: Callable[[str]
         rows: list[tuple[float, tuple, int | None]] = [(heur, ("heuristic",), None)]
         print(f"TUNE {case.name} heuristic {heur:.4f} ms {case.nbytes / heur / 1e9:.3f} TB/s")
         for entry in SWEEP[family]:
-            bm, tn, w, st, regs, up = (*entry, 0, 0)[:6]
+            # (missing fields are 0: no cap, no kv_upcast, and so no byte operands)
+            bm, tn, w, st, regs, up, kd, vd = (*entry, 0, 0, 0, 0)[:8]
 
-            def patched(kind: str, _c: tuple = (bm, tn, w, st, regs, up), **kw: Any) -> Any:
+            def patched(kind: str, _c: tuple = (bm, tn, w, st, regs, up, kd, vd), **kw: Any) -> Any:
                 base = orig(kind, **kw)
                 if kind != "decode":
                     return base
                 heads = min(_c[0], kw["group"])
                 return pa_triton.AttentionConfig(
                     _c[0], _c[0] // heads, _c[1], _c[2], _c[3], heads, max_registers=_c[4],
-                    kv_upcast=bool(_c[5]),
+                    kv_upcast=bool(_c[5]), k_direct=bool(_c[6]), v_direct=bool(_c[7]),
                 )  # fmt: skip
 
             pa_triton.select_config = patched
@@ -72,7 +77,8 @@ def tune_paths(bench: Callable[[Callable[[], Any]], float], keep: Callable[[str]
                           f"{str(e)[:160]}", flush=True)  # fmt: skip
                     break
                 rows.append((ms, entry, splits))
-                print(f"TUNE {case.name} bm={bm} tn={tn} w={w} st={st} regs={regs} up={up} S={splits}: "
+                print(f"TUNE {case.name} bm={bm} tn={tn} w={w} st={st} regs={regs} up={up} "
+                      f"kd={kd} vd={vd} S={splits}: "
                       f"{ms:.4f} ms {case.nbytes / ms / 1e9:.3f} TB/s", flush=True)  # fmt: skip
         pa_triton.select_config = orig
         rows.sort(key=lambda r: r[0])

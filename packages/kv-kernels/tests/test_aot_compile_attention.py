@@ -33,6 +33,24 @@ _SCRIPT = textwrap.dedent(
 
     DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4": torch.float8_e4m3fn,
           "fp8e5": torch.float8_e5m2, "i8": torch.int8}
+    def first_loop(ptx):
+        # the first loop of the PTX (decode: the unmasked KV loop, as no window is compiled)
+        lines = ptx.splitlines()
+        labels = {m.group(1): i for i, ln in enumerate(lines)
+                  if (m := re.match(r"^(\$L__BB\d+_\d+):", ln))}
+        for i, ln in enumerate(lines):
+            m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ln)
+            if m and labels.get(m.group(1), i) < i:
+                return "\n".join(lines[labels[m.group(1)] : i + 1])
+        return ""
+
+    def st_bytes(text):
+        # bytes a thread stores to shared memory (st.shared[.vN].bW)
+        n = 0
+        for op in re.findall(r"st\.shared(?:\.v(\d))?\.[bsuf](\d+)", text):
+            n += int(op[0] or 1) * int(op[1]) // 8
+        return n
+
     out = {}
     for case in json.load(sys.stdin):
         arch, q, cache, d, dv, bs, *variant = case
@@ -69,6 +87,12 @@ _SCRIPT = textwrap.dedent(
                 # 1-byte pages: byte-wise shared loads (an 8-bit MMA operand read element by
                 # element) and the packed upcasts of KV_UPCAST
                 byte_lds = len(re.findall(r"ld\.shared(?:\.\w+)*\.[bsu]8\b", ptx))
+                # the KV loop's shared stores (bytes a thread) and transposed ldmatrix reads:
+                # an fp16 copy of K / V is 128 bytes a thread each per 64-token tile, and V's is
+                # read back by ldmatrix .trans
+                loop = first_loop(ptx)
+                loop_st = st_bytes(loop)
+                loop_trans = len(re.findall(r"ldmatrix[\w.]*\.trans", loop))
                 upcasts = {k: len(re.findall(p, ptx)) for k, p in (
                     ("e4m3x2", r"cvt\.rn\.f16x2\.e4m3x2"), ("bf16_f16", r"cvt(?:\.rn)?\.bf16\.f16"),
                     ("i8_magic", r"sub\.f16x2"), ("e5m2_prmt", r"prmt\.b32 [^;]*0x1404;"))}
@@ -78,7 +102,10 @@ _SCRIPT = textwrap.dedent(
                                 "want_maxnreg": sp.max_registers, "tma": tma,
                                 "want_tma": bool(sp.constexprs.get("TMA")),
                                 "kv_upcast": bool(sp.constexprs.get("KV_UPCAST")),
-                                "byte_lds": byte_lds, **upcasts}
+                                "byte_lds": byte_lds, "loop_st": loop_st,
+                                "loop_trans": loop_trans,
+                                "k_direct": bool(sp.constexprs.get("K_DIRECT")),
+                                "v_direct": bool(sp.constexprs.get("V_DIRECT")), **upcasts}
             except Exception:
                 res[sp.name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
         out[key] = res
@@ -196,15 +223,24 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
             # TMA where the launcher's config asks for it (sm_90 prefill over whole-tile pages),
             # and nowhere else
             assert (r["tma"] > 0) == r["want_tma"], (_key(case), name, r["tma"], r["want_tma"])
-            # decode over 1-byte pages upcasts in the load layout (select_config's kv_upcast):
-            # no byte-wise shared loads, the packed conversion of the cache's dtype
-            # (per-token-head pages keep the plain upcast: slower with it on an H100)
+            # decode over 1-byte pages upcasts (select_config's kv_upcast), reading K and V as
+            # bytes in the MMA operands' layouts (k_direct / v_direct): no byte-wise shared
+            # loads, the packed conversion of the cache's dtype, no fp16 copy of either tile
             one_byte = case[2] not in ("bf16", "fp16")
+            decode_1b = one_byte and name.startswith("attn_decode")
+            assert r["kv_upcast"] == decode_1b, (name, r)
+            assert r["k_direct"] == decode_1b, (name, r)
+            # (V as bytes where the warps split its width in 32-column groups: head 128 over 4
+            # warps; the DiffKV and head-64 configs keep V's fp16 copy)
+            # per-token-head pages keep it too: their bf16 P.V has no packed byte conversion
             pth = len(case) > 6 and case[6].endswith("per_token_head")
-            assert r["kv_upcast"] == (one_byte and not pth and name.startswith("attn_decode")), (
-                name,
-                r,
-            )
+            v_bytes = decode_1b and case[4] == 128 and case[3] != 192 and not pth
+            assert r["v_direct"] == v_bytes, (name, r)
+            if r["k_direct"] and r["v_direct"]:
+                # what is left: P's fp16 tile (16 bytes a thread) and the row reductions; the
+                # fp16 copies of K and V stored 276 bytes a thread a tile
+                assert r["loop_st"] <= 48, f"{_key(case)} {name}: {r['loop_st']} B stored a tile"
+                assert r["loop_trans"] == 0, f"{_key(case)} {name}: V read back transposed"
             if r["kv_upcast"]:
                 assert r["byte_lds"] == 0, f"{_key(case)} {name}: {r['byte_lds']} byte loads"
                 # (per-token-head pages keep a bf16 P.V under bf16 queries: p * s_v may leave

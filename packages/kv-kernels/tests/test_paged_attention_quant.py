@@ -152,9 +152,9 @@ def test_per_token_head_fp16_rows(
 ) -> None:
     """fp16 queries whose rows span 1e-2 .. 3e4, with the launcher's plain upcast and with a
     config asking for KV_UPCAST (q.K as an fp16 MMA with each row scaled by a power of two,
-    test_paged_attention_upcast.py; not the default for these pages, slower on an H100, but a
-    config may ask for it), the inline scales on the logit and P columns; with and without KV
-    splits, held to the fp16 bound."""
+    test_paged_attention_upcast.py; the default for these pages since K is read as bytes in the
+    MMA operand's layout, k_direct), the inline scales on the logit and P columns; with and
+    without KV splits, held to the fp16 bound."""
     orig = pa_triton.select_config
 
     def pick(kind: str, **kw: object) -> object:

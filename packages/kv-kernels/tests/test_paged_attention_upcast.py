@@ -12,14 +12,21 @@ magnitudes (1e-3 .. 3e4), so a wrong row scale shows; the oracle attends over th
 fp8 / int8 values in float64 and the bound is the fp16 row of ``kv_kernels.testing.TOLERANCES``.
 Negative checks show that bound catches one wrong page and a 10% wrong scale. Per-token-head
 pages under the same path: ``test_paged_attention_quant.py::test_per_token_head_fp16_rows``.
+
+The operands read as bytes (``k_direct`` / ``v_direct``, the default) are checked beside the
+earlier fp16 copies; V's column renaming (``v_operand`` / ``restore_columns``) also on its own, at
+the full 128-column width whose four 32-column groups the small batches do not reach.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -27,6 +34,7 @@ if not torch.cuda.is_available():
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import triton as pa_triton
 from kv_kernels.paged_attention._tiles import kernel_constexprs, select_config
+from kv_kernels.paged_attention._upcast import restore_columns, upcast_tile, v_operand
 from kv_kernels.testing import check_close_to_oracle, plant_wrong_page
 from kv_kernels.testing_attention import (
     assert_lse_close,
@@ -94,6 +102,9 @@ def test_fp8_per_tensor_fp16_mma(
         return_lse=True,
     )  # fmt: skip
     assert seen and seen[0]["KV_UPCAST"], "decode over fp8 pages did not take the fp16-MMA path"
+    # (V as bytes only where the warps split its width in 32-column groups: not at head 32
+    # over 4 warps; test_fp8_per_tensor_operand_paths runs it)
+    assert seen[0]["K_DIRECT"] and not seen[0]["V_DIRECT"], "K not read as bytes"
     assert seen[0]["PTX"] == (triton_device == "cuda")
     want, want_lse = batch_oracle(b)
     assert_rows_close(out, want, torch.float16)
@@ -110,6 +121,62 @@ def test_fp8_per_tensor_fp16_mma(
         v_scale=V_SCALE, num_splits=splits,
     )  # fmt: skip
     assert not check_close_to_oracle(bad.cpu(), want, dtype=torch.float16).ok, "wrong page passed"
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+@pytest.mark.parametrize(
+    "direct", [(False, False), (True, False), (True, True)], ids=["fp16_copies", "k_only", "both"]
+)
+def test_fp8_per_tensor_operand_paths(
+    fmt: str, direct: tuple[bool, bool], triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K and V through fp16 copies, K alone as bytes, both as bytes (V's 32 columns over one
+    warp, the width V_DIRECT asks for; the interpreter ignores warps); same bound, KV splits."""
+    orig = pa_triton.select_config
+
+    def pick(kind: str, **kw: object) -> object:
+        cfg = orig(kind, **kw)  # type: ignore[arg-type]
+        if kind != "decode":
+            return cfg
+        return dataclasses.replace(
+            cfg, k_direct=direct[0], v_direct=direct[1], num_warps=1 if direct[1] else 4
+        )
+
+    monkeypatch.setattr(pa_triton, "select_config", pick)
+    seen = _spy_constexprs(monkeypatch)
+    b = _fp8_batch(fmt, triton_device)
+    out = run_batch(b, "triton", k_scale=K_SCALE.to(triton_device), v_scale=V_SCALE, num_splits=3)
+    assert (seen[0]["K_DIRECT"], seen[0]["V_DIRECT"]) == direct
+    assert_rows_close(out, batch_oracle(b)[0], torch.float16)
+
+
+@triton.jit
+def _pv_kernel(p_ptr, v_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, DV: tl.constexpr):
+    # P [M, N] fp16 times V [N, DV] (int8) as the decode loop does with V_DIRECT: V's columns
+    # renamed, upcast, the product's columns put back
+    rm, rn, rd = tl.arange(0, M), tl.arange(0, N), tl.arange(0, DV)
+    p = tl.load(p_ptr + rm[:, None] * N + rn[None, :])
+    v = tl.load(v_ptr + rn[:, None] * DV + rd[None, :])
+    v = upcast_tile(v_operand(v, N, DV), tl.float16, False, True)
+    acc = tl.dot(p, v, tl.zeros([M, DV], dtype=tl.float32))
+    acc = restore_columns(acc, M, DV)
+    tl.store(out_ptr + rm[:, None] * DV + rd[None, :], acc)
+
+
+@pytest.mark.parametrize("dv", [32, 128])
+def test_v_column_renaming_round_trips(dv: int, triton_device: str) -> None:
+    """P.V over the renamed V, its columns put back, equals P.V: exact (small integers), and a
+    renaming left in place would show (every column of V differs)."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randint(-4, 5, (16, 64), generator=gen).half()
+    v = (torch.arange(dv)[None, :] * 3 + torch.randint(-9, 10, (64, dv), generator=gen)) % 127
+    v = v.to(torch.int8)
+    out = torch.empty(16, dv)
+    p_d, v_d, out_d = p.to(triton_device), v.to(triton_device), out.to(triton_device)
+    _pv_kernel[(1,)](p_d, v_d, out_d, 16, 64, dv)
+    torch.testing.assert_close(
+        out_d.cpu(), p.double() @ v.double(), rtol=0, atol=0, check_dtype=False
+    )
 
 
 def test_fp8_per_tensor_fp16_mma_scalar_scales(triton_device: str) -> None:
@@ -142,6 +209,12 @@ def test_gpu_bf16_rows_past_fp16_range() -> None:
 def test_select_config_upcasts_one_byte_decode_only() -> None:
     shape = dict(head_size=128, head_size_v=128, group=4, block_size=16)
     assert select_config("decode", elem_bytes=1, **shape).kv_upcast
+    for inline in (False, True):
+        cfg1 = select_config("decode", elem_bytes=1, inline_scales=inline, **shape)
+        # (per-token-head pages keep V's fp16 copy: their P.V is bf16, which has no packed
+        # byte conversion, and V as bytes timed slower there on the H100)
+        assert cfg1.kv_upcast and cfg1.k_direct and cfg1.v_direct == (not inline)
+    assert not select_config("prefill", elem_bytes=1, **shape).k_direct
     assert not select_config("decode", elem_bytes=2, **shape).kv_upcast
     assert not select_config("prefill", elem_bytes=1, **shape).kv_upcast
     cfg = select_config("decode", elem_bytes=1, **shape)

@@ -39,7 +39,10 @@ is made; the scales are read as float32 words when the cache's strides allow, el
 upcast in their load layout by packed PTX, q.K runs as an fp16 MMA with every query row scaled
 by its own power of two (undone on the logits), and with per-tensor scales P.V too, its P
 carried as ``p * 2^15`` (l carries the factor; the LSE takes it out); per-token-head pages keep
-P.V in the query dtype (``p * s_v`` may leave fp16's range).
+P.V in the query dtype (``p * s_v`` may leave fp16's range). ``K_DIRECT`` / ``V_DIRECT`` (with
+``KV_UPCAST``): K / V skip the fp16 copy in shared memory, read as bytes in the MMA operand's
+layout and upcast in registers (V with its columns renamed, put back after the KV loop; why and
+how in :mod:`._upcast`).
 
 Split KV (flash-decoding). With ``num_splits = S > 1`` the third grid axis cuts each program's KV
 tile range into ``S`` contiguous chunks; each writes a normalized partial output and its LSE, and
@@ -59,7 +62,7 @@ from kv_kernels.paged_attention._tile_loads import (
     page_offsets,
     tile_page,
 )
-from kv_kernels.paged_attention._upcast import f16_rows, upcast_tile
+from kv_kernels.paged_attention._upcast import f16_rows, restore_columns, upcast_tile, v_operand
 
 __all__ = ["paged_attention_kernel"]
 
@@ -91,7 +94,7 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(
-    acc,  # [M, DV_PAD] f32
+    acc,  # [M, DV_PAD] f32 (columns renamed by v_operand with V_DIRECT)
     l_i,  # [M] f32
     m_i,  # [M] f32 (log2 units)
     q,  # [M, D_PAD]
@@ -144,6 +147,8 @@ def _attend_tiles(
     KV_UPCAST: tl.constexpr,
     PTX: tl.constexpr,
     PV_DTYPE: tl.constexpr,
+    K_DIRECT: tl.constexpr,
+    V_DIRECT: tl.constexpr,
 ):
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -192,14 +197,17 @@ def _attend_tiles(
         # the output, a per-token-head scale into the logits and the probabilities below.
         # KV_UPCAST (1-byte pages, 16-bit queries): K to fp16 for an fp16 q.K (q is fp16 rows,
         # see f16_rows) and V to PV_DTYPE, in the load's layout (see _upcast), so the MMA
-        # operands come from 16-bit tiles; otherwise both to the query dtype.
+        # operands come from 16-bit tiles, or (K_DIRECT / V_DIRECT) in the MMA operand's layout,
+        # read as bytes; otherwise both to the query dtype.
         if V_FROM_K:
             # MLA: V is the first HEAD_SIZE_V (= D_PAD) columns of the latent, the tile just read
             v = k
-        k = upcast_tile(k, q.dtype, PTX and KV_UPCAST)
+        k = upcast_tile(k, q.dtype, PTX and KV_UPCAST, K_DIRECT)
         if KV_UPCAST:
             if V_FROM_K and q.dtype == PV_DTYPE:
                 v = k
+            elif V_DIRECT:
+                v = upcast_tile(v_operand(v, TILE_N, DV_PAD), PV_DTYPE, PTX, True)
             else:
                 v = upcast_tile(v, PV_DTYPE, PTX)
         elif V_FROM_K:
@@ -207,7 +215,7 @@ def _attend_tiles(
         else:
             v = v.to(q.dtype)
         if D_TAIL > 0:
-            k2 = upcast_tile(k2, q.dtype, PTX and KV_UPCAST)
+            k2 = upcast_tile(k2, q.dtype, PTX and KV_UPCAST, K_DIRECT)
         if DOT_IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             if D_TAIL > 0:
@@ -344,7 +352,7 @@ def paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, FOLD_LOG2: tl.constexpr,
     KV_SCALE: tl.constexpr, SCALE_WORDS: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_IEEE: tl.constexpr, CHECK: tl.constexpr, ROW_ALIGN: tl.constexpr, TMA: tl.constexpr,
-    KV_UPCAST: tl.constexpr, PTX: tl.constexpr,
+    KV_UPCAST: tl.constexpr, PTX: tl.constexpr, K_DIRECT: tl.constexpr, V_DIRECT: tl.constexpr,
 ):  # fmt: skip
     pid_q = tl.program_id(0)
     if not SEQ_PER_PROGRAM:
@@ -483,8 +491,10 @@ def paged_attention_kernel(
                 HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, BLOCK_SIZE, TILE_N,
                 phase != 1, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, FOLD_LOG2,
                 KV_SCALE == 3, SCALE_WORDS, DOT_IEEE, CHECK, ROW_ALIGN, TMA,
-                KV_UPCAST, PTX, pv_dtype,
+                KV_UPCAST, PTX, pv_dtype, K_DIRECT, V_DIRECT,
             )  # fmt: skip
+    if V_DIRECT:
+        acc = restore_columns(acc, BLOCK_M, DV_PAD)  # (the loops accumulate renamed columns)
 
     if KV_UPCAST and KV_SCALE != 3:
         m_i = m_i - 15.0  # l carries 2^15 (fp16 P, see _attend_tiles)

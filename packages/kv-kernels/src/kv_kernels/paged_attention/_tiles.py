@@ -54,6 +54,12 @@ class AttentionConfig:
     kv_upcast: bool = False
     #: with ``waves=1``: programs resident on an SM at once (1: programs that fill an SM)
     programs_per_sm: int = 1
+    #: with ``kv_upcast``: read the 8-bit K tile from shared memory in the MMA operand's layout
+    #: and upcast it there, in registers, instead of storing an fp16 copy and reloading it
+    #: (``K_DIRECT``, why in :mod:`._upcast`)
+    k_direct: bool = False
+    #: the same for V, its columns renamed so a thread's bytes are adjacent (``V_DIRECT``)
+    v_direct: bool = False
 
 
 def split_head(head_size: int) -> tuple[int, int]:
@@ -143,8 +149,26 @@ def select_config(
         # Timed (H100, bench_paged_attention.py --tune-paths, same process): fp8 per tensor
         # 64 x 4k 0.263 -> 0.240 ms (2.04 -> 2.23 TB/s), 8 x 32k 0.266 -> 0.246 ms; but per
         # token and head (``inline_scales``) slower: int8 8 x 32k 0.277 -> 0.354 ms, fp8 64 x 4k
-        # 0.297 -> 0.343 ms, so those pages keep the plain upcast.
-        kv_upcast = elem_bytes == 1 and not inline_scales
+        # 0.297 -> 0.343 ms, so those pages kept the plain upcast.
+        # Then ncu (H100, fp8 per tensor 64 x 4k, 2.18 TB/s): bound by shared memory (L1/TEX
+        # 83%, DRAM 57%): per 64-token tile 125 KiB of shared traffic for 16 KiB of KV (PTX of
+        # the loop: 16 cp.async, 18.5 ld, 34.5 st, 56 ldmatrix), 40 KiB of it each for K and V
+        # (bytes read, fp16 stored, fp16 reloaded) and 16 KiB the q operand, reloaded every
+        # tile by Triton's choice. k_direct / v_direct read K / V as bytes in the MMA operand's
+        # layout (_upcast): 125 -> 93 KiB (K: one 8 KiB ldmatrix pass) -> 61 KiB (V too: 8 KiB
+        # of 32-bit loads, 4-way bank conflicts), shared memory 53 -> 39 -> 22.5 KiB, registers
+        # 116 -> 110 -> 109, no spills, no byte loads; SASS loop 434 -> 454 -> 527 instructions
+        # (q read by 64-bit loads instead of ldmatrix, V's 4 x 4 byte transposes). Page 128:
+        # 124 -> 92 -> 60 KiB, 106 -> 101 -> 100 registers. Same on triton 3.6 (attn_decode 128
+        # registers with 4 bytes spilled on all three). Per token and head (int8, page 16), with
+        # kv_upcast and both: 66 KiB, 128 registers, no spills (plain upcast: 66 KiB with 64
+        # byte-wise loads a thread, 72 / 96 bytes spilled; kv_upcast alone 130 KiB); so those
+        # pages take the fp16 q.K again. Timed (H100, --tune-paths, one process): fp8 per
+        # tensor with K and V as bytes 64 x 4k 0.205 ms (2.61 TB/s, 0.87 of the copy), 8 x 32k
+        # 0.209 (S=8); per token and head with K as bytes and V's fp16 copy: int8 / fp8 64 x 4k
+        # 0.251 / 0.251 ms (2.20 TB/s), int8 8 x 32k 0.254 (S=8), vs 0.273 / 0.265 / 0.269
+        # with V as bytes too (their P.V stays bf16, which has no packed byte conversion).
+        kv_upcast = elem_bytes == 1
         if d_tail and not v_from_k:
             # split head (DiffKV 192 = 128 + 64 over V 128)
             tile_n, num_warps, num_stages, waves = 128, 8, 2, 4
@@ -206,6 +230,8 @@ def select_config(
         and dv_pad == head_size_v
         and block_size % tile_n == 0
     )
+    k_direct = kv_upcast  # (decode over 1-byte pages, see there)
+    v_direct = kv_upcast and not inline_scales
     return AttentionConfig(
         block_m,
         block_m // heads,
@@ -218,6 +244,8 @@ def select_config(
         tma,
         kv_upcast,
         programs_per_sm,
+        k_direct,
+        v_direct,
     )
 
 
@@ -304,6 +332,7 @@ def kernel_constexprs(
         raise ValueError(f"kind={kind!r} must be 'decode' or 'prefill'")
     d_main, d_tail = split_head(head_size)
     heads = cfg.heads_per_program or group
+    upcast = bool(cfg.kv_upcast and kv_bytes == 1 and not dot_ieee)
     if v_from_k and (head_size_v != d_main or d_tail == 0):
         raise ValueError(
             f"v_from_k needs head_size_v={head_size_v} equal to the main tile {d_main} of "
@@ -339,6 +368,14 @@ def kernel_constexprs(
         ROW_ALIGN=row_align,
         # (a hand-made config may ask for TMA where a tile spans pages: the boxes cannot)
         TMA=bool(tma and cfg.tma and block_size % cfg.tile_n == 0),
-        KV_UPCAST=bool(cfg.kv_upcast and kv_bytes == 1 and not dot_ieee),
+        KV_UPCAST=upcast,
         PTX=ptx,
+        K_DIRECT=upcast and cfg.k_direct,
+        # (the column renaming gives a thread 4 adjacent bytes where the warps split V's width
+        # into 32-column groups, one each (head 128 over 4 warps); elsewhere it would read
+        # bytes one by one, so V keeps its fp16 copy; MLA's V is K's own tile)
+        V_DIRECT=upcast
+        and cfg.v_direct
+        and not v_from_k
+        and pow2(head_size_v) == 32 * cfg.num_warps,
     )

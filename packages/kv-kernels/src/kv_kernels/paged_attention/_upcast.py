@@ -10,8 +10,26 @@ conversion above them), leaves a 16-bit tile that reaches the MMA through shared
 16-byte stores and ``ldmatrix``. The conversions emit only the exact integer / fp8 -> fp16
 widenings; fp16 holds every int8, e4m3 and e5m2 value exactly.
 
+Operands read as bytes (``K_DIRECT`` / ``V_DIRECT``, :func:`upcast_tile` with ``IN_OPERAND``).
+The fp16 round trip costs shared-memory traffic: per 64-token tile of K and of V, 8 KiB of bytes
+read, 16 KiB of fp16 stored and 16 KiB read back by ``ldmatrix`` (ncu, H100: the fp8 decode was
+bound by shared memory, L1/TEX 83%). A conversion Triton *may* move (``is_pure=True``) lets it
+read the byte tile straight in the MMA operand's layout and convert there, in registers: both
+operands of an fp16 MMA whose origin is 8-bit take ``kWidth=4`` (four consecutive k values a
+thread), which for bytes is one 32-bit word, so K^T (head dim, its k, contiguous in memory) is
+read by ``ldmatrix`` on byte pairs, 8 KiB a tile and no fp16 copy (sm_90 PTX, triton 3.6 and
+3.9). V's k is the token, 128 bytes apart: read as it is, a thread's four tokens are four bytes
+of four rows (``ld.shared.u8``, 64 a thread). :func:`v_operand` renames V's columns so that the
+four output columns a thread accumulates are four adjacent bytes of a row: each word read is
+then four columns of one token, and a 4 x 4 byte transpose (``prmt``) in registers gives the
+thread its four tokens of each column; the accumulator comes out with its columns renamed the
+same way, and :func:`restore_columns` puts them back once, after the KV loop. The words of one
+read come from four token rows of the same banks (the byte buffer is not swizzled): 4-way bank
+conflicts, still fewer wavefronts than the 40 KiB round trip.
+
 The interpreter cannot run inline PTX: with ``PTX`` off the same tiles convert by ``.to`` (same
-values, Triton's own placement), which is what the interpreter tests run.
+values, Triton's own placement), which is what the interpreter tests run; the column renaming of
+``V_DIRECT`` runs there as well.
 """
 
 from __future__ import annotations
@@ -19,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["f16_rows", "upcast_tile"]
+__all__ = ["f16_rows", "restore_columns", "upcast_tile", "v_operand"]
 
 
 # Packed 1-byte -> fp16 conversions: 4 bytes of a register in ($2), two f16x2 registers out
@@ -41,9 +59,10 @@ _I8_ASM = tl.constexpr(
 
 
 @triton.jit
-def _packed_to_f16(x, ASM: tl.constexpr):
-    # opaque to Triton (is_pure=False), so the conversion into the MMA operand stays after it
-    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+def _packed_to_f16(x, ASM: tl.constexpr, PURE: tl.constexpr):
+    # PURE off: opaque to Triton, so the conversion into the MMA operand stays after it; on:
+    # Triton may move that conversion above it, onto the byte tile (see IN_OPERAND)
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
 
 
 @triton.jit
@@ -56,19 +75,44 @@ def _pin_layout(x):
 
 
 @triton.jit
-def upcast_tile(x, DST: tl.constexpr, PTX: tl.constexpr):
-    """``x`` (any tile) as ``DST``; with ``PTX``, a 1-byte ``x`` converts in its own layout by the
-    packed PTX above (fp16 from int8 / e4m3 / e5m2; other pairs by ``.to``, then pinned)."""
+def upcast_tile(x, DST: tl.constexpr, PTX: tl.constexpr, IN_OPERAND: tl.constexpr = False):
+    """``x`` (any tile) as ``DST``; with ``PTX``, a 1-byte ``x`` converts by the packed PTX above
+    (fp16 from int8 / e4m3 / e5m2; other pairs by ``.to``): in its own layout (pinned there), or
+    with ``IN_OPERAND`` where Triton puts it, i.e. in the MMA operand's layout after the byte
+    tile is read from shared memory in that layout (see the module docstring)."""
     if PTX and x.dtype.primitive_bitwidth == 8:
         # (fp8 handed over as its bytes: the asm reads registers, not fp8 values)
         if DST.is_fp16() and x.dtype.is_fp8e4nv():
-            return _packed_to_f16(x.to(tl.uint8, bitcast=True), _E4M3_ASM)
+            return _packed_to_f16(x.to(tl.uint8, bitcast=True), _E4M3_ASM, IN_OPERAND)
         if DST.is_fp16() and x.dtype.is_fp8e5():
-            return _packed_to_f16(x.to(tl.uint8, bitcast=True), _E5M2_ASM)
+            return _packed_to_f16(x.to(tl.uint8, bitcast=True), _E5M2_ASM, IN_OPERAND)
         if DST.is_fp16() and x.dtype.is_int8():
-            return _packed_to_f16(x, _I8_ASM)
+            return _packed_to_f16(x, _I8_ASM, IN_OPERAND)
+        if IN_OPERAND:
+            return x.to(DST)
         return _pin_layout(x.to(DST))
     return x.to(DST)
+
+
+@triton.jit
+def v_operand(v, TILE_N: tl.constexpr, DV_PAD: tl.constexpr):
+    """V ``[TILE_N, DV_PAD]`` with its columns renamed for :data:`V_DIRECT` reads: column
+    ``32 r + 8 w + g`` is V's ``32 w + 4 g + r`` (``g < 8``, ``w, r < 4``; ``DV_PAD = 128``).
+
+    Why that order: in the P.V MMA (16 rows, 4 warps along the columns) lane group ``g`` of warp
+    ``w`` accumulates columns ``g + 8 w + 32 r`` for ``r < 4``; renamed, those are the 4 adjacent
+    bytes ``32 w + 4 g + r`` of each token, one 32-bit shared load. Any order is exact (the
+    accumulator's columns follow it, :func:`restore_columns` undoes it); others are slower."""
+    v = v.reshape(TILE_N, DV_PAD // 32, 8, 4)  # [tok, w, g, r] by V's own column 32w + 4g + r
+    return v.permute(0, 3, 1, 2).reshape(TILE_N, DV_PAD)  # [tok, r, w, g]
+
+
+@triton.jit
+def restore_columns(acc, BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr):
+    """The accumulator ``[BLOCK_M, DV_PAD]`` of P.V over :func:`v_operand`'s V, in V's own column
+    order (once, after the KV loop)."""
+    acc = acc.reshape(BLOCK_M, 4, DV_PAD // 32, 8)  # [m, r, w, g]
+    return acc.permute(0, 2, 3, 1).reshape(BLOCK_M, DV_PAD)  # [m, w, g, r]
 
 
 @triton.jit
