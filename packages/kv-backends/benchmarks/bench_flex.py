@@ -41,6 +41,16 @@ Formulas (bytes and FLOPs count what attention must touch, not what a kernel hap
 
 Times are CUDA-event medians of ``triton.testing.do_bench`` (25 warm-up, 200 ms of repeats).
 
+The FLEX_ATTENTION rows call ``impl.forward`` without ``out``, as the engine does (the backend then
+returns Flex's own output where it can, no copy). Their builders are made with
+``static_shapes=True`` on CUDA (the backend's CUDA default, passed explicitly: padded rows and
+decode batches, impl compiled with ``dynamic=False``), so no case compiles a dynamic graph that a
+later one could reuse. Dynamo is reset between cases all the same (``torch._dynamo.reset()``):
+one process compiles Flex for every case, and a case's time should not depend on which graphs
+earlier cases left on ``flex_attention``'s code object (8 x 32k decode at page 128 read 2.05 TB/s
+in a whole-script run and 2.76-2.85 alone, H100, before the reset). Each case then starts from
+an empty Dynamo cache (inductor's compiled kernels stay cached, so recompiling is quick).
+
 Usage::
 
     python packages/kv-backends/benchmarks/bench_flex.py            # GPU: writes docs/benchmarks/flex.*
@@ -180,6 +190,9 @@ def _backend(
 
     if device == "cuda":
         b.kv_cache.normal_()
+    # The backend's CUDA default, passed explicitly: padded (static) shapes and a dynamic=False
+    # compile, so this case's graphs stay static whatever compiled before it.
+    builder_options.setdefault("static_shapes", device == "cuda")
     backend = get_backend("FLEX_ATTENTION")
     builder = backend.make_builder(
         b.config,
@@ -190,6 +203,7 @@ def _backend(
         **builder_options,
     )
     md = builder.build(b.common)
+    assert md.static_shapes == (device == "cuda"), "the CUDA rows must run static shapes"
     impl = backend.make_impl(
         b.config,
         b.layout,
@@ -197,8 +211,8 @@ def _backend(
         kernel_options=kernel_options,
         decode_kernel_options=decode_kernel_options,
     )
-    out = torch.empty(b.q.shape[0], HQ, D, dtype=b.q.dtype, device=device)
-    return lambda: impl.forward(None, b.q, b.kv_cache, md, out=out)
+    # No out: the engine passes none (the backend returns Flex's own output where it can).
+    return lambda: impl.forward(None, b.q, b.kv_cache, md)
 
 
 def _flex_fn(device: str, compiled: bool) -> Any:
@@ -305,6 +319,9 @@ def run(args: argparse.Namespace) -> list[Record]:
     for c in _cases(args.smoke, args.decodes_first):
         if args.only and not any(t in c.name for t in args.only):
             continue
+        if compiled:
+            # Each case from an empty Dynamo cache (see the module docstring).
+            torch._dynamo.reset()
         b = _batch(c, device)
         add(c.name, "FLEX_ATTENTION", _backend(c, b, device, compiled, **ours), c)
         if args.legacy_decode and c.kind != "prefill":

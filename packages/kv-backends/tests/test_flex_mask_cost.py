@@ -4,9 +4,9 @@ per (query, key) pair. Counted on the CPU; the GPU timing is bench_flex.py's.
 
 - A causal prefill whose tiles lie within pages (page 128, or the gathered buffer at page 16)
   lists exactly dense causal Flex's partial and full tiles.
-- The mask mod loads per query row and per key column only; the block-table mask (still used
-  where the owner test is not exact: a block shared by two requests, batch invariance) loads
-  one table entry per pair.
+- The mask mod loads per query row and per key column only (the span mask over the gathered
+  buffer: per row only); the block-table mask (still used where the owner test is not exact: a
+  block shared by two requests, batch invariance) loads one table entry per pair.
 """
 
 from __future__ import annotations
@@ -113,8 +113,13 @@ def test_paged_prefill_with_tiles_wider_than_pages_lists_more() -> None:
 def test_mask_mod_loads_per_row_and_column_only(page: int, prefill: str) -> None:
     b = make_paged_batch(query_lens=[200, 1, 90], seq_lens=[300, 40, 90], block_size=page)
     loads, pair_loads = _pair_loads(_build(b, prefill=prefill).windows[0].block_mask)
-    assert loads >= 3
+    assert loads >= 2  # the span mask's row interval (and over the paged cache a block key)
     assert pair_loads == 0
+    # The owner mask mod, as before the span mask: per row and per column too.
+    owner_loads, owner_pair_loads = _pair_loads(
+        _build(b, prefill=prefill, mask="owner").windows[0].block_mask
+    )
+    assert owner_loads >= 3 and owner_pair_loads == 0
     # The block-table mask mod, as before (and wherever the owner test is not exact).
     _, table_pair_loads = _pair_loads(
         _build(b, prefill=prefill, mask="table").windows[0].block_mask
@@ -165,7 +170,9 @@ def test_owner_entries_of_the_previous_batch_are_reset() -> None:
     kw = {"block_size": 16, "num_blocks": 40}
     first = make_paged_batch(query_lens=[30, 20, 25], seq_lens=[60, 20, 90], seed=1, **kw)
     b = make_paged_batch(query_lens=[30, 20, 25], seq_lens=[40, 50, 30], seed=2, **kw)
-    builder = get_backend("FLEX_ATTENTION").make_builder(b.config, b.layout, kv_block_size=16)
+    builder = get_backend("FLEX_ATTENTION").make_builder(
+        b.config, b.layout, kv_block_size=16, mask="owner"
+    )
     builder.build(first.common)
     md = builder.build(b.common)
     stale = set(first.common.block_table.flatten().tolist()) - set(

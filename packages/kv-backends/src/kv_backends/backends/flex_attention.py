@@ -4,6 +4,7 @@ The backend is split by job: :mod:`~kv_backends.backends.flex_mask` (tile option
 block-mask entries, mask mods), :mod:`~kv_backends.backends.flex_decode` (the decode call),
 :mod:`~kv_backends.backends.flex_metadata` (metadata and the builder's persistent buffers),
 :mod:`~kv_backends.backends.flex_windows` (the flattened call's block masks and mask mods),
+:mod:`~kv_backends.backends.flex_span` (the per-row span mask mods, the default where exact),
 :mod:`~kv_backends.backends.flex_compile` (the compiled entry point and its scoped Dynamo limits),
 :mod:`~kv_backends.backends.flex_trainer` (the trainer's dense calls, "rollout equals trainer")
 and this module (the per-layer impl and the backend class).
@@ -23,9 +24,10 @@ requests needs, trimmed to the causal bound and the window. ``mask_mod`` then de
 pair: ``physical -> logical`` is a per-block table (``phys_to_logical[block]``, written for the
 blocks of this batch only: O(tokens) per step, never O(batch x total blocks)), and ownership is
 checked exactly, so blocks of other requests inside a KV tile, shared prefix blocks and stale
-entries are all handled: by the block's one owning request (``block_req[block] == req``, one load
-per key column) where no block of the call is shared, else by the table (``block_table[req,
-logical] == block``, one load per (query, key) pair); see :mod:`~kv_backends.backends.flex_windows`. Only columns a query of the batch
+entries are all handled: where no block of the call is shared, by an interval of key numbers per
+query row (the block's owning request and logical position folded into one key, see
+:mod:`~kv_backends.backends.flex_span`), else by the table (``block_table[req, logical] ==
+block``, one load per (query, key) pair); see :mod:`~kv_backends.backends.flex_windows`. Only columns a query of the batch
 can see enter the table: a sliding-window row's columns before the window (the null block, or ids
 the pool has reused) are never mapped. Tiles that every served row of a single-request query
 block sees whole are listed as *full* blocks, on which Flex skips the mask mod (the interior of
@@ -53,6 +55,17 @@ per window that holds blocks, merged exactly through their log-sum-exps.
 
 Sinks are applied after the call from the log-sum-exp: ``out * sigmoid(lse - sink)`` equals a
 softmax whose denominator has an extra ``exp(sink)``.
+
+The output. ``forward`` keeps :meth:`AttentionImpl.forward`'s contract: a contiguous ``[T, Hq,
+Dv]`` in q's dtype (``T = q.shape[0]``), rows past ``num_actual_tokens`` zero (the engine's model
+reshapes it to ``[T, Hq * Dv]``: a strided view would only move the copy there). Flex lays its
+output out in the query's stride order, and the flattened call's queries are a transposed
+``[T, Hq, D]``, so its output already is a row-major ``[T_padded, Hq, Dv]``: without a caller
+``out`` (the engine passes none) forward returns its first ``T`` rows, no copy, and a mixed batch's
+decode call writes its rows into it. A copy remains where it must: a caller ``out``; sinks or
+several windows (the output is computed anew and written once, in float32 rounded once); ``q``
+longer than the padded call; an output Flex did not make row-major; autograd (in-place writes
+into Flex's output would break its backward).
 """
 
 from __future__ import annotations
@@ -248,10 +261,11 @@ class FlexAttentionImpl(AttentionImpl):
                 f"FLEX_ATTENTION layer tiles {self.options} differ from the metadata's "
                 f"{metadata.options}; build the group's metadata with the same FlexOptions"
             )
-        result = self.empty_output(q, out)
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0:
-            return result
+            return self.empty_output(q, out)
+        if out is not None:
+            self.empty_output(q, out)  # checks its shape and dtype
         cache, _ = self.kernel_cache(kv_cache)  # [B*k, H, n, C]
         k_scale, v_scale = self.scales(layer)
         if k_scale is not None or v_scale is not None:
@@ -280,14 +294,40 @@ class FlexAttentionImpl(AttentionImpl):
                 f"{'sinks need' if self.sinks is not None else 'a batch spanning several cache windows needs'}; "
                 "use compiled=False on the CPU"
             )
+        result = out
         # Dynamo's limits are raised for our compiled calls only (see flex_compile).
         with flex_dynamo_limits() if use_compiled else nullcontext():
             if metadata.windows:
-                self._forward_flat(fn, q, cache, metadata, result, need_lse)
+                result = self._forward_flat(fn, q, cache, metadata, out, need_lse)
             if metadata.decode is not None:
                 # After the flattened call: it leaves the decode requests' rows empty (or NaN).
-                self._forward_decode(fn, q, cache, metadata, metadata.decode, result)
-        return result
+                result = self._forward_decode(fn, q, cache, metadata, metadata.decode, result)
+        return self.empty_output(q, None) if result is None else result
+
+    def _new_output(self, q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """A new ``[T, Hq, Dv]`` output whose rows from ``num_tokens`` on are zero (the caller
+        writes the rows before)."""
+        res = self.empty_output(q, None, zeroed=False)
+        if res.shape[0] > num_tokens:
+            res[num_tokens:].zero_()
+        return res
+
+    @staticmethod
+    def _own_output(q: torch.Tensor, o: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+        """``o`` (``[rows, Hq, Dv]``, a Flex call's output, real rows first) as forward's result
+        without a copy: its first ``q.shape[0]`` rows, rows from ``num_tokens`` on zeroed.
+        ``None`` where that is not the contract's contiguous ``[T, Hq, Dv]`` in q's dtype (fewer
+        rows than q, a layout Flex did not make row-major) or where writing into it in place
+        would break autograd."""
+        t = q.shape[0]
+        if o.shape[0] < t or o.dtype != q.dtype or o.requires_grad:
+            return None
+        res = o[:t]
+        if not res.is_contiguous():
+            return None
+        if t > num_tokens:
+            res[num_tokens:].zero_()
+        return res
 
     def _forward_flat(
         self,
@@ -295,9 +335,11 @@ class FlexAttentionImpl(AttentionImpl):
         q: torch.Tensor,
         cache: torch.Tensor,
         md: FlexAttentionMetadata,
-        result: torch.Tensor,
+        out: torch.Tensor | None,
         need_lse: bool,
-    ) -> None:
+    ) -> torch.Tensor:
+        """The flattened call; returns forward's output with its rows written (``out`` when
+        given, else Flex's own output where it can be, see :meth:`_own_output`)."""
         num_tokens, padded = md.num_actual_tokens, md.padded_tokens
         if q.shape[0] >= padded:
             qx = q[:padded].transpose(0, 1)[None]  # [1, Hq, T_padded, D], a view
@@ -323,26 +365,43 @@ class FlexAttentionImpl(AttentionImpl):
                 gather=win.gather,
                 tpb=md.tpb,
             )
-            outs.append(o[0, :, :num_tokens])  # [Hq, T, Dv]
+            # Flex lays its output out in the query's stride order (torch's lowering and eager
+            # path both do), so with qx a transposed [T, Hq, D] this is a contiguous
+            # [T_padded, Hq, Dv]: forward can return it as is, no copy.
+            outs.append(o[0].transpose(0, 1))  # [T_padded, Hq, Dv]
             if lse is not None:
                 lses.append(lse[0, :, :num_tokens].float())  # [Hq, T]
         if not need_lse:
-            # The common case: one window, no sinks; one copy into [T, Hq, Dv], no upcast.
-            result[:num_tokens] = outs[0].transpose(0, 1)
-            return
+            # The common case: one window, no sinks.
+            if out is None:
+                own = self._own_output(q, outs[0], num_tokens)
+                if own is not None:
+                    return own
+            result = self._new_output(q, num_tokens) if out is None else out
+            result[:num_tokens] = outs[0][:num_tokens]
+            return result
+        # Sinks or several windows: the output is computed anew, written once into the result.
+        result = self._new_output(q, num_tokens) if out is None else out
+        dest = result[:num_tokens]  # [T, Hq, Dv]
         if len(outs) == 1:
-            o = outs[0].float()
-            lse = lses[0]
-        else:
-            lse_all = torch.stack(lses)  # [W, Hq, T]
-            lse = torch.logsumexp(lse_all, dim=0)
-            weights = torch.exp(lse_all - lse[None]).nan_to_num(0.0)  # [W, Hq, T]
-            o = (torch.stack(outs).float() * weights[..., None]).sum(0)
+            assert self.sinks is not None
+            sinks = self.device_params(q.device).sinks
+            assert sinks is not None
+            gate = torch.sigmoid(lses[0].transpose(0, 1) - sinks[None])  # [T, Hq] float32
+            # float32 math, rounded once into the result (as out.float() * gate then .to()).
+            torch.mul(outs[0][:num_tokens], gate[..., None], out=dest)
+            return result
+        lse_all = torch.stack(lses)  # [W, Hq, T]
+        lse = torch.logsumexp(lse_all, dim=0)
+        weights = torch.exp(lse_all - lse[None]).nan_to_num(0.0)  # [W, Hq, T]
+        stacked = torch.stack([x[:num_tokens].transpose(0, 1) for x in outs]).float()
+        o = (stacked * weights[..., None]).sum(0)  # [Hq, T, Dv] float32
         if self.sinks is not None:
             sinks = self.device_params(o.device).sinks
             assert sinks is not None
             o = o * torch.sigmoid(lse - sinks[:, None])[..., None]
-        result[:num_tokens] = o.transpose(0, 1).to(result.dtype)
+        dest.copy_(o.transpose(0, 1))  # rounds to the result's dtype
+        return result
 
     def _forward_decode(
         self,
@@ -351,8 +410,11 @@ class FlexAttentionImpl(AttentionImpl):
         cache: torch.Tensor,
         md: FlexAttentionMetadata,
         dec: FlexDecode,
-        result: torch.Tensor,
-    ) -> None:
+        result: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decode call, written into its rows of ``result`` (the flattened call's output or
+        the caller's ``out``); with ``None`` (a batch of decodes only) forward's output is made
+        here, Flex's own where it can be."""
         r = dec.tok.numel()
         # [rows, Hq, 1, D]: a view of the first rows when the decodes lead the batch.
         view = dec.contiguous and q.shape[0] >= dec.rows
@@ -369,16 +431,23 @@ class FlexAttentionImpl(AttentionImpl):
             need_lse=need_lse,
             kernel_options=self._kernel_options(md, q.device, decode=True),
         )
-        o = o[:r, :, 0]  # [R, Hq, Dv]
+        o = o[:, :, 0]  # [rows, Hq, Dv]
         if lse is not None:
             sinks = self.device_params(o.device).sinks
             assert sinks is not None
-            gate = torch.sigmoid(lse[:r, :, 0].float() - sinks[None])
-            o = (o.float() * gate[..., None]).to(result.dtype)
+            gate = torch.sigmoid(lse[:, :, 0].float() - sinks[None])
+            o = (o.float() * gate[..., None]).to(q.dtype)
+        if result is None:
+            if dec.contiguous and r == md.num_actual_tokens:
+                own = self._own_output(q, o, r)
+                if own is not None:
+                    return own
+            result = self._new_output(q, r if dec.contiguous else 0)
         if dec.contiguous:
-            result[:r] = o
+            result[:r] = o[:r]
         else:
-            result[dec.tok] = o.to(result.dtype)
+            result[dec.tok] = o[:r]
+        return result
 
     def _score_mod(
         self, md: FlexAttentionMetadata, base_block: int, *, dec_pos: torch.Tensor | None = None

@@ -11,8 +11,10 @@ triangle becomes full tiles (no mask mod), and the tile count is dense Flex's.
 
 How. The buffer is itself a paged cache with pages of ``kv_block_size`` tokens, request ``r``'s
 pages consecutive from page ``page0[r]``, starting at its window's first tile: so the ordinary
-entry builder (:func:`~kv_backends.backends.flex_mask.build_flex_block_entries`) and mask mod
-run on it unchanged, with a per-batch page table and physical -> logical map of the buffer.
+entry builder (:func:`~kv_backends.backends.flex_mask.build_flex_block_entries`) and mask mods
+run on it unchanged, with a per-batch page table and physical -> logical map of the buffer; and
+since one request's pages are consecutive in logical order, a query row's visible keys are one
+interval of buffer indices (the span mask, :mod:`~kv_backends.backends.flex_span`).
 Its size is padded to a power of 2 of pages under static shapes. Not with batch invariance (the
 buffer's tiles are not the trainer's) nor ALiBi (the score mod reads cache positions).
 """
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kv_backends.backends.flex_mask import CacheGeometry, FlexEntries, build_flex_block_entries
+from kv_backends.backends.flex_span import SpanInputs, write_row_spans
 from kv_backends.backends.flex_windows import FlexWindow, MaskInputs, build_windows
 from kv_backends.base import AttentionMetadata
 
@@ -117,7 +120,24 @@ def build_gathered_window(
         seq_lens, tab = base.seq_lens, table.int()
     no_conflict = torch.zeros((), dtype=torch.bool, device=sl.device)
     owner = torch.full((), builder.owner_mask, dtype=torch.bool, device=sl.device)
-    masks = MaskInputs(seq_lens, tab, ptl, kvb, g_req, owner)
+    span = None
+    if builder.span_mask:
+        # Request r's pages are consecutive in logical order from page0[r]: the buffer index
+        # is the key number, logical position 0 of r at (page0[r] - first_tile[r]) * kvb.
+        lo, hi = write_row_spans(
+            builder.row_lo,
+            builder.row_hi,
+            ent.q_req,
+            ent.q_pos,
+            base.seq_lens,
+            (page0 - first_tile) * kvb,
+            active,
+            padded,
+            causal=cfg.causal,
+            sliding_window=cfg.sliding_window,
+        )
+        span = SpanInputs(lo, hi)
+    masks = MaskInputs(seq_lens, tab, ptl, kvb, g_req, owner, span)
     wins = build_windows(builder, padded, ggeo, ent, no_conflict, masks, full=True)
     # One window: the buffer is far below 2^31 elements' worth of tokens per view.
     return tuple(FlexWindow(0, gtok, w.block_mask, gather=tokens[:gtok]) for w in wins)

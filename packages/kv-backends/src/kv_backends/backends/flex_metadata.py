@@ -11,6 +11,7 @@ their shapes stay fixed across steps.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +22,12 @@ from kv_backends.backends.flex_gather import PREFILL_MODES, build_gathered_windo
 from kv_backends.backends.flex_mask import (
     INT32_LIMIT,
     CacheGeometry,
+    FlexEntries,
     FlexOptions,
     build_flex_block_entries,
     cache_geometry,
 )
+from kv_backends.backends.flex_span import SPAN_NO_KEY, SpanInputs, span_stride, write_row_spans
 from kv_backends.backends.flex_windows import MASK_MODES, FlexWindow, MaskInputs, build_windows
 from kv_backends.base import AttentionMetadata, MetadataBuilder, kernel_block_view
 from kv_backends.config import AttentionConfig
@@ -67,9 +70,11 @@ class FlexMetadataBuilder(MetadataBuilder):
     a handful of captured graphs instead of recompiling (or going symbolic, which also keeps
     decodes off Flex's split-KV decoding kernel: it needs a static batch size);
     ``decode_tiles`` (``"auto"``, default, or ``"kv"``): the decode call's KV tiles (see
-    :mod:`~kv_backends.backends.flex_decode`); ``mask`` (``"auto"``, default, or ``"table"``):
-    the flattened call's mask mod, the per-column owner test where it is exact or always the
-    block-table test (see :mod:`~kv_backends.backends.flex_windows`); ``prefill`` (``"auto"``,
+    :mod:`~kv_backends.backends.flex_decode`); ``mask`` (``"auto"``, default, ``"owner"`` or
+    ``"table"``): the flattened call's mask mod: the per-row span test where it is exact
+    (falling back to the owner test, then the table test); the per-column owner test where it
+    is exact (the default before the span test, kept for A/B runs); or always the block-table
+    test (see :mod:`~kv_backends.backends.flex_windows`); ``prefill`` (``"auto"``,
     default, ``"paged"`` or ``"gather"``): whether the flattened call reads the paged cache or a
     gathered copy of the batch's context (:mod:`~kv_backends.backends.flex_gather`); ``"auto"``
     gathers where a KV tile is wider than a page (H200, 4 x 4096 causal at page 16: 48 -> 321
@@ -115,9 +120,10 @@ class FlexMetadataBuilder(MetadataBuilder):
         self.decode_tiles = decode_tiles
         if mask not in MASK_MODES:
             raise ValueError(f"FLEX_ATTENTION mask={mask!r} must be one of {MASK_MODES}")
-        # The owner mask mod (flex_windows): never under batch invariance, whose mask mod stays
-        # the one its bitwise equality with the trainer was established with.
-        self.owner_mask = mask == "auto" and not config.batch_invariant
+        # The owner and span mask mods (flex_windows): never under batch invariance, whose mask
+        # mod stays the one its bitwise equality with the trainer was established with.
+        self.owner_mask = mask in ("auto", "owner") and not config.batch_invariant
+        self.span_mask = mask == "auto" and not config.batch_invariant
         if max_view_elements > INT32_LIMIT:
             raise ValueError(
                 f"max_view_elements={max_view_elements} exceeds 2**31 - 1: Flex templates use 32-bit offsets"
@@ -133,12 +139,21 @@ class FlexMetadataBuilder(MetadataBuilder):
         # Token buffers round up to whole query blocks: the padded call reads up to there.
         self.q_req = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
         self.q_pos = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
+        # The span mask's interval of key numbers per query row (flex_span).
+        self.row_lo = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
+        self.row_hi = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
         self.phys_to_logical = torch.zeros(self.num_kernel_blocks, dtype=torch.int32, device=device)
         # The owner mask's request of each block: this batch's blocks hold theirs, every other
         # block -1 (the previous batch's entries are reset, O(blocks in the batch)), so the mask
         # is exact on every pair, listed tile or not (eager Flex evaluates all of them).
         self.block_req = torch.full((self.num_kernel_blocks,), -1, dtype=torch.int32, device=device)
         self._owned = torch.zeros(0, dtype=torch.long, device=device)
+        # The span mask's key base of each block: this batch's blocks hold theirs, every other
+        # block SPAN_NO_KEY (reset like block_req).
+        self.block_key = torch.full(
+            (self.num_kernel_blocks,), SPAN_NO_KEY, dtype=torch.int32, device=device
+        )
+        self._keyed = torch.zeros(0, dtype=torch.long, device=device)
         self.kv_num_blocks = torch.zeros(max_q_blocks, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(max_q_blocks, 64, dtype=torch.int32, device=device)
         # Tiles every query of a block sees whole: Flex skips the mask mod on them. Not under
@@ -331,20 +346,63 @@ class FlexMetadataBuilder(MetadataBuilder):
             seq_lens, table = base.seq_lens, base.block_table
         masks = MaskInputs(seq_lens, table, self.phys_to_logical, self.n)
         if self.owner_mask:
-            # Exact unless a block has two users among the flattened call's requests (decode
-            # requests, served by their own call, do not count: their blocks read as -1).
-            if served is not None:
-                keep = ~served[req]
-                phys, req = phys[keep], req[keep]
+            masks = self._owner_masks(base, ent, served, padded, phys, logical, req, masks)
+        windows = build_windows(self, padded, geo, ent, conflict, masks, full=self.full_blocks)
+        return self._metadata(base, padded, opts, geo, decode, windows)
+
+    def _owner_masks(
+        self,
+        base: AttentionMetadata,
+        ent: FlexEntries,
+        served: torch.Tensor | None,  # [R] bool, requests the decode call serves
+        padded: int,
+        phys: torch.Tensor,  # [U] blocks the batch reads, their logical columns and requests
+        logical: torch.Tensor,
+        req: torch.Tensor,
+        masks: MaskInputs,
+    ) -> MaskInputs:
+        """The span mask's inputs (flex_span) where its keys fit int32, else the owner mask's;
+        either is exact unless a block has two users among the flattened call's requests
+        (``owner_ok``). Decode requests, served by their own call, do not count: their blocks
+        read as no request's."""
+        if served is not None:
+            keep = ~served[req]
+            phys, logical, req = phys[keep], logical[keep], req[keep]
+        stride = None
+        if self.span_mask:
+            stride = span_stride(
+                base.block_table.shape[1],
+                self.n,
+                int(base.max_seq_len),
+                base.num_reqs,
+                self._layout_geometry().tpb,
+            )
+        if stride is None:
             self.block_req[self._owned] = -1
             self.block_req[phys] = req.int()
             self._owned = phys
             shared = (self.block_req[phys].long() != req).any()
-            masks = MaskInputs(
-                seq_lens, table, self.phys_to_logical, self.n, self.block_req, ~shared
-            )
-        windows = build_windows(self, padded, geo, ent, conflict, masks, full=self.full_blocks)
-        return self._metadata(base, padded, opts, geo, decode, windows)
+            return dataclasses.replace(masks, block_req=self.block_req, owner_ok=~shared)
+        key = req * stride + logical * self.n
+        self.block_key[self._keyed] = SPAN_NO_KEY
+        self.block_key[phys] = key.int()
+        self._keyed = phys
+        shared = (self.block_key[phys].long() != key).any()
+        offset = torch.arange(base.num_reqs, device=key.device) * stride
+        lo, hi = write_row_spans(
+            self.row_lo,
+            self.row_hi,
+            ent.q_req,
+            ent.q_pos,
+            base.seq_lens,
+            offset,
+            None if served is None else ~served,
+            padded,
+            causal=self.config.causal,
+            sliding_window=self.config.sliding_window,
+        )
+        span = SpanInputs(lo, hi, self.block_key)
+        return dataclasses.replace(masks, owner_ok=~shared, span=span)
 
     def write_queries(self, q_req: torch.Tensor, q_pos: torch.Tensor, padded: int) -> None:
         """Per query row its request and position; padding rows: request 0 at a position no

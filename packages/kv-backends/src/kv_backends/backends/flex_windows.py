@@ -4,9 +4,16 @@ full tiles in the builder's persistent index buffers) and the mask mod it carrie
 Split from :mod:`~kv_backends.backends.flex_metadata` (the builder calls :func:`build_windows`
 for the paged cache, :mod:`~kv_backends.backends.flex_gather` for its gathered buffer).
 
-The mask mod. Both are exact per (query, key) pair; they differ in cost on partial tiles:
+The mask mod. All are exact per (query, key) pair; they differ in cost on partial tiles:
 
-- ``"owner"`` (:func:`~kv_backends.backends.flex_mask.make_owner_mask_mod`): one load per query
+- ``"span"`` (:mod:`~kv_backends.backends.flex_span`, builder option ``mask="auto"``, the
+  default): each query row's visible keys as one interval of key numbers precomputed per row, so
+  a partial tile's mask is two compares after two loads per row (and, over the paged cache, one
+  per column). Exact where the owner mask is and the key numbers fit int32; otherwise ``auto``
+  falls back to the owner mask, then the table mask.
+
+- ``"owner"`` (:func:`~kv_backends.backends.flex_mask.make_owner_mask_mod`, builder option
+  ``mask="owner"``: the default before the span mask, kept for A/B runs): two loads per query
   row and per key column (the column's owning request and logical block), so a partial tile
   costs little more than dense causal Flex's. Exact when no block is read by two requests of the
   flattened call (blocks outside the batch own no request): always in the gathered buffer
@@ -32,6 +39,11 @@ from kv_backends.backends.flex_mask import (
     make_mask_mod,
     make_owner_mask_mod,
 )
+from kv_backends.backends.flex_span import (
+    SpanInputs,
+    make_keyed_span_mask_mod,
+    make_span_mask_mod,
+)
 
 if TYPE_CHECKING:
     from kv_backends.backends.flex_metadata import FlexMetadataBuilder
@@ -39,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["MASK_MODES", "FlexWindow", "MaskInputs", "build_windows"]
 
 #: Values of the builder option ``mask`` (see the module docstring).
-MASK_MODES = ("auto", "table")
+MASK_MODES = ("auto", "owner", "table")
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,8 @@ class MaskInputs:
     #: conditions hold (``owner_ok``, a 0-d bool tensor synced with the step's other checks).
     block_req: torch.Tensor | None = None
     owner_ok: torch.Tensor | None = None
+    #: The span mask's rows and keys (flex_span): used where ``owner_ok`` holds.
+    span: SpanInputs | None = None
 
 
 def build_windows(
@@ -186,7 +200,20 @@ def _window(
         "causal": cfg.causal,
         "sliding_window": cfg.sliding_window,
     }
-    if owner:
+    span = masks.span
+    if owner and span is not None and span.block_key is None:
+        mask_mod = make_span_mask_mod(row_lo=span.row_lo, row_hi=span.row_hi)
+    elif owner and span is not None:
+        assert span.block_key is not None
+        mask_mod = make_keyed_span_mask_mod(
+            row_lo=span.row_lo,
+            row_hi=span.row_hi,
+            block_key=span.block_key,
+            n=masks.n,
+            tpb=geo.tpb,
+            base_block=common["base_block"],
+        )
+    elif owner:
         assert masks.block_req is not None
         mask_mod = make_owner_mask_mod(block_req=masks.block_req, **common)
     else:
