@@ -332,17 +332,22 @@ def test_cache_write_fast_path_applies_where_it_should() -> None:
 # -- the row gather: K/V rows of D elements in one index_select, where the layout allows -------
 
 
+@pytest.mark.parametrize("pairs", [True, False], ids=["kv_rows", "d_rows"])
 @pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"])
 @pytest.mark.parametrize(
     "kw",
     [{}, {"kv_cache_dtype": "bfloat16"}, {"kv_cache_dtype": "fp8_e4m3"}, {"head_size_v": 24}],
     ids=["float32", "bf16_cache", "fp8", "diffkv"],
 )
-def test_row_gather_gives_the_page_gather_bytes(order: str, kw: dict[str, object]) -> None:
-    """``gather_kv_rows`` (one index_select of D-element rows) returns the page gather's bytes in
-    every layout order, on the second layer of a two-layer storage (so the index is relative to
-    the layer view); V narrower than K has no row array and falls back (``None``)."""
-    from kv_backends.backends._torch_ops import gather_kv_rows, kv_row_index
+def test_row_gather_gives_the_page_gather_bytes(
+    order: str, kw: dict[str, object], pairs: bool
+) -> None:
+    """``gather_kv_rows`` (one index_select of 2D-element K|V rows, or of D-element rows)
+    returns the page gather's bytes in every layout order, on the second layer of a two-layer
+    storage (so the index is relative to the layer view); V narrower than K has no row array
+    and falls back (``None``)."""
+    from kv_backends.backends._torch_ops import gather_kv_rows
+    from kv_backends.backends.torch_sdpa import kv_row_array, kv_row_index, kv_row_offsets
 
     b = make_paged_batch(
         query_lens=[1, 1, 1], seq_lens=[9, 40, 33], order=order, num_layers=2, layer=1, **kw
@@ -353,14 +358,18 @@ def test_row_gather_gives_the_page_gather_bytes(order: str, kw: dict[str, object
     k_scale, v_scale = impl.scales(None, b.q.device)
     rows = torch.tensor([[3, 0, 0], [1, 4, 2], [2, 5, 0]])  # [G, nblk], shuffled, 0 = padding
     want = gather_padded_kv(b.kv_cache, rows, b.layout, k_scale, v_scale)
-    index = kv_row_index(b.kv_cache, rows, b.layout)
+    index = kv_row_index(b.kv_cache, rows, b.layout, pairs=pairs)
     if b.layout.head_size_v != b.layout.head_size:
         assert index is None
         return
     assert index is not None
-    got = gather_kv_rows(b.kv_cache, index, (3, 48), b.layout, k_scale, v_scale)
+    geometry = kv_row_offsets(b.kv_cache, b.layout, pairs=pairs)
+    assert geometry is not None
+    assert (geometry[1].shape[0] == 1) == pairs  # every order here has V right after K
+    array = kv_row_array(b.kv_cache, b.layout, 32 * (2 if pairs else 1))
+    got = gather_kv_rows(array, index.view(-1), (3, b.kv_cache.shape[1], 48), 32, k_scale, v_scale)
     for g, w in zip(got, want, strict=True):
-        assert g.is_contiguous() and g.dtype == torch.float32
+        assert g.is_contiguous() != pairs and g.dtype == torch.float32
         assert torch.equal(g, w)
 
 
@@ -374,3 +383,90 @@ def test_the_engine_layout_takes_the_row_gather() -> None:
     (plan,) = md.plans.values()
     assert len(plan.kv_rows) == 1
     assert all(index is not None for index in next(iter(plan.kv_rows.values())))
+
+
+# -- the batch-wide decode plan: masks and row indices built once per step ----------------------
+
+# Decode lengths across three padding buckets (64, 128, 192) and a prefill chunk, so a step has
+# several decode groups next to a prefill group.
+DECODE_QLENS = [1, 1, 1, 1, 1, 1, 9, 1, 1]
+DECODE_SEQS = [5, 64, 65, 70, 128, 129, 90, 190, 33]
+
+
+@pytest.mark.parametrize("window", [None, 3, 40])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 1), (6, 3), (2, 2)])
+def test_decode_masks_equal_the_per_group_masks(
+    window: int | None, heads: int, kv_heads: int
+) -> None:
+    """``decode_masks`` (one batch-wide tensor per rule) gives every decode group the mask
+    ``padded_mask`` gives it alone, causal or not; its ``[G*H, 1, Sb]`` additive term broadcasts
+    to the materialized ``[G*H, rep, Sb]`` one, and ``baddbmm`` over it gives the same bits."""
+    from kv_backends.backends._torch_ops import decode_masks, padded_mask
+
+    qsl = [0]
+    for n in DECODE_QLENS:
+        qsl.append(qsl[-1] + n)
+    groups = plan_padded_groups(qsl, DECODE_SEQS, 16, torch.device("cpu"))
+    decode = [g for g in groups if g.query_len == 1]
+    assert len(decode) == 3 and len(groups) == 4
+    seq = torch.cat([g.seq_lens for g in decode])
+    rep = heads // kv_heads
+    masks = decode_masks(seq, [(g.reqs.numel(), g.seq_len) for g in decode], window, kv_heads, rep)
+    gen = torch.Generator().manual_seed(0)
+    for causal in (True, False):
+        for g, got in zip(decode, masks, strict=True):
+            want = padded_mask(g, causal, window, kv_heads, rep)
+            assert torch.equal(got.allowed, want.allowed)
+            assert torch.equal(got.q_pos, want.q_pos) and torch.equal(got.kv_pos, want.kv_pos)
+            full = want.additive  # [G*H, rep, Sb], materialized
+            assert got.additive.shape == (full.shape[0], 1, full.shape[2])
+            assert torch.equal(got.additive.expand_as(full), full)
+            q = torch.randn(full.shape[0], rep, 32, generator=gen)
+            k = torch.randn(full.shape[0], full.shape[2], 32, generator=gen)
+            before = torch.get_num_threads()
+            try:
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    a = torch.baddbmm(full, q, k.transpose(1, 2), alpha=0.3)
+                    b = torch.baddbmm(got.additive, q, k.transpose(1, 2), alpha=0.3)
+                    assert torch.equal(a, b)
+            finally:
+                torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("feature", ["plain", "window", "sinks", "softcap", "alibi", "mqa_diffkv"])
+@pytest.mark.parametrize("order", ["LBNHC", "LHBNC", "BHLNC"])
+def test_batch_wide_decode_plan_gives_the_per_group_bits(feature: str, order: str) -> None:
+    """The step plan's batch-wide pieces (decode masks, one row multiply plus a broadcast add per
+    group) against the per-group construction they replaced (``padded_mask`` per group,
+    ``kv_row_index`` of each group's block rows): bitwise the same output, and the same row
+    index, over several layouts and features."""
+    from kv_backends.backends._torch_ops import padded_mask
+    from kv_backends.backends.torch_sdpa import kv_row_index, kv_row_offsets
+
+    b = _batch(query_lens=DECODE_QLENS, seq_lens=DECODE_SEQS, order=order, **FEATURES[feature])
+    impl = get_backend("TORCH_SDPA").make_impl(
+        b.config, b.layout, sinks=b.sinks, alibi_slopes=b.alibi_slopes
+    )
+    md = _metadata(b)
+    got = impl.forward(None, b.q, b.kv_cache, md)
+    (plan,) = md.plans.values()
+    assert plan.num_decode_groups == 3
+    for rule in list(plan.masks):  # the per-group masks, as before
+        plan.masks[rule] = [padded_mask(g, *rule) for g in plan.groups]
+    for index in plan.kv_rows.values():
+        assert (index is None) == (feature == "mqa_diffkv")  # V narrower than K: page gather
+        if index is None:
+            continue
+        old = [kv_row_index(b.kv_cache, rows, b.layout) for rows in plan.rows]
+        assert all(
+            i is not None and torch.equal(i.view(-1), n) for i, n in zip(old, index, strict=True)
+        )
+    assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), got)
+    # 2D-wide K|V rows (K and V as column halves) instead of D-wide rows: the same bits.
+    known = impl.__dict__["_row_offsets"]
+    for geometry in known:
+        known[geometry] = kv_row_offsets(b.kv_cache, b.layout, pairs=True)
+    plan.kv_rows.clear()
+    assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), got)
+    assert all(o is None or o[1].shape[0] == 1 for o in known.values())  # K|V rows

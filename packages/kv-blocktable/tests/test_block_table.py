@@ -539,3 +539,47 @@ def test_pure_decode_step_slots_and_positions() -> None:
         want_pos = [p for q, s in zip(qlens, slens, strict=True) for p in range(s - q, s)]
         assert t._last_step.positions.tolist() == want_pos
         assert mds[0].query_start_loc.tolist() == [0, qlens[0], qlens[0] + qlens[1], sum(qlens)]
+
+
+@pytest.mark.parametrize(
+    ("block_sizes", "kernel_block_sizes"),
+    [([16], [16]), ([16], [4]), ([16, 32], [16, 8]), ([32, 16, 64], [8, 16, 16])],
+)
+def test_host_slots_equal_the_kv_kernels_slot_mapping(
+    block_sizes: list[int], kernel_block_sizes: list[int]
+) -> None:
+    """Host tables take the slots from the null check's lookup (``host_slot_mapping``) instead of
+    kv-kernels' ``compute_slot_mapping``: the same int64 values on random batches (shuffled
+    rows, empty requests, prefill chunks, decodes, CUDA-graph padding, big block ids)."""
+    from kv_kernels.slot_mapping import compute_slot_mapping
+
+    g = torch.Generator().manual_seed(0)
+    ngroups, rows, cols = len(block_sizes), 12, 6
+    t = BlockTables(
+        block_sizes, kernel_block_sizes, rows, [cols] * ngroups, max_num_batched_tokens=512
+    )
+    for _ in range(20):
+        n = int(torch.randint(1, rows + 1, (1,), generator=g))
+        for r in range(n):
+            ids = tuple(
+                torch.randint(1, 2**28, (cols,), generator=g).tolist() for _ in range(ngroups)
+            )
+            t.add_row(r, ids)
+        t.commit(n)
+        slens = [int(x) for x in torch.randint(1, 16 * cols + 1, (n,), generator=g)]
+        qlens = [
+            min(s, int(torch.randint(0, 3, (1,), generator=g)) or 1 if k % 3 else s % 20)
+            for k, s in enumerate(slens)
+        ]
+        pad = sum(qlens) + int(torch.randint(0, 4, (1,), generator=g))
+        mds = t.build_common_metadata(n, qlens, slens, pad_tokens_to=pad)
+        assert t._last_step is not None
+        for grp, (bs, kbs) in enumerate(zip(block_sizes, kernel_block_sizes, strict=True)):
+            want = compute_slot_mapping(
+                t.device_table(grp)[:n], t._last_step.positions, mds[grp].query_start_loc,
+                bs, kbs, num_slots=pad, impl="reference",
+            )  # fmt: skip
+            assert mds[grp].slot_mapping.dtype == torch.int64
+            assert torch.equal(mds[grp].slot_mapping, want), (grp, qlens, slens)
+        # ids near 2**28 times block sizes of 16-64: slots past the int32 range stay exact.
+        assert max(int(md.slot_mapping.max()) for md in mds) > 2**31

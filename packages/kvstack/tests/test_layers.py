@@ -121,3 +121,36 @@ def test_qkv_equals_each_projection_normed_and_rotated_alone(tmp_path: Path, fam
     for got, want in cases:
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
+
+
+def test_qwen3_qk_norm_weight_follows_edits(tmp_path: Path) -> None:
+    """The stacked q/k norm weight is kept between no_grad calls: an in-place edit or a new
+    parameter must reach the next call, and the result must equal a fresh model's."""
+    from kvstack.engine.loader import load_model
+    from kvstack.engine.testing import make_hf_checkpoint
+
+    model = load_model(make_hf_checkpoint("qwen3", tmp_path / "qwen3", seed=3))
+    attn = model.decoder_layers()[0].self_attn
+    assert attn.q_norm is not None and attn.k_norm is not None
+    x = torch.randn(5, model.arch.hidden_size)
+    cos, sin = model.rotary.cos_sin(torch.arange(5), x.dtype)
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(attn.qkv(x, model.rotary, cos, sin))
+
+    def fresh() -> list[torch.Tensor]:
+        attn._qk_weight = None
+        return run()
+
+    first = run()
+    assert all(torch.equal(a, b) for a, b in zip(run(), first, strict=True))
+    with torch.no_grad():
+        attn.k_norm.weight.mul_(2.0)  # in place: the version counter moves
+    edited = run()
+    assert not torch.equal(edited[1], first[1]) and torch.equal(edited[0], first[0])
+    assert all(torch.equal(a, b) for a, b in zip(edited, fresh(), strict=True))
+    attn.q_norm.weight = nn.Parameter(attn.q_norm.weight * 3.0)  # replaced
+    replaced = run()
+    assert not torch.equal(replaced[0], first[0])
+    assert all(torch.equal(a, b) for a, b in zip(replaced, fresh(), strict=True))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "check_new_tokens_not_null",
     "check_rows_cover",
     "csr_from_table",
+    "host_slot_mapping",
     "make_common",
     "physical_to_logical",
 ]
@@ -138,19 +140,18 @@ class StepInputs:
             raise ValueError(f"num_reqs={num_reqs!r} must be an int >= 0")
         q = _host_lengths("query_lens", query_lens, num_reqs)
         s = _host_lengths("seq_lens", seq_lens, num_reqs)
-        first_pos = s - q  # [R] position of each request's first new token
-        # Every step runs this: a few whole-batch reductions (each torch op costs microseconds
-        # on 256 lengths); the offending request is only searched for once one fails.
-        max_q = max_s = num_tokens = 0
-        if num_reqs:
-            q_lo, q_hi = torch.aminmax(q)
-            if int(q_lo) < 0 or int(first_pos.min()) < 0:
-                r = int(((q < 0) | (first_pos < 0)).nonzero()[0])
-                raise ValueError(
-                    f"request {r}: query_len={int(q[r])} must be in [0, seq_len={int(s[r])}] (the "
-                    "new tokens are the last query_len of its seq_len tokens)"
-                )
-            max_q, max_s, num_tokens = int(q_hi), int(s.max()), int(q.sum())
+        # Every step runs this. The checks and bounds are Python's min / max / sum over the
+        # lengths as lists: on a few hundred ints they cost less than the torch reductions they
+        # replace (microseconds per op, a dozen ops per step).
+        ql, sl = q.tolist(), s.tolist()
+        first = [b - a for a, b in zip(ql, sl, strict=True)]  # each request's first new position
+        if num_reqs and (min(ql) < 0 or min(first) < 0):
+            r = next(i for i, (a, f) in enumerate(zip(ql, first, strict=True)) if a < 0 or f < 0)
+            raise ValueError(
+                f"request {r}: query_len={ql[r]} must be in [0, seq_len={sl[r]}] (the "
+                "new tokens are the last query_len of its seq_len tokens)"
+            )
+        max_q, max_s, num_tokens = max(ql, default=0), max(sl, default=0), sum(ql)
         if max_s > _INT32_MAX:
             raise ValueError(f"seq_len={max_s} exceeds the int32 range of seq_lens")
         padded = num_tokens if pad_tokens_to is None else pad_tokens_to
@@ -162,8 +163,8 @@ class StepInputs:
                 f"max_num_batched_tokens={max_num_batched_tokens} and the padded length at least "
                 "the token count; split the step or raise max_num_batched_tokens"
             )
-        qsl = torch.zeros(num_reqs + 1, dtype=torch.int64)
-        torch.cumsum(q, 0, out=qsl[1:])
+        qsl = int64_tensor(list(accumulate(ql, initial=0)))  # [R + 1]
+        first_pos = int64_tensor(first)  # [R]
         if max_q == 1 and num_tokens == num_reqs:
             # Pure decode (every query_len is 1: none is above 1 and they sum to R): token r is
             # request r's only new token, at its first new position.
@@ -235,6 +236,12 @@ def check_new_tokens_not_null(
     if step.num_tokens == 0:
         return
     blocks = host_table[step.token_reqs, step.positions // block_size]  # [T]
+    _check_not_null(step, blocks, block_size, null_block, group)
+
+
+def _check_not_null(
+    step: StepInputs, blocks: torch.Tensor, block_size: int, null_block: int, group: int
+) -> None:
     hit = blocks == null_block
     if not bool(hit.any()):
         return
@@ -245,6 +252,33 @@ def check_new_tokens_not_null(
         f"(group {group}, column {pos // block_size}); the scheduler must allocate a real block "
         "for every block the step writes"
     )
+
+
+def host_slot_mapping(
+    step: StepInputs,
+    table: torch.Tensor,  # [>= R, M] int32 committed manager block ids of one group (host)
+    block_size: int,
+    null_block: int | None,
+    group: int,
+    out: torch.Tensor,  # [padded_tokens] int64, written in place
+) -> torch.Tensor:
+    """The step's slots from a host table, with :func:`check_new_tokens_not_null`'s check on the
+    same lookup: ``slot = table[r, pos // block_size] * block_size + pos % block_size`` (kernel
+    blocks split a manager block's slots evenly, so the kernel block size drops out), ``-1`` for
+    the padding. The same values as kv-kernels' ``compute_slot_mapping`` for a batch that passed
+    :func:`check_rows_cover` (every token's column holds a real block id, so no ``-1`` entry is
+    read), in four small ops instead of the library's checks and searches: on a CPU table that
+    call was most of a decode step's metadata build (kvstack's engine benchmark)."""
+    t = step.num_tokens
+    if t:
+        blocks = table[step.token_reqs, step.positions // block_size]  # [T] int32
+        if null_block is not None:
+            _check_not_null(step, blocks, block_size, null_block, group)
+        # int64 arithmetic (the add promotes before it multiplies): slots overflow int32.
+        torch.add(step.positions % block_size, blocks, alpha=block_size, out=out[:t])
+    if out.numel() > t:
+        out[t:] = -1
+    return out
 
 
 class StepBuffers:

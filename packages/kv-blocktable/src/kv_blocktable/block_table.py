@@ -524,7 +524,10 @@ class BlockTables:
         _md.check_rows_cover(
             step, self._row_blocks[:num_reqs], self.block_sizes, self.max_num_blocks_per_req
         )
-        if self.null_block is not None:
+        # Host tables with the reference slot mapping: the slots come from the same host lookup
+        # as the null-block check (host_slot_mapping), one pass instead of two.
+        host_slots = self._track_rows and self.impl != "triton"
+        if self.null_block is not None and not host_slots:
             for g in range(self.num_groups):
                 _md.check_new_tokens_not_null(
                     step, self.host_table(g), self.block_sizes[g], self.null_block, g
@@ -535,7 +538,20 @@ class BlockTables:
         if self._pinned:
             self._step_event = torch.cuda.Event()
             self._step_event.record()
-        slots = self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
+        if host_slots:
+            slots = tuple(
+                _md.host_slot_mapping(
+                    step,
+                    self._dev[:, self._col[g] : self._col[g + 1]],  # the committed rows
+                    self.block_sizes[g],
+                    self.null_block,
+                    g,
+                    self._slots[g][: step.padded_tokens],
+                )
+                for g in range(self.num_groups)
+            )
+        else:
+            slots = self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
         self._last_step = step
         return tuple(
             _md.make_common(step, qsl, seq, self._kernel[g][:num_reqs], slots[g])

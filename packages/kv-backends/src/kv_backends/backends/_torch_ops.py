@@ -3,7 +3,8 @@ attention the TORCH_SDPA backend (and so every test's oracle) is made of."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -17,12 +18,12 @@ __all__ = [
     "attend_one_request",
     "attend_padded",
     "batch_columns",
+    "decode_masks",
     "dequant",
     "gather_kv_rows",
     "gather_padded_kv",
     "gather_request_kv",
     "group_by_padded_shape",
-    "kv_row_index",
     "padded_groups",
     "padded_length",
     "padded_mask",
@@ -255,16 +256,16 @@ def batch_columns(
     length of every grouped request, in group order. One host tensor and one copy for the whole
     step (small tensor ops cost more than their data here); groups take views of it."""
     reqs = [r for _, _, rs in shapes for r in rs]
+    if not reqs:
+        return torch.empty(4, 0, dtype=torch.int64, device=device)
     qsl = query_start_loc
-    return torch.tensor(
-        [
-            reqs,
-            [qsl[r] for r in reqs],
-            [qsl[r + 1] - qsl[r] for r in reqs],
-            [seq_lens[r] for r in reqs],
-        ],
-        dtype=torch.int64,
-    ).to(device)
+    flat = array("q", reqs)
+    flat.extend(qsl[r] for r in reqs)
+    flat.extend(qsl[r + 1] - qsl[r] for r in reqs)
+    flat.extend(seq_lens[r] for r in reqs)
+    # From a C array: torch.tensor of nested lists walks them element by element (several
+    # times the cost at a few dozen requests).
+    return torch.frombuffer(flat, dtype=torch.int64).view(4, len(reqs)).to(device)
 
 
 def padded_groups(
@@ -356,58 +357,33 @@ def gather_padded_kv(
     return out[0], out[1]
 
 
-def kv_row_index(
-    kv_cache: torch.Tensor, rows: torch.Tensor, layout: KVCacheLayout
-) -> torch.Tensor | None:
-    """Where :func:`gather_kv_rows` finds the padded contexts of ``rows`` ``[G, nblk]``: int64
-    ``[2, G, H, nblk, N]``, the K (then V) row of ``D`` elements of ``kv_cache`` ``[B, H, N, C]``
-    holding each token, counted from its K range: token ``(b, h, n)`` is row
-    ``(b * sb + h * sh + n * sn) / D``. ``None`` where the cache is not such a row array: V not
-    as wide as K, or a stride (or V's offset from K) that is not a multiple of ``D``. The index
-    depends on the strides only, so every layer view of one storage shares it."""
-    k0, k1 = layout.k_range
-    if layout.v_range is None or layout.v_range[1] - layout.v_range[0] != k1 - k0:
-        return None
-    d = k1 - k0
-    sb, sh, sn, sc = kv_cache.stride()
-    v_off = layout.v_range[0] - k0
-    if sc != 1 or any(x % d for x in (sb, sh, sn, v_off)):
-        return None
-    _, h, n, _ = kv_cache.shape
-    dev = rows.device
-    token = (  # [H, 1, N]: row of token n of head h within a block
-        torch.arange(h, device=dev)[:, None, None] * (sh // d)
-        + torch.arange(n, device=dev)[None, None, :] * (sn // d)
-    )
-    k_rows = rows.long()[:, None, :, None] * (sb // d) + token  # [G, H, nblk, N]
-    return torch.stack([k_rows, k_rows + v_off // d])  # [2, G, H, nblk, N]
-
-
 def gather_kv_rows(
-    kv_cache: torch.Tensor,
+    row_array: torch.Tensor,
     index: torch.Tensor,
-    group_shape: tuple[int, int],
-    layout: KVCacheLayout,
+    group_shape: tuple[int, int, int],
+    head_size: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gather_padded_kv` in one ``index_select`` of ``D``-element rows (``index`` from
-    :func:`kv_row_index`, flattened; ``group_shape`` = ``(G, Sb)``): K and V come out contiguous
-    ``[G, H, Sb, D]`` in heads-ahead-of-tokens order with no second pass, where the page gather
-    needs a permuting copy after it (one op instead of two per group and layer; hand-timed as
-    cheaper on the CPU, not a committed benchmark). Same bytes, so the same attention bits.
+    """:func:`gather_padded_kv` in one ``index_select`` of rows (``row_array`` from
+    :func:`kv_row_array`, ``index`` from :func:`kv_row_index`, flattened; ``group_shape`` =
+    ``(G, H, Sb)``): float32 K and V ``[G, H, Sb, D]`` in heads-ahead-of-tokens order with no
+    second pass, where the page gather needs a permuting copy after it. ``D``-wide rows give K
+    and V contiguous; ``2D``-wide K|V rows give them as the column halves of one ``[G, H, Sb,
+    2D]`` copy (row stride ``2D``), which ``bmm`` and SDPA read in place with the same bits
+    (test_torch_sdpa_batched.py checks it), from half as many, twice as long rows: measured
+    ~25% less gather time from a cold cache. Same bytes, so the same attention bits.
     Non-float32 caches take one cast, quantized ones their scales, as in the page gather."""
-    b, h, n, _ = kv_cache.shape
-    sb, sh, sn, _ = kv_cache.stride()
-    k0, k1 = layout.k_range
-    assert layout.v_range is not None
-    d = k1 - k0
-    num_rows = ((b - 1) * sb + (h - 1) * sh + (n - 1) * sn + layout.v_range[0] - k0) // d + 1
-    flat = kv_cache.as_strided((num_rows, d), (d, 1), kv_cache.storage_offset() + k0)
-    g, s = group_shape
-    index = index.reshape(-1)
-    kv = flat.index_select(0, index).view(2, g, h, s, d).float()  # [2, G, H, Sb, D]
-    k, v = kv.unbind(0)
+    g, h, s = group_shape
+    width = row_array.shape[1]
+    rows = row_array.index_select(0, index)
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    if width == head_size:
+        k, v = rows.view(2, g, h, s, width).unbind(0)  # [G, H, Sb, D] each, contiguous
+    else:
+        kv = rows.view(g, h, s, width)  # [G, H, Sb, 2D]
+        k, v = kv[..., :head_size], kv[..., head_size:]
     for x, scale in ((k, k_scale), (v, v_scale)):
         if scale is not None:
             x.mul_(_scale_shape(scale.to(x.device), 4, 1))
@@ -427,10 +403,15 @@ class PaddedMask:
     kv_pos: torch.Tensor  # [Sb] int64
     num_kv_heads: int  # H
     q_per_kv: int  # rep
+    #: :attr:`additive` when the caller made it (:func:`decode_masks`, batch-wide).
+    additive_term: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def additive(self) -> torch.Tensor:
-        """``[G * H, rep * Lb, Sb]`` float32, ``0`` where ``allowed``, else ``-inf``."""
+        """``[G * H, rep * Lb, Sb]`` float32, ``0`` where ``allowed``, else ``-inf`` (or a view
+        that broadcasts to it)."""
+        if self.additive_term is not None:
+            return self.additive_term
         g, lb, sb = self.allowed.shape
         h, rep = self.num_kv_heads, self.q_per_kv
         additive = torch.full(self.allowed.shape, float("-inf"), device=self.allowed.device)
@@ -467,6 +448,40 @@ def padded_mask(
     return PaddedMask(allowed, q_pos, kv_pos, num_kv_heads, q_per_kv)
 
 
+def decode_masks(
+    seq_lens: torch.Tensor,
+    groups: list[tuple[int, int]],
+    sliding_window: int | None,
+    num_kv_heads: int,
+    q_per_kv: int,
+) -> list[PaddedMask]:
+    """:func:`padded_mask` of decode groups (``Lb = 1``; causal or not, a decode row at
+    ``s - 1`` sees the context ``kv_pos < s``, and a window bounds it), from batch-wide tensors:
+    a fixed handful of ops per step where each group took a handful. ``seq_lens`` ``[R_dec]``
+    int64 holds the groups' requests in group order; ``groups`` gives each group's ``(G, Sb)``.
+    Each :attr:`PaddedMask.additive` is a ``[G * H, 1, Sb]`` view of one ``[R_dec, H, Sb_max]``
+    tensor that ``baddbmm`` broadcasts over the ``rep`` query heads of a KV head: it copies its
+    input into the result before the product, so the logits are bitwise those of the
+    materialized ``[G * H, rep, Sb]`` term (test_torch_sdpa_batched.py checks it)."""
+    device = seq_lens.device
+    kv_pos = torch.arange(max(sb for _, sb in groups), device=device)  # [Sb_max]
+    s = seq_lens[:, None, None]  # [R_dec, 1, 1]
+    q_pos = s - 1  # [R_dec, 1, 1]
+    allowed = kv_pos < s  # [R_dec, 1, Sb_max]: the context
+    if sliding_window is not None:
+        allowed &= (q_pos - kv_pos).abs() < sliding_window
+    h = num_kv_heads
+    additive = torch.where(allowed.expand(-1, h, -1), 0.0, float("-inf"))  # [R_dec, H, Sb_max]
+    masks, g0 = [], 0
+    for g, sb in groups:
+        rows = slice(g0, g0 + g)
+        term = additive[rows, :, :sb].view(g * h, 1, sb)
+        mask = PaddedMask(allowed[rows, :, :sb], q_pos[rows, 0], kv_pos[:sb], h, q_per_kv, term)
+        masks.append(mask)
+        g0 += g
+    return masks
+
+
 def attend_padded(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -481,9 +496,10 @@ def attend_padded(
     """float32 attention of a padded group: the same rules as :func:`attend_one_request` (causal
     and window live in ``mask``).
 
-    ``q`` ``[G, Lb, Hq, D]``; ``k`` ``[G, H, Sb, D]``, ``v`` ``[G, H, Sb, Dv]`` (float32,
-    contiguous). Returns ``[G, Lb, Hq, Dv]`` float32; pad rows (``~group.q_valid``) hold garbage to
-    be dropped. ``mask`` is :func:`padded_mask` of the group under this layer's rules.
+    ``q`` ``[G, Lb, Hq, D]``; ``k`` ``[G, H, Sb, D]``, ``v`` ``[G, H, Sb, Dv]`` (float32, rows
+    of unit stride whose ``(G, H)`` dims merge, as :func:`gather_kv_rows` returns them). Returns
+    ``[G, Lb, Hq, Dv]`` float32; pad rows (``~group.q_valid``) hold garbage to be dropped.
+    ``mask`` is :func:`padded_mask` of the group under this layer's rules.
     """
     g, lb, hq, _ = q.shape
     h = k.shape[1]
@@ -530,8 +546,9 @@ def attend_decode(
     ``out``: a contiguous float32 ``[G, Hq, Dv]`` to write the result into (and return)."""
     g, hq, _ = q.shape
     h = k.shape[1]
+    qf = q if q.dtype == torch.float32 else q.float()
     res = _attend_explicit(
-        q.float().view(g * h, hq // h, -1), k, v, mask,
+        qf.view(g * h, hq // h, -1), k, v, mask,
         scale=scale, sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
         out=None if out is None else out.view(g * h, hq // h, -1),
     )  # fmt: skip

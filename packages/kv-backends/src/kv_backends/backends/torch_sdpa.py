@@ -27,10 +27,10 @@ from kv_backends.backends._torch_ops import (
     attend_decode,
     attend_padded,
     batch_columns,
+    decode_masks,
     gather_kv_rows,
     gather_padded_kv,
     group_by_padded_shape,
-    kv_row_index,
     padded_groups,
     padded_mask,
     write_kv_slots,
@@ -39,7 +39,76 @@ from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata,
 from kv_backends.capabilities import BackendCapabilities
 from kv_backends.metadata import CommonAttentionMetadata
 
-__all__ = ["TorchSDPABackend", "TorchSDPABuilder", "TorchSDPAImpl", "TorchSDPAMetadata"]
+__all__ = [
+    "TorchSDPABackend",
+    "TorchSDPABuilder",
+    "TorchSDPAImpl",
+    "TorchSDPAMetadata",
+    "kv_row_array",
+    "kv_row_index",
+    "kv_row_offsets",
+]
+
+
+# -- the row gather's index: K/V rows of one layer view, addressed by strides only -------------
+
+
+def kv_row_offsets(
+    kv_cache: torch.Tensor, layout: KVCacheLayout, *, pairs: bool = False
+) -> tuple[int, torch.Tensor] | None:
+    """``(rows_per_block, offsets)`` of :func:`kv_row_index`: token ``(b, h, n)``'s row is
+    ``b * rows_per_block + offsets[kv, 0, h, 0, n]`` (``offsets`` int64 ``[P, 1, H, 1, N]``), so
+    a batch's index is one broadcast add; ``None`` where the cache is not a row array.
+
+    Rows are ``2 * D`` wide (``P = 1``: one row holds a token's K and V) where V starts right
+    after K, as wide, the strides allow and ``pairs`` asks for it; else ``D`` wide (``P = 2``:
+    K rows, then V rows). ``pairs`` is off by default: half as many rows gather ~25% faster
+    from a cold cache, but attention then reads K and V as column halves (row stride ``2D``),
+    and on the engine benchmark with 2 threads the step came out no faster (noisy machine)."""
+    k0, k1 = layout.k_range
+    if layout.v_range is None or layout.v_range[1] - layout.v_range[0] != k1 - k0:
+        return None
+    d = k1 - k0
+    sb, sh, sn, sc = kv_cache.stride()
+    v_off = layout.v_range[0] - k0
+    if sc != 1 or any(x % d for x in (sb, sh, sn, v_off)):
+        return None
+    w = 2 * d if pairs and v_off == d and not any(x % (2 * d) for x in (sb, sh, sn)) else d
+    _, h, n, _ = kv_cache.shape
+    kinds = (0,) if w == 2 * d else (0, v_off // d)
+    offsets = [
+        kv + i * (sh // w) + j * (sn // w) for kv in kinds for i in range(h) for j in range(n)
+    ]
+    return sb // w, torch.tensor(offsets, device=kv_cache.device).view(len(kinds), 1, h, 1, n)
+
+
+def kv_row_index(
+    kv_cache: torch.Tensor, rows: torch.Tensor, layout: KVCacheLayout, *, pairs: bool = False
+) -> torch.Tensor | None:
+    """Where :func:`gather_kv_rows` finds the padded contexts of ``rows`` ``[G, nblk]``: int64
+    ``[P, G, H, nblk, N]``, the row of :func:`kv_row_array` holding each token, counted from its
+    K range: token ``(b, h, n)`` is row ``(b * sb + h * sh + n * sn) / width`` (``P = 2``: then
+    its V row). ``None`` where the cache is not such a row array: V not as wide as K, or a
+    stride (or V's offset from K) that is not a multiple of ``D``. The index depends on the
+    strides only, so every layer view of one storage shares it."""
+    geometry = kv_row_offsets(kv_cache, layout, pairs=pairs)
+    if geometry is None:
+        return None
+    per_block, offsets = geometry
+    return rows.long()[None, :, None, :, None] * per_block + offsets  # [P, G, H, nblk, N]
+
+
+def kv_row_array(kv_cache: torch.Tensor, layout: KVCacheLayout, width: int) -> torch.Tensor:
+    """``kv_cache`` ``[B, H, N, C]`` as the ``[num_rows, width]`` row array :func:`kv_row_index`
+    counts in (``width``: ``D``, or ``2 * D`` for K|V rows; a view from the K range's start)."""
+    b, h, n, _ = kv_cache.shape
+    sb, sh, sn, _ = kv_cache.stride()
+    k0 = layout.k_range[0]
+    assert layout.v_range is not None
+    last = (b - 1) * sb + (h - 1) * sh + (n - 1) * sn + layout.v_range[0] - k0  # last V's start
+    return kv_cache.as_strided(
+        (last // width + 1, width), (width, 1), kv_cache.storage_offset() + k0
+    )
 
 
 class _StepPlan:
@@ -100,29 +169,44 @@ class _StepPlan:
         self.q_rows = [g.q_index.view(-1) for g in self.groups]
         # Decode groups sort first (Lb = 1); their query rows, in group order, let a layer
         # select all decode queries and place all their outputs with one op each.
+        self.num_decode_groups = sum(lb == 1 for lb, _, _ in shapes)
         num_decode = sum(len(reqs) for lb, _, reqs in shapes if lb == 1)
         self.decode_rows = columns[1, :num_decode]  # [R_decode]
+        self.decode_seq_lens = columns[3, :num_decode]  # [R_decode]
         self.masks: dict[tuple[bool, int | None, int, int], list[PaddedMask]] = {}
-        self.kv_rows: dict[tuple[object, ...], list[torch.Tensor | None]] = {}
+        self.kv_rows: dict[tuple[object, ...], list[torch.Tensor] | None] = {}
 
     def masks_for(
         self, causal: bool, sliding_window: int | None, num_kv_heads: int, q_per_kv: int
     ) -> list[PaddedMask]:
         rule = (causal, sliding_window, num_kv_heads, q_per_kv)
-        if rule not in self.masks:
-            self.masks[rule] = [padded_mask(g, *rule) for g in self.groups]
-        return self.masks[rule]
+        masks = self.masks.get(rule)
+        if masks is None:
+            nd = self.num_decode_groups
+            decode = [(g.reqs.numel(), g.seq_len) for g in self.groups[:nd]]
+            masks = self.masks[rule] = (
+                decode_masks(self.decode_seq_lens, decode, *rule[1:]) if decode else []
+            ) + [padded_mask(g, *rule) for g in self.groups[nd:]]
+        return masks
 
-    def kv_rows_for(self, cache: torch.Tensor, layout: KVCacheLayout) -> list[torch.Tensor | None]:
-        """Per group, :func:`kv_row_index` of ``cache`` flattened (``None``: gather pages
-        instead); layer views of one storage have the same strides, so a step computes it once."""
-        geometry = (cache.stride(), layout.k_range, layout.v_range)
+    def kv_rows_for(
+        self, geometry: tuple[object, ...], offsets: tuple[int, torch.Tensor] | None
+    ) -> list[torch.Tensor] | None:
+        """Per group, :func:`kv_row_index` flattened for the cache geometry ``geometry`` whose
+        :func:`kv_row_offsets` are ``offsets`` (``None``: not a row array, gather pages
+        instead); layer views of one storage share a geometry, so a step computes it once: one
+        multiply for the batch and one broadcast add per group."""
         if geometry not in self.kv_rows:
-            index = kv_row_index(cache, self.table_rows, layout)  # [2, R', H, width, N]
-            self.kv_rows[geometry] = [
-                None if index is None else index[:, g0:g1, :, : rows.shape[1]].reshape(-1)
-                for rows, (g0, g1) in zip(self.rows, self.bounds, strict=True)
-            ]
+            if offsets is None:
+                self.kv_rows[geometry] = None
+            else:
+                per_block, token = offsets  # token: [2, 1, H, 1, N]
+                # [1, R', 1, width, 1]: each block's first K row
+                first = (self.table_rows * per_block)[None, :, None, :, None]
+                self.kv_rows[geometry] = [
+                    (first[:, g0:g1, :, : rows.shape[1]] + token).view(-1)
+                    for rows, (g0, g1) in zip(self.rows, self.bounds, strict=True)
+                ]  # per group [2 * G * H * nblk * N]
         return self.kv_rows[geometry]
 
 
@@ -196,6 +280,18 @@ def _block_rows(
 class TorchSDPAImpl(AttentionImpl):
     """Per-layer TORCH_SDPA attention (float32 math, output cast to the query dtype)."""
 
+    def _kv_row_offsets(
+        self, cache: torch.Tensor, layout: KVCacheLayout
+    ) -> tuple[tuple[object, ...], tuple[int, torch.Tensor] | None]:
+        """``(geometry, kv_row_offsets(cache, layout))``, made once per cache geometry (a fact
+        of the layout and strides, the same every step)."""
+        geometry = (cache.shape, cache.stride(), layout.k_range, layout.v_range, cache.device)
+        known: dict[tuple[object, ...], tuple[int, torch.Tensor] | None]
+        known = self.__dict__.setdefault("_row_offsets", {})
+        if geometry not in known:
+            known[geometry] = kv_row_offsets(cache, layout)
+        return geometry, known[geometry]
+
     def cache_write_impl(self) -> str:
         # The reference backend writes with the torch reference on every device, so it stays an
         # oracle that shares no Triton code with the backends it checks.
@@ -246,36 +342,49 @@ class TorchSDPAImpl(AttentionImpl):
         masks = plan.masks_for(
             self.causal, self.sliding_window, num_kv_heads, self.num_q_heads // num_kv_heads
         )
-        kv_rows = plan.kv_rows_for(cache, klayout)
+        geometry, offsets = self._kv_row_offsets(cache, klayout)
+        kv_rows = plan.kv_rows_for(geometry, offsets)
+        row_array = None  # [num_rows, D], or [num_rows, 2D] of K|V rows
+        if offsets is not None:
+            width = self.head_size * (3 - offsets[1].shape[0])  # P = 1: 2D-wide, P = 2: D-wide
+            row_array = kv_row_array(cache, klayout, width)
         # Decode groups come first: their queries are selected, and their outputs placed, with
         # one op each for all of them (the groups read and write slices in between).
         num_decode = plan.decode_rows.numel()
         if num_decode:
             q_dec = q.index_select(0, plan.decode_rows)  # [R_decode, Hq, D]
             o_dec = torch.empty(num_decode, *result.shape[1:], dtype=torch.float32, device=q.device)
-        for group, rows, q_rows, (g0, g1), mask, index in zip(
-            plan.groups, plan.rows, plan.q_rows, plan.bounds, masks, kv_rows, strict=True
+        for i, (group, (g0, g1), mask) in enumerate(
+            zip(plan.groups, plan.bounds, masks, strict=True)
         ):
-            if index is not None:
+            if row_array is not None:
+                assert kv_rows is not None
                 k, v = gather_kv_rows(
-                    cache, index, (g1 - g0, group.seq_len), klayout, k_scale, v_scale
-                )  # [G, H, Sb, D] each
+                    row_array, kv_rows[i], (g1 - g0, num_kv_heads, group.seq_len),
+                    self.head_size, k_scale, v_scale,
+                )  # fmt: skip  # [G, H, Sb, D] each
             else:
-                k, v = gather_padded_kv(cache, rows, klayout, k_scale, v_scale)  # [G, H, Sb, D|Dv]
+                k, v = gather_padded_kv(
+                    cache, plan.rows[i], klayout, k_scale, v_scale
+                )  # [G, H, Sb, D|Dv]
             if group.query_len == 1:  # decode: every row is real, no query-length axis
                 attend_decode(
                     q_dec[g0:g1], k, v, mask, scale=self.scale, sinks=params.sinks,
                     softcap=self.softcap, alibi_slopes=params.alibi_slopes, out=o_dec[g0:g1],
                 )  # fmt: skip  # [G, Hq, Dv]
                 continue
-            qg = q.index_select(0, q_rows)  # [G*Lb, Hq, D]
+            qg = q.index_select(0, plan.q_rows[i])  # [G*Lb, Hq, D]
             o = attend_padded(
                 qg.view(*group.q_index.shape, *q.shape[1:]), k, v, mask, scale=self.scale,
                 sinks=params.sinks, softcap=self.softcap, alibi_slopes=params.alibi_slopes,
             )  # fmt: skip  # [G, Lb, Hq, Dv]
             result[group.q_index[group.q_valid]] = o[group.q_valid].to(result.dtype)
         if num_decode:
-            result.index_copy_(0, plan.decode_rows, o_dec.to(result.dtype))
+            result.index_copy_(
+                0,
+                plan.decode_rows,
+                o_dec if o_dec.dtype == result.dtype else o_dec.to(result.dtype),
+            )
         tail = min(plan.num_rows, metadata.num_actual_tokens)
         if q.shape[0] > tail:
             result[tail:] = 0

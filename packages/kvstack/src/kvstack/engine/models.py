@@ -87,6 +87,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(arch.num_q_heads)) if arch.has_sinks else None
         self.stacked: StackedLinear | None = None
+        self._qk_weight: tuple[torch.Tensor, torch.Tensor, tuple[int, int], torch.Tensor] | None = (
+            None
+        )
 
     def stack_projections(self) -> None:
         """Run q, k and v as one matmul (see :class:`StackedLinear`); call once weights are in."""
@@ -111,10 +114,23 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3: RMSNorm over each head's dims, before RoPE (q heads take q_norm's weight,
             # k heads k_norm's; the two norms share eps).
-            weight = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hk, d)])
-            qk = self.q_norm(qk, weight)
+            qk = self.q_norm(qk, self._qk_norm_weight(self.q_norm.weight, self.k_norm.weight))
         qk = rotary(qk, cos, sin)
         return qk[:, :hq], qk[:, hq:], v
+
+    def _qk_norm_weight(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        """``[Hq + Hkv, D]``: q_norm's weight for each q head, k_norm's for each k head. Under
+        no_grad it is kept between calls (three ops per layer and step otherwise) and remade when
+        either weight is replaced or edited in place (its version counter moves)."""
+        key = (qw._version, kw._version)
+        cached = self._qk_weight
+        if cached is not None and cached[0] is qw and cached[1] is kw and cached[2] == key:
+            return cached[3]
+        hq, hk, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        weight = torch.cat([qw.expand(hq, d), kw.expand(hk, d)])
+        if not torch.is_grad_enabled():  # a kept copy would cut the weights out of autograd
+            self._qk_weight = (qw, kw, key, weight)
+        return weight
 
 
 class DecoderLayer(nn.Module):
