@@ -9,22 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from kvstack.demo import check_greedy, write_random_checkpoint
+from kvstack.demo import check_greedy
 from kvstack.engine.engine import LLMEngine
 from kvstack.engine.sampling import SamplingParams, sample
 from rich.console import Console
-
-LLAMA: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "eos_token_id": None,
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("llama"), LLAMA)
 
 
 def engine_of(model_dir: Path, **kw: Any) -> LLMEngine:

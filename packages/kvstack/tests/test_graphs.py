@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from kvstack.demo import write_random_checkpoint
 from kvstack.engine.engine import LLMEngine
 from kvstack.engine.graphs import DecodeGraphs, capture_sizes
 from kvstack.engine.runner import ModelRunner
@@ -21,22 +20,11 @@ from kvstack.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LLAMA: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "eos_token_id": None,
-}  # fmt: skip
 
 #: Five requests finishing at different steps: decode batches of 5, 4, 3, 2 and 1 requests, so
 #: capture sizes 8 (three padding rows), 4, 2 and 1 are all used.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 40], [99] * 20, [3, 1, 4, 1, 5], [7] * 11]
 NEW = [3, 5, 7, 9, 11]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp("llama"), LLAMA)
 
 
 def engine_of(model_dir: Path, **kw: Any) -> LLMEngine:
