@@ -204,6 +204,7 @@ def test_demo_runs_as_a_user_runs_it() -> None:
     assert "KV-cache plans" in out and "Llama-3-8B" in out
     assert "RANDOM weights" in out and "prefix cache" in out and "hit rate" in out
     assert "TORCH_SDPA" in out  # the backend per group, on this CPU
+    assert "CUDA graphs" in out and "off: the runner is on cpu" in out  # and why no graphs
     assert "16/16 token for token" in out  # the dense reference (and transformers when installed)
     assert "✓ match" in out and "all tokens match" in out  # the prefill -> decode handoff
 

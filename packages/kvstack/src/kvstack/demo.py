@@ -179,6 +179,9 @@ def _report_engine(console: Console, engine: Any) -> None:
     )
     table.add_row("preemptions", f"{sched.num_preemptions} (resumed {sched.num_resumes}, "
                   f"{sched.resume_hit_tokens} tokens back from the prefix cache)")  # fmt: skip
+    graphs = engine.runner.graphs
+    replays = f"; {graphs.num_replays} decode steps replayed" if graphs is not None else ""
+    table.add_row("CUDA graphs", engine.runner.cuda_graphs_reason + replays)
     console.print(table)
     groups = Table(title="attention backend per KV group (kv-backends' selector)")
     for col in ("group", "layers", "spec", "backend", "why"):
