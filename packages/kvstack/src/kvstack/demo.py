@@ -101,8 +101,9 @@ def _dense_logits(model: Any, prompt: list[int], tokens: list[int]) -> Any:
     """The dense (cache-free) reference's logits before each generated token ``[n, vocab]``."""
     import torch
 
-    seq = torch.tensor(prompt + tokens[:-1], dtype=torch.int64)
-    return model.forward_dense(seq)[len(prompt) - 1 :]
+    device = next(model.parameters()).device  # (the model may live on a GPU)
+    seq = torch.tensor(prompt + tokens[:-1], dtype=torch.int64, device=device)
+    return model.forward_dense(seq)[len(prompt) - 1 :].float().cpu()
 
 
 def _workload(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -164,7 +165,12 @@ def _report_engine(console: Console, engine: Any) -> None:
     table.add_row(
         "throughput",
         f"{st.tokens_per_second:,.0f} generated tokens/s ({st.num_generated_tokens} tokens, "
-        f"{st.num_computed_tokens} tokens computed, {sched.num_steps} steps, {st.wall_seconds:.2f} s)",
+        f"{st.num_computed_tokens} tokens computed, {sched.num_steps} steps, {st.wall_seconds:.2f} s)"
+        + (
+            "; a first run on a GPU includes compiling the Triton kernels and capturing CUDA graphs"
+            if engine.runner.device.type == "cuda"
+            else ""
+        ),
     )
     table.add_row(
         "KV memory",
@@ -296,8 +302,17 @@ def run(console: Console, *, memory: int, device: str | None = None, handoff: bo
             console.print("\n[bold]5. Prefill in one process, decode in another[/bold]")
             from kvstack import handoff as handoff_mod
 
+            expected: list[int] | None = list(completions[0].token_ids)
+            hand_device = device
+            if device == "cuda" and torch.cuda.device_count() < 2:
+                # two processes on one GPU: NCCL refuses ("Duplicate GPU detected")
+                console.print(
+                    "(one GPU here, and NCCL needs a GPU per process: both processes run on the "
+                    "CPU, checked against a one-process run on the CPU)"
+                )
+                expected, hand_device = None, "cpu"
             ok &= handoff_mod.run_demo(
-                console, model_dir, prompts[0], MAX_NEW, list(completions[0].token_ids), device
+                console, model_dir, prompts[0], MAX_NEW, expected, hand_device
             )
     elapsed = time.perf_counter() - start
     verdict = "[green]all tokens match[/green]" if ok else "[red]MISMATCH: see above[/red]"

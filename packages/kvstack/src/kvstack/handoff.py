@@ -151,12 +151,16 @@ def run_demo(
     model_dir: Path,
     prompt: list[int],
     max_new_tokens: int,
-    expected: list[int],
+    expected: list[int] | None,
     device: str = "cpu",
 ) -> bool:
-    """Prefill ``prompt`` in a child process, decode here; True when the tokens equal ``expected``."""
+    """Prefill ``prompt`` in a child process, decode here; True when the tokens equal ``expected``
+    (``None``: this process's own one-process run of ``prompt`` on ``device``)."""
     from kvstack.engine.sampling import SamplingParams
 
+    if expected is None:
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        expected = list(_engine(model_dir, device).generate([prompt], params)[0].token_ids)
     conn, why = make_connector()
     transport = "nixl" if why.startswith("NIXL") else "p2p"
     engine = _engine(model_dir, device)
