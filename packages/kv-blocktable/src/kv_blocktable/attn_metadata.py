@@ -41,6 +41,7 @@ __all__ = [
     "check_rows_cover",
     "csr_from_table",
     "host_slot_mapping",
+    "host_slot_mappings",
     "make_common",
     "physical_to_logical",
 ]
@@ -279,6 +280,23 @@ def host_slot_mapping(
     if out.numel() > t:
         out[t:] = -1
     return out
+
+
+def host_slot_mappings(
+    step: StepInputs,
+    table: torch.Tensor,  # [>= R, sum M_g] int32 every group's committed manager block ids (host)
+    cols: Sequence[int],  # group g's table is columns [cols[g], cols[g + 1])
+    block_sizes: Sequence[int],
+    null_block: int | None,
+    outs: Sequence[torch.Tensor],  # per group a persistent int64 buffer of >= padded_tokens
+) -> tuple[torch.Tensor, ...]:
+    """:func:`host_slot_mapping` of every group, written into ``outs[g][:padded_tokens]``."""
+    return tuple(
+        host_slot_mapping(
+            step, table[:, cols[g] : cols[g + 1]], bs, null_block, g, outs[g][: step.padded_tokens]
+        )
+        for g, bs in enumerate(block_sizes)
+    )
 
 
 class StepBuffers:

@@ -525,7 +525,7 @@ class BlockTables:
             step, self._row_blocks[:num_reqs], self.block_sizes, self.max_num_blocks_per_req
         )
         # Host tables with the reference slot mapping: the slots come from the same host lookup
-        # as the null-block check (host_slot_mapping), one pass instead of two.
+        # as the null-block check (host_slot_mappings), one pass instead of two.
         host_slots = self._track_rows and self.impl != "triton"
         if self.null_block is not None and not host_slots:
             for g in range(self.num_groups):
@@ -538,20 +538,13 @@ class BlockTables:
         if self._pinned:
             self._step_event = torch.cuda.Event()
             self._step_event.record()
-        if host_slots:
-            slots = tuple(
-                _md.host_slot_mapping(
-                    step,
-                    self._dev[:, self._col[g] : self._col[g + 1]],  # the committed rows
-                    self.block_sizes[g],
-                    self.null_block,
-                    g,
-                    self._slots[g][: step.padded_tokens],
-                )
-                for g in range(self.num_groups)
+        slots = (
+            _md.host_slot_mappings(
+                step, self._dev, self._col, self.block_sizes, self.null_block, self._slots
             )
-        else:
-            slots = self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
+            if host_slots
+            else self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
+        )
         self._last_step = step
         return tuple(
             _md.make_common(step, qsl, seq, self._kernel[g][:num_reqs], slots[g])
