@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from kv_backends import CommonAttentionMetadata
     from kv_spec import KVCacheConfig
 
-__all__ = ["BlockTables", "KeyWindow", "check_kernel_block_split"]
+__all__ = ["BlockTables", "KeyWindow", "check_kernel_block_split", "int64_tensor"]
 
 _IMPLS = ("auto", "reference", "triton")
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 from kv_blocktable import KVCacheManager, Request
-from kv_blocktable.block_table import BlockTables
+from kv_blocktable.block_table import BlockTables, int64_tensor
 
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams, make_generator, sample
@@ -76,14 +75,6 @@ class EngineStats:
     @property
     def tokens_per_second(self) -> float:
         return self.num_generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
-
-
-def _int64_tensor(values: list[int]) -> torch.Tensor:
-    """An int64 CPU tensor of Python ints through a C array (``torch.tensor(list)`` walks the
-    list element by element: three such lists a step)."""
-    if not values:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 class LLMEngine:
@@ -280,7 +271,7 @@ class LLMEngine:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(c.seq)
         metadata = self.tables.build_common_metadata(len(qlens), qlens, seq_lens)
-        positions = _int64_tensor(pos)  # [T]
+        positions = int64_tensor(pos)  # [T]
         for c in out.chunks:
             if c.admitted and c.seq.num_external_tokens and c.seq.num_preemptions == 0:
                 assert self.external_loader is not None
@@ -289,7 +280,7 @@ class LLMEngine:
         # Trusted: the metadata comes from build_common_metadata (lengths and rows checked on
         # the host) and ids, positions and sample rows from the same chunks.
         logits = self.runner.execute_trusted(
-            _int64_tensor(ids), positions, metadata, _int64_tensor(sample_rows)
+            int64_tensor(ids), positions, metadata, int64_tensor(sample_rows)
         )  # [R_sampled, vocab]
         self._model_s += time.perf_counter() - t1
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
