@@ -332,17 +332,14 @@ def test_cache_write_fast_path_applies_where_it_should() -> None:
 # -- the row gather: K/V rows of D elements in one index_select, where the layout allows -------
 
 
-@pytest.mark.parametrize("pairs", [True, False], ids=["kv_rows", "d_rows"])
 @pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"])
 @pytest.mark.parametrize(
     "kw",
     [{}, {"kv_cache_dtype": "bfloat16"}, {"kv_cache_dtype": "fp8_e4m3"}, {"head_size_v": 24}],
     ids=["float32", "bf16_cache", "fp8", "diffkv"],
 )
-def test_row_gather_gives_the_page_gather_bytes(
-    order: str, kw: dict[str, object], pairs: bool
-) -> None:
-    """``gather_kv_rows`` (one index_select of 2D-element K|V rows, or of D-element rows)
+def test_row_gather_gives_the_page_gather_bytes(order: str, kw: dict[str, object]) -> None:
+    """``gather_kv_rows`` (one index_select of D-element rows)
     returns the page gather's bytes in every layout order, on the second layer of a two-layer
     storage (so the index is relative to the layer view); V narrower than K has no row array
     and falls back (``None``)."""
@@ -358,18 +355,17 @@ def test_row_gather_gives_the_page_gather_bytes(
     k_scale, v_scale = impl.scales(None, b.q.device)
     rows = torch.tensor([[3, 0, 0], [1, 4, 2], [2, 5, 0]])  # [G, nblk], shuffled, 0 = padding
     want = gather_padded_kv(b.kv_cache, rows, b.layout, k_scale, v_scale)
-    index = kv_row_index(b.kv_cache, rows, b.layout, pairs=pairs)
+    index = kv_row_index(b.kv_cache, rows, b.layout)
     if b.layout.head_size_v != b.layout.head_size:
         assert index is None
         return
     assert index is not None
-    geometry = kv_row_offsets(b.kv_cache, b.layout, pairs=pairs)
-    assert geometry is not None
-    assert (geometry[1].shape[0] == 1) == pairs  # every order here has V right after K
-    array = kv_row_array(b.kv_cache, b.layout, 32 * (2 if pairs else 1))
+    geometry = kv_row_offsets(b.kv_cache, b.layout)
+    assert geometry is not None and geometry[1].shape[0] == 2  # K rows, then V rows
+    array = kv_row_array(b.kv_cache, b.layout)
     got = gather_kv_rows(array, index.view(-1), (3, b.kv_cache.shape[1], 48), 32, k_scale, v_scale)
     for g, w in zip(got, want, strict=True):
-        assert g.is_contiguous() != pairs and g.dtype == torch.float32
+        assert g.is_contiguous() and g.dtype == torch.float32
         assert torch.equal(g, w)
 
 
@@ -442,7 +438,7 @@ def test_batch_wide_decode_plan_gives_the_per_group_bits(feature: str, order: st
     ``kv_row_index`` of each group's block rows): bitwise the same output, and the same row
     index, over several layouts and features."""
     from kv_backends.backends._torch_ops import padded_mask
-    from kv_backends.backends.torch_sdpa import kv_row_index, kv_row_offsets
+    from kv_backends.backends.torch_sdpa import kv_row_index
 
     b = _batch(query_lens=DECODE_QLENS, seq_lens=DECODE_SEQS, order=order, **FEATURES[feature])
     impl = get_backend("TORCH_SDPA").make_impl(
@@ -463,10 +459,3 @@ def test_batch_wide_decode_plan_gives_the_per_group_bits(feature: str, order: st
             i is not None and torch.equal(i.view(-1), n) for i, n in zip(old, index, strict=True)
         )
     assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), got)
-    # 2D-wide K|V rows (K and V as column halves) instead of D-wide rows: the same bits.
-    known = impl.__dict__["_row_offsets"]
-    for geometry in known:
-        known[geometry] = kv_row_offsets(b.kv_cache, b.layout, pairs=True)
-    plan.kv_rows.clear()
-    assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), got)
-    assert all(o is None or o[1].shape[0] == 1 for o in known.values())  # K|V rows

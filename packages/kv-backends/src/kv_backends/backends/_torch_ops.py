@@ -366,25 +366,17 @@ def gather_kv_rows(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gather_padded_kv` in one ``index_select`` of rows (``row_array`` from
+    """:func:`gather_padded_kv` in one ``index_select`` of ``D``-element rows (``row_array`` from
     :func:`kv_row_array`, ``index`` from :func:`kv_row_index`, flattened; ``group_shape`` =
-    ``(G, H, Sb)``): float32 K and V ``[G, H, Sb, D]`` in heads-ahead-of-tokens order with no
-    second pass, where the page gather needs a permuting copy after it. ``D``-wide rows give K
-    and V contiguous; ``2D``-wide K|V rows give them as the column halves of one ``[G, H, Sb,
-    2D]`` copy (row stride ``2D``), which ``bmm`` and SDPA read in place with the same bits
-    (test_torch_sdpa_batched.py checks it), from half as many, twice as long rows: measured
-    ~25% less gather time from a cold cache. Same bytes, so the same attention bits.
-    Non-float32 caches take one cast, quantized ones their scales, as in the page gather."""
+    ``(G, H, Sb)``): float32 K and V ``[G, H, Sb, D]``, contiguous, in heads-ahead-of-tokens
+    order with no second pass, where the page gather needs a permuting copy after it. Same bytes,
+    so the same attention bits. Non-float32 caches take one cast, quantized ones their scales,
+    as in the page gather."""
     g, h, s = group_shape
-    width = row_array.shape[1]
     rows = row_array.index_select(0, index)
     if rows.dtype != torch.float32:
         rows = rows.float()
-    if width == head_size:
-        k, v = rows.view(2, g, h, s, width).unbind(0)  # [G, H, Sb, D] each, contiguous
-    else:
-        kv = rows.view(g, h, s, width)  # [G, H, Sb, 2D]
-        k, v = kv[..., :head_size], kv[..., head_size:]
+    k, v = rows.view(2, g, h, s, head_size).unbind(0)  # [G, H, Sb, D] each, contiguous
     for x, scale in ((k, k_scale), (v, v_scale)):
         if scale is not None:
             x.mul_(_scale_shape(scale.to(x.device), 4, 1))

@@ -54,17 +54,12 @@ __all__ = [
 
 
 def kv_row_offsets(
-    kv_cache: torch.Tensor, layout: KVCacheLayout, *, pairs: bool = False
+    kv_cache: torch.Tensor, layout: KVCacheLayout
 ) -> tuple[int, torch.Tensor] | None:
-    """``(rows_per_block, offsets)`` of :func:`kv_row_index`: token ``(b, h, n)``'s row is
-    ``b * rows_per_block + offsets[kv, 0, h, 0, n]`` (``offsets`` int64 ``[P, 1, H, 1, N]``), so
-    a batch's index is one broadcast add; ``None`` where the cache is not a row array.
-
-    Rows are ``2 * D`` wide (``P = 1``: one row holds a token's K and V) where V starts right
-    after K, as wide, the strides allow and ``pairs`` asks for it; else ``D`` wide (``P = 2``:
-    K rows, then V rows). ``pairs`` is off by default: half as many rows gather ~25% faster
-    from a cold cache, but attention then reads K and V as column halves (row stride ``2D``),
-    and on the engine benchmark with 2 threads the step came out no faster (noisy machine)."""
+    """``(rows_per_block, offsets)`` of :func:`kv_row_index`: token ``(b, h, n)``'s K row is
+    ``b * rows_per_block + offsets[0, 0, h, 0, n]`` and its V row the same with ``offsets[1]``
+    (``offsets`` int64 ``[2, 1, H, 1, N]``), so a batch's index is one broadcast add; ``None``
+    where the cache is not a row array of ``D``-element rows."""
     k0, k1 = layout.k_range
     if layout.v_range is None or layout.v_range[1] - layout.v_range[0] != k1 - k0:
         return None
@@ -73,42 +68,42 @@ def kv_row_offsets(
     v_off = layout.v_range[0] - k0
     if sc != 1 or any(x % d for x in (sb, sh, sn, v_off)):
         return None
-    w = 2 * d if pairs and v_off == d and not any(x % (2 * d) for x in (sb, sh, sn)) else d
     _, h, n, _ = kv_cache.shape
-    kinds = (0,) if w == 2 * d else (0, v_off // d)
     offsets = [
-        kv + i * (sh // w) + j * (sn // w) for kv in kinds for i in range(h) for j in range(n)
+        kv + i * (sh // d) + j * (sn // d)
+        for kv in (0, v_off // d)
+        for i in range(h)
+        for j in range(n)
     ]
-    return sb // w, torch.tensor(offsets, device=kv_cache.device).view(len(kinds), 1, h, 1, n)
+    return sb // d, torch.tensor(offsets, device=kv_cache.device).view(2, 1, h, 1, n)
 
 
 def kv_row_index(
-    kv_cache: torch.Tensor, rows: torch.Tensor, layout: KVCacheLayout, *, pairs: bool = False
+    kv_cache: torch.Tensor, rows: torch.Tensor, layout: KVCacheLayout
 ) -> torch.Tensor | None:
     """Where :func:`gather_kv_rows` finds the padded contexts of ``rows`` ``[G, nblk]``: int64
-    ``[P, G, H, nblk, N]``, the row of :func:`kv_row_array` holding each token, counted from its
-    K range: token ``(b, h, n)`` is row ``(b * sb + h * sh + n * sn) / width`` (``P = 2``: then
-    its V row). ``None`` where the cache is not such a row array: V not as wide as K, or a
-    stride (or V's offset from K) that is not a multiple of ``D``. The index depends on the
-    strides only, so every layer view of one storage shares it."""
-    geometry = kv_row_offsets(kv_cache, layout, pairs=pairs)
+    ``[2, G, H, nblk, N]``, the row of :func:`kv_row_array` holding each token's K, then its V,
+    counted from the K range: token ``(b, h, n)`` is row ``(b * sb + h * sh + n * sn) / D``.
+    ``None`` where the cache is not such a row array: V not as wide as K, or a stride (or V's
+    offset from K) that is not a multiple of ``D``. The index depends on the strides only, so
+    every layer view of one storage shares it."""
+    geometry = kv_row_offsets(kv_cache, layout)
     if geometry is None:
         return None
     per_block, offsets = geometry
-    return rows.long()[None, :, None, :, None] * per_block + offsets  # [P, G, H, nblk, N]
+    return rows.long()[None, :, None, :, None] * per_block + offsets  # [2, G, H, nblk, N]
 
 
-def kv_row_array(kv_cache: torch.Tensor, layout: KVCacheLayout, width: int) -> torch.Tensor:
-    """``kv_cache`` ``[B, H, N, C]`` as the ``[num_rows, width]`` row array :func:`kv_row_index`
-    counts in (``width``: ``D``, or ``2 * D`` for K|V rows; a view from the K range's start)."""
+def kv_row_array(kv_cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
+    """``kv_cache`` ``[B, H, N, C]`` as the ``[num_rows, D]`` row array :func:`kv_row_index`
+    counts in (a view from the K range's start)."""
     b, h, n, _ = kv_cache.shape
     sb, sh, sn, _ = kv_cache.stride()
-    k0 = layout.k_range[0]
+    k0, k1 = layout.k_range
     assert layout.v_range is not None
     last = (b - 1) * sb + (h - 1) * sh + (n - 1) * sn + layout.v_range[0] - k0  # last V's start
-    return kv_cache.as_strided(
-        (last // width + 1, width), (width, 1), kv_cache.storage_offset() + k0
-    )
+    d = k1 - k0
+    return kv_cache.as_strided((last // d + 1, d), (d, 1), kv_cache.storage_offset() + k0)
 
 
 class _StepPlan:
@@ -344,10 +339,7 @@ class TorchSDPAImpl(AttentionImpl):
         )
         geometry, offsets = self._kv_row_offsets(cache, klayout)
         kv_rows = plan.kv_rows_for(geometry, offsets)
-        row_array = None  # [num_rows, D], or [num_rows, 2D] of K|V rows
-        if offsets is not None:
-            width = self.head_size * (3 - offsets[1].shape[0])  # P = 1: 2D-wide, P = 2: D-wide
-            row_array = kv_row_array(cache, klayout, width)
+        row_array = None if offsets is None else kv_row_array(cache, klayout)  # [num_rows, D]
         # Decode groups come first: their queries are selected, and their outputs placed, with
         # one op each for all of them (the groups read and write slices in between).
         num_decode = plan.decode_rows.numel()
