@@ -70,8 +70,15 @@ def reason_unsupported(runner: ModelRunner) -> str | None:
 
 @dataclass
 class _Captured:
-    replay: Callable[[], object]
+    step: Callable[[], torch.Tensor]
     logits: torch.Tensor  # [B, vocab] float32, rewritten by every replay
+    graph: torch.cuda.CUDAGraph | None  # None: replay by calling ``step`` again (capture=False)
+
+    def replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self.step()
 
 
 class DecodeGraphs:
@@ -192,13 +199,7 @@ class DecodeGraphs:
 
         self.num_captures += 1
         if not self.capture:
-            holder = _Captured(lambda: None, step())
-
-            def again() -> None:
-                holder.logits = step()
-
-            holder.replay = again
-            return self._graphs.setdefault(size, holder)
+            return self._graphs.setdefault(size, _Captured(step, step(), None))
         # Warm up on a side stream (kernel compiles, per-device parameters), then record.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -209,6 +210,4 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = step()
-        captured = _Captured(graph.replay, logits)
-        self._graphs[size] = captured
-        return captured
+        return self._graphs.setdefault(size, _Captured(step, logits, graph))
