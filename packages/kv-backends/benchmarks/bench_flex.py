@@ -132,7 +132,7 @@ def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
     if device == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn: float(do_bench(fn, warmup=25, rep=200))
+        return lambda fn: float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
     def cpu(fn: Callable[[], Any]) -> float:
         fn()

@@ -25,6 +25,8 @@ CASES: dict[str, dict[str, Any]] = {
     # the decode call writes its rows into the flattened call's output
     "mixed": {"query_lens": [1, 1, 23, 40], "seq_lens": [30, 17, 50, 40]},
     "mixed_gathered_rows": {"query_lens": [23, 1, 40, 1], "seq_lens": [50, 30, 40, 17]},
+    # decodes after the prefills (one run of rows): read and written as slices
+    "mixed_trailing_decodes": {"query_lens": [23, 40, 1, 1], "seq_lens": [50, 40, 30, 17]},
     "decode": {"query_lens": [1, 1, 1], "seq_lens": [30, 17, 50]},
     "decode_after_empty_request": {"query_lens": [0, 1, 1], "seq_lens": [5, 17, 50]},
 }
@@ -94,6 +96,26 @@ def test_compiled_result_is_flex_output() -> None:
     res = impl.forward(None, b.q, b.kv_cache, md)
     _check(b, res)
     assert res.untyped_storage().data_ptr() == impl.storages[0]
+
+
+@pytest.mark.parametrize(
+    ("case", "start"), [("mixed", 0), ("mixed_trailing_decodes", 63), ("mixed_gathered_rows", -1)]
+)
+def test_decode_rows_in_one_run_are_a_slice(case: str, start: int) -> None:
+    # The decode call reads its queries as q[start : start + rows] and writes its rows as one
+    # slice when the decodes' rows are one run; a shifted start reads the neighbours' rows.
+    import dataclasses
+
+    b = make_paged_batch(seed=4, **CASES[case])
+    md = _md(b, static_shapes=True)
+    assert md.decode is not None and md.decode.start == start
+    assert md.decode.contiguous == (start == 0)
+    _check(b, _impl(b).forward(None, b.q, b.kv_cache, md))
+    if start > 0:
+        shifted = dataclasses.replace(md, decode=dataclasses.replace(md.decode, start=start - 1))
+        bad = _impl(b).forward(None, b.q, b.kv_cache, shifted)
+        with pytest.raises(AssertionError):
+            _check(b, bad)
 
 
 def test_q_longer_than_the_call_copies_into_a_new_output() -> None:

@@ -225,23 +225,27 @@ class FlexAttentionImpl(AttentionImpl):
         v0, v1 = self.layout.v_range
         k = cache.as_strided((1, h, length, k1 - k0), (0, sh, sn, 1), base_off + k0)
         v = cache.as_strided((1, h, length, v1 - v0), (0, sh, sn, 1), base_off + v0)
+        kwargs: dict[str, Any] = {
+            "score_mod": score_mod,
+            "block_mask": block_mask,
+            "scale": self.scale,
+            "enable_gqa": self.num_q_heads != h,
+            "kernel_options": kernel_options,
+        }
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if not need_lse and fn is not flex_attention:
+            # The hot path (a compiled call, no LSE) warns about nothing: no filters to set up.
+            return fn(qx, k, v, **kwargs), None
         with warnings.catch_warnings():
             # return_lse is deprecated in newer torch in favour of return_aux (absent in 2.11).
             warnings.simplefilter("ignore", category=FutureWarning)
             warnings.simplefilter("ignore", category=DeprecationWarning)
             # Eager Flex (compiled=False) is dense math by design here: tests and CPU runs.
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            res = fn(
-                qx,
-                k,
-                v,
-                score_mod=score_mod,
-                block_mask=block_mask,
-                scale=self.scale,
-                enable_gqa=self.num_q_heads != h,
-                return_lse=need_lse,
-                kernel_options=kernel_options,
-            )
+            if need_lse:
+                kwargs["return_lse"] = True
+            res = fn(qx, k, v, **kwargs)
         return res if need_lse else (res, None)
 
     def forward(
@@ -344,9 +348,11 @@ class FlexAttentionImpl(AttentionImpl):
         if q.shape[0] >= padded:
             qx = q[:padded].transpose(0, 1)[None]  # [1, Hq, T_padded, D], a view
         else:
-            # The caller's q is shorter than the captured size: one copy into zero rows.
-            qpad = q.new_zeros(padded, *q.shape[1:])
+            # The caller's q is shorter than the captured size: one copy, the padding rows
+            # zeroed (they see no key; zeros keep them finite), not the whole buffer.
+            qpad = q.new_empty(padded, *q.shape[1:])
             qpad[:num_tokens] = q[:num_tokens]
+            qpad[num_tokens:].zero_()
             qx = qpad.transpose(0, 1)[None]
         kernel_options = self._kernel_options(md, q.device)
         outs: list[torch.Tensor] = []
@@ -415,10 +421,11 @@ class FlexAttentionImpl(AttentionImpl):
         """The decode call, written into its rows of ``result`` (the flattened call's output or
         the caller's ``out``); with ``None`` (a batch of decodes only) forward's output is made
         here, Flex's own where it can be."""
-        r = dec.tok.numel()
-        # [rows, Hq, 1, D]: a view of the first rows when the decodes lead the batch.
-        view = dec.contiguous and q.shape[0] >= dec.rows
-        qd = (q[: dec.rows] if view else q[dec.gather]).unsqueeze(2)
+        r, s0 = dec.tok.numel(), dec.start
+        # [rows, Hq, 1, D]: a view when the decodes' rows are one run (leading or trailing the
+        # batch) and q holds the call's padded rows after it; else gathered.
+        view = s0 >= 0 and q.shape[0] >= s0 + dec.rows
+        qd = (q[s0 : s0 + dec.rows] if view else q[dec.gather]).unsqueeze(2)
         need_lse = self.sinks is not None
         o, lse = self._flex(
             fn,
@@ -443,8 +450,8 @@ class FlexAttentionImpl(AttentionImpl):
                 if own is not None:
                     return own
             result = self._new_output(q, r if dec.contiguous else 0)
-        if dec.contiguous:
-            result[:r] = o[:r]
+        if s0 >= 0:
+            result[s0 : s0 + r] = o[:r]
         else:
             result[dec.tok] = o[:r]
         return result

@@ -134,6 +134,10 @@ class FlexDecode:
     #: SPLIT_KV to pin on the decoding kernel (the count the full-tile choice assumed); ``None``:
     #: leave it to torch (``decode_tiles="kv"``, CPU, or the main kernel).
     split_kv: int | None = None
+    #: First query row of the decode requests when their rows are one run (``tok == start +
+    #: arange(R)``: decodes leading or trailing the batch), else -1. Queries are then read as a
+    #: slice and outputs written into one, no gather or scatter.
+    start: int = -1
 
 
 def _decode_requests(
@@ -233,9 +237,11 @@ def build_decode_call(
     served[dec_req] = True
     gather = torch.zeros(rows, dtype=torch.long)
     gather[:r] = tok_h
+    first = int(tok_h[0])
+    run = bool(torch.equal(tok_h, torch.arange(first, first + r)))
     decode = FlexDecode(
         tok=tok_h.to(dev),
-        contiguous=bool(torch.equal(tok_h, torch.arange(r))),
+        contiguous=run and first == 0,
         pos=pos,
         rows=rows,
         gather=gather.to(dev),
@@ -244,6 +250,7 @@ def build_decode_call(
         block_mask=mask,
         kv_block_size=kvb,
         split_kv=split,
+        start=first if run else -1,
     )
     return decode, served
 
