@@ -186,3 +186,25 @@ def test_cuda_result_is_flex_output(case: str, prefill: str) -> None:
     assert torch.equal(out[:t], res[:t])
     ref = oracle_attention(b)[:t]
     torch.testing.assert_close(res[:t].double().cpu(), ref.cpu(), atol=2e-2, rtol=2e-2)
+
+
+def test_compiled_cpu_call_over_a_pool_wider_than_its_tiles() -> None:
+    # Inductor's C++ Flex template refuses a block mask narrower than the K/V view ("KV seqlen
+    # must be smaller than the block_mask size"): eight decodes of 8 pages each over a 75-page
+    # pool listed 64 one-page columns (1,024 tokens < 1,200) and failed to compile before the
+    # CPU builder widened its tables to the view.
+    b = make_paged_batch(
+        query_lens=[64, 64] + [1] * 8, seq_lens=[64, 64] + [128] * 8, num_q_heads=8,
+        num_kv_heads=2, head_size=32, seed=4,
+    )  # fmt: skip
+    md = (
+        get_backend("FLEX_ATTENTION")
+        .make_builder(
+            b.config, b.layout, max_num_batched_tokens=256, max_num_seqs=16, static_shapes=True
+        )
+        .build(b.common)
+    )
+    assert md.decode is not None
+    cols = md.decode.block_mask.kv_indices.shape[-1] * md.decode.block_mask.BLOCK_SIZE[1]
+    assert cols >= md.decode.length
+    _check(b, _impl(b, compiled=True).forward(None, b.q, b.kv_cache, md))

@@ -205,8 +205,9 @@ def build_decode_call(
     w_lo, w_hi, max_cols = torch.stack([e_w.min(), e_w.max(), counts.max()]).tolist()
     if w_lo != w_hi:
         return None, None
-    builder._grow("dec_indices", max_cols)
-    builder._grow("dec_full_indices", max_cols)
+    cpu = {"kv_len": geo.window_len(w_lo), "kv_block": kvb}
+    builder._grow("dec_indices", max_cols, **cpu)
+    builder._grow("dec_full_indices", max_cols, **cpu)
     tables = []
     for kind, (nbuf, ibuf) in enumerate(
         [

@@ -464,8 +464,15 @@ class FlexMetadataBuilder(MetadataBuilder):
             static_shapes=self.static_shapes,
         )
 
-    def _grow(self, name: str, cols: int) -> None:
-        """Widen the persistent index buffer ``name`` to hold ``cols`` columns (powers of 2)."""
+    def _grow(self, name: str, cols: int, *, kv_len: int = 0, kv_block: int = 0) -> None:
+        """Widen the persistent index buffer ``name`` to hold ``cols`` columns (powers of 2).
+
+        On the CPU also to ``kv_len / kv_block`` columns: inductor's C++ Flex template refuses a
+        block mask narrower than the K/V view it is called with ("KV seqlen must be smaller than
+        the block_mask size"), which a call over a large cache window with few tiles per row
+        would be."""
+        if self.device.type == "cpu" and kv_block:
+            cols = max(cols, -(-kv_len // kv_block))
         buf = getattr(self, name)
         if cols > buf.shape[1]:
             grown = 1 << (cols - 1).bit_length()

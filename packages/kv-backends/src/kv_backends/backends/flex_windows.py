@@ -115,9 +115,10 @@ def build_windows(
             "a physical block appears at two different logical positions in this batch; the "
             "Flex backend's physical->logical table needs one position per block per step"
         )
-    builder._grow("kv_indices", max_cols)
+    cpu = {"kv_len": geo.window_tokens, "kv_block": opts.kv_block_size}
+    builder._grow("kv_indices", max_cols, **cpu)
     if full:
-        builder._grow("full_kv_indices", max_cols)
+        builder._grow("full_kv_indices", max_cols, **cpu)
     windows: list[FlexWindow] = []
     for rank, w in enumerate(w_list):
         rows: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
