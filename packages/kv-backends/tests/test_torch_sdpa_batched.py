@@ -459,3 +459,114 @@ def test_batch_wide_decode_plan_gives_the_per_group_bits(feature: str, order: st
             i is not None and torch.equal(i.view(-1), n) for i, n in zip(old, index, strict=True)
         )
     assert torch.equal(impl.forward(None, b.q, b.kv_cache, md), got)
+
+
+# -- the decode-only step: DecodeRun's buffers shared by the step's layers ----------------------
+
+
+def _decode_batch(**kw: object) -> PagedBatch:
+    # Decode lengths across three padding buckets and a request with no query rows.
+    return _batch(
+        query_lens=[1, 1, 1, 0, 1, 1], seq_lens=[5, 64, 70, 9, 129, 190], pad_tokens=0, **kw
+    )
+
+
+@pytest.mark.parametrize("feature", ["plain", "window", "non_causal_window", "mqa_diffkv"])
+def test_decode_run_gives_the_general_path_bits(
+    feature: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode-only step takes ``DecodeRun`` (where it applies: not for V narrower than K) and
+    gives the general path's output bit for bit, two layers sharing the step's plan, with and
+    without ``out=``."""
+    b = _decode_batch(**FEATURES[feature])  # type: ignore[arg-type]
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    md = _metadata(b)
+    got = impl.forward(None, b.q, b.kv_cache, md)
+    (plan,) = md.plans.values()
+    assert bool(plan.decode_runs) == (feature != "mqa_diffkv")
+    out = torch.full_like(got, float("nan"))
+    assert impl.forward(None, b.q, b.kv_cache, md, out=out) is out
+    assert torch.equal(out, got)
+    monkeypatch.setattr(torch_sdpa.TorchSDPAImpl, "_decode_only", lambda self, *a: False)
+    want = impl.forward(None, b.q, b.kv_cache, _metadata(b))
+    assert torch.equal(got, want)
+    assert torch.equal(got, _per_request(b)) or torch.allclose(got, _per_request(b), **TOL)
+
+
+def test_decode_run_outputs_are_not_overwritten_by_the_next_layer() -> None:
+    """The step's layers share one DecodeRun's buffers: each layer's output must be its own
+    tensor, so a later layer (other K/V, other queries) leaves an earlier output as it was."""
+    b = _decode_batch()
+    md = _metadata(b)
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    first = impl.forward(None, b.q, b.kv_cache, md)
+    kept = first.clone()
+    other = make_paged_batch(
+        query_lens=[1, 1, 1, 0, 1, 1], seq_lens=[5, 64, 70, 9, 129, 190], seed=7
+    )
+    second = impl.forward(None, other.q, other.kv_cache, md)  # same plan, new values
+    (plan,) = md.plans.values()
+    assert len(plan.decode_runs) == 1
+    assert torch.equal(first, kept), "a later layer changed an earlier layer's output"
+    assert not torch.equal(second, first)
+
+
+def test_decode_run_is_not_taken_where_the_general_path_is_needed() -> None:
+    """Mixed steps, sinks, softcap, ALiBi, fp8 caches and padded query rows keep the general
+    path (no DecodeRun is made)."""
+    cases = [
+        _batch(query_lens=[1, 3], seq_lens=[20, 30], pad_tokens=0),  # a prefill chunk
+        _decode_batch(has_sinks=True),
+        _decode_batch(softcap=4.0),
+        _decode_batch(use_alibi=True),
+        _decode_batch(kv_cache_dtype="fp8_e4m3"),
+        _batch(query_lens=[1, 1], seq_lens=[20, 30], pad_tokens=2),  # CUDA-graph padding
+    ]
+    for b in cases:
+        impl = get_backend("TORCH_SDPA").make_impl(
+            b.config, b.layout, sinks=b.sinks, alibi_slopes=b.alibi_slopes,
+            k_scale=b.k_scale, v_scale=b.v_scale,
+        )  # fmt: skip
+        md = _metadata(b)
+        impl.forward(None, b.q, b.kv_cache, md)
+        (plan,) = md.plans.values()
+        assert not plan.decode_runs
+
+
+def test_prefill_float_mask_gives_the_boolean_mask_bits() -> None:
+    """Prefill groups hand SDPA the float ``0 / -inf`` mask made once per step instead of the
+    boolean one SDPA converts on every call: the same attention bits."""
+    import torch.nn.functional as F
+
+    b = _batch(query_lens=[7, 70], seq_lens=[30, 140], pad_tokens=0)
+    md = _metadata(b)
+    impl = get_backend("TORCH_SDPA").make_impl(b.config, b.layout)
+    impl.forward(None, b.q, b.kv_cache, md)
+    (plan,) = md.plans.values()
+    gen = torch.Generator().manual_seed(0)
+    for mask in next(iter(plan.masks.values())):
+        g, lb, sb = mask.allowed.shape
+        q = torch.randn(g, 4, lb, 32, generator=gen)
+        k, v = torch.randn(g, 2, sb, 32, generator=gen), torch.randn(g, 2, sb, 32, generator=gen)
+        a = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.allowed[:, None], scale=0.2, enable_gqa=True
+        )
+        f = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.sdpa_bias, scale=0.2, enable_gqa=True
+        )
+        assert torch.equal(a, f)
+
+
+def test_cache_write_checks_many_slots_too() -> None:
+    """``write_kv_slots`` checks a few slots on the host and many with one reduction: both
+    decline padding and slots past the cache."""
+    from kv_backends.backends._torch_ops import write_kv_slots
+
+    b = make_paged_batch(query_lens=[1], seq_lens=[300], fill=False, num_blocks=20)
+    k, v = torch.randn(300, 2, 32), torch.randn(300, 2, 32)
+    assert b.all_slots.numel() == 300
+    assert write_kv_slots(k, v, b.kv_cache, b.all_slots, b.layout)
+    for bad in (-1, 20 * 16):
+        slots = b.all_slots.clone()
+        slots[250] = bad
+        assert not write_kv_slots(k, v, b.kv_cache, slots, b.layout)

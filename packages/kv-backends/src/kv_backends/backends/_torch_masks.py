@@ -33,6 +33,14 @@ class PaddedMask:
     additive_term: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @cached_property
+    def sdpa_bias(self) -> torch.Tensor:
+        """``[G, 1, Lb, Sb]`` float32, ``0`` where ``allowed``, else ``-inf``: the float mask
+        SDPA would make of the boolean one on every call, made once and shared by the layers
+        that reuse this mask (the same values, so the same attention bits)."""
+        bias = torch.zeros(self.allowed.shape, device=self.allowed.device)
+        return bias.masked_fill_(~self.allowed, float("-inf"))[:, None]
+
+    @cached_property
     def additive(self) -> torch.Tensor:
         """``[G * H, rep * Lb, Sb]`` float32, ``0`` where ``allowed``, else ``-inf`` (or a view
         that broadcasts to it)."""

@@ -29,6 +29,7 @@ __all__ = [
     "padded_length",
     "padded_mask",
     "plan_padded_groups",
+    "split_kv_rows",
     "write_kv_slots",
 ]
 
@@ -93,10 +94,14 @@ def write_kv_slots(
         or value.dtype != kv_cache.dtype
     ):
         return False
-    lo, hi = torch.aminmax(slot_mapping)  # one reduction, one sync
-    if int(lo) < 0 or int(hi) >= b * n:
-        return False
     t = slot_mapping.numel()
+    if t <= 256:  # a decode step's few slots: one host copy, Python's min and max
+        slots = slot_mapping.tolist()
+        lo, hi = min(slots), max(slots)
+    else:
+        lo, hi = (int(x) for x in torch.aminmax(slot_mapping))  # one reduction, one sync
+    if lo < 0 or hi >= b * n:
+        return False
     v1 = layout.v_range[1]
     rows = kv_cache.as_strided((b * n, h, v1 - k0), (sn, sh, sc), kv_cache.storage_offset() + k0)
     rows.index_copy_(0, slot_mapping, torch.cat([key[:t], value[:t]], dim=-1))
@@ -372,10 +377,23 @@ def gather_kv_rows(
     order with no second pass, where the page gather needs a permuting copy after it. Same bytes,
     so the same attention bits. Non-float32 caches take one cast, quantized ones their scales,
     as in the page gather."""
-    g, h, s = group_shape
     rows = row_array.index_select(0, index)
     if rows.dtype != torch.float32:
         rows = rows.float()
+    return split_kv_rows(rows, group_shape, head_size, k_scale, v_scale)
+
+
+def split_kv_rows(
+    rows: torch.Tensor,
+    group_shape: tuple[int, int, int],
+    head_size: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group's gathered rows (float32 ``[2 * G * H * Sb, D]``, K rows then V rows, as
+    :func:`gather_kv_rows` gathers them) as K and V ``[G, H, Sb, D]``: contiguous views,
+    multiplied in place by their scales (the rows are the caller's own copy)."""
+    g, h, s = group_shape
     k, v = rows.view(2, g, h, s, head_size).unbind(0)  # [G, H, Sb, D] each, contiguous
     for x, scale in ((k, k_scale), (v, v_scale)):
         if scale is not None:
@@ -413,9 +431,12 @@ def attend_padded(
         # batch size, so a request's bits would depend on its neighbours (measured: 2 threads,
         # 1e-8 differences); the bmm path below is as fast at one query and keeps batch elements
         # apart.
-        attn_mask = mask.allowed[:, None]  # [G, 1, Lb, Sb]
         if alibi_slopes is not None:
-            attn_mask = _alibi_bias(alibi_slopes, mask).masked_fill(~attn_mask, float("-inf"))
+            attn_mask = _alibi_bias(alibi_slopes, mask).masked_fill(
+                ~mask.allowed[:, None], float("-inf")
+            )
+        else:
+            attn_mask = mask.sdpa_bias  # [G, 1, Lb, Sb], shared by the step's layers
         out = F.scaled_dot_product_attention(
             qf, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=hq != h
         )  # [G, Hq, Lb, Dv]

@@ -15,7 +15,8 @@ count too, and TORCH_SDPA is not the GPU's fast path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from array import array
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -28,13 +29,14 @@ from kv_backends.backends._torch_ops import (
     attend_padded,
     batch_columns,
     decode_masks,
-    gather_kv_rows,
     gather_padded_kv,
     group_by_padded_shape,
     padded_groups,
     padded_mask,
+    split_kv_rows,
     write_kv_slots,
 )
+from kv_backends.backends.torch_sdpa_decode import DecodeRun
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
 from kv_backends.metadata import CommonAttentionMetadata
@@ -169,7 +171,24 @@ class _StepPlan:
         self.decode_rows = columns[1, :num_decode]  # [R_decode]
         self.decode_seq_lens = columns[3, :num_decode]  # [R_decode]
         self.masks: dict[tuple[bool, int | None, int, int], list[PaddedMask]] = {}
+        # per cache geometry: each group's row index (views of one flat index, group after
+        # group, so one index_select gathers every group's K/V), or None (page gather)
         self.kv_rows: dict[tuple[object, ...], list[torch.Tensor] | None] = {}
+        self.kv_index: dict[tuple[object, ...], torch.Tensor] = {}
+        self.placements: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per (geometry, mask rule, head size): the decode-only step's buffers and views
+        self.decode_runs: dict[tuple[object, ...], DecodeRun] = {}
+
+    def placement(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Group ``i``'s (a prefill group's) real padded query rows, as the request and query
+        indices ``[real rows]`` of each in ``[G, Lb]``, and the output rows they fill: found once
+        per step (one ``nonzero``) and shared by the layers, each of which then places its
+        output with one gather and one ``index_copy_``."""
+        if i not in self.placements:
+            group = self.groups[i]
+            src_g, src_l = group.q_valid.nonzero().unbind(1)  # [real rows] each
+            self.placements[i] = (src_g, src_l, group.q_index[src_g, src_l])
+        return self.placements[i]
 
     def masks_for(
         self, causal: bool, sliding_window: int | None, num_kv_heads: int, q_per_kv: int
@@ -190,7 +209,8 @@ class _StepPlan:
         """Per group, :func:`kv_row_index` flattened for the cache geometry ``geometry`` whose
         :func:`kv_row_offsets` are ``offsets`` (``None``: not a row array, gather pages
         instead); layer views of one storage share a geometry, so a step computes it once: one
-        multiply for the batch and one broadcast add per group."""
+        multiply for the batch and one broadcast add per group, each written into its slice of
+        one flat index (:attr:`kv_index`), groups in order."""
         if geometry not in self.kv_rows:
             if offsets is None:
                 self.kv_rows[geometry] = None
@@ -198,10 +218,17 @@ class _StepPlan:
                 per_block, token = offsets  # token: [2, 1, H, 1, N]
                 # [1, R', 1, width, 1]: each block's first K row
                 first = (self.table_rows * per_block)[None, :, None, :, None]
-                self.kv_rows[geometry] = [
-                    (first[:, g0:g1, :, : rows.shape[1]] + token).view(-1)
-                    for rows, (g0, g1) in zip(self.rows, self.bounds, strict=True)
-                ]  # per group [2 * G * H * nblk * N]
+                sizes = [token.numel() * rows.numel() for rows in self.rows]
+                flat = torch.empty(sum(sizes), dtype=torch.int64, device=token.device)
+                views = list(flat.split(sizes)) if len(sizes) > 1 else [flat]
+                for view, rows, (g0, g1) in zip(views, self.rows, self.bounds, strict=True):
+                    torch.add(
+                        first[:, g0:g1, :, : rows.shape[1]],
+                        token,
+                        out=view.view(2, g1 - g0, token.shape[2], rows.shape[1], token.shape[4]),
+                    )  # [2, G, H, nblk, N]
+                self.kv_rows[geometry] = views  # per group [2 * G * H * nblk * N]
+                self.kv_index[geometry] = flat
         return self.kv_rows[geometry]
 
 
@@ -218,7 +245,8 @@ class TorchSDPAMetadata(AttentionMetadata):
 class TorchSDPABuilder(MetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         md = super().build(common)
-        return TorchSDPAMetadata(**{f.name: getattr(md, f.name) for f in fields(md)})
+        # The frozen dataclass's fields are its instance dict (cheaper than dataclasses.fields).
+        return TorchSDPAMetadata(**vars(md))
 
 
 def _step_plan(
@@ -256,9 +284,10 @@ def _block_rows(
     rows = block_table[:, :width].index_select(0, reqs).long()  # [R', <= width]
     if rows.shape[1] < width:  # the padded length may reach past the table's last column
         rows = F.pad(rows, (0, width - rows.shape[1]))
+    need_t = torch.frombuffer(array("q", need), dtype=torch.int64) if need else torch.empty(0)
     past = (
         torch.arange(width, device=rows.device)[None, :]
-        >= torch.tensor(need).to(rows.device)[:, None]
+        >= need_t.to(device=rows.device, dtype=torch.int64)[:, None]
     )  # [R', width]
     rows = rows.masked_fill_(past, 0)
     if rows.numel():
@@ -286,6 +315,39 @@ class TorchSDPAImpl(AttentionImpl):
         if geometry not in known:
             known[geometry] = kv_row_offsets(cache, layout)
         return geometry, known[geometry]
+
+    def _row_array(self, cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
+        """:func:`kv_row_array` of ``cache``, kept while the same tensor object views the same
+        memory with the same strides (the runner hands each layer the same view every step)."""
+        kept = self.__dict__.get("_rows_of")
+        key = (cache.data_ptr(), cache.stride())
+        if kept is None or kept[0] is not cache or kept[1] != key:
+            kept = self.__dict__["_rows_of"] = (cache, key, kv_row_array(cache, layout))
+        return kept[2]
+
+    def _decode_only(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        plan: _StepPlan,
+        metadata: AttentionMetadata,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> bool:
+        """Whether this layer's step takes :class:`DecodeRun`: every request one query row and
+        every row of ``q`` one request's, float32 query and cache, no sinks, softcap, ALiBi or
+        K/V scales (the general path handles all of those)."""
+        return (
+            plan.num_decode_groups == len(plan.groups)
+            and q.shape[0] == plan.num_rows <= metadata.num_actual_tokens
+            and q.dtype == torch.float32
+            and cache.dtype == torch.float32
+            and k_scale is None
+            and v_scale is None
+            and self.sinks is None
+            and not self.softcap
+            and self.alibi_slopes is None
+        )
 
     def cache_write_impl(self) -> str:
         # The reference backend writes with the torch reference on every device, so it stays an
@@ -339,7 +401,26 @@ class TorchSDPAImpl(AttentionImpl):
         )
         geometry, offsets = self._kv_row_offsets(cache, klayout)
         kv_rows = plan.kv_rows_for(geometry, offsets)
-        row_array = None if offsets is None else kv_row_array(cache, klayout)  # [num_rows, D]
+        if kv_rows is not None and self._decode_only(q, cache, plan, metadata, k_scale, v_scale):
+            rule = (geometry, self.causal, self.sliding_window, num_kv_heads, self.head_size)
+            run = plan.decode_runs.get(rule)
+            if run is None:
+                run = plan.decode_runs[rule] = DecodeRun(
+                    plan, plan.kv_index[geometry].numel(), masks, num_kv_heads,
+                    self.num_q_heads // num_kv_heads, self.head_size, q.device,
+                )  # fmt: skip
+            if out is not None:
+                self.empty_output(q, out)  # checks its shape and dtype
+            return run.attend(
+                self._row_array(cache, klayout), plan.kv_index[geometry], q, self.scale, out
+            )
+        gathered, start = None, 0
+        if kv_rows is not None:
+            # Every group's K/V rows in one index_select (group after group, each group's K
+            # rows then its V rows): one gather per layer, not one per group.
+            gathered = kv_row_array(cache, klayout).index_select(0, plan.kv_index[geometry])
+            if gathered.dtype != torch.float32:
+                gathered = gathered.float()
         # Decode groups come first: their queries are selected, and their outputs placed, with
         # one op each for all of them (the groups read and write slices in between).
         num_decode = plan.decode_rows.numel()
@@ -349,12 +430,14 @@ class TorchSDPAImpl(AttentionImpl):
         for i, (group, (g0, g1), mask) in enumerate(
             zip(plan.groups, plan.bounds, masks, strict=True)
         ):
-            if row_array is not None:
+            if gathered is not None:
                 assert kv_rows is not None
-                k, v = gather_kv_rows(
-                    row_array, kv_rows[i], (g1 - g0, num_kv_heads, group.seq_len),
+                n = kv_rows[i].numel()
+                k, v = split_kv_rows(
+                    gathered[start : start + n], (g1 - g0, num_kv_heads, group.seq_len),
                     self.head_size, k_scale, v_scale,
                 )  # fmt: skip  # [G, H, Sb, D] each
+                start += n
             else:
                 k, v = gather_padded_kv(
                     cache, plan.rows[i], klayout, k_scale, v_scale
@@ -370,7 +453,12 @@ class TorchSDPAImpl(AttentionImpl):
                 qg.view(*group.q_index.shape, *q.shape[1:]), k, v, mask, scale=self.scale,
                 sinks=params.sinks, softcap=self.softcap, alibi_slopes=params.alibi_slopes,
             )  # fmt: skip  # [G, Lb, Hq, Dv]
-            result[group.q_index[group.q_valid]] = o[group.q_valid].to(result.dtype)
+            # the real rows of o ([G, Lb] positions, read through its strides), and their rows
+            src_g, src_l, dst = plan.placement(i)
+            real = o[src_g, src_l]  # [real rows, Hq, Dv]
+            result.index_copy_(
+                0, dst, real if real.dtype == result.dtype else real.to(result.dtype)
+            )
         if num_decode:
             result.index_copy_(
                 0,
