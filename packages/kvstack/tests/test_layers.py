@@ -154,3 +154,52 @@ def test_qwen3_qk_norm_weight_follows_edits(tmp_path: Path) -> None:
     replaced = run()
     assert not torch.equal(replaced[0], first[0])
     assert all(torch.equal(a, b) for a, b in zip(replaced, fresh(), strict=True))
+
+
+@pytest.mark.parametrize("shape", [(7, 32), (1789, 128), (5, 6, 32), (1, 96)])
+def test_float32_rmsnorm_gives_the_composite_bits(shape: tuple[int, ...]) -> None:
+    """float32 norms run as one ``torch.rms_norm`` call; the bits must be the composite's
+    (``x * rsqrt(mean(x^2) + eps) * w``, transformers' formula), with the norm's own weight and
+    with a per-row weight (Qwen3's q/k heads), under no_grad (in place) and with grad."""
+    from kvstack.engine.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(shape[-1], 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    x = torch.randn(*shape, generator=g) * 3.0
+
+    def composite(w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    weights = [norm.weight.detach()]
+    if len(shape) == 3:
+        weights.append(torch.randn(shape[1], shape[2], generator=g))
+    for w in weights:
+        want = composite(w)
+        arg = None if w is weights[0] else w
+        with torch.no_grad():
+            assert torch.equal(norm(x, arg), want)
+        assert torch.equal(norm(x, arg).detach(), want)
+
+
+def test_linear_never_uses_a_stale_transposed_weight() -> None:
+    """``Linear`` keeps ``weight.t()`` between calls; an in-place edit must reach it (a view),
+    and a replaced parameter or a swapped ``.data`` must not be served the old view."""
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(8, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(4, 8, generator=g))
+    x = torch.randn(3, 8, generator=g)
+
+    def want() -> torch.Tensor:
+        return nn.functional.linear(x, lin.weight)
+
+    assert torch.equal(lin(x), want())
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+    assert torch.equal(lin(x), want())
+    lin.weight.data = torch.randn(4, 8, generator=g)  # same Parameter, new memory
+    assert torch.equal(lin(x), want())
+    lin.weight = nn.Parameter(torch.randn(4, 8, generator=g))  # a new Parameter
+    assert torch.equal(lin(x), want())

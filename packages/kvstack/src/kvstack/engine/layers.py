@@ -23,6 +23,7 @@ __all__ = [
     "StackedLinear",
     "linear",
     "rope_inv_freq",
+    "transposed",
 ]
 
 
@@ -46,6 +47,15 @@ class RMSNorm(nn.Module):
         every row is normalized on its own, so the bits are those of one call per weight."""
         dtype = x.dtype
         w = self.weight if weight is None else weight
+        if dtype == torch.float32 and w.dtype == torch.float32:
+            # One op instead of six (pow, mean, add, rsqrt, mul, mul): torch's rms_norm gives
+            # the composite's bits on every shape here (test_layers.py holds it to them), and
+            # in float32 both weight orders are the same products. A per-row weight broadcasts
+            # in a multiply of its own (rms_norm takes a weight of the normalized shape only).
+            if w.dim() == 1:
+                return torch.rms_norm(x, (x.shape[-1],), w, self.eps)
+            h = torch.rms_norm(x, (x.shape[-1],), None, self.eps)
+            return h.mul_(w) if not torch.is_grad_enabled() else h * w
         h = _as_dtype(x, torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # a new tensor
         # The weight multiply goes in place where it keeps the dtype that ``w * h`` would have
@@ -169,18 +179,41 @@ class RotaryEmbedding(nn.Module):
         instead of seven; per layer and step, host time is what a small model's decode costs."""
         x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
         out = x * cos
-        return out.add_(torch.cat([x2, x1], dim=-1) * sin)
+        return out.add_(torch.cat([x2, x1], dim=-1).mul_(sin))  # cat's own tensor: in place
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_t: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``nn.functional.linear``, given a zero bias where it has none: the same values (``x @ W.T
     + 0``; bitwise equal on the engine's shapes), one OpenMP region fewer. Without a bias the CPU
     matmul clears the output in a parallel pass of its own before the product, and on a busy
     machine each region of all threads waits for a time slice of the slowest one (kvstack's
-    engine benchmark, 2 shared cores: 2 regions per decode linear, 1 with the bias)."""
-    if bias is None and x.device.type == "cpu":
-        bias = _zeros(weight.shape[0], weight.dtype, weight.device)
+    engine benchmark, 2 shared cores: 2 regions per decode linear, 1 with the bias).
+
+    A 2-D CPU input goes straight to ``addmm(bias, x, W.T)``, the call ``nn.functional.linear``
+    makes there (so the same bits), with ``weight_t`` (``weight.t()``, kept by the caller) saving
+    the transpose's dispatch: one op fewer per linear, 17 per decode step of a 4-layer model."""
+    if x.device.type == "cpu":
+        if bias is None:
+            bias = _zeros(weight.shape[0], weight.dtype, weight.device)
+        if x.dim() == 2:
+            return torch.addmm(bias, x, weight.t() if weight_t is None else weight_t)
     return nn.functional.linear(x, weight, bias)
+
+
+def transposed(
+    cache: tuple[torch.Tensor, torch.Tensor] | None, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight, weight.t())`` from ``cache`` when it still belongs to this very ``weight`` (the
+    same tensor object over the same memory: a replaced parameter, or one whose ``.data`` was
+    swapped by ``.to()`` or an assignment, gets a new view), else made anew."""
+    if cache is not None and cache[0] is weight and cache[1].data_ptr() == weight.data_ptr():
+        return cache
+    return weight, weight.t()
 
 
 _ZEROS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -199,11 +232,20 @@ class Linear(nn.Linear):
     fills it), so drawing Kaiming-uniform numbers first would only cost time on big models.
     Runs through :func:`linear`."""
 
+    _weight_t: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def reset_parameters(self) -> None:
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        # Read through ``_parameters`` (nn.Module.__getattr__ costs a microsecond a lookup).
+        params = self._parameters
+        weight = params["weight"]
+        assert weight is not None
+        kept = transposed(self._weight_t, weight)
+        if kept is not self._weight_t:  # nn.Module.__setattr__ is slow: set only on change
+            self._weight_t = kept
+        return linear(x, weight, params["bias"], kept[1])
 
 
 class StackedLinear:
@@ -232,6 +274,7 @@ class StackedLinear:
                 if linears[0].bias is None
                 else torch.cat([lin.bias for lin in linears if lin.bias is not None])
             )
+        self.weight_t = self.weight.t()  # the stack is this object's own: never replaced
         for i, (lin, w) in enumerate(zip(linears, self.weight.split(self.sizes), strict=True)):
             lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad)
             if self.bias is not None:
@@ -261,7 +304,7 @@ class StackedLinear:
         first ``i`` linears'), or ``None`` if the parameters left the stack."""
         if self._param_ptrs() != self._ptrs:
             return None
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_t)
 
 
 class GatedMLP(nn.Module):
@@ -279,8 +322,18 @@ class GatedMLP(nn.Module):
         self.gate_up = StackedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        both = self.gate_up(x) if self.gate_up is not None else None
-        gate, up = both if both is not None else (self.gate_proj(x), self.up_proj(x))
+        stack = self.gate_up
+        both = stack.fused(x) if stack is not None else None
+        if stack is not None and both is not None:  # column slices of the one result
+            n = stack.sizes[0]
+            gate, up = both[..., :n], both[..., n:]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if both is not None and not torch.is_grad_enabled():
+            # silu(gate) * up written over gate's columns of the stacked result (this call's
+            # own tensor): no activation-sized allocation at all (a prefill step's fresh
+            # megabytes are page faults), and down_proj reads the strided columns in place.
+            return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
         # silu(gate) * up, the product written into silu's fresh output: one allocation fewer.
         return self.down_proj(nn.functional.silu(gate).mul_(up))
 

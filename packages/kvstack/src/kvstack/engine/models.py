@@ -29,6 +29,7 @@ from kvstack.engine.layers import (
     RotaryEmbedding,
     StackedLinear,
     linear,
+    transposed,
 )
 
 __all__ = ["AttendFn", "Attention", "CausalLM", "DecoderLayer", "dense_attention"]
@@ -189,6 +190,7 @@ class CausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
         self.scale = arch.head_dim**-0.5
+        self._logits_weight_t: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
@@ -199,17 +201,21 @@ class CausalLM(nn.Module):
         # The residual stream is added to in place: x is this call's own tensor (the
         # embedding's output) and nothing else holds it, so each add saves an allocation.
         for i, layer in enumerate(self.decoder_layers()):
+            attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.qkv(h, self.rotary, cos, sin)
+            q, k, v = attn.qkv(h, self.rotary, cos, sin)
             o = attend(i, q, k, v)  # [T, Hq, Dv]
-            x.add_(layer.self_attn.o_proj(o.reshape(o.shape[0], -1)))
+            x.add_(attn.o_proj(o.reshape(o.shape[0], -1)))
             x.add_(layer.mlp(layer.post_attention_layernorm(x)))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[R, vocab]`` of hidden states ``[R, hidden]``."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return linear(hidden, weight, None).float()
+        kept = transposed(self._logits_weight_t, weight)
+        if kept is not self._logits_weight_t:  # nn.Module.__setattr__ is slow: set only on change
+            self._logits_weight_t = kept
+        return linear(hidden, weight, None, kept[1]).float()
 
     def stack_projections(self) -> None:
         """Run each layer's q/k/v (and a gated MLP's gate/up) projections as one matmul, once the
@@ -221,7 +227,7 @@ class CausalLM(nn.Module):
                 layer.mlp.stack_projections()
 
     def decoder_layers(self) -> list[DecoderLayer]:
-        return [cast(DecoderLayer, m) for m in self.model.layers]
+        return cast(list[DecoderLayer], list(self.model.layers))
 
     def layer_sinks(self, i: int) -> torch.Tensor | None:
         """Layer ``i``'s sink logits ``[num_q_heads]`` (gpt-oss), else ``None``."""
