@@ -541,6 +541,69 @@ def test_pure_decode_step_slots_and_positions() -> None:
         assert mds[0].query_start_loc.tolist() == [0, qlens[0], qlens[0] + qlens[1], sum(qlens)]
 
 
+def test_row_counts_follow_move_swap_and_clear() -> None:
+    """The per-row block counts (Python lists the coverage check reads every step) move with
+    their rows and never alias: a moved row grows alone, a swapped row's count goes with its
+    ids, a cleared row covers nothing."""
+    t = _tables()
+    t.add_row(0, ([1], [2]))
+    t.add_row(1, ([3, 4], [5]))
+    t.move_row(0, 2)
+    t.add_row(2, ([6, 7], [8]))  # row 2 is rewritten, then grows; row 0, its source, must not
+    t.append_row(2, ([9], []))
+    assert [t.num_blocks_of_row(r) for r in range(3)] == [(1, 1), (2, 1), (3, 1)]
+    t.commit(3)
+    with pytest.raises(ValueError, match="request 0: seq_len=17 needs 2 blocks of group 0"):
+        t.build_common_metadata(3, [1, 1, 1], [17, 17, 17])
+    t.swap_rows(0, 1)  # row 0 now holds two blocks of group 0, row 1 one
+    assert [t.num_blocks_of_row(r) for r in range(2)] == [(2, 1), (1, 1)]
+    t.commit(3)
+    t.build_common_metadata(3, [1, 1, 1], [17, 16, 32])
+    with pytest.raises(ValueError, match="request 1: seq_len=17 needs 2 blocks of group 0"):
+        t.build_common_metadata(3, [1, 1, 1], [17, 17, 17])
+    t.clear_row(0)
+    t.commit(3)
+    assert t.num_blocks_of_row(0) == (0, 0)
+    with pytest.raises(ValueError, match="request 0: seq_len=1 needs 1 blocks of group 0"):
+        t.build_common_metadata(3, [1, 1, 1], [1, 16, 32])
+
+
+def test_decode_steps_of_changing_sizes_get_their_own_ranges() -> None:
+    """Decode steps share ``token_reqs`` / ``query_start_loc`` per batch size: steps of 3, 2, 3
+    requests with a prefill between must each see their own ranges, and ``positions`` must be
+    the last built step's (the engine feeds them to the model)."""
+    t = _tables()
+    t.add_row(0, ([1, 2], [3]))
+    t.add_row(1, ([4, 5], [6]))
+    t.add_row(2, ([7, 8], [9]))
+    t.commit(3)
+    steps = [
+        (3, [1, 1, 1], [17, 32, 20]),
+        (2, [1, 1], [18, 30]),
+        (3, [3, 1, 2], [19, 31, 22]),
+        (3, [1, 1, 1], [20, 32, 23]),
+        (2, [1, 1], [21, 5]),
+    ]
+    for n, qlens, slens in steps:
+        mds = t.build_common_metadata(n, qlens, slens)
+        want_pos = [p for q, s in zip(qlens, slens, strict=True) for p in range(s - q, s)]
+        assert t.positions.tolist() == want_pos
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        assert mds[0].query_start_loc.tolist() == qsl
+        assert mds[0].query_start_loc_cpu.tolist() == qsl
+        assert mds[0].seq_lens_cpu.tolist() == slens
+        step = t._last_step
+        assert step is not None and step.token_reqs.tolist() == [
+            r for r, q in enumerate(qlens) for _ in range(q)
+        ]
+        for g, (bs, kbs) in enumerate(((16, 8), (32, 8))):
+            rows = [[[1, 2], [3]], [[4, 5], [6]], [[7, 8], [9]]][:n]
+            want = model_slots([r[g] for r in rows], qlens, slens, bs, kbs, sum(qlens))
+            assert mds[g].slot_mapping.tolist() == want
+
+
 @pytest.mark.parametrize(
     ("block_sizes", "kernel_block_sizes"),
     [([16], [16]), ([16], [4]), ([16, 32], [16, 8]), ([32, 16, 64], [8, 16, 16])],

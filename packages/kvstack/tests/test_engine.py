@@ -55,6 +55,34 @@ def test_greedy_matches_the_dense_reference_with_and_without_prefix_caching(
         assert c.logits is not None and (c.logits - ref).abs().max() < 1e-4
 
 
+def test_decode_batches_that_shrink_and_grow_match_the_dense_reference(llama_dir: Path) -> None:
+    """Decode steps of 3, 2, then 3 requests again (requests finish early; one arrives late):
+    the per-size logits rows and the positions the tables hand the model must be each step's own
+    (a stale arange or positions view would sample the wrong rows or rotate at old positions)."""
+    engine = engine_of(llama_dir, keep_logits=True)
+    lens = {"a": 3, "b": 12, "c": 6, "d": 5}
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_new_tokens=lens["a"]))
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_new_tokens=lens["b"]))
+    engine.add_request("c", PROMPTS[2], SamplingParams(max_new_tokens=lens["c"]))
+    sizes = []
+    for step in range(20):
+        if step == 5:  # "a" has finished: "d" joins two running decodes
+            engine.add_request("d", [7, 8, 9, 10, 11], SamplingParams(max_new_tokens=lens["d"]))
+        if not engine.has_unfinished:
+            break
+        sizes.append(len(engine.step()))
+    assert 3 in sizes and 2 in sizes and sizes.index(2) < len(sizes) - sizes[::-1].index(3) - 1
+    prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": PROMPTS[2], "d": [7, 8, 9, 10, 11]}
+    model = engine.runner.model
+    for rid, prompt in prompts.items():
+        c = engine.completion(rid)
+        toks = list(c.token_ids)
+        assert len(toks) == lens[rid]
+        ref = model.forward_dense(torch.tensor(prompt + toks[:-1]))[len(prompt) - 1 :]
+        assert check_greedy(ref, toks).exact
+        assert c.logits is not None and (c.logits - ref).abs().max() < 1e-4
+
+
 def test_stream_yields_every_token_in_order(llama_dir: Path) -> None:
     params = SamplingParams(max_new_tokens=5)
     events = list(engine_of(llama_dir).stream(PROMPTS, params))

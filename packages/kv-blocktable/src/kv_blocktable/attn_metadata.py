@@ -111,9 +111,25 @@ def _host_lengths(name: str, values: object, num_reqs: int) -> torch.Tensor:
     return t
 
 
+_DECODE_RANGES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _decode_ranges(num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(arange(R) int64, arange(R + 1) int32)``: a pure-decode step's token rows and
+    ``query_start_loc``, shared by every decode step of ``R`` requests (never written)."""
+    got = _DECODE_RANGES.get(num_reqs)
+    if got is None:
+        got = _DECODE_RANGES[num_reqs] = (
+            torch.arange(num_reqs),
+            torch.arange(num_reqs + 1, dtype=torch.int32),
+        )
+    return got
+
+
 @dataclass(frozen=True)
 class StepInputs:
-    """One step's batch, checked on the host. All tensors are CPU tensors made for this step."""
+    """One step's batch, checked on the host. All tensors are CPU tensors, read-only: a decode
+    step's ``token_reqs`` and ``query_start_loc`` are shared by every decode step of its size."""
 
     num_reqs: int
     query_lens: torch.Tensor  # [R] int64
@@ -164,19 +180,32 @@ class StepInputs:
                 f"max_num_batched_tokens={max_num_batched_tokens} and the padded length at least "
                 "the token count; split the step or raise max_num_batched_tokens"
             )
-        qsl = int64_tensor(list(accumulate(ql, initial=0)))  # [R + 1]
-        first_pos = int64_tensor(first)  # [R]
         if max_q == 1 and num_tokens == num_reqs:
             # Pure decode (every query_len is 1: none is above 1 and they sum to R): token r is
-            # request r's only new token, at its first new position.
-            token_reqs = torch.arange(num_reqs)
-            positions = first_pos
-        else:
-            token_reqs = torch.repeat_interleave(
-                torch.arange(num_reqs), q, output_size=num_tokens
-            )  # [T]
-            # Token t of request r sits at position (seq_len - query_len) + (t - qsl[r]).
-            positions = torch.arange(num_tokens) + (first_pos - qsl[:-1])[token_reqs]
+            # request r's only new token, at seq_len - 1, and query_start_loc is 0..R. Those two
+            # ranges depend on R alone: made once per R (read-only, like every StepInputs
+            # tensor), three ops fewer each decode step.
+            token_reqs, qsl_i32 = _decode_ranges(num_reqs)
+            return cls(
+                num_reqs=num_reqs,
+                query_lens=q,
+                seq_lens=s,
+                query_start_loc=qsl_i32,
+                seq_lens_i32=s.to(torch.int32),
+                positions=s - 1,
+                token_reqs=token_reqs,
+                num_tokens=num_tokens,
+                padded_tokens=padded,
+                max_query_len=max_q,
+                max_seq_len=max_s,
+            )
+        qsl = int64_tensor(list(accumulate(ql, initial=0)))  # [R + 1]
+        first_pos = int64_tensor(first)  # [R]
+        token_reqs = torch.repeat_interleave(
+            torch.arange(num_reqs), q, output_size=num_tokens
+        )  # [T]
+        # Token t of request r sits at position (seq_len - query_len) + (t - qsl[r]).
+        positions = torch.arange(num_tokens) + (first_pos - qsl[:-1])[token_reqs]
         return cls(
             num_reqs=num_reqs,
             query_lens=q,
@@ -194,31 +223,34 @@ class StepInputs:
 
 def check_rows_cover(
     step: StepInputs,
-    row_blocks: torch.Tensor,  # [R, G] int64 manager blocks per row and group
+    row_blocks: Sequence[Sequence[int]],  # [>= R][G] manager blocks per row and group
     block_sizes: Sequence[int],
     max_blocks: Sequence[int],
 ) -> None:
     """Every request's row holds the blocks its ``seq_len`` tokens need, in every group.
 
     A token past its row's blocks would get slot ``-1`` (its K/V silently dropped) and its
-    attention would read padding: refuse the batch here, on host values, instead.
+    attention would read padding: refuse the batch here, on host values, instead. The counts are
+    Python lists (what :class:`~kv_blocktable.block_table.BlockTables` keeps): a compare per
+    request costs less than the few torch ops of a vectorized check on a batch of this size.
     """
+    seq_lens = step.seq_lens.tolist()
     for g, bs in enumerate(block_sizes):
-        # seq_len <= blocks * block_size, i.e. ceil(seq_len / block_size) <= blocks.
-        if not bool((step.seq_lens > row_blocks[: step.num_reqs, g] * bs).any()):
-            continue
-        need = (step.seq_lens + bs - 1) // bs  # [R]
-        r = int((need > row_blocks[: step.num_reqs, g]).nonzero()[0])
-        have, want = int(row_blocks[r, g]), int(need[r])
-        hint = (
-            f"max_num_blocks_per_req={max_blocks[g]} cannot hold it; raise max_model_len"
-            if want > max_blocks[g]
-            else "append the step's new blocks with append_row, then commit"
-        )
-        raise ValueError(
-            f"request {r}: seq_len={int(step.seq_lens[r])} needs {want} blocks of group {g} "
-            f"(block_size={bs}) but row {r} holds {have}; {hint}"
-        )
+        for r, seq_len in enumerate(seq_lens):
+            # seq_len <= blocks * block_size, i.e. ceil(seq_len / block_size) <= blocks.
+            have = row_blocks[r][g]
+            if seq_len <= have * bs:
+                continue
+            want = -(-seq_len // bs)
+            hint = (
+                f"max_num_blocks_per_req={max_blocks[g]} cannot hold it; raise max_model_len"
+                if want > max_blocks[g]
+                else "append the step's new blocks with append_row, then commit"
+            )
+            raise ValueError(
+                f"request {r}: seq_len={seq_len} needs {want} blocks of group {g} "
+                f"(block_size={bs}) but row {r} holds {have}; {hint}"
+            )
 
 
 def check_new_tokens_not_null(
@@ -276,7 +308,8 @@ def host_slot_mapping(
         if null_block is not None:
             _check_not_null(step, blocks, block_size, null_block, group)
         # int64 arithmetic (the add promotes before it multiplies): slots overflow int32.
-        torch.add(step.positions % block_size, blocks, alpha=block_size, out=out[:t])
+        dst = out if out.numel() == t else out[:t]
+        torch.add(step.positions % block_size, blocks, alpha=block_size, out=dst)
     if out.numel() > t:
         out[t:] = -1
     return out
@@ -291,6 +324,11 @@ def host_slot_mappings(
     outs: Sequence[torch.Tensor],  # per group a persistent int64 buffer of >= padded_tokens
 ) -> tuple[torch.Tensor, ...]:
     """:func:`host_slot_mapping` of every group, written into ``outs[g][:padded_tokens]``."""
+    if len(block_sizes) == 1 and cols[1] == table.shape[1]:  # one group: the whole table
+        out = outs[0]
+        if out.numel() != step.padded_tokens:
+            out = out[: step.padded_tokens]
+        return (host_slot_mapping(step, table, block_sizes[0], null_block, 0, out),)
     return tuple(
         host_slot_mapping(
             step, table[:, cols[g] : cols[g + 1]], bs, null_block, g, outs[g][: step.padded_tokens]
@@ -324,6 +362,13 @@ class StepBuffers:
         ``positions [T]`` of the persistent buffers. The caller waits for the previous copies
         before calling (the host buffers are reused)."""
         r, t = step.num_reqs, step.num_tokens
+        if self.direct:  # the buffers are the host copies: one view each, no staging
+            views = self.qsl[: r + 1], self.seq[:r], self.pos[:t]
+            for view, src in zip(
+                views, (step.query_start_loc, step.seq_lens_i32, step.positions), strict=True
+            ):
+                view.copy_(src)
+            return views
         pairs = (
             (self.host_qsl[: r + 1], self.qsl[: r + 1], step.query_start_loc),
             (self.host_seq[:r], self.seq[:r], step.seq_lens_i32),
@@ -331,8 +376,7 @@ class StepBuffers:
         )
         for host, dev, src in pairs:
             host.copy_(src)
-            if not self.direct:
-                dev.copy_(host, non_blocking=self.pinned)
+            dev.copy_(host, non_blocking=self.pinned)
         return self.qsl[: r + 1], self.seq[:r], self.pos[:t]
 
 

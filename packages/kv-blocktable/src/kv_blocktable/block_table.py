@@ -145,8 +145,9 @@ class BlockTables:
         pin = self._pinned = self.pin_memory and self.device.type == "cuda"
         self._host = torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)  # [R, sum M_g]
         self._dev = torch.full(shape, -1, dtype=torch.int32, device=self.device)  # [R, sum M_g]
-        # Blocks in each row, per group (host only: the scheduler side is the truth).
-        self._row_blocks = torch.zeros(self.max_num_reqs, self.num_groups, dtype=torch.int64)
+        # Blocks in each row, per group (host only: the scheduler side is the truth). Lists, not
+        # a tensor: each step reads them all and writes a few, cheaper than torch ops on [R, G].
+        self._row_blocks = [[0] * self.num_groups for _ in range(self.max_num_reqs)]
         if self.num_groups == 1 and self.kernel_blocks_per_block == (1,):
             # One group whose kernel blocks are its manager blocks: the committed table is the
             # kernel table (same shape, contiguous), so commit skips a copy of every row.
@@ -176,6 +177,7 @@ class BlockTables:
         self._step_event: Any = None
         self._committed: int | None = None  # num_reqs of the last commit; None = stale
         self._last_step: _md.StepInputs | None = None
+        self._positions: torch.Tensor | None = None
 
     @classmethod
     def from_config(
@@ -239,7 +241,7 @@ class BlockTables:
     def num_blocks_of_row(self, row: int) -> tuple[int, ...]:
         """Manager blocks held by ``row`` in each group."""
         self._check_row("row", row)
-        return tuple(int(n) for n in self._row_blocks[row].tolist())
+        return tuple(self._row_blocks[row])
 
     def host_table(self, group: int) -> torch.Tensor:
         """Group ``group``'s manager table on the host, ``[max_num_reqs, max_blocks]`` int32
@@ -305,7 +307,7 @@ class BlockTables:
         for g, t in enumerate(ids):
             c0 = self._col[g] + start[g]
             self._host[row, c0 : c0 + t.numel()] = t.to(torch.int32)
-            self._row_blocks[row, g] = start[g] + t.numel()
+            self._row_blocks[row][g] = start[g] + t.numel()
         self._touch(row)
 
     def add_row(self, row: int, block_ids: tuple[list[int], ...]) -> None:
@@ -315,7 +317,7 @@ class BlockTables:
         self._write(row, ids, start=[0] * self.num_groups)
         self._wait_staged()
         for g in range(self.num_groups):  # the rest of the row is padding again
-            c0 = self._col[g] + int(self._row_blocks[row, g])
+            c0 = self._col[g] + self._row_blocks[row][g]
             self._host[row, c0 : self._col[g + 1]] = -1
 
     def append_row(self, row: int, new_block_ids: tuple[list[int], ...]) -> None:
@@ -343,11 +345,8 @@ class BlockTables:
         lists = [self._ids.lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)]
         if not rows:
             return
-        have = (  # [len(rows), G]
-            [self._row_blocks[rows[0]].tolist()]
-            if len(rows) == 1
-            else self._row_blocks[int64_tensor(rows)].tolist()
-        )
+        # Copies: plan_appends advances them, and a refused append must change no row.
+        have = [list(self._row_blocks[row]) for row in rows]  # [len(rows), G]
         ends, flat, vals = plan_appends(
             rows, have, lists, self._col, self.max_num_blocks_per_req, self.block_sizes
         )
@@ -358,15 +357,14 @@ class BlockTables:
                 if ids:
                     c1 = self._col[g] + end[g]
                     self._host[row, c1 - len(ids) : c1] = torch.tensor(ids, dtype=torch.int32)
-            self._row_blocks[row] = torch.tensor(end, dtype=torch.int64)
+            self._row_blocks[row] = end
         else:
             if flat:
                 # int64_tensor: torch.tensor(list) costs ~0.1 us per element; ids fit in int32
                 # (BlockIdCheck), so the cast is exact.
                 self._host.view(-1)[int64_tensor(flat)] = int64_tensor(vals).to(torch.int32)
-            self._row_blocks[int64_tensor(list(ends))] = int64_tensor(
-                [n for end in ends.values() for n in end]
-            ).view(len(ends), self.num_groups)
+            for row, end in ends.items():
+                self._row_blocks[row] = end
         self._touch(*ends)
 
     def clear_row(self, row: int) -> None:
@@ -374,7 +372,7 @@ class BlockTables:
         self._check_row("row", row)
         self._wait_staged()
         self._host[row] = -1
-        self._row_blocks[row] = 0
+        self._row_blocks[row] = [0] * self.num_groups
         self._touch(row)
 
     def move_row(self, src: int, dst: int) -> None:
@@ -383,7 +381,7 @@ class BlockTables:
         self._check_row("dst", dst)
         self._wait_staged()
         self._host[dst] = self._host[src]
-        self._row_blocks[dst] = self._row_blocks[src]
+        self._row_blocks[dst] = list(self._row_blocks[src])
         self._touch(dst)
 
     def swap_rows(self, a: int, b: int) -> None:
@@ -393,7 +391,8 @@ class BlockTables:
         self._wait_staged()
         idx = torch.tensor([a, b])
         self._host[idx] = self._host[idx.flip(0)]
-        self._row_blocks[idx] = self._row_blocks[idx.flip(0)]
+        rb = self._row_blocks
+        rb[a], rb[b] = rb[b], rb[a]
         self._touch(a, b)
 
     # -- per step ----------------------------------------------------------------------------
@@ -546,10 +545,19 @@ class BlockTables:
             else self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
         )
         self._last_step = step
+        self._positions = pos
         return tuple(
             _md.make_common(step, qsl, seq, self._kernel[g][:num_reqs], slots[g])
             for g in range(self.num_groups)
         )
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 ``[T]`` positions of the last built step's tokens, on the tables' device (a
+        persistent buffer's view, overwritten by the next :meth:`build_common_metadata`)."""
+        if self._positions is None:
+            raise ValueError("positions are the last step's; call build_common_metadata first")
+        return self._positions
 
     # -- exports for other kernel families ---------------------------------------------------
 

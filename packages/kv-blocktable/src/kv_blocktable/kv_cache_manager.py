@@ -44,7 +44,7 @@ class KVCacheBlocks:
     blocks: tuple[tuple[int, ...], ...]
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple(list(b) for b in self.blocks)
+        return tuple(map(list, self.blocks))  # fresh lists (the scheduler calls it per request)
 
     @property
     def num_groups(self) -> int:

@@ -129,6 +129,7 @@ class LLMEngine:
         self.keep_logits = keep_logits
         self.external_loader: Callable[[str, tuple[list[int], ...], int], None] | None = None
         self._logits: dict[str, list[torch.Tensor]] = {}
+        self._ranges: dict[int, torch.Tensor] = {}  # T -> arange(T), read-only logits rows
         self._ids = itertools.count()
         self._generated = 0
         self._computed = 0
@@ -226,8 +227,11 @@ class LLMEngine:
             self._release_row(rid)
         append_rows: list[int] = []
         append_ids: list[tuple[list[int], ...]] = []
+        row_of = self._row_of
         for i, chunk in enumerate(out.chunks):
-            self._place(chunk.seq.kv.request_id, i)
+            rid = chunk.seq.kv.request_id
+            if row_of.get(rid) != i:  # a decode step mostly keeps every request's row
+                self._place(rid, i)
             if chunk.admitted:
                 self.tables.add_row(i, chunk.new_block_ids)
             elif any(chunk.new_block_ids):
@@ -248,11 +252,11 @@ class LLMEngine:
                 self._release_row(rid)
             return []
         self._prepare_rows(out)
-        # One pass over the chunks builds every host list (no per-chunk tensors).
+        # One pass over the chunks builds every host list (no per-chunk tensors). The positions
+        # come from the tables, which derive them from the same lengths for the metadata.
         qlens: list[int] = []
         seq_lens: list[int] = []
         ids: list[int] = []
-        pos: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Seq] = []
         for c in out.chunks:
@@ -263,15 +267,20 @@ class LLMEngine:
             tokens = c.seq.kv.token_ids
             if n == 1:  # a decode
                 ids.append(tokens[start])
-                pos.append(start)
             else:
                 ids += tokens[start:end]
-                pos += range(start, end)
             if end == len(tokens):  # fed its last known token: sample a new one
                 sample_rows.append(len(ids) - 1)
                 sampled.append(c.seq)
         metadata = self.tables.build_common_metadata(len(qlens), qlens, seq_lens)
-        positions = int64_tensor(pos)  # [T]
+        positions = self.tables.positions  # [T]
+        # Every token sampled (a decode-only step): the rows are 0..T-1, one tensor per T.
+        if len(sample_rows) == len(ids):
+            rows = self._ranges.get(len(ids))
+            if rows is None:
+                rows = self._ranges[len(ids)] = torch.arange(len(ids))
+        else:
+            rows = int64_tensor(sample_rows)
         for c in out.chunks:
             if c.admitted and c.seq.num_external_tokens and c.seq.num_preemptions == 0:
                 assert self.external_loader is not None
@@ -280,7 +289,7 @@ class LLMEngine:
         # Trusted: the metadata comes from build_common_metadata (lengths and rows checked on
         # the host) and ids, positions and sample rows from the same chunks.
         logits = self.runner.execute_trusted(
-            int64_tensor(ids), positions, metadata, int64_tensor(sample_rows)
+            int64_tensor(ids), positions, metadata, rows
         )  # [R_sampled, vocab]
         self._model_s += time.perf_counter() - t1
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])

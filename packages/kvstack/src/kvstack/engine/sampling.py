@@ -112,4 +112,4 @@ def sample(
         row = _filter(logits[r].float() / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(row, dim=-1)
         out[r] = int(torch.multinomial(probs, 1, generator=gen).item())
-    return [int(t) for t in out]
+    return out  # tolist() gave Python ints; the sampled rows hold int() of an item
