@@ -339,11 +339,11 @@ def test_cache_write_fast_path_applies_where_it_should() -> None:
     ids=["float32", "bf16_cache", "fp8", "diffkv"],
 )
 def test_row_gather_gives_the_page_gather_bytes(order: str, kw: dict[str, object]) -> None:
-    """``gather_kv_rows`` (one index_select of D-element rows)
-    returns the page gather's bytes in every layout order, on the second layer of a two-layer
+    """``gather_kv_rows`` (one index_select of D-element rows) then ``split_kv_rows``
+    return the page gather's bytes in every layout order, on the second layer of a two-layer
     storage (so the index is relative to the layer view); V narrower than K has no row array
     and falls back (``None``)."""
-    from kv_backends.backends._torch_ops import gather_kv_rows
+    from kv_backends.backends._torch_ops import gather_kv_rows, split_kv_rows
     from kv_backends.backends.torch_sdpa import kv_row_array, kv_row_index, kv_row_offsets
 
     b = make_paged_batch(
@@ -363,7 +363,9 @@ def test_row_gather_gives_the_page_gather_bytes(order: str, kw: dict[str, object
     geometry = kv_row_offsets(b.kv_cache, b.layout)
     assert geometry is not None and geometry[1].shape[0] == 2  # K rows, then V rows
     array = kv_row_array(b.kv_cache, b.layout)
-    got = gather_kv_rows(array, index.view(-1), (3, b.kv_cache.shape[1], 48), 32, k_scale, v_scale)
+    got = split_kv_rows(
+        gather_kv_rows(array, index.view(-1)), (3, b.kv_cache.shape[1], 48), 32, k_scale, v_scale
+    )
     for g, w in zip(got, want, strict=True):
         assert g.is_contiguous() and g.dtype == torch.float32
         assert torch.equal(g, w)

@@ -363,24 +363,15 @@ def gather_padded_kv(
     return out[0], out[1]
 
 
-def gather_kv_rows(
-    row_array: torch.Tensor,
-    index: torch.Tensor,
-    group_shape: tuple[int, int, int],
-    head_size: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gather_padded_kv` in one ``index_select`` of ``D``-element rows (``row_array`` from
-    :func:`kv_row_array`, ``index`` from :func:`kv_row_index`, flattened; ``group_shape`` =
-    ``(G, H, Sb)``): float32 K and V ``[G, H, Sb, D]``, contiguous, in heads-ahead-of-tokens
-    order with no second pass, where the page gather needs a permuting copy after it. Same bytes,
-    so the same attention bits. Non-float32 caches take one cast, quantized ones their scales,
-    as in the page gather."""
+def gather_kv_rows(row_array: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``row_array`` (from :func:`kv_row_array`; ``index`` from
+    :func:`kv_row_index`, flattened, every group's K rows then V rows one after the other) in one
+    ``index_select`` of ``D``-element rows, as float32 ``[rows, D]`` (non-float32 caches take
+    one cast): heads ahead of tokens with no second pass, where the page gather needs a
+    permuting copy after it. Same bytes, so the same attention bits; :func:`split_kv_rows`
+    turns a group's rows into its K and V."""
     rows = row_array.index_select(0, index)
-    if rows.dtype != torch.float32:
-        rows = rows.float()
-    return split_kv_rows(rows, group_shape, head_size, k_scale, v_scale)
+    return rows if rows.dtype == torch.float32 else rows.float()
 
 
 def split_kv_rows(
@@ -392,7 +383,8 @@ def split_kv_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One group's gathered rows (float32 ``[2 * G * H * Sb, D]``, K rows then V rows, as
     :func:`gather_kv_rows` gathers them) as K and V ``[G, H, Sb, D]``: contiguous views,
-    multiplied in place by their scales (the rows are the caller's own copy)."""
+    multiplied in place by their scales (the rows are the caller's own copy; quantized caches
+    are scaled here, as in the page gather)."""
     g, h, s = group_shape
     k, v = rows.view(2, g, h, s, head_size).unbind(0)  # [G, H, Sb, D] each, contiguous
     for x, scale in ((k, k_scale), (v, v_scale)):

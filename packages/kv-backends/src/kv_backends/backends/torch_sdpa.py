@@ -29,6 +29,7 @@ from kv_backends.backends._torch_ops import (
     attend_padded,
     batch_columns,
     decode_masks,
+    gather_kv_rows,
     gather_padded_kv,
     group_by_padded_shape,
     padded_groups,
@@ -418,9 +419,7 @@ class TorchSDPAImpl(AttentionImpl):
         if kv_rows is not None:
             # Every group's K/V rows in one index_select (group after group, each group's K
             # rows then its V rows): one gather per layer, not one per group.
-            gathered = kv_row_array(cache, klayout).index_select(0, plan.kv_index[geometry])
-            if gathered.dtype != torch.float32:
-                gathered = gathered.float()
+            gathered = gather_kv_rows(kv_row_array(cache, klayout), plan.kv_index[geometry])
         # Decode groups come first: their queries are selected, and their outputs placed, with
         # one op each for all of them (the groups read and write slices in between).
         num_decode = plan.decode_rows.numel()
