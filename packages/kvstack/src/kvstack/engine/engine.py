@@ -129,7 +129,6 @@ class LLMEngine:
         self.keep_logits = keep_logits
         self.external_loader: Callable[[str, tuple[list[int], ...], int], None] | None = None
         self._logits: dict[str, list[torch.Tensor]] = {}
-        self._ranges: dict[int, torch.Tensor] = {}  # T -> arange(T), read-only logits rows
         self._ids = itertools.count()
         self._generated = 0
         self._computed = 0
@@ -274,13 +273,7 @@ class LLMEngine:
                 sampled.append(c.seq)
         metadata = self.tables.build_common_metadata(len(qlens), qlens, seq_lens)
         positions = self.tables.positions  # [T]
-        # Every token sampled (a decode-only step): the rows are 0..T-1, one tensor per T.
-        if len(sample_rows) == len(ids):
-            rows = self._ranges.get(len(ids))
-            if rows is None:
-                rows = self._ranges[len(ids)] = torch.arange(len(ids))
-        else:
-            rows = int64_tensor(sample_rows)
+        rows = int64_tensor(sample_rows)
         for c in out.chunks:
             if c.admitted and c.seq.num_external_tokens and c.seq.num_preemptions == 0:
                 assert self.external_loader is not None
