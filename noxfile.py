@@ -30,6 +30,7 @@ EXTRA_MODULES = {
         "kv_blocktable.block_table",
         "kv_blocktable.attn_metadata",
         "kv_blocktable._block_ids",
+        "kv_blocktable._table_exports",
     )
 }
 # Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).
