@@ -87,6 +87,29 @@ def test_sdpa_non_causal() -> None:
     _check(out, b)
 
 
+@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLEX_ATTENTION"])
+def test_runs_under_inference_mode(name: str) -> None:
+    """Engines often run under torch.inference_mode, where the metadata (and the cache) are
+    inference tensors with no version counter; TORCH_SDPA once keyed its step plan on the
+    block table's, and raised. The same batch must give the same output, and a block table
+    edited in place between two layers' calls must not reuse the first call's plan."""
+    b = _batch(sliding_window=11)
+    want = run_backend(name, b)
+    backend = get_backend(name)
+    with torch.inference_mode():
+        q, cache = b.q.clone(), b.kv_cache.clone()
+        md = backend.make_builder(b.config, b.layout).build(b.common)
+        impl = backend.make_impl(b.config, b.layout)
+        torch.testing.assert_close(impl.forward(None, q, cache, md), want, rtol=0, atol=0)
+        if name == "TORCH_SDPA":  # (FLEX's metadata holds its own block indices)
+            rows = md.block_table[1].clone()
+            md.block_table[1] = md.block_table[3]  # request 1 now reads request 3's blocks
+            edited = impl.forward(None, q, cache, md)
+            assert not torch.equal(edited[1:8], want[1:8])
+            md.block_table[1] = rows
+            torch.testing.assert_close(impl.forward(None, q, cache, md), want, rtol=0, atol=0)
+
+
 # -- FLEX_ATTENTION -----------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvstack.demo import check_greedy
+from kvstack.demo import check_greedy, write_random_checkpoint
 from kvstack.engine.engine import LLMEngine
 from kvstack.engine.sampling import SamplingParams, sample
 from rich.console import Console
@@ -81,6 +81,23 @@ def test_decode_batches_that_shrink_and_grow_match_the_dense_reference(llama_dir
         ref = model.forward_dense(torch.tensor(prompt + toks[:-1]))[len(prompt) - 1 :]
         assert check_greedy(ref, toks).exact
         assert c.logits is not None and (c.logits - ref).abs().max() < 1e-4
+
+
+def test_an_engine_made_and_run_under_inference_mode(tmp_path: Path) -> None:
+    """Serving code often wraps everything in torch.inference_mode: the weights, cache and
+    metadata are then inference tensors, which keep no version counter (the Qwen3 q/k-norm
+    weight and TORCH_SDPA's step plan once read theirs, and raised). The tokens must be the
+    ones the same engine makes outside it."""
+    from kvstack.demo import DEMO_CONFIG
+
+    model_dir = write_random_checkpoint(tmp_path / "qwen3", DEMO_CONFIG)
+    params = SamplingParams(max_new_tokens=6)
+    want = [c.token_ids for c in engine_of(model_dir).generate(PROMPTS, params)]
+    with torch.inference_mode():
+        engine = engine_of(model_dir)
+        assert next(engine.runner.model.parameters()).is_inference()
+        got = [c.token_ids for c in engine.generate(PROMPTS, params)]
+    assert got == want
 
 
 def test_stream_yields_every_token_in_order(llama_dir: Path) -> None:

@@ -179,6 +179,7 @@ class _StepPlan:
         self.placements: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # per (geometry, mask rule, head size): the decode-only step's buffers and views
         self.decode_runs: dict[tuple[object, ...], DecodeRun] = {}
+        self.table_copy: torch.Tensor | None = None  # (an inference-tensor table's, see _step_plan)
 
     def placement(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group ``i``'s (a prefill group's) real padded query rows, as the request and query
@@ -253,11 +254,23 @@ class TorchSDPABuilder(MetadataBuilder):
 def _step_plan(
     metadata: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device
 ) -> _StepPlan:
-    key = (metadata.block_table._version, num_blocks, block_size, device)
+    table = metadata.block_table
+    # An inference tensor (torch.inference_mode) has no version counter: its plan is kept
+    # with a copy of the table, and reused while the table still equals it.
+    inference = table.is_inference()
+    key = (None if inference else table._version, num_blocks, block_size, device)
     plans = metadata.plans if isinstance(metadata, TorchSDPAMetadata) else {}
     plan = plans.get(key)
+    if (
+        plan is not None
+        and inference
+        and (plan.table_copy is None or not torch.equal(plan.table_copy, table))
+    ):
+        plan = None
     if plan is None:
         plan = plans[key] = _StepPlan(key, metadata, num_blocks, block_size, device)
+        if inference:
+            plan.table_copy = table.clone()
     return plan
 
 

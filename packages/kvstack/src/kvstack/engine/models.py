@@ -122,14 +122,18 @@ class Attention(nn.Module):
     def _qk_norm_weight(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         """``[Hq + Hkv, D]``: q_norm's weight for each q head, k_norm's for each k head. Under
         no_grad it is kept between calls (three ops per layer and step otherwise) and remade when
-        either weight is replaced or edited in place (its version counter moves)."""
-        key = (qw._version, kw._version)
+        either weight is replaced or edited in place (its version counter moves). Inference
+        tensors (weights loaded under ``torch.inference_mode``) keep no version counter, so for
+        them it is remade every call."""
+        inference = qw.is_inference() or kw.is_inference()
+        key = None if inference else (qw._version, kw._version)
         cached = self._qk_weight
         if cached is not None and cached[0] is qw and cached[1] is kw and cached[2] == key:
             return cached[3]
         hq, hk, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         weight = torch.cat([qw.expand(hq, d), kw.expand(hk, d)])
-        if not torch.is_grad_enabled():  # a kept copy would cut the weights out of autograd
+        # (a kept copy would cut the weights out of autograd)
+        if key is not None and not torch.is_grad_enabled():
             self._qk_weight = (qw, kw, key, weight)
         return weight
 
