@@ -148,6 +148,53 @@ def test_prefill_process_hands_a_request_to_this_decode_process(
     assert not handoff.run_demo(Console(record=True), llama_dir, prompt, 6, [0] * 6)
 
 
+@pytest.mark.parametrize("report", [True, False])
+def test_external_loads_are_reported_to_the_kept_decode_gathers(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch, report: bool
+) -> None:
+    """A decode engine serving handed-off requests: request B reuses the block finished request
+    A decoded in, at the same row, and its K/V arrive by a raw write (as NIXL's would), which
+    torch's version counter does not see. B's first step is decode-only over the same index as
+    A's last, so TORCH_SDPA's kept gather would reuse A's rows unless the engine reports the
+    load (``note_external_writes``). Planted bug: without the report the tokens go wrong."""
+    small = dict(block_size=16, max_model_len=16, num_blocks=2, enable_prefix_caching=False)
+    prompts = {"A": [3, 4, 5, 6, 7], "B": [50, 51, 52, 53, 54]}
+    want, source_blocks = {}, {}
+    source = engine_of(llama_dir, block_size=16)  # the "prefill" side, whose blocks are copied
+    for rid, p in prompts.items():
+        alone = engine_of(llama_dir, block_size=16)
+        want[rid] = list(alone.generate([p], SamplingParams(max_new_tokens=5))[0].token_ids)
+        source.add_request(rid, p, SamplingParams(max_new_tokens=1), hold_blocks=True)
+    while source.has_unfinished:
+        source.step()
+    source_blocks = {rid: source.block_ids(rid)[0] for rid in prompts}
+
+    engine = engine_of(llama_dir, **small)
+    if not report:
+        monkeypatch.setattr(engine.runner, "note_external_writes", lambda: None)
+    dst_blocks = {}
+
+    def load(rid: str, block_ids: tuple[list[int], ...], start: int) -> None:
+        dst_blocks[rid] = block_ids[0]
+        for src_layer, dst_layer in zip(source.runner.layers, engine.runner.layers, strict=True):
+            for s, d in zip(source_blocks[rid], block_ids[0], strict=True):
+                dst_layer.kv_cache[d].numpy()[...] = src_layer.kv_cache[s].numpy()  # raw
+
+    engine.external_loader = load
+    got = {}
+    for rid, p in prompts.items():
+        first = want[rid][0]
+        engine.add_request(
+            rid, [*p, first], SamplingParams(max_new_tokens=4), num_external_tokens=len(p)
+        )
+        while engine.has_unfinished:
+            engine.step()
+        got[rid] = [first, *engine.completion(rid).token_ids]
+    assert dst_blocks["A"] == dst_blocks["B"]  # the hazard's precondition: the same block
+    assert got["A"] == want["A"]
+    assert (got["B"] == want["B"]) is report
+
+
 def test_bad_requests_fail_with_the_field_and_the_fix(llama_dir: Path) -> None:
     engine = engine_of(llama_dir)
     p = SamplingParams(max_new_tokens=4)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ from kv_backends.backends._torch_ops import (
     write_kv_slots,
 )
 from kv_backends.backends.torch_sdpa_decode import DecodeRun
+from kv_backends.backends.torch_sdpa_kept import cache_ledger, gather_kept
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
 from kv_backends.metadata import CommonAttentionMetadata
@@ -180,6 +181,8 @@ class _StepPlan:
         # per (geometry, mask rule, head size): the decode-only step's buffers and views
         self.decode_runs: dict[tuple[object, ...], DecodeRun] = {}
         self.table_copy: torch.Tensor | None = None  # (an inference-tensor table's, see _step_plan)
+        # per (geometry, previous index, slots): torch_sdpa_kept.refresh_rows's answer
+        self.refreshes: dict[tuple[object, ...], tuple[object, ...]] = {}
 
     def placement(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group ``i``'s (a prefill group's) real padded query rows, as the request and query
@@ -316,7 +319,22 @@ def _block_rows(
 
 
 class TorchSDPAImpl(AttentionImpl):
-    """Per-layer TORCH_SDPA attention (float32 math, output cast to the query dtype)."""
+    """Per-layer TORCH_SDPA attention (float32 math, output cast to the query dtype).
+
+    ``keep_decode_gather=True`` (off by default): on the CPU, each layer keeps its decode step's
+    gathered K/V and regathers only the rows that changed by the next decode step. The caller
+    must report cache writes that bypass torch's version counter (raw pointers, NIXL, numpy
+    views) with ``torch.autograd.graph.increment_version``; :mod:`.torch_sdpa_kept` says why.
+    """
+
+    def __init__(self, *args: Any, keep_decode_gather: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        if not isinstance(keep_decode_gather, bool):
+            raise TypeError(
+                f"TORCH_SDPA keep_decode_gather={keep_decode_gather!r} must be a bool "
+                "(True: keep each layer's CPU decode gather between steps)"
+            )
+        self.keep_decode_gather = keep_decode_gather
 
     def _kv_row_offsets(
         self, cache: torch.Tensor, layout: KVCacheLayout
@@ -383,14 +401,22 @@ class TorchSDPAImpl(AttentionImpl):
         thread: 19 ms of cache writes became 8). GPUs keep the reference: there it is the oracle
         the Triton and Flex writes are held to."""
         self.check_cache(kv_cache)
-        if (
-            kv_cache.device.type == "cpu"
-            and value is not None
+        if kv_cache.device.type != "cpu":
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            return
+        # With a kept decode gather the ledger sees the write, so the layer's next gather
+        # knows which slots it touched (see torch_sdpa_kept).
+        ledger = cache_ledger(kv_cache) if self.keep_decode_gather else None
+        if ledger is not None:
+            ledger.sync(kv_cache)
+        if not (
+            value is not None
             and slot_mapping.numel()
             and write_kv_slots(key, value, kv_cache, slot_mapping, self.layout)
         ):
-            return
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if ledger is not None:
+            ledger.wrote(kv_cache, slot_mapping)
 
     def forward(
         self,
@@ -425,9 +451,17 @@ class TorchSDPAImpl(AttentionImpl):
                 )  # fmt: skip
             if out is not None:
                 self.empty_output(q, out)  # checks its shape and dtype
-            return run.attend(
-                self._row_array(cache, klayout), plan.kv_index[geometry], q, self.scale, out
-            )
+            row_array = self._row_array(cache, klayout)
+            index = plan.kv_index[geometry]  # [rows]
+            if self.keep_decode_gather and q.device.type == "cpu":
+                assert offsets is not None
+                buffer = gather_kept(
+                    self.__dict__, kv_cache, row_array, index, plan, geometry, offsets,
+                    metadata.slot_mapping, run.new_buffer,
+                )  # fmt: skip
+            else:
+                buffer = torch.index_select(row_array, 0, index, out=run.shared_buffer())
+            return run.attend(buffer, q, self.scale, out)
         gathered, start = None, 0
         if kv_rows is not None:
             # Every group's K/V rows in one index_select (group after group, each group's K

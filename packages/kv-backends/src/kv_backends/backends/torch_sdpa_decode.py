@@ -29,8 +29,9 @@ class DecodeRun:
     """One decode-only step's buffers and per-group views for layers of one cache geometry and
     one mask rule (``masks``, one per group, from the plan's :meth:`masks_for`).
 
-    ``gathered`` ``[rows, D]`` holds each group's K rows then its V rows (the plan's flat row
-    index order), ``q_dec`` / ``o_dec`` ``[R, Hq, D]`` the queries and outputs in group order,
+    A gather buffer ``[rows, D]`` holds each group's K rows then its V rows (the plan's flat row
+    index order): one shared by the step's layers, or a layer's own (``torch_sdpa_kept``);
+    ``q_dec`` / ``o_dec`` ``[R, Hq, D]`` the queries and outputs in group order,
     ``logits`` one ``[G*H, rep, Sb]`` buffer per group; ``inverse`` ``[R]`` maps each query row
     to its place in group order (the inverse of the plan's ``decode_rows``)."""
 
@@ -48,42 +49,74 @@ class DecodeRun:
         rows = plan.decode_rows  # [R] query row of each request, in group order
         r = rows.numel()
         f32 = torch.float32
-        self.gathered = torch.empty(num_index_rows, d, dtype=f32, device=device)
+        self.num_index_rows, self.head_size, self.device = num_index_rows, d, device
+        self._shared: torch.Tensor | None = None  # the layers' common buffer, made on demand
         self.q_dec = torch.empty(r, h * rep, d, dtype=f32, device=device)
         self.o_dec = torch.empty(r, h * rep, d, dtype=f32, device=device)
         self.rows = rows
         self.inverse = torch.empty_like(rows)
         self.inverse[rows] = torch.arange(r, device=device)
-        # per group: (additive mask, q, K^T, logits, V, out), all [G*H, ...] views or buffers
-        self.groups: list[tuple[torch.Tensor, ...]] = []
+        # per group: (additive mask, q, logits, out, K/V start, G*H, Sb); the K^T and V views
+        # depend on the gather buffer (:meth:`views`)
+        self.groups: list[
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]
+        ]
+        self.groups = []
         start = 0
         for group, (g0, g1), mask in zip(plan.groups, plan.bounds, masks, strict=True):
             gh, sb = (g1 - g0) * h, group.seq_len
-            n = gh * sb
-            k = self.gathered[start : start + n].view(gh, sb, d)
-            v = self.gathered[start + n : start + 2 * n].view(gh, sb, d)
             logits = torch.empty(gh, rep, sb, dtype=f32, device=device)
             q = self.q_dec[g0:g1].view(gh, rep, d)
             out = self.o_dec[g0:g1].view(gh, rep, d)
-            self.groups.append((mask.additive, q, k.transpose(1, 2), logits, v, out))
-            start += 2 * n
+            self.groups.append((mask.additive, q, logits, out, start, gh, sb))
+            start += 2 * gh * sb
         if start != num_index_rows:
             raise AssertionError(f"decode run covers {start} index rows of {num_index_rows}")
+        # per buffer (by id, the buffer kept beside its views): each group's (K^T, V)
+        self._views: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    def shared_buffer(self) -> torch.Tensor:
+        """``[rows, D]``: the buffer layers that keep no gather of their own share."""
+        if self._shared is None:
+            self._shared = self.new_buffer()
+        return self._shared
+
+    def new_buffer(self) -> torch.Tensor:
+        """An uninitialised ``[rows, D]`` float32 gather buffer of this run's shape."""
+        return torch.empty(
+            self.num_index_rows, self.head_size, dtype=torch.float32, device=self.device
+        )
+
+    def views(self, gathered: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per group, the ``[G*H, D, Sb]`` K^T and ``[G*H, Sb, D]`` V views of ``gathered``
+        (made once per buffer per step)."""
+        kept = self._views.get(id(gathered))
+        if kept is None or kept[0] is not gathered:
+            d = self.head_size
+            kv = []
+            for *_, start, gh, sb in self.groups:
+                n = gh * sb
+                k = gathered[start : start + n].view(gh, sb, d)
+                v = gathered[start + n : start + 2 * n].view(gh, sb, d)
+                kv.append((k.transpose(1, 2), v))
+            kept = self._views[id(gathered)] = (gathered, kv)
+        return kept[1]
 
     def attend(
         self,
-        row_array: torch.Tensor,
-        index: torch.Tensor,
+        gathered: torch.Tensor,
         q: torch.Tensor,
         scale: float,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Attention of ``q`` ``[R, Hq, D]`` (float32, every row a decode query) over the rows
-        ``index`` of ``row_array``; returns ``[R, Hq, D]`` in query row order (``out`` when
-        given, else a new tensor)."""
-        torch.index_select(row_array, 0, index, out=self.gathered)
+        """Attention of ``q`` ``[R, Hq, D]`` (float32, every row a decode query) over the K/V
+        rows in ``gathered`` ``[rows, D]`` (the plan's flat row index order, filled by the
+        caller); returns ``[R, Hq, D]`` in query row order (``out`` when given, else a new
+        tensor)."""
         torch.index_select(q, 0, self.rows, out=self.q_dec)
-        for additive, qg, kt, logits, v, o in self.groups:
+        for (additive, qg, logits, o, *_), (kt, v) in zip(
+            self.groups, self.views(gathered), strict=True
+        ):
             # scale * (q . k) + (0 or -inf), the softmax in place, then the weighted values:
             # the general path's _attend_explicit on the same shapes, without its temporaries.
             torch.baddbmm(additive, qg, kt, alpha=scale, out=logits)

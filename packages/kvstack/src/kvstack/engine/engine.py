@@ -152,7 +152,9 @@ class LLMEngine:
         :meth:`block_ids`, free them with :meth:`release`) so a connector can serve them;
         ``num_external_tokens`` marks the first tokens as loaded from elsewhere: at admission
         they get blocks and :attr:`external_loader` ``(request_id, block_ids_per_group,
-        num_tokens)`` must fill them before the step's forward pass.
+        num_tokens)`` must fill them before it returns (the engine then moves the caches'
+        version counters, :meth:`~kvstack.engine.runner.ModelRunner.note_external_writes`, so
+        TORCH_SDPA's kept decode gathers see the new bytes).
         """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
@@ -278,6 +280,7 @@ class LLMEngine:
             if c.admitted and c.seq.num_external_tokens and c.seq.num_preemptions == 0:
                 assert self.external_loader is not None
                 self.external_loader(c.seq.request_id, c.new_block_ids, c.start)
+                self.runner.note_external_writes()  # (a connector writes past torch's ops)
         t1 = time.perf_counter()
         # Trusted: the metadata comes from build_common_metadata (lengths and rows checked on
         # the host) and ids, positions and sample rows from the same chunks.

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from kv_backends import (
+    AttentionBackend,
     AttentionConfig,
     AttentionImpl,
     CommonAttentionMetadata,
@@ -32,6 +33,7 @@ from kv_backends import (
     prepare_kernel_block_sizes,
     select_backend,
 )
+from kv_backends.backends.torch_sdpa import TorchSDPAImpl
 from kv_kernels import allocate_kv_cache, layer_view
 from kv_kernels.cache import KVCacheStorage
 from kv_spec import (
@@ -253,6 +255,7 @@ class ModelRunner:
                 layout,
                 scale=self.model.scale,
                 sinks=None if sinks is None else sinks.detach().float(),
+                **self._impl_options(sel.backend),
             )
             view = layer_view(self.kv_caches[g.group_id], layout, slot)
             self.layers.append(LayerBinding(name, g.group_id, slot, view, impl))
@@ -262,6 +265,23 @@ class ModelRunner:
     @property
     def num_groups(self) -> int:
         return len(self.kv_cache_config.groups)
+
+    def _impl_options(self, backend: type[AttentionBackend]) -> dict[str, Any]:
+        """Options for ``backend``'s impls. TORCH_SDPA keeps each layer's CPU decode gather
+        between steps (an opt-in: every cache write must move the cache's version counter,
+        which the engine's own writes do and :meth:`note_external_writes` does for the rest)."""
+        if issubclass(backend.impl_cls, TorchSDPAImpl) and self.device.type == "cpu":
+            return {"keep_decode_gather": True}
+        return {}
+
+    def note_external_writes(self) -> None:
+        """Report KV written into the caches outside torch's in-place ops (a connector's load
+        through NIXL or a socket) by moving their version counters, so no layer reuses a kept
+        gather of the old bytes. Call after such a write, before the next step."""
+        for storage in self.kv_caches.values():
+            for t in [storage] if isinstance(storage, torch.Tensor) else storage:
+                if not t.is_inference():  # (those keep no counter, and nothing is kept)
+                    torch.autograd.graph.increment_version(t)
 
     def describe(self) -> str:
         """The plan and every group's backend selection, for people."""
