@@ -459,8 +459,8 @@ class TorchSDPAImpl(AttentionImpl):
                     self.__dict__, kv_cache, row_array, index, plan, geometry, offsets,
                     metadata.slot_mapping, run.new_buffer,
                 )  # fmt: skip
-            else:
-                buffer = torch.index_select(row_array, 0, index, out=run.shared_buffer())
+                return run.attend(buffer, q, self.scale, out, memo=self.__dict__)
+            buffer = torch.index_select(row_array, 0, index, out=run.shared_buffer())
             return run.attend(buffer, q, self.scale, out)
         gathered, start = None, 0
         if kv_rows is not None:

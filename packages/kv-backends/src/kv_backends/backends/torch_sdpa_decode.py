@@ -74,6 +74,9 @@ class DecodeRun:
             raise AssertionError(f"decode run covers {start} index rows of {num_index_rows}")
         # per buffer (by id, the buffer kept beside its views): each group's (K^T, V)
         self._views: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        # what those views depend on besides the buffer (a layer that keeps its buffer between
+        # steps keeps the views too while this stays the same, see :meth:`views`)
+        self.view_key = (d, tuple((start, gh, sb) for *_, start, gh, sb in self.groups))
 
     def shared_buffer(self) -> torch.Tensor:
         """``[rows, D]``: the buffer layers that keep no gather of their own share."""
@@ -87,9 +90,16 @@ class DecodeRun:
             self.num_index_rows, self.head_size, dtype=torch.float32, device=self.device
         )
 
-    def views(self, gathered: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def views(
+        self, gathered: torch.Tensor, memo: dict[str, object] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per group, the ``[G*H, D, Sb]`` K^T and ``[G*H, Sb, D]`` V views of ``gathered``
-        (made once per buffer per step)."""
+        (made once per buffer per step; with ``memo``, a layer's dict, kept there across steps
+        while the buffer and :attr:`view_key` stay the same)."""
+        if memo is not None:
+            last = memo.get("_kept_views")
+            if isinstance(last, tuple) and last[0] is gathered and last[1] == self.view_key:
+                return last[2]
         kept = self._views.get(id(gathered))
         if kept is None or kept[0] is not gathered:
             d = self.head_size
@@ -100,6 +110,8 @@ class DecodeRun:
                 v = gathered[start + n : start + 2 * n].view(gh, sb, d)
                 kv.append((k.transpose(1, 2), v))
             kept = self._views[id(gathered)] = (gathered, kv)
+        if memo is not None:
+            memo["_kept_views"] = (gathered, self.view_key, kept[1])
         return kept[1]
 
     def attend(
@@ -108,14 +120,15 @@ class DecodeRun:
         q: torch.Tensor,
         scale: float,
         out: torch.Tensor | None,
+        memo: dict[str, object] | None = None,
     ) -> torch.Tensor:
         """Attention of ``q`` ``[R, Hq, D]`` (float32, every row a decode query) over the K/V
         rows in ``gathered`` ``[rows, D]`` (the plan's flat row index order, filled by the
         caller); returns ``[R, Hq, D]`` in query row order (``out`` when given, else a new
-        tensor)."""
+        tensor). ``memo``: see :meth:`views`."""
         torch.index_select(q, 0, self.rows, out=self.q_dec)
         for (additive, qg, logits, o, *_), (kt, v) in zip(
-            self.groups, self.views(gathered), strict=True
+            self.groups, self.views(gathered, memo), strict=True
         ):
             # scale * (q . k) + (0 or -inf), the softmax in place, then the weighted values:
             # the general path's _attend_explicit on the same shapes, without its temporaries.
