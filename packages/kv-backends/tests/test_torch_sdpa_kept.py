@@ -1,4 +1,4 @@
-"""TORCH_SDPA's kept decode gather (``keep_decode_gather=True``): each layer keeps its last decode
+"""TORCH_SDPA's kept decode gather (``keep_decode_gather_bytes``): each layer keeps its last decode
 step's gathered K/V and regathers only the rows that changed (new tokens, moved indices). Every
 step's output must equal, bit for bit, a fresh impl's full gather over the same cache; the steps
 below also check that the partial update was taken where it should be, and not taken after a
@@ -27,7 +27,10 @@ class _Run:
     decode batches: each step writes every layer's new K/V through the impl, then attends, and
     compares with a fresh impl (no kept gather) on fresh metadata."""
 
-    def __init__(self, seq_lens: list[int], seed: int = 0, inference: bool = False) -> None:
+    def __init__(
+        self, seq_lens: list[int], seed: int = 0, inference: bool = False, budget: int = 2**30
+    ) -> None:
+        self.budget = budget
         self.b: PagedBatch = make_paged_batch(
             query_lens=[1] * len(seq_lens), seq_lens=seq_lens, num_layers=2,
             block_size=BLOCK, num_blocks=NUM_BLOCKS, seed=seed,
@@ -58,7 +61,7 @@ class _Run:
 
     def _impl(self) -> TorchSDPAImpl:
         impl = get_backend("TORCH_SDPA").make_impl(
-            self.b.config, self.b.layout, keep_decode_gather=True
+            self.b.config, self.b.layout, keep_decode_gather_bytes=self.budget
         )
         assert isinstance(impl, TorchSDPAImpl)
         return impl
@@ -187,7 +190,8 @@ def test_planted_bug_stale_written_rows_are_caught(monkeypatch: pytest.MonkeyPat
 
 
 def test_off_by_default_and_checked() -> None:
-    """Without the option nothing is kept and no ledger is made; a non-bool is a TypeError."""
+    """Without the option nothing is kept and no ledger is made; a bool or a negative size is a
+    TypeError that names the option."""
     run = _Run([14, 30])
     impl = get_backend("TORCH_SDPA").make_impl(run.b.config, run.b.layout)
     run.impls = [impl, run._impl()]
@@ -195,8 +199,29 @@ def test_off_by_default_and_checked() -> None:
     run.step([0, 1])
     assert "_kept_gather" not in impl.__dict__
     assert "_kept_gather" in run.impls[1].__dict__
-    with pytest.raises(TypeError, match="keep_decode_gather"):
-        get_backend("TORCH_SDPA").make_impl(run.b.config, run.b.layout, keep_decode_gather=1)
+    for bad in (True, -1, 2.0):
+        with pytest.raises(TypeError, match="keep_decode_gather_bytes"):
+            get_backend("TORCH_SDPA").make_impl(
+                run.b.config, run.b.layout, keep_decode_gather_bytes=bad
+            )
+
+
+def test_a_gather_over_the_budget_is_not_kept() -> None:
+    """The budget bounds each layer's kept buffer: a step whose gather is larger uses the shared
+    buffer and drops what the layer kept; the outputs stay the full gather's."""
+    # rows of 32 floats (128 bytes): 2 (K, V) x requests x 2 heads x 64 padded tokens each, so
+    # 4 requests take 128 KiB and 2 take 64 KiB, against an 80 KiB budget
+    run = _Run([14, 30, 62, 47], budget=80 * 1024)
+    run.step([0, 1, 2, 3])
+    assert all("_kept_gather" not in impl.__dict__ for impl in run.impls)
+    small = _Run([14, 30], budget=80 * 1024)
+    small.step([0, 1])
+    small.step([0, 1])
+    assert all("_kept_gather" in impl.__dict__ for impl in small.impls)
+    assert small.partial_steps >= 1
+    for _ in range(40):  # request 1 pads to 128 tokens: 96 KiB, over the budget
+        small.step([0, 1])
+    assert all("_kept_gather" not in impl.__dict__ for impl in small.impls)
 
 
 def test_inference_tensor_cache_gathers_in_full() -> None:

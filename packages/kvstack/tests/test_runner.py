@@ -203,6 +203,21 @@ def test_cache_sizing(gpt_oss: Path) -> None:
     assert make(gpt_oss, num_blocks=need + 1).kv_cache_config.max_concurrency(64) == 1.0
 
 
+def test_kept_decode_gathers_are_bounded_by_the_cache_size(gpt_oss: Path) -> None:
+    """On the CPU every TORCH_SDPA layer keeps its decode gather up to a quarter of the KV cache's
+    bytes over all layers (at least 1 MiB a layer), so the kept float32 copies never double the
+    memory the plan promised; FLEX_ATTENTION layers get no such option."""
+    for blocks in (96, 20_000):
+        runner = make(gpt_oss, num_blocks=blocks)
+        total = runner.kv_cache_config.total_bytes
+        want = max(total // (4 * runner.arch.num_layers), 2**20)
+        limits = {getattr(b.impl, "keep_decode_gather_bytes", None) for b in runner.layers}
+        assert limits == {want}
+        assert want * runner.arch.num_layers <= max(total // 4, runner.arch.num_layers * 2**20)
+    flex = make(gpt_oss, backend="FLEX_ATTENTION")
+    assert not any(hasattr(b.impl, "keep_decode_gather_bytes") for b in flex.layers)
+
+
 def test_forced_backend_that_cannot_serve_says_why(gpt_oss: Path) -> None:
     with pytest.raises(ValueError, match="prefer=FLASH_ATTN cannot serve .*needs a CUDA GPU"):
         make(gpt_oss, backend="FLASH_ATTN")

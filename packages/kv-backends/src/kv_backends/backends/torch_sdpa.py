@@ -38,7 +38,7 @@ from kv_backends.backends._torch_ops import (
     write_kv_slots,
 )
 from kv_backends.backends.torch_sdpa_decode import DecodeRun
-from kv_backends.backends.torch_sdpa_kept import cache_ledger, gather_kept
+from kv_backends.backends.torch_sdpa_kept import cache_ledger, forget_kept, gather_kept
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
 from kv_backends.metadata import CommonAttentionMetadata
@@ -321,20 +321,23 @@ def _block_rows(
 class TorchSDPAImpl(AttentionImpl):
     """Per-layer TORCH_SDPA attention (float32 math, output cast to the query dtype).
 
-    ``keep_decode_gather=True`` (off by default): on the CPU, each layer keeps its decode step's
-    gathered K/V and regathers only the rows that changed by the next decode step. The caller
-    must report cache writes that bypass torch's version counter (raw pointers, NIXL, numpy
-    views) with ``torch.autograd.graph.increment_version``; :mod:`.torch_sdpa_kept` says why.
+    ``keep_decode_gather_bytes=N`` (0, off, by default): on the CPU, each layer keeps its decode
+    step's gathered K/V, when that buffer takes at most ``N`` bytes, and regathers only the rows
+    that changed by the next decode step (a larger step gathers into the shared buffer and the
+    layer keeps nothing). The caller must report cache writes that bypass torch's version
+    counter (raw pointers, NIXL, numpy views) with ``torch.autograd.graph.increment_version``;
+    :mod:`.torch_sdpa_kept` says why.
     """
 
-    def __init__(self, *args: Any, keep_decode_gather: bool = False, **kw: Any) -> None:
+    def __init__(self, *args: Any, keep_decode_gather_bytes: int = 0, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        if not isinstance(keep_decode_gather, bool):
+        limit = keep_decode_gather_bytes
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise TypeError(
-                f"TORCH_SDPA keep_decode_gather={keep_decode_gather!r} must be a bool "
-                "(True: keep each layer's CPU decode gather between steps)"
+                f"TORCH_SDPA keep_decode_gather_bytes={limit!r} must be an int >= 0: the largest "
+                "decode gather (bytes) a layer keeps between steps on the CPU, 0 to keep none"
             )
-        self.keep_decode_gather = keep_decode_gather
+        self.keep_decode_gather_bytes = limit
 
     def _kv_row_offsets(
         self, cache: torch.Tensor, layout: KVCacheLayout
@@ -406,7 +409,7 @@ class TorchSDPAImpl(AttentionImpl):
             return
         # With a kept decode gather the ledger sees the write, so the layer's next gather
         # knows which slots it touched (see torch_sdpa_kept).
-        ledger = cache_ledger(kv_cache) if self.keep_decode_gather else None
+        ledger = cache_ledger(kv_cache) if self.keep_decode_gather_bytes else None
         if ledger is not None:
             ledger.sync(kv_cache)
         if not (
@@ -453,13 +456,15 @@ class TorchSDPAImpl(AttentionImpl):
                 self.empty_output(q, out)  # checks its shape and dtype
             row_array = self._row_array(cache, klayout)
             index = plan.kv_index[geometry]  # [rows]
-            if self.keep_decode_gather and q.device.type == "cpu":
-                assert offsets is not None
-                buffer = gather_kept(
-                    self.__dict__, kv_cache, row_array, index, plan, geometry, offsets,
-                    metadata.slot_mapping, run.new_buffer,
-                )  # fmt: skip
-                return run.attend(buffer, q, self.scale, out, memo=self.__dict__)
+            if q.device.type == "cpu" and self.keep_decode_gather_bytes:
+                if index.numel() * self.head_size * 4 <= self.keep_decode_gather_bytes:
+                    assert offsets is not None
+                    buffer = gather_kept(
+                        self.__dict__, kv_cache, row_array, index, plan, geometry, offsets,
+                        metadata.slot_mapping, run.new_buffer,
+                    )  # fmt: skip
+                    return run.attend(buffer, q, self.scale, out, memo=self.__dict__)
+                forget_kept(self.__dict__)  # over the budget: keep nothing (and free it)
             buffer = torch.index_select(row_array, 0, index, out=run.shared_buffer())
             return run.attend(buffer, q, self.scale, out)
         gathered, start = None, 0

@@ -1,4 +1,4 @@
-"""TORCH_SDPA's kept decode gather (opt-in: ``make_impl(..., keep_decode_gather=True)``).
+"""TORCH_SDPA's kept decode gather (opt-in: ``make_impl(..., keep_decode_gather_bytes=N)``).
 
 A decode step's attention on the CPU gathers every request's K/V rows into one buffer; between two
 decode steps of the same requests that buffer differs only in the rows of the tokens the step
@@ -6,7 +6,10 @@ wrote and in rows whose index moved (a new block, a changed table row, a request
 joined). With the option on, each layer keeps its buffer (:class:`KeptGather`); the step plan
 finds the rows to refresh once per step (:func:`refresh_rows`) and each layer regathers only
 those (:func:`gather_kept`). The buffer's values are the full gather's bit for bit, padding rows
-included, and the attention that reads it is unchanged.
+included, and the attention that reads it is unchanged. A layer keeps a buffer of at most the
+option's bytes: a larger step gathers into the step's shared buffer as without the option, and the
+layer lets its old buffer go (the kept buffers would otherwise add a float32 copy of the batch's
+K/V per layer to the cache's memory).
 
 When a partial refresh is allowed is proved, not assumed, by a :class:`CacheLedger` kept on the
 cache's base tensor. Every view of one base shares its in-place version counter, so every layer
@@ -45,7 +48,15 @@ if TYPE_CHECKING:
 
     from kv_backends.backends.torch_sdpa import _StepPlan
 
-__all__ = ["CacheLedger", "KeptGather", "cache_ledger", "gather_kept", "refresh_rows", "view_key"]
+__all__ = [
+    "CacheLedger",
+    "KeptGather",
+    "cache_ledger",
+    "forget_kept",
+    "gather_kept",
+    "refresh_rows",
+    "view_key",
+]
 
 
 class CacheLedger:
@@ -218,3 +229,9 @@ def gather_kept(
             buffer.index_copy_(0, positions, row_array.index_select(0, rows))
     state["_kept_gather"] = KeptGather(row_array, index, buffer, ledger.epoch, writes)
     return buffer
+
+
+def forget_kept(state: dict[str, object]) -> None:
+    """Drop a layer's kept buffer and views (``state``: the impl's dict)."""
+    state.pop("_kept_gather", None)
+    state.pop("_kept_views", None)

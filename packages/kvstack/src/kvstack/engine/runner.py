@@ -269,9 +269,12 @@ class ModelRunner:
     def _impl_options(self, backend: type[AttentionBackend]) -> dict[str, Any]:
         """Options for ``backend``'s impls. TORCH_SDPA keeps each layer's CPU decode gather
         between steps (an opt-in: every cache write must move the cache's version counter,
-        which the engine's own writes do and :meth:`note_external_writes` does for the rest)."""
+        which the engine's own writes do and :meth:`note_external_writes` does for the rest),
+        up to a quarter of the KV cache's bytes over all layers (at least 1 MiB a layer): the
+        kept float32 copies must not double the memory the plan promised."""
         if issubclass(backend.impl_cls, TorchSDPAImpl) and self.device.type == "cpu":
-            return {"keep_decode_gather": True}
+            total = self.kv_cache_config.total_bytes
+            return {"keep_decode_gather_bytes": max(total // (4 * self.arch.num_layers), 2**20)}
         return {}
 
     def note_external_writes(self) -> None:
