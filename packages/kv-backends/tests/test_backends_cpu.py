@@ -87,6 +87,53 @@ def test_sdpa_non_causal() -> None:
     _check(out, b)
 
 
+def test_sdpa_whole_prompt_groups_use_sdpas_own_causal_mask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill group of whole prompts (q_len == seq_len, causal, no window) calls SDPA with
+    is_causal and no mask tensor; a group with cached context keeps the explicit mask. Planted
+    bug: the flag forced on for every prefill group misplaces the chunked requests' causal
+    diagonal (SDPA's is top-left), which the float64 oracle check catches."""
+    import torch.nn.functional as F
+    from kv_backends.backends import _torch_masks
+
+    calls: list[bool] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        calls.append(bool(kw.get("is_causal")))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    # a decode, a whole 20-token prompt (padded shape 64 x 64) and a 7-token chunk over a
+    # 100-token context (64 x 128): two prefill groups, one of each kind
+    b = _batch(query_lens=[1, 20, 7], seq_lens=[9, 20, 100])
+    _check(run_backend("TORCH_SDPA", b), b)
+    assert sorted(calls) == [False, True]
+    b = _batch()  # whole prompts and chunks sharing one padded shape: the explicit mask
+    calls.clear()
+    _check(run_backend("TORCH_SDPA", b), b)
+    assert calls == [False]
+    b = _batch(query_lens=[20, 33], seq_lens=[20, 33])  # whole prompts only
+    calls.clear()
+    _check(run_backend("TORCH_SDPA", b), b)
+    assert calls and all(calls)
+    b = _batch(sliding_window=5)  # a window: never SDPA's causal mask
+    calls.clear()
+    _check(run_backend("TORCH_SDPA", b), b)
+    assert not any(calls)
+
+    real_mask = _torch_masks.padded_mask
+
+    def forced(*args, **kw):  # type: ignore[no-untyped-def]
+        return real_mask(*args, **{**kw, "whole_prompts": True})
+
+    monkeypatch.setattr("kv_backends.backends.torch_sdpa.padded_mask", forced)
+    b = _batch()
+    with pytest.raises(AssertionError):
+        _check(run_backend("TORCH_SDPA", b), b)
+
+
 @pytest.mark.parametrize("name", ["TORCH_SDPA", "FLEX_ATTENTION"])
 def test_runs_under_inference_mode(name: str) -> None:
     """Engines often run under torch.inference_mode, where the metadata (and the cache) are

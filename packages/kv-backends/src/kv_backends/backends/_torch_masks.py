@@ -31,6 +31,10 @@ class PaddedMask:
     q_per_kv: int  # rep
     #: :attr:`additive` when the caller made it (:func:`decode_masks`, batch-wide).
     additive_term: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    #: every real row ``i`` sees exactly keys ``0..i`` (a causal prefill of whole prompts, no
+    #: cached context, no window): SDPA's own top-left causal mask then equals :attr:`allowed` on
+    #: the real rows, and needs no mask tensor (pad rows differ: they are dropped)
+    top_left_causal: bool = False
 
     @cached_property
     def sdpa_bias(self) -> torch.Tensor:
@@ -59,9 +63,14 @@ def padded_mask(
     sliding_window: int | None,
     num_kv_heads: int,
     q_per_kv: int,
+    *,
+    whole_prompts: bool = False,
 ) -> PaddedMask:
     """The group's mask under the layer's rules (the same for every layer with the same rules and
-    head counts, so callers may reuse it). Pad rows see key 0 only, so no row is all ``-inf``."""
+    head counts, so callers may reuse it). Pad rows see key 0 only, so no row is all ``-inf``.
+    ``whole_prompts``: the caller knows (on the host) that every request's query is its whole
+    context (``q_len == seq_len``), so a causal mask without a window is
+    :attr:`PaddedMask.top_left_causal`."""
     lb, sb, device = group.query_len, group.seq_len, group.seq_lens.device
     s = group.seq_lens[:, None]  # [G, 1]
     if lb == 1:  # a decode group: every query length is 1
@@ -79,7 +88,8 @@ def padded_mask(
     if lb > 1:
         pad = ~group.q_valid[:, :, None] & (kv_pos == 0)[None, None, :]  # [G, Lb, Sb]
         allowed = (allowed & group.q_valid[:, :, None]) | pad
-    return PaddedMask(allowed, q_pos, kv_pos, num_kv_heads, q_per_kv)
+    top_left = whole_prompts and causal and sliding_window is None and lb > 1
+    return PaddedMask(allowed, q_pos, kv_pos, num_kv_heads, q_per_kv, top_left_causal=top_left)
 
 
 def decode_masks(

@@ -423,6 +423,15 @@ def attend_padded(
         # batch size, so a request's bits would depend on its neighbours (measured: 2 threads,
         # 1e-8 differences); the bmm path below is as fast at one query and keeps batch elements
         # apart.
+        if alibi_slopes is None and mask.top_left_causal:
+            # Whole prompts, causal, no window: SDPA's own causal mask is the group's on every
+            # real row, and its kernel skips the key blocks past the diagonal (about half the
+            # work) instead of adding -inf to them. Pad rows see more keys than the explicit
+            # mask gives them; their outputs are dropped.
+            out = F.scaled_dot_product_attention(
+                qf, k, v, is_causal=True, scale=scale, enable_gqa=hq != h
+            )  # [G, Hq, Lb, Dv]
+            return out.permute(0, 2, 1, 3)
         if alibi_slopes is not None:
             attn_mask = _alibi_bias(alibi_slopes, mask).masked_fill(
                 ~mask.allowed[:, None], float("-inf")

@@ -169,6 +169,10 @@ class _StepPlan:
         # Decode groups sort first (Lb = 1); their query rows, in group order, let a layer
         # select all decode queries and place all their outputs with one op each.
         self.num_decode_groups = sum(lb == 1 for lb, _, _ in shapes)
+        # per group: is every request's query its whole context (a fresh prompt), from the host
+        self.whole_prompts = [
+            all(qsl[r + 1] - qsl[r] == seq_lens[r] for r in reqs) for _, _, reqs in shapes
+        ]
         num_decode = sum(len(reqs) for lb, _, reqs in shapes if lb == 1)
         self.decode_rows = columns[1, :num_decode]  # [R_decode]
         self.decode_seq_lens = columns[3, :num_decode]  # [R_decode]
@@ -205,7 +209,10 @@ class _StepPlan:
             decode = [(g.reqs.numel(), g.seq_len) for g in self.groups[:nd]]
             masks = self.masks[rule] = (
                 decode_masks(self.decode_seq_lens, decode, *rule[1:]) if decode else []
-            ) + [padded_mask(g, *rule) for g in self.groups[nd:]]
+            ) + [
+                padded_mask(g, *rule, whole_prompts=whole)
+                for g, whole in zip(self.groups[nd:], self.whole_prompts[nd:], strict=True)
+            ]
         return masks
 
     def kv_rows_for(
