@@ -19,7 +19,8 @@ picks cases; ``--smoke`` runs the issue-12 cases at tiny shapes under the Triton
 the CPU (checks that the script works; no meaningful numbers). ``--tune`` also sweeps tile configs
 and split counts of our kernel (printing the best) before the main run. Writes
 ``DIR/paged_attention.json`` (list of records, see the repo's benchmark format), ``.md`` and
-``.png``, and prints one JSON line per record.
+``.png``, and prints one JSON line per record. Times (``_timing.py``): ``ms`` is GPU time from a
+CUDA-graph replay, with ``eager_ms`` (``do_bench``) and ``host_ms`` (enqueueing one call) beside.
 
     PYTHONPATH=packages/kv-spec/src:packages/kv-kernels/src python3 \\
         packages/kv-kernels/benchmarks/bench_paged_attention.py --out /tmp/bench [--tune]
@@ -49,13 +50,15 @@ from kv_spec import KVCacheLayout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _attention_cases import new_cases
+from _timing import copy_limit, gpu_ms, timed
 
 HQ, H, D = 32, 8, 128
 DTYPE = torch.bfloat16
 
 
 def _bench(fn: Callable[[], Any], *, warmup: int = 15, rep: int = 60) -> float:
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    """GPU ms of one call (CUDA-graph replay; ``_timing`` says why)."""
+    return gpu_ms(fn, warmup=warmup, rep=rep)[0]
 
 
 class Case:
@@ -226,7 +229,9 @@ class Case:
 
 def _measure(
     name: str, make: Callable[[], Callable[[], Any]], check: torch.Tensor | None
-) -> tuple[float | None, str | None]:
+) -> tuple[dict[str, Any] | None, str | None]:
+    """``(_timing.timed(fn), None)`` of the call ``make()`` returns, after checking its output
+    against ``check`` (ours), or ``(None, why)``."""
     try:
         fn = make()
         res = fn()
@@ -238,20 +243,9 @@ def _measure(
             if not err < 5e-2:
                 return None, f"{name}: max abs error {err:.3g} vs our kernel"
         torch.cuda.synchronize()
-        return _bench(fn), None
+        return timed(fn), None
     except Exception as e:  # a baseline that fails is recorded, not fatal
         return None, f"{type(e).__name__}: {str(e)[:300]}"
-
-
-def copy_limit(device: str = "cuda") -> float:
-    x = torch.empty(2**30 if device == "cuda" else 2**24, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    if device != "cuda":
-        t0 = time.perf_counter()
-        y.copy_(x)
-        return 2 * x.numel() / ((time.perf_counter() - t0) * 1e3) / 1e9
-    ms = _bench(lambda: y.copy_(x))
-    return 2 * x.numel() / ms / 1e9
 
 
 def run_new_cases(
@@ -267,17 +261,19 @@ def run_new_cases(
                 t0 = time.perf_counter()
                 case.run()
                 ms = (time.perf_counter() - t0) * 1e3
+                times: dict[str, Any] = {"ms": ms, "timing": "interpreter"}
             else:
                 torch.cuda.synchronize()
-                ms = _bench(case.run)
+                times = timed(case.run)
+                ms = times["ms"]
             value, err = case.nbytes / ms / 1e9, None
         except Exception as e:  # recorded, not fatal: the other cases still run
-            ms, value, err = None, None, f"{type(e).__name__}: {str(e)[:300]}"
+            ms, value, err, times = None, None, f"{type(e).__name__}: {str(e)[:300]}", {}
         rec = {
             "bench": "paged_attention", "case": case.name, "impl": "triton", "ms": ms,
             "metric": "TB/s", "value": value, "baseline": "copy", "baseline_value": limit,
             "ratio": value / limit if value is not None else None, "copy_limit": limit,
-            "bytes": case.nbytes, "smoke": smoke,
+            "bytes": case.nbytes, "smoke": smoke, **times,
         }  # fmt: skip
         if err:
             rec["error"] = err
@@ -306,14 +302,20 @@ def write_report(records: list[dict], out: str, device: str) -> None:
     lines = [
         f"# paged attention on {device}",
         "",
-        "| case | impl | metric | value | vs | ratio |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "Values from GPU time (CUDA-graph replay); eager ms (do_bench) and host ms (enqueueing one "
+        "call) beside it.",
+        "",
+        "| case | impl | metric | value | vs | ratio | GPU ms | eager ms | host ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
         v = "—" if r["value"] is None else f"{r['value']:.3f}"
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        ms = [f"{r[k]:.4f}" if r.get(k) is not None else "—" for k in ("ms", "eager_ms", "host_ms")]
         lines.append(
-            f"| {r['case']} | {r['impl']} | {r['metric']} | {v} | {r['baseline']} | {ratio} |"
+            f"| {r['case']} | {r['impl']} | {r['metric']} | {v} | {r['baseline']} | {ratio} | "
+            + " | ".join(ms)
+            + " |"
         )
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "paged_attention.md"), "w") as f:
@@ -502,7 +504,7 @@ def main() -> int:
         metric: str,
         values: dict[str, float | None],
         errors: dict[str, str],
-        ms: dict[str, float],
+        ms: dict[str, dict[str, Any]],
     ) -> None:
         primary = "fa4" if values.get("fa4") else "torch_sdpa"
         for impl, val in values.items():
@@ -533,7 +535,7 @@ def main() -> int:
                     "bench": "paged_attention",
                     "case": case,
                     "impl": impl,
-                    "ms": ms[impl],
+                    **ms[impl],  # GPU ms, timing, eager and host ms (_timing)
                     "metric": metric,
                     "value": val,
                     "baseline": base,
@@ -571,18 +573,18 @@ def main() -> int:
             makers["torch_sdpa"] = case.sdpa
         values: dict[str, float | None] = {}
         errors: dict[str, str] = {}
-        ms_of: dict[str, float] = {}
+        ms_of: dict[str, dict[str, Any]] = {}
         for impl, make in makers.items():
             t0 = time.time()
-            ms, err = _measure(impl, make, None if impl == "triton" else ref)
-            if ms is None:
+            t, err = _measure(impl, make, None if impl == "triton" else ref)
+            if t is None:
                 values[impl] = None
                 errors[impl] = err or "failed"
             else:
-                values[impl] = work / ms / scale
-                ms_of[impl] = ms
+                values[impl] = work / t["ms"] / scale
+                ms_of[impl] = t
             print(
-                f"# {name} {impl}: {ms if ms is None else round(ms, 4)} ms ({time.time() - t0:.0f}s wall) {err or ''}",
+                f"# {name} {impl}: {t} ({time.time() - t0:.0f}s wall) {err or ''}",
                 file=sys.stderr,
                 flush=True,
             )
