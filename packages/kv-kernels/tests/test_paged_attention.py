@@ -14,6 +14,7 @@ error flag and the custom op: ``test_paged_attention_validation.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -287,3 +288,29 @@ def test_fp8_reference_dequantizes_per_head() -> None:
         deq["ks"][s] = (flat[..., :16] * k_scale[:, None, None]).double()
         deq["vs"][s] = (flat[..., 16:] * v_scale).double()
     assert_rows_close(got, batch_oracle(deq)[0], torch.float32)
+
+
+def test_launch_memo_keeps_configs_and_sees_a_patched_select_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher keeps its tile configs and constexprs per set of static properties (host
+    time a call), and a test or sweep that patches ``select_config`` / ``kernel_constexprs`` in
+    the launcher's module still gets its own."""
+    from kv_kernels.paged_attention import triton as pa
+
+    q = torch.zeros(3, 8, 64)
+    kv = torch.zeros(4, 2, 16, 128)
+    first, second = pa._configs(q, kv, 64, 16, False), pa._configs(q, kv, 64, 16, False)
+    assert first[0] is second[0] and first[1] is second[1]
+    sentinel = dataclasses.replace(first[0], tile_n=16)
+    monkeypatch.setattr(pa, "select_config", lambda kind, **kw: sentinel)
+    assert pa._configs(q, kv, 64, 16, False)[:2] == (sentinel, sentinel)
+    features = dict(
+        head_size=64, head_size_v=64, block_size=16, group=4, causal=True, sliding_window=False,
+        sinks=False, softcap=False, alibi=False, kv_scale_mode=0, split=False, write_lse=False,
+        dot_ieee=True, check=False,
+    )  # fmt: skip
+    want = pa._constexprs(first[0], "decode", **features)
+    assert pa._constexprs(first[0], "decode", **features) is want
+    monkeypatch.setattr(pa, "kernel_constexprs", lambda cfg, kind, **kw: {"PATCHED": 1})
+    assert pa._constexprs(first[0], "decode", **features) == {"PATCHED": 1}

@@ -79,17 +79,42 @@ def _configs(
 ):
     arch, num_sms = arch_and_sms(q.device)
     group = q.shape[1] // kv_cache.shape[1]
-    shape: dict[str, Any] = dict(
-        head_size=q.shape[2],
-        head_size_v=head_size_v,
-        group=group,
-        block_size=block_size,
-        elem_bytes=kv_cache.element_size(),
-        arch=arch,
-        v_from_k=v_from_k,
-        inline_scales=inline_scales,
-    )
-    return select_config("decode", **shape), select_config("prefill", **shape), num_sms
+    key = (
+        select_config, q.shape[2], head_size_v, group, block_size, kv_cache.element_size(),
+        arch, v_from_k, inline_scales,
+    )  # fmt: skip
+    kept = _CONFIGS.get(key)
+    if kept is None:
+        shape: dict[str, Any] = dict(zip(_SHAPE_FIELDS, key[1:], strict=True))
+        kept = select_config("decode", **shape), select_config("prefill", **shape)
+        if len(_CONFIGS) >= 256:  # (sweeps patch select_config with a new function per config)
+            _CONFIGS.clear()
+        _CONFIGS[key] = kept
+    return (*kept, num_sms)
+
+
+# Launch-time memo of two pure functions of static properties, the launcher's largest host cost
+# after Triton's own launch (H100 machine, cProfile: select_config twice and kernel_constexprs per
+# call). Keyed by the function too, so a test or sweep that patches select_config /
+# kernel_constexprs in this module is seen.
+_SHAPE_FIELDS = (
+    "head_size", "head_size_v", "group", "block_size", "elem_bytes", "arch", "v_from_k",
+    "inline_scales",
+)  # fmt: skip
+_CONFIGS: dict[tuple[Any, ...], tuple[AttentionConfig, AttentionConfig]] = {}
+_CONSTEXPRS: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _constexprs(cfg: AttentionConfig, kind: str, **features: Any) -> dict[str, Any]:
+    """:func:`kernel_constexprs` of ``cfg`` (memoized, see above)."""
+    key = (kernel_constexprs, cfg, kind, *features.items())
+    kept = _CONSTEXPRS.get(key)
+    if kept is None:
+        kept = kernel_constexprs(cfg, kind=kind, **features)
+        if len(_CONSTEXPRS) >= 256:
+            _CONSTEXPRS.clear()
+        _CONSTEXPRS[key] = kept
+    return kept
 
 
 def _inline_scale_args(
@@ -219,7 +244,7 @@ def paged_attention_triton(
         *args,
         1,
         cfg_dec.block_q,
-        **kernel_constexprs(cfg_dec, kind="decode", **features),  # type: ignore[arg-type]
+        **_constexprs(cfg_dec, "decode", **features),
         num_warps=cfg_dec.num_warps,
         num_stages=cfg_dec.num_stages,
         **_reg_cap(cfg_dec),
@@ -232,7 +257,7 @@ def paged_attention_triton(
             *args,
             cfg_dec.block_q + 1,
             2**31 - 1,
-            **kernel_constexprs(cfg_pre, kind="prefill", tma=descs is not None, **features),  # type: ignore[arg-type]
+            **_constexprs(cfg_pre, "prefill", tma=descs is not None, **features),
             num_warps=cfg_pre.num_warps,
             num_stages=cfg_pre.num_stages,
             **_reg_cap(cfg_pre),
