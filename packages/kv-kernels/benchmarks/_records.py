@@ -38,7 +38,9 @@ class BandwidthRecorder:
         nbytes: int,
         baseline: str | None,
         base_ms: float | None,
+        **extra: Any,
     ) -> None:
+        """One record; ``extra`` fields (e.g. ``host_ms``, ``eager_ms``, ``timing``) are kept."""
         value = nbytes / ms / 1e9
         base_value = nbytes / base_ms / 1e9 if base_ms else None
         rec = {
@@ -53,6 +55,7 @@ class BandwidthRecorder:
             "ratio": (value / base_value) if base_value else None,
             "device": self.device,
             **_versions(),
+            **extra,
         }
         self.records.append(rec)
         print(json.dumps(rec), flush=True)
