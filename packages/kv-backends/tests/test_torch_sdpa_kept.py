@@ -225,12 +225,13 @@ def test_a_gather_over_the_budget_is_not_kept() -> None:
 
 
 def test_inference_tensor_cache_gathers_in_full() -> None:
-    """A cache made under inference_mode has no version counter: every step gathers in full,
-    and the outputs still match."""
+    """A cache made under inference_mode has no version counter: every step gathers in full
+    into the shared buffer, nothing is kept, and the outputs still match."""
     run = _Run([14, 30, 40], inference=True)
     for _ in range(3):
         run.step([0, 1, 2])
     assert run.partial_steps == 0
+    assert all("_kept_gather" not in impl.__dict__ for impl in run.impls)
 
 
 def test_raw_writes_need_increment_version() -> None:

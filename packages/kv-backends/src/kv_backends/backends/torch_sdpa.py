@@ -464,21 +464,23 @@ class TorchSDPAImpl(AttentionImpl):
             row_array = self._row_array(cache, klayout)
             index = plan.kv_index[geometry]  # [rows]
             if q.device.type == "cpu" and self.keep_decode_gather_bytes:
+                kept = None
                 if index.numel() * self.head_size * 4 <= self.keep_decode_gather_bytes:
                     assert offsets is not None
-                    buffer = gather_kept(
+                    kept = gather_kept(
                         self.__dict__, kv_cache, row_array, index, plan, geometry, offsets,
                         metadata.slot_mapping, run.new_buffer,
                     )  # fmt: skip
-                    return run.attend(buffer, q, self.scale, out, memo=self.__dict__)
-                forget_kept(self.__dict__)  # over the budget: keep nothing (and free it)
+                if kept is not None:
+                    return run.attend(kept, q, self.scale, out, memo=self.__dict__)
+                forget_kept(self.__dict__)  # over the budget, or nothing provable: keep nothing
             buffer = torch.index_select(row_array, 0, index, out=run.shared_buffer())
             return run.attend(buffer, q, self.scale, out)
         gathered, start = None, 0
         if kv_rows is not None:
             # Every group's K/V rows in one index_select (group after group, each group's K
             # rows then its V rows): one gather per layer, not one per group.
-            gathered = gather_kv_rows(kv_row_array(cache, klayout), plan.kv_index[geometry])
+            gathered = gather_kv_rows(self._row_array(cache, klayout), plan.kv_index[geometry])
         # Decode groups come first: their queries are selected, and their outputs placed, with
         # one op each for all of them (the groups read and write slices in between).
         num_decode = plan.decode_rows.numel()

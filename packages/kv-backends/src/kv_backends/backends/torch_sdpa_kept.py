@@ -188,22 +188,18 @@ def gather_kept(
     offsets: tuple[int, torch.Tensor],
     slot_mapping: torch.Tensor,
     new_buffer: Callable[[], torch.Tensor],
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """A layer's gather buffer holding rows ``index`` ``[rows]`` of ``row_array`` (views of
     ``kv_cache``, the layer's cache view): its last decode step's buffer (kept in ``state``, the
     impl's dict) with only the changed rows regathered where the ledger proves that gives the
     full gather's values, else a full gather into it (or into ``new_buffer()``). Either way it is
-    kept for the next step. ``slot_mapping`` is this step's (the metadata's)."""
+    kept for the next step. ``slot_mapping`` is this step's (the metadata's). ``None`` for an
+    inference tensor: nothing can be proved, so nothing is worth keeping."""
     ledger = cache_ledger(kv_cache)
+    if ledger is None:
+        return None
     kept = state.get("_kept_gather")
     assert kept is None or isinstance(kept, KeptGather)
-    if ledger is None:  # an inference tensor: nothing can be proved, gather in full
-        buffer = kept.buffer if kept is not None and kept.index.shape == index.shape else None
-        buffer = torch.index_select(
-            row_array, 0, index, out=new_buffer() if buffer is None else buffer
-        )
-        state["_kept_gather"] = KeptGather(row_array, index, buffer, -1, -1)
-        return buffer
     ledger.sync(kv_cache)  # a write since the last own one: the epoch moves on
     writes, slots = ledger.writes.get(view_key(kv_cache), (0, None))
     refresh = None
