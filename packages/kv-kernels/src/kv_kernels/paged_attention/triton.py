@@ -79,13 +79,19 @@ def _configs(
 ):
     arch, num_sms = arch_and_sms(q.device)
     group = q.shape[1] // kv_cache.shape[1]
-    key = (
-        select_config, q.shape[2], head_size_v, group, block_size, kv_cache.element_size(),
-        arch, v_from_k, inline_scales,
-    )  # fmt: skip
+    shape: dict[str, Any] = dict(
+        head_size=q.shape[2],
+        head_size_v=head_size_v,
+        group=group,
+        block_size=block_size,
+        elem_bytes=kv_cache.element_size(),
+        arch=arch,
+        v_from_k=v_from_k,
+        inline_scales=inline_scales,
+    )
+    key = (select_config, *shape.values())
     kept = _CONFIGS.get(key)
     if kept is None:
-        shape: dict[str, Any] = dict(zip(_SHAPE_FIELDS, key[1:], strict=True))
         kept = select_config("decode", **shape), select_config("prefill", **shape)
         if len(_CONFIGS) >= 256:  # (sweeps patch select_config with a new function per config)
             _CONFIGS.clear()
@@ -97,10 +103,6 @@ def _configs(
 # after Triton's own launch (H100 machine, cProfile: select_config twice and kernel_constexprs per
 # call). Keyed by the function too, so a test or sweep that patches select_config /
 # kernel_constexprs in this module is seen.
-_SHAPE_FIELDS = (
-    "head_size", "head_size_v", "group", "block_size", "elem_bytes", "arch", "v_from_k",
-    "inline_scales",
-)  # fmt: skip
 _CONFIGS: dict[tuple[Any, ...], tuple[AttentionConfig, AttentionConfig]] = {}
 _CONSTEXPRS: dict[tuple[Any, ...], dict[str, Any]] = {}
 
