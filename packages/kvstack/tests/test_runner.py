@@ -204,16 +204,20 @@ def test_cache_sizing(gpt_oss: Path) -> None:
 
 
 def test_kept_decode_gathers_are_bounded_by_the_cache_size(gpt_oss: Path) -> None:
-    """On the CPU every TORCH_SDPA layer keeps its decode gather up to a quarter of the KV cache's
-    bytes over all layers (at least 1 MiB a layer), so the kept float32 copies never double the
-    memory the plan promised; FLEX_ATTENTION layers get no such option."""
+    """On the CPU every TORCH_SDPA layer may keep a decode gather, and all the layers together
+    keep at most a quarter of the KV cache's bytes (or 1 MiB a layer, for tiny caches), so the
+    kept float32 copies never double the memory the plan promised; a larger cache allows more.
+    FLEX_ATTENTION layers get no such option."""
+    budgets = {}
     for blocks in (96, 20_000):
         runner = make(gpt_oss, num_blocks=blocks)
+        layers = runner.arch.num_layers
+        limits = [b.impl.keep_decode_gather_bytes for b in runner.layers]  # type: ignore[attr-defined]
+        assert len(limits) == layers and all(n > 0 for n in limits)
         total = runner.kv_cache_config.total_bytes
-        want = max(total // (4 * runner.arch.num_layers), 2**20)
-        limits = {getattr(b.impl, "keep_decode_gather_bytes", None) for b in runner.layers}
-        assert limits == {want}
-        assert want * runner.arch.num_layers <= max(total // 4, runner.arch.num_layers * 2**20)
+        assert sum(limits) <= max(total // 4, layers * 2**20)
+        budgets[blocks] = sum(limits)
+    assert budgets[20_000] > budgets[96]
     flex = make(gpt_oss, backend="FLEX_ATTENTION")
     assert not any(hasattr(b.impl, "keep_decode_gather_bytes") for b in flex.layers)
 
