@@ -417,6 +417,12 @@ def tune(records: list[dict], keep: Callable[[str], bool]) -> dict:
             (128, 64, 4, 4, True),
             (128, 128, 8, 2, False),
             (64, 64, 4, 3, False),
+            # 256 rows over two warpgroups: each KV tile's gathers and copies serve twice the
+            # rows (sm_90 build at page 16: 255 registers and no spills, against 224 bytes a
+            # thread spilled at 128 rows over one warpgroup)
+            (256, 64, 8, 2, True),
+            (256, 64, 8, 3, True),
+            (256, 32, 8, 3, False),
         ):
             cfg = pa_triton.AttentionConfig(bm, bm // 4, tn, w, st, tma=tma)
             pa_triton.select_config = lambda kind, _c=cfg, **kw: (

@@ -56,7 +56,7 @@ def _attention_signature(qt: str, ct: str, st: str) -> dict[str, str]:
         "lse_ptr": "*fp32", "stride_lt": i32, "stride_lh": i32,
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "err_ptr": "*i32",
         "num_seqs": i32, "num_q_heads": i32, "num_blocks": i32, "max_blocks": i32,
-        "k_start": i32, "v_start": i32, "ks_idx": i32, "vs_idx": i32, "scale": "fp32", "softcap": "fp32", "window": i32,
+        "ks_idx": i32, "vs_idx": i32, "scale": "fp32", "softcap": "fp32", "window": i32,
         "q_len_min": i32, "q_len_max": i32,
     }  # fmt: skip
 
@@ -81,7 +81,7 @@ def _attention_specs(
     aligned = (
         *tuple(n for n, t in sig.items() if t.startswith("*")),
         "stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kn", "stride_bts",
-        "stride_ot", "stride_oh", "k_start", "v_start",
+        "stride_ot", "stride_oh",
     )  # fmt: skip
     # A token row that is not a multiple of 16 elements (heads of 80 + 72): Triton does not
     # specialize its stride, and the launcher passes the alignment it has (kv-spec pads

@@ -113,8 +113,6 @@ def _attend_tiles(
     stride_kb,
     stride_kn,
     stride_kc,
-    k_start,
-    v_start,
     ks_idx,
     vs_idx,  # where K's / V's inline scale starts (see inline_scale)
     seq_len,
@@ -130,6 +128,8 @@ def _attend_tiles(
     D_TAIL: tl.constexpr,
     DV_PAD: tl.constexpr,
     V_FROM_K: tl.constexpr,
+    K_START: tl.constexpr,
+    V_START: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
@@ -157,9 +157,11 @@ def _attend_tiles(
     # Column offsets from each operand's first column: compile-time ranges (times the unit
     # stride Triton specializes), so the loop holds no offset vectors (the prefill kernel's
     # 128 x 128 accumulator leaves no registers for them: runtime column vectors spilled
-    # inside the loop).
-    k_head_ptr = kv_head_ptr + k_start * stride_kc
-    v_head_ptr = kv_head_ptr + v_start * stride_kc
+    # inside the loop). K's and V's first columns are compile-time too, so V's addresses are
+    # K's plus an immediate offset instead of a second set of 64-bit registers (sm_90 prefill
+    # loop at page 16: 778 -> 744 instructions a tile).
+    k_head_ptr = kv_head_ptr + K_START * stride_kc
+    v_head_ptr = kv_head_ptr + V_START * stride_kc
     k_cols = offs_d * stride_kc  # [D_PAD]
     v_cols = offs_dv * stride_kc  # [DV_PAD]
     # Split head (D_TAIL > 0): K is read as a D_PAD-wide main tile and a D_TAIL-wide tail tile and
@@ -340,10 +342,10 @@ def paged_attention_kernel(
     part_out_ptr, part_lse_ptr,  # [T, Hq, S, DV_PAD] / [T, Hq, S] f32, contiguous
     err_ptr,  # [1] int32 error counter (CHECK)
     num_seqs, num_q_heads, num_blocks, max_blocks,
-    k_start, v_start, ks_idx, vs_idx, scale, softcap, window,
+    ks_idx, vs_idx, scale, softcap, window,
     q_len_min, q_len_max,  # this launch's query-length class
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    D_TAIL: tl.constexpr, V_FROM_K: tl.constexpr,
+    D_TAIL: tl.constexpr, V_FROM_K: tl.constexpr, K_START: tl.constexpr, V_START: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
@@ -355,16 +357,25 @@ def paged_attention_kernel(
     KV_UPCAST: tl.constexpr, PTX: tl.constexpr, K_DIRECT: tl.constexpr, V_DIRECT: tl.constexpr,
 ):  # fmt: skip
     pid_q = tl.program_id(0)
+    pid_h = tl.program_id(1)
     if not SEQ_PER_PROGRAM:
         # Heaviest tiles first: the last q tiles of a causal sequence see the most KV, and the
-        # GPU starts programs in grid order, so reversing it leaves the light tiles for the last
-        # wave (H200, 4 x 4096 causal: +15% in a scratch kernel of the same tiles; this kernel's
-        # own gain was not measured apart). The order does not change any result.
-        pid_q = tl.num_programs(0) - 1 - pid_q
+        # GPU starts programs in grid order (axis 0 fastest), so the programs are renumbered
+        # heads-fastest and from the last tile: every head's heavy tiles of a sequence start
+        # together, ahead of its light ones. Axis 0 fastest with the tiles on it ran one head's
+        # whole batch after another, so the last head's heaviest tiles of the first sequence
+        # started in the last wave and the GPU idled behind them (H100, 4 x 4096 causal, page
+        # 16: 368 -> 387-400 TFLOP/s, graph-timed, beside a scratch kernel that read 422 / 418
+        # in both runs). The order does not change any result.
+        n_h = tl.num_programs(1)
+        n_q = tl.num_programs(0).to(tl.int64)
+        lin = n_q * n_h - 1 - (pid_q + n_q * pid_h)  # (64-bit: the grid's product)
+        pid_q = (lin // n_h).to(tl.int32)
+        pid_h = (lin % n_h).to(tl.int32)
     # axis 1: kv head x chunk of its query heads (HEAD_CHUNKS > 1 only when GROUP > BLOCK_M,
     # e.g. MLA's 128 heads over one latent: the accumulator of all of them would not fit)
-    kvh = tl.program_id(1) // HEAD_CHUNKS
-    chunk = tl.program_id(1) % HEAD_CHUNKS
+    kvh = pid_h // HEAD_CHUNKS
+    chunk = pid_h % HEAD_CHUNKS
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     if SEQ_PER_PROGRAM:
@@ -381,7 +392,7 @@ def paged_attention_kernel(
     ctx = seq_len - q_len  # absolute position of this sequence's first query token
     if CHECK:
         # q_len > seq_len has no positions for its first rows: counted once per sequence.
-        first = (q_tile == 0) & (tl.program_id(1) == 0) & (split == 0)
+        first = (q_tile == 0) & (pid_h == 0) & (split == 0)
         tl.atomic_add(err_ptr, 1, mask=first & (ctx < 0))
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -486,9 +497,9 @@ def paged_attention_kernel(
                 acc, l_i, m_i, q, q2, p_lo, p_hi,
                 bt_row_ptr, stride_btb, max_blocks, num_blocks,
                 kv_head_ptr, kvs_head_ptr, k_desc, v_desc, kvh, stride_kb, stride_kn, stride_kc,
-                k_start, v_start,
                 ks_idx, vs_idx, seq_len, q_pos, slopes, qk_scale, softcap, window, err_ptr,
-                HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, BLOCK_SIZE, TILE_N,
+                HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, K_START, V_START,
+                BLOCK_SIZE, TILE_N,
                 phase != 1, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, FOLD_LOG2,
                 KV_SCALE == 3, SCALE_WORDS, DOT_IEEE, CHECK, ROW_ALIGN, TMA,
                 KV_UPCAST, PTX, pv_dtype, K_DIRECT, V_DIRECT,

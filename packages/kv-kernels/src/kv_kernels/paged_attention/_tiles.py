@@ -173,13 +173,16 @@ def select_config(
             # split head (DiffKV 192 = 128 + 64 over V 128)
             tile_n, num_warps, num_stages, waves = 128, 8, 2, 4
         elif v_from_k and block_m <= max_rows:
-            # MLA with few heads per GPU (tensor parallel): bandwidth-bound. H100, 16 heads
-            # (do_bench medians, one process): 32-token tiles over 4 warps, 3 stages, registers
-            # capped at 128 so two programs share an SM, and splits filling one wave of those:
-            # 64 x 4k 0.128 ms (2.35 TB/s, 0.78 of the copy), 8 x 32k 0.129, vs 0.150 / 0.153
-            # at 64-token tiles over 8 warps uncapped (134 registers: one program an SM, ncu)
-            tile_n, num_warps, num_stages, waves = 32, 4, 3, 1
-            max_registers, programs_per_sm = 128, 2
+            # MLA with few heads per GPU (tensor parallel): bandwidth-bound. 64-token tiles over
+            # 4 warps, 2 stages, and the split rule of two programs an SM (shared memory holds
+            # one: 147 KiB of latent tiles), which picks S=4 at 64 x 4k and S=32 at 8 x 32k.
+            # --tune-paths, graph-timed, against the previous 32-token tiles at 3 stages capped
+            # at 128 registers: 64 x 4k H100 0.1171 vs 0.1185 ms, H200 0.0867 vs 0.1018 (0.82
+            # of its copy vs 0.69), the sweep's best on both; 8 x 32k H100 0.1180 vs 0.1203 at
+            # S=16 (S=32 not in that sweep), H200's best 0.0933 at more splits than the old 16.
+            # (do_bench sweeps of earlier sessions measured the host: not comparable.)
+            tile_n, num_warps, num_stages, waves = 64, 4, 2, 1
+            programs_per_sm = 2
         if block_m > max_rows:
             if v_from_k and arch >= 90:
                 # MLA, MMA-bound (see above): 64 rows for the warpgroup MMA, one program an SM
@@ -205,6 +208,13 @@ def select_config(
         kv_upcast = False
         if block_m > max_rows:
             block_m, tile_n, num_warps = max_rows, 32, 8
+        if arch >= 90 and elem_bytes == 2 and block_m == max_rows == 128 and block_size % tile_n:
+            # Pages smaller than a tile (gathered by pointers, no TMA box): 256 rows over two
+            # warpgroups (the same 128 accumulator registers a thread as 128 rows over one), so
+            # each tile's gathers serve twice the rows (sm_90 build, page 16: 255 registers, no
+            # spills, against 224 bytes a thread spilled at 128 rows). 4 x 4096 causal, --tune,
+            # graph-timed: H100 415 vs 404 TFLOP/s, H200 410 vs 395.
+            block_m, num_warps = 256, 8
     else:
         raise ValueError(f"config kind={kind!r} must be 'decode' or 'prefill'")
     if elem_bytes == 1:
@@ -316,6 +326,8 @@ def kernel_constexprs(
     tma: bool = False,
     kv_bytes: int = 2,
     ptx: bool = True,
+    k_start: int = 0,
+    v_start: int | None = None,
 ) -> dict[str, Any]:
     """Every ``tl.constexpr`` of :func:`~._kernels.paged_attention_kernel` for one launch.
 
@@ -326,7 +338,9 @@ def kernel_constexprs(
     :func:`kv_kernels._common.row_align`. ``tma``: the launcher passes TMA descriptors (only
     where ``cfg.tma`` and the cache's strides allow it). ``kv_bytes``: the cache's element size
     (``cfg.kv_upcast`` acts on 1-byte pages with 16-bit queries only); ``ptx``: inline PTX may
-    run (off under the interpreter, which converts by ``.to`` instead).
+    run (off under the interpreter, which converts by ``.to`` instead). ``k_start`` /
+    ``v_start``: the first C element of K / V in a token row (the layout's ``k_range[0]`` /
+    ``v_range[0]``; by default K then V packed, V at K's own columns with ``v_from_k``).
     """
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind={kind!r} must be 'decode' or 'prefill'")
@@ -338,9 +352,13 @@ def kernel_constexprs(
             f"v_from_k needs head_size_v={head_size_v} equal to the main tile {d_main} of "
             f"head_size={head_size} with a tail (MLA: 576 = 512 + 64)"
         )
+    if v_start is None:
+        v_start = k_start if v_from_k else k_start + head_size
     return dict(
         HEAD_SIZE=head_size,
         HEAD_SIZE_V=head_size_v,
+        K_START=k_start,
+        V_START=v_start,
         D_PAD=d_main,
         DV_PAD=pow2(head_size_v),
         D_TAIL=d_tail,

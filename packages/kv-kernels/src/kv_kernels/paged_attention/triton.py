@@ -228,6 +228,8 @@ def paged_attention_triton(
         row_align=row_align(kv_cache.stride()[:3]),
         kv_bytes=kv_cache.element_size(),
         ptx=type(paged_attention_kernel).__name__ != "InterpretedFunction",
+        k_start=k_range[0],
+        v_start=v_range[0],
     )
     head_args = (q, *q.stride(), kv_cache, *kv_cache.stride(), kvs)
     args = (
@@ -236,7 +238,7 @@ def paged_attention_triton(
         *scale_args, out, *out.stride(), lse_t, lse_t.stride(0), lse_t.stride(1),
         part_out, part_lse, error_flag if error_flag is not None else seq_lens,
         num_seqs, num_q_heads, num_blocks, block_table.shape[1],
-        k_range[0], v_range[0], ks_idx, vs_idx, scale, float(softcap), int(sliding_window or 0),
+        ks_idx, vs_idx, scale, float(softcap), int(sliding_window or 0),
     )  # fmt: skip
     # decode class: q_len in [1, block_q(decode)], one program per sequence
     paged_attention_kernel[(num_seqs, num_kv_heads * chunks_dec, num_splits)](
