@@ -70,7 +70,7 @@ def tune(
         if not keep(key):
             continue
         case = case_cls(batch=batch, ctx=ctx, block=block, q_len=ctx)
-        results: list[tuple[Any, ...]] = []
+        results = []
         for bm, tn, w, st, tma in (
             (128, 64, 4, 2, True),
             (128, 64, 4, 3, True),
