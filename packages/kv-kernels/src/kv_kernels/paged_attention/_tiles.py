@@ -170,8 +170,13 @@ def select_config(
         # with V as bytes too (their P.V stays bf16, which has no packed byte conversion).
         kv_upcast = elem_bytes == 1
         if d_tail and not v_from_k:
-            # split head (DiffKV 192 = 128 + 64 over V 128)
+            # split head (DiffKV 192 = 128 + 64 over V 128). Registers capped at 128 so two
+            # programs of 8 warps share an SM: once V's addresses became K's plus an immediate
+            # (K_START / V_START), ptxas took 148 and one program an SM, and the H100 read 64 x
+            # 4k / 8 x 32k in 0.4965 / 0.4817 ms against 0.4667 / 0.4621 (sm_90 loop at 128:
+            # 400 instructions a tile, was 475; 8 bytes spilled outside it)
             tile_n, num_warps, num_stages, waves = 128, 8, 2, 4
+            max_registers = 128
         elif v_from_k and block_m <= max_rows:
             # MLA with few heads per GPU (tensor parallel): bandwidth-bound. 64-token tiles over
             # 4 warps, 2 stages, and the split rule of two programs an SM (shared memory holds
