@@ -134,8 +134,14 @@ def test_deepseek_v3_config_splits_heads() -> None:
     # 64 of the 128 heads per program, over 8 warps: Hopper's warpgroup MMA (MLA is MMA-bound)
     assert (cfg.block_m, cfg.block_q, cfg.heads_per_program, cfg.num_warps) == (64, 1, 64, 8)
     # the latent tile is the only KV tile: no separate V row in the shared-memory budget; the
-    # q tile (64 x 576) and one 64-token latent tile fit, and one such program fills an SM
-    assert cfg.tile_n == 64 and cfg.num_stages == 1 and cfg.waves == 1
+    # q tile (64 x 576) and two stages of 64-token latent tiles fill the SM's 227 KiB, and one
+    # such program fills an SM
+    assert cfg.tile_n == 64 and cfg.num_stages == 2 and cfg.waves == 1
+    assert (cfg.num_stages * cfg.tile_n + cfg.block_m) * 576 * 2 <= 227 * 1024
+    # an fp8 latent needs an fp16 copy of each tile: one stage of 32 tokens
+    cfg8 = select_config("decode", head_size=576, head_size_v=512, group=128, block_size=64,
+                         arch=90, v_from_k=True, elem_bytes=1)  # fmt: skip
+    assert (cfg8.tile_n, cfg8.num_stages) == (32, 1)
     # without the warpgroup MMA (sm_80) the accumulator of 64 heads x 512 would not fit
     cfg80 = select_config("decode", head_size=576, head_size_v=512, group=128, block_size=64,
                           arch=80, v_from_k=True)  # fmt: skip

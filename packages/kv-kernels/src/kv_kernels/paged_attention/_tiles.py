@@ -190,8 +190,17 @@ def select_config(
             programs_per_sm = 2
         if block_m > max_rows:
             if v_from_k and arch >= 90:
-                # MLA, MMA-bound (see above): 64 rows for the warpgroup MMA, one program an SM
+                # MLA, MMA-bound (see above): 64 rows for the warpgroup MMA, one program an SM.
+                # 2 stages of 64-token tiles (16-bit latents): the program takes the SM's whole
+                # shared memory (216 KiB of 227: two 72 KiB tiles and the 72 KiB q), so the
+                # budget is the SM's less 8 KiB. At 1 stage the tile went through registers
+                # into shared memory, beside the 128 accumulator registers (sm_90: 1.5 KiB a
+                # thread spilled; 268 bytes, outside the hot path mostly, at 2). H200,
+                # --tune-paths, graph-timed: 64 x 4k 0.2882 vs 0.3734 ms (S=1), 8 x 32k 0.3024
+                # vs 0.3798 (S=8), the split counts the one-wave rule picks.
                 block_m, tile_n, num_warps, num_stages, waves = 64, 64, 8, 1, 1
+                if elem_bytes == 2:
+                    num_stages, budget = 2, 227 * 1024 - 8 * 1024
             else:
                 # 32 rows x 512 values over two warpgroups (64 accumulator registers a thread),
                 # 32-token tiles of the 1152-byte latent rows
