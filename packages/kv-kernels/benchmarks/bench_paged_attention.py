@@ -289,6 +289,15 @@ def run_new_cases(
             torch.cuda.empty_cache()
 
 
+def _provenance() -> dict[str, str]:
+    """The card and versions a sweep ran on (its JSON carries them, as every record does)."""
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
 def write_report(records: list[dict], out: str, device: str) -> None:
     """``paged_attention.json``, ``.md`` (the table printed below too) and ``.png`` (ratio of
     each record to its baseline, one bar per record)."""
@@ -391,13 +400,13 @@ def main() -> int:
 
         best = tune(Case, _bench, DECODE, PREFILL, keep)
         with open(os.path.join(args.out, "paged_attention_tune.json"), "w") as f:
-            json.dump(best, f, indent=1)
+            json.dump({**_provenance(), "best": best}, f, indent=1)
     if args.tune_paths:
         from _tune_paths import tune_paths
 
         best = tune_paths(lambda fn: _bench(fn, warmup=5, rep=25), keep)
         with open(os.path.join(args.out, "paged_attention_tune_paths.json"), "w") as f:
-            json.dump(best, f, indent=1)
+            json.dump({**_provenance(), "best": best}, f, indent=1)
     limit = copy_limit()
     print(
         json.dumps(
