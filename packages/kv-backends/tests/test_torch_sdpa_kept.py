@@ -15,6 +15,7 @@ import torch
 from kv_backends import CommonAttentionMetadata, get_backend
 from kv_backends.backends import torch_sdpa_kept
 from kv_backends.backends.torch_sdpa import TorchSDPAImpl, TorchSDPAMetadata
+from kv_backends.registry import backend_names
 from kv_backends.testing import PagedBatch, make_paged_batch
 from kv_kernels import layer_view
 
@@ -254,3 +255,33 @@ def test_raw_writes_need_increment_version() -> None:
 
     with pytest.raises(AssertionError, match="kept gather differs"):
         run.step([0, 1, 2, 3], between=unreported)
+
+
+def test_engine_options_budget_the_kept_gathers_on_the_cpu_only() -> None:
+    """What an engine that reports external writes passes: a quarter of the cache over the
+    layers, at least 1 MiB a layer, on the CPU; nothing on a GPU. Every registered backend's
+    options are accepted by its own ``make_impl`` (the hook's contract)."""
+    sdpa = get_backend("TORCH_SDPA")
+    cpu = torch.device("cpu")
+    assert sdpa.engine_impl_options(device=cpu, kv_cache_bytes=64 * 2**20, num_layers=4) == {
+        "keep_decode_gather_bytes": 4 * 2**20
+    }
+    assert sdpa.engine_impl_options(device=cpu, kv_cache_bytes=2**20, num_layers=4) == {
+        "keep_decode_gather_bytes": 2**20
+    }
+    assert (
+        sdpa.engine_impl_options(device=torch.device("cuda"), kv_cache_bytes=2**30, num_layers=4)
+        == {}
+    )
+    b = make_paged_batch(query_lens=[1], seq_lens=[5], block_size=BLOCK, num_blocks=8)
+    served = 0
+    for name in backend_names():
+        backend = get_backend(name)
+        opts = backend.engine_impl_options(device=cpu, kv_cache_bytes=2**30, num_layers=2)
+        if backend.validate(b.config):
+            continue  # (cannot serve this layer at all)
+        served += 1
+        impl = backend.make_impl(b.config, b.layout, **opts)
+        for key, value in opts.items():
+            assert getattr(impl, key) == value, (name, key)
+    assert served >= 2  # TORCH_SDPA and at least one other backend took their options

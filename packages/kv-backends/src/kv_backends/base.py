@@ -150,6 +150,19 @@ class AttentionBackend:
         let version-dependent backends narrow it)."""
         return cls.CAPABILITIES.kernel_block_size_ok(size)
 
+    @classmethod
+    def engine_impl_options(
+        cls, *, device: torch.device, kv_cache_bytes: int, num_layers: int
+    ) -> dict[str, Any]:
+        """Options for :meth:`make_impl` that an engine passes when it reports every write its
+        KV caches receive outside torch's in-place ops (a connector's raw load: the engine
+        calls ``torch.autograd.graph.increment_version`` on the cache after it), for a cache of
+        ``kv_cache_bytes`` over ``num_layers`` layers on ``device``; hook (none by default).
+
+        An engine learns here what a backend may keep between steps without naming the backend;
+        the backend keeps the policy (how much memory, on which devices) beside the feature."""
+        return {}
+
     # -- construction ------------------------------------------------------------------------
 
     @classmethod

@@ -554,3 +554,15 @@ class TorchSDPABackend(AttentionBackend):
     )
     builder_cls = TorchSDPABuilder
     impl_cls = TorchSDPAImpl
+
+    @classmethod
+    def engine_impl_options(
+        cls, *, device: torch.device, kv_cache_bytes: int, num_layers: int
+    ) -> dict[str, Any]:
+        """On the CPU, each layer keeps its decode gather between steps
+        (``keep_decode_gather_bytes``, :mod:`.torch_sdpa_kept`; safe because the engine reports
+        external writes), up to a quarter of the KV cache's bytes over all layers and at least
+        1 MiB a layer: the kept float32 copies must not double the memory the engine planned."""
+        if torch.device(device).type != "cpu":
+            return {}
+        return {"keep_decode_gather_bytes": max(kv_cache_bytes // (4 * max(num_layers, 1)), 2**20)}

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from kv_backends import (
-    AttentionBackend,
     AttentionConfig,
     AttentionImpl,
     CommonAttentionMetadata,
@@ -33,7 +32,6 @@ from kv_backends import (
     prepare_kernel_block_sizes,
     select_backend,
 )
-from kv_backends.backends.torch_sdpa import TorchSDPAImpl
 from kv_kernels import allocate_kv_cache, layer_view
 from kv_kernels.cache import KVCacheStorage
 from kv_spec import (
@@ -255,7 +253,11 @@ class ModelRunner:
                 layout,
                 scale=self.model.scale,
                 sinks=None if sinks is None else sinks.detach().float(),
-                **self._impl_options(sel.backend),
+                **sel.backend.engine_impl_options(
+                    device=self.device,
+                    kv_cache_bytes=self.kv_cache_config.total_bytes,
+                    num_layers=self.arch.num_layers,
+                ),
             )
             view = layer_view(self.kv_caches[g.group_id], layout, slot)
             self.layers.append(LayerBinding(name, g.group_id, slot, view, impl))
@@ -265,17 +267,6 @@ class ModelRunner:
     @property
     def num_groups(self) -> int:
         return len(self.kv_cache_config.groups)
-
-    def _impl_options(self, backend: type[AttentionBackend]) -> dict[str, Any]:
-        """Options for ``backend``'s impls. TORCH_SDPA keeps each layer's CPU decode gather
-        between steps (an opt-in: every cache write must move the cache's version counter,
-        which the engine's own writes do and :meth:`note_external_writes` does for the rest),
-        up to a quarter of the KV cache's bytes over all layers (at least 1 MiB a layer): the
-        kept float32 copies must not double the memory the plan promised."""
-        if issubclass(backend.impl_cls, TorchSDPAImpl) and self.device.type == "cpu":
-            total = self.kv_cache_config.total_bytes
-            return {"keep_decode_gather_bytes": max(total // (4 * self.arch.num_layers), 2**20)}
-        return {}
 
     def note_external_writes(self) -> None:
         """Report KV written into the caches outside torch's in-place ops (a connector's load
