@@ -65,6 +65,8 @@ def _batch(
         make_kv=False,
     )
     for t in b.storage if isinstance(b.storage, list) else [b.storage]:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cache storage holds a {type(t).__name__}, not a torch.Tensor")
         t.normal_()
     return b
 

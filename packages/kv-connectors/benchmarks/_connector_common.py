@@ -27,7 +27,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_s(fn: Callable[[], None], device: torch.device, iters: int, warmup: int = 2) -> float:
+def median_s(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     sync(device)
@@ -40,7 +40,7 @@ def median_s(fn: Callable[[], None], device: torch.device, iters: int, warmup: i
     return statistics.median(times)
 
 
-def device_s(fn: Callable[[], None], device: torch.device, iters: int, warmup: int = 3) -> float:
+def device_s(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
     """Seconds of device time per call: ``iters`` calls back to back between two CUDA events, so a
     call's host work overlaps the previous call's kernel (the host cost is measured apart, by
     :func:`median_s`). On the CPU this is wall time."""
@@ -98,9 +98,9 @@ class Results:
 
 
 def make_layout(order: str, shape: dict[str, Any]) -> Any:
-    from kv_spec import KVCacheLayout
+    from kv_spec import KVCacheLayout, LayoutOrder
 
-    return KVCacheLayout(order=order, **shape)
+    return KVCacheLayout(order=LayoutOrder.parse(order), **shape)
 
 
 def make_cache(order: str, shape: dict[str, Any], device: torch.device) -> tuple[Any, Any, int]:

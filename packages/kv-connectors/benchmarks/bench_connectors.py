@@ -194,7 +194,7 @@ def _gather_order(
             for v in views:
                 torch.index_select(v, 0, ids)
     else:
-        slab = storage.view(-1).view(torch.uint8).view(layout.num_blocks, row)  # type: ignore[union-attr]
+        slab = storage.view(-1).view(torch.uint8).view(layout.num_blocks, row)
 
         def index_select() -> None:
             torch.index_select(slab, 0, ids)

@@ -23,6 +23,7 @@ Bytes counted (the query, output and block table are < 0.1% and not counted):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
-from kv_spec import KVCacheLayout
+from kv_spec import KVCacheLayout, LayoutOrder
 
 __all__ = ["NewCase", "new_cases"]
 
@@ -52,7 +53,7 @@ def _paged(
     pages = -(-ctx // block)
     num_blocks = batch * pages + 1
     layout = KVCacheLayout(
-        order="LBNHC", num_layers=1, num_blocks=num_blocks, block_size=block, **layout_kw
+        order=LayoutOrder.LBNHC, num_layers=1, num_blocks=num_blocks, block_size=block, **layout_kw
     )
     kv = layer_view(allocate_kv_cache(layout, device, zero=False), layout, 0)
     perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * pages] + 1
@@ -77,7 +78,9 @@ def _fill_quantized(kv: torch.Tensor, layout: KVCacheLayout, gen: torch.Generato
         chunk.view(torch.uint8)[..., s0:s1] = scales.view(torch.uint8).to(kv.device)
 
 
-def _pth(quant: str, batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
+def _pth(
+    quant: str, batch: int, ctx: int, block: int, device: str, gen: torch.Generator
+) -> NewCase:
     hq, h, d = (4, 2, 32) if device == "cpu" else (32, 8, 128)
     cache_dtype = "int8" if quant == "int8" else "fp8_e4m3"
     layout, kv, table, seq_lens, qsl = _paged(
@@ -100,7 +103,7 @@ def _pth(quant: str, batch: int, ctx: int, block: int, device: str, gen) -> NewC
     return NewCase(f"pth_{quant}_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run)
 
 
-def _fp8(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
+def _fp8(batch: int, ctx: int, block: int, device: str, gen: torch.Generator) -> NewCase:
     """fp8 (e4m3) per-tensor cache: half the bytes of bf16, scales as two floats."""
     hq, h, d = (4, 2, 32) if device == "cpu" else (32, 8, 128)
     layout, kv, table, seq_lens, qsl = _paged(
@@ -129,7 +132,9 @@ def _fill_fp8(kv: torch.Tensor) -> None:
         chunk.copy_((torch.randn(chunk.shape, device=kv.device) * 30).to(kv.dtype))
 
 
-def _mla(batch: int, ctx: int, block: int, device: str, gen, heads_tp: int = 128) -> NewCase:
+def _mla(
+    batch: int, ctx: int, block: int, device: str, gen: torch.Generator, heads_tp: int = 128
+) -> NewCase:
     """``heads_tp``: DeepSeek-V3's 128 heads (one GPU) or a tensor-parallel share (16 at TP 8)."""
     heads, rank, rope = (8, 64, 16) if device == "cpu" else (heads_tp, 512, 64)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
@@ -154,7 +159,7 @@ def _mla(batch: int, ctx: int, block: int, device: str, gen, heads_tp: int = 128
     return NewCase(f"{tag}_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run, flops)
 
 
-def _diffkv(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
+def _diffkv(batch: int, ctx: int, block: int, device: str, gen: torch.Generator) -> NewCase:
     hq, h = (4, 1) if device == "cpu" else (32, 8)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
     layout, kv, table, seq_lens, qsl = _paged(
@@ -176,7 +181,9 @@ def _diffkv(batch: int, ctx: int, block: int, device: str, gen) -> NewCase:
 
 
 #: (builder, args) per case: decode at 64 x 4k and 8 x 32k (MLA at page 64, as DeepSeek serves).
-_GPU = [
+_Table = list[tuple[Callable[..., NewCase], tuple[Any, ...]]]
+
+_GPU: _Table = [
     (_pth, ("int8", 64, 4096, 16)),
     (_pth, ("fp8", 64, 4096, 16)),
     (_pth, ("int8", 8, 32768, 16)),
@@ -189,7 +196,7 @@ _GPU = [
     (_diffkv, (64, 4096, 16)),
     (_diffkv, (8, 32768, 16)),
 ]
-_SMOKE = [
+_SMOKE: _Table = [
     (_pth, ("int8", 2, 40, 16)),
     (_pth, ("fp8", 2, 40, 16)),
     (_fp8, (2, 40, 16)),
@@ -205,11 +212,11 @@ def new_cases(
     called, so one case's cache is freed before the next is made)."""
     gen = torch.Generator().manual_seed(0)
     table = _SMOKE if smoke else _GPU
-    makers = []
+    makers: list[Callable[[], NewCase]] = []
     for build, args in table:
         name = _name_of(build, args)
         if keep(name):
-            makers.append(lambda b=build, a=args: _make(b, a, device, gen))
+            makers.append(functools.partial(_make, build, args, device, gen))
     return makers
 
 

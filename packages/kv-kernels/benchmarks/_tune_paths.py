@@ -6,6 +6,7 @@ written into :func:`kv_kernels.paged_attention._tiles.select_config` with its me
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -76,7 +77,7 @@ def tune_paths(bench: Callable[[Callable[[], Any]], float], keep: Callable[[str]
             pa_triton.select_config = patched
             for splits in (None, 1, 2, 4, 8, 16):
                 try:
-                    ms = bench(lambda s=splits, c=case: c.run(num_splits=s))
+                    ms = bench(functools.partial(case.run, num_splits=splits))
                 except Exception as e:  # a config that does not fit: reported, not fatal
                     print(f"TUNE {case.name} {entry} S={splits}: {type(e).__name__} "
                           f"{str(e)[:160]}", flush=True)  # fmt: skip

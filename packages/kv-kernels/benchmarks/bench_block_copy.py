@@ -36,7 +36,7 @@ import triton
 from _records import BandwidthRecorder  # this folder's shared record writer
 from kv_kernels.block_copy import gather_blocks, scatter_blocks
 from kv_kernels.cache import allocate_kv_cache
-from kv_spec import KVCacheLayout
+from kv_spec import KVCacheLayout, LayoutOrder
 
 LAYERS, BLOCKS, H, D, N, MOVED = 32, 2048, 8, 128, 16, 256
 
@@ -47,7 +47,7 @@ def _bench(fn: Callable[[], Any]) -> float:
 
 def _layout(order: str) -> KVCacheLayout:
     return KVCacheLayout(
-        order=order,
+        order=LayoutOrder.parse(order),
         num_layers=LAYERS,
         num_blocks=BLOCKS,
         num_kv_heads=H,
@@ -77,31 +77,29 @@ def _run_layout(
 
     # -- offload: GPU cache -> pinned host ------------------------------------------------
     case = f"gather to pinned host, {order}, {MOVED} blocks x {LAYERS} layers"
+
+    def gather_staged() -> None:
+        gather_blocks(storage, layout, ids_cpu, staging, impl="triton")
+        pinned.copy_(staging, non_blocking=True)
+
     for impl, fn in (
         # block ids from the host, as a connector passes them (range-checked, copied async)
         ("triton", lambda: gather_blocks(storage, layout, ids_cpu, pinned, impl="triton")),
-        (
-            "staged",
-            lambda: (
-                gather_blocks(storage, layout, ids_cpu, staging, impl="triton"),
-                pinned.copy_(staging, non_blocking=True),
-            ),
-        ),
+        ("staged", gather_staged),
         ("reference", lambda: gather_blocks(storage, layout, ids_cpu, pinned, impl="reference")),
     ):
         record(case, impl, _bench(fn), nbytes, "torch copy_", d2h_ms)
 
     # -- reload: pinned host -> GPU cache -------------------------------------------------
     case = f"scatter from pinned host, {order}, {MOVED} blocks x {LAYERS} layers"
+
+    def scatter_staged() -> None:
+        staging.copy_(pinned, non_blocking=True)
+        scatter_blocks(staging, storage, layout, ids_cpu, impl="triton")
+
     for impl, fn in (
         ("triton", lambda: scatter_blocks(pinned, storage, layout, ids_cpu, impl="triton")),
-        (
-            "staged",
-            lambda: (
-                staging.copy_(pinned, non_blocking=True),
-                scatter_blocks(staging, storage, layout, ids_cpu, impl="triton"),
-            ),
-        ),
+        ("staged", scatter_staged),
         (
             "reference",
             lambda: scatter_blocks(pinned, storage, layout, ids_cpu, impl="reference"),

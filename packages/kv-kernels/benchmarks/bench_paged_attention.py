@@ -45,7 +45,7 @@ import torch
 import triton
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
-from kv_spec import KVCacheLayout
+from kv_spec import KVCacheLayout, LayoutOrder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _attention_cases import new_cases
@@ -85,7 +85,7 @@ class Case:
         pages = ctx // block
         num_blocks = batch * pages + 1
         self.layout = KVCacheLayout(
-            order="LBNHC",
+            order=LayoutOrder.LBNHC,
             num_layers=1,
             num_blocks=num_blocks,
             num_kv_heads=H,
@@ -205,7 +205,7 @@ class Case:
         raise err
 
     def fa4(self) -> Callable[[], Any]:
-        from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]
+        from flash_attn.cute import flash_attn_varlen_func
 
         kv = self.kv.permute(0, 2, 1, 3)  # [B, N, H, C]: FA's paged NHD view, no copy
         k, v = kv[..., :D], kv[..., D:]
@@ -279,6 +279,8 @@ def run_new_cases(
         records.append(rec)
         print(json.dumps(rec), flush=True)
         if case.flops and value is not None:
+            if ms is None:  # value is computed from ms, so this cannot happen
+                raise RuntimeError(f"{case.name}: a value was measured without its time in ms")
             # MLA's compute rate beside its bandwidth: at 128 heads the MMA, not HBM, is the roof
             flop_rec = {**rec, "metric": "TFLOP/s", "value": case.flops / ms / 1e9,
                         "baseline": None, "baseline_value": None, "ratio": None}  # fmt: skip
@@ -415,7 +417,7 @@ def main() -> int:
         flush=True,
     )
     try:
-        import flash_attn.cute  # type: ignore[import-not-found]  # noqa: F401
+        import flash_attn.cute  # noqa: F401
 
         have_fa4 = True
     except Exception:
@@ -486,7 +488,7 @@ def main() -> int:
         work = case.kv_bytes() if kind == "decode" else case.causal_flops()
         metric = "TB/s" if kind == "decode" else "TFLOP/s"
         scale = 1e9  # bytes / ms / 1e9 = TB/s; flops / ms / 1e9 = TFLOP/s
-        makers: dict[str, Callable[[], Callable[[], Any]]] = {"triton": lambda c=case: c.ours()}
+        makers: dict[str, Callable[[], Callable[[], Any]]] = {"triton": case.ours}
         if have_fa4:
             makers["fa4"] = case.fa4
         if case.uniform:  # the dense baselines take one length for all sequences

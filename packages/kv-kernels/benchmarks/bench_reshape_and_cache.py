@@ -50,7 +50,7 @@ from _timing import gpu_ms, timed
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.reshape_and_cache import reshape_and_cache
 from kv_kernels.reshape_and_cache import triton as rc_triton
-from kv_spec import KVCacheLayout
+from kv_spec import KVCacheLayout, KVQuantMode, LayoutOrder
 
 TOKENS, H, D, BLOCK = 65536, 8, 128, 16
 
@@ -63,7 +63,7 @@ def _bench(fn: Callable[[], Any], rep: int = 200) -> float:
 
 def _case_layout(order: str, dtype: str, kv_quant: str) -> KVCacheLayout:
     return KVCacheLayout(
-        order=order,
+        order=LayoutOrder.parse(order),
         num_layers=1,
         num_blocks=2 * TOKENS // BLOCK,  # the batch fills half the cache, in shuffled blocks
         num_kv_heads=H,
@@ -71,7 +71,7 @@ def _case_layout(order: str, dtype: str, kv_quant: str) -> KVCacheLayout:
         head_size=D,
         head_size_v=D,
         dtype=dtype,
-        kv_quant=kv_quant,
+        kv_quant=KVQuantMode.parse(kv_quant),
     )
 
 
@@ -174,7 +174,7 @@ def _tune_case(dtype: str, kv_quant: str, copy_tbps: float) -> None:
 
     run()
     expected = view.clone()
-    rows = []
+    rows: list[tuple[float, dict[str, object]]] = []  # (ms, record): sorted by ms
     for block_t, warps, split in [(0, 0, 0), *_SWEEP[kv_quant]]:
         cfg = default
         if block_t:
@@ -199,10 +199,10 @@ def _tune_case(dtype: str, kv_quant: str, copy_tbps: float) -> None:
             "default": cfg == default, "ms": ms, "TB/s": tbps, "of_copy": tbps / copy_tbps,
             "same_bytes": same,
         }  # fmt: skip
-        rows.append(rec)
+        rows.append((ms, rec))
         print("TUNE", json.dumps(rec), flush=True)
-    rows.sort(key=lambda r: r["ms"])
-    print("TUNE-BEST", json.dumps(rows[:3]), flush=True)
+    rows.sort(key=lambda r: r[0])
+    print("TUNE-BEST", json.dumps([rec for _, rec in rows[:3]]), flush=True)
 
 
 def _tune(copy_tbps: float) -> None:

@@ -153,9 +153,12 @@ def bench_arch(arch: str, n: int, new: int, device: str, dtype: torch.dtype) -> 
         peers = {"kvstack LLMEngine": ours_go}
         if device.startswith("cuda"):  # the same engine without CUDA graphs, for the host cost
             peers[EAGER] = run_kvstack(model_dir, prompts, new, device, dtype, cuda_graphs=False)
+        # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to), and typeshed's
+        # `_Wrapped` is not a descriptor, so mypy binds `device` to `self`: a false positive. Where
+        # transformers is absent (the typecheck env has no `hf` group) the ignore is unused.
         model = (
             AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-            .to(device)
+            .to(device)  # type: ignore[arg-type, unused-ignore]
             .eval()
         )
         rounds: dict[str, list[float]] = {}
