@@ -6,6 +6,12 @@ underlying kernel called by hand (the baseline). ``ratio = value / baseline_valu
 >= 0.95 (backend overhead <= 5%) at batch-64 decode. Metadata build time (once per step, shared
 by all layers of a group) is reported separately as ``build_ms``.
 
+Both sides are timed eagerly (``do_bench``: host and GPU together), on purpose: the backend's
+cost over its kernel is host work (metadata views, argument checks), which a CUDA-graph replay
+would hide. So these figures are what a caller without CUDA graphs waits, and for short decode
+kernels they include the launch's host time on both sides; the kernel's own GPU time is in
+``kv-kernels``' graph-timed ``bench_paged_attention.py``.
+
 Formulas:
 
 - decode, KV bytes read: ``sum(seq_lens) * H * (D + Dv) * 2`` (bf16) plus Q and O
