@@ -107,9 +107,9 @@ class _Run:
             fresh = self._impl()  # nothing kept yet: a full gather
             want = fresh.forward(None, q, cache, self._build(common))
             assert torch.equal(got, want), f"step of {order}: kept gather differs"
-            kept = impl.__dict__.get("_kept_gather")
+            kept = impl.kept_gather
             if kept is not None:
-                assert torch.equal(kept.buffer, fresh.__dict__["_kept_gather"].buffer)
+                assert torch.equal(kept.buffer, fresh.kept_gather.buffer)
         (plan,) = md.plans.values()
         self.partial_steps += sum(v[2] is not None for v in plan.refreshes.values())
 
@@ -198,8 +198,8 @@ def test_off_by_default_and_checked() -> None:
     run.impls = [impl, run._impl()]
     run.step([0, 1])
     run.step([0, 1])
-    assert "_kept_gather" not in impl.__dict__
-    assert "_kept_gather" in run.impls[1].__dict__
+    assert impl.kept_gather is None
+    assert run.impls[1].kept_gather is not None
     for bad in (True, -1, 2.0):
         with pytest.raises(TypeError, match="keep_decode_gather_bytes"):
             get_backend("TORCH_SDPA").make_impl(
@@ -214,15 +214,15 @@ def test_a_gather_over_the_budget_is_not_kept() -> None:
     # 4 requests take 128 KiB and 2 take 64 KiB, against an 80 KiB budget
     run = _Run([14, 30, 62, 47], budget=80 * 1024)
     run.step([0, 1, 2, 3])
-    assert all("_kept_gather" not in impl.__dict__ for impl in run.impls)
+    assert all(impl.kept_gather is None for impl in run.impls)
     small = _Run([14, 30], budget=80 * 1024)
     small.step([0, 1])
     small.step([0, 1])
-    assert all("_kept_gather" in impl.__dict__ for impl in small.impls)
+    assert all(impl.kept_gather is not None for impl in small.impls)
     assert small.partial_steps >= 1
     for _ in range(40):  # request 1 pads to 128 tokens: 96 KiB, over the budget
         small.step([0, 1])
-    assert all("_kept_gather" not in impl.__dict__ for impl in small.impls)
+    assert all(impl.kept_gather is None for impl in small.impls)
 
 
 def test_inference_tensor_cache_gathers_in_full() -> None:
@@ -232,7 +232,7 @@ def test_inference_tensor_cache_gathers_in_full() -> None:
     for _ in range(3):
         run.step([0, 1, 2])
     assert run.partial_steps == 0
-    assert all("_kept_gather" not in impl.__dict__ for impl in run.impls)
+    assert all(impl.kept_gather is None for impl in run.impls)
 
 
 def test_raw_writes_need_increment_version() -> None:

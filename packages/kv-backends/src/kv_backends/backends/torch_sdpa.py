@@ -38,7 +38,7 @@ from kv_backends.backends._torch_ops import (
     write_kv_slots,
 )
 from kv_backends.backends.torch_sdpa_decode import DecodeRun
-from kv_backends.backends.torch_sdpa_kept import cache_ledger, forget_kept, gather_kept
+from kv_backends.backends.torch_sdpa_kept import KeptGather, cache_ledger, gather_kept
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
 from kv_backends.metadata import CommonAttentionMetadata
@@ -345,6 +345,8 @@ class TorchSDPAImpl(AttentionImpl):
                 "decode gather (bytes) a layer keeps between steps on the CPU, 0 to keep none"
             )
         self.keep_decode_gather_bytes = limit
+        #: this layer's decode gather of its last step, when kept (:mod:`.torch_sdpa_kept`)
+        self.kept_gather: KeptGather | None = None
 
     def _kv_row_offsets(
         self, cache: torch.Tensor, layout: KVCacheLayout
@@ -464,16 +466,16 @@ class TorchSDPAImpl(AttentionImpl):
             row_array = self._row_array(cache, klayout)
             index = plan.kv_index[geometry]  # [rows]
             if q.device.type == "cpu" and self.keep_decode_gather_bytes:
-                kept = None
+                kept = None  # over the budget, or nothing provable: keep nothing
                 if index.numel() * self.head_size * 4 <= self.keep_decode_gather_bytes:
                     assert offsets is not None
                     kept = gather_kept(
-                        self.__dict__, kv_cache, row_array, index, plan, geometry, offsets,
+                        self.kept_gather, kv_cache, row_array, index, plan, geometry, offsets,
                         metadata.slot_mapping, run.new_buffer,
                     )  # fmt: skip
+                self.kept_gather = kept
                 if kept is not None:
-                    return run.attend(kept, q, self.scale, out, memo=self.__dict__)
-                forget_kept(self.__dict__)  # over the budget, or nothing provable: keep nothing
+                    return run.attend(kept.buffer, q, self.scale, out, kept=kept)
             buffer = torch.index_select(row_array, 0, index, out=run.shared_buffer())
             return run.attend(buffer, q, self.scale, out)
         gathered, start = None, 0

@@ -21,6 +21,7 @@ import torch
 if TYPE_CHECKING:
     from kv_backends.backends._torch_masks import PaddedMask
     from kv_backends.backends.torch_sdpa import _StepPlan
+    from kv_backends.backends.torch_sdpa_kept import KeptGather
 
 __all__ = ["DecodeRun"]
 
@@ -91,17 +92,17 @@ class DecodeRun:
         )
 
     def views(
-        self, gathered: torch.Tensor, memo: dict[str, object] | None = None
+        self, gathered: torch.Tensor, kept: KeptGather | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per group, the ``[G*H, D, Sb]`` K^T and ``[G*H, Sb, D]`` V views of ``gathered``
-        (made once per buffer per step; with ``memo``, a layer's dict, kept there across steps
-        while the buffer and :attr:`view_key` stay the same)."""
-        if memo is not None:
-            last = memo.get("_kept_views")
-            if isinstance(last, tuple) and last[0] is gathered and last[1] == self.view_key:
-                return last[2]
-        kept = self._views.get(id(gathered))
-        if kept is None or kept[0] is not gathered:
+        (made once per buffer per step; with ``kept``, a layer's kept gather of ``gathered``,
+        kept there across steps while :attr:`view_key` stays the same)."""
+        if kept is not None and kept.buffer is not gathered:
+            kept = None  # (views of another buffer)
+        if kept is not None and kept.views is not None and kept.views[0] == self.view_key:
+            return kept.views[1]
+        made = self._views.get(id(gathered))
+        if made is None or made[0] is not gathered:
             d = self.head_size
             kv = []
             for *_, start, gh, sb in self.groups:
@@ -109,10 +110,10 @@ class DecodeRun:
                 k = gathered[start : start + n].view(gh, sb, d)
                 v = gathered[start + n : start + 2 * n].view(gh, sb, d)
                 kv.append((k.transpose(1, 2), v))
-            kept = self._views[id(gathered)] = (gathered, kv)
-        if memo is not None:
-            memo["_kept_views"] = (gathered, self.view_key, kept[1])
-        return kept[1]
+            made = self._views[id(gathered)] = (gathered, kv)
+        if kept is not None:
+            kept.views = (self.view_key, made[1])
+        return made[1]
 
     def attend(
         self,
@@ -120,15 +121,15 @@ class DecodeRun:
         q: torch.Tensor,
         scale: float,
         out: torch.Tensor | None,
-        memo: dict[str, object] | None = None,
+        kept: KeptGather | None = None,
     ) -> torch.Tensor:
         """Attention of ``q`` ``[R, Hq, D]`` (float32, every row a decode query) over the K/V
         rows in ``gathered`` ``[rows, D]`` (the plan's flat row index order, filled by the
         caller); returns ``[R, Hq, D]`` in query row order (``out`` when given, else a new
-        tensor). ``memo``: see :meth:`views`."""
+        tensor). ``kept``: the layer's kept gather whose buffer ``gathered`` is (:meth:`views`)."""
         torch.index_select(q, 0, self.rows, out=self.q_dec)
         for (additive, qg, logits, o, *_), (kt, v) in zip(
-            self.groups, self.views(gathered, memo), strict=True
+            self.groups, self.views(gathered, kept), strict=True
         ):
             # scale * (q . k) + (0 or -inf), the softmax in place, then the weighted values:
             # the general path's _attend_explicit on the same shapes, without its temporaries.

@@ -39,6 +39,7 @@ pointers, and the gather there is cheap).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,13 +53,13 @@ __all__ = [
     "CacheLedger",
     "KeptGather",
     "cache_ledger",
-    "forget_kept",
     "gather_kept",
     "refresh_rows",
     "view_key",
 ]
 
 
+@dataclass(slots=True, eq=False)
 class CacheLedger:
     """What the backend's own writes did to one cache base tensor (kept on it, see
     :func:`cache_ledger`): ``version`` is the base's ``_version`` after the last write the ledger
@@ -66,12 +67,9 @@ class CacheLedger:
     write voids every layer's kept gather), ``writes`` maps a layer view (:func:`view_key`) to
     its count of own writes and the slot tensor of the last."""
 
-    __slots__ = ("epoch", "version", "writes")
-
-    def __init__(self, version: int) -> None:
-        self.version = version
-        self.epoch = 0
-        self.writes: dict[tuple[object, ...], tuple[int, torch.Tensor]] = {}
+    version: int
+    epoch: int = 0
+    writes: dict[tuple[object, ...], tuple[int, torch.Tensor]] = field(default_factory=dict)
 
     def sync(self, view: torch.Tensor) -> None:
         """Call before an own write or a gather: a version other than the recorded one means
@@ -106,26 +104,20 @@ def cache_ledger(view: torch.Tensor) -> CacheLedger | None:
     return ledger
 
 
+@dataclass(slots=True, eq=False)
 class KeptGather:
     """One layer's gathered K/V ``buffer`` ``[rows, D]`` of its last decode step: rows
     ``index`` of ``row_array``, as of ledger epoch ``epoch`` and ``writes`` own writes of the
-    layer's view (see the module docstring for when a step may update it in place)."""
+    layer's view (see the module docstring for when a step may update it in place). ``views``:
+    the decode run's per-group views of ``buffer`` with the run's layout key
+    (:meth:`.torch_sdpa_decode.DecodeRun.views`), kept while the buffer is."""
 
-    __slots__ = ("buffer", "epoch", "index", "row_array", "writes")
-
-    def __init__(
-        self,
-        row_array: torch.Tensor,
-        index: torch.Tensor,
-        buffer: torch.Tensor,
-        epoch: int,
-        writes: int,
-    ) -> None:
-        self.row_array = row_array
-        self.index = index
-        self.buffer = buffer
-        self.epoch = epoch
-        self.writes = writes
+    row_array: torch.Tensor
+    index: torch.Tensor
+    buffer: torch.Tensor
+    epoch: int
+    writes: int
+    views: tuple[object, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 def refresh_rows(
@@ -179,7 +171,7 @@ def refresh_rows(
 
 
 def gather_kept(
-    state: dict[str, object],
+    kept: KeptGather | None,
     kv_cache: torch.Tensor,
     row_array: torch.Tensor,
     index: torch.Tensor,
@@ -188,18 +180,16 @@ def gather_kept(
     offsets: tuple[int, torch.Tensor],
     slot_mapping: torch.Tensor,
     new_buffer: Callable[[], torch.Tensor],
-) -> torch.Tensor | None:
-    """A layer's gather buffer holding rows ``index`` ``[rows]`` of ``row_array`` (views of
-    ``kv_cache``, the layer's cache view): its last decode step's buffer (kept in ``state``, the
-    impl's dict) with only the changed rows regathered where the ledger proves that gives the
-    full gather's values, else a full gather into it (or into ``new_buffer()``). Either way it is
-    kept for the next step. ``slot_mapping`` is this step's (the metadata's). ``None`` for an
+) -> KeptGather | None:
+    """A layer's gather holding rows ``index`` ``[rows]`` of ``row_array`` (views of
+    ``kv_cache``, the layer's cache view): its last decode step's gather ``kept`` with only the
+    changed rows regathered where the ledger proves that gives the full gather's values, else a
+    full gather into its buffer (or into ``new_buffer()``). The layer keeps what this returns
+    for the next step. ``slot_mapping`` is this step's (the metadata's). ``None`` for an
     inference tensor: nothing can be proved, so nothing is worth keeping."""
     ledger = cache_ledger(kv_cache)
     if ledger is None:
         return None
-    kept = state.get("_kept_gather")
-    assert kept is None or isinstance(kept, KeptGather)
     ledger.sync(kv_cache)  # a write since the last own one: the epoch moves on
     writes, slots = ledger.writes.get(view_key(kv_cache), (0, None))
     refresh = None
@@ -223,11 +213,5 @@ def gather_kept(
         positions, rows = refresh
         if positions.numel():
             buffer.index_copy_(0, positions, row_array.index_select(0, rows))
-    state["_kept_gather"] = KeptGather(row_array, index, buffer, ledger.epoch, writes)
-    return buffer
-
-
-def forget_kept(state: dict[str, object]) -> None:
-    """Drop a layer's kept buffer and views (``state``: the impl's dict)."""
-    state.pop("_kept_gather", None)
-    state.pop("_kept_views", None)
+    views = kept.views if kept is not None and kept.buffer is buffer else None
+    return KeptGather(row_array, index, buffer, ledger.epoch, writes, views)
