@@ -42,13 +42,13 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-import triton
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
 from kv_spec import KVCacheLayout, LayoutOrder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _attention_cases import new_cases
+from _records import _versions  # this folder's record fields
 from _timing import copy_limit, gpu_ms, timed
 
 HQ, H, D = 32, 8, 128
@@ -293,11 +293,7 @@ def run_new_cases(
 
 def _provenance() -> dict[str, str]:
     """The card and versions a sweep ran on (its JSON carries them, as every record does)."""
-    return {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
+    return {"device": torch.cuda.get_device_name(), **_versions()}
 
 
 def write_report(records: list[dict], out: str, device: str) -> None:
@@ -305,8 +301,8 @@ def write_report(records: list[dict], out: str, device: str) -> None:
     each record to its baseline, one bar per record)."""
     for r in records:
         r.setdefault("device", device)
-        r.setdefault("torch", torch.__version__)
-        r.setdefault("triton", triton.__version__)
+        for key, version in _versions().items():
+            r.setdefault(key, version)
     with open(os.path.join(out, "paged_attention.json"), "w") as f:
         json.dump(records, f, indent=1)
     lines = [
