@@ -74,6 +74,9 @@ _AOT_SCRIPT = textwrap.dedent(
                 "ld_v4": len(re.findall(r"ld\\.global[^\\n]*\\.v4", ptx)),
                 "st_v4": len(re.findall(r"st\\.global[^\\n]*\\.v4", ptx)),
                 "st_v2": len(re.findall(r"st\\.global[^\\n]*\\.v2", ptx)),
+                "shared": compiled.metadata.shared,
+                # the case's own PTX patterns, counted: {"name": regex}
+                "counts": {k: len(re.findall(p, ptx)) for k, p in case.get("count", {}).items()},
             }
         except Exception:
             results[case["id"]] = {"ok": False, "error": traceback.format_exc()[-4000:]}
@@ -87,8 +90,10 @@ def aot_compile_checks() -> Callable[[list[dict[str, Any]]], dict[str, dict[str,
     """Compile cases for real GPU targets in one subprocess with the interpreter off.
 
     Each case: ``{"id", "module", "kernel", "signature", "constexprs", "arch", "num_warps"?,
-    "divisible_by_16"?}``; returns ``{id: {"ok": bool, "error"?: str, "ptx_bytes"?, "cubin_bytes"?,
-    "ld_v4"?, "st_v4"?}}`` (the last two count 16-byte vector loads / stores in the PTX).
+    "divisible_by_16"?, "count"?}``; returns ``{id: {"ok": bool, "error"?: str, "ptx_bytes"?,
+    "cubin_bytes"?, "ld_v4"?, "st_v4"?, "st_v2"?, "shared"?, "counts"?}}`` (``ld_v4`` / ``st_v4``
+    count 16-byte vector loads / stores in the PTX, ``shared`` is the kernel's shared memory in
+    bytes, ``counts`` the matches of each ``count`` regex in the PTX).
     """
 
     def run(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -23,7 +23,7 @@ def aot_compile(
     divisible_by_16: tuple[str, ...] = (),
     max_registers: int = 0,
 ) -> Any:
-    """Compile ``kernel`` (a ``@triton.jit`` function) for ``cuda`` sm_``arch`` and return the
+    """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for ``cuda`` sm_``arch`` and return the
     compiled kernel (``.asm`` holds ``ttir``, ``ptx`` and ``cubin``).
 
     ``signature`` maps every argument to a Triton type (``"*bf16"``, ``"i64"``, ``"fp32"``) or
@@ -48,7 +48,13 @@ def aot_compile(
     if unknown:
         raise ValueError(f"aot_compile: divisible_by_16 names unknown arguments {unknown}")
     attrs = {(inner.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible_by_16}
-    src = ASTSource(fn=inner, signature=signature, constexprs=constexprs, attrs=attrs)
+    if inner.is_gluon():
+        # (a Gluon kernel's module needs its target and warp count before its layouts verify)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn=inner, signature=signature, constexprs=constexprs, attrs=attrs)
+    else:
+        src = ASTSource(fn=inner, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(
         src,
         target=GPUTarget("cuda", arch, 32),
