@@ -24,6 +24,7 @@ from kv_kernels.paged_attention._kernels import paged_attention_kernel
 from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
 from kv_kernels.paged_attention._tiles import (
     AttentionConfig,
+    _device_info,
     arch_and_sms,
     kernel_constexprs,
     pick_num_splits,
@@ -207,7 +208,6 @@ def paged_attention_triton(
     if scale_start is not None:
         kv_scale_mode = 3
     lse_t = lse if lse is not None else out
-    descs = _tma_descriptors(kv_cache, k_range, v_range, cfg_pre) if run_prefill else None
     features = dict(
         head_size=head_size,
         head_size_v=head_size_v,
@@ -231,6 +231,12 @@ def paged_attention_triton(
         k_start=k_range[0],
         v_start=v_range[0],
     )
+    # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
+    # Gluon kernel (see _sm90_prefill), which also serves it to KV_KERNELS_SM90_PREFILL=0 callers
+    gluon_prefill = run_prefill and _sm90_prefill_serves(q, kv_cache, head_size_v, scale, features)
+    descs = None
+    if run_prefill and not gluon_prefill:
+        descs = _tma_descriptors(kv_cache, k_range, v_range, cfg_pre)
     head_args = (q, *q.stride(), kv_cache, *kv_cache.stride(), kvs)
     args = (
         block_table, *block_table.stride(), seq_lens, query_start_loc,
@@ -253,7 +259,15 @@ def paged_attention_triton(
         num_stages=cfg_dec.num_stages,
         **_reg_cap(cfg_dec),
     )
-    if run_prefill:
+    if gluon_prefill:
+        from kv_kernels.paged_attention._sm90_prefill import launch_sm90_prefill
+
+        launch_sm90_prefill(
+            q, kv_cache, k_start=k_range[0], v_start=v_range[0], block_table=block_table,
+            seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale, causal=causal,
+            block_size=block_size, out=out, lse=lse, q_len_min=cfg_dec.block_q + 1,
+        )  # fmt: skip
+    elif run_prefill:
         grid_q = num_tokens // cfg_pre.block_q + num_seqs
         paged_attention_kernel[(grid_q, num_kv_heads * chunks_pre, num_splits)](
             *head_args,
@@ -269,6 +283,35 @@ def paged_attention_triton(
     if split:
         _merge_splits(part_out, part_lse, out, lse_t, sinks, query_start_loc, return_lse)
     return (out, lse) if lse is not None else out
+
+
+def _sm90_prefill_serves(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    head_size_v: int,
+    scale: float,
+    features: dict[str, Any],
+) -> bool:
+    """Whether the Gluon sm_90 prefill kernel serves this launch's prefill class (imported only
+    for compiled runs on an sm_90 device: Gluon has no interpreter)."""
+    if not features["ptx"] or q.device.type != "cuda":
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if _device_info(index)[0] != 90:  # (exactly Hopper: arch_and_sms maps later chips to 90 too)
+        return False
+    from kv_kernels.paged_attention._sm90_prefill import sm90_prefill_eligible
+
+    return sm90_prefill_eligible(
+        arch=90,
+        q_dtype=q.dtype,
+        cache_dtype=kv_cache.dtype,
+        head_size=q.shape[2],
+        head_size_v=head_size_v,
+        group=q.shape[1] // kv_cache.shape[1],
+        scale=scale,
+        compiled=True,
+        features=features,
+    )
 
 
 def _tma_descriptors(

@@ -1,0 +1,465 @@
+"""Paged prefill for Hopper (sm_90) in Gluon: warp-specialized, warpgroup MMAs issued
+asynchronously, so softmax and tensor-core work overlap.
+
+Why a second kernel. The Triton kernel (:mod:`._kernels`) reaches ~415 TFLOP/s at page 16 on an
+H100 (FA4: 532-553): Triton 3.6 waits on each warpgroup MMA as soon as it is issued and keeps the
+page gathers, the MMAs and the softmax of a program in one instruction stream. Gluon states the
+schedule, as FlashAttention-3 does:
+
+- a producer warpgroup gathers K and V pages token by token (``cp.async``, 16 bytes a thread,
+  whatever the page size) into rings of ``NBUF`` slots, and signals each slot's mbarrier when
+  its copies land (``full``); it waits on the slot's ``empty`` barrier before reusing it;
+- two consumer warpgroups of 64 query rows each (the q tile: ``128 / group`` tokens of one KV
+  head's ``group`` query heads) run, per KV tile ``i``: issue ``S = Q K_i^T`` and
+  ``O += P_(i-1) V_(i-1)`` together, wait for ``S`` only, do tile ``i``'s softmax while ``P.V``
+  runs, then wait for it and release both slots. No CTA barrier: each consumer runs on its own
+  schedule, so one's softmax overlaps the other's MMAs;
+- the softmax scale sits inside ``exp2``'s FMA (``2^(s c - m c)``, raw-logit maxima), and the
+  tiles every row sees in full run a loop without masks.
+
+Scope (:func:`sm90_prefill_eligible`): 16-bit queries and cache of the same dtype, K and V head
+size 64 or 128 (equal), GQA groups 1-16, a positive scale, causal or not, LSE; ALiBi, soft-cap,
+windows, sinks, quantized caches, KV splits, MLA and metadata checks stay with the Triton
+kernel. Gluon has no interpreter: the CPU suite compiles this kernel for sm_90, the GPU suite
+checks it against the reference.
+
+Bounds: block-table columns past ``max_blocks`` read the last column, block ids are clamped into
+``[0, num_blocks)`` (unsigned, as in :mod:`._tile_loads`), and tokens past the sequence are not
+read (``cp.async`` zero-fills them), so no read leaves the cache whatever the metadata says.
+
+Version notes: triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``. Triton 3.6's
+alignment analysis asserts on the gathers when they are unrolled at the top level with constant
+tile indices (the producer's runtime loop avoids that) and when the program returns early (the
+kernel has no early return: a program with nothing to do runs zero tiles and stores nothing).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+__all__ = [
+    "aot_case",
+    "launch_sm90_prefill",
+    "sm90_prefill_eligible",
+    "sm90_prefill_kernel",
+]
+
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+#: rows per consumer warpgroup (a warpgroup MMA's M), and the program's two consumers
+WG_M = 64
+BLOCK_M = 2 * WG_M
+#: KV tile (tokens) and ring slots; producer / consumer registers after ``setmaxnreg`` (sm_90
+#: build: no spills at 96 / 208; 80 / 216 spilled 8 bytes in the producer)
+TILE_N = 128
+NBUF = 2
+P_REGS = 96
+C_REGS = 208
+
+
+@gluon.jit
+def _gather(smem, head_ptr, bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
+            BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, HEAD: gl.constexpr,
+            LOAD_LAYOUT: gl.constexpr):  # fmt: skip
+    rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LOAD_LAYOUT))
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD_LAYOUT))
+    kpos = t * TILE_N + rows
+    col = gl.minimum(kpos // BLOCK_SIZE, max_blocks - 1)
+    blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
+    blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
+    off = blk.to(gl.int64) * stride_kb + (kpos % BLOCK_SIZE).to(gl.int64) * stride_kn
+    ptrs = head_ptr + off[:, None] + cols[None, :]
+    ok = (kpos < seq_len)[:, None] & (cols < HEAD)[None, :]
+    _async_load(smem, ptrs, mask=ok)
+
+
+@gluon.jit
+def _producer(k_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_ptr, v_head_ptr,
+              bt_row_ptr, n_tiles, seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
+              BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, HEAD: gl.constexpr,
+              NBUF: gl.constexpr, P_WARPS: gl.constexpr):  # fmt: skip
+    load_layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8],
+        threads_per_warp=[32 // (HEAD // 8), HEAD // 8],
+        warps_per_cta=[P_WARPS, 1],
+        order=[1, 0],
+    )
+    for i in range(n_tiles):
+        s = i % NBUF
+        ph = ((i // NBUF) & 1) ^ 1  # the previous use of the slot
+        mbarrier.wait(k_empty.index(s), ph, pred=i >= NBUF)
+        _gather(k_smem.index(s), k_head_ptr, bt_row_ptr, i, seq_len, num_blocks, max_blocks,
+                stride_kb, stride_kn, BLOCK_SIZE, TILE_N, HEAD, load_layout)  # fmt: skip
+        async_copy.mbarrier_arrive(k_full.index(s), increment_count=False)
+        mbarrier.wait(v_empty.index(s), ph, pred=i >= NBUF)
+        _gather(v_smem.index(s), v_head_ptr, bt_row_ptr, i, seq_len, num_blocks, max_blocks,
+                stride_kb, stride_kn, BLOCK_SIZE, TILE_N, HEAD, load_layout)  # fmt: skip
+        async_copy.mbarrier_arrive(v_full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, i, seq_len, q_pos, kcols, qk_scale_log2,
+             TILE_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+             P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
+    """Online softmax of raw logits ``s`` (tile ``i``): ``p = 2^(s c - m c)`` in one FMA an
+    element (``c`` the scale in log2 units, > 0; ``m`` the running maximum of raw logits)."""
+    if MASKED:
+        kpos = i * TILE_N + kcols
+        if CAUSAL:
+            # (a stored row has q_pos < seq_len, so this also hides the tail past the sequence;
+            # rows past the query, never stored, may see zero-filled keys)
+            vis = kpos[None, :] <= q_pos[:, None]
+        else:
+            vis = (kpos < seq_len)[None, :]
+        s = gl.where(vis, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    if MASKED:
+        # a row that has seen nothing keeps m = -inf: exp2 against 0 keeps its weights at 0
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale_log2
+    else:
+        m_use = m_new * qk_scale_log2
+    alpha = gl.exp2(m_i * qk_scale_log2 - m_use)
+    p32 = gl.exp2(s * qk_scale_log2 - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p32, 1)
+    return gl.convert_layout(p32.to(DTYPE), P_LAYOUT), m_new, l_i, alpha
+
+
+@gluon.jit
+def _step(q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, i, s_zero, p, m_i, l_i, acc,
+          seq_len, q_pos, kcols, qk_scale_log2, TILE_N: gl.constexpr, NBUF: gl.constexpr,
+          CAUSAL: gl.constexpr, MASKED: gl.constexpr, O_LAYOUT: gl.constexpr,
+          P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
+    """Tile ``i``'s q.K and tile ``i - 1``'s P.V issued together; the softmax of tile ``i`` runs
+    while P.V does; each slot is released as soon as its MMA is done."""
+    s = i % NBUF
+    mbarrier.wait(k_full.index(s), (i // NBUF) & 1)
+    s_tok = warpgroup_mma(q_wg, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)  # fmt: skip
+    sp = (i - 1) % NBUF  # tile i - 1's slot
+    mbarrier.wait(v_full.index(sp), ((i - 1) // NBUF) & 1)
+    acc_tok = warpgroup_mma(p, v_smem.index(sp), acc, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(s), count=1)
+    p_new, m_i, l_i, alpha = _softmax(sc, m_i, l_i, i, seq_len, q_pos, kcols, qk_scale_log2,
+                                      TILE_N, CAUSAL, MASKED, P_LAYOUT, DTYPE)  # fmt: skip
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+    mbarrier.arrive(v_empty.index(sp), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    return p_new, m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, wg, n_tiles, t_full,
+              seq_len, ctx, q_tile, q_start, q_len, kvh, qk_scale_log2,
+              out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+              HEAD: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr,
+              TILE_N: gl.constexpr, NBUF: gl.constexpr, CAUSAL: gl.constexpr,
+              WRITE_LSE: gl.constexpr):  # fmt: skip
+    dtype: gl.constexpr = q_smem.dtype
+    WG_M: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_wg = q_smem.index(wg)
+    rows = wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+    q_pos = ctx + q_tile * BLOCK_Q + rows // GROUP
+    kcols = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([WG_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([WG_M, HEAD], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([WG_M, TILE_N], gl.float32, layout=s_layout)
+    p = gl.zeros([WG_M, TILE_N], dtype, layout=p_layout)
+    # tile 0 alone (no P.V yet: an MMA of P = 0 over an unwritten V slot would still read it,
+    # and 0 * nan is nan), then each tile's q.K beside the previous tile's P.V
+    if n_tiles > 0:
+        mbarrier.wait(k_full.index(0), 0)
+        sc = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, _alpha = _softmax(sc, m_i, l_i, 0, seq_len, q_pos, kcols, qk_scale_log2,
+                                      TILE_N, CAUSAL, True, p_layout, dtype)  # fmt: skip
+    # the tiles every row sees in full, then the causal diagonal / sequence tail (masked)
+    t_mid = gl.maximum(gl.minimum(t_full, n_tiles), 1)
+    for i in range(1, t_mid):
+        p, m_i, l_i, acc = _step(q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, i,
+                                 s_zero, p, m_i, l_i, acc, seq_len, q_pos, kcols, qk_scale_log2,
+                                 TILE_N, NBUF, CAUSAL, False, o_layout, p_layout, dtype)  # fmt: skip
+    for i in range(t_mid, n_tiles):
+        p, m_i, l_i, acc = _step(q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, i,
+                                 s_zero, p, m_i, l_i, acc, seq_len, q_pos, kcols, qk_scale_log2,
+                                 TILE_N, NBUF, CAUSAL, True, o_layout, p_layout, dtype)  # fmt: skip
+    if n_tiles > 0:
+        sl = (n_tiles - 1) % NBUF
+        mbarrier.wait(v_full.index(sl), ((n_tiles - 1) // NBUF) & 1)
+        acc = warpgroup_mma(p, v_smem.index(sl), acc)
+        mbarrier.arrive(v_empty.index(sl), count=1)
+
+    has = l_i > 0.0
+    l_div = gl.where(has, l_i, 1.0)
+    o = acc / gl.convert_layout(l_div, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+    o_tok = q_tile * BLOCK_Q + o_rows // GROUP
+    o_ptrs = (
+        out_ptr
+        + (q_start + o_tok).to(gl.int64)[:, None] * stride_ot
+        + (kvh * GROUP + o_rows % GROUP).to(gl.int64)[:, None] * stride_oh
+        + o_cols[None, :]
+    )
+    gl.store(o_ptrs, o.to(dtype), mask=(o_tok < q_len)[:, None] & (o_cols < HEAD)[None, :])
+    if WRITE_LSE:
+        lse = gl.where(
+            has, (m_i * qk_scale_log2 + gl.log2(l_div)) * 0.6931471805599453, float("-inf")
+        )
+        l_tok = q_tile * BLOCK_Q + rows // GROUP
+        lse_ptrs = (
+            lse_ptr
+            + (q_start + l_tok).to(gl.int64) * stride_lt
+            + (kvh * GROUP + rows % GROUP).to(gl.int64) * stride_lh
+        )
+        gl.store(lse_ptrs, lse, mask=l_tok < q_len)
+
+
+@gluon.jit
+def sm90_prefill_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv_ptr, stride_kb, stride_kh, stride_kn,
+    bt_ptr, stride_bts,
+    seq_lens_ptr, qsl_ptr,
+    out_ptr, stride_ot, stride_oh,
+    lse_ptr, stride_lt, stride_lh,
+    num_seqs, num_blocks, max_blocks, qk_scale_log2,
+    q_len_min, q_len_max,
+    HEAD: gl.constexpr, K_START: gl.constexpr, V_START: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
+    BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, NBUF: gl.constexpr,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+    P_WARPS: gl.constexpr, C_REGS: gl.constexpr, P_REGS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    WG_M: gl.constexpr = 64
+    tile_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD], dtype)
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, HEAD], dtype)
+    q_layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8],
+        threads_per_warp=[32 // (HEAD // 8), HEAD // 8],
+        warps_per_cta=[num_warps, 1],
+        order=[1, 0],
+    )
+
+    n_h = gl.num_programs(1)
+    n_q = gl.num_programs(0).to(gl.int64)
+    lin = n_q * n_h - 1 - (gl.program_id(0) + n_q * gl.program_id(1))
+    pid_q = (lin // n_h).to(gl.int32)
+    kvh = (lin % n_h).to(gl.int32)
+    lo = gl.to_tensor(0)
+    hi = gl.to_tensor(num_seqs)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go_right = gl.load(qsl_ptr + mid).to(gl.int32) // BLOCK_Q + mid <= pid_q
+        lo = gl.where(go_right, mid, lo)
+        hi = gl.where(go_right, hi, mid)
+    seq = lo
+    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
+    q_tile = pid_q - (q_start // BLOCK_Q + seq)
+    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
+    mine = (q_len >= q_len_min) & (q_len <= q_len_max) & (q_tile * BLOCK_Q < q_len)
+    q_len = gl.where(mine, q_len, 0)
+    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int32)
+    ctx = seq_len - q_len
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, HEAD], q_smem_layout)
+    q_cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, q_layout))
+    for h in gl.static_range(2):
+        q_rows = h * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, q_layout))
+        q_tok = q_tile * BLOCK_Q + q_rows // GROUP
+        q_ptrs = (
+            q_ptr
+            + (q_start + q_tok).to(gl.int64)[:, None] * stride_qt
+            + (kvh * GROUP + q_rows % GROUP).to(gl.int64)[:, None] * stride_qh
+            + q_cols[None, :]
+        )
+        q_smem.index(h).store(
+            gl.load(q_ptrs, mask=(q_tok < q_len)[:, None] & (q_cols < HEAD)[None, :], other=0.0)
+        )
+    k_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, HEAD], tile_smem)
+    v_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, HEAD], tile_smem)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    k_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
+    v_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
+    for b in gl.static_range(NBUF):
+        mbarrier.init(k_full.index(b), count=32 * P_WARPS)
+        mbarrier.init(v_full.index(b), count=32 * P_WARPS)
+        mbarrier.init(k_empty.index(b), count=2)
+        mbarrier.init(v_empty.index(b), count=2)
+    fence_async_shared()
+
+    first_q = q_tile * BLOCK_Q
+    last_q = gl.minimum(first_q + BLOCK_Q, q_len) - 1
+    if CAUSAL:
+        kv_hi = gl.minimum(seq_len, ctx + last_q + 1)
+        full_hi = gl.minimum(seq_len, ctx + first_q + 1)
+    else:
+        kv_hi = seq_len
+        full_hi = seq_len
+    n_tiles = gl.where(mine, gl.cdiv(kv_hi, TILE_N), 0)
+    t_full = full_hi // TILE_N
+    head_ptr = kv_ptr + kvh.to(gl.int64) * stride_kh
+    bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bts
+
+    gl.warp_specialize(
+        [
+            (_consumer, (q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, 0, n_tiles,
+                         t_full, seq_len, ctx, q_tile, q_start, q_len, kvh, qk_scale_log2,
+                         out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+                         HEAD, GROUP, BLOCK_Q, TILE_N, NBUF, CAUSAL, WRITE_LSE)),
+            (_consumer, (q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, 1, n_tiles,
+                         t_full, seq_len, ctx, q_tile, q_start, q_len, kvh, qk_scale_log2,
+                         out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
+                         HEAD, GROUP, BLOCK_Q, TILE_N, NBUF, CAUSAL, WRITE_LSE)),
+            (_producer, (k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+                         head_ptr + K_START, head_ptr + V_START, bt_row_ptr, n_tiles, seq_len,
+                         num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, TILE_N, HEAD,
+                         NBUF, P_WARPS)),
+        ],
+        [4, P_WARPS],
+        [C_REGS, P_REGS],
+    )  # fmt: skip
+
+
+#: the features the Gluon kernel does not implement (the Triton kernel serves them)
+_UNSERVED = ("sliding_window", "sinks", "softcap", "alibi", "kv_scale_mode", "split", "check",
+             "v_from_k", "scale_words")  # fmt: skip
+
+
+def sm90_prefill_eligible(
+    *,
+    arch: int,
+    q_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    head_size: int,
+    head_size_v: int,
+    group: int,
+    scale: float,
+    compiled: bool,
+    features: dict[str, Any],
+) -> bool:
+    """Whether :func:`launch_sm90_prefill` serves a prefill launch (else the Triton kernel).
+
+    ``compiled``: kernels run compiled (not under ``TRITON_INTERPRET``; Gluon has no
+    interpreter). ``KV_KERNELS_SM90_PREFILL=0`` in the environment turns the kernel off (the
+    Triton kernel then serves every prefill), e.g. to compare the two."""
+    return (
+        compiled
+        and arch == 90
+        and os.environ.get("KV_KERNELS_SM90_PREFILL", "1") != "0"
+        and q_dtype in (torch.bfloat16, torch.float16)
+        and cache_dtype == q_dtype
+        and head_size == head_size_v
+        and head_size in (64, 128)
+        and group in (1, 2, 4, 8, 16)
+        and scale > 0
+        and not any(features.get(k) for k in _UNSERVED)
+    )
+
+
+def launch_sm90_prefill(
+    q: torch.Tensor,  # [T, Hq, D], unit column stride
+    kv_cache: torch.Tensor,  # [B, H, N, C], unit column stride
+    *,
+    k_start: int,
+    v_start: int,
+    block_table: torch.Tensor,  # [num_seqs, max_blocks], unit column stride
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block_size: int,
+    out: torch.Tensor,  # [T, Hq, D], unit column stride
+    lse: torch.Tensor | None,  # [T, Hq] f32
+    q_len_min: int,
+) -> None:
+    """The prefill class (sequences with ``q_len >= q_len_min``) of a paged 16-bit cache on sm_90
+    (inputs validated by the api; eligibility by :func:`sm90_prefill_eligible`)."""
+    num_tokens, num_q_heads, head = q.shape
+    num_kv_heads = kv_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    block_q = BLOCK_M // group
+    num_seqs = block_table.shape[0]
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("out", out), ("block_table", block_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}.stride(-1)={t.stride(-1)}: the sm_90 prefill kernel reads rows of unit "
+                f"stride; pass {name} with a contiguous last dimension"
+            )
+    lse_t = lse if lse is not None else out
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    sm90_prefill_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_table, block_table.stride(0), seq_lens, query_start_loc,
+        out, out.stride(0), out.stride(1),
+        lse_t, lse_t.stride(0), lse_t.stride(1),
+        num_seqs, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
+        q_len_min, 2**31 - 1,
+        HEAD=head, K_START=k_start, V_START=v_start, BLOCK_SIZE=block_size, GROUP=group,
+        BLOCK_Q=block_q, TILE_N=TILE_N, NBUF=NBUF, CAUSAL=causal, WRITE_LSE=lse is not None,
+        P_WARPS=4, C_REGS=C_REGS, P_REGS=P_REGS, num_warps=4,
+    )  # fmt: skip
+
+
+def aot_case(
+    *,
+    dtype: str = "bf16",
+    head: int = 128,
+    group: int = 4,
+    block_size: int = 16,
+    causal: bool = True,
+    write_lse: bool = False,
+) -> dict[str, Any]:
+    """The kernel as :func:`launch_sm90_prefill` launches it, for an ahead-of-time sm_90 build
+    (``kv_kernels.aot.aot_compile`` keywords: ``kernel`` named in ``module``, ``signature``,
+    ``constexprs``, ``num_warps``, ``divisible_by_16``: the pointers and strides a launch from
+    contiguous tensors aligns)."""
+    pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
+                "lse_ptr": "*fp32"}  # fmt: skip
+    sig = {}
+    for name in sm90_prefill_kernel.arg_names:
+        sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
+    sig["qk_scale_log2"] = "fp32"
+    constexprs = dict(
+        HEAD=head, K_START=0, V_START=head, BLOCK_SIZE=block_size, GROUP=group,
+        BLOCK_Q=BLOCK_M // group, TILE_N=TILE_N, NBUF=NBUF, CAUSAL=causal, WRITE_LSE=write_lse,
+        P_WARPS=4, C_REGS=C_REGS, P_REGS=P_REGS, num_warps=4,
+    )  # fmt: skip
+    for name in constexprs:
+        sig[name] = "constexpr"
+    aligned = [n for n, t in sig.items() if t.startswith("*")]
+    aligned += [n for n in sig if n.startswith("stride_") and n != "stride_lh"]
+    return {
+        "module": __name__,
+        "kernel": "sm90_prefill_kernel",
+        "signature": sig,
+        "constexprs": constexprs,
+        "arch": 90,
+        "num_warps": 4,
+        "divisible_by_16": aligned,
+    }

@@ -1,0 +1,271 @@
+"""The warp-specialized Gluon prefill kernel for sm_90 (:mod:`kv_kernels.paged_attention._sm90_prefill`).
+
+On the CPU (CI): the kernel compiles for sm_90 ahead of time through ptxas for every served shape
+family, with the warpgroup MMAs, the cp.async gathers, the mbarrier rings and the register split
+of warp specialization in its PTX and within the SM's shared memory; which launches it serves
+(and which stay with the Triton kernel); bad strides get a ValueError. Gluon has no interpreter,
+so its results are checked on an H100 / H200 (``-m gpu``): against the float64 oracle (bounded by
+the bf16 torch reference's own error), a planted wrong page that the same check must catch, a
+cache past 2^31 elements, and the environment switch back to the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.paged_attention import _sm90_prefill
+from kv_kernels.paged_attention._sm90_prefill import aot_case, sm90_prefill_eligible
+from kv_kernels.testing import (
+    assert_close_to_oracle,
+    attention_oracle_paged,
+    check_close_to_oracle,
+    plant_wrong_page,
+)
+from kv_kernels.testing_attention import run_batch
+from kv_spec import KVCacheLayout
+
+#: sm_90's shared memory per block (bytes)
+SMEM_LIMIT = 232448
+
+_PTX = {
+    "wgmma": r"wgmma\.mma_async",
+    "cp_async": r"cp\.async\.c[ag]\.shared\.global",
+    "mbarrier_arrive_on_copies": r"cp\.async\.mbarrier\.arrive",
+    "mbarrier_wait": r"mbarrier\.try_wait",
+    "setmaxnreg": r"setmaxnreg",
+}
+
+# (dtype, head, group, page, causal, lse): every served dtype, head size, GQA group and page
+# shape at least once
+_CASES = [
+    ("bf16", 128, 4, 16, True, False),
+    ("fp16", 128, 8, 128, True, True),
+    ("bf16", 64, 1, 32, False, True),
+    ("bf16", 128, 16, 64, True, False),
+    ("fp16", 64, 2, 16, False, False),
+]
+
+
+def _case_id(c: tuple) -> str:
+    dt, d, g, n, causal, lse = c
+    return f"{dt}-d{d}-g{g}-n{n}" + ("-causal" if causal else "") + ("-lse" if lse else "")
+
+
+@pytest.fixture(scope="module")
+def aot_results(aot_compile_checks) -> dict[str, dict]:
+    cases = []
+    for c in _CASES:
+        dt, d, g, n, causal, lse = c
+        case = aot_case(dtype=dt, head=d, group=g, block_size=n, causal=causal, write_lse=lse)
+        cases.append({"id": _case_id(c), "count": _PTX, **case})
+    return aot_compile_checks(cases)
+
+
+@pytest.mark.parametrize("case", _CASES, ids=_case_id)
+def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
+    res = aot_results[_case_id(case)]
+    assert res["ok"], res.get("error")
+    assert res["shared"] <= SMEM_LIMIT, f"{res['shared']} bytes of shared memory"
+    counts = res["counts"]
+    for name in _PTX:
+        assert counts[name] > 0, f"no {name} in the PTX: {counts}"
+
+
+_FEATURES_OFF = dict(
+    sliding_window=False, sinks=False, softcap=False, alibi=False, kv_scale_mode=0, split=False,
+    check=False, v_from_k=False, scale_words=False, causal=True, write_lse=True,
+)  # fmt: skip
+
+
+def _eligible(**over) -> bool:
+    kw = dict(
+        arch=90, q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, head_size=128,
+        head_size_v=128, group=4, scale=0.088, compiled=True, features=dict(_FEATURES_OFF),
+    )  # fmt: skip
+    feats = over.pop("features", {})
+    kw.update(over)
+    kw["features"].update(feats)
+    return sm90_prefill_eligible(**kw)
+
+
+def test_serves_the_plain_16_bit_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KV_KERNELS_SM90_PREFILL", raising=False)
+    assert _eligible()
+    assert _eligible(q_dtype=torch.float16, cache_dtype=torch.float16, head_size=64, head_size_v=64)
+    assert _eligible(group=16, features={"causal": False, "write_lse": False})
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"arch": 80},
+        {"compiled": False},  # the interpreter: Gluon has none
+        {"cache_dtype": torch.float8_e4m3fn},
+        {"q_dtype": torch.float32, "cache_dtype": torch.float32},
+        {"q_dtype": torch.float16},  # q and cache dtypes differ
+        {"head_size": 192, "head_size_v": 128},
+        {"head_size": 256, "head_size_v": 256},
+        {"group": 32},
+        {"scale": -0.1},  # the kernel keeps raw-logit maxima: a positive scale only
+        *({"features": {k: v}} for k, v in [
+            ("sliding_window", True), ("sinks", True), ("softcap", True), ("alibi", True),
+            ("kv_scale_mode", 1), ("split", True), ("check", True), ("v_from_k", True),
+            ("scale_words", True),
+        ]),
+    ],
+)  # fmt: skip
+def test_leaves_the_rest_to_the_triton_kernel(over: dict) -> None:
+    assert not _eligible(**over)
+
+
+def test_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KV_KERNELS_SM90_PREFILL", "0")
+    assert not _eligible()
+
+
+def test_non_unit_row_stride_is_a_value_error() -> None:
+    q = torch.zeros(8, 4, 256)[:, :, ::2]  # [8, 4, 128], column stride 2
+    kv = torch.zeros(3, 1, 16, 256)
+    with pytest.raises(ValueError, match=r"q\.stride\(-1\)=2.*contiguous last dimension"):
+        _sm90_prefill.launch_sm90_prefill(
+            q, kv, k_start=0, v_start=128, block_table=torch.zeros(1, 3, dtype=torch.int32),
+            seq_lens=torch.tensor([8]), query_start_loc=torch.tensor([0, 8]), scale=0.1,
+            causal=True, block_size=16, out=torch.zeros(8, 4, 128), lse=None, q_len_min=2,
+        )  # fmt: skip
+
+
+# ---- on an sm_90 GPU ---------------------------------------------------------------------------
+
+_ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not _ON_SM90, reason="the Gluon prefill kernel is built for sm_90")
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the Gluon kernel's launches (the Triton launcher imports it at call time)."""
+    monkeypatch.delenv("KV_KERNELS_SM90_PREFILL", raising=False)
+    calls: list[int] = []
+    real = _sm90_prefill.launch_sm90_prefill
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_sm90_prefill, "launch_sm90_prefill", counted)
+    return calls
+
+
+def _batch(*, q_lens, seq_lens, h=8, group=4, d=128, n=16, dtype="bfloat16", seed=0, nb=None):
+    torch.manual_seed(seed)
+    pages = [-(-L // n) for L in seq_lens]
+    nb = nb or sum(pages) + 4
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=nb, num_kv_heads=h, block_size=n, head_size=d,
+        head_size_v=d, dtype=dtype,
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
+    kv.normal_()
+    perm = torch.randperm(nb, device="cuda").to(torch.int32)
+    table = torch.full((len(seq_lens), max(pages) + 3), -1, dtype=torch.int32, device="cuda")
+    used = 0
+    for s, p in enumerate(pages):
+        table[s, :p] = perm[used : used + p]
+        used += p
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda")
+    q = torch.randn(int(qsl[-1]), h * group, d, dtype=getattr(torch, dtype), device="cuda")
+    return dict(
+        q=q, kv=kv, layout=layout, block_table=table, qsl=qsl.to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        max_query_len=max(q_lens),
+    )  # fmt: skip
+
+
+def _oracle_check(b: dict, **kw) -> None:
+    """The kernel's output against the float64 oracle, bounded by the bf16 reference's error;
+    its LSE against the reference's."""
+    got, lse = run_batch(b, "triton", return_lse=True, **kw)
+    low, ref_lse = run_batch(b, "reference", return_lse=True, **kw)
+    sem = {k: v for k, v in kw.items() if k in ("scale", "causal")}
+    oracle, _ = attention_oracle_paged(
+        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"], **sem
+    )
+    assert_close_to_oracle(got, oracle, lowprec_reference=low, dtype=b["q"].dtype)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-2, rtol=1e-3)
+
+
+# prefill chunks over cached context, a whole prompt, a decode row (Triton's decode launch) and
+# lengths that end mid-page and mid-tile
+_Q = [300, 1, 513, 64, 129]
+_L = [1000, 700, 513, 2100, 129]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),
+        dict(dtype="float16", n=128, group=8),
+        dict(d=64, group=1, n=32),
+        dict(group=16, h=2, n=64),
+    ],
+    ids=["bf16-d128-g4-n16", "fp16-d128-g8-n128", "bf16-d64-g1-n32", "bf16-g16-n64"],
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_matches_the_oracle(shape: dict, causal: bool, launches: list[int]) -> None:
+    b = _batch(q_lens=_Q, seq_lens=_L, **shape)
+    _oracle_check(b, causal=causal)
+    assert launches, "the Gluon kernel did not serve the prefill launch"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_catches_a_wrong_page(launches: list[int]) -> None:
+    """A planted wrong page (one block-table entry pointing at another block) must fail the same
+    oracle check: the tolerance can fail."""
+    b = _batch(q_lens=[600], seq_lens=[900])
+    _oracle_check(b)  # the same batch with its true pages passes
+    bad_table = plant_wrong_page(b["block_table"], [900], 16, b["layout"].num_blocks, page=50)
+    bad = dict(b, block_table=bad_table)
+    got = run_batch(bad, "triton")
+    oracle, _ = attention_oracle_paged(
+        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"]
+    )
+    assert not check_close_to_oracle(got, oracle, dtype=torch.bfloat16).ok
+    assert launches
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_cache_past_2_31_elements(launches: list[int]) -> None:
+    """A bf16 cache of more than 2^31 elements whose prefill reads its last blocks (64-bit page
+    offsets in the producer's gathers)."""
+    h, d, n = 8, 128, 16
+    nb = 2**31 // (h * n * 2 * d) + 16
+    b = _batch(q_lens=[100, 60], seq_lens=[120, 90], nb=nb)
+    ids = torch.arange(nb - 14, nb, dtype=torch.int32, device="cuda")
+    table = torch.full_like(b["block_table"], -1)
+    table[0, :8] = ids[:8]
+    table[1, :6] = ids[8:]
+    b["block_table"] = table
+    assert (nb - 1) * b["kv"].stride(0) > 2**31
+    got = run_batch(b, "triton")
+    ref = run_batch(b, "reference")
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert launches
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_environment_switch(monkeypatch: pytest.MonkeyPatch, launches: list[int]) -> None:
+    """``KV_KERNELS_SM90_PREFILL=0``: the Triton kernel serves the prefill, to the same result."""
+    b = _batch(q_lens=_Q, seq_lens=_L)
+    gluon = run_batch(b, "triton")
+    assert len(launches) == 1
+    monkeypatch.setenv("KV_KERNELS_SM90_PREFILL", "0")
+    triton_out = run_batch(b, "triton")
+    assert len(launches) == 1
+    torch.testing.assert_close(gluon.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
