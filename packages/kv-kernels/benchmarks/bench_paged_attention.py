@@ -8,6 +8,9 @@ Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block
   (the query, output and block table are < 0.1% of that and not counted).
 - prefill: 4 x 4096 tokens, causal, block 16. Metric: TFLOP/s,
   ``flops = 2 * 2 * B * Hq * L^2 * D / 2`` (QK^T and PV, half the square under the causal mask).
+  Where the sm_90 Gluon kernel serves our prefill (its records say ``prefill_kernel``), the
+  Triton kernel runs beside it in the same process as impl ``triton_kernel``
+  (``KV_KERNELS_SM90_PREFILL=0``).
 
 - issue 12 paths (``_attention_cases.py``, decode, each against the copy bandwidth measured in
   this process): per-token-head int8 / fp8 caches (bytes = data + inline scales), MLA absorbed
@@ -137,6 +140,24 @@ class Case:
 
         return fn
 
+    def ours_triton_kernel(self) -> Callable[[], Any]:
+        """Ours with the Triton kernel serving the prefill class too (``KV_KERNELS_SM90_PREFILL=0``:
+        on sm_90 the Gluon kernel serves it otherwise), the same-process baseline of that kernel."""
+        fn = self.ours()
+
+        def run() -> Any:
+            old = os.environ.get("KV_KERNELS_SM90_PREFILL")
+            os.environ["KV_KERNELS_SM90_PREFILL"] = "0"
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    del os.environ["KV_KERNELS_SM90_PREFILL"]
+                else:
+                    os.environ["KV_KERNELS_SM90_PREFILL"] = old
+
+        return run
+
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous [batch, H, ctx, D] K and V gathered from the pages (for SDPA)."""
         pages = self.kv[self.block_table.long()]  # [batch, pages, H, N, C]
@@ -224,6 +245,26 @@ class Case:
             )
 
         return fn
+
+
+def _gluon_served(fn: Callable[[], Any]) -> bool:
+    """Whether one call of ``fn`` launched the sm_90 Gluon prefill kernel."""
+    from kv_kernels.paged_attention import _sm90_prefill
+
+    calls: list[int] = []
+    real = _sm90_prefill.launch_sm90_prefill
+
+    def counted(*a: Any, **kw: Any) -> None:
+        calls.append(1)
+        real(*a, **kw)
+
+    _sm90_prefill.launch_sm90_prefill = counted
+    try:
+        fn()
+    finally:
+        _sm90_prefill.launch_sm90_prefill = real
+    torch.cuda.synchronize()
+    return bool(calls)
 
 
 def _measure(
@@ -335,10 +376,16 @@ def write_report(records: list[dict], out: str, device: str) -> None:
     except ImportError:
         print("matplotlib is not installed: no PNG", file=sys.stderr)
         return
-    shown = [r for r in records if r["ratio"] is not None and r["impl"] == "triton"]
+    shown = [
+        r for r in records if r["ratio"] is not None and r["impl"] in ("triton", "triton_kernel")
+    ]
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(shown) + 1.5))
-    labels = [f"{r['case']} vs {r['baseline']}" for r in shown]
-    ax.barh(labels, [r["ratio"] for r in shown], color="tab:blue")
+    labels = [
+        f"{r['case']} vs {r['baseline']}" + (" (Triton kernel)" if r["impl"] != "triton" else "")
+        for r in shown
+    ]
+    colors = ["tab:blue" if r["impl"] == "triton" else "tab:gray" for r in shown]
+    ax.barh(labels, [r["ratio"] for r in shown], color=colors)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel("ours / baseline (TB/s vs copy limit, or vs the named kernel)")
     ax.set_title(f"paged attention, {device}")
@@ -485,6 +532,9 @@ def main() -> int:
         metric = "TB/s" if kind == "decode" else "TFLOP/s"
         scale = 1e9  # bytes / ms / 1e9 = TB/s; flops / ms / 1e9 = TFLOP/s
         makers: dict[str, Callable[[], Callable[[], Any]]] = {"triton": case.ours}
+        gluon = kind == "prefill" and _gluon_served(ours)
+        if gluon:
+            makers["triton_kernel"] = case.ours_triton_kernel
         if have_fa4:
             makers["fa4"] = case.fa4
         if case.uniform:  # the dense baselines take one length for all sequences
@@ -508,7 +558,13 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
+        n_before = len(records)
         emit(name, metric, values, errors, ms_of)
+        for r in records[n_before:]:
+            if r["impl"] == "triton":
+                # which kernel served the prefill class (sm_90: the Gluon kernel, see kv_kernels.
+                # paged_attention._sm90_prefill; elsewhere the Triton kernel)
+                r["prefill_kernel"] = "gluon_sm90" if gluon else "triton"
         del case, ours, ref
         torch.cuda.empty_cache()
     run_new_cases(records, limit, smoke=False, keep=keep)
