@@ -44,6 +44,7 @@ _CASES = [
     ("bf16", 64, 1, 32, False, True),
     ("bf16", 128, 16, 64, True, False),
     ("fp16", 64, 2, 16, False, False),
+    ("bf16", 192, 4, 16, True, True),  # DiffKV: K 192 = 128 + 64 columns, V 128
 ]
 
 
@@ -57,7 +58,10 @@ def aot_results(aot_compile_checks) -> dict[str, dict]:
     cases = []
     for c in _CASES:
         dt, d, g, n, causal, lse = c
-        case = aot_case(dtype=dt, head=d, group=g, block_size=n, causal=causal, write_lse=lse)
+        dv = 128 if d == 192 else d
+        case = aot_case(
+            dtype=dt, head=d, head_v=dv, group=g, block_size=n, causal=causal, write_lse=lse
+        )
         cases.append({"id": _case_id(c), "count": _PTX, **case})
     return aot_compile_checks(cases)
 
@@ -94,6 +98,7 @@ def test_serves_the_plain_16_bit_prefill(monkeypatch: pytest.MonkeyPatch) -> Non
     assert _eligible()
     assert _eligible(q_dtype=torch.float16, cache_dtype=torch.float16, head_size=64, head_size_v=64)
     assert _eligible(group=16, features={"causal": False, "write_lse": False})
+    assert _eligible(head_size=192, head_size_v=128)  # DiffKV
 
 
 @pytest.mark.parametrize(
@@ -104,8 +109,9 @@ def test_serves_the_plain_16_bit_prefill(monkeypatch: pytest.MonkeyPatch) -> Non
         {"cache_dtype": torch.float8_e4m3fn},
         {"q_dtype": torch.float32, "cache_dtype": torch.float32},
         {"q_dtype": torch.float16},  # q and cache dtypes differ
-        {"head_size": 192, "head_size_v": 128},
+        {"head_size": 192, "head_size_v": 192},
         {"head_size": 256, "head_size_v": 256},
+        {"head_size": 96, "head_size_v": 96},
         {"group": 32},
         {"scale": -0.1},  # the kernel keeps raw-logit maxima: a positive scale only
         *({"features": {k: v}} for k, v in [
@@ -156,13 +162,15 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _batch(*, q_lens, seq_lens, h=8, group=4, d=128, n=16, dtype="bfloat16", seed=0, nb=None):
+def _batch(
+    *, q_lens, seq_lens, h=8, group=4, d=128, dv=None, n=16, dtype="bfloat16", seed=0, nb=None
+):
     torch.manual_seed(seed)
     pages = [-(-L // n) for L in seq_lens]
     nb = nb or sum(pages) + 4
     layout = KVCacheLayout(
         order="LBNHC", num_layers=1, num_blocks=nb, num_kv_heads=h, block_size=n, head_size=d,
-        head_size_v=d, dtype=dtype,
+        head_size_v=dv or d, dtype=dtype,
     )  # fmt: skip
     kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
     kv.normal_()
@@ -209,8 +217,9 @@ _L = [1000, 700, 513, 2100, 129]
         dict(dtype="float16", n=128, group=8),
         dict(d=64, group=1, n=32),
         dict(group=16, h=2, n=64),
+        dict(d=192, dv=128),
     ],
-    ids=["bf16-d128-g4-n16", "fp16-d128-g8-n128", "bf16-d64-g1-n32", "bf16-g16-n64"],
+    ids=["bf16-d128-g4-n16", "fp16-d128-g8-n128", "bf16-d64-g1-n32", "bf16-g16-n64", "diffkv"],
 )
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.gpu

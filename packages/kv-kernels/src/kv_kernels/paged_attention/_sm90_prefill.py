@@ -17,8 +17,10 @@ schedule, as FlashAttention-3 does:
 - the softmax scale sits inside ``exp2``'s FMA (``2^(s c - m c)``, raw-logit maxima), and the
   tiles every row sees in full run a loop without masks.
 
-Scope (:func:`sm90_prefill_eligible`): 16-bit queries and cache of the same dtype, K and V head
-size 64 or 128 (equal), GQA groups 1-16, a positive scale, causal or not, LSE; ALiBi, soft-cap,
+Scope (:func:`sm90_prefill_eligible`): 16-bit queries and cache of the same dtype, (K, V) head
+sizes 64 / 64, 128 / 128 or DiffKV's 192 / 128 (K's last 64 columns in a tile of their own, a
+second MMA into the same logits: no padding to 256), GQA groups 1-16, a positive scale, causal
+or not, LSE; ALiBi, soft-cap,
 windows, sinks, quantized caches, KV splits, MLA and metadata checks stay with the Triton
 kernel. Gluon has no interpreter: the CPU suite compiles this kernel for sm_90, the GPU suite
 checks it against the reference.
@@ -49,6 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from kv_kernels.paged_attention._tiles import split_head
+
 __all__ = [
     "aot_case",
     "launch_sm90_prefill",
@@ -61,52 +65,94 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 #: rows per consumer warpgroup (a warpgroup MMA's M), and the program's two consumers
 WG_M = 64
 BLOCK_M = 2 * WG_M
-#: KV tile (tokens) and ring slots; producer / consumer registers after ``setmaxnreg`` (sm_90
-#: build: no spills at 96 / 208; 80 / 216 spilled 8 bytes in the producer)
+#: KV tile (tokens) and ring slots; producer / consumer registers after ``setmaxnreg``. sm_90
+#: builds, bytes spilled a thread (triton 3.6 / 3.9): head 128 0 / 0 and DiffKV 192/128 12 / 12
+#: at 80 / 216; 0 / 20 and 12 / 360 (in the consumers' masked loop) at 96 / 208; 116 / 40 and
+#: 108 / 84 at 64 / 224
 TILE_N = 128
 NBUF = 2
-P_REGS = 96
-C_REGS = 208
+P_REGS = 80
+C_REGS = 216
+
+
+@gluon.constexpr_function
+def _rows_layout(width, main, warps):
+    """A tile ``[rows, width]`` of 16-bit values laid out as a ``main``-wide tile's 16-byte
+    vectors are (8 values a thread, ``main / 8`` threads a row, so a warp's copy covers whole
+    rows): any ``width`` gives the same rows to the same threads, so the row offsets computed
+    for one serve all (a 64-wide tail of a 128-wide head moves 8 bytes a thread).
+
+    (Four threads a row, ``width / 4`` values each, halved the producer's address work but
+    split each warp's copy into 16-byte pieces 64 bytes apart: H100, page 16, 449 -> 376
+    TFLOP/s.)"""
+    if not width:  # (no tail: any layout, unused)
+        width = 64
+        main = 64
+    per_row = main // 8
+    return gl.BlockedLayout([1, width // per_row], [32 // per_row, per_row], [warps, 1], [1, 0])
 
 
 @gluon.jit
-def _gather(smem, head_ptr, bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
-            BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, HEAD: gl.constexpr,
-            LOAD_LAYOUT: gl.constexpr):  # fmt: skip
-    rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LOAD_LAYOUT))
-    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD_LAYOUT))
+def _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
+               BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+    """Element offsets ``[TILE_N]`` (int64) of KV tile ``t``'s token rows through the block table,
+    and which rows are in the sequence."""
+    rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LAYOUT))
     kpos = t * TILE_N + rows
     col = gl.minimum(kpos // BLOCK_SIZE, max_blocks - 1)
     blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
     blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
     off = blk.to(gl.int64) * stride_kb + (kpos % BLOCK_SIZE).to(gl.int64) * stride_kn
-    ptrs = head_ptr + off[:, None] + cols[None, :]
-    ok = (kpos < seq_len)[:, None] & (cols < HEAD)[None, :]
-    _async_load(smem, ptrs, mask=ok)
+    return off, kpos < seq_len
 
 
 @gluon.jit
-def _producer(k_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_ptr, v_head_ptr,
-              bt_row_ptr, n_tiles, seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
-              BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, HEAD: gl.constexpr,
-              NBUF: gl.constexpr, P_WARPS: gl.constexpr):  # fmt: skip
-    load_layout: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8],
-        threads_per_warp=[32 // (HEAD // 8), HEAD // 8],
-        warps_per_cta=[P_WARPS, 1],
-        order=[1, 0],
+def _gather(smem, ptr, off, ok, WIDTH: gl.constexpr, LAYOUT: gl.constexpr):
+    """cp.async of the rows ``off`` (columns ``[0, WIDTH)`` from ``ptr``) into ``smem``; rows not
+    ``ok`` are zero-filled, not read."""
+    off = gl.convert_layout(off, gl.SliceLayout(1, LAYOUT))  # (the same rows: no data moves)
+    ok = gl.convert_layout(ok, gl.SliceLayout(1, LAYOUT))
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LAYOUT))
+    _async_load(
+        smem, ptr + off[:, None] + cols[None, :], mask=ok[:, None] & (cols < WIDTH)[None, :]
     )
+
+
+@gluon.jit
+def _producer(k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_ptr,
+              v_head_ptr, bt_row_ptr, n_tiles, seq_len, num_blocks, max_blocks, stride_kb,
+              stride_kn, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, D_MAIN: gl.constexpr,
+              D_TAIL: gl.constexpr, HEAD_V: gl.constexpr, NBUF: gl.constexpr,
+              P_WARPS: gl.constexpr):  # fmt: skip
+    main_l: gl.constexpr = _rows_layout(D_MAIN, D_MAIN, P_WARPS)
+    tail_l: gl.constexpr = _rows_layout(D_TAIL, D_MAIN, P_WARPS)
+    v_l: gl.constexpr = _rows_layout(HEAD_V, D_MAIN, P_WARPS)
     for i in range(n_tiles):
         s = i % NBUF
         ph = ((i // NBUF) & 1) ^ 1  # the previous use of the slot
+        # one walk through the block table serves K, K's tail and V (sm_90 build, head 128, page
+        # 16: the producer's loop 516 -> 446 instructions a tile against a walk per copy)
+        off, ok = _tile_rows(bt_row_ptr, i, seq_len, num_blocks, max_blocks, stride_kb,
+                             stride_kn, BLOCK_SIZE, TILE_N, main_l)  # fmt: skip
         mbarrier.wait(k_empty.index(s), ph, pred=i >= NBUF)
-        _gather(k_smem.index(s), k_head_ptr, bt_row_ptr, i, seq_len, num_blocks, max_blocks,
-                stride_kb, stride_kn, BLOCK_SIZE, TILE_N, HEAD, load_layout)  # fmt: skip
+        _gather(k_smem.index(s), k_head_ptr, off, ok, D_MAIN, main_l)
+        if D_TAIL > 0:
+            # a split head (DiffKV 192 = 128 + 64): K's last columns in their own tile
+            _gather(k2_smem.index(s), k_head_ptr + D_MAIN, off, ok, D_TAIL, tail_l)
         async_copy.mbarrier_arrive(k_full.index(s), increment_count=False)
         mbarrier.wait(v_empty.index(s), ph, pred=i >= NBUF)
-        _gather(v_smem.index(s), v_head_ptr, bt_row_ptr, i, seq_len, num_blocks, max_blocks,
-                stride_kb, stride_kn, BLOCK_SIZE, TILE_N, HEAD, load_layout)  # fmt: skip
+        _gather(v_smem.index(s), v_head_ptr, off, ok, HEAD_V, v_l)
         async_copy.mbarrier_arrive(v_full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _qk(q_wg, q2_wg, k_slot, k2_slot, s_zero, D_TAIL: gl.constexpr, ASYNC: gl.constexpr):
+    """``S = q.K^T`` of one KV slot, with a split head's tail columns as a second MMA into the
+    same accumulator (asynchronous: the token to wait on)."""
+    s = warpgroup_mma(q_wg, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=ASYNC)
+    if D_TAIL > 0:
+        s = warpgroup_mma(q2_wg, k2_slot.permute((1, 0)), s, is_async=ASYNC)
+    return s
 
 
 @gluon.jit
@@ -137,18 +183,17 @@ def _softmax(s, m_i, l_i, i, seq_len, q_pos, kcols, qk_scale_log2,
 
 
 @gluon.jit
-def _step(q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, i, s_zero, p, m_i, l_i, acc,
-          seq_len, q_pos, kcols, qk_scale_log2, TILE_N: gl.constexpr, NBUF: gl.constexpr,
-          CAUSAL: gl.constexpr, MASKED: gl.constexpr, O_LAYOUT: gl.constexpr,
-          P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
+def _step(q_wg, q2_wg, k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, i, s_zero, p,
+          m_i, l_i, acc, seq_len, q_pos, kcols, qk_scale_log2, TILE_N: gl.constexpr,
+          NBUF: gl.constexpr, D_TAIL: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+          O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
     """Tile ``i``'s q.K and tile ``i - 1``'s P.V issued together; the softmax of tile ``i`` runs
     while P.V does; each slot is released as soon as its MMA is done."""
     s = i % NBUF
-    mbarrier.wait(k_full.index(s), (i // NBUF) & 1)
-    s_tok = warpgroup_mma(q_wg, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)  # fmt: skip
     sp = (i - 1) % NBUF  # tile i - 1's slot
+    mbarrier.wait(k_full.index(s), (i // NBUF) & 1)
     mbarrier.wait(v_full.index(sp), ((i - 1) // NBUF) & 1)
+    s_tok = _qk(q_wg, q2_wg, k_smem.index(s), k2_smem.index(s), s_zero, D_TAIL, True)
     acc_tok = warpgroup_mma(p, v_smem.index(sp), acc, is_async=True)
     sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(s), count=1)
@@ -161,48 +206,51 @@ def _step(q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, i, s_zero, p, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, wg, n_tiles, t_full,
-              seq_len, ctx, q_tile, q_start, q_len, kvh, qk_scale_log2,
+def _consumer(q_smem, q2_smem, k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, wg,
+              n_tiles, t_full, seq_len, ctx, q_tile, q_start, q_len, kvh, qk_scale_log2,
               out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
-              HEAD: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr,
-              TILE_N: gl.constexpr, NBUF: gl.constexpr, CAUSAL: gl.constexpr,
-              WRITE_LSE: gl.constexpr):  # fmt: skip
+              HEAD_V: gl.constexpr, D_TAIL: gl.constexpr, GROUP: gl.constexpr,
+              BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, NBUF: gl.constexpr,
+              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     WG_M: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_V, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_wg = q_smem.index(wg)
+    q2_wg = q2_smem.index(wg)
     rows = wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
     q_pos = ctx + q_tile * BLOCK_Q + rows // GROUP
     kcols = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([WG_M, HEAD], gl.float32, layout=o_layout)
+    acc = gl.zeros([WG_M, HEAD_V], gl.float32, layout=o_layout)
     s_zero = gl.zeros([WG_M, TILE_N], gl.float32, layout=s_layout)
     p = gl.zeros([WG_M, TILE_N], dtype, layout=p_layout)
     # tile 0 alone (no P.V yet: an MMA of P = 0 over an unwritten V slot would still read it,
     # and 0 * nan is nan), then each tile's q.K beside the previous tile's P.V
     if n_tiles > 0:
         mbarrier.wait(k_full.index(0), 0)
-        sc = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        sc = _qk(q_wg, q2_wg, k_smem.index(0), k2_smem.index(0), s_zero, D_TAIL, False)
         mbarrier.arrive(k_empty.index(0), count=1)
         p, m_i, l_i, _alpha = _softmax(sc, m_i, l_i, 0, seq_len, q_pos, kcols, qk_scale_log2,
                                       TILE_N, CAUSAL, True, p_layout, dtype)  # fmt: skip
     # the tiles every row sees in full, then the causal diagonal / sequence tail (masked)
     t_mid = gl.maximum(gl.minimum(t_full, n_tiles), 1)
     for i in range(1, t_mid):
-        p, m_i, l_i, acc = _step(q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, i,
-                                 s_zero, p, m_i, l_i, acc, seq_len, q_pos, kcols, qk_scale_log2,
-                                 TILE_N, NBUF, CAUSAL, False, o_layout, p_layout, dtype)  # fmt: skip
+        p, m_i, l_i, acc = _step(q_wg, q2_wg, k_smem, k2_smem, v_smem, k_full, v_full, k_empty,
+                                 v_empty, i, s_zero, p, m_i, l_i, acc, seq_len, q_pos, kcols,
+                                 qk_scale_log2, TILE_N, NBUF, D_TAIL, CAUSAL, False, o_layout,
+                                 p_layout, dtype)  # fmt: skip
     for i in range(t_mid, n_tiles):
-        p, m_i, l_i, acc = _step(q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, i,
-                                 s_zero, p, m_i, l_i, acc, seq_len, q_pos, kcols, qk_scale_log2,
-                                 TILE_N, NBUF, CAUSAL, True, o_layout, p_layout, dtype)  # fmt: skip
+        p, m_i, l_i, acc = _step(q_wg, q2_wg, k_smem, k2_smem, v_smem, k_full, v_full, k_empty,
+                                 v_empty, i, s_zero, p, m_i, l_i, acc, seq_len, q_pos, kcols,
+                                 qk_scale_log2, TILE_N, NBUF, D_TAIL, CAUSAL, True, o_layout,
+                                 p_layout, dtype)  # fmt: skip
     if n_tiles > 0:
         sl = (n_tiles - 1) % NBUF
         mbarrier.wait(v_full.index(sl), ((n_tiles - 1) // NBUF) & 1)
@@ -213,7 +261,7 @@ def _consumer(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, wg, n_ti
     l_div = gl.where(has, l_i, 1.0)
     o = acc / gl.convert_layout(l_div, gl.SliceLayout(1, o_layout))[:, None]
     o_rows = wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+    o_cols = gl.arange(0, HEAD_V, layout=gl.SliceLayout(0, o_layout))
     o_tok = q_tile * BLOCK_Q + o_rows // GROUP
     o_ptrs = (
         out_ptr
@@ -221,7 +269,7 @@ def _consumer(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, wg, n_ti
         + (kvh * GROUP + o_rows % GROUP).to(gl.int64)[:, None] * stride_oh
         + o_cols[None, :]
     )
-    gl.store(o_ptrs, o.to(dtype), mask=(o_tok < q_len)[:, None] & (o_cols < HEAD)[None, :])
+    gl.store(o_ptrs, o.to(dtype), mask=(o_tok < q_len)[:, None] & (o_cols < HEAD_V)[None, :])
     if WRITE_LSE:
         lse = gl.where(
             has, (m_i * qk_scale_log2 + gl.log2(l_div)) * 0.6931471805599453, float("-inf")
@@ -236,6 +284,27 @@ def _consumer(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, wg, n_ti
 
 
 @gluon.jit
+def _stage_q(q_smem, q_ptr, stride_qt, stride_qh, q_start, q_tile, q_len, kvh,
+             COL0: gl.constexpr, WIDTH: gl.constexpr, GROUP: gl.constexpr,
+             BLOCK_Q: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """The q tile's columns ``[COL0, COL0 + WIDTH)`` of its 128 rows (token, head) into the two
+    consumers' halves of ``q_smem``; rows past the query read zeros."""
+    layout: gl.constexpr = _rows_layout(WIDTH, WIDTH, num_warps)
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    for h in gl.static_range(2):
+        rows = h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        tok = q_tile * BLOCK_Q + rows // GROUP
+        ptrs = (
+            q_ptr
+            + (q_start + tok).to(gl.int64)[:, None] * stride_qt
+            + (kvh * GROUP + rows % GROUP).to(gl.int64)[:, None] * stride_qh
+            + (COL0 + cols)[None, :]
+        )
+        ok = (tok < q_len)[:, None] & (cols < WIDTH)[None, :]
+        q_smem.index(h).store(gl.load(ptrs, mask=ok, other=0.0))
+
+
+@gluon.jit
 def sm90_prefill_kernel(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, stride_kb, stride_kh, stride_kn,
@@ -245,7 +314,8 @@ def sm90_prefill_kernel(
     lse_ptr, stride_lt, stride_lh,
     num_seqs, num_blocks, max_blocks, qk_scale_log2,
     q_len_min, q_len_max,
-    HEAD: gl.constexpr, K_START: gl.constexpr, V_START: gl.constexpr,
+    D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, HEAD_V: gl.constexpr,
+    K_START: gl.constexpr, V_START: gl.constexpr,
     BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
     BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, NBUF: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
@@ -253,14 +323,10 @@ def sm90_prefill_kernel(
 ):  # fmt: skip
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     WG_M: gl.constexpr = 64
-    tile_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD], dtype)
-    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, HEAD], dtype)
-    q_layout: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8],
-        threads_per_warp=[32 // (HEAD // 8), HEAD // 8],
-        warps_per_cta=[num_warps, 1],
-        order=[1, 0],
-    )
+    # q (and a split head's tail) per consumer: [2, 64, width]; K, K's tail, V: rings of NBUF
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, D_MAIN], dtype)
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_MAIN], dtype)
+    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD_V], dtype)
 
     n_h = gl.num_programs(1)
     n_q = gl.num_programs(0).to(gl.int64)
@@ -283,22 +349,21 @@ def sm90_prefill_kernel(
     seq_len = gl.load(seq_lens_ptr + seq).to(gl.int32)
     ctx = seq_len - q_len
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, HEAD], q_smem_layout)
-    q_cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, q_layout))
-    for h in gl.static_range(2):
-        q_rows = h * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, q_layout))
-        q_tok = q_tile * BLOCK_Q + q_rows // GROUP
-        q_ptrs = (
-            q_ptr
-            + (q_start + q_tok).to(gl.int64)[:, None] * stride_qt
-            + (kvh * GROUP + q_rows % GROUP).to(gl.int64)[:, None] * stride_qh
-            + q_cols[None, :]
-        )
-        q_smem.index(h).store(
-            gl.load(q_ptrs, mask=(q_tok < q_len)[:, None] & (q_cols < HEAD)[None, :], other=0.0)
-        )
-    k_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, HEAD], tile_smem)
-    v_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, HEAD], tile_smem)
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, D_MAIN], q_sl)
+    _stage_q(q_smem, q_ptr, stride_qt, stride_qh, q_start, q_tile, q_len, kvh, 0, D_MAIN, GROUP,
+             BLOCK_Q, num_warps)  # fmt: skip
+    k_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, D_MAIN], k_sl)
+    if D_TAIL > 0:
+        q2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, D_TAIL], dtype)
+        k2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_TAIL], dtype)
+        q2_smem = gl.allocate_shared_memory(dtype, [2, WG_M, D_TAIL], q2_sl)
+        _stage_q(q2_smem, q_ptr, stride_qt, stride_qh, q_start, q_tile, q_len, kvh, D_MAIN,
+                 D_TAIL, GROUP, BLOCK_Q, num_warps)  # fmt: skip
+        k2_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, D_TAIL], k2_sl)
+    else:
+        q2_smem = q_smem  # (unread without a tail)
+        k2_smem = k_smem
+    v_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, HEAD_V], v_sl)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     k_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
     v_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
@@ -326,23 +391,28 @@ def sm90_prefill_kernel(
 
     gl.warp_specialize(
         [
-            (_consumer, (q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, 0, n_tiles,
-                         t_full, seq_len, ctx, q_tile, q_start, q_len, kvh, qk_scale_log2,
-                         out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
-                         HEAD, GROUP, BLOCK_Q, TILE_N, NBUF, CAUSAL, WRITE_LSE)),
-            (_consumer, (q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, 1, n_tiles,
-                         t_full, seq_len, ctx, q_tile, q_start, q_len, kvh, qk_scale_log2,
-                         out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
-                         HEAD, GROUP, BLOCK_Q, TILE_N, NBUF, CAUSAL, WRITE_LSE)),
-            (_producer, (k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+            (_consumer, (q_smem, q2_smem, k_smem, k2_smem, v_smem, k_full, v_full, k_empty,
+                         v_empty, 0, n_tiles, t_full, seq_len, ctx, q_tile, q_start, q_len, kvh,
+                         qk_scale_log2, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                         stride_lh, HEAD_V, D_TAIL, GROUP, BLOCK_Q, TILE_N, NBUF, CAUSAL,
+                         WRITE_LSE)),
+            (_consumer, (q_smem, q2_smem, k_smem, k2_smem, v_smem, k_full, v_full, k_empty,
+                         v_empty, 1, n_tiles, t_full, seq_len, ctx, q_tile, q_start, q_len, kvh,
+                         qk_scale_log2, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                         stride_lh, HEAD_V, D_TAIL, GROUP, BLOCK_Q, TILE_N, NBUF, CAUSAL,
+                         WRITE_LSE)),
+            (_producer, (k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty,
                          head_ptr + K_START, head_ptr + V_START, bt_row_ptr, n_tiles, seq_len,
-                         num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, TILE_N, HEAD,
-                         NBUF, P_WARPS)),
+                         num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, TILE_N,
+                         D_MAIN, D_TAIL, HEAD_V, NBUF, P_WARPS)),
         ],
         [4, P_WARPS],
         [C_REGS, P_REGS],
     )  # fmt: skip
 
+
+#: (K, V) head sizes served: 192 / 128 is DiffKV's split head (128 + 64 columns of K)
+_HEADS = ((64, 64), (128, 128), (192, 128))
 
 #: the features the Gluon kernel does not implement (the Triton kernel serves them)
 _UNSERVED = ("sliding_window", "sinks", "softcap", "alibi", "kv_scale_mode", "split", "check",
@@ -372,8 +442,7 @@ def sm90_prefill_eligible(
         and os.environ.get("KV_KERNELS_SM90_PREFILL", "1") != "0"
         and q_dtype in (torch.bfloat16, torch.float16)
         and cache_dtype == q_dtype
-        and head_size == head_size_v
-        and head_size in (64, 128)
+        and (head_size, head_size_v) in _HEADS
         and group in (1, 2, 4, 8, 16)
         and scale > 0
         and not any(features.get(k) for k in _UNSERVED)
@@ -403,6 +472,7 @@ def launch_sm90_prefill(
     group = num_q_heads // num_kv_heads
     block_q = BLOCK_M // group
     num_seqs = block_table.shape[0]
+    d_main, d_tail = split_head(head)
     for name, t in (("q", q), ("kv_cache", kv_cache), ("out", out), ("block_table", block_table)):
         if t.stride(-1) != 1:
             raise ValueError(
@@ -419,9 +489,10 @@ def launch_sm90_prefill(
         lse_t, lse_t.stride(0), lse_t.stride(1),
         num_seqs, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
         q_len_min, 2**31 - 1,
-        HEAD=head, K_START=k_start, V_START=v_start, BLOCK_SIZE=block_size, GROUP=group,
-        BLOCK_Q=block_q, TILE_N=TILE_N, NBUF=NBUF, CAUSAL=causal, WRITE_LSE=lse is not None,
-        P_WARPS=4, C_REGS=C_REGS, P_REGS=P_REGS, num_warps=4,
+        D_MAIN=d_main, D_TAIL=d_tail, HEAD_V=out.shape[2], K_START=k_start, V_START=v_start,
+        BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, TILE_N=TILE_N, NBUF=NBUF,
+        CAUSAL=causal, WRITE_LSE=lse is not None, P_WARPS=4, C_REGS=C_REGS,
+        P_REGS=P_REGS, num_warps=4,
     )  # fmt: skip
 
 
@@ -429,6 +500,7 @@ def aot_case(
     *,
     dtype: str = "bf16",
     head: int = 128,
+    head_v: int | None = None,
     group: int = 4,
     block_size: int = 16,
     causal: bool = True,
@@ -445,10 +517,12 @@ def aot_case(
     for name in sm90_prefill_kernel.arg_names:
         sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
     sig["qk_scale_log2"] = "fp32"
+    d_main, d_tail = split_head(head)
     constexprs = dict(
-        HEAD=head, K_START=0, V_START=head, BLOCK_SIZE=block_size, GROUP=group,
-        BLOCK_Q=BLOCK_M // group, TILE_N=TILE_N, NBUF=NBUF, CAUSAL=causal, WRITE_LSE=write_lse,
-        P_WARPS=4, C_REGS=C_REGS, P_REGS=P_REGS, num_warps=4,
+        D_MAIN=d_main, D_TAIL=d_tail, HEAD_V=head_v or head, K_START=0, V_START=head,
+        BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=BLOCK_M // group, TILE_N=TILE_N, NBUF=NBUF,
+        CAUSAL=causal, WRITE_LSE=write_lse, P_WARPS=4, C_REGS=C_REGS,
+        P_REGS=P_REGS, num_warps=4,
     )  # fmt: skip
     for name in constexprs:
         sig[name] = "constexpr"
