@@ -193,6 +193,9 @@ _GPU: _Table = [
     (_mla, (8, 32768, 64)),
     (_mla, (64, 4096, 64, 16)),  # DeepSeek-V3 at TP 8: 16 heads per GPU, bandwidth-bound
     (_mla, (8, 32768, 64, 16)),
+    # page 16: DeepSeek-V3's spec default (kvstack backends picks TRITON_MLA at kernel block 16)
+    (_mla, (64, 4096, 16)),
+    (_mla, (64, 4096, 16, 16)),
     (_diffkv, (64, 4096, 16)),
     (_diffkv, (8, 32768, 16)),
 ]

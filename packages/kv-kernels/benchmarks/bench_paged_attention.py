@@ -7,7 +7,9 @@ Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block
   TB/s of K+V bytes read, ``bytes = batch * ctx * H * (head_size + head_size_v) * 2``
   (the query, output and block table are < 0.1% of that and not counted).
 - prefill: 4 x 4096 tokens, causal, block 16. Metric: TFLOP/s,
-  ``flops = 2 * 2 * B * Hq * L^2 * D / 2`` (QK^T and PV, half the square under the causal mask).
+  ``flops = 2 * B * Hq * L^2 * (Dk + Dv) / 2`` (QK^T and PV, half the square under the causal
+  mask). Variants: fp16; a mixed step; an fp8 per-tensor cache (``_fp8kv``); DiffKV 192 / 128
+  (``_diffkv``).
   Where the sm_90 Gluon kernel serves our prefill (its records say ``prefill_kernel``), the
   Triton kernel runs beside it in the same process as impl ``triton_kernel``
   (``KV_KERNELS_SM90_PREFILL=0``).
@@ -45,206 +47,17 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from kv_kernels.cache import allocate_kv_cache, layer_view
-from kv_kernels.paged_attention import paged_attention
-from kv_spec import KVCacheLayout, LayoutOrder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _attention_cases import new_cases
+from _paged_case import DTYPE, Case, D
 from _records import _versions  # this folder's record fields
 from _timing import copy_limit, gpu_ms, timed
-
-HQ, H, D = 32, 8, 128
-DTYPE = torch.bfloat16
 
 
 def _bench(fn: Callable[[], Any], *, warmup: int = 15, rep: int = 60) -> float:
     """GPU ms of one call (CUDA-graph replay; ``_timing`` says why)."""
     return gpu_ms(fn, warmup=warmup, rep=rep)[0]
-
-
-class Case:
-    """A batch over a paged cache filled with random values (never zeros: they hide bugs).
-
-    ``q_lens`` (one per sequence; default ``q_len`` each): a mixed batch of chunked prefills
-    (``q < ctx``: the rest of the sequence is cached context) and decodes (``q = 1``)."""
-
-    def __init__(
-        self,
-        *,
-        batch: int,
-        ctx: int,
-        block: int,
-        q_len: int,
-        seed: int = 0,
-        dtype: torch.dtype = DTYPE,
-        q_lens: list[int] | None = None,
-    ) -> None:
-        torch.manual_seed(seed)
-        self.q_lens = q_lens or [q_len] * batch
-        self.batch, self.ctx, self.block, self.q_len = batch, ctx, block, max(self.q_lens)
-        self.dtype = dtype
-        self.uniform = len(set(self.q_lens)) == 1
-        pages = ctx // block
-        num_blocks = batch * pages + 1
-        self.layout = KVCacheLayout(
-            order=LayoutOrder.LBNHC,
-            num_layers=1,
-            num_blocks=num_blocks,
-            num_kv_heads=H,
-            block_size=block,
-            head_size=D,
-            head_size_v=D,
-            dtype=str(dtype).removeprefix("torch."),
-        )
-        self.kv = layer_view(allocate_kv_cache(self.layout, "cuda", zero=False), self.layout, 0)
-        self.kv.normal_()
-        perm = torch.randperm(num_blocks - 1, device="cuda")[: batch * pages] + 1
-        self.block_table = perm.view(batch, pages).to(torch.int32)
-        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        self.qsl = torch.tensor(
-            [0, *torch.tensor(self.q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
-        )
-        tokens = sum(self.q_lens)
-        self.q = torch.randn(tokens, HQ, D, dtype=dtype, device="cuda")
-        self.out = torch.empty(tokens, HQ, D, dtype=dtype, device="cuda")
-
-    # bytes and flops -----------------------------------------------------------------------
-    def kv_bytes(self) -> int:
-        return self.batch * self.ctx * H * 2 * D * 2
-
-    def causal_flops(self) -> int:
-        """QK^T and PV over the keys each query sees: a query at position ``p`` sees ``p + 1``
-        (a full causal prefill counted as half the square, as FA's benchmarks do)."""
-        if self.uniform and self.q_len == self.ctx:
-            return 2 * 2 * self.batch * HQ * self.ctx * self.ctx * D // 2
-        seen = sum(q * (self.ctx - q) + q * (q + 1) // 2 for q in self.q_lens)
-        return 2 * 2 * HQ * D * seen
-
-    # implementations ------------------------------------------------------------------------
-    def ours(self, **kw: Any) -> Callable[[], Any]:
-        def fn() -> Any:
-            return paged_attention(
-                self.q,
-                self.kv,
-                self.layout,
-                self.block_table,
-                self.seq_lens,
-                self.qsl,
-                self.q_len,
-                max_seq_len=self.ctx,
-                out=self.out,
-                impl="triton",
-                **kw,
-            )
-
-        return fn
-
-    def ours_triton_kernel(self) -> Callable[[], Any]:
-        """Ours with the Triton kernel serving the prefill class too (``KV_KERNELS_SM90_PREFILL=0``:
-        on sm_90 the Gluon kernel serves it otherwise), the same-process baseline of that kernel."""
-        fn = self.ours()
-
-        def run() -> Any:
-            old = os.environ.get("KV_KERNELS_SM90_PREFILL")
-            os.environ["KV_KERNELS_SM90_PREFILL"] = "0"
-            try:
-                return fn()
-            finally:
-                if old is None:
-                    del os.environ["KV_KERNELS_SM90_PREFILL"]
-                else:
-                    os.environ["KV_KERNELS_SM90_PREFILL"] = old
-
-        return run
-
-    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous [batch, H, ctx, D] K and V gathered from the pages (for SDPA)."""
-        pages = self.kv[self.block_table.long()]  # [batch, pages, H, N, C]
-        kv = pages.permute(0, 2, 1, 3, 4).reshape(self.batch, H, self.ctx, 2 * D)
-        return kv[..., :D].contiguous(), kv[..., D:].contiguous()
-
-    def sdpa(self) -> Callable[[], Any]:
-        k, v = self.dense_kv()
-        q = self.q.view(self.batch, self.q_len, HQ, D).transpose(1, 2)
-        causal = self.q_len > 1
-
-        def fn() -> Any:
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, enable_gqa=True
-            )
-
-        return fn
-
-    def flex(self) -> Callable[[], Any]:
-        """FlexAttention over the paged cache: K/V as one physical sequence [1, H, B*N, D]
-        (broadcast over the batch), a mask through the inverse block table."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        nb, n = self.layout.num_blocks, self.block
-        phys = self.kv.permute(1, 0, 2, 3).reshape(H, nb * n, 2 * D)  # LBNHC: B and N merge
-        k = phys[None, :, :, :D]
-        v = phys[None, :, :, D:]
-        inv = torch.full((self.batch, nb), -1, dtype=torch.int32, device="cuda")
-        rows = torch.arange(self.batch, device="cuda")[:, None].expand_as(self.block_table)
-        inv[rows, self.block_table.long()] = torch.arange(
-            self.block_table.shape[1], device="cuda", dtype=torch.int32
-        )
-        ctx, q_len = self.ctx, self.q_len
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            lb = inv[b, kv_idx // n]
-            pos = lb * n + kv_idx % n
-            return (lb >= 0) & (pos <= ctx - q_len + q_idx)
-
-        q = self.q.view(self.batch, q_len, HQ, D).transpose(1, 2)
-        compiled = torch.compile(flex_attention, dynamic=False)
-        err: Exception | None = None
-        # KV blocks of one page make the block mask exact; Flex may reject blocks that small,
-        # then 128-token blocks (pages of several sequences, masked inside).
-        for kv_block in dict.fromkeys((n, 128)):
-            try:
-                bm = create_block_mask(
-                    mask_mod,
-                    self.batch,
-                    None,
-                    q_len,
-                    nb * n,
-                    device="cuda",
-                    BLOCK_SIZE=(128, kv_block),
-                )
-                compiled(q, k, v, block_mask=bm, enable_gqa=True)
-            except Exception as e:
-                err = e
-                continue
-
-            def fn(bm=bm) -> Any:
-                return compiled(q, k, v, block_mask=bm, enable_gqa=True)
-
-            return fn
-        assert err is not None
-        raise err
-
-    def fa4(self) -> Callable[[], Any]:
-        from flash_attn.cute import flash_attn_varlen_func
-
-        kv = self.kv.permute(0, 2, 1, 3)  # [B, N, H, C]: FA's paged NHD view, no copy
-        k, v = kv[..., :D], kv[..., D:]
-        causal = self.q_len > 1
-
-        def fn() -> Any:
-            return flash_attn_varlen_func(
-                self.q,
-                k,
-                v,
-                cu_seqlens_q=self.qsl,
-                max_seqlen_q=self.q_len,
-                seqused_k=self.seq_lens,
-                page_table=self.block_table,
-                causal=causal,
-            )
-
-        return fn
 
 
 def _gluon_served(fn: Callable[[], Any]) -> bool:
@@ -403,7 +216,15 @@ PREFILL_VARIANTS = [
     ("", torch.bfloat16, None),
     ("_fp16", torch.float16, None),
     ("_mixed", torch.bfloat16, [1024] * 4 + [1] * 32),
+    ("_fp8kv", torch.bfloat16, None),
+    ("_diffkv", torch.bfloat16, None),
 ]
+#: prefill variants whose cache is not the query's dtype: fp8 e4m3 per tensor (the issue's "fp8
+#: prefill vs FA4 with fp8 K/V if FA4 takes it"; the Triton kernel serves it)
+KV_DTYPES = {"_fp8kv": torch.float8_e4m3fn}
+#: prefill variants with K / V head sizes other than 128 / 128: DiffKV 192 / 128 (the issue's
+#: "prefill >= 0.8x FA4 (FLASH_ATTN_DIFFKV) on the same shapes")
+HEADS = {"_diffkv": (192, 128)}
 
 
 def main() -> int:
@@ -525,7 +346,10 @@ def main() -> int:
             name = f"mixed_{q_lens.count(1)}dec_{batch - q_lens.count(1)}x{max(q_lens)}_ctx{ctx}_n{block}"
         if not keep(name):
             continue
-        case = Case(batch=batch, ctx=ctx, block=block, q_len=q_len, dtype=dtype, q_lens=q_lens)
+        case = Case(
+            batch=batch, ctx=ctx, block=block, q_len=q_len, dtype=dtype, q_lens=q_lens,
+            kv_dtype=KV_DTYPES.get(suffix), heads=HEADS.get(suffix, (D, D)),
+        )  # fmt: skip
         ours = case.ours()
         ref = ours().clone()
         work = case.kv_bytes() if kind == "decode" else case.causal_flops()
