@@ -22,7 +22,7 @@ from kv_kernels.testing import (
     check_close_to_oracle,
     plant_wrong_page,
 )
-from kv_kernels.testing_attention import run_batch
+from kv_kernels.testing_attention import make_paged_batch, run_batch
 from kv_spec import KVCacheLayout
 
 #: sm_90's shared memory per block (bytes)
@@ -162,30 +162,12 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _batch(
-    *, q_lens, seq_lens, h=8, group=4, d=128, dv=None, n=16, dtype="bfloat16", seed=0, nb=None
-):
-    torch.manual_seed(seed)
-    pages = [-(-L // n) for L in seq_lens]
-    nb = nb or sum(pages) + 4
-    layout = KVCacheLayout(
-        order="LBNHC", num_layers=1, num_blocks=nb, num_kv_heads=h, block_size=n, head_size=d,
-        head_size_v=dv or d, dtype=dtype,
-    )  # fmt: skip
-    kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
-    kv.normal_()
-    perm = torch.randperm(nb, device="cuda").to(torch.int32)
-    table = torch.full((len(seq_lens), max(pages) + 3), -1, dtype=torch.int32, device="cuda")
-    used = 0
-    for s, p in enumerate(pages):
-        table[s, :p] = perm[used : used + p]
-        used += p
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda")
-    q = torch.randn(int(qsl[-1]), h * group, d, dtype=getattr(torch, dtype), device="cuda")
-    return dict(
-        q=q, kv=kv, layout=layout, block_table=table, qsl=qsl.to(torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-        max_query_len=max(q_lens),
+def _batch(*, q_lens, seq_lens, h=8, group=4, d=128, dv=None, n=16, dtype="bfloat16", seed=0):
+    """A varlen batch whose pages outside the sequences hold nan (a read past a sequence shows)."""
+    return make_paged_batch(
+        q_lens=q_lens, seq_lens=seq_lens, num_kv_heads=h, group=group, head_size=d,
+        head_size_v=dv, block_size=n, dtype=getattr(torch, dtype), num_layers=1, layer=0,
+        seed=seed, device="cuda",
     )  # fmt: skip
 
 
@@ -254,13 +236,22 @@ def test_gpu_cache_past_2_31_elements(launches: list[int]) -> None:
     offsets in the producer's gathers)."""
     h, d, n = 8, 128, 16
     nb = 2**31 // (h * n * 2 * d) + 16
-    b = _batch(q_lens=[100, 60], seq_lens=[120, 90], nb=nb)
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=nb, num_kv_heads=h, block_size=n, head_size=d,
+        head_size_v=d, dtype="bfloat16",
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
     ids = torch.arange(nb - 14, nb, dtype=torch.int32, device="cuda")
-    table = torch.full_like(b["block_table"], -1)
+    kv[ids.long()] = torch.randn(14, h, n, 2 * d, device="cuda").to(kv.dtype)
+    assert (nb - 1) * kv.stride(0) > 2**31
+    table = torch.full((2, 10), -1, dtype=torch.int32, device="cuda")
     table[0, :8] = ids[:8]
     table[1, :6] = ids[8:]
-    b["block_table"] = table
-    assert (nb - 1) * b["kv"].stride(0) > 2**31
+    b = dict(
+        q=torch.randn(160, h * 4, d, dtype=torch.bfloat16, device="cuda"), kv=kv, layout=layout,
+        block_table=table, seq_lens=torch.tensor([120, 90], dtype=torch.int32, device="cuda"),
+        qsl=torch.tensor([0, 100, 160], dtype=torch.int32, device="cuda"), max_query_len=100,
+    )  # fmt: skip
     got = run_batch(b, "triton")
     ref = run_batch(b, "reference")
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
