@@ -99,18 +99,10 @@ def _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb, stride
     and which rows are in the sequence."""
     rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LAYOUT))
     kpos = t * TILE_N + rows
-    if BLOCK_SIZE % TILE_N == 0:
-        # the tile lies in one page: one block id (a scalar load) and consecutive rows
-        col = gl.minimum((t * TILE_N) // BLOCK_SIZE, max_blocks - 1)
-        blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
-        blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
-        row0 = (t * TILE_N) % BLOCK_SIZE
-        off = blk.to(gl.int64) * stride_kb + (row0 + rows).to(gl.int64) * stride_kn
-    else:
-        col = gl.minimum(kpos // BLOCK_SIZE, max_blocks - 1)
-        blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
-        blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
-        off = blk.to(gl.int64) * stride_kb + (kpos % BLOCK_SIZE).to(gl.int64) * stride_kn
+    col = gl.minimum(kpos // BLOCK_SIZE, max_blocks - 1)
+    blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
+    blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
+    off = blk.to(gl.int64) * stride_kb + (kpos % BLOCK_SIZE).to(gl.int64) * stride_kn
     return off, kpos < seq_len
 
 
