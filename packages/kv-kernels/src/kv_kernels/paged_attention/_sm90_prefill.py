@@ -20,9 +20,8 @@ schedule, as FlashAttention-3 does:
 Scope (:func:`sm90_prefill_eligible`): 16-bit queries and cache of the same dtype, (K, V) head
 sizes 64 / 64, 128 / 128 or DiffKV's 192 / 128 (K's last 64 columns in a tile of their own, a
 second MMA into the same logits: no padding to 256), GQA groups 1-16, a positive scale, causal
-or not, LSE; ALiBi, soft-cap,
-windows, sinks, quantized caches, KV splits, MLA and metadata checks stay with the Triton
-kernel. Gluon has no interpreter: the CPU suite compiles this kernel for sm_90, the GPU suite
+or not, LSE; ALiBi, soft-cap, windows, sinks, quantized caches, KV splits, MLA and metadata
+checks stay with the Triton kernel. Gluon has no interpreter: the CPU suite compiles this kernel for sm_90, the GPU suite
 checks it against the reference.
 
 Bounds: block-table columns past ``max_blocks`` read the last column, block ids are clamped into
@@ -66,9 +65,10 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 WG_M = 64
 BLOCK_M = 2 * WG_M
 #: KV tile (tokens) and ring slots; producer / consumer registers after ``setmaxnreg``. sm_90
-#: builds, bytes spilled a thread (triton 3.6 / 3.9): head 128 0 / 0 and DiffKV 192/128 12 / 12
-#: at 80 / 216; 0 / 20 and 12 / 360 (in the consumers' masked loop) at 96 / 208; 116 / 40 and
-#: 108 / 84 at 64 / 224
+#: builds, bytes spilled a thread (triton 3.6 / 3.9), page 16: head 128 0 / 8 and DiffKV 192/128
+#: 40 / 52 (in the producer) at 80 / 216. Before the producer's shared block-table walk: 80 / 216
+#: 0 / 0 and 12 / 12; 96 / 208 0 / 20 and 12 / 360 (in the consumers' masked loop); 64 / 224
+#: 116 / 40 and 108 / 84
 TILE_N = 128
 NBUF = 2
 P_REGS = 80
