@@ -23,8 +23,8 @@ def aot_compile(
     divisible_by_16: tuple[str, ...] = (),
     max_registers: int = 0,
 ) -> Any:
-    """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for ``cuda`` sm_``arch`` and return the
-    compiled kernel (``.asm`` holds ``ttir``, ``ptx`` and ``cubin``).
+    """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for ``cuda`` sm_``arch``
+    and return the compiled kernel (``.asm`` holds ``ttir``, ``ptx`` and ``cubin``).
 
     ``signature`` maps every argument to a Triton type (``"*bf16"``, ``"i64"``, ``"fp32"``) or
     ``"constexpr"``; ``constexprs`` gives the constexpr values by name. ``divisible_by_16`` names

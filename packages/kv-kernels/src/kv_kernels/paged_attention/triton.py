@@ -232,7 +232,7 @@ def paged_attention_triton(
         v_start=v_range[0],
     )
     # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
-    # Gluon kernel (see _sm90_prefill), which also serves it to KV_KERNELS_SM90_PREFILL=0 callers
+    # Gluon kernel (see _sm90_prefill; with KV_KERNELS_SM90_PREFILL=0 the Triton kernel does)
     gluon_prefill = run_prefill and _sm90_prefill_serves(q, kv_cache, head_size_v, scale, features)
     descs = None
     if run_prefill and not gluon_prefill:
