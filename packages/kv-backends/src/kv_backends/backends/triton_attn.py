@@ -157,7 +157,14 @@ class TritonBackend(AttentionBackend):
         cudagraph_support="uniform_batch",
         min_compute_capability=(8, 0),
         needs_gpu=True,
-        notes="kv-kernels' unified Triton kernel; reads any layout order through strides; per-token-head int8/fp8 caches with inline scales; batch-invariant with a fixed num_splits.",
+        notes=(
+            "kv-kernels' unified Triton kernel; reads any layout order through strides; "
+            "per-token-head int8/fp8 caches with inline scales; batch-invariant with a fixed "
+            "num_splits. On sm_90 the prefill of plain 16-bit launches (heads 64, 128, DiffKV "
+            "192/128; no ALiBi, soft-cap, window, sinks, quantized cache or split) runs "
+            "kv-kernels' warp-specialized Gluon kernel instead (KV_KERNELS_SM90_PREFILL=0 turns "
+            "it off)."
+        ),
     )
     builder_cls = MetadataBuilder
     impl_cls = TritonImpl
