@@ -130,6 +130,18 @@ def test_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not _eligible()
 
 
+def test_dispatch_needs_a_compiled_run_on_cuda_tensors() -> None:
+    """The launcher asks for the Gluon kernel only for compiled runs on a CUDA device (Gluon has
+    no interpreter); the interpreter's CPU tensors keep the Triton kernel."""
+    from kv_kernels.paged_attention.triton import _sm90_prefill_serves
+
+    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 8, 16, 256, dtype=torch.bfloat16)
+    feats = dict(_FEATURES_OFF, ptx=True)
+    assert not _sm90_prefill_serves(q, kv, 128, 0.088, feats)  # CPU tensors
+    assert not _sm90_prefill_serves(q, kv, 128, 0.088, dict(feats, ptx=False))
+
+
 def test_non_unit_row_stride_is_a_value_error() -> None:
     q = torch.zeros(8, 4, 256)[:, :, ::2]  # [8, 4, 128], column stride 2
     kv = torch.zeros(3, 1, 16, 256)
