@@ -114,6 +114,7 @@ def test_serves_the_plain_16_bit_prefill(monkeypatch: pytest.MonkeyPatch) -> Non
         {"head_size": 96, "head_size_v": 96},
         {"group": 32},
         {"scale": -0.1},  # the kernel keeps raw-logit maxima: a positive scale only
+        {"unit_strides": False},  # a strided row (a column slice of a wider tensor)
         *({"features": {k: v}} for k, v in [
             ("sliding_window", True), ("sinks", True), ("softcap", True), ("alibi", True),
             ("kv_scale_mode", 1), ("split", True), ("check", True), ("v_from_k", True),

@@ -430,11 +430,13 @@ def sm90_prefill_eligible(
     scale: float,
     compiled: bool,
     features: dict[str, Any],
+    unit_strides: bool = True,
 ) -> bool:
     """Whether :func:`launch_sm90_prefill` serves a prefill launch (else the Triton kernel).
 
     ``compiled``: kernels run compiled (not under ``TRITON_INTERPRET``; Gluon has no
-    interpreter). ``KV_KERNELS_SM90_PREFILL=0`` in the environment turns the kernel off (the
+    interpreter). ``unit_strides``: q, the cache, the output and the block table have contiguous
+    last dimensions (the kernel reads rows of unit stride; the Triton kernel takes any strides). ``KV_KERNELS_SM90_PREFILL=0`` in the environment turns the kernel off (the
     Triton kernel then serves every prefill), e.g. to compare the two."""
     return (
         compiled
@@ -445,6 +447,7 @@ def sm90_prefill_eligible(
         and (head_size, head_size_v) in _HEADS
         and group in (1, 2, 4, 8, 16)
         and scale > 0
+        and unit_strides
         and not any(features.get(k) for k in _UNSERVED)
     )
 

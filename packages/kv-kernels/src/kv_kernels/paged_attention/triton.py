@@ -233,7 +233,9 @@ def paged_attention_triton(
     )
     # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
     # Gluon kernel (see _sm90_prefill; with KV_KERNELS_SM90_PREFILL=0 the Triton kernel does)
-    gluon_prefill = run_prefill and _sm90_prefill_serves(q, kv_cache, head_size_v, scale, features)
+    gluon_prefill = run_prefill and _sm90_prefill_serves(
+        q, kv_cache, head_size_v, scale, features, (out, block_table)
+    )
     descs = None
     if run_prefill and not gluon_prefill:
         descs = _tma_descriptors(kv_cache, k_range, v_range, cfg_pre)
@@ -291,9 +293,11 @@ def _sm90_prefill_serves(
     head_size_v: int,
     scale: float,
     features: dict[str, Any],
+    others: tuple[torch.Tensor, ...] = (),
 ) -> bool:
     """Whether the Gluon sm_90 prefill kernel serves this launch's prefill class (imported only
-    for compiled runs on an sm_90 device: Gluon has no interpreter)."""
+    for compiled runs on an sm_90 device: Gluon has no interpreter); ``others``: the output and
+    the block table, whose last dimensions it reads with unit stride too."""
     if not features["ptx"] or q.device.type != "cuda":
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -311,6 +315,7 @@ def _sm90_prefill_serves(
         scale=scale,
         compiled=True,
         features=features,
+        unit_strides=all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
     )
 
 
