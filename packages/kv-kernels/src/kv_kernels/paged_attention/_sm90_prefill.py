@@ -85,9 +85,6 @@ def _rows_layout(width, main, warps):
     (Four threads a row, ``width / 4`` values each, halved the producer's address work but
     split each warp's copy into 16-byte pieces 64 bytes apart: H100, page 16, 449 -> 376
     TFLOP/s.)"""
-    if not width:  # (no tail: any layout, unused)
-        width = 64
-        main = 64
     per_row = main // 8
     return gl.BlockedLayout([1, width // per_row], [32 // per_row, per_row], [warps, 1], [1, 0])
 
@@ -125,7 +122,6 @@ def _producer(k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_
               D_TAIL: gl.constexpr, HEAD_V: gl.constexpr, NBUF: gl.constexpr,
               P_WARPS: gl.constexpr):  # fmt: skip
     main_l: gl.constexpr = _rows_layout(D_MAIN, D_MAIN, P_WARPS)
-    tail_l: gl.constexpr = _rows_layout(D_TAIL, D_MAIN, P_WARPS)
     v_l: gl.constexpr = _rows_layout(HEAD_V, D_MAIN, P_WARPS)
     for i in range(n_tiles):
         s = i % NBUF
@@ -138,7 +134,8 @@ def _producer(k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_
         _gather(k_smem.index(s), k_head_ptr, off, ok, D_MAIN, main_l)
         if D_TAIL > 0:
             # a split head (DiffKV 192 = 128 + 64): K's last columns in their own tile
-            _gather(k2_smem.index(s), k_head_ptr + D_MAIN, off, ok, D_TAIL, tail_l)
+            _gather(k2_smem.index(s), k_head_ptr + D_MAIN, off, ok, D_TAIL,
+                    _rows_layout(D_TAIL, D_MAIN, P_WARPS))  # fmt: skip
         async_copy.mbarrier_arrive(k_full.index(s), increment_count=False)
         mbarrier.wait(v_empty.index(s), ph, pred=i >= NBUF)
         _gather(v_smem.index(s), v_head_ptr, off, ok, HEAD_V, v_l)
