@@ -295,25 +295,24 @@ def _sm90_prefill_serves(
     features: dict[str, Any],
     others: tuple[torch.Tensor, ...] = (),
 ) -> bool:
-    """Whether the Gluon sm_90 prefill kernel serves this launch's prefill class (imported only
-    for compiled runs on an sm_90 device: Gluon has no interpreter); ``others``: the output and
-    the block table, whose last dimensions it reads with unit stride too."""
-    if not features["ptx"] or q.device.type != "cuda":
+    """Whether the Gluon sm_90 prefill kernel serves this launch's prefill class (the rule is
+    :func:`._sm90_prefill.sm90_prefill_eligible`'s); ``others``: the output and the block table,
+    whose last dimensions it reads with unit stride too."""
+    if q.device.type != "cuda":
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if _device_info(index)[0] != 90:  # (exactly Hopper: arch_and_sms maps later chips to 90 too)
-        return False
     from kv_kernels.paged_attention._sm90_prefill import sm90_prefill_eligible
 
     return sm90_prefill_eligible(
-        arch=90,
+        # the device's own arch: arch_and_sms maps later chips to 90 for the tile tables
+        arch=_device_info(index)[0],
         q_dtype=q.dtype,
         cache_dtype=kv_cache.dtype,
         head_size=q.shape[2],
         head_size_v=head_size_v,
         group=q.shape[1] // kv_cache.shape[1],
         scale=scale,
-        compiled=True,
+        compiled=features["ptx"],
         features=features,
         unit_strides=all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
     )
