@@ -83,8 +83,8 @@ def _rows_layout(width, main, warps):
     for one serve all (a 64-wide tail of a 128-wide head moves 8 bytes a thread).
 
     (Four threads a row, ``width / 4`` values each, halved the producer's address work but
-    split each warp's copy into 16-byte pieces 64 bytes apart: H100, page 16, 449 -> 376
-    TFLOP/s.)"""
+    split each warp's copy into 16-byte pieces 64 bytes apart: an H100 probe read 376 TFLOP/s at
+    page 16 where this layout reads 449 in a bench run; docs/benchmarks/kernels.md.)"""
     per_row = main // 8
     return gl.BlockedLayout([1, width // per_row], [32 // per_row, per_row], [warps, 1], [1, 0])
 
