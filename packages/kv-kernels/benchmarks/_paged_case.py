@@ -13,7 +13,7 @@ from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
 from kv_spec import KVCacheLayout, KVQuantMode, LayoutOrder
 
-__all__ = ["DTYPE", "HQ", "Case", "D", "H"]
+__all__ = ["DTYPE", "HQ", "Case", "D", "H", "triton_kernel_only"]
 
 HQ, H, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -112,22 +112,9 @@ class Case:
         return fn
 
     def ours_triton_kernel(self) -> Callable[[], Any]:
-        """Ours with the Triton kernel serving the prefill class too (``KV_KERNELS_SM90_PREFILL=0``:
-        on sm_90 the Gluon kernel serves it otherwise), the same-process baseline of that kernel."""
-        fn = self.ours()
-
-        def run() -> Any:
-            old = os.environ.get("KV_KERNELS_SM90_PREFILL")
-            os.environ["KV_KERNELS_SM90_PREFILL"] = "0"
-            try:
-                return fn()
-            finally:
-                if old is None:
-                    del os.environ["KV_KERNELS_SM90_PREFILL"]
-                else:
-                    os.environ["KV_KERNELS_SM90_PREFILL"] = old
-
-        return run
+        """Ours with the Triton kernel serving every class (on sm_90 the Gluon kernels serve the
+        prefill and fp8 decode otherwise), the same-process baseline of that kernel."""
+        return triton_kernel_only(self.ours())
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous [batch, H, ctx, D] K and V gathered from the pages (for SDPA)."""
@@ -217,3 +204,23 @@ class Case:
             )
 
         return fn
+
+
+def triton_kernel_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the Triton kernel serving every class (``KV_KERNELS_SM90_{PREFILL,DECODE}=0``):
+    the same-process baseline of the sm_90 Gluon kernels."""
+
+    def run(*a: Any, **kw: Any) -> Any:
+        names = ("KV_KERNELS_SM90_PREFILL", "KV_KERNELS_SM90_DECODE")
+        old = {n: os.environ.get(n) for n in names}
+        os.environ.update(dict.fromkeys(names, "0"))
+        try:
+            return fn(*a, **kw)
+        finally:
+            for n, v in old.items():
+                if v is None:
+                    del os.environ[n]
+                else:
+                    os.environ[n] = v
+
+    return run

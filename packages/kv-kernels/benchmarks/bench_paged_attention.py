@@ -10,9 +10,10 @@ Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block
   ``flops = 2 * B * Hq * L^2 * (Dk + Dv) / 2`` (QK^T and PV, half the square under the causal
   mask). Variants: fp16; a mixed step; an fp8 per-tensor cache (``_fp8kv``); DiffKV 192 / 128
   (``_diffkv``).
-  Where the sm_90 Gluon kernel serves our prefill (its records say ``prefill_kernel``), the
-  Triton kernel runs beside it in the same process as impl ``triton_kernel``
-  (``KV_KERNELS_SM90_PREFILL=0``).
+  Where an sm_90 Gluon kernel serves our prefill or decode (its records say ``prefill_kernel``
+  / ``decode_kernel``; the decode one serves fp8 pages, e.g. the ``fp8pt`` cases), the Triton
+  kernel runs beside it in the same process as impl ``triton_kernel``
+  (``KV_KERNELS_SM90_PREFILL=0``, ``KV_KERNELS_SM90_DECODE=0``).
 
 - issue 12 paths (``_attention_cases.py``, decode, each against the copy bandwidth measured in
   this process): per-token-head int8 / fp8 caches (bytes = data + inline scales), MLA absorbed
@@ -50,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _attention_cases import new_cases
-from _paged_case import DTYPE, Case, D
+from _paged_case import DTYPE, Case, D, triton_kernel_only
 from _records import _versions  # this folder's record fields
 from _timing import copy_limit, gpu_ms, timed
 
@@ -60,22 +61,24 @@ def _bench(fn: Callable[[], Any], *, warmup: int = 15, rep: int = 60) -> float:
     return gpu_ms(fn, warmup=warmup, rep=rep)[0]
 
 
-def _gluon_served(fn: Callable[[], Any]) -> bool:
-    """Whether one call of ``fn`` launched the sm_90 Gluon prefill kernel."""
-    from kv_kernels.paged_attention import _sm90_prefill
+def _gluon_served(fn: Callable[[], Any], kind: str = "prefill") -> bool:
+    """Whether one call of ``fn`` launched the sm_90 Gluon ``kind`` kernel (prefill / decode)."""
+    from kv_kernels.paged_attention import _sm90_decode, _sm90_prefill
 
+    module: Any = _sm90_prefill if kind == "prefill" else _sm90_decode
+    attr = f"launch_sm90_{kind}"
     calls: list[int] = []
-    real = _sm90_prefill.launch_sm90_prefill
+    real = getattr(module, attr)
 
     def counted(*a: Any, **kw: Any) -> None:
         calls.append(1)
         real(*a, **kw)
 
-    _sm90_prefill.launch_sm90_prefill = counted
+    setattr(module, attr, counted)
     try:
         fn()
     finally:
-        _sm90_prefill.launch_sm90_prefill = real
+        setattr(module, attr, real)
     torch.cuda.synchronize()
     return bool(calls)
 
@@ -108,41 +111,58 @@ def run_new_cases(
     device = "cpu" if smoke else "cuda"
     for make in new_cases(device=device, smoke=smoke, keep=keep):
         case = make()
-        try:
-            case.run()
-            if smoke:
-                t0 = time.perf_counter()
-                case.run()
-                ms = (time.perf_counter() - t0) * 1e3
-                times: dict[str, Any] = {"ms": ms, "timing": "interpreter"}
-            else:
-                torch.cuda.synchronize()
-                times = timed(case.run)
-                ms = times["ms"]
-            value, err = case.nbytes / ms / 1e9, None
-        except Exception as e:  # recorded, not fatal: the other cases still run
-            ms, value, err, times = None, None, f"{type(e).__name__}: {str(e)[:300]}", {}
-        rec = {
-            "bench": "paged_attention", "case": case.name, "impl": "triton", "ms": ms,
-            "metric": "TB/s", "value": value, "baseline": "copy", "baseline_value": limit,
-            "ratio": value / limit if value is not None else None, "copy_limit": limit,
-            "bytes": case.nbytes, "smoke": smoke, **times,
-        }  # fmt: skip
-        if err:
-            rec["error"] = err
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
-        if case.flops and value is not None:
-            if ms is None:  # value is computed from ms, so this cannot happen
-                raise RuntimeError(f"{case.name}: a value was measured without its time in ms")
-            # MLA's compute rate beside its bandwidth: at 128 heads the MMA, not HBM, is the roof
-            flop_rec = {**rec, "metric": "TFLOP/s", "value": case.flops / ms / 1e9,
-                        "baseline": None, "baseline_value": None, "ratio": None}  # fmt: skip
-            records.append(flop_rec)
-            print(json.dumps(flop_rec), flush=True)
+        gluon = not smoke and _gluon_served(case.run, "decode")
+        _run_new_case(records, limit, case, smoke, "triton", case.run, gluon)
+        if gluon:
+            # the Triton kernel on the same case, in the same process (KV_KERNELS_SM90_DECODE=0)
+            _run_new_case(records, limit, case, smoke, "triton_kernel",
+                          triton_kernel_only(case.run), False)  # fmt: skip
         del case
         if not smoke:
             torch.cuda.empty_cache()
+
+
+def _run_new_case(
+    records: list[dict], limit: float, case: Any, smoke: bool, impl: str,
+    run: Callable[[], Any], gluon: bool,
+) -> None:  # fmt: skip
+    """One timed record of ``run`` (``case.run`` or its Triton-kernel twin) against the copy."""
+    try:
+        run()
+        if smoke:
+            t0 = time.perf_counter()
+            run()
+            ms = (time.perf_counter() - t0) * 1e3
+            times: dict[str, Any] = {"ms": ms, "timing": "interpreter"}
+        else:
+            torch.cuda.synchronize()
+            times = timed(run)
+            ms = times["ms"]
+        value, err = case.nbytes / ms / 1e9, None
+    except Exception as e:  # recorded, not fatal: the other cases still run
+        ms, value, err, times = None, None, f"{type(e).__name__}: {str(e)[:300]}", {}
+    rec = {
+        "bench": "paged_attention", "case": case.name, "impl": impl, "ms": ms,
+        "metric": "TB/s", "value": value, "baseline": "copy", "baseline_value": limit,
+        "ratio": value / limit if value is not None else None, "copy_limit": limit,
+        "bytes": case.nbytes, "smoke": smoke, **times,
+    }  # fmt: skip
+    if err:
+        rec["error"] = err
+    if impl == "triton" and not smoke:
+        # which kernel served the decode (sm_90 fp8 pages: the Gluon kernel, see kv_kernels.
+        # paged_attention._sm90_decode; elsewhere the Triton kernel)
+        rec["decode_kernel"] = "gluon_sm90" if gluon else "triton"
+    records.append(rec)
+    print(json.dumps(rec), flush=True)
+    if case.flops and value is not None:
+        if ms is None:  # value is computed from ms, so this cannot happen
+            raise RuntimeError(f"{case.name}: a value was measured without its time in ms")
+        # MLA's compute rate beside its bandwidth: at 128 heads the MMA, not HBM, is the roof
+        flop_rec = {**rec, "metric": "TFLOP/s", "value": case.flops / ms / 1e9,
+                    "baseline": None, "baseline_value": None, "ratio": None}  # fmt: skip
+        records.append(flop_rec)
+        print(json.dumps(flop_rec), flush=True)
 
 
 def _provenance() -> dict[str, str]:
@@ -356,7 +376,7 @@ def main() -> int:
         metric = "TB/s" if kind == "decode" else "TFLOP/s"
         scale = 1e9  # bytes / ms / 1e9 = TB/s; flops / ms / 1e9 = TFLOP/s
         makers: dict[str, Callable[[], Callable[[], Any]]] = {"triton": case.ours}
-        gluon = kind == "prefill" and _gluon_served(ours)
+        gluon = _gluon_served(ours, kind)
         if gluon:
             makers["triton_kernel"] = case.ours_triton_kernel
         if have_fa4:
@@ -386,9 +406,9 @@ def main() -> int:
         emit(name, metric, values, errors, ms_of)
         for r in records[n_before:]:
             if r["impl"] == "triton":
-                # which kernel served the prefill class (sm_90: the Gluon kernel, see kv_kernels.
-                # paged_attention._sm90_prefill; elsewhere the Triton kernel)
-                r["prefill_kernel"] = "gluon_sm90" if gluon else "triton"
+                # which kernel served the case's class (sm_90: the Gluon kernels, see kv_kernels.
+                # paged_attention._sm90_prefill / _sm90_decode; elsewhere the Triton kernel)
+                r[f"{kind}_kernel"] = "gluon_sm90" if gluon else "triton"
         del case, ours, ref
         torch.cuda.empty_cache()
     run_new_cases(records, limit, smoke=False, keep=keep)

@@ -192,17 +192,6 @@ def paged_attention_triton(
     chunks_dec = -(-group // (cfg_dec.heads_per_program or group))
     chunks_pre = -(-group // (cfg_pre.heads_per_program or group))
     run_prefill = max_query_len > cfg_dec.block_q
-    if num_splits is None:
-        # prefill tiles fill the GPU on their own; decode splits KV to fill it
-        bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
-        num_splits = 1 if run_prefill else pick_num_splits(
-            num_seqs=num_seqs, num_kv_heads=num_kv_heads * chunks_dec, max_seq_len=bound,
-            tile_n=cfg_dec.tile_n, num_sms=num_sms, waves=cfg_dec.waves,
-            programs_per_sm=cfg_dec.programs_per_sm,
-        )  # fmt: skip
-    split = num_splits > 1
-    dv_pad = pow2(head_size_v)
-    part_out, part_lse = _split_buffers(out, num_splits, dv_pad)
     kv_scale_mode, scale_args = _scale_args(k_scale, v_scale, q)
     kvs, ks_idx, vs_idx, scale_words = _inline_scale_args(kv_cache, scale_start)
     if scale_start is not None:
@@ -219,7 +208,7 @@ def paged_attention_triton(
         softcap=softcap > 0,
         alibi=alibi_slopes is not None,
         kv_scale_mode=kv_scale_mode,
-        split=split,
+        split=False,  # (set below, once the split count is known)
         write_lse=return_lse,
         dot_ieee=q.dtype == torch.float32,
         check=error_flag is not None,
@@ -231,6 +220,32 @@ def paged_attention_triton(
         k_start=k_range[0],
         v_start=v_range[0],
     )
+    # sm_90, fp8 pages, no special features: the decode class runs the Gluon decode kernel (see
+    # _sm90_decode; with KV_KERNELS_SM90_DECODE=0 the Triton kernel does)
+    gluon_decode = _sm90_decode_serves(
+        q, kv_cache, head_size_v, scale, features, cfg_dec.block_q, (out, block_table)
+    )
+    if num_splits is None:
+        # prefill tiles fill the GPU on their own; decode splits KV to fill it
+        bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
+        if run_prefill:
+            num_splits = 1
+        elif gluon_decode:
+            from kv_kernels.paged_attention._sm90_decode import pick_decode_splits
+
+            num_splits = pick_decode_splits(
+                num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_seq_len=bound, num_sms=num_sms
+            )
+        else:
+            num_splits = pick_num_splits(
+                num_seqs=num_seqs, num_kv_heads=num_kv_heads * chunks_dec, max_seq_len=bound,
+                tile_n=cfg_dec.tile_n, num_sms=num_sms, waves=cfg_dec.waves,
+                programs_per_sm=cfg_dec.programs_per_sm,
+            )  # fmt: skip
+    split = num_splits > 1
+    features["split"] = split
+    dv_pad = pow2(head_size_v)
+    part_out, part_lse = _split_buffers(out, num_splits, dv_pad)
     # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
     # Gluon kernel (see _sm90_prefill; with KV_KERNELS_SM90_PREFILL=0 the Triton kernel does)
     gluon_prefill = run_prefill and _sm90_prefill_serves(
@@ -249,18 +264,28 @@ def paged_attention_triton(
         ks_idx, vs_idx, scale, float(softcap), int(sliding_window or 0),
     )  # fmt: skip
     # decode class: q_len in [1, block_q(decode)], one program per sequence
-    paged_attention_kernel[(num_seqs, num_kv_heads * chunks_dec, num_splits)](
-        *head_args,
-        q,  # no TMA descriptors in decode: its tiles are gathered
-        q,
-        *args,
-        1,
-        cfg_dec.block_q,
-        **_constexprs(cfg_dec, "decode", **features),
-        num_warps=cfg_dec.num_warps,
-        num_stages=cfg_dec.num_stages,
-        **_reg_cap(cfg_dec),
-    )
+    if gluon_decode:
+        from kv_kernels.paged_attention._sm90_decode import launch_sm90_decode
+
+        launch_sm90_decode(
+            q, kv_cache, k_start=k_range[0], v_start=v_range[0], block_table=block_table,
+            seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale, causal=causal,
+            block_size=block_size, kv_scale_mode=kv_scale_mode, scale_args=scale_args, out=out,
+            lse=lse, part_out=part_out, part_lse=part_lse, num_splits=num_splits,
+        )  # fmt: skip
+    else:
+        paged_attention_kernel[(num_seqs, num_kv_heads * chunks_dec, num_splits)](
+            *head_args,
+            q,  # no TMA descriptors in decode: its tiles are gathered
+            q,
+            *args,
+            1,
+            cfg_dec.block_q,
+            **_constexprs(cfg_dec, "decode", **features),
+            num_warps=cfg_dec.num_warps,
+            num_stages=cfg_dec.num_stages,
+            **_reg_cap(cfg_dec),
+        )
     if gluon_prefill:
         from kv_kernels.paged_attention._sm90_prefill import launch_sm90_prefill
 
@@ -311,6 +336,37 @@ def _sm90_prefill_serves(
         head_size=q.shape[2],
         head_size_v=head_size_v,
         group=q.shape[1] // kv_cache.shape[1],
+        scale=scale,
+        compiled=features["ptx"],
+        features=features,
+        unit_strides=all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
+    )
+
+
+def _sm90_decode_serves(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    head_size_v: int,
+    scale: float,
+    features: dict[str, Any],
+    block_q: int,
+    others: tuple[torch.Tensor, ...] = (),
+) -> bool:
+    """Whether the Gluon sm_90 decode kernel serves this launch's decode class (the rule is
+    :func:`._sm90_decode.sm90_decode_eligible`'s); ``others`` as :func:`_sm90_prefill_serves`."""
+    if q.device.type != "cuda":
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    from kv_kernels.paged_attention._sm90_decode import sm90_decode_eligible
+
+    return sm90_decode_eligible(
+        arch=_device_info(index)[0],
+        q_dtype=q.dtype,
+        cache_dtype=kv_cache.dtype,
+        head_size=q.shape[2],
+        head_size_v=head_size_v,
+        group=q.shape[1] // kv_cache.shape[1],
+        block_q=block_q,
         scale=scale,
         compiled=features["ptx"],
         features=features,

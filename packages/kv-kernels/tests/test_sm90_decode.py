@@ -1,0 +1,386 @@
+"""The Gluon decode kernel over fp8 pages for sm_90 (:mod:`kv_kernels.paged_attention._sm90_decode`).
+
+On the CPU (CI): the kernel compiles for sm_90 ahead of time through ptxas for every served shape
+family, with its tiles read from global memory by 16-byte loads straight into ``mma.sync``
+operands (no shared-memory copy of K or V in the PTX), converted by the hardware's packed fp8
+conversion; which launches it serves (and which stay with the Triton kernel); how it splits KV;
+bad strides get a ValueError. Gluon has no interpreter, so its results are checked on an H100 /
+H200 (``-m gpu``): against the float64 oracle (bounded by the bf16 torch reference's own error)
+with per-tensor and per-KV-head scales, splits, LSE and speculative rows; a planted wrong page
+that the same check must catch; a cache past 2^31 elements; and the environment switch back to
+the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.paged_attention import _sm90_decode, paged_attention
+from kv_kernels.paged_attention._sm90_decode import (
+    aot_case,
+    pick_decode_splits,
+    sm90_decode_eligible,
+)
+from kv_kernels.testing import (
+    assert_close_to_oracle,
+    attention_oracle_paged,
+    check_close_to_oracle,
+    plant_wrong_page,
+)
+from kv_kernels.testing_attention import run_batch
+from kv_spec import KVCacheLayout
+
+_PTX = {
+    "mma": r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32",
+    "cp_async_16": r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10",
+    "ld_shared_v4": r"ld\.shared\.v4\.b32",
+    "fp8_pairs": r"cvt\.rn\.f16x2\.e(4m3|5m2)x2",
+    "shared_stores": r"st\.shared",
+}
+
+# (q dtype, cache, group, page, causal, kv scale mode, split, lse): every served dtype, fp8
+# format, group and page shape at least once
+_CASES = [
+    ("bf16", "fp8e4nv", 4, 16, True, 1, False, False),
+    ("fp16", "fp8e4nv", 8, 128, True, 2, True, True),
+    ("bf16", "fp8e5", 1, 32, False, 0, True, False),
+    ("bf16", "fp8e4nv", 16, 64, True, 1, False, True),
+    ("fp16", "fp8e5", 2, 16, False, 2, False, False),
+]
+
+
+def _case_id(c: tuple) -> str:
+    dt, cache, g, n, causal, ks, split, lse = c
+    return (
+        f"{dt}-{cache}-g{g}-n{n}-s{ks}"
+        + ("-causal" if causal else "")
+        + ("-split" if split else "")
+        + ("-lse" if lse else "")
+    )
+
+
+@pytest.fixture(scope="module")
+def aot_results(aot_compile_checks) -> dict[str, dict]:
+    cases = []
+    for c in _CASES:
+        dt, cache, g, n, causal, ks, split, lse = c
+        case = aot_case(
+            dtype=dt, cache=cache, group=g, block_size=n, causal=causal, kv_scale=ks, split=split,
+            write_lse=lse,
+        )  # fmt: skip
+        cases.append({"id": _case_id(c), "count": _PTX, **case})
+    return aot_compile_checks(cases)
+
+
+@pytest.mark.parametrize("case", _CASES, ids=_case_id)
+def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
+    res = aot_results[_case_id(case)]
+    assert res["ok"], res.get("error")
+    counts = res["counts"]
+    for name in ("mma", "cp_async_16", "ld_shared_v4"):
+        assert counts[name] > 0, f"no {name} in the PTX: {counts}"
+    if case[1] == "fp8e4nv":  # (e5m2 widens by a byte shuffle, no conversion instruction)
+        assert counts["fp8_pairs"] > 0, counts
+    # K and V reach shared memory only by cp.async, 16 bytes a copy, and leave it by 16-byte
+    # reads straight into operand registers: no store of a tile (the few stores are q's one-time
+    # change of layout and the epilogue's)
+    assert counts["shared_stores"] <= 24, counts
+
+
+_FEATURES_OFF = dict(
+    sliding_window=False, sinks=False, softcap=False, alibi=False, kv_scale_mode=1, split=True,
+    check=False, v_from_k=False, scale_words=False, causal=True, write_lse=True,
+)  # fmt: skip
+
+
+def _eligible(**over) -> bool:
+    kw = dict(
+        arch=90, q_dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn, head_size=128,
+        head_size_v=128, group=4, block_q=4, scale=0.088, compiled=True,
+        features=dict(_FEATURES_OFF),
+    )  # fmt: skip
+    feats = over.pop("features", {})
+    kw.update(over)
+    kw["features"].update(feats)
+    return sm90_decode_eligible(**kw)
+
+
+def test_serves_the_plain_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KV_KERNELS_SM90_DECODE", raising=False)
+    assert _eligible()
+    assert _eligible(q_dtype=torch.float16, cache_dtype=torch.float8_e5m2)
+    assert _eligible(group=16, block_q=1, features={"causal": False, "kv_scale_mode": 0})
+    assert _eligible(group=1, block_q=16, features={"kv_scale_mode": 2, "split": False})
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"arch": 80},
+        {"arch": 100},  # no claim for chips it was not measured on
+        {"compiled": False},  # the interpreter: Gluon has none
+        {"cache_dtype": torch.bfloat16},  # 16-bit pages: the Triton kernel is at the copy limit
+        {"cache_dtype": torch.int8},
+        {"q_dtype": torch.float32},
+        {"head_size": 64, "head_size_v": 64},
+        {"head_size": 192, "head_size_v": 128},
+        {"head_size": 576, "head_size_v": 512},
+        {"group": 32, "block_q": 1},
+        {"group": 4, "block_q": 2},  # the decode class's rows must be this kernel's 16
+        {"scale": -0.1},
+        {"unit_strides": False},
+        *({"features": {k: v}} for k, v in [
+            ("sliding_window", True), ("sinks", True), ("softcap", True), ("alibi", True),
+            ("kv_scale_mode", 3), ("check", True), ("v_from_k", True), ("scale_words", True),
+        ]),
+    ],
+)  # fmt: skip
+def test_leaves_the_rest_to_the_triton_kernel(over: dict) -> None:
+    assert not _eligible(**over)
+
+
+def test_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KV_KERNELS_SM90_DECODE", "0")
+    assert not _eligible()
+
+
+def test_dispatch_needs_a_compiled_run_on_cuda_tensors() -> None:
+    from kv_kernels.paged_attention.triton import _sm90_decode_serves
+
+    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 8, 16, 256, dtype=torch.float8_e4m3fn)
+    feats = dict(_FEATURES_OFF, ptx=True)
+    assert not _sm90_decode_serves(q, kv, 128, 0.088, feats, 4)  # CPU tensors
+
+
+def test_splits_fill_one_wave_of_one_warp_programs() -> None:
+    """One-warp programs: the most splits that fit one wave of PROGRAMS_PER_SM an SM, each
+    keeping 8+ tiles."""
+    slots = _sm90_decode.PROGRAMS_PER_SM * 132
+    s = pick_decode_splits(num_seqs=64, num_kv_heads=8, max_seq_len=4096, num_sms=132)
+    assert 64 * 8 * s <= slots < 64 * 8 * s * 2
+    s = pick_decode_splits(num_seqs=8, num_kv_heads=8, max_seq_len=32768, num_sms=132)
+    assert 8 * 8 * s <= slots < 8 * 8 * s * 2
+    assert pick_decode_splits(num_seqs=256, num_kv_heads=8, max_seq_len=4096, num_sms=132) == 1
+    # short sequences are not cut below 8 tiles of 32 tokens a split
+    assert pick_decode_splits(num_seqs=1, num_kv_heads=1, max_seq_len=1024, num_sms=132) == 4
+    assert pick_decode_splits(num_seqs=1, num_kv_heads=1, max_seq_len=100, num_sms=132) == 1
+
+
+def test_non_unit_row_stride_is_a_value_error() -> None:
+    q = torch.zeros(2, 4, 256)[:, :, ::2]  # [2, 4, 128], column stride 2
+    kv = torch.zeros(3, 1, 16, 256)
+    with pytest.raises(ValueError, match=r"q\.stride\(-1\)=2.*contiguous last dimension"):
+        _sm90_decode.launch_sm90_decode(
+            q, kv, k_start=0, v_start=128, block_table=torch.zeros(2, 3, dtype=torch.int32),
+            seq_lens=torch.tensor([8, 9]), query_start_loc=torch.tensor([0, 1, 2]), scale=0.1,
+            causal=True, block_size=16, kv_scale_mode=0, scale_args=(q, q, 0, 0, 1.0, 1.0),
+            out=torch.zeros(2, 4, 128), lse=None, part_out=q, part_lse=q, num_splits=1,
+        )  # fmt: skip
+
+
+# ---- on an sm_90 GPU ---------------------------------------------------------------------------
+
+_ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not _ON_SM90, reason="the Gluon decode kernel is built for sm_90")
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the Gluon kernel's launches (the Triton launcher imports it at call time)."""
+    monkeypatch.delenv("KV_KERNELS_SM90_DECODE", raising=False)
+    calls: list[int] = []
+    real = _sm90_decode.launch_sm90_decode
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_sm90_decode, "launch_sm90_decode", counted)
+    return calls
+
+
+def _batch(*, q_lens, seq_lens, h=8, group=4, n=16, fmt="fp8_e4m3", qdtype=torch.bfloat16, seed=0):
+    """An fp8 cache whose pages outside the sequences hold nan (a read past a sequence shows),
+    values spread over the format's range (x 0.7 of a unit normal, and a few large ones)."""
+    torch.manual_seed(seed)
+    d = 128
+    pages = [-(-L // n) for L in seq_lens]
+    nb = sum(pages) + 4
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=nb, num_kv_heads=h, block_size=n, head_size=d,
+        head_size_v=d, dtype=fmt, kv_quant="fp8_per_tensor",
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
+    kv.copy_(torch.full(kv.shape, float("nan"), device="cuda").to(kv.dtype))
+    perm = torch.randperm(nb, device="cuda").to(torch.int32)
+    table = torch.full((len(seq_lens), max(pages) + 3), -1, dtype=torch.int32, device="cuda")
+    used = 0
+    for s, (p, L) in enumerate(zip(pages, seq_lens, strict=True)):
+        table[s, :p] = perm[used : used + p]
+        used += p
+        rows = torch.randn(p * n, h, 2 * d, device="cuda") * 0.7
+        rows[torch.rand(rows.shape, device="cuda") < 0.01] *= 40.0
+        rows[L:] = float("nan")  # the last page's rows past the sequence
+        kv[table[s, :p].long()] = rows.view(p, n, h, 2 * d).transpose(1, 2).to(kv.dtype)
+    qsl = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    q = torch.randn(int(qsl[-1]), h * group, d, dtype=qdtype, device="cuda")
+    return dict(
+        q=q, kv=kv, layout=layout, block_table=table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), qsl=qsl,
+        max_query_len=max(q_lens),
+    )  # fmt: skip
+
+
+def _oracle_check(b: dict, **kw) -> None:
+    """The kernel's output against the float64 oracle, bounded by the bf16 reference's error;
+    its LSE against the reference's."""
+    got, lse = run_batch(b, "triton", return_lse=True, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k != "num_splits"}
+    low, ref_lse = run_batch(b, "reference", return_lse=True, **ref_kw)
+    sem = {k: v for k, v in ref_kw.items() if k in ("scale", "causal", "k_scale", "v_scale")}
+    oracle, _ = attention_oracle_paged(
+        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"], **sem
+    )
+    assert_close_to_oracle(got, oracle, lowprec_reference=low, dtype=b["q"].dtype)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-2, rtol=1e-3)
+
+
+# decode rows over contexts that end mid-page and mid-tile, one token long, and long ones
+_L = [5000, 1, 129, 2100, 33, 900, 31]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),
+        dict(fmt="fp8_e5m2", qdtype=torch.float16, n=128, group=8),
+        dict(group=1, n=32),
+        dict(group=16, h=2, n=64),
+        dict(group=2, n=16, fmt="fp8_e5m2"),
+    ],
+    ids=["e4m3-bf16-g4-n16", "e5m2-fp16-g8-n128", "e4m3-g1-n32", "e4m3-g16-n64", "e5m2-g2-n16"],
+)
+@pytest.mark.parametrize("scales", ["floats", "tensor", "per_head"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_matches_the_oracle(
+    shape: dict, scales: str, causal: bool, launches: list[int]
+) -> None:
+    group = shape.get("group", 4)
+    b = _batch(q_lens=[1] * len(_L), seq_lens=_L, **shape)
+    h = b["kv"].shape[1]
+    kw: dict = {"causal": causal}
+    if scales == "floats":  # (two floats ride as kernel arguments)
+        kw.update(k_scale=0.75, v_scale=1.25)
+    elif scales == "tensor":
+        kw.update(k_scale=0.75, v_scale=torch.tensor([1.25], device="cuda"))
+    elif scales == "per_head":
+        kw.update(
+            k_scale=torch.rand(h, device="cuda") + 0.5, v_scale=torch.rand(h, device="cuda") + 0.5
+        )
+    _oracle_check(b, **kw)
+    assert launches, "the Gluon kernel did not serve the decode launch"
+    if group <= 4:
+        # speculative rows: up to 16 / group query tokens a sequence, causal among themselves
+        spec = _batch(q_lens=[16 // group, 1, 2, 16 // group], seq_lens=[700, 40, 33, 16], **shape)
+        _oracle_check(spec, **kw)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fixed_splits_and_lse(splits: int, launches: list[int]) -> None:
+    b = _batch(q_lens=[1, 1, 1], seq_lens=[4000, 64, 1000])
+    _oracle_check(b, k_scale=0.5, v_scale=2.0, num_splits=splits)
+    assert launches
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_mixed_batch_with_prefill(launches: list[int]) -> None:
+    """A batch with prefill chunks: the Triton kernel takes those, this kernel the decode rows."""
+    b = _batch(q_lens=[300, 1, 0, 64, 1, 4], seq_lens=[300, 5000, 0, 2100, 129, 900])
+    _oracle_check(b, k_scale=0.75, v_scale=1.25)
+    assert launches
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_catches_a_wrong_page(launches: list[int]) -> None:
+    """A planted wrong page (one block-table entry pointing at another block) must fail the same
+    oracle check: the tolerance can fail."""
+    b = _batch(q_lens=[1, 1], seq_lens=[900, 1200])
+    _oracle_check(b, k_scale=0.75, v_scale=1.25)  # the same batch with its true pages passes
+    bad_table = plant_wrong_page(b["block_table"], [900, 1200], 16, b["layout"].num_blocks, page=20)
+    bad = dict(b, block_table=bad_table)
+    got = run_batch(bad, "triton", k_scale=0.75, v_scale=1.25)
+    oracle, _ = attention_oracle_paged(
+        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"], k_scale=0.75,
+        v_scale=1.25,
+    )  # fmt: skip
+    assert not check_close_to_oracle(got, oracle, dtype=torch.bfloat16).ok
+    assert launches
+
+
+@pytest.mark.parametrize("dropped", ["k_scale", "v_scale"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_dropped_scale_is_caught(dropped: str, launches: list[int]) -> None:
+    """A scale the kernel forgot (run with 1.0 where the oracle has 0.75 / 1.25) must fail the
+    oracle check: K's changes the softmax's sharpness, V's the output's size."""
+    b = _batch(q_lens=[1, 1], seq_lens=[900, 1200])
+    scales = {"k_scale": 0.75, "v_scale": 1.25}
+    got = run_batch(b, "triton", **dict(scales, **{dropped: 1.0}))
+    oracle, _ = attention_oracle_paged(
+        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"], **scales
+    )
+    assert not check_close_to_oracle(got, oracle, dtype=torch.bfloat16).ok
+    assert launches
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_cache_past_2_31_elements(launches: list[int]) -> None:
+    """An fp8 cache of more than 2^31 elements whose decode reads its last blocks."""
+    h, d, n = 8, 128, 16
+    nb = 2**31 // (h * n * 2 * d) + 16
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=nb, num_kv_heads=h, block_size=n, head_size=d,
+        head_size_v=d, dtype="fp8_e4m3", kv_quant="fp8_per_tensor",
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
+    ids = torch.arange(nb - 14, nb, dtype=torch.int32, device="cuda")
+    kv[ids.long()] = (torch.randn(14, h, n, 2 * d, device="cuda") * 0.5).to(kv.dtype)
+    assert (nb - 1) * kv.stride(0) > 2**31
+    table = torch.full((2, 10), -1, dtype=torch.int32, device="cuda")
+    table[0, :8] = ids[:8]
+    table[1, :6] = ids[8:]
+    args = (
+        torch.randn(2, h * 4, d, dtype=torch.bfloat16, device="cuda"), kv, layout, table,
+        torch.tensor([120, 90], dtype=torch.int32, device="cuda"),
+        torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"), 1,
+    )  # fmt: skip
+    got = paged_attention(*args, k_scale=0.5, v_scale=2.0, impl="triton")
+    ref = paged_attention(*args, k_scale=0.5, v_scale=2.0, impl="reference")
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert launches
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_environment_switch(monkeypatch: pytest.MonkeyPatch, launches: list[int]) -> None:
+    """``KV_KERNELS_SM90_DECODE=0``: the Triton kernel serves the decode, to the same result."""
+    b = _batch(q_lens=[1] * len(_L), seq_lens=_L)
+    gluon = run_batch(b, "triton", k_scale=0.75, v_scale=1.25)
+    assert len(launches) == 1
+    monkeypatch.setenv("KV_KERNELS_SM90_DECODE", "0")
+    triton_out = run_batch(b, "triton", k_scale=0.75, v_scale=1.25)
+    assert len(launches) == 1
+    torch.testing.assert_close(gluon.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
