@@ -20,89 +20,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import triton as pa_triton
-from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
-from kv_kernels.testing import assert_close_to_oracle, attention_oracle, check_close_to_oracle
-from kv_kernels.testing_attention import run_batch
-from kv_spec import KVCacheLayout
+from kv_kernels.testing import assert_close_to_oracle, check_close_to_oracle
+from kv_kernels.testing_attention import CACHE_DTYPES, run_batch
+from kv_kernels.testing_attention import make_quant_batch as _make_quant_batch
+from kv_kernels.testing_attention import quant_oracle as oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CACHE_DTYPES = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8_e4m3"}
 
 
-def make_quant_batch(
-    *,
-    kv_quant: str,
-    q_lens: list[int],
-    seq_lens: list[int],
-    head_size: int = 32,
-    head_size_v: int = 32,
-    num_kv_heads: int = 2,
-    group: int = 2,
-    block_size: int = 16,
-    order: str = "LBNHC",
-    write_impl: str = "reference",
-    seed: int = 0,
-) -> dict:
-    """A varlen batch whose cache was written by ``reshape_and_cache`` through a shuffled table."""
-    gen = torch.Generator().manual_seed(seed)
-    pages = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(pages) + 2
-    layout = KVCacheLayout(
-        order=order,
-        num_layers=2,
-        num_blocks=num_blocks,
-        num_kv_heads=num_kv_heads,
-        block_size=block_size,
-        head_size=head_size,
-        head_size_v=head_size_v,
-        dtype=CACHE_DTYPES[kv_quant],
-        kv_quant=kv_quant,
-    )
-    kv = layer_view(allocate_kv_cache(layout, DEVICE), layout, 1)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(seq_lens), max(pages) + 1), -1, dtype=torch.int32)
-    slots_of: list[torch.Tensor] = []
-    used = 0
-    for s, n in enumerate(seq_lens):
-        ids = torch.tensor(perm[used : used + pages[s]], dtype=torch.int32)
-        used += pages[s]
-        table[s, : pages[s]] = ids
-        pos = torch.arange(n)
-        slots = ids[pos // block_size].long() * block_size + pos % block_size  # [n]
-        # rows of different magnitudes, so per-token scales differ widely
-        mag = torch.rand(n, num_kv_heads, 1, generator=gen) * 4 + 0.1
-        key = torch.randn(n, num_kv_heads, head_size, generator=gen) * mag
-        value = torch.randn(n, num_kv_heads, head_size_v, generator=gen) * mag
-        reshape_and_cache(
-            key.to(DEVICE), value.to(DEVICE), kv, slots.to(DEVICE), layout, impl=write_impl
-        )
-        slots_of.append(slots)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=gen)
-    return dict(
-        q=q.to(DEVICE),
-        kv=kv,
-        layout=layout,
-        block_table=table.to(DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        qsl=qsl.to(DEVICE),
-        max_query_len=max(q_lens),
-        slots=slots_of,
-        q_lens=q_lens,
-    )
-
-
-def oracle(b: dict) -> torch.Tensor:
-    """The float64 oracle over each sequence's rows as ``read_kv`` dequantizes them."""
-    ks, vs = [], []
-    for slots in b["slots"]:
-        k, v = read_kv(b["kv"], b["layout"], slots.to(DEVICE))
-        assert v is not None
-        ks.append(k.cpu().double())  # [L, H, D]
-        vs.append(v.cpu().double())
-    return attention_oracle(b["q"].cpu(), ks, vs, b["q_lens"])[0]
+def make_quant_batch(**kw: object) -> dict:
+    return _make_quant_batch(device=DEVICE, **kw)  # type: ignore[arg-type]
 
 
 MIXED = dict(q_lens=[5, 1, 3], seq_lens=[21, 40, 9])

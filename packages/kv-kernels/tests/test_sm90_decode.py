@@ -28,12 +28,13 @@ from kv_kernels.testing import (
     check_close_to_oracle,
     plant_wrong_page,
 )
-from kv_kernels.testing_attention import run_batch
+from kv_kernels.testing_attention import make_quant_batch, quant_oracle, run_batch
 from kv_spec import KVCacheLayout
 
 _PTX = {
     "mma": r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32",
     "cp_async_16": r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10",
+    "cp_async_8": r"cp\.async\.ca\.shared\.global \[[^]]*\], \[[^]]*\], 0x8",
     "ld_shared_v4": r"ld\.shared\.v4\.b32",
     "fp8_pairs": r"cvt\.rn\.f16x2\.e(4m3|5m2)x2",
     "shared_stores": r"st\.shared",
@@ -47,6 +48,9 @@ _CASES = [
     ("bf16", "fp8e5", 1, 32, False, 0, True, False),
     ("bf16", "fp8e4nv", 16, 64, True, 1, False, True),
     ("fp16", "fp8e5", 2, 16, False, 2, False, False),
+    # per-token-head pages (mode 3): 264-byte rows, scales copied beside the tiles
+    ("bf16", "i8", 4, 16, True, 3, True, False),
+    ("fp16", "fp8e4nv", 8, 64, True, 3, False, True),
 ]
 
 
@@ -78,14 +82,16 @@ def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
     res = aot_results[_case_id(case)]
     assert res["ok"], res.get("error")
     counts = res["counts"]
-    for name in ("mma", "cp_async_16", "ld_shared_v4"):
+    # (per-token-head rows are 8-byte aligned: their tiles move 8 bytes a copy)
+    copies = "cp_async_8" if case[5] == 3 else "cp_async_16"
+    for name in ("mma", copies, "ld_shared_v4"):
         assert counts[name] > 0, f"no {name} in the PTX: {counts}"
     if case[1] == "fp8e4nv":  # (e5m2 widens by a byte shuffle, no conversion instruction)
         assert counts["fp8_pairs"] > 0, counts
-    # K and V reach shared memory only by cp.async, 16 bytes a copy, and leave it by 16-byte
-    # reads straight into operand registers: no store of a tile (the few stores are q's one-time
-    # change of layout and the epilogue's)
-    assert counts["shared_stores"] <= 24, counts
+    # K and V reach shared memory only by cp.async and leave it by reads straight into operand
+    # registers: no store of a tile (a 32-token tile of K and V would be 32+ stores; the 18-27
+    # there are q's one-time change of layout and the epilogue's)
+    assert counts["shared_stores"] <= 30, counts
 
 
 _FEATURES_OFF = dict(
@@ -98,7 +104,7 @@ def _eligible(**over) -> bool:
     kw = dict(
         arch=90, q_dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn, head_size=128,
         head_size_v=128, group=4, block_q=4, scale=0.088, compiled=True,
-        features=dict(_FEATURES_OFF),
+        features=dict(_FEATURES_OFF), peak_tbps=4.9,
     )  # fmt: skip
     feats = over.pop("features", {})
     kw.update(over)
@@ -112,6 +118,9 @@ def test_serves_the_plain_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _eligible(q_dtype=torch.float16, cache_dtype=torch.float8_e5m2)
     assert _eligible(group=16, block_q=1, features={"causal": False, "kv_scale_mode": 0})
     assert _eligible(group=1, block_q=16, features={"kv_scale_mode": 2, "split": False})
+    # per-token-head pages, int8 or fp8, rows 8-byte aligned (264 bytes) or 16
+    assert _eligible(cache_dtype=torch.int8, features={"kv_scale_mode": 3, "row_align": 8})
+    assert _eligible(features={"kv_scale_mode": 3, "row_align": 1, "scale_words": True})
 
 
 @pytest.mark.parametrize(
@@ -121,7 +130,11 @@ def test_serves_the_plain_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
         {"arch": 100},  # no claim for chips it was not measured on
         {"compiled": False},  # the interpreter: Gluon has none
         {"cache_dtype": torch.bfloat16},  # 16-bit pages: the Triton kernel is at the copy limit
-        {"cache_dtype": torch.int8},
+        {"cache_dtype": torch.int8},  # int8 only with inline per-token-head scales
+        {"features": {"kv_scale_mode": 3, "row_align": 4}},  # rows not 8-byte aligned
+        # per-token-head pages on an H100-class memory (3.35 TB/s): the Triton kernel is faster
+        {"features": {"kv_scale_mode": 3, "row_align": 8}, "peak_tbps": 3.35},
+        {"features": {"kv_scale_mode": 3, "row_align": 8}, "peak_tbps": 0.0},  # (unknown)
         {"q_dtype": torch.float32},
         {"head_size": 64, "head_size_v": 64},
         {"head_size": 192, "head_size_v": 128},
@@ -132,12 +145,17 @@ def test_serves_the_plain_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
         {"unit_strides": False},
         *({"features": {k: v}} for k, v in [
             ("sliding_window", True), ("sinks", True), ("softcap", True), ("alibi", True),
-            ("kv_scale_mode", 3), ("check", True), ("v_from_k", True), ("scale_words", True),
+            ("check", True), ("v_from_k", True),
         ]),
     ],
 )  # fmt: skip
 def test_leaves_the_rest_to_the_triton_kernel(over: dict) -> None:
     assert not _eligible(**over)
+
+
+def test_fp8_pages_do_not_depend_on_the_memory() -> None:
+    assert _eligible(peak_tbps=3.35)
+    assert _eligible(peak_tbps=0.0)
 
 
 def test_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,6 +194,7 @@ def test_non_unit_row_stride_is_a_value_error() -> None:
             q, kv, k_start=0, v_start=128, block_table=torch.zeros(2, 3, dtype=torch.int32),
             seq_lens=torch.tensor([8, 9]), query_start_loc=torch.tensor([0, 1, 2]), scale=0.1,
             causal=True, block_size=16, kv_scale_mode=0, scale_args=(q, q, 0, 0, 1.0, 1.0),
+            scale_start=None, row_align=1,
             out=torch.zeros(2, 4, 128), lse=None, part_out=q, part_lse=q, num_splits=1,
         )  # fmt: skip
 
@@ -184,6 +203,9 @@ def test_non_unit_row_stride_is_a_value_error() -> None:
 
 _ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not _ON_SM90, reason="the Gluon decode kernel is built for sm_90")
+#: whether this card's memory is fast enough for per-token-head pages to come here (an H200: yes;
+#: an H100: no, the Triton kernel serves them, and the same tests check its results)
+_INLINE_HERE = _ON_SM90 and _sm90_decode.peak_memory_tbps(0) >= _sm90_decode.INLINE_MIN_TBPS
 
 
 @pytest.fixture
@@ -384,3 +406,56 @@ def test_gpu_environment_switch(monkeypatch: pytest.MonkeyPatch, launches: list[
     triton_out = run_batch(b, "triton", k_scale=0.75, v_scale=1.25)
     assert len(launches) == 1
     torch.testing.assert_close(gluon.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("kv_quant", "group", "n", "splits"),
+    [
+        ("int8_per_token_head", 4, 16, None),
+        ("fp8_per_token_head", 4, 16, None),
+        ("int8_per_token_head", 8, 64, 3),
+        ("fp8_per_token_head", 1, 32, 8),
+        ("int8_per_token_head", 16, 16, 1),
+    ],
+)
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_per_token_head_pages(
+    kv_quant: str, group: int, n: int, splits: int | None, launches: list[int]
+) -> None:
+    """bf16 queries over per-token-head pages the Triton write kernel filled (rows of magnitudes
+    spread 40x: per-token scales differ widely), against the oracle over ``read_kv``'s rows."""
+    q_lens = [1, 1, min(4, 16 // group), 1]
+    b = make_quant_batch(
+        kv_quant=kv_quant, q_lens=q_lens, seq_lens=[4000, 900, 300, 33], head_size=128,
+        head_size_v=128, num_kv_heads=2, group=group, block_size=n, write_impl="triton",
+        device="cuda",
+    )  # fmt: skip
+    b["q"] = b["q"].bfloat16()
+    want = quant_oracle(b)
+    low = run_batch(b, "reference").cpu()
+    got = run_batch(b, "triton", num_splits=splits).cpu()
+    assert_close_to_oracle(got, want, lowprec_reference=low)
+    assert bool(launches) == _INLINE_HERE, "per-token-head pages went to the other kernel"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_per_token_head_doubled_scale_is_caught(launches: list[int]) -> None:
+    """One token's stored K and V scales doubled after the write: the oracle (read before the
+    damage) must see it, so the kernel reads each token's own scales."""
+    b = make_quant_batch(
+        kv_quant="int8_per_token_head", q_lens=[1], seq_lens=[700], head_size=128,
+        head_size_v=128, num_kv_heads=2, group=4, write_impl="triton", device="cuda",
+    )  # fmt: skip
+    b["q"] = b["q"].bfloat16()
+    want = quant_oracle(b)
+    assert check_close_to_oracle(run_batch(b, "triton").cpu(), want, dtype=torch.bfloat16).ok
+    layout, slot = b["layout"], int(b["slots"][0][517])
+    start, stop = layout.scale_range
+    row = b["kv"][slot // layout.block_size, :, slot % layout.block_size]  # [H, C] view
+    scales = row.view(torch.uint8)[:, start:stop].contiguous().view(torch.float32)  # [H, 2]
+    row.view(torch.uint8)[:, start:stop] = (scales * 2).view(torch.uint8)
+    got = run_batch(b, "triton").cpu()
+    assert not check_close_to_oracle(got, want, dtype=torch.bfloat16).ok
+    assert bool(launches) == _INLINE_HERE

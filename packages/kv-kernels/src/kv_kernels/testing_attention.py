@@ -17,13 +17,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from kv_spec import KVCacheLayout, LayoutOrder
+from kv_spec import KVCacheLayout, KVQuantMode, LayoutOrder
 
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
+from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
 from kv_kernels.testing import assert_close_to_oracle, attention_oracle
 
 __all__ = [
+    "CACHE_DTYPES",
     "FEATURES",
     "MIXED_Q_LENS",
     "MIXED_SEQ_LENS",
@@ -33,6 +35,8 @@ __all__ = [
     "batch_oracle",
     "feature_kwargs",
     "make_paged_batch",
+    "make_quant_batch",
+    "quant_oracle",
     "run_batch",
     "tensors_to",
 ]
@@ -210,3 +214,87 @@ def feature_kwargs(name: str, num_q_heads: int) -> dict[str, Any]:
 def tensors_to(device: str, kw: dict[str, Any]) -> dict[str, Any]:
     """``kw`` with its tensor values moved to ``device`` (other values as they are)."""
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
+#: the cache dtype of each per-token-head quantization mode
+CACHE_DTYPES = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8_e4m3"}
+
+
+def make_quant_batch(
+    *,
+    kv_quant: str,
+    q_lens: list[int],
+    seq_lens: list[int],
+    head_size: int = 32,
+    head_size_v: int = 32,
+    num_kv_heads: int = 2,
+    group: int = 2,
+    block_size: int = 16,
+    order: str = "LBNHC",
+    write_impl: str = "reference",
+    seed: int = 0,
+    device: str = "cpu",
+) -> PagedBatch:
+    """A varlen batch over a per-token-head quantized cache (``kv_quant`` int8 / fp8 per token
+    and head) that ``reshape_and_cache`` wrote through a shuffled table, rows of magnitudes
+    spread 40x so the per-token scales differ widely; ``slots`` holds each sequence's slots for
+    :func:`quant_oracle`."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 2
+    layout = KVCacheLayout(
+        order=LayoutOrder(order),
+        num_layers=2,
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        head_size=head_size,
+        head_size_v=head_size_v,
+        dtype=CACHE_DTYPES[kv_quant],
+        kv_quant=KVQuantMode(kv_quant),
+    )
+    kv = layer_view(allocate_kv_cache(layout, device), layout, 1)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(seq_lens), max(pages) + 1), -1, dtype=torch.int32)
+    slots_of: list[torch.Tensor] = []
+    used = 0
+    for s, n in enumerate(seq_lens):
+        ids = torch.tensor(perm[used : used + pages[s]], dtype=torch.int32)
+        used += pages[s]
+        table[s, : pages[s]] = ids
+        pos = torch.arange(n)
+        slots = ids[pos // block_size].long() * block_size + pos % block_size  # [n]
+        # rows of different magnitudes, so per-token scales differ widely
+        mag = torch.rand(n, num_kv_heads, 1, generator=gen) * 4 + 0.1
+        key = torch.randn(n, num_kv_heads, head_size, generator=gen) * mag
+        value = torch.randn(n, num_kv_heads, head_size_v, generator=gen) * mag
+        reshape_and_cache(
+            key.to(device), value.to(device), kv, slots.to(device), layout, impl=write_impl
+        )
+        slots_of.append(slots)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=gen)
+    return dict(
+        q=q.to(device),
+        kv=kv,
+        layout=layout,
+        block_table=table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        qsl=qsl.to(device),
+        max_query_len=max(q_lens),
+        slots=slots_of,
+        q_lens=q_lens,
+    )
+
+
+def quant_oracle(b: PagedBatch) -> torch.Tensor:
+    """The float64 oracle over each sequence's rows of a :func:`make_quant_batch` batch as
+    ``read_kv`` dequantizes them (a read path apart from the kernels': advanced indexing and a
+    byte view)."""
+    ks, vs = [], []
+    for slots in b["slots"]:
+        k, v = read_kv(b["kv"], b["layout"], slots.to(b["kv"].device))
+        assert v is not None
+        ks.append(k.cpu().double())  # [L, H, D]
+        vs.append(v.cpu().double())
+    return attention_oracle(b["q"].cpu(), ks, vs, b["q_lens"])[0]

@@ -270,8 +270,9 @@ def paged_attention_triton(
         launch_sm90_decode(
             q, kv_cache, k_start=k_range[0], v_start=v_range[0], block_table=block_table,
             seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale, causal=causal,
-            block_size=block_size, kv_scale_mode=kv_scale_mode, scale_args=scale_args, out=out,
-            lse=lse, part_out=part_out, part_lse=part_lse, num_splits=num_splits,
+            block_size=block_size, kv_scale_mode=kv_scale_mode, scale_args=scale_args,
+            scale_start=scale_start, row_align=features["row_align"], out=out, lse=lse,
+            part_out=part_out, part_lse=part_lse, num_splits=num_splits,
         )  # fmt: skip
     else:
         paged_attention_kernel[(num_seqs, num_kv_heads * chunks_dec, num_splits)](
@@ -357,7 +358,7 @@ def _sm90_decode_serves(
     if q.device.type != "cuda":
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    from kv_kernels.paged_attention._sm90_decode import sm90_decode_eligible
+    from kv_kernels.paged_attention._sm90_decode import peak_memory_tbps, sm90_decode_eligible
 
     return sm90_decode_eligible(
         arch=_device_info(index)[0],
@@ -371,6 +372,7 @@ def _sm90_decode_serves(
         compiled=features["ptx"],
         features=features,
         unit_strides=all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
+        peak_tbps=peak_memory_tbps(index),
     )
 
 
