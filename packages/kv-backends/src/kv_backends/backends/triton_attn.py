@@ -163,7 +163,8 @@ class TritonBackend(AttentionBackend):
             "num_splits. On sm_90 the prefill of plain 16-bit launches (heads 64, 128, DiffKV "
             "192/128; no ALiBi, soft-cap, window, sinks, quantized cache or split) runs "
             "kv-kernels' warp-specialized Gluon kernel instead (KV_KERNELS_SM90_PREFILL=0 turns "
-            "it off)."
+            "it off), and the decode over fp8 pages (and per-token-head pages on cards with 4+ "
+            "TB/s of memory) a Gluon decode kernel (KV_KERNELS_SM90_DECODE=0 turns it off)."
         ),
     )
     builder_cls = MetadataBuilder
