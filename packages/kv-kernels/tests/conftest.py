@@ -116,3 +116,26 @@ def aot_compile_checks() -> Callable[[list[dict[str, Any]]], dict[str, dict[str,
         return json.loads(line[len(marker) :])
 
     return run
+
+
+@pytest.fixture
+def count_gluon_launches(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[int]]:
+    """``count("prefill" | "decode")``: a list that grows by one for every launch of that sm_90
+    Gluon kernel (the Triton launcher imports its launch function at call time, so patching the
+    module attribute sees every call), with the kernel's environment switch cleared."""
+    from kv_kernels.paged_attention import _sm90_decode, _sm90_prefill
+
+    def count(kind: str) -> list[int]:
+        module: Any = _sm90_prefill if kind == "prefill" else _sm90_decode
+        monkeypatch.delenv(f"KV_KERNELS_SM90_{kind.upper()}", raising=False)
+        calls: list[int] = []
+        real = getattr(module, f"launch_sm90_{kind}")
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            calls.append(1)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(module, f"launch_sm90_{kind}", counted)
+        return calls
+
+    return count

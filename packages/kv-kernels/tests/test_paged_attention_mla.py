@@ -30,7 +30,7 @@ from kv_kernels.testing import (
     check_close_to_oracle,
     plant_wrong_page,
 )
-from kv_kernels.testing_attention import run_batch
+from kv_kernels.testing_attention import run_batch, shuffled_pages
 from kv_spec import KVCacheLayout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,16 +58,9 @@ def make_mla_batch(
     )  # fmt: skip
     kv = layer_view(allocate_kv_cache(layout, DEVICE), layout, 0)
     kv.fill_(float("nan"))  # a read outside the sequence's rows shows up as nan
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(seq_lens), max(pages) + 2), -1, dtype=torch.int32)
+    table, slots_of = shuffled_pages(seq_lens, block_size, num_blocks, gen, spare_columns=2)
     latents = []
-    used = 0
-    for s, n in enumerate(seq_lens):
-        ids = torch.tensor(perm[used : used + pages[s]], dtype=torch.int32)
-        used += pages[s]
-        table[s, : pages[s]] = ids
-        pos = torch.arange(n)
-        slots = ids[pos // block_size].long() * block_size + pos % block_size
+    for n, slots in zip(seq_lens, slots_of, strict=True):
         latent = torch.randn(n, 1, rank + rope, generator=gen).to(dtype)  # [n, 1, rank + rope]
         reshape_and_cache(latent.to(DEVICE), None, kv, slots.to(DEVICE), layout, impl="reference")
         latents.append(latent.double())

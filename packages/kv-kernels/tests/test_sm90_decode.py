@@ -28,7 +28,12 @@ from kv_kernels.testing import (
     check_close_to_oracle,
     plant_wrong_page,
 )
-from kv_kernels.testing_attention import make_quant_batch, quant_oracle, run_batch
+from kv_kernels.testing_attention import (
+    assert_triton_matches_oracle,
+    make_quant_batch,
+    quant_oracle,
+    run_batch,
+)
 from kv_spec import KVCacheLayout
 
 _PTX = {
@@ -164,12 +169,12 @@ def test_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_dispatch_needs_a_compiled_run_on_cuda_tensors() -> None:
-    from kv_kernels.paged_attention.triton import _sm90_decode_serves
+    from kv_kernels.paged_attention.triton import _gluon_serves
 
     q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
     kv = torch.zeros(4, 8, 16, 256, dtype=torch.float8_e4m3fn)
     feats = dict(_FEATURES_OFF, ptx=True)
-    assert not _sm90_decode_serves(q, kv, 128, 0.088, feats, 4)  # CPU tensors
+    assert not _gluon_serves("decode", q, kv, 128, 0.088, feats, block_q=4)  # CPU tensors
 
 
 def test_splits_fill_one_wave_of_one_warp_programs() -> None:
@@ -209,18 +214,9 @@ _INLINE_HERE = _ON_SM90 and _sm90_decode.peak_memory_tbps(0) >= _sm90_decode.INL
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the Gluon kernel's launches (the Triton launcher imports it at call time)."""
-    monkeypatch.delenv("KV_KERNELS_SM90_DECODE", raising=False)
-    calls: list[int] = []
-    real = _sm90_decode.launch_sm90_decode
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(_sm90_decode, "launch_sm90_decode", counted)
-    return calls
+def launches(count_gluon_launches) -> list[int]:
+    """Counts the Gluon decode kernel's launches."""
+    return count_gluon_launches("decode")
 
 
 def _batch(*, q_lens, seq_lens, h=8, group=4, n=16, fmt="fp8_e4m3", qdtype=torch.bfloat16, seed=0):
@@ -257,22 +253,6 @@ def _batch(*, q_lens, seq_lens, h=8, group=4, n=16, fmt="fp8_e4m3", qdtype=torch
     )  # fmt: skip
 
 
-def _oracle_check(b: dict, **kw) -> None:
-    """The kernel's output against the float64 oracle, bounded by the bf16 reference's error;
-    its LSE against the reference's."""
-    got, lse = run_batch(b, "triton", return_lse=True, **kw)
-    ref_kw = {k: v for k, v in kw.items() if k != "num_splits"}
-    low, ref_lse = run_batch(b, "reference", return_lse=True, **ref_kw)
-    sem = {k: v for k, v in ref_kw.items() if k in ("scale", "causal", "k_scale", "v_scale")}
-    oracle, _ = attention_oracle_paged(
-        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"], **sem
-    )
-    assert_close_to_oracle(got, oracle, lowprec_reference=low, dtype=b["q"].dtype)
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(fin, torch.isfinite(lse))
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-2, rtol=1e-3)
-
-
 # decode rows over contexts that end mid-page and mid-tile, one token long, and long ones
 _L = [5000, 1, 129, 2100, 33, 900, 31]
 
@@ -307,12 +287,12 @@ def test_gpu_matches_the_oracle(
         kw.update(
             k_scale=torch.rand(h, device="cuda") + 0.5, v_scale=torch.rand(h, device="cuda") + 0.5
         )
-    _oracle_check(b, **kw)
+    assert_triton_matches_oracle(b, **kw)
     assert launches, "the Gluon kernel did not serve the decode launch"
     if group <= 4:
         # speculative rows: up to 16 / group query tokens a sequence, causal among themselves
         spec = _batch(q_lens=[16 // group, 1, 2, 16 // group], seq_lens=[700, 40, 33, 16], **shape)
-        _oracle_check(spec, **kw)
+        assert_triton_matches_oracle(spec, **kw)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -320,7 +300,7 @@ def test_gpu_matches_the_oracle(
 @needs_sm90
 def test_gpu_fixed_splits_and_lse(splits: int, launches: list[int]) -> None:
     b = _batch(q_lens=[1, 1, 1], seq_lens=[4000, 64, 1000])
-    _oracle_check(b, k_scale=0.5, v_scale=2.0, num_splits=splits)
+    assert_triton_matches_oracle(b, k_scale=0.5, v_scale=2.0, num_splits=splits)
     assert launches
 
 
@@ -329,7 +309,7 @@ def test_gpu_fixed_splits_and_lse(splits: int, launches: list[int]) -> None:
 def test_gpu_mixed_batch_with_prefill(launches: list[int]) -> None:
     """A batch with prefill chunks: the Triton kernel takes those, this kernel the decode rows."""
     b = _batch(q_lens=[300, 1, 0, 64, 1, 4], seq_lens=[300, 5000, 0, 2100, 129, 900])
-    _oracle_check(b, k_scale=0.75, v_scale=1.25)
+    assert_triton_matches_oracle(b, k_scale=0.75, v_scale=1.25)
     assert launches
 
 
@@ -339,7 +319,9 @@ def test_gpu_catches_a_wrong_page(launches: list[int]) -> None:
     """A planted wrong page (one block-table entry pointing at another block) must fail the same
     oracle check: the tolerance can fail."""
     b = _batch(q_lens=[1, 1], seq_lens=[900, 1200])
-    _oracle_check(b, k_scale=0.75, v_scale=1.25)  # the same batch with its true pages passes
+    assert_triton_matches_oracle(
+        b, k_scale=0.75, v_scale=1.25
+    )  # the same batch with its true pages passes
     bad_table = plant_wrong_page(b["block_table"], [900, 1200], 16, b["layout"].num_blocks, page=20)
     bad = dict(b, block_table=bad_table)
     got = run_batch(bad, "triton", k_scale=0.75, v_scale=1.25)

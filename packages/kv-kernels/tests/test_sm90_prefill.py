@@ -17,12 +17,11 @@ from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import _sm90_prefill
 from kv_kernels.paged_attention._sm90_prefill import aot_case, sm90_prefill_eligible
 from kv_kernels.testing import (
-    assert_close_to_oracle,
     attention_oracle_paged,
     check_close_to_oracle,
     plant_wrong_page,
 )
-from kv_kernels.testing_attention import make_paged_batch, run_batch
+from kv_kernels.testing_attention import assert_triton_matches_oracle, make_paged_batch, run_batch
 from kv_spec import KVCacheLayout
 
 #: sm_90's shared memory per block (bytes)
@@ -134,13 +133,13 @@ def test_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_dispatch_needs_a_compiled_run_on_cuda_tensors() -> None:
     """The launcher asks for the Gluon kernel only for compiled runs on a CUDA device (Gluon has
     no interpreter); the interpreter's CPU tensors keep the Triton kernel."""
-    from kv_kernels.paged_attention.triton import _sm90_prefill_serves
+    from kv_kernels.paged_attention.triton import _gluon_serves
 
     q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
     kv = torch.zeros(4, 8, 16, 256, dtype=torch.bfloat16)
     feats = dict(_FEATURES_OFF, ptx=True)
-    assert not _sm90_prefill_serves(q, kv, 128, 0.088, feats)  # CPU tensors
-    assert not _sm90_prefill_serves(q, kv, 128, 0.088, dict(feats, ptx=False))
+    assert not _gluon_serves("prefill", q, kv, 128, 0.088, feats)  # CPU tensors
+    assert not _gluon_serves("prefill", q, kv, 128, 0.088, dict(feats, ptx=False))
 
 
 def test_non_unit_row_stride_is_a_value_error() -> None:
@@ -161,18 +160,9 @@ needs_sm90 = pytest.mark.skipif(not _ON_SM90, reason="the Gluon prefill kernel i
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the Gluon kernel's launches (the Triton launcher imports it at call time)."""
-    monkeypatch.delenv("KV_KERNELS_SM90_PREFILL", raising=False)
-    calls: list[int] = []
-    real = _sm90_prefill.launch_sm90_prefill
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(_sm90_prefill, "launch_sm90_prefill", counted)
-    return calls
+def launches(count_gluon_launches) -> list[int]:
+    """Counts the Gluon prefill kernel's launches."""
+    return count_gluon_launches("prefill")
 
 
 def _batch(*, q_lens, seq_lens, h=8, group=4, d=128, dv=None, n=16, dtype="bfloat16", seed=0):
@@ -182,21 +172,6 @@ def _batch(*, q_lens, seq_lens, h=8, group=4, d=128, dv=None, n=16, dtype="bfloa
         head_size_v=dv, block_size=n, dtype=getattr(torch, dtype), num_layers=1, layer=0,
         seed=seed, device="cuda",
     )  # fmt: skip
-
-
-def _oracle_check(b: dict, **kw) -> None:
-    """The kernel's output against the float64 oracle, bounded by the bf16 reference's error;
-    its LSE against the reference's."""
-    got, lse = run_batch(b, "triton", return_lse=True, **kw)
-    low, ref_lse = run_batch(b, "reference", return_lse=True, **kw)
-    sem = {k: v for k, v in kw.items() if k in ("scale", "causal")}
-    oracle, _ = attention_oracle_paged(
-        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"], **sem
-    )
-    assert_close_to_oracle(got, oracle, lowprec_reference=low, dtype=b["q"].dtype)
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(fin, torch.isfinite(lse))
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-2, rtol=1e-3)
 
 
 # prefill chunks over cached context, a whole prompt, a decode row (Triton's decode launch) and
@@ -221,7 +196,7 @@ _L = [1000, 700, 513, 2100, 129]
 @needs_sm90
 def test_gpu_matches_the_oracle(shape: dict, causal: bool, launches: list[int]) -> None:
     b = _batch(q_lens=_Q, seq_lens=_L, **shape)
-    _oracle_check(b, causal=causal)
+    assert_triton_matches_oracle(b, causal=causal)
     assert launches, "the Gluon kernel did not serve the prefill launch"
 
 
@@ -231,7 +206,7 @@ def test_gpu_catches_a_wrong_page(launches: list[int]) -> None:
     """A planted wrong page (one block-table entry pointing at another block) must fail the same
     oracle check: the tolerance can fail."""
     b = _batch(q_lens=[600], seq_lens=[900])
-    _oracle_check(b)  # the same batch with its true pages passes
+    assert_triton_matches_oracle(b)  # the same batch with its true pages passes
     bad_table = plant_wrong_page(b["block_table"], [900], 16, b["layout"].num_blocks, page=50)
     bad = dict(b, block_table=bad_table)
     got = run_batch(bad, "triton")

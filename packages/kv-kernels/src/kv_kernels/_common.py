@@ -183,3 +183,14 @@ def row_align(strides: Iterable[int]) -> int:
     them itself, and the compiled variant stays the same)."""
     align = math.gcd(16, *strides)
     return 1 if align == 16 else align
+
+
+def require_unit_rows(kernel: str, tensors: dict[str, torch.Tensor]) -> None:
+    """A ``ValueError`` naming the first of ``tensors`` whose last dimension is strided: ``kernel``
+    (e.g. "the sm_90 decode kernel") reads rows of unit stride."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}.stride(-1)={t.stride(-1)}: {kernel} reads rows of unit stride; pass "
+                f"{name} with a contiguous last dimension"
+            )

@@ -22,7 +22,7 @@ from kv_spec import KVCacheLayout, KVQuantMode, LayoutOrder
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
 from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
-from kv_kernels.testing import assert_close_to_oracle, attention_oracle
+from kv_kernels.testing import assert_close_to_oracle, attention_oracle, attention_oracle_paged
 
 __all__ = [
     "CACHE_DTYPES",
@@ -32,12 +32,14 @@ __all__ = [
     "PagedBatch",
     "assert_lse_close",
     "assert_rows_close",
+    "assert_triton_matches_oracle",
     "batch_oracle",
     "feature_kwargs",
     "make_paged_batch",
     "make_quant_batch",
     "quant_oracle",
     "run_batch",
+    "shuffled_pages",
     "tensors_to",
 ]
 
@@ -181,6 +183,25 @@ def run_batch(batch: PagedBatch, impl: str, **kw: Any) -> Any:
     )
 
 
+def assert_triton_matches_oracle(batch: PagedBatch, **kw: Any) -> None:
+    """The Triton launcher's output on ``batch`` (with ``kw``) against the float64 oracle over the
+    same pages, bounded by the torch reference's own error at the query dtype; its LSE against
+    the reference's (the same rows ``-inf``, the rest to 2e-2 / 1e-3). ``num_splits`` goes to
+    the kernel only; ``scale``, ``causal`` and fp8 ``k_scale`` / ``v_scale`` to all three."""
+    got, lse = run_batch(batch, "triton", return_lse=True, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k != "num_splits"}
+    low, ref_lse = run_batch(batch, "reference", return_lse=True, **ref_kw)
+    sem = {k: v for k, v in ref_kw.items() if k in ("scale", "causal", "k_scale", "v_scale")}
+    oracle, _ = attention_oracle_paged(
+        batch["q"], batch["kv"], batch["layout"], batch["block_table"], batch["seq_lens"],
+        batch["qsl"], **sem,
+    )  # fmt: skip
+    assert_close_to_oracle(got, oracle, lowprec_reference=low, dtype=batch["q"].dtype)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-2, rtol=1e-3)
+
+
 def assert_rows_close(
     out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rows: int | None = None
 ) -> None:
@@ -214,6 +235,30 @@ def feature_kwargs(name: str, num_q_heads: int) -> dict[str, Any]:
 def tensors_to(device: str, kw: dict[str, Any]) -> dict[str, Any]:
     """``kw`` with its tensor values moved to ``device`` (other values as they are)."""
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
+def shuffled_pages(
+    seq_lens: list[int],
+    block_size: int,
+    num_blocks: int,
+    gen: torch.Generator,
+    spare_columns: int = 1,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A block table ``[num_seqs, max_pages + spare_columns]`` (int32, -1 padded, on the CPU)
+    over a shuffled permutation of ``num_blocks`` blocks, and each sequence's slots ``[L]``
+    (int64) through it: the pages a write op fills and a kernel reads back."""
+    pages = [-(-n // block_size) for n in seq_lens]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(seq_lens), max(pages) + spare_columns), -1, dtype=torch.int32)
+    slots_of: list[torch.Tensor] = []
+    used = 0
+    for s, n in enumerate(seq_lens):
+        ids = torch.tensor(perm[used : used + pages[s]], dtype=torch.int32)
+        used += pages[s]
+        table[s, : pages[s]] = ids
+        pos = torch.arange(n)
+        slots_of.append(ids[pos // block_size].long() * block_size + pos % block_size)
+    return table, slots_of
 
 
 #: the cache dtype of each per-token-head quantization mode
@@ -254,16 +299,8 @@ def make_quant_batch(
         kv_quant=KVQuantMode(kv_quant),
     )
     kv = layer_view(allocate_kv_cache(layout, device), layout, 1)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(seq_lens), max(pages) + 1), -1, dtype=torch.int32)
-    slots_of: list[torch.Tensor] = []
-    used = 0
-    for s, n in enumerate(seq_lens):
-        ids = torch.tensor(perm[used : used + pages[s]], dtype=torch.int32)
-        used += pages[s]
-        table[s, : pages[s]] = ids
-        pos = torch.arange(n)
-        slots = ids[pos // block_size].long() * block_size + pos % block_size  # [n]
+    table, slots_of = shuffled_pages(seq_lens, block_size, num_blocks, gen, spare_columns=1)
+    for n, slots in zip(seq_lens, slots_of, strict=True):
         # rows of different magnitudes, so per-token scales differ widely
         mag = torch.rand(n, num_kv_heads, 1, generator=gen) * 4 + 0.1
         key = torch.randn(n, num_kv_heads, head_size, generator=gen) * mag
@@ -271,7 +308,6 @@ def make_quant_batch(
         reshape_and_cache(
             key.to(device), value.to(device), kv, slots.to(device), layout, impl=write_impl
         )
-        slots_of.append(slots)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=gen)
     return dict(

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kv_kernels._common import require_unit_rows
 from kv_kernels.paged_attention._sm90_decode_kernel import HEAD, ROWS, TILE_N, sm90_decode_kernel
 
 __all__ = [
@@ -167,12 +168,10 @@ def launch_sm90_decode(
     eligibility by :func:`sm90_decode_eligible`; the caller merges the splits)."""
     num_q_heads = q.shape[1]
     num_kv_heads = kv_cache.shape[1]
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("out", out), ("block_table", block_table)):
-        if t.stride(-1) != 1:
-            raise ValueError(
-                f"{name}.stride(-1)={t.stride(-1)}: the sm_90 decode kernel reads rows of unit "
-                f"stride; pass {name} with a contiguous last dimension"
-            )
+    require_unit_rows(
+        "the sm_90 decode kernel",
+        {"q": q, "kv_cache": kv_cache, "out": out, "block_table": block_table},
+    )
     lse_t = lse if lse is not None else out
     grid = (block_table.shape[0], num_kv_heads, num_splits)
     sm90_decode_kernel[grid](

@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from kv_kernels._common import require_unit_rows
 from kv_kernels.paged_attention._tiles import split_head
 
 __all__ = [
@@ -473,12 +474,10 @@ def launch_sm90_prefill(
     block_q = BLOCK_M // group
     num_seqs = block_table.shape[0]
     d_main, d_tail = split_head(head)
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("out", out), ("block_table", block_table)):
-        if t.stride(-1) != 1:
-            raise ValueError(
-                f"{name}.stride(-1)={t.stride(-1)}: the sm_90 prefill kernel reads rows of unit "
-                f"stride; pass {name} with a contiguous last dimension"
-            )
+    require_unit_rows(
+        "the sm_90 prefill kernel",
+        {"q": q, "kv_cache": kv_cache, "out": out, "block_table": block_table},
+    )
     lse_t = lse if lse is not None else out
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     sm90_prefill_kernel[grid](

@@ -222,9 +222,10 @@ def paged_attention_triton(
     )
     # sm_90, fp8 pages, no special features: the decode class runs the Gluon decode kernel (see
     # _sm90_decode; with KV_KERNELS_SM90_DECODE=0 the Triton kernel does)
-    gluon_decode = _sm90_decode_serves(
-        q, kv_cache, head_size_v, scale, features, cfg_dec.block_q, (out, block_table)
-    )
+    gluon_decode = _gluon_serves(
+        "decode", q, kv_cache, head_size_v, scale, features, (out, block_table),
+        block_q=cfg_dec.block_q,
+    )  # fmt: skip
     if num_splits is None:
         # prefill tiles fill the GPU on their own; decode splits KV to fill it
         bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
@@ -248,8 +249,8 @@ def paged_attention_triton(
     part_out, part_lse = _split_buffers(out, num_splits, dv_pad)
     # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
     # Gluon kernel (see _sm90_prefill; with KV_KERNELS_SM90_PREFILL=0 the Triton kernel does)
-    gluon_prefill = run_prefill and _sm90_prefill_serves(
-        q, kv_cache, head_size_v, scale, features, (out, block_table)
+    gluon_prefill = run_prefill and _gluon_serves(
+        "prefill", q, kv_cache, head_size_v, scale, features, (out, block_table)
     )
     descs = None
     if run_prefill and not gluon_prefill:
@@ -313,66 +314,46 @@ def paged_attention_triton(
     return (out, lse) if lse is not None else out
 
 
-def _sm90_prefill_serves(
+def _gluon_serves(
+    kind: str,
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     head_size_v: int,
     scale: float,
     features: dict[str, Any],
     others: tuple[torch.Tensor, ...] = (),
+    **extra: Any,
 ) -> bool:
-    """Whether the Gluon sm_90 prefill kernel serves this launch's prefill class (the rule is
-    :func:`._sm90_prefill.sm90_prefill_eligible`'s); ``others``: the output and the block table,
-    whose last dimensions it reads with unit stride too."""
+    """Whether the sm_90 Gluon ``kind`` kernel ("prefill" / "decode") serves this launch's class
+    (the rules: :func:`._sm90_prefill.sm90_prefill_eligible`, :func:`._sm90_decode.
+    sm90_decode_eligible`); ``others``: the output and the block table, whose last dimensions it
+    reads with unit stride too; ``extra``: the rule's own arguments (decode: ``block_q``)."""
     if q.device.type != "cuda":
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    from kv_kernels.paged_attention._sm90_prefill import sm90_prefill_eligible
+    eligible: Any
+    if kind == "prefill":
+        from kv_kernels.paged_attention._sm90_prefill import sm90_prefill_eligible as eligible
+    else:
+        from kv_kernels.paged_attention._sm90_decode import peak_memory_tbps
+        from kv_kernels.paged_attention._sm90_decode import sm90_decode_eligible as eligible
 
-    return sm90_prefill_eligible(
-        # the device's own arch: arch_and_sms maps later chips to 90 for the tile tables
-        arch=_device_info(index)[0],
-        q_dtype=q.dtype,
-        cache_dtype=kv_cache.dtype,
-        head_size=q.shape[2],
-        head_size_v=head_size_v,
-        group=q.shape[1] // kv_cache.shape[1],
-        scale=scale,
-        compiled=features["ptx"],
-        features=features,
-        unit_strides=all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
-    )
-
-
-def _sm90_decode_serves(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    head_size_v: int,
-    scale: float,
-    features: dict[str, Any],
-    block_q: int,
-    others: tuple[torch.Tensor, ...] = (),
-) -> bool:
-    """Whether the Gluon sm_90 decode kernel serves this launch's decode class (the rule is
-    :func:`._sm90_decode.sm90_decode_eligible`'s); ``others`` as :func:`_sm90_prefill_serves`."""
-    if q.device.type != "cuda":
-        return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    from kv_kernels.paged_attention._sm90_decode import peak_memory_tbps, sm90_decode_eligible
-
-    return sm90_decode_eligible(
-        arch=_device_info(index)[0],
-        q_dtype=q.dtype,
-        cache_dtype=kv_cache.dtype,
-        head_size=q.shape[2],
-        head_size_v=head_size_v,
-        group=q.shape[1] // kv_cache.shape[1],
-        block_q=block_q,
-        scale=scale,
-        compiled=features["ptx"],
-        features=features,
-        unit_strides=all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
-        peak_tbps=peak_memory_tbps(index),
+        extra["peak_tbps"] = peak_memory_tbps(index)
+    return bool(
+        eligible(
+            # the device's own arch: arch_and_sms maps later chips to 90 for the tile tables
+            arch=_device_info(index)[0],
+            q_dtype=q.dtype,
+            cache_dtype=kv_cache.dtype,
+            head_size=q.shape[2],
+            head_size_v=head_size_v,
+            group=q.shape[1] // kv_cache.shape[1],
+            scale=scale,
+            compiled=features["ptx"],
+            features=features,
+            unit_strides=all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
+            **extra,
+        )
     )
 
 
