@@ -43,8 +43,10 @@ __all__ = [
     "sm90_decode_kernel",
 ]
 
-#: programs (one warp each) an SM the split count aims at (sm_90 build: ~150 registers a thread)
-PROGRAMS_PER_SM = 12
+#: one-warp programs resident an SM: ncu (H200) gives 8 for both page kinds (182-212 registers a
+#: thread: two warps a scheduler's register file), so one wave is 8 x the SM count. (The 64 x 4k
+#: and 8 x 32k split counts measured best, 2 and 16, are the ones this picks; 12 picked them too.)
+PROGRAMS_PER_SM = 8
 #: Per-token-head pages go to this kernel only on cards whose memory peaks at this many TB/s or
 #: more. Same process, graph-timed, 64 x 4k / 8 x 32k: H200 (4.9 TB/s peak) int8 2.85 / 2.89
 #: TB/s against the Triton kernel's 2.54 / 2.46, fp8 2.87 vs 2.48; H100 (3.35 TB/s) int8 2.21 /
