@@ -147,7 +147,8 @@ def test_serves_the_plain_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
         {"group": 32, "block_q": 1},
         {"group": 4, "block_q": 2},  # the decode class's rows must be this kernel's 16
         {"scale": -0.1},
-        {"unit_strides": False},
+        {"aligned_rows": False},  # a strided row, or a cache base off a 16-byte boundary
+        {"features": {"k_start": 8}},  # (copies start at K's and V's first bytes)
         *({"features": {k: v}} for k, v in [
             ("sliding_window", True), ("sinks", True), ("softcap", True), ("alibi", True),
             ("check", True), ("v_from_k", True),

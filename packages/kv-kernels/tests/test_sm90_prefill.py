@@ -113,7 +113,7 @@ def test_serves_the_plain_16_bit_prefill(monkeypatch: pytest.MonkeyPatch) -> Non
         {"head_size": 96, "head_size_v": 96},
         {"group": 32},
         {"scale": -0.1},  # the kernel keeps raw-logit maxima: a positive scale only
-        {"unit_strides": False},  # a strided row (a column slice of a wider tensor)
+        {"aligned_rows": False},  # a strided row, or a cache base off a 16-byte boundary
         *({"features": {k: v}} for k, v in [
             ("sliding_window", True), ("sinks", True), ("softcap", True), ("alibi", True),
             ("kv_scale_mode", 1), ("split", True), ("check", True), ("v_from_k", True),

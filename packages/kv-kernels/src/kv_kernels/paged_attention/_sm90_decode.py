@@ -77,17 +77,19 @@ def sm90_decode_eligible(
     scale: float,
     compiled: bool,
     features: dict[str, Any],
-    unit_strides: bool = True,
+    aligned_rows: bool = True,
     peak_tbps: float = 0.0,
 ) -> bool:
     """Whether :func:`launch_sm90_decode` serves a launch's decode class (else the Triton kernel).
 
     ``block_q``: the decode class's query tokens a sequence (the Triton decode config's; this
     kernel's 16 rows must hold them: ``block_q * group == 16``). ``compiled``: kernels run
-    compiled (Gluon has no interpreter). ``unit_strides``: q, the cache, the output and the
-    block table have contiguous last dimensions. ``peak_tbps``: the card's peak memory
-    bandwidth (:func:`peak_memory_tbps`), which decides per-token-head pages. ``KV_KERNELS_SM90_DECODE=0`` in the environment
-    turns the kernel off (the Triton kernel then serves every decode), e.g. to compare the two."""
+    compiled (Gluon has no interpreter). ``aligned_rows``: q, the cache, the output and the
+    block table have contiguous last dimensions and the cache starts on a 16-byte boundary
+    (``cp.async`` copies of 16 or 8 bytes). ``peak_tbps``: the card's peak memory bandwidth
+    (:func:`peak_memory_tbps`), which decides per-token-head pages. ``KV_KERNELS_SM90_DECODE=0``
+    in the environment turns the kernel off (the Triton kernel then serves every decode), e.g.
+    to compare the two."""
     return (
         compiled
         and arch == 90
@@ -97,7 +99,9 @@ def sm90_decode_eligible(
         and group in (1, 2, 4, 8, 16)
         and block_q * group == ROWS.value
         and scale > 0
-        and unit_strides
+        and aligned_rows
+        and features.get("k_start", 0) % 16 == 0
+        and features.get("v_start", 0) % 16 == 0
         and _pages_served(cache_dtype, features, peak_tbps)
         and not any(features.get(k) for k in _UNSERVED)
     )

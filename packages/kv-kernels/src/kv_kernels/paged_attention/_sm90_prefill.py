@@ -428,14 +428,16 @@ def sm90_prefill_eligible(
     scale: float,
     compiled: bool,
     features: dict[str, Any],
-    unit_strides: bool = True,
+    aligned_rows: bool = True,
 ) -> bool:
     """Whether :func:`launch_sm90_prefill` serves a prefill launch (else the Triton kernel).
 
     ``compiled``: kernels run compiled (not under ``TRITON_INTERPRET``; Gluon has no
-    interpreter). ``unit_strides``: q, the cache, the output and the block table have contiguous
-    last dimensions (the kernel reads rows of unit stride; the Triton kernel takes any strides). ``KV_KERNELS_SM90_PREFILL=0`` in the environment turns the kernel off (the
-    Triton kernel then serves every prefill), e.g. to compare the two."""
+    interpreter). ``aligned_rows``: q, the cache, the output and the block table have contiguous
+    last dimensions and the cache starts on a 16-byte boundary (the kernel copies rows of unit
+    stride 16 bytes at a time; the Triton kernel takes any strides). ``KV_KERNELS_SM90_PREFILL=0``
+    in the environment turns the kernel off (the Triton kernel then serves every prefill), e.g.
+    to compare the two."""
     return (
         compiled
         and arch == 90
@@ -445,7 +447,7 @@ def sm90_prefill_eligible(
         and (head_size, head_size_v) in _HEADS
         and group in (1, 2, 4, 8, 16)
         and scale > 0
-        and unit_strides
+        and aligned_rows
         and not any(features.get(k) for k in _UNSERVED)
     )
 

@@ -351,7 +351,8 @@ def _gluon_serves(
             scale=scale,
             compiled=features["ptx"],
             features=features,
-            unit_strides=all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
+            aligned_rows=kv_cache.data_ptr() % 16 == 0
+            and all(t.stride(-1) == 1 for t in (q, kv_cache, *others)),
             **extra,
         )
     )
