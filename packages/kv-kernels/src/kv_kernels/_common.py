@@ -11,6 +11,7 @@ import functools
 import math
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from kv_spec import KVCacheLayout
@@ -194,3 +195,32 @@ def require_unit_rows(kernel: str, tensors: dict[str, torch.Tensor]) -> None:
                 f"{name}.stride(-1)={t.stride(-1)}: {kernel} reads rows of unit stride; pass "
                 f"{name} with a contiguous last dimension"
             )
+
+
+def sm90_gluon_allowed(
+    kind: str,
+    *,
+    arch: int,
+    compiled: bool,
+    q_dtype: torch.dtype,
+    group: int,
+    scale: float,
+    aligned_rows: bool,
+    features: dict[str, Any],
+    unserved: tuple[str, ...],
+) -> bool:
+    """What every sm_90 Gluon paged-attention kernel (``kind`` "prefill" / "decode") needs before
+    its own rule: kernels run compiled (Gluon has no interpreter), exactly sm_90 (later chips
+    lack its MMAs), ``KV_KERNELS_SM90_<KIND>`` is not "0", 16-bit queries, a GQA group of 1-16
+    (a power of two), a positive scale, ``aligned_rows`` (unit-stride rows and a 16-byte-aligned
+    cache: its copies move 8-16 bytes at a time), and none of ``unserved`` in ``features``."""
+    return (
+        compiled
+        and arch == 90
+        and os.environ.get(f"KV_KERNELS_SM90_{kind.upper()}", "1") != "0"
+        and q_dtype in (torch.bfloat16, torch.float16)
+        and group in (1, 2, 4, 8, 16)
+        and scale > 0
+        and aligned_rows
+        and not any(features.get(k) for k in unserved)
+    )

@@ -26,12 +26,11 @@ outputs go through the Triton kernel's merge.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
-from kv_kernels._common import require_unit_rows
+from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
 from kv_kernels.paged_attention._sm90_decode_kernel import HEAD, ROWS, TILE_N, sm90_decode_kernel
 
 __all__ = [
@@ -53,10 +52,8 @@ PROGRAMS_PER_SM = 8
 #: 2.23 vs 2.33 / 2.28, fp8 2.22 vs 2.31 (ncu, H200: L1/TEX 88% busy, DRAM 50%: the 8-byte
 #: copies of the 264-byte rows go through L1)
 INLINE_MIN_TBPS = 4.0
-#: ptxas register cap (0: its own choice)
-MAX_REGS = 0
-#: tiles in flight: a ring of NBUF shared-memory slots filled by cp.async (H200, fp8 per tensor,
-#: 64 x 4k at the best split count of each: plain loads into registers, each tile waited for
+#: tiles in flight: a ring of NBUF shared-memory slots filled by cp.async (a sweep on the H200, its
+#: output only; fp8 per tensor, 64 x 4k at the best split count of each: plain loads into registers, each tile waited for
 #: where it is used, 2.83 TB/s; NBUF 2 3.96, 3 3.87, 4 3.49)
 NBUF = 2
 
@@ -91,19 +88,22 @@ def sm90_decode_eligible(
     in the environment turns the kernel off (the Triton kernel then serves every decode), e.g.
     to compare the two."""
     return (
-        compiled
-        and arch == 90
-        and os.environ.get("KV_KERNELS_SM90_DECODE", "1") != "0"
-        and q_dtype in (torch.bfloat16, torch.float16)
+        sm90_gluon_allowed(
+            "decode",
+            arch=arch,
+            compiled=compiled,
+            q_dtype=q_dtype,
+            group=group,
+            scale=scale,
+            aligned_rows=aligned_rows,
+            features=features,
+            unserved=_UNSERVED,
+        )
         and head_size == head_size_v == HEAD.value
-        and group in (1, 2, 4, 8, 16)
         and block_q * group == ROWS.value
-        and scale > 0
-        and aligned_rows
         and features.get("k_start", 0) % 16 == 0
         and features.get("v_start", 0) % 16 == 0
         and _pages_served(cache_dtype, features, peak_tbps)
-        and not any(features.get(k) for k in _UNSERVED)
     )
 
 
@@ -137,8 +137,9 @@ def peak_memory_tbps(index: int) -> float:
 def pick_decode_splits(*, num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """KV splits for a decode batch: the most (a power of two, at most 64) whose one-warp
     programs still fit one wave of ``PROGRAMS_PER_SM`` an SM, each split keeping at least 8
-    tiles of 32 tokens. (H200, fp8 per tensor: 64 x 4k reads 3.96 TB/s at 2 splits, one wave of
-    1,024 programs, and 3.26 at 4; 8 x 32k 4.01 at 16 and 3.30 at 32.)"""
+    tiles of 32 tokens. (A split sweep on the H200, fp8 per tensor, graph-timed, its output only:
+    64 x 4k read 3.96 TB/s at 2 splits, one wave of 1,024 programs, and 3.26 at 4; 8 x 32k 4.01
+    at 16 and 3.30 at 32.)"""
     programs = max(1, num_seqs * num_kv_heads)
     tiles = -(-max(max_seq_len, 1) // TILE_N.value)
     slots = PROGRAMS_PER_SM * num_sms
@@ -150,7 +151,7 @@ def pick_decode_splits(*, num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
 
 def launch_sm90_decode(
     q: torch.Tensor,  # [T, Hq, 128], unit column stride
-    kv_cache: torch.Tensor,  # [B, H, N, C] fp8, unit column stride
+    kv_cache: torch.Tensor,  # [B, H, N, C] fp8 / int8, unit column stride
     *,
     k_start: int,
     v_start: int,
@@ -170,7 +171,7 @@ def launch_sm90_decode(
     part_lse: torch.Tensor,  # [T, Hq, S] f32
     num_splits: int,
 ) -> None:
-    """The decode class of a launch over an fp8 cache on sm_90 (inputs validated by the api;
+    """The decode class of a launch over a 1-byte cache on sm_90 (inputs validated by the api;
     eligibility by :func:`sm90_decode_eligible`; the caller merges the splits)."""
     num_q_heads = q.shape[1]
     num_kv_heads = kv_cache.shape[1]
@@ -193,7 +194,6 @@ def launch_sm90_decode(
         BLOCK_SIZE=block_size, ROW_ALIGN=row_align,
         GROUP=num_q_heads // num_kv_heads, KV_SCALE=kv_scale_mode, CAUSAL=causal,
         SPLIT=num_splits > 1, WRITE_LSE=lse is not None, NBUF_=NBUF, num_warps=1,
-        **({"maxnreg": MAX_REGS} if MAX_REGS else {}),
     )  # fmt: skip
 
 
@@ -207,7 +207,6 @@ def aot_case(
     kv_scale: int = 1,
     split: bool = False,
     write_lse: bool = False,
-    nbuf: int = NBUF,
 ) -> dict[str, Any]:
     """The kernel as :func:`launch_sm90_decode` launches it, for an ahead-of-time sm_90 build
     (``kv_kernels.aot.aot_compile`` keywords, as :func:`._sm90_prefill.aot_case`)."""
@@ -224,7 +223,7 @@ def aot_case(
     constexprs = dict(
         K_START=0, V_START=HEAD.value, SCALE_START=2 * HEAD.value if inline else 0,
         BLOCK_SIZE=block_size, ROW_ALIGN=8 if inline else 1, GROUP=group, KV_SCALE=kv_scale,
-        CAUSAL=causal, SPLIT=split, WRITE_LSE=write_lse, NBUF_=nbuf, num_warps=1,
+        CAUSAL=causal, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF, num_warps=1,
     )  # fmt: skip
     for name in constexprs:
         sig[name] = "constexpr"

@@ -60,6 +60,13 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.constexpr_function
+def _piece(row_align):
+    """Bytes a copy moves: 16, or ``row_align`` (8) for rows only that aligned (per-token-head
+    pages' 264-byte rows); ``row_align`` 1 means every stride is a multiple of 16."""
+    return 16 if row_align == 1 else row_align
+
+
+@gluon.constexpr_function
 def _k_layout(vec):
     """A ``[32 tokens, 128 bytes]`` K tile read in ``vec``-byte pieces (16, or 8 for the 8-byte
     aligned rows of per-token-head pages): lane ``4 g + c`` holds tokens ``g + 8 j`` and, of
@@ -170,7 +177,7 @@ def _issue(ring, slot, t, live, head_ptr, bt_row_ptr, seq_len, num_blocks, max_b
     Rows past the sequence are zero-filled, not read. Each lane copies the bytes it later reads
     (the operand layouts), in ``VEC``-byte pieces."""
     k_smem, v_smem, ks_smem, vs_smem = ring
-    VEC: gl.constexpr = 16 if ROW_ALIGN == 1 else ROW_ALIGN
+    VEC: gl.constexpr = _piece(ROW_ALIGN)
     kl: gl.constexpr = _k_layout(VEC)
     vl: gl.constexpr = _v_layout(VEC)
     k_off, k_ok = _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb,
@@ -258,7 +265,7 @@ def _tiles(q_op, acc, m_i, l_i, r_i, ring, lo, hi, s_lo, s_hi, head_ptr, bt_row_
            MASKED: gl.constexpr):  # fmt: skip
     """Tiles ``[lo, hi)`` of the split ``[s_lo, s_hi)``: tile ``t`` sits in ring slot
     ``(t - s_lo) % NBUF`` and tile ``t + NBUF - 1`` is issued before ``t`` is read."""
-    VEC: gl.constexpr = 16 if ROW_ALIGN == 1 else ROW_ALIGN
+    VEC: gl.constexpr = _piece(ROW_ALIGN)
     kl: gl.constexpr = _k_layout(VEC)
     vl: gl.constexpr = _v_layout(VEC)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
@@ -306,8 +313,7 @@ def sm90_decode_kernel(
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     BLOCK_Q: gl.constexpr = ROWS // GROUP
-    # copy pieces (bytes): 16, or 8 for per-token-head rows (8-byte aligned)
-    VEC: gl.constexpr = 16 if ROW_ALIGN == 1 else ROW_ALIGN
+    VEC: gl.constexpr = _piece(ROW_ALIGN)
 
     seq = gl.program_id(0)
     kvh = gl.program_id(1)

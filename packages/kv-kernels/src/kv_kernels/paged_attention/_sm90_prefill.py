@@ -36,7 +36,6 @@ kernel has no early return: a program with nothing to do runs zero tiles and sto
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -50,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kv_kernels._common import require_unit_rows
+from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
 from kv_kernels.paged_attention._tiles import split_head
 
 __all__ = [
@@ -439,16 +438,19 @@ def sm90_prefill_eligible(
     in the environment turns the kernel off (the Triton kernel then serves every prefill), e.g.
     to compare the two."""
     return (
-        compiled
-        and arch == 90
-        and os.environ.get("KV_KERNELS_SM90_PREFILL", "1") != "0"
-        and q_dtype in (torch.bfloat16, torch.float16)
+        sm90_gluon_allowed(
+            "prefill",
+            arch=arch,
+            compiled=compiled,
+            q_dtype=q_dtype,
+            group=group,
+            scale=scale,
+            aligned_rows=aligned_rows,
+            features=features,
+            unserved=_UNSERVED,
+        )
         and cache_dtype == q_dtype
         and (head_size, head_size_v) in _HEADS
-        and group in (1, 2, 4, 8, 16)
-        and scale > 0
-        and aligned_rows
-        and not any(features.get(k) for k in _UNSERVED)
     )
 
 
