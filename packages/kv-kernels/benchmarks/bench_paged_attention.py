@@ -11,7 +11,8 @@ Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block
   mask). Variants: fp16; a mixed step; an fp8 per-tensor cache (``_fp8kv``); DiffKV 192 / 128
   (``_diffkv``).
   Where an sm_90 Gluon kernel serves our prefill or decode (its records say ``prefill_kernel``
-  / ``decode_kernel``; the decode one serves fp8 pages, e.g. the ``fp8pt`` cases), the Triton
+  / ``decode_kernel``; the decode one serves fp8 pages, and per-token-head ones on cards of 4+
+  TB/s, e.g. the ``fp8pt`` / ``pth`` cases), the Triton
   kernel runs beside it in the same process as impl ``triton_kernel``
   (``KV_KERNELS_SM90_PREFILL=0``, ``KV_KERNELS_SM90_DECODE=0``).
 
@@ -48,6 +49,7 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
+from kv_kernels.testing_attention import counting_gluon_launches
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _attention_cases import new_cases
@@ -63,22 +65,8 @@ def _bench(fn: Callable[[], Any], *, warmup: int = 15, rep: int = 60) -> float:
 
 def _gluon_served(fn: Callable[[], Any], kind: str = "prefill") -> bool:
     """Whether one call of ``fn`` launched the sm_90 Gluon ``kind`` kernel (prefill / decode)."""
-    from kv_kernels.paged_attention import _sm90_decode, _sm90_prefill
-
-    module: Any = _sm90_prefill if kind == "prefill" else _sm90_decode
-    attr = f"launch_sm90_{kind}"
-    calls: list[int] = []
-    real = getattr(module, attr)
-
-    def counted(*a: Any, **kw: Any) -> None:
-        calls.append(1)
-        real(*a, **kw)
-
-    setattr(module, attr, counted)
-    try:
+    with counting_gluon_launches(kind) as calls:
         fn()
-    finally:
-        setattr(module, attr, real)
     torch.cuda.synchronize()
     return bool(calls)
 

@@ -11,13 +11,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -119,23 +120,16 @@ def aot_compile_checks() -> Callable[[list[dict[str, Any]]], dict[str, dict[str,
 
 
 @pytest.fixture
-def count_gluon_launches(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[int]]:
-    """``count("prefill" | "decode")``: a list that grows by one for every launch of that sm_90
-    Gluon kernel (the Triton launcher imports its launch function at call time, so patching the
-    module attribute sees every call), with the kernel's environment switch cleared."""
-    from kv_kernels.paged_attention import _sm90_decode, _sm90_prefill
+def count_gluon_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], list[int]]]:
+    """``count("prefill" | "decode")``: the list :func:`kv_kernels.testing_attention.
+    counting_gluon_launches` keeps for that sm_90 Gluon kernel until the test ends, with the
+    kernel's environment switch cleared."""
+    from kv_kernels.testing_attention import counting_gluon_launches
 
-    def count(kind: str) -> list[int]:
-        module: Any = _sm90_prefill if kind == "prefill" else _sm90_decode
-        monkeypatch.delenv(f"KV_KERNELS_SM90_{kind.upper()}", raising=False)
-        calls: list[int] = []
-        real = getattr(module, f"launch_sm90_{kind}")
+    with contextlib.ExitStack() as stack:
 
-        def counted(*a: Any, **kw: Any) -> Any:
-            calls.append(1)
-            return real(*a, **kw)
+        def count(kind: str) -> list[int]:
+            monkeypatch.delenv(f"KV_KERNELS_SM90_{kind.upper()}", raising=False)
+            return stack.enter_context(counting_gluon_launches(kind))
 
-        monkeypatch.setattr(module, f"launch_sm90_{kind}", counted)
-        return calls
-
-    return count
+        yield count

@@ -14,6 +14,8 @@ A batch is a plain ``dict`` (:data:`PagedBatch`) so a test can swap one field fo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ __all__ = [
     "assert_rows_close",
     "assert_triton_matches_oracle",
     "batch_oracle",
+    "counting_gluon_launches",
     "feature_kwargs",
     "make_paged_batch",
     "make_quant_batch",
@@ -334,3 +337,26 @@ def quant_oracle(b: PagedBatch) -> torch.Tensor:
         ks.append(k.cpu().double())  # [L, H, D]
         vs.append(v.cpu().double())
     return attention_oracle(b["q"].cpu(), ks, vs, b["q_lens"])[0]
+
+
+@contextlib.contextmanager
+def counting_gluon_launches(kind: str) -> Iterator[list[int]]:
+    """Inside the block, a list that grows by one for every launch of the sm_90 Gluon ``kind``
+    kernel ("prefill" / "decode"): the Triton launcher imports the launch function at call time,
+    so replacing the module attribute sees every call; restored on exit."""
+    from kv_kernels.paged_attention import _sm90_decode, _sm90_prefill
+
+    module: Any = _sm90_prefill if kind == "prefill" else _sm90_decode
+    attr = f"launch_sm90_{kind}"
+    calls: list[int] = []
+    real = getattr(module, attr)
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    setattr(module, attr, counted)
+    try:
+        yield calls
+    finally:
+        setattr(module, attr, real)
