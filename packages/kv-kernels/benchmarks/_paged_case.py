@@ -207,11 +207,11 @@ class Case:
 
 
 def triton_kernel_only(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with the Triton kernel serving every class (``KV_KERNELS_SM90_{PREFILL,DECODE}=0``):
-    the same-process baseline of the sm_90 Gluon kernels."""
+    """``fn`` with the Triton kernel serving every class (``KV_KERNELS_SM90_{PREFILL,DECODE,MLA}
+    =0``): the same-process baseline of the sm_90 Gluon kernels."""
 
     def run(*a: Any, **kw: Any) -> Any:
-        names = ("KV_KERNELS_SM90_PREFILL", "KV_KERNELS_SM90_DECODE")
+        names = ("KV_KERNELS_SM90_PREFILL", "KV_KERNELS_SM90_DECODE", "KV_KERNELS_SM90_MLA")
         old = {n: os.environ.get(n) for n in names}
         os.environ.update(dict.fromkeys(names, "0"))
         try:

@@ -12,9 +12,9 @@ Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block
   (``_diffkv``).
   Where an sm_90 Gluon kernel serves our prefill or decode (its records say ``prefill_kernel``
   / ``decode_kernel``; the decode one serves fp8 pages, and per-token-head ones on cards of 4+
-  TB/s, e.g. the ``fp8pt`` / ``pth`` cases), the Triton
+  TB/s, e.g. the ``fp8pt`` / ``pth`` cases; the MLA one MLA at 64 / 128 heads), the Triton
   kernel runs beside it in the same process as impl ``triton_kernel``
-  (``KV_KERNELS_SM90_PREFILL=0``, ``KV_KERNELS_SM90_DECODE=0``).
+  (``KV_KERNELS_SM90_PREFILL=0``, ``KV_KERNELS_SM90_DECODE=0``, ``KV_KERNELS_SM90_MLA=0``).
 
 - issue 12 paths (``_attention_cases.py``, decode, each against the copy bandwidth measured in
   this process): per-token-head int8 / fp8 caches (bytes = data + inline scales), MLA absorbed
@@ -64,7 +64,8 @@ def _bench(fn: Callable[[], Any], *, warmup: int = 15, rep: int = 60) -> float:
 
 
 def _gluon_served(fn: Callable[[], Any], kind: str = "prefill") -> bool:
-    """Whether one call of ``fn`` launched the sm_90 Gluon ``kind`` kernel (prefill / decode)."""
+    """Whether one call of ``fn`` launched the sm_90 Gluon ``kind`` kernel (prefill / decode /
+    mla)."""
     with counting_gluon_launches(kind) as calls:
         fn()
     torch.cuda.synchronize()
@@ -99,12 +100,14 @@ def run_new_cases(
     device = "cpu" if smoke else "cuda"
     for make in new_cases(device=device, smoke=smoke, keep=keep):
         case = make()
-        gluon = not smoke and _gluon_served(case.run, "decode")
+        gluon = ""  # which sm_90 Gluon kernel serves the case, if one does
+        if not smoke:
+            gluon = next((k for k in ("decode", "mla") if _gluon_served(case.run, k)), "")
         _run_new_case(records, limit, case, smoke, "triton", case.run, gluon)
         if gluon:
-            # the Triton kernel on the same case, in the same process (KV_KERNELS_SM90_DECODE=0)
+            # the Triton kernel on the same case, in the same process (KV_KERNELS_SM90_*=0)
             _run_new_case(records, limit, case, smoke, "triton_kernel",
-                          triton_kernel_only(case.run), False)  # fmt: skip
+                          triton_kernel_only(case.run), "")  # fmt: skip
         del case
         if not smoke:
             torch.cuda.empty_cache()
@@ -112,7 +115,7 @@ def run_new_cases(
 
 def _run_new_case(
     records: list[dict], limit: float, case: Any, smoke: bool, impl: str,
-    run: Callable[[], Any], gluon: bool,
+    run: Callable[[], Any], gluon: str,
 ) -> None:  # fmt: skip
     """One timed record of ``run`` (``case.run`` or its Triton-kernel twin) against the copy."""
     try:
@@ -138,9 +141,12 @@ def _run_new_case(
     if err:
         rec["error"] = err
     if impl == "triton" and not smoke:
-        # which kernel served the decode (sm_90 fp8 pages: the Gluon kernel, see kv_kernels.
-        # paged_attention._sm90_decode; elsewhere the Triton kernel)
-        rec["decode_kernel"] = "gluon_sm90" if gluon else "triton"
+        # which kernel served the decode (sm_90 fp8 pages: the Gluon decode kernel, see
+        # kv_kernels.paged_attention._sm90_decode; MLA at 64 / 128 heads: _sm90_mla's;
+        # elsewhere the Triton kernel)
+        rec["decode_kernel"] = {"decode": "gluon_sm90", "mla": "gluon_sm90_mla"}.get(
+            gluon, "triton"
+        )
     records.append(rec)
     print(json.dumps(rec), flush=True)
     if case.flops and value is not None:

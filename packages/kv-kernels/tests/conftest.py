@@ -121,7 +121,7 @@ def aot_compile_checks() -> Callable[[list[dict[str, Any]]], dict[str, dict[str,
 
 @pytest.fixture
 def count_gluon_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], list[int]]]:
-    """``count("prefill" | "decode")``: the list :func:`kv_kernels.testing_attention.
+    """``count("prefill" | "decode" | "mla")``: the list :func:`kv_kernels.testing_attention.
     counting_gluon_launches` keeps for that sm_90 Gluon kernel until the test ends, with the
     kernel's environment switch cleared."""
     from kv_kernels.testing_attention import counting_gluon_launches

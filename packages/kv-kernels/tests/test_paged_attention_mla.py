@@ -20,57 +20,22 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels import testing_attention
 from kv_kernels.paged_attention import paged_attention
 from kv_kernels.paged_attention._tiles import pick_num_splits, select_config
-from kv_kernels.reshape_and_cache import reshape_and_cache
 from kv_kernels.testing import (
     assert_close_to_oracle,
-    attention_oracle,
     check_close_to_oracle,
     plant_wrong_page,
 )
-from kv_kernels.testing_attention import run_batch, shuffled_pages
-from kv_spec import KVCacheLayout
+from kv_kernels.testing_attention import run_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RANK, ROPE = 64, 16
 
 
-def make_mla_batch(
-    *,
-    q_lens: list[int],
-    seq_lens: list[int],
-    num_heads: int = 8,
-    rank: int = RANK,
-    rope: int = ROPE,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    pages = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(pages) + 3
-    layout = KVCacheLayout(
-        order="LBNHC", num_layers=1, num_blocks=num_blocks, num_kv_heads=1,
-        block_size=block_size, head_size=rank + rope, head_size_v=0,
-        dtype=str(dtype).removeprefix("torch."), is_mla=True,
-    )  # fmt: skip
-    kv = layer_view(allocate_kv_cache(layout, DEVICE), layout, 0)
-    kv.fill_(float("nan"))  # a read outside the sequence's rows shows up as nan
-    table, slots_of = shuffled_pages(seq_lens, block_size, num_blocks, gen, spare_columns=2)
-    latents = []
-    for n, slots in zip(seq_lens, slots_of, strict=True):
-        latent = torch.randn(n, 1, rank + rope, generator=gen).to(dtype)  # [n, 1, rank + rope]
-        reshape_and_cache(latent.to(DEVICE), None, kv, slots.to(DEVICE), layout, impl="reference")
-        latents.append(latent.double())
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), num_heads, rank + rope, generator=gen).to(dtype)
-    return dict(
-        q=q.to(DEVICE), kv=kv, layout=layout, block_table=table.to(DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl=qsl.to(DEVICE),
-        max_query_len=max(q_lens), latents=latents, q_lens=q_lens, rank=rank,
-    )  # fmt: skip
+def make_mla_batch(**kw) -> dict:
+    return testing_attention.make_mla_batch(**{"rank": RANK, "rope": ROPE, "device": DEVICE, **kw})
 
 
 def run(b: dict, impl: str, **kw) -> torch.Tensor:
@@ -78,9 +43,7 @@ def run(b: dict, impl: str, **kw) -> torch.Tensor:
 
 
 def oracle(b: dict) -> torch.Tensor:
-    ks = b["latents"]  # [L, 1, rank + rope]: K is the whole row
-    vs = [lat[..., : b["rank"]] for lat in ks]  # V is its first `rank` columns
-    return attention_oracle(b["q"].cpu(), ks, vs, b["q_lens"], scale=0.1)[0]
+    return testing_attention.mla_oracle(b, 0.1)[0]
 
 
 DECODE = dict(q_lens=[1, 1, 1, 1], seq_lens=[70, 1, 33, 16])

@@ -208,18 +208,20 @@ def sm90_gluon_allowed(
     aligned_rows: bool,
     features: dict[str, Any],
     unserved: tuple[str, ...],
+    groups: tuple[int, ...] = (1, 2, 4, 8, 16),
 ) -> bool:
-    """What every sm_90 Gluon paged-attention kernel (``kind`` "prefill" / "decode") needs before
-    its own rule: kernels run compiled (Gluon has no interpreter), exactly sm_90 (later chips
-    lack its MMAs), ``KV_KERNELS_SM90_<KIND>`` is not "0", 16-bit queries, a GQA group of 1-16
-    (a power of two), a positive scale, ``aligned_rows`` (unit-stride rows and a 16-byte-aligned
-    cache: its copies move 8-16 bytes at a time), and none of ``unserved`` in ``features``."""
+    """What every sm_90 Gluon paged-attention kernel (``kind`` "prefill" / "decode" / "mla")
+    needs before its own rule: kernels run compiled (Gluon has no interpreter), exactly sm_90
+    (later chips lack its MMAs), ``KV_KERNELS_SM90_<KIND>`` is not "0", 16-bit queries, a GQA
+    group in ``groups`` (1-16 by default; MLA: 64 or 128 heads over its latent), a positive
+    scale, ``aligned_rows`` (unit-stride rows and a 16-byte-aligned cache: its copies move 8-16
+    bytes at a time), and none of ``unserved`` in ``features``."""
     return (
         compiled
         and arch == 90
         and os.environ.get(f"KV_KERNELS_SM90_{kind.upper()}", "1") != "0"
         and q_dtype in (torch.bfloat16, torch.float16)
-        and group in (1, 2, 4, 8, 16)
+        and group in groups
         and scale > 0
         and aligned_rows
         and not any(features.get(k) for k in unserved)

@@ -38,8 +38,10 @@ __all__ = [
     "batch_oracle",
     "counting_gluon_launches",
     "feature_kwargs",
+    "make_mla_batch",
     "make_paged_batch",
     "make_quant_batch",
+    "mla_oracle",
     "quant_oracle",
     "run_batch",
     "shuffled_pages",
@@ -264,6 +266,55 @@ def shuffled_pages(
     return table, slots_of
 
 
+def make_mla_batch(
+    *,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int = 8,
+    rank: int = 64,
+    rope: int = 16,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str = "cpu",
+) -> PagedBatch:
+    """An MLA decode batch: one latent row (``rank + rope`` columns) per token in a nan-poisoned
+    paged cache (one KV head) written through a shuffled block table, ``num_heads`` query heads;
+    the latents the test drew are kept (``latents``, float64) for :func:`mla_oracle`, and
+    ``rank`` is the ``kv_lora_rank`` to pass."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 3
+    layout = KVCacheLayout(
+        order=LayoutOrder.LBNHC, num_layers=1, num_blocks=num_blocks, num_kv_heads=1,
+        block_size=block_size, head_size=rank + rope, head_size_v=0,
+        dtype=str(dtype).removeprefix("torch."), is_mla=True,
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, device), layout, 0)
+    kv.fill_(float("nan"))  # a read outside the sequence's rows shows up as nan
+    table, slots_of = shuffled_pages(seq_lens, block_size, num_blocks, gen, spare_columns=2)
+    latents = []
+    for n, slots in zip(seq_lens, slots_of, strict=True):
+        latent = torch.randn(n, 1, rank + rope, generator=gen).to(dtype)  # [n, 1, rank + rope]
+        reshape_and_cache(latent.to(device), None, kv, slots.to(device), layout, impl="reference")
+        latents.append(latent.double())
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), num_heads, rank + rope, generator=gen).to(dtype)
+    return dict(
+        q=q.to(device), kv=kv, layout=layout, block_table=table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl=qsl.to(device),
+        max_query_len=max(q_lens), latents=latents, q_lens=q_lens, rank=rank,
+    )  # fmt: skip
+
+
+def mla_oracle(b: PagedBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 oracle's ``(out, lse)`` over an MLA batch's drawn latents (never the cache):
+    K is each whole latent row, V its first ``rank`` columns."""
+    ks = b["latents"]  # [L, 1, rank + rope]
+    vs = [lat[..., : b["rank"]] for lat in ks]
+    return attention_oracle(b["q"].cpu(), ks, vs, b["q_lens"], scale=scale)
+
+
 #: the cache dtype of each per-token-head quantization mode
 CACHE_DTYPES = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8_e4m3"}
 
@@ -342,11 +393,11 @@ def quant_oracle(b: PagedBatch) -> torch.Tensor:
 @contextlib.contextmanager
 def counting_gluon_launches(kind: str) -> Iterator[list[int]]:
     """Inside the block, a list that grows by one for every launch of the sm_90 Gluon ``kind``
-    kernel ("prefill" / "decode"): the Triton launcher imports the launch function at call time,
-    so replacing the module attribute sees every call; restored on exit."""
-    from kv_kernels.paged_attention import _sm90_decode, _sm90_prefill
+    kernel ("prefill" / "decode" / "mla"): the Triton launcher imports the launch function at
+    call time, so replacing the module attribute sees every call; restored on exit."""
+    from kv_kernels.paged_attention import _sm90_decode, _sm90_mla, _sm90_prefill
 
-    module: Any = _sm90_prefill if kind == "prefill" else _sm90_decode
+    module: Any = {"prefill": _sm90_prefill, "decode": _sm90_decode, "mla": _sm90_mla}[kind]
     attr = f"launch_sm90_{kind}"
     calls: list[int] = []
     real = getattr(module, attr)

@@ -226,6 +226,12 @@ def paged_attention_triton(
         "decode", q, kv_cache, head_size_v, scale, features, (out, block_table),
         block_q=cfg_dec.block_q,
     )  # fmt: skip
+    # sm_90, MLA's 16-bit latent at 64 / 128 heads: the decode class runs the Gluon MLA kernel
+    # (see _sm90_mla; with KV_KERNELS_SM90_MLA=0 the Triton kernel does)
+    gluon_mla = _gluon_serves(
+        "mla", q, kv_cache, head_size_v, scale, features, (out, block_table),
+        block_q=cfg_dec.block_q,
+    )  # fmt: skip
     if num_splits is None:
         # prefill tiles fill the GPU on their own; decode splits KV to fill it
         bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
@@ -236,6 +242,15 @@ def paged_attention_triton(
 
             num_splits = pick_decode_splits(
                 num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_seq_len=bound, num_sms=num_sms
+            )
+        elif gluon_mla:
+            from kv_kernels.paged_attention._sm90_mla import ROWS, pick_mla_splits
+
+            num_splits = pick_mla_splits(
+                num_seqs=num_seqs,
+                head_blocks=num_q_heads // ROWS.value,
+                max_seq_len=bound,
+                num_sms=num_sms,
             )
         else:
             num_splits = pick_num_splits(
@@ -274,6 +289,14 @@ def paged_attention_triton(
             block_size=block_size, kv_scale_mode=kv_scale_mode, scale_args=scale_args,
             scale_start=scale_start, row_align=features["row_align"], out=out, lse=lse,
             part_out=part_out, part_lse=part_lse, num_splits=num_splits,
+        )  # fmt: skip
+    elif gluon_mla:
+        from kv_kernels.paged_attention._sm90_mla import launch_sm90_mla
+
+        launch_sm90_mla(
+            q, kv_cache, block_table=block_table, seq_lens=seq_lens,
+            query_start_loc=query_start_loc, scale=scale, block_size=block_size, out=out,
+            lse=lse, part_out=part_out, part_lse=part_lse, num_splits=num_splits,
         )  # fmt: skip
     else:
         paged_attention_kernel[(num_seqs, num_kv_heads * chunks_dec, num_splits)](
@@ -324,16 +347,19 @@ def _gluon_serves(
     others: tuple[torch.Tensor, ...] = (),
     **extra: Any,
 ) -> bool:
-    """Whether the sm_90 Gluon ``kind`` kernel ("prefill" / "decode") serves this launch's class
-    (the rules: :func:`._sm90_prefill.sm90_prefill_eligible`, :func:`._sm90_decode.
-    sm90_decode_eligible`); ``others``: the output and the block table, whose last dimensions it
-    reads with unit stride too; ``extra``: the rule's own arguments (decode: ``block_q``)."""
+    """Whether the sm_90 Gluon ``kind`` kernel ("prefill" / "decode" / "mla") serves this
+    launch's class (the rules: :func:`._sm90_prefill.sm90_prefill_eligible`,
+    :func:`._sm90_decode.sm90_decode_eligible`, :func:`._sm90_mla.sm90_mla_eligible`);
+    ``others``: the output and the block table, whose last dimensions it reads with unit stride
+    too; ``extra``: the rule's own arguments (decode, mla: ``block_q``)."""
     if q.device.type != "cuda":
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     eligible: Any
     if kind == "prefill":
         from kv_kernels.paged_attention._sm90_prefill import sm90_prefill_eligible as eligible
+    elif kind == "mla":
+        from kv_kernels.paged_attention._sm90_mla import sm90_mla_eligible as eligible
     else:
         from kv_kernels.paged_attention._sm90_decode import peak_memory_tbps
         from kv_kernels.paged_attention._sm90_decode import sm90_decode_eligible as eligible

@@ -1,0 +1,392 @@
+"""MLA decode for Hopper (sm_90) in Gluon: DeepSeek-V3's absorbed attention, 64 query heads a
+program over one 576-wide latent (K the whole row, V its first 512 columns of the same tile).
+
+Why a third Gluon kernel. At 128 heads a latent byte feeds ~240 FLOPs, so MLA decode is bound by
+the tensor cores, not by memory; the Triton kernel's MLA decode waits on each warpgroup MMA as
+soon as it is issued and reached 232-245 TFLOP/s on an H100 / H200 (0.24-0.33 of the copy).
+This kernel states the schedule, as :mod:`._sm90_prefill` does for prefill:
+
+- a producer warpgroup gathers each 64-token tile of latent rows (``cp.async``, 16 bytes a
+  thread, any page size) into a ring of ``NBUF`` slots: the 512 "nope" columns in one tile
+  (which is V as well), the 64 rope columns in another; each slot's ``full`` mbarrier signals
+  its copies, its ``empty`` one its release;
+- one consumer of two warpgroups (8 warps) over the program's 64 query rows: ``S = q K^T``
+  with the warpgroups splitting the tile's tokens (32 each, K = 576: q's nope part from shared
+  memory, its rope part from registers), the online softmax over both halves, ``P`` through
+  shared memory, and ``O += P V`` with the warpgroups splitting V's 512 columns (a 64 x 256
+  float32 accumulator each, 128 registers a thread). Tile ``i``'s ``q K^T`` is issued beside
+  tile ``i - 1``'s ``P V``, so the softmax of one tile overlaps the other's MMA.
+
+Scope (:func:`sm90_mla_eligible`): the decode class (one query token a sequence: the Triton
+config's ``block_q`` for MLA at these head counts is 1) of a 16-bit latent cache (K 576, V its
+first 512 columns, ``v_from_k``), 64 or 128 query heads over the one latent head, a positive
+scale, LSE and KV splits; everything else (fewer heads, fp8 latents, windows, soft-cap, metadata
+checks) stays with the Triton kernel. ``KV_KERNELS_SM90_MLA=0`` turns it off.
+
+Bounds: as :mod:`._sm90_prefill` (block-table columns and block ids clamped, tokens past the
+sequence zero-filled by ``cp.async`` and masked), so no read leaves the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
+from kv_kernels.paged_attention._sm90_decode_kernel import _barrier
+from kv_kernels.paged_attention._sm90_prefill import _gather, _tile_rows
+
+__all__ = [
+    "aot_case",
+    "launch_sm90_mla",
+    "pick_mla_splits",
+    "sm90_mla_eligible",
+    "sm90_mla_kernel",
+]
+
+#: query rows a program (a warpgroup MMA's M), the latent's nope (= V) and rope widths
+ROWS = gl.constexpr(64)
+D_NOPE = gl.constexpr(512)
+D_ROPE = gl.constexpr(64)
+#: tokens a KV tile and ring slots (shared memory: q 64 KiB, the ring 2 x 72 KiB, P 2 x 8 KiB)
+TILE_N = gl.constexpr(64)
+NBUF = 2
+#: the producer's registers after ``setmaxnreg`` (the consumer takes the rest)
+P_REGS = 40
+
+
+@gluon.constexpr_function
+def _copy_layout(width, warps):
+    """``[tokens, width]`` of 16-bit values, 8 a thread (16 bytes), 8 threads a 128-byte row
+    piece: a warp's copy covers 4 whole 128-byte pieces of 4 rows."""
+    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _producer(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles, seq_len,
+              num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE: gl.constexpr,
+              NBUF_: gl.constexpr, P_WARPS: gl.constexpr):  # fmt: skip
+    lay: gl.constexpr = _copy_layout(64, P_WARPS)
+    for i in range(n_tiles):
+        s = i % NBUF_
+        ph = ((i // NBUF_) & 1) ^ 1  # the previous use of the slot
+        off, ok = _tile_rows(bt_row_ptr, t_lo + i, seq_len, num_blocks, max_blocks, stride_kb,
+                             stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
+        mbarrier.wait(empty.index(s), ph, pred=i >= NBUF_)
+        _gather(kvn_smem.index(s), head_ptr, off, ok, D_NOPE, lay)
+        _gather(kr_smem.index(s), head_ptr + D_NOPE, off, ok, D_ROPE, lay)
+        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _softmax(sc, m_i, l_part, t, kcols, seq_len, qk_scale_log2):
+    """Online softmax of tile ``t``'s raw logits: ``p = 2^(s c - m c)`` (tokens past the
+    sequence masked), the running maxima, the row sums kept per column (summed once at the end:
+    no cross-warpgroup reduction a tile) and the rescale factor."""
+    kpos = t * TILE_N + kcols
+    sc = gl.where((kpos < seq_len)[None, :], sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    # a row that has seen nothing keeps m = -inf: exp2 against 0 keeps its weights at 0
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale_log2
+    alpha = gl.exp2(m_i * qk_scale_log2 - m_use)
+    p32 = gl.exp2(sc * qk_scale_log2 - m_use[:, None])
+    return p32, m_new, l_part * alpha[:, None] + p32, alpha
+
+
+@gluon.jit
+def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_tiles, seq_len,
+              qk_scale_log2, NBUF_: gl.constexpr):  # fmt: skip
+    """The program's 64 rows over its tiles: returns ``(acc, m, l)`` (raw-logit maxima).
+
+    Tile ``i``: tile ``i - 1``'s ``P V`` is issued, then tile ``i``'s ``q K^T`` beside it; once
+    ``P V`` is done in every warp, tile ``i - 1``'s slot is released, so the producer's copy of
+    tile ``i + 1`` overlaps tile ``i``'s MMA and softmax. (With two slots, releasing a slot only
+    at the end of the next tile held both through every tile and waited on each copy: H100,
+    ncu, 5,800 cycles a tile where its MMAs take ~2,500.) Every MMA is issued and waited for in
+    the same tile: an MMA in flight across the loop's back edge made ptxas serialize them all."""
+    dtype: gl.constexpr = qn_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_NOPE // 2, 16]
+    )
+    kcols = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_part = gl.zeros([ROWS, TILE_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([ROWS, D_NOPE], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, TILE_N], gl.float32, layout=s_layout)
+    # tile 0 alone (no P.V yet), then each tile's q.K issued beside the previous tile's P.V
+    if n_tiles > 0:
+        mbarrier.wait(full.index(0), 0)
+        sc = warpgroup_mma(qn_smem, kvn_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        sc = warpgroup_mma(q_rope, kr_smem.index(0).permute((1, 0)), sc)
+        p32, m_i, l_part, _alpha = _softmax(sc, m_i, l_part, t_lo, kcols, seq_len, qk_scale_log2)
+        p_smem.index(0).store(p32.to(dtype))
+        fence_async_shared()
+        _barrier()
+    for i in range(1, n_tiles):
+        s = i % NBUF_
+        sp = (i + NBUF_ - 1) % NBUF_  # tile i - 1's slot
+        pb = i % 2  # tile i's P buffer (tile i - 1's is the other)
+        acc_tok = warpgroup_mma(p_smem.index(1 - pb), kvn_smem.index(sp), acc, is_async=True)
+        mbarrier.wait(full.index(s), (i // NBUF_) & 1)
+        s_tok = warpgroup_mma(qn_smem, kvn_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+        s_tok = warpgroup_mma(q_rope, kr_smem.index(s).permute((1, 0)), s_tok, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_tok,))
+        _barrier()  # every warp's P.V of tile i - 1 done: its slot is free
+        mbarrier.arrive(empty.index(sp), count=1)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        p32, m_i, l_part, alpha = _softmax(sc, m_i, l_part, t_lo + i, kcols, seq_len,
+                                           qk_scale_log2)  # fmt: skip
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_smem.index(pb).store(p32.to(dtype))
+        fence_async_shared()
+        _barrier()  # every warp's part of P stored
+    if n_tiles > 0:
+        sl = (n_tiles + NBUF_ - 1) % NBUF_
+        acc = warpgroup_mma(p_smem.index((n_tiles - 1) % 2), kvn_smem.index(sl), acc)
+    return acc, m_i, gl.sum(l_part, 1)
+
+
+@gluon.jit
+def sm90_mla_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv_ptr, stride_kb, stride_kn,
+    bt_ptr, stride_bts,
+    seq_lens_ptr, qsl_ptr,
+    out_ptr, stride_ot, stride_oh,
+    lse_ptr, stride_lt, stride_lh,
+    part_out_ptr, part_lse_ptr,
+    num_q_heads, num_blocks, max_blocks, qk_scale_log2,
+    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
+    NBUF_: gl.constexpr, P_WARPS: gl.constexpr, P_REGS_: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    hb = gl.program_id(0)  # the block of 64 query heads (fastest: both blocks share L2)
+    seq = gl.program_id(1)
+    split = gl.program_id(2)
+    num_splits = gl.num_programs(2)
+    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
+    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
+    mine = q_len == 1  # the decode class (longer queries: the prefill launch)
+    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int32)
+    t_hi = gl.where(mine, gl.cdiv(seq_len, TILE_N), 0)
+    per_split = gl.cdiv(t_hi, num_splits)
+    t_lo = gl.minimum(split * per_split, t_hi)
+    n_tiles = gl.minimum(t_lo + per_split, t_hi) - t_lo
+
+    # ---- q: nope columns into shared memory, rope columns into MMA-operand registers ---------
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_l))
+    q_rows = q_start.to(gl.int64) * stride_qt + (hb * ROWS + rq).to(gl.int64) * stride_qh
+    q_in = mine & (rq >= 0)
+    cn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, q_l))
+    qn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_NOPE], dtype)
+    qn_smem = gl.allocate_shared_memory(
+        dtype, [ROWS, D_NOPE], qn_sl,
+        gl.load(q_ptr + q_rows[:, None] + cn[None, :], mask=q_in[:, None], other=0.0),
+    )  # fmt: skip
+    cr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_l))
+    q_rope = gl.load(q_ptr + q_rows[:, None] + (D_NOPE + cr)[None, :], mask=q_in[:, None],
+                     other=0.0)  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
+    )
+    q_rope = gl.convert_layout(
+        q_rope, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    )
+
+    kvn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_NOPE], dtype)
+    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_ROPE], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, TILE_N], dtype)
+    kvn_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_NOPE], kvn_sl)
+    kr_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_ROPE], kr_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, TILE_N], p_sl)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    full = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
+    for b in gl.static_range(NBUF_):
+        mbarrier.init(full.index(b), count=32 * P_WARPS)
+        mbarrier.init(empty.index(b), count=1)
+    fence_async_shared()
+
+    bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bts
+    acc, m_i, l_i = gl.warp_specialize(
+        [
+            (_consumer, (qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo,
+                         n_tiles, seq_len, qk_scale_log2, NBUF_)),
+            (_producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
+                         seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
+                         NBUF_, P_WARPS)),
+        ],
+        [P_WARPS],
+        [P_REGS_],
+    )  # fmt: skip
+
+    # ---- epilogue: normalize, store (a split's partial output and LSE in float32) -----------
+    o_layout: gl.constexpr = acc.type.layout
+    has = l_i > 0.0
+    l_div = gl.where(has, l_i, 1.0)
+    o = acc / gl.convert_layout(l_div, gl.SliceLayout(1, o_layout))[:, None]
+    lse = gl.where(has, (m_i * qk_scale_log2 + gl.log2(l_div)) * 0.6931471805599453, float("-inf"))
+    ro = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    co = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, o_layout))
+    head = hb * ROWS + ro
+    ok = mine & (ro >= 0)
+    tok = q_start.to(gl.int64)
+    rl = gl.arange(0, ROWS, layout=lse.type.layout)
+    ok_l = mine & (rl >= 0)
+    if SPLIT:
+        part = (tok * num_q_heads + head) * num_splits + split
+        part_l = (tok * num_q_heads + hb * ROWS + rl) * num_splits + split
+        gl.store(part_lse_ptr + part_l, lse, mask=ok_l)
+        gl.store(part_out_ptr + part[:, None] * D_NOPE + co[None, :], o, mask=ok[:, None])
+    else:
+        o_ptrs = out_ptr + (tok * stride_ot + head.to(gl.int64) * stride_oh)[:, None] + co[None, :]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+        if WRITE_LSE:
+            h_l = (hb * ROWS + rl).to(gl.int64)
+            gl.store(lse_ptr + tok * stride_lt + h_l * stride_lh, lse, mask=ok_l)
+
+
+#: the features this kernel does not implement (the Triton kernel serves them)
+_UNSERVED = ("sliding_window", "sinks", "softcap", "alibi", "kv_scale_mode", "check",
+             "scale_words")  # fmt: skip
+
+
+def sm90_mla_eligible(
+    *,
+    arch: int,
+    q_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    head_size: int,
+    head_size_v: int,
+    group: int,
+    block_q: int,
+    scale: float,
+    compiled: bool,
+    features: dict[str, Any],
+    aligned_rows: bool = True,
+) -> bool:
+    """Whether :func:`launch_sm90_mla` serves a launch's decode class (else the Triton kernel):
+    MLA's one latent (``v_from_k``, K 576 and V its first 512 columns, K from column 0) of the
+    query's 16-bit dtype, 64 or 128 query heads, a decode class of one token a sequence
+    (``block_q`` 1), plus :func:`kv_kernels._common.sm90_gluon_allowed`'s common conditions
+    (``KV_KERNELS_SM90_MLA=0`` turns it off)."""
+    return (
+        sm90_gluon_allowed(
+            "mla",
+            arch=arch,
+            compiled=compiled,
+            q_dtype=q_dtype,
+            group=group,
+            scale=scale,
+            aligned_rows=aligned_rows,
+            features=features,
+            unserved=_UNSERVED,
+            groups=(64, 128),
+        )
+        and bool(features.get("v_from_k"))
+        and cache_dtype == q_dtype
+        and (head_size, head_size_v) == (D_NOPE.value + D_ROPE.value, D_NOPE.value)
+        and features.get("k_start", 0) == 0
+        and block_q == 1
+    )
+
+
+def pick_mla_splits(*, num_seqs: int, head_blocks: int, max_seq_len: int, num_sms: int) -> int:
+    """KV splits for an MLA decode batch: programs take a whole SM each (their shared memory),
+    so the most splits (a power of two, at most 64) whose programs still fit one wave, each
+    split keeping at least 8 tiles of 64 tokens. A function of the batch's shape and the card,
+    as the Triton kernel's split rule."""
+    programs = max(1, num_seqs * head_blocks)
+    tiles = -(-max(max_seq_len, 1) // TILE_N.value)
+    splits = 1
+    while splits < 64 and programs * splits * 2 <= num_sms and tiles >= 16 * splits:
+        splits *= 2
+    return splits
+
+
+def launch_sm90_mla(
+    q: torch.Tensor,  # [T, Hq, 576], unit column stride
+    kv_cache: torch.Tensor,  # [B, 1, N, 576], unit column stride
+    *,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    block_size: int,
+    out: torch.Tensor,  # [T, Hq, 512]
+    lse: torch.Tensor | None,  # [T, Hq] f32
+    part_out: torch.Tensor,  # [T, Hq, S, 512] f32 (``out`` when S = 1)
+    part_lse: torch.Tensor,  # [T, Hq, S] f32
+    num_splits: int,
+) -> None:
+    """The decode class of an MLA launch on sm_90 (inputs validated by the api; eligibility by
+    :func:`sm90_mla_eligible`; the caller merges the splits)."""
+    num_q_heads = q.shape[1]
+    require_unit_rows(
+        "the sm_90 MLA decode kernel",
+        {"q": q, "kv_cache": kv_cache, "out": out, "block_table": block_table},
+    )
+    lse_t = lse if lse is not None else out
+    grid = (num_q_heads // ROWS.value, block_table.shape[0], num_splits)
+    sm90_mla_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(2),
+        block_table, block_table.stride(0), seq_lens, query_start_loc,
+        out, out.stride(0), out.stride(1),
+        lse_t, lse_t.stride(0), lse_t.stride(1),
+        part_out, part_lse,
+        num_q_heads, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
+        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, WRITE_LSE=lse is not None, NBUF_=NBUF,
+        P_WARPS=4, P_REGS_=P_REGS, num_warps=8,
+    )  # fmt: skip
+
+
+def aot_case(
+    *,
+    dtype: str = "bf16",
+    block_size: int = 64,
+    split: bool = False,
+    write_lse: bool = False,
+) -> dict[str, Any]:
+    """The kernel as :func:`launch_sm90_mla` launches it, for an ahead-of-time sm_90 build
+    (``kv_kernels.aot.aot_compile`` keywords, as :func:`._sm90_prefill.aot_case`)."""
+    pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
+                "lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
+    sig = {}
+    for name in sm90_mla_kernel.arg_names:
+        sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
+    sig["qk_scale_log2"] = "fp32"
+    constexprs = dict(
+        BLOCK_SIZE=block_size, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF, P_WARPS=4,
+        P_REGS_=P_REGS, num_warps=8,
+    )  # fmt: skip
+    for name in constexprs:
+        sig[name] = "constexpr"
+    aligned = [n for n, t in sig.items() if t.startswith("*")]
+    aligned += [n for n in sig if n.startswith("stride_") and n != "stride_lh"]
+    return {
+        "module": __name__,
+        "kernel": "sm90_mla_kernel",
+        "signature": sig,
+        "constexprs": constexprs,
+        "arch": 90,
+        "num_warps": 8,
+        "divisible_by_16": aligned,
+    }
