@@ -2,9 +2,9 @@
 program over one 576-wide latent (K the whole row, V its first 512 columns of the same tile).
 
 Why a third Gluon kernel. At 128 heads a latent byte feeds ~240 FLOPs, so MLA decode is bound by
-the tensor cores, not by memory; the Triton kernel's MLA decode waits on each warpgroup MMA as
-soon as it is issued and reached 232-245 TFLOP/s on an H100 / H200 (0.24-0.33 of the copy).
-This kernel states the schedule, as :mod:`._sm90_prefill` does for prefill:
+the tensor cores and by how well the copies overlap them, not by HBM bandwidth; the Triton
+kernel's MLA decode reached 232-245 TFLOP/s on an H100 / H200 (0.24-0.33 of the copy). This
+kernel states the schedule, as :mod:`._sm90_prefill` does for prefill:
 
 - a producer warpgroup gathers each 64-token tile of latent rows (``cp.async``, 16 bytes a
   thread, any page size) into a ring of ``NBUF`` slots: the 512 "nope" columns in one tile
@@ -14,8 +14,8 @@ This kernel states the schedule, as :mod:`._sm90_prefill` does for prefill:
   with the warpgroups splitting the tile's tokens (32 each, K = 576: q's nope part from shared
   memory, its rope part from registers), the online softmax over both halves, ``P`` through
   shared memory, and ``O += P V`` with the warpgroups splitting V's 512 columns (a 64 x 256
-  float32 accumulator each, 128 registers a thread). Tile ``i``'s ``q K^T`` is issued beside
-  tile ``i - 1``'s ``P V``, so the softmax of one tile overlaps the other's MMA.
+  float32 accumulator each, 128 registers a thread). A slot is released as soon as its ``P V``
+  is done, so the copy of the next tile overlaps a whole tile's work (see :func:`_consumer`).
 
 Scope (:func:`sm90_mla_eligible`): the decode class (one query token a sequence: the Triton
 config's ``block_q`` for MLA at these head counts is 1) of a 16-bit latent cache (K 576, V its
@@ -39,7 +39,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
@@ -58,7 +57,7 @@ __all__ = [
 ROWS = gl.constexpr(64)
 D_NOPE = gl.constexpr(512)
 D_ROPE = gl.constexpr(64)
-#: tokens a KV tile and ring slots (shared memory: q 64 KiB, the ring 2 x 72 KiB, P 2 x 8 KiB)
+#: tokens a KV tile and ring slots (shared memory: q 64 KiB, the ring 2 x 72 KiB, P 8 KiB)
 TILE_N = gl.constexpr(64)
 NBUF = 2
 #: the producer's registers after ``setmaxnreg`` (the consumer takes the rest)
@@ -108,12 +107,20 @@ def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_t
               qk_scale_log2, NBUF_: gl.constexpr):  # fmt: skip
     """The program's 64 rows over its tiles: returns ``(acc, m, l)`` (raw-logit maxima).
 
-    Tile ``i``: tile ``i - 1``'s ``P V`` is issued, then tile ``i``'s ``q K^T`` beside it; once
-    ``P V`` is done in every warp, tile ``i - 1``'s slot is released, so the producer's copy of
-    tile ``i + 1`` overlaps tile ``i``'s MMA and softmax. (With two slots, releasing a slot only
-    at the end of the next tile held both through every tile and waited on each copy: H100,
-    ncu, 5,800 cycles a tile where its MMAs take ~2,500.) Every MMA is issued and waited for in
-    the same tile: an MMA in flight across the loop's back edge made ptxas serialize them all."""
+    Tile ``i``: tile ``i - 1``'s ``P V``, then (its slot released as soon as that is done in
+    every warp, so the producer's copy of tile ``i + 1`` overlaps all of tile ``i``) tile ``i``'s
+    ``q K^T`` and softmax. The copies, not the MMAs, set the pace: with two slots of 72 KiB
+    beside q's 64 KiB there is no room for a third, and (H100, same process, 64 x 4k) a
+    producer that copies nothing reads 521 TFLOP/s where this one reads 422-437. Measured
+    against it (H100 / H200, graph-timed, probe output): ``P V`` kept one tile behind ``q K^T``
+    with both slots released at the tile's end 341 TFLOP/s (ncu: 5,800 cycles a tile, its MMAs
+    ~2,500: every copy waited for); ``P V`` issued beside the next ``q K^T`` and its slot
+    released after 422 / 426; this order 437 on the H200 (414-424 on the H100, one program's
+    P buffer less). Copies signalled in 2, 4 or 8 column pieces, q.K starting on the first
+    (FlashMLA's way), changed nothing (H100: 425-437 at every count): not the waits but the
+    shared memory the copies write beside the MMAs' operand reads seems to cost (modelled:
+    ~360 KiB a tile, ~200 of it the two warpgroups' 64 x 32 q.K MMAs reading q). An MMA left
+    in flight across the loop's back edge made ptxas serialize every warpgroup MMA."""
     dtype: gl.constexpr = qn_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
@@ -126,37 +133,24 @@ def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_t
     l_part = gl.zeros([ROWS, TILE_N], gl.float32, layout=s_layout)
     acc = gl.zeros([ROWS, D_NOPE], gl.float32, layout=o_layout)
     s_zero = gl.zeros([ROWS, TILE_N], gl.float32, layout=s_layout)
-    # tile 0 alone (no P.V yet), then each tile's q.K issued beside the previous tile's P.V
-    if n_tiles > 0:
-        mbarrier.wait(full.index(0), 0)
-        sc = warpgroup_mma(qn_smem, kvn_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
-        sc = warpgroup_mma(q_rope, kr_smem.index(0).permute((1, 0)), sc)
-        p32, m_i, l_part, _alpha = _softmax(sc, m_i, l_part, t_lo, kcols, seq_len, qk_scale_log2)
-        p_smem.index(0).store(p32.to(dtype))
-        fence_async_shared()
-        _barrier()
-    for i in range(1, n_tiles):
+    for i in range(n_tiles):
         s = i % NBUF_
-        sp = (i + NBUF_ - 1) % NBUF_  # tile i - 1's slot
-        pb = i % 2  # tile i's P buffer (tile i - 1's is the other)
-        acc_tok = warpgroup_mma(p_smem.index(1 - pb), kvn_smem.index(sp), acc, is_async=True)
+        if i > 0:
+            sp = (i + NBUF_ - 1) % NBUF_  # tile i - 1's slot
+            acc = warpgroup_mma(p_smem, kvn_smem.index(sp), acc)
+            _barrier()  # every warp's P.V of tile i - 1 done: its slot and P are free
+            mbarrier.arrive(empty.index(sp), count=1)
         mbarrier.wait(full.index(s), (i // NBUF_) & 1)
-        s_tok = warpgroup_mma(qn_smem, kvn_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)  # fmt: skip
-        s_tok = warpgroup_mma(q_rope, kr_smem.index(s).permute((1, 0)), s_tok, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_tok,))
-        _barrier()  # every warp's P.V of tile i - 1 done: its slot is free
-        mbarrier.arrive(empty.index(sp), count=1)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        sc = warpgroup_mma(qn_smem, kvn_smem.index(s).permute((1, 0)), s_zero, use_acc=False)
+        sc = warpgroup_mma(q_rope, kr_smem.index(s).permute((1, 0)), sc)
         p32, m_i, l_part, alpha = _softmax(sc, m_i, l_part, t_lo + i, kcols, seq_len,
                                            qk_scale_log2)  # fmt: skip
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_smem.index(pb).store(p32.to(dtype))
+        p_smem.store(p32.to(dtype))
         fence_async_shared()
         _barrier()  # every warp's part of P stored
     if n_tiles > 0:
-        sl = (n_tiles + NBUF_ - 1) % NBUF_
-        acc = warpgroup_mma(p_smem.index((n_tiles - 1) % 2), kvn_smem.index(sl), acc)
+        acc = warpgroup_mma(p_smem, kvn_smem.index((n_tiles + NBUF_ - 1) % NBUF_), acc)
     return acc, m_i, gl.sum(l_part, 1)
 
 
@@ -214,7 +208,7 @@ def sm90_mla_kernel(
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, TILE_N], dtype)
     kvn_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_NOPE], kvn_sl)
     kr_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_ROPE], kr_sl)
-    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, TILE_N], p_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [ROWS, TILE_N], p_sl)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     full = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
@@ -374,8 +368,8 @@ def aot_case(
         sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
     sig["qk_scale_log2"] = "fp32"
     constexprs = dict(
-        BLOCK_SIZE=block_size, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF, P_WARPS=4,
-        P_REGS_=P_REGS, num_warps=8,
+        BLOCK_SIZE=block_size, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF,
+        P_WARPS=4, P_REGS_=P_REGS, num_warps=8,
     )  # fmt: skip
     for name in constexprs:
         sig[name] = "constexpr"
