@@ -120,7 +120,13 @@ def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_t
     (FlashMLA's way), changed nothing (H100: 425-437 at every count): not the waits but the
     shared memory the copies write beside the MMAs' operand reads seems to cost (modelled:
     ~360 KiB a tile, ~200 of it the two warpgroups' 64 x 32 q.K MMAs reading q). An MMA left
-    in flight across the loop's back edge made ptxas serialize every warpgroup MMA."""
+    in flight across the loop's back edge made ptxas serialize every warpgroup MMA.
+
+    Also tried (H100, same process, 64 x 4k / 8 x 32k / page 16): FlashMLA's split of the
+    work, each warpgroup the q.K and softmax of every other tile (64 x 64 MMAs, a third less
+    shared traffic for q.K) and P.V of every tile on its half of V, the running maximum and P
+    passed between them tile by tile: 313-329 TFLOP/s against this schedule's 426-436, every
+    softmax waiting on the other warpgroup's."""
     dtype: gl.constexpr = qn_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
