@@ -105,7 +105,13 @@ class TritonMLABackend(AttentionBackend):
         cudagraph_support="uniform_batch",
         min_compute_capability=(8, 0),
         needs_gpu=True,
-        notes="MLA absorbed decode on kv-kernels' unified Triton kernel: one latent row per token (power-of-two kv_lora_rank + rope tail), V read from the same page tile; serves MLA layers only.",
+        notes=(
+            "MLA absorbed decode on kv-kernels' unified Triton kernel: one latent row per token "
+            "(power-of-two kv_lora_rank + rope tail), V read from the same page tile; serves MLA "
+            "layers only. On sm_90 the decode of a 16-bit 512 + 64 latent at 64 or 128 query "
+            "heads (DeepSeek-V3 on one GPU) runs kv-kernels' warp-specialized Gluon MLA kernel "
+            "instead (KV_KERNELS_SM90_MLA=0 turns it off)."
+        ),
     )
     builder_cls = MetadataBuilder
     impl_cls = TritonMLAImpl
