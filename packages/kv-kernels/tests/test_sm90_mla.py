@@ -7,9 +7,10 @@ producer's register cut; which launches it serves (and which stay with the Trito
 split rule; bad strides get a ValueError. Gluon has no interpreter, so its results are checked on
 an H100 / H200 (``-m gpu``) at DeepSeek-V3's shapes against the float64 oracle over the latents
 the test drew (bounded by the bf16 torch reference's own error): 128 and 64 heads, pages 16-128,
-splits, LSE, a batch mixing decode rows with a prefill (which the Triton kernel takes); a planted
-wrong page and a planted tile of the wrong sequence that the same check must catch; a cache past
-2^31 elements; and the environment switch back to the Triton kernel.
+splits, LSE, a batch mixing decode rows with a prefill (which the Triton kernel takes), bitwise
+batch invariance at a fixed split count; a planted wrong page and a planted tile of the wrong
+sequence that the same check must catch; a cache past 2^31 elements; and the environment switch
+back to the Triton kernel.
 """
 
 from __future__ import annotations
@@ -198,6 +199,23 @@ def test_gpu_mixed_batch_leaves_the_prefill_to_the_triton_kernel(launches: list[
     b = _batch(q_lens=[1, 7, 1], seq_lens=[900, 300, 65])
     _check(b)
     assert len(launches) == 1
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_batch_invariance_bitwise(splits: int, launches: list[int]) -> None:
+    """With a fixed split count a sequence's rows are bit-identical alone and in a batch (what
+    TRITON_MLA declares as batch invariance)."""
+    b = _batch(seq_lens=[900, 300, 65])
+    full = run_batch(b, "triton", kv_lora_rank=512, scale=SCALE, num_splits=splits)
+    alone = dict(
+        b, q=b["q"][1:2], block_table=b["block_table"][1:2], seq_lens=b["seq_lens"][1:2],
+        qsl=torch.tensor([0, 1], dtype=torch.int32, device="cuda"), q_lens=[1],
+    )  # fmt: skip
+    one = run_batch(alone, "triton", kv_lora_rank=512, scale=SCALE, num_splits=splits)
+    assert torch.equal(full[1:2], one)
+    assert len(launches) == 2
 
 
 @pytest.mark.gpu
