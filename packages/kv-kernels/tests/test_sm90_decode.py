@@ -1,14 +1,15 @@
-"""The Gluon decode kernel over fp8 pages for sm_90 (:mod:`kv_kernels.paged_attention._sm90_decode`).
+"""The Gluon decode kernel over 1-byte pages for sm_90 (:mod:`kv_kernels.paged_attention._sm90_decode`).
 
 On the CPU (CI): the kernel compiles for sm_90 ahead of time through ptxas for every served shape
-family, with its tiles read from global memory by 16-byte loads straight into ``mma.sync``
-operands (no shared-memory copy of K or V in the PTX), converted by the hardware's packed fp8
-conversion; which launches it serves (and which stay with the Triton kernel); how it splits KV;
-bad strides get a ValueError. Gluon has no interpreter, so its results are checked on an H100 /
-H200 (``-m gpu``): against the float64 oracle (bounded by the bf16 torch reference's own error)
-with per-tensor and per-KV-head scales, splits, LSE and speculative rows; a planted wrong page
-that the same check must catch; a cache past 2^31 elements; and the environment switch back to
-the Triton kernel.
+family, its tiles copied by ``cp.async`` (16 bytes, or 8 for per-token-head pages' 8-byte-aligned
+rows) into a per-lane shared-memory ring, read back by 16-byte shared loads straight into
+``mma.sync`` operands, fp8 converted by the hardware's packed conversion; which launches it
+serves (and which stay with the Triton kernel); how it splits KV; bad strides get a ValueError.
+Gluon has no interpreter, so its results are checked on an H100 / H200 (``-m gpu``): against the
+float64 oracle (bounded by the bf16 torch reference's own error) with per-tensor and per-KV-head
+scales, per-token-head pages, splits, LSE and speculative rows; planted bugs (a wrong page, a
+dropped or doubled scale) that the same check must catch; caches past 2^31 elements (fp8 per
+tensor, int8 per token and head); and the environment switch back to the Triton kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kv_kernels.paged_attention._sm90_decode import (
     pick_decode_splits,
     sm90_decode_eligible,
 )
+from kv_kernels.reshape_and_cache import reshape_and_cache
 from kv_kernels.testing import (
     assert_close_to_oracle,
     attention_oracle_paged,
@@ -376,6 +378,45 @@ def test_gpu_cache_past_2_31_elements(launches: list[int]) -> None:
     ref = paged_attention(*args, k_scale=0.5, v_scale=2.0, impl="reference")
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert launches
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_per_token_head_cache_past_2_31_elements(launches: list[int]) -> None:
+    """An int8 per-token-head cache (264-byte rows) of more than 2^31 bytes whose decode reads
+    its last blocks, written there by the Triton write kernel: the rows' and their inline
+    scales' offsets past 2^31 address the right bytes (on cards where the Gluon kernel takes
+    these pages; elsewhere the Triton kernel's, the same check)."""
+    h, d, n = 8, 128, 16
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=2**31 // (h * n * (2 * d + 8)) + 16,
+        num_kv_heads=h, block_size=n, head_size=d, head_size_v=d, dtype="int8",
+        kv_quant="int8_per_token_head",
+    )  # fmt: skip
+    nb = layout.num_blocks
+    kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
+    assert (nb - 1) * kv.stride(0) > 2**31
+    ids = torch.arange(nb - 14, nb, dtype=torch.int32, device="cuda")
+    table = torch.full((2, 10), -1, dtype=torch.int32, device="cuda")
+    table[0, :8] = ids[:8]
+    table[1, :6] = ids[8:]
+    lens = [120, 90]
+    for s, length in enumerate(lens):
+        pos = torch.arange(length, device="cuda")
+        slots = table[s, pos // n].long() * n + pos % n
+        mag = torch.rand(length, h, 1, device="cuda") * 4 + 0.1
+        reshape_and_cache(torch.randn(length, h, d, device="cuda") * mag,
+                          torch.randn(length, h, d, device="cuda") * mag, kv, slots, layout,
+                          impl="triton")  # fmt: skip
+    args = (
+        torch.randn(2, h * 4, d, dtype=torch.bfloat16, device="cuda"), kv, layout, table,
+        torch.tensor(lens, dtype=torch.int32, device="cuda"),
+        torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"), 1,
+    )  # fmt: skip
+    got = paged_attention(*args, impl="triton")
+    ref = paged_attention(*args, impl="reference")
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert bool(launches) == _INLINE_HERE
 
 
 @pytest.mark.gpu

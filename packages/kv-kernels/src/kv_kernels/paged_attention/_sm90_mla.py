@@ -127,7 +127,10 @@ def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_t
     shared traffic for q.K) and P.V of every tile on its half of V, the running maximum and P
     passed between them tile by tile: 313-329 TFLOP/s against this schedule's 426-436, every
     softmax waiting on the other warpgroup's; 64 or 128 of q's nope columns in operand
-    registers beside its rope columns (less shared memory read by q.K): 422 / 405 against 424."""
+    registers beside its rope columns (less shared memory read by q.K): 422 / 405 against 424;
+    a TMA producer (nine 64 x 64 boxes a page-64 tile, one thread issuing): 429-436 against
+    420-431, within the runs' spread, and it would need the rows past a sequence zeroed in
+    shared memory (TMA copies whole pages)."""
     dtype: gl.constexpr = qn_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
