@@ -20,9 +20,7 @@ import sys
 import textwrap
 
 import pytest
-
-#: Max shared memory per block (bytes): sm_90 227 KiB, sm_80 163 KiB.
-SMEM_LIMIT = {90: 232448, 80: 166912}
+from kv_kernels.aot import SHARED_MEMORY_LIMIT
 
 _SCRIPT = textwrap.dedent(
     r"""
@@ -209,7 +207,7 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
     } <= names, names
     for name, r in res.items():
         assert r["ok"], f"{_key(case)} {name} failed to compile:\n{r.get('error')}"
-        assert r["shared"] <= SMEM_LIMIT[case[0]], (
+        assert r["shared"] <= SHARED_MEMORY_LIMIT[case[0]], (
             f"{_key(case)} {name}: {r['shared']} B of shared memory"
         )
         if name.startswith("attn"):

@@ -19,12 +19,11 @@ import dataclasses
 
 import pytest
 import torch
+from kv_kernels.aot import SHARED_MEMORY_LIMIT
 from kv_kernels.paged_attention import _sm90_mla
 from kv_kernels.paged_attention._sm90_mla import aot_case, pick_mla_splits, sm90_mla_eligible
 from kv_kernels.testing import assert_close_to_oracle, check_close_to_oracle, plant_wrong_page
 from kv_kernels.testing_attention import make_mla_batch, mla_oracle, run_batch
-
-SMEM_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90
 
 _PTX = {
     "qk_mma": r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.(bf16\.bf16|f16\.f16)",
@@ -56,7 +55,7 @@ def aot_results(aot_compile_checks) -> dict[str, dict]:
 def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
     res = aot_results[_case_id(case)]
     assert res["ok"], res.get("error")
-    assert res["shared"] <= SMEM_LIMIT, f"{res['shared']} bytes of shared memory"
+    assert res["shared"] <= SHARED_MEMORY_LIMIT[90], f"{res['shared']} bytes of shared memory"
     counts = res["counts"]
     for name in _PTX:
         assert counts[name] > 0, f"no {name} in the PTX: {counts}"

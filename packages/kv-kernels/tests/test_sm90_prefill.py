@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_kernels.aot import SHARED_MEMORY_LIMIT
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import _sm90_prefill
 from kv_kernels.paged_attention._sm90_prefill import aot_case, sm90_prefill_eligible
@@ -25,7 +26,6 @@ from kv_kernels.testing_attention import assert_triton_matches_oracle, make_page
 from kv_spec import KVCacheLayout
 
 #: sm_90's shared memory per block (bytes)
-SMEM_LIMIT = 232448
 
 _PTX = {
     "wgmma": r"wgmma\.mma_async",
@@ -69,7 +69,7 @@ def aot_results(aot_compile_checks) -> dict[str, dict]:
 def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
     res = aot_results[_case_id(case)]
     assert res["ok"], res.get("error")
-    assert res["shared"] <= SMEM_LIMIT, f"{res['shared']} bytes of shared memory"
+    assert res["shared"] <= SHARED_MEMORY_LIMIT[90], f"{res['shared']} bytes of shared memory"
     counts = res["counts"]
     for name in _PTX:
         assert counts[name] > 0, f"no {name} in the PTX: {counts}"

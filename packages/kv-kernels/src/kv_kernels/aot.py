@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["aot_compile"]
+__all__ = ["SHARED_MEMORY_LIMIT", "aot_compile"]
+
+#: The most shared memory (bytes) a block may opt into, by arch: sm_90 227 KiB, sm_80 163 KiB.
+#: A kernel built for a target must fit it (the AOT tests check every build against it).
+SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912}
 
 
 def aot_compile(
