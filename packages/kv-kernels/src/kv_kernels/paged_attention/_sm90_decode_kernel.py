@@ -168,6 +168,26 @@ def _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb, stride
 
 
 @gluon.jit
+def _decode_class(qsl_ptr, seq_lens_ptr, seq, BLOCK_Q: gl.constexpr):
+    """``(q_start, q_len, mine, seq_len)`` of sequence ``seq``: ``mine`` says it is in the decode
+    class (``1 <= q_len <= BLOCK_Q``; longer queries go to the prefill launch)."""
+    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
+    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
+    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int32)
+    return q_start, q_len, (q_len >= 1) & (q_len <= BLOCK_Q), seq_len
+
+
+@gluon.jit
+def _split_tiles(seq_len, mine, TILE: gl.constexpr):
+    """``(t_hi, lo, hi)``: the sequence's ``TILE``-token tiles (none outside the decode class)
+    and this program's split of them, ``[lo, hi)`` (the split is program axis 2)."""
+    t_hi = gl.where(mine, gl.cdiv(seq_len, TILE), 0)
+    per_split = gl.cdiv(t_hi, gl.num_programs(2))
+    lo = gl.minimum(gl.program_id(2) * per_split, t_hi)
+    return t_hi, lo, gl.minimum(lo + per_split, t_hi)
+
+
+@gluon.jit
 def _issue(ring, slot, t, live, head_ptr, bt_row_ptr, seq_len, num_blocks, max_blocks,
            stride_kb, stride_kn, K_START: gl.constexpr, V_START: gl.constexpr,
            SCALE_START: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -319,10 +339,7 @@ def sm90_decode_kernel(
     kvh = gl.program_id(1)
     split = gl.program_id(2)
     num_splits = gl.num_programs(2)
-    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
-    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
-    mine = (q_len >= 1) & (q_len <= BLOCK_Q)  # the decode class (longer ones: the prefill launch)
-    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int32)
+    q_start, q_len, mine, seq_len = _decode_class(qsl_ptr, seq_lens_ptr, seq, BLOCK_Q)
     ctx = seq_len - q_len
 
     # ---- q: [16 rows = (token, head), 128], fp16 scaled by a power of two a row, renamed ----
@@ -358,15 +375,12 @@ def sm90_decode_kernel(
     r_tok = rows // GROUP
     q_pos = ctx + r_tok
     # tiles: [0, t_hi) seen by some row, [0, t_full) by every row; this program's split of them
-    t_hi = gl.where(mine, gl.cdiv(seq_len, TILE_N), 0)
+    t_hi, s_lo, s_hi = _split_tiles(seq_len, mine, TILE_N)
     if CAUSAL:
         t_full = gl.minimum(gl.maximum(ctx + 1, 0) // TILE_N, t_hi)
     else:
         t_full = gl.minimum(seq_len // TILE_N, t_hi)
         q_pos = q_pos * 0 + (seq_len - 1)
-    per_split = gl.cdiv(t_hi, num_splits)
-    s_lo = gl.minimum(split * per_split, t_hi)
-    s_hi = gl.minimum(s_lo + per_split, t_hi)
 
     head_ptr = kv_ptr + kvh.to(gl.int64) * stride_kh
     if ROW_ALIGN > 1:

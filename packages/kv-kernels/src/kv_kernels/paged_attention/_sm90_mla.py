@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
-from kv_kernels.paged_attention._sm90_decode_kernel import _barrier
+from kv_kernels.paged_attention._sm90_decode_kernel import _barrier, _decode_class, _split_tiles
 from kv_kernels.paged_attention._sm90_prefill import _gather, _tile_rows
 
 __all__ = [
@@ -183,14 +183,10 @@ def sm90_mla_kernel(
     seq = gl.program_id(1)
     split = gl.program_id(2)
     num_splits = gl.num_programs(2)
-    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
-    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
-    mine = q_len == 1  # the decode class (longer queries: the prefill launch)
-    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int32)
-    t_hi = gl.where(mine, gl.cdiv(seq_len, TILE_N), 0)
-    per_split = gl.cdiv(t_hi, num_splits)
-    t_lo = gl.minimum(split * per_split, t_hi)
-    n_tiles = gl.minimum(t_lo + per_split, t_hi) - t_lo
+    # the decode class is one query token (longer queries: the prefill launch)
+    q_start, _q_len, mine, seq_len = _decode_class(qsl_ptr, seq_lens_ptr, seq, 1)
+    _t_hi, t_lo, t_end = _split_tiles(seq_len, mine, TILE_N)
+    n_tiles = t_end - t_lo
 
     # ---- q: nope columns into shared memory, rope columns into MMA-operand registers ---------
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
