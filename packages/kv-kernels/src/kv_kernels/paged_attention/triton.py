@@ -228,7 +228,7 @@ def paged_attention_triton(
     )  # fmt: skip
     # sm_90, MLA's 16-bit latent at 64 / 128 heads: the decode class runs the Gluon MLA kernel
     # (see _sm90_mla; with KV_KERNELS_SM90_MLA=0 the Triton kernel does)
-    gluon_mla = _gluon_serves(
+    gluon_mla = v_from_k and _gluon_serves(
         "mla", q, kv_cache, head_size_v, scale, features, (out, block_table),
         block_q=cfg_dec.block_q,
     )  # fmt: skip
