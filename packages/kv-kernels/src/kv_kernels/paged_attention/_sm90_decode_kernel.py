@@ -36,8 +36,9 @@ Bounds: block-table columns past ``max_blocks`` read the last column, block ids 
 read: no read leaves the cache whatever the metadata says.
 
 Version notes: triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load`` and
-``thread_barrier`` to ``barrier`` (shims below); its alignment analysis loses the divisibility
-of a select between two page bases (so two-page tiles choose theirs arithmetically).
+``thread_barrier`` to ``barrier`` (:mod:`._gluon_compat`); its alignment analysis loses the
+divisibility of a select between two page bases (so two-page tiles choose theirs
+arithmetically).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from kv_kernels.paged_attention._gluon_compat import async_load, barrier
 from kv_kernels.paged_attention._upcast import _I8_ASM
 
 __all__ = ["HEAD", "ROWS", "TILE_N", "sm90_decode_kernel"]
@@ -54,9 +56,6 @@ __all__ = ["HEAD", "ROWS", "TILE_N", "sm90_decode_kernel"]
 TILE_N = gl.constexpr(32)
 ROWS = gl.constexpr(16)
 HEAD = gl.constexpr(128)
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-#: a CTA barrier (one warp here): triton 3.9's ``barrier``, 3.6's ``thread_barrier``
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.constexpr_function
@@ -206,9 +205,9 @@ def _issue(ring, slot, t, live, head_ptr, bt_row_ptr, seq_len, num_blocks, max_b
                              stride_kn, BLOCK_SIZE, ROW_ALIGN, gl.SliceLayout(1, vl))  # fmt: skip
     kc = gl.arange(0, HEAD, layout=gl.SliceLayout(0, kl))
     vc = gl.arange(0, HEAD, layout=gl.SliceLayout(0, vl))
-    _async_load(k_smem.index(slot), head_ptr + K_START + k_off[:, None] + kc[None, :],
+    async_load(k_smem.index(slot), head_ptr + K_START + k_off[:, None] + kc[None, :],
                 mask=(k_ok & live)[:, None] & (kc < HEAD)[None, :])  # fmt: skip
-    _async_load(v_smem.index(slot), head_ptr + V_START + v_off[:, None] + vc[None, :],
+    async_load(v_smem.index(slot), head_ptr + V_START + v_off[:, None] + vc[None, :],
                 mask=(v_ok & live)[:, None] & (vc < HEAD)[None, :])  # fmt: skip
     if SCALE_START > 0:
         # one float32 a lane (a layout without repeats: every scale is copied once)
@@ -216,8 +215,8 @@ def _issue(ring, slot, t, live, head_ptr, bt_row_ptr, seq_len, num_blocks, max_b
         s_off, s_ok = _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb,
                                  stride_kn, BLOCK_SIZE, ROW_ALIGN, sl)  # fmt: skip
         s_ptr = (head_ptr + SCALE_START + s_off).to(gl.pointer_type(gl.float32))
-        _async_load(ks_smem.index(slot), s_ptr, mask=s_ok & live)
-        _async_load(vs_smem.index(slot), s_ptr + 1, mask=s_ok & live)
+        async_load(ks_smem.index(slot), s_ptr, mask=s_ok & live)
+        async_load(vs_smem.index(slot), s_ptr + 1, mask=s_ok & live)
     async_copy.commit_group()
 
 
@@ -301,7 +300,7 @@ def _tiles(q_op, acc, m_i, l_i, r_i, ring, lo, hi, s_lo, s_hi, head_ptr, bt_row_
         k = k_smem.index(slot).load(kl)  # (each lane reads back the bytes it copied)
         v = v_smem.index(slot).load(vl)
         if SCALE_START > 0:
-            _barrier()  # (the scales were copied one a lane, and are read by others)
+            barrier()  # (the scales were copied one a lane, and are read by others)
             ks = ks_smem.index(slot).load(gl.SliceLayout(0, mma))
             vs = vs_smem.index(slot).load(gl.SliceLayout(0, mma))
         else:

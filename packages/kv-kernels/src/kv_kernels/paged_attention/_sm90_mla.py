@@ -42,7 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
-from kv_kernels.paged_attention._sm90_decode_kernel import _barrier, _decode_class, _split_tiles
+from kv_kernels.paged_attention._gluon_compat import barrier
+from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
 from kv_kernels.paged_attention._sm90_prefill import _gather, _tile_rows
 
 __all__ = [
@@ -148,7 +149,7 @@ def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_t
         if i > 0:
             sp = (i + NBUF_ - 1) % NBUF_  # tile i - 1's slot
             acc = warpgroup_mma(p_smem, kvn_smem.index(sp), acc)
-            _barrier()  # every warp's P.V of tile i - 1 done: its slot and P are free
+            barrier()  # every warp's P.V of tile i - 1 done: its slot and P are free
             mbarrier.arrive(empty.index(sp), count=1)
         mbarrier.wait(full.index(s), (i // NBUF_) & 1)
         sc = warpgroup_mma(qn_smem, kvn_smem.index(s).permute((1, 0)), s_zero, use_acc=False)
@@ -158,7 +159,7 @@ def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_t
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_smem.store(p32.to(dtype))
         fence_async_shared()
-        _barrier()  # every warp's part of P stored
+        barrier()  # every warp's part of P stored
     if n_tiles > 0:
         acc = warpgroup_mma(p_smem, kvn_smem.index((n_tiles + NBUF_ - 1) % NBUF_), acc)
     return acc, m_i, gl.sum(l_part, 1)

@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
+from kv_kernels.paged_attention._gluon_compat import async_load
 from kv_kernels.paged_attention._tiles import split_head
 
 __all__ = [
@@ -58,8 +59,6 @@ __all__ = [
     "sm90_prefill_eligible",
     "sm90_prefill_kernel",
 ]
-
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 #: rows per consumer warpgroup (a warpgroup MMA's M), and the program's two consumers
 WG_M = 64
@@ -110,9 +109,7 @@ def _gather(smem, ptr, off, ok, WIDTH: gl.constexpr, LAYOUT: gl.constexpr):
     off = gl.convert_layout(off, gl.SliceLayout(1, LAYOUT))  # (the same rows: no data moves)
     ok = gl.convert_layout(ok, gl.SliceLayout(1, LAYOUT))
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LAYOUT))
-    _async_load(
-        smem, ptr + off[:, None] + cols[None, :], mask=ok[:, None] & (cols < WIDTH)[None, :]
-    )
+    async_load(smem, ptr + off[:, None] + cols[None, :], mask=ok[:, None] & (cols < WIDTH)[None, :])
 
 
 @gluon.jit
