@@ -205,9 +205,9 @@ def sm90_gluon_allowed(
     q_dtype: torch.dtype,
     group: int,
     scale: float,
-    aligned_rows: bool,
     features: dict[str, Any],
     unserved: tuple[str, ...],
+    aligned_rows: bool = True,
     groups: tuple[int, ...] = (1, 2, 4, 8, 16),
 ) -> bool:
     """What every sm_90 Gluon paged-attention kernel (``kind`` "prefill" / "decode" / "mla")

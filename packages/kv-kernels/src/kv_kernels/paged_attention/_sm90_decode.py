@@ -52,9 +52,9 @@ PROGRAMS_PER_SM = 8
 #: 2.23 vs 2.33 / 2.28, fp8 2.22 vs 2.31 (ncu, H200: L1/TEX 88% busy, DRAM 50%: the 8-byte
 #: copies of the 264-byte rows go through L1)
 INLINE_MIN_TBPS = 4.0
-#: tiles in flight: a ring of NBUF shared-memory slots filled by cp.async (a sweep on the H200, its
-#: output only; fp8 per tensor, 64 x 4k at the best split count of each: plain loads into registers, each tile waited for
-#: where it is used, 2.83 TB/s; NBUF 2 3.96, 3 3.87, 4 3.49)
+#: tiles in flight: a ring of NBUF shared-memory slots filled by cp.async (a sweep on the H200,
+#: its output only; fp8 per tensor, 64 x 4k at the best split count of each: plain loads into
+#: registers, each tile waited for where it is used, 2.83 TB/s; NBUF 2 3.96, 3 3.87, 4 3.49)
 NBUF = 2
 
 
@@ -64,41 +64,25 @@ _UNSERVED = ("sliding_window", "sinks", "softcap", "alibi", "check", "v_from_k")
 
 def sm90_decode_eligible(
     *,
-    arch: int,
-    q_dtype: torch.dtype,
     cache_dtype: torch.dtype,
     head_size: int,
     head_size_v: int,
     group: int,
     block_q: int,
-    scale: float,
-    compiled: bool,
     features: dict[str, Any],
-    aligned_rows: bool = True,
     peak_tbps: float = 0.0,
+    **common: Any,
 ) -> bool:
-    """Whether :func:`launch_sm90_decode` serves a launch's decode class (else the Triton kernel).
-
-    ``block_q``: the decode class's query tokens a sequence (the Triton decode config's; this
-    kernel's 16 rows must hold them: ``block_q * group == 16``). ``compiled``: kernels run
-    compiled (Gluon has no interpreter). ``aligned_rows``: q, the cache, the output and the
-    block table have contiguous last dimensions and the cache starts on a 16-byte boundary
-    (``cp.async`` copies of 16 or 8 bytes). ``peak_tbps``: the card's peak memory bandwidth
-    (:func:`peak_memory_tbps`), which decides per-token-head pages. ``KV_KERNELS_SM90_DECODE=0``
-    in the environment turns the kernel off (the Triton kernel then serves every decode), e.g.
-    to compare the two."""
+    """Whether :func:`launch_sm90_decode` serves a launch's decode class (else the Triton kernel):
+    :func:`kv_kernels._common.sm90_gluon_allowed`'s conditions (``common``: its ``arch``,
+    ``compiled``, ``q_dtype``, ``scale``, ``aligned_rows``; ``KV_KERNELS_SM90_DECODE=0`` turns
+    the kernel off), then this kernel's own: heads 128 / 128; ``block_q``, the decode class's
+    query tokens a sequence (the Triton decode config's), filling its 16 rows (``block_q *
+    group == 16``); K and V starting on 16-byte boundaries in the row; and the pages
+    :func:`_pages_served` says, where ``peak_tbps`` (:func:`peak_memory_tbps`) decides
+    per-token-head pages."""
     return (
-        sm90_gluon_allowed(
-            "decode",
-            arch=arch,
-            compiled=compiled,
-            q_dtype=q_dtype,
-            group=group,
-            scale=scale,
-            aligned_rows=aligned_rows,
-            features=features,
-            unserved=_UNSERVED,
-        )
+        sm90_gluon_allowed("decode", group=group, features=features, unserved=_UNSERVED, **common)
         and head_size == head_size_v == HEAD.value
         and block_q * group == ROWS.value
         and features.get("k_start", 0) % 16 == 0

@@ -66,17 +66,25 @@ P_REGS = 40
 
 
 @gluon.constexpr_function
-def _copy_layout(width, warps):
-    """``[tokens, width]`` of 16-bit values, 8 a thread (16 bytes), 8 threads a 128-byte row
-    piece: a warp's copy covers 4 whole 128-byte pieces of 4 rows."""
+def _copy_layout(warps):
+    """A ``[tokens, columns]`` copy of 16-bit values, 8 a thread (16 bytes), 8 threads a 128-byte
+    row piece: a warp's copy covers 4 whole 128-byte pieces of 4 rows."""
     return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _s_layout():
+    """The logits' layout: a 64 x 64 tile, the two warpgroups' MMAs 32 tokens each."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
+    )
 
 
 @gluon.jit
 def _producer(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles, seq_len,
               num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE: gl.constexpr,
               NBUF_: gl.constexpr, P_WARPS: gl.constexpr):  # fmt: skip
-    lay: gl.constexpr = _copy_layout(64, P_WARPS)
+    lay: gl.constexpr = _copy_layout(P_WARPS)
     for i in range(n_tiles):
         s = i % NBUF_
         ph = ((i // NBUF_) & 1) ^ 1  # the previous use of the slot
@@ -133,9 +141,7 @@ def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_t
     420-431, within the runs' spread, and it would need the rows past a sequence zeroed in
     shared memory (TMA copies whole pages)."""
     dtype: gl.constexpr = qn_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
-    )
+    s_layout: gl.constexpr = _s_layout()
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_NOPE // 2, 16]
     )
@@ -203,9 +209,7 @@ def sm90_mla_kernel(
     cr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_l))
     q_rope = gl.load(q_ptr + q_rows[:, None] + (D_NOPE + cr)[None, :], mask=q_in[:, None],
                      other=0.0)  # fmt: skip
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
-    )
+    s_layout: gl.constexpr = _s_layout()
     q_rope = gl.convert_layout(
         q_rope, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     )
@@ -270,35 +274,28 @@ _UNSERVED = ("sliding_window", "sinks", "softcap", "alibi", "kv_scale_mode", "ch
 
 def sm90_mla_eligible(
     *,
-    arch: int,
     q_dtype: torch.dtype,
     cache_dtype: torch.dtype,
     head_size: int,
     head_size_v: int,
-    group: int,
     block_q: int,
-    scale: float,
-    compiled: bool,
     features: dict[str, Any],
-    aligned_rows: bool = True,
+    **common: Any,
 ) -> bool:
     """Whether :func:`launch_sm90_mla` serves a launch's decode class (else the Triton kernel):
-    MLA's one latent (``v_from_k``, K 576 and V its first 512 columns, K from column 0) of the
-    query's 16-bit dtype, 64 or 128 query heads, a decode class of one token a sequence
-    (``block_q`` 1), plus :func:`kv_kernels._common.sm90_gluon_allowed`'s common conditions
-    (``KV_KERNELS_SM90_MLA=0`` turns it off)."""
+    :func:`kv_kernels._common.sm90_gluon_allowed`'s conditions for 64 or 128 query heads
+    (``common``: its ``arch``, ``compiled``, ``group``, ``scale``, ``aligned_rows``;
+    ``KV_KERNELS_SM90_MLA=0`` turns the kernel off), then this kernel's own: MLA's one latent
+    (``v_from_k``, K 576 and V its first 512 columns, K from column 0) of the query's dtype, and
+    a decode class of one token a sequence (``block_q`` 1)."""
     return (
         sm90_gluon_allowed(
             "mla",
-            arch=arch,
-            compiled=compiled,
             q_dtype=q_dtype,
-            group=group,
-            scale=scale,
-            aligned_rows=aligned_rows,
             features=features,
             unserved=_UNSERVED,
             groups=(64, 128),
+            **common,
         )
         and bool(features.get("v_from_k"))
         and cache_dtype == q_dtype

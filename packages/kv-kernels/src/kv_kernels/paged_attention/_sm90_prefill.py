@@ -415,36 +415,21 @@ _UNSERVED = ("sliding_window", "sinks", "softcap", "alibi", "kv_scale_mode", "sp
 
 def sm90_prefill_eligible(
     *,
-    arch: int,
     q_dtype: torch.dtype,
     cache_dtype: torch.dtype,
     head_size: int,
     head_size_v: int,
-    group: int,
-    scale: float,
-    compiled: bool,
     features: dict[str, Any],
-    aligned_rows: bool = True,
+    **common: Any,
 ) -> bool:
-    """Whether :func:`launch_sm90_prefill` serves a prefill launch (else the Triton kernel).
-
-    ``compiled``: kernels run compiled (not under ``TRITON_INTERPRET``; Gluon has no
-    interpreter). ``aligned_rows``: q, the cache, the output and the block table have contiguous
-    last dimensions and the cache starts on a 16-byte boundary (the kernel copies rows of unit
-    stride 16 bytes at a time; the Triton kernel takes any strides). ``KV_KERNELS_SM90_PREFILL=0``
-    in the environment turns the kernel off (the Triton kernel then serves every prefill), e.g.
-    to compare the two."""
+    """Whether :func:`launch_sm90_prefill` serves a prefill launch (else the Triton kernel):
+    :func:`kv_kernels._common.sm90_gluon_allowed`'s conditions (``common``: its ``arch``,
+    ``compiled``, ``group``, ``scale``, ``aligned_rows``;
+    ``KV_KERNELS_SM90_PREFILL=0`` turns the kernel off), then this kernel's own: a cache of
+    q's dtype and (K, V) head sizes in :data:`_HEADS`."""
     return (
         sm90_gluon_allowed(
-            "prefill",
-            arch=arch,
-            compiled=compiled,
-            q_dtype=q_dtype,
-            group=group,
-            scale=scale,
-            aligned_rows=aligned_rows,
-            features=features,
-            unserved=_UNSERVED,
+            "prefill", q_dtype=q_dtype, features=features, unserved=_UNSERVED, **common
         )
         and cache_dtype == q_dtype
         and (head_size, head_size_v) in _HEADS
