@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SHARED_MEMORY_LIMIT", "aot_compile"]
+__all__ = ["SHARED_MEMORY_LIMIT", "aot_case_spec", "aot_compile"]
 
 #: The most shared memory (bytes) a block may opt into, by arch: sm_90 227 KiB, sm_80 163 KiB.
 #: A kernel built for a target must fit it (the AOT tests check every build against it).
@@ -68,3 +68,34 @@ def aot_compile(
             **({"maxnreg": max_registers} if max_registers else {}),
         },
     )
+
+
+def aot_case_spec(
+    kernel: Any,
+    *,
+    module: str,
+    pointers: dict[str, str],
+    floats: tuple[str, ...],
+    constexprs: dict[str, Any],
+    aligned_strides: tuple[str, ...] | list[str],
+    arch: int = 90,
+) -> dict[str, Any]:
+    """A launcher's build as :func:`aot_compile` keywords (plus ``module`` and ``kernel``, the
+    kernel's name there): every argument of ``kernel`` typed from ``pointers`` (name -> pointer
+    type), ``floats`` (float32 scalars), ``constexprs`` (whose ``num_warps`` is the build's), and
+    otherwise ``i64`` for ``stride_*`` and ``i32`` for the rest; ``divisible_by_16``: every pointer
+    and ``aligned_strides``, what a launch from contiguous tensors aligns."""
+    sig = {}
+    for name in kernel.arg_names:
+        sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
+    sig.update(dict.fromkeys(floats, "fp32"))
+    sig.update(dict.fromkeys(constexprs, "constexpr"))
+    return {
+        "module": module,
+        "kernel": kernel.__name__,
+        "signature": sig,
+        "constexprs": constexprs,
+        "arch": arch,
+        "num_warps": constexprs["num_warps"],
+        "divisible_by_16": [*pointers, *aligned_strides],
+    }

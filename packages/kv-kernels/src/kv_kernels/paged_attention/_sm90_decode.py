@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
+from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._sm90_decode_kernel import HEAD, ROWS, TILE_N, sm90_decode_kernel
 
 __all__ = [
@@ -198,29 +199,17 @@ def aot_case(
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "k_scale_ptr": "*fp32",
                 "v_scale_ptr": "*fp32", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
-    sig = {}
-    for name in sm90_decode_kernel.arg_names:
-        sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
-    for name in ("qk_scale_log2", "k_scale_val", "v_scale_val"):
-        sig[name] = "fp32"
     inline = kv_scale == 3  # per token and head: 264-byte rows, 8-byte aligned
     constexprs = dict(
         K_START=0, V_START=HEAD.value, SCALE_START=2 * HEAD.value if inline else 0,
         BLOCK_SIZE=block_size, ROW_ALIGN=8 if inline else 1, GROUP=group, KV_SCALE=kv_scale,
         CAUSAL=causal, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF, num_warps=1,
     )  # fmt: skip
-    for name in constexprs:
-        sig[name] = "constexpr"
-    aligned = [n for n, t in sig.items() if t.startswith("*")]
-    aligned += ["stride_qt", "stride_qh", "stride_ot", "stride_oh"]
+    aligned = ["stride_qt", "stride_qh", "stride_ot", "stride_oh"]
     if not inline:  # (264-byte rows: the head and token strides are not multiples of 16)
         aligned += ["stride_kb", "stride_kh", "stride_kn"]
-    return {
-        "module": "kv_kernels.paged_attention._sm90_decode_kernel",
-        "kernel": "sm90_decode_kernel",
-        "signature": sig,
-        "constexprs": constexprs,
-        "arch": 90,
-        "num_warps": 1,
-        "divisible_by_16": aligned,
-    }
+    return aot_case_spec(
+        sm90_decode_kernel, module="kv_kernels.paged_attention._sm90_decode_kernel",
+        pointers=pointers, floats=("qk_scale_log2", "k_scale_val", "v_scale_val"),
+        constexprs=constexprs, aligned_strides=aligned,
+    )  # fmt: skip

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
+from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._gluon_compat import barrier
 from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
 from kv_kernels.paged_attention._sm90_prefill import _gather, _tile_rows
@@ -367,24 +368,12 @@ def aot_case(
     pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
                 "lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
-    sig = {}
-    for name in sm90_mla_kernel.arg_names:
-        sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
-    sig["qk_scale_log2"] = "fp32"
     constexprs = dict(
         BLOCK_SIZE=block_size, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF,
         P_WARPS=4, P_REGS_=P_REGS, num_warps=8,
     )  # fmt: skip
-    for name in constexprs:
-        sig[name] = "constexpr"
-    aligned = [n for n, t in sig.items() if t.startswith("*")]
-    aligned += [n for n in sig if n.startswith("stride_") and n != "stride_lh"]
-    return {
-        "module": __name__,
-        "kernel": "sm90_mla_kernel",
-        "signature": sig,
-        "constexprs": constexprs,
-        "arch": 90,
-        "num_warps": 8,
-        "divisible_by_16": aligned,
-    }
+    strides = [n for n in sm90_mla_kernel.arg_names if n.startswith("stride_")]
+    return aot_case_spec(
+        sm90_mla_kernel, module=__name__, pointers=pointers, floats=("qk_scale_log2",),
+        constexprs=constexprs, aligned_strides=[n for n in strides if n != "stride_lh"],
+    )  # fmt: skip

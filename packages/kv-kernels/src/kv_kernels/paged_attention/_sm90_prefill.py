@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
+from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._gluon_compat import async_load
 from kv_kernels.paged_attention._tiles import split_head
 
@@ -498,10 +499,6 @@ def aot_case(
     pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
                 "lse_ptr": "*fp32"}  # fmt: skip
-    sig = {}
-    for name in sm90_prefill_kernel.arg_names:
-        sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
-    sig["qk_scale_log2"] = "fp32"
     d_main, d_tail = split_head(head)
     constexprs = dict(
         D_MAIN=d_main, D_TAIL=d_tail, HEAD_V=head_v or head, K_START=0, V_START=head,
@@ -509,16 +506,8 @@ def aot_case(
         CAUSAL=causal, WRITE_LSE=write_lse, P_WARPS=4, C_REGS=C_REGS,
         P_REGS=P_REGS, num_warps=4,
     )  # fmt: skip
-    for name in constexprs:
-        sig[name] = "constexpr"
-    aligned = [n for n, t in sig.items() if t.startswith("*")]
-    aligned += [n for n in sig if n.startswith("stride_") and n != "stride_lh"]
-    return {
-        "module": __name__,
-        "kernel": "sm90_prefill_kernel",
-        "signature": sig,
-        "constexprs": constexprs,
-        "arch": 90,
-        "num_warps": 4,
-        "divisible_by_16": aligned,
-    }
+    strides = [n for n in sm90_prefill_kernel.arg_names if n.startswith("stride_")]
+    return aot_case_spec(
+        sm90_prefill_kernel, module=__name__, pointers=pointers, floats=("qk_scale_log2",),
+        constexprs=constexprs, aligned_strides=[n for n in strides if n != "stride_lh"],
+    )  # fmt: skip
