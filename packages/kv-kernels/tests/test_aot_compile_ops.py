@@ -76,6 +76,7 @@ def _reshape_case(
         ),
         # the launcher's inline-scale store width for a 16-byte aligned LBNHC cache
         "SCALE_WORD": _scale_word(layout),
+        "ROUND_DOWN": True,  # what a compiled launch passes (the interpreter's path is plain Triton)
         # the JIT specializes unit strides; do the same here
         "key_sd": 1,
         "value_sd": 1,

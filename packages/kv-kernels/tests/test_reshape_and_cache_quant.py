@@ -203,3 +203,38 @@ def test_gpu_parity_quantized_hard_values(dtype: str, kv_quant: str, in_dtype: s
     ref, tri = write_with_both_impls(layout, key.cuda(), value.cuda(), slots, k_scale, v_scale)
     for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "kv_quant"),
+    [
+        ("fp8_e4m3", "fp8_per_tensor"),
+        ("fp8_e5m2", "fp8_per_tensor"),
+        ("fp8_e4m3", "fp8_per_token_head"),
+        ("fp8_e5m2", "fp8_per_token_head"),
+        ("int8", "int8_per_token_head"),
+    ],
+)
+def test_gpu_signed_zeros_on_the_fast_path(dtype: str, kv_quant: str) -> None:
+    """-0.0 and +0.0 inputs in rows whose scales all lie in the reciprocal path's range (the hard
+    values above send every per-tensor program to ``div_rn``), bitwise against torch. Catches a
+    negation written ``0 - x``: it turned -0.0 into +0.0 (fp8 byte 0x00 instead of 0x80) on 22k
+    elements of 64k tokens before the kernel negated with ``* -1.0``."""
+    layout, key, value, slots = write_case("LBNHC", dtype, kv_quant, seed=6)
+    key[::3, 1, 3] = -0.0
+    key[1::3, 2, 5] = 0.0
+    value[::2, 0, 0] = -0.0
+    value[::5, 7] = -0.0  # whole -0.0 rows: absmax 0, scale 1 (per token and head)
+    k_scale = v_scale = None
+    if kv_quant == "fp8_per_tensor":
+        k_scale, v_scale = 0.05, torch.linspace(0.015, 0.05, 8, device="cuda")
+    ref, tri = write_with_both_impls(layout, key, value, slots, k_scale, v_scale)
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)
+    if dtype != "int8":  # the zeros kept their sign in the cache (int8 has one zero)
+        view = layer_view(tri, layout, 1).view(torch.uint8)
+        keep = slots >= 0
+        rows = view[slots[keep] // 16, :, slots[keep] % 16]  # [T, H, C] bytes (LBNHC)
+        negative_zero_k = rows[(torch.arange(keep.numel(), device="cuda")[keep] % 3 == 0), 1, 3]
+        assert (negative_zero_k == 0x80).all()

@@ -33,7 +33,14 @@ and a branch per element -- and ~5 the per-row absmax/scale work paid per 8 elem
   scale and reciprocal are paid per 16 elements instead of per 8; ``BLOCK_T`` tokens per program
   spread the program's fixed cost (slots, offsets, the range check) over more bytes.
 - int8 values are read off the float's low byte after adding ``1.5 * 2**23`` (no float-to-int
-  conversion and mask per element).
+  conversion and mask per element); compiled, the floor and that add are one add rounding down
+  (libdevice ``add_rd``), and on the fast path only the lower clamp is left (``|x / s| <= qmax``
+  there up to an ulp; the lower one maps NaN, which absmax skips, to ``-qmax``), for fp8 rows too.
+- negations are ``x * -1.0``: Triton's unary minus is ``0 - x``, an instruction an element that
+  ptxas cannot fold into the FMA (``0 - (+0.0)`` is ``+0.0``), and which turned an input ``-0.0``
+  into ``+0.0`` on the fast path. That was why fp8 per-token-head bytes differed from torch's on
+  the hard-values test (int8 has no ``-0``): with true negations every quantized mode takes the
+  fast path and matches bit for bit.
 - the two inline float32 scales of a row (K's, then V's) are one 8-byte store when the host proves
   the scale area 8-byte aligned (``SCALE_WORD``; 4: one 4-byte store per scale; 1: byte by byte, the
   old path, for scale areas at odd offsets).
@@ -41,8 +48,9 @@ and a branch per element -- and ~5 the per-row absmax/scale work paid per 8 elem
 Per-token-head quantization reduces each head row to its absmax in registers (the row is already
 there: a shuffle reduction inside a warp), and writes the quantized row and the scales. Every
 quotient is IEEE round-to-nearest (``div_rn`` or the exact reciprocal path above), so the GPU agrees
-bit for bit with torch (sm_90 instruction counts, AOT-compiled: int8 per-token-head ~19 per element,
-fp8 per-token-head ~15, fp8 per-tensor ~14.5, from ~28 / ~24 / ~17).
+bit for bit with torch (sm_90 builds, the fast path's instructions a thread per element it converts:
+int8 per-token-head 16.8, fp8 per-token-head 14.6, fp8 per-tensor 13.75; from ~28 / ~24 / ~17
+before the reciprocal path, and 19 / (``div_rn``) / 15.75 before the true negations).
 """
 
 from __future__ import annotations
@@ -55,8 +63,9 @@ import torch
 import triton
 import triton.language as tl
 from kv_spec import KVCacheLayout, KVQuantMode
+from triton.language.extra import libdevice
 
-from kv_kernels._common import row_align
+from kv_kernels._common import row_align, triton_interpreting
 
 __all__ = ["WriteConfig", "launch_config", "reshape_and_cache_triton"]
 
@@ -75,16 +84,23 @@ _MAX_TILE = 2048
 # Quantized writes: elements per tensor per program (BLOCK_T tokens x BLOCK_H heads x head size)
 # and per thread; see launch_config.
 _QUANT_TILE = 2048
-_QUANT_PER_THREAD = 16
+#: elements a thread converts a tensor: per tensor 16; per token and head 32 (H200, 64k tokens x 8
+#: heads x 128, `bench_reshape_and_cache.py --tune`: 2 tokens a program over 2 warps read 0.89 /
+#: 0.91 of the copy for int8 / fp8 rows where 4 warps read 0.81 / 0.88: the row's absmax
+#: shuffles, scale and reciprocal spread over twice the elements)
+_QUANT_PER_THREAD = {"tensor": 16, "token_head": 32}
 
 
 @triton.jit
-def _quantize(x, s, QUANT: tl.constexpr, QMAX: tl.constexpr, FAST: tl.constexpr):
+def _quantize(
+    x, s, QUANT: tl.constexpr, QMAX: tl.constexpr, FAST: tl.constexpr, ROUND_DOWN: tl.constexpr
+):
     """``clamp(x / s)`` in float32, before the cast (int8: ``clamp(floor(x / s + 0.5))`` as int8).
 
     ``x`` ``[ROW_SPLIT, R, D / ROW_SPLIT]`` float32, ``s`` ``[R]`` the row scales. ``FAST``: the
     quotient through the row's correctly rounded reciprocal and one FMA correction (bitwise
     ``div_rn``; the caller checked the scales' range, see the module notes), else ``div_rn``.
+    ``ROUND_DOWN`` (compiled only: libdevice): int8's floor and magic add as one round-down add.
     """
     s3 = s[None, :, None]
     if FAST:
@@ -95,16 +111,32 @@ def _quantize(x, s, QUANT: tl.constexpr, QMAX: tl.constexpr, FAST: tl.constexpr)
             x = tl.minimum(tl.maximum(x, -bound), bound)
         y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[None, :, None]
         q = x * y
-        r = tl.fma(q, s3, -x)  # exact: q * s - x (this sign keeps q = -0.0 for x = -0.0)
-        q = tl.fma(-r, y, q)
+        # Negations as `* -1.0`, which LLVM makes an `fneg` and ptxas an FMA operand's sign: a
+        # unary minus is `0 - x`, one more instruction an element, and `0 - (+0.0)` is +0.0, so
+        # an input -0.0 left this path as +0.0. With true negations: r = q * s - x exactly
+        # (+0.0 for x = +-0.0) and q - r * y keeps x's zero sign.
+        r = tl.fma(q, s3, x * -1.0)
+        q = tl.fma(r * -1.0, y, q)
     else:
         q = tl.math.div_rn(x, s3)
     if QUANT == 2:
         # clamp(floor(q + 0.5), -127, 127) with the clamp first (the same value for every q, NaN
         # included: -127), then the integer read off the float's low byte (exact below 2**22):
         # one add instead of a float-to-int conversion and a mask per element
-        q = tl.floor(tl.minimum(tl.maximum(q + 0.5, -QMAX + 0.5), QMAX + 0.5))
-        q = (q + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)  # 1.5 * 2**23
+        if FAST and ROUND_DOWN:
+            # On the fast path |x| <= absmax and s = RN(absmax / 127), so q <= 127 * (1 + 2**-23)
+            # and the upper clamp never binds; the lower one stays (it maps NaN, which absmax
+            # skips, to -127). floor(t) + 1.5 * 2**23 is t + 1.5 * 2**23 rounded down, exactly.
+            t = tl.maximum(q + 0.5, -QMAX + 0.5)
+            q = libdevice.add_rd(t, 12582912.0)
+        else:
+            q = tl.floor(tl.minimum(tl.maximum(q + 0.5, -QMAX + 0.5), QMAX + 0.5))
+            q = q + 12582912.0  # 1.5 * 2**23
+        q = q.to(tl.int32, bitcast=True).to(tl.int8)
+    elif FAST and QUANT == 3:
+        # per token and head, fast: |q| <= qmax * (1 + 2**-23) (as for int8), which rounds to
+        # qmax in e4m3 and e5m2, so only the lower clamp (NaN to -qmax) is left
+        q = tl.maximum(q, -QMAX)
     else:
         q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
     return q
@@ -119,12 +151,12 @@ def _quantize_rn(
     without V)."""
     if QUANT >= 2:
         ks = tl.where(k_amax > 0, tl.math.div_rn(k_amax, QMAX), 1.0)
-    kq = _quantize(k, ks, QUANT, QMAX, False)
+    kq = _quantize(k, ks, QUANT, QMAX, False, False)
     vq = kq
     if HAS_V:
         if QUANT >= 2:
             vs = tl.where(v_amax > 0, tl.math.div_rn(v_amax, QMAX), 1.0)
-        vq = _quantize(v, vs, QUANT, QMAX, False)
+        vq = _quantize(v, vs, QUANT, QMAX, False, False)
     return kq, vq, ks, vs
 
 
@@ -183,6 +215,7 @@ def _reshape_and_cache_kernel(
     CHECK: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # see kv_kernels._common.row_align
     SCALE_WORD: tl.constexpr,  # bytes per scale store: 8 (K and V scales), 4 or 1 (see launcher)
+    ROUND_DOWN: tl.constexpr = False,  # compiled builds: int8's rounding by libdevice (see _quantize)
 ):
     R: tl.constexpr = BLOCK_T * BLOCK_H
     # row i of the tile is head (i % BLOCK_H) of token (i // BLOCK_H)
@@ -266,16 +299,10 @@ def _reshape_and_cache_kernel(
                 vs, v_ok = _row_scale(v_amax, QMAX, QMAX_RCP)
                 ok = ok & v_ok
         # ---- the reciprocal path when every scale of the tile is in range (NaN is not) --------
-        # Not for fp8 per token and head: on an H200 its bytes differed from torch's on the
-        # hard-values test (int8 per token and head and fp8 per tensor matched bit for bit), so it
-        # keeps the IEEE division until the difference is understood.
-        if QUANT != 3:
-            if tl.min(ok.to(tl.int32), axis=0) > 0:
-                kq = _quantize(k, ks, QUANT, QMAX, True)
-                if HAS_V:
-                    vq = _quantize(v, vs, QUANT, QMAX, True)
-            else:
-                kq, vq, ks, vs = _quantize_rn(k, v, ks, vs, k_amax, v_amax, QUANT, QMAX, HAS_V)
+        if tl.min(ok.to(tl.int32), axis=0) > 0:
+            kq = _quantize(k, ks, QUANT, QMAX, True, ROUND_DOWN)
+            if HAS_V:
+                vq = _quantize(v, vs, QUANT, QMAX, True, ROUND_DOWN)
         else:
             kq, vq, ks, vs = _quantize_rn(k, v, ks, vs, k_amax, v_amax, QUANT, QMAX, HAS_V)
         tl.store(k_dst, kq.to(cache_ptr.dtype.element_ty), mask=k_mask)
@@ -331,11 +358,11 @@ def launch_config(layout: KVCacheLayout, element_bytes: int) -> WriteConfig:
     ``num_warps`` giving each thread one to two 16-byte vectors of the widest tile (4 warps for 8
     heads x 128 of bf16). Quantized (bound by instruction issue, see the module notes): ``BLOCK_T``
     tokens so that a program converts :data:`_QUANT_TILE` elements per tensor,
-    :data:`_QUANT_PER_THREAD` per thread (8 heads x 128: 2 tokens, 4 warps). Per-token-head rows
-    are split in 2: a row is a ``[2, 64]`` tile, so a thread holds two 8-element vectors of the
-    same row (8 threads span 64 columns) and the row's absmax, scale and reciprocal are paid once
-    per 16 elements instead of per 8 (the warps then lie along the rows: the absmax stays a
-    shuffle reduction inside a warp).
+    :data:`_QUANT_PER_THREAD` per thread (8 heads x 128: 2 tokens, 4 warps per tensor, 2 warps
+    per token and head). Per-token-head rows are split in 2: a row is a ``[2, 64]`` tile, so a
+    thread holds two 8-element vectors of the same row (8 threads span 64 columns) and the row's
+    absmax, scale and reciprocal are paid once per 16 elements instead of per 8 (the warps then
+    lie along the rows: the absmax stays a shuffle reduction inside a warp).
     """
     block_d = triton.next_power_of_2(layout.head_size)
     block_dv = triton.next_power_of_2(max(layout.head_size_v, 1))
@@ -348,9 +375,10 @@ def launch_config(layout: KVCacheLayout, element_bytes: int) -> WriteConfig:
         return WriteConfig(1, block_h, block_d, block_dv, num_warps)
     block_t = max(1, _QUANT_TILE // (block_h * widest))
     elements = block_t * block_h * widest
-    num_warps = max(1, min(8, elements // (32 * _QUANT_PER_THREAD)))
-    num_warps = 1 << (num_warps.bit_length() - 1)
     per_token_head = layout.kv_quant is not KVQuantMode.FP8_PER_TENSOR
+    per_thread = _QUANT_PER_THREAD["token_head" if per_token_head else "tensor"]
+    num_warps = max(1, min(8, elements // (32 * per_thread)))
+    num_warps = 1 << (num_warps.bit_length() - 1)
     row_split = 2 if per_token_head and min(block_d, block_dv) >= 32 else 1
     return WriteConfig(block_t, block_h, block_d, block_dv, num_warps, row_split)
 
@@ -439,5 +467,6 @@ def reshape_and_cache_triton(
         CHECK=error_flag is not None,
         ROW_ALIGN=row_align(kv_cache.stride()[:3]),
         SCALE_WORD=scale_word(layout, kv_cache),
+        ROUND_DOWN=not triton_interpreting(),
         num_warps=cfg.num_warps,
     )
