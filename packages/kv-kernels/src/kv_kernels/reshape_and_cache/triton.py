@@ -48,9 +48,9 @@ and a branch per element -- and ~5 the per-row absmax/scale work paid per 8 elem
 Per-token-head quantization reduces each head row to its absmax in registers (the row is already
 there: a shuffle reduction inside a warp), and writes the quantized row and the scales. Every
 quotient is IEEE round-to-nearest (``div_rn`` or the exact reciprocal path above), so the GPU agrees
-bit for bit with torch (sm_90 builds, the fast path's instructions a thread per element it converts:
-int8 per-token-head 16.8, fp8 per-token-head 14.6, fp8 per-tensor 13.75; from ~28 / ~24 / ~17
-before the reciprocal path, and 19 / (``div_rn``) / 15.75 before the true negations).
+bit for bit with torch (sm_90 builds, straight-line instructions a thread per element it converts:
+int8 per-token-head 16.8, fp8 per-token-head 14.6, fp8 per-tensor 13.75; 23.0 / 29.4 (``div_rn``) /
+15.75 before the true negations, the round-down add and the 2-warp per-token-head config).
 """
 
 from __future__ import annotations
