@@ -52,6 +52,19 @@ def test_triton_backend_reads_per_token_head_caches(
     assert int(impl.metadata_errors(DEVICE)) == 0
 
 
+@pytest.mark.parametrize("kv_quant", list(QUANT))
+def test_triton_backend_reads_scale_plane_caches(kv_quant: str, triton_interpreter: None) -> None:
+    """The same through a layout whose scales sit in each page's scale plane (kv-spec
+    ``scale_plane=True``): the backend's write fills the plane, its forward reads it."""
+    b, impl = _written_batch(kv_quant, scale_plane=True)
+    assert b.layout.scale_placement == "plane"
+    md = get_backend("TRITON").make_builder(b.config, b.layout).build(b.common)
+    out = impl.forward(None, b.q, b.kv_cache, md)
+    t = b.common.num_actual_tokens
+    assert_close_to_oracle(out[:t], oracle_attention(b)[:t], dtype=torch.float32)
+    assert not out[t:].any()
+
+
 def test_triton_backend_sees_a_damaged_scale(triton_interpreter: None) -> None:
     b, impl = _written_batch("int8_per_token_head")
     want = oracle_attention(b)

@@ -6,7 +6,8 @@ same process (``ratio = value / copy``).
 Bytes counted (the query, output and block table are < 0.1% and not counted):
 
 - ``pth_{int8,fp8}``: ``batch * ctx * H * (D + Dv + 8)`` -- one byte per K/V element plus the two
-  inline float32 scales of each token and head, i.e. the stored bytes.
+  inline float32 scales of each token and head, i.e. the stored bytes. ``pth_*_plane``: the
+  same bytes with the scales in each page's scale plane (kv-spec ``scale_plane``).
 - ``mla``: ``batch * ctx * (512 + 64) * 2`` -- the one bf16 latent row per token, read once for
   K and V (128 query heads over one latent, page 64). Also reported as TFLOP/s
   (``2 * heads * (576 + 512)`` per token): at 128 heads a latent byte feeds 242 FLOPs, so 80% of
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.cache import allocate_kv_cache, layer_view, scale_plane_view
 from kv_kernels.paged_attention import paged_attention
 from kv_spec import KVCacheLayout, LayoutOrder
 
@@ -64,9 +65,20 @@ def _paged(
 
 
 def _fill_quantized(kv: torch.Tensor, layout: KVCacheLayout, gen: torch.Generator) -> None:
-    """Random data (never zeros) and valid float32 scales, block chunk by block chunk."""
+    """Random data (never zeros) and valid float32 scales, block chunk by block chunk (inline in
+    the rows, or in each page's scale plane)."""
     data = layout.head_size + layout.head_size_v
-    assert layout.scale_range is not None
+    if layout.scale_range is None:  # a scale plane
+        plane = scale_plane_view(kv, layout)
+        for lo in range(0, kv.shape[0], 1024):
+            chunk = kv[lo : lo + 1024]
+            x = torch.randn(*chunk.shape, generator=gen) * 30
+            if kv.dtype == torch.int8:
+                x = x.round().clamp(-127, 127)
+            chunk.copy_(x.to(kv.dtype).to(kv.device))
+            sc = plane[lo : lo + 1024]
+            sc.copy_((torch.rand(sc.shape, generator=gen) * 0.01 + 1e-3).to(kv.device))
+        return
     s0, s1 = layout.scale_range
     for lo in range(0, kv.shape[0], 1024):
         chunk = kv[lo : lo + 1024]  # [b, H, N, C]
@@ -82,10 +94,12 @@ def _pth(
     quant: str, batch: int, ctx: int, block: int, device: str, gen: torch.Generator
 ) -> NewCase:
     hq, h, d = (4, 2, 32) if device == "cpu" else (32, 8, 128)
-    cache_dtype = "int8" if quant == "int8" else "fp8_e4m3"
+    mode, _, plane = quant.partition("_")  # "int8" / "fp8", "_plane": kv-spec's scale plane
+    cache_dtype = "int8" if mode == "int8" else "fp8_e4m3"
     layout, kv, table, seq_lens, qsl = _paged(
         batch=batch, ctx=ctx, block=block, device=device, gen=gen, num_kv_heads=h,
-        head_size=d, head_size_v=d, dtype=cache_dtype, kv_quant=f"{quant}_per_token_head",
+        head_size=d, head_size_v=d, dtype=cache_dtype, kv_quant=f"{mode}_per_token_head",
+        scale_plane=plane == "plane",
     )  # fmt: skip
     _fill_quantized(kv, layout, gen)
     q = torch.randn(batch, hq, d, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -187,6 +201,10 @@ _GPU: _Table = [
     (_pth, ("int8", 64, 4096, 16)),
     (_pth, ("fp8", 64, 4096, 16)),
     (_pth, ("int8", 8, 32768, 16)),
+    # the same rows with their scales in each page's scale plane (256-byte rows)
+    (_pth, ("int8_plane", 64, 4096, 16)),
+    (_pth, ("fp8_plane", 64, 4096, 16)),
+    (_pth, ("int8_plane", 8, 32768, 16)),
     (_fp8, (64, 4096, 16)),
     (_fp8, (8, 32768, 16)),
     (_mla, (64, 4096, 64)),
@@ -202,6 +220,7 @@ _GPU: _Table = [
 _SMOKE: _Table = [
     (_pth, ("int8", 2, 40, 16)),
     (_pth, ("fp8", 2, 40, 16)),
+    (_pth, ("int8_plane", 2, 40, 16)),
     (_fp8, (2, 40, 16)),
     (_mla, (2, 70, 64)),
     (_diffkv, (2, 40, 16)),

@@ -62,6 +62,8 @@ def _bench(fn: Callable[[], Any], rep: int = 200) -> float:
 
 
 def _case_layout(order: str, dtype: str, kv_quant: str) -> KVCacheLayout:
+    """``kv_quant`` may end in ``":plane"``: the per-token-head scales in each page's plane."""
+    kv_quant, _, plane = kv_quant.partition(":")
     return KVCacheLayout(
         order=LayoutOrder.parse(order),
         num_layers=1,
@@ -72,6 +74,7 @@ def _case_layout(order: str, dtype: str, kv_quant: str) -> KVCacheLayout:
         head_size_v=D,
         dtype=dtype,
         kv_quant=KVQuantMode.parse(kv_quant),
+        scale_plane=plane == "plane",
     )
 
 
@@ -238,6 +241,7 @@ def main() -> None:
         ("LBNHC", "fp8_e4m3", "fp8_per_tensor"),
         ("LBNHC", "int8", "int8_per_token_head"),
         ("LBNHC", "fp8_e4m3", "fp8_per_token_head"),
+        ("LBNHC", "int8", "int8_per_token_head:plane"),
     ):
         _run_case(order, dtype, kv_quant, record)
         print(json.dumps({"of_copy": record.records[-1]["value"] / copy_tbps}), flush=True)

@@ -59,7 +59,9 @@ _SCRIPT = textwrap.dedent(
             specs = aot_specs(q_dtype=DT[q], cache_dtype=DT[cache], head_size=d, head_size_v=dv,
                               num_q_heads=128 if mla else 32, num_kv_heads=1 if mla else 8,
                               block_size=bs, arch=arch, mla=mla,
-                              kv_quant=variant if variant.endswith("per_token_head") else None)
+                              scale_plane=variant.endswith("_plane"),
+                              kv_quant=(variant.removesuffix("_plane")
+                                        if "per_token_head" in variant else None))
         except Exception:
             out[key] = {"_specs": {"ok": False, "error": traceback.format_exc()[-3000:]}}
             continue
@@ -136,6 +138,8 @@ DEFAULT = [
     # issue 12: per-token-head caches (scales inline) and MLA's 512 + 64 latent at page 64 (the
     # 192/128 case above already runs the head split 128 + 64 instead of padding to 256)
     (90, "bf16", "i8", 128, 128, 16, "int8_per_token_head"),
+    # the same scales in each page's scale plane (kv-spec's scale_plane: rows of 256 bytes)
+    (90, "bf16", "i8", 128, 128, 16, "int8_per_token_head_plane"),
     (90, "bf16", "bf16", 576, 512, 64, "mla"),
     # issue 12: fp8 per tensor, the decode shape of the benchmarks (KV_UPCAST: fp16 MMAs over
     # tiles upcast by PTX; e5m2's upcast is a byte permute)
@@ -231,7 +235,7 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
             # (V as bytes where the warps split its width in 32-column groups: head 128 over 4
             # warps; the DiffKV and head-64 configs keep V's fp16 copy)
             # per-token-head pages keep it too: their bf16 P.V has no packed byte conversion
-            pth = len(case) > 6 and case[6].endswith("per_token_head")
+            pth = len(case) > 6 and "per_token_head" in case[6]
             v_bytes = decode_1b and case[4] == 128 and case[3] != 192 and not pth
             assert r["v_direct"] == v_bytes, (name, r)
             if r["k_direct"] and r["v_direct"]:

@@ -20,6 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kv_kernels.cache import scale_plane_view
 from kv_kernels.paged_attention import triton as pa_triton
 from kv_kernels.testing import assert_close_to_oracle, check_close_to_oracle
 from kv_kernels.testing_attention import CACHE_DTYPES, run_batch
@@ -116,6 +117,44 @@ def test_wrong_scale_fails_the_check(impl: str, request: pytest.FixtureRequest) 
     row.view(torch.uint8)[:, start:stop] = (scales * 2).view(torch.uint8)
     res = check_close_to_oracle(run_batch(b, impl).cpu(), want, dtype=torch.float32)
     assert not res.ok, "a doubled scale went unnoticed"
+
+
+@pytest.mark.parametrize(
+    ("kv_quant", "write_impl"),
+    [
+        ("int8_per_token_head", "reference"),
+        ("fp8_per_token_head", "reference"),
+        ("int8_per_token_head", "triton"),
+    ],
+)
+def test_triton_reads_a_scale_plane(kv_quant: str, write_impl: str, triton_device: str) -> None:
+    """The scales in each page's scale plane (kv-spec ``scale_plane``: rows of K + V only): the
+    reference and the Triton kernel, with and without KV splits, against the oracle over
+    ``read_kv``'s rows; and the Triton write fills the plane the kernel reads."""
+    b = make_quant_batch(kv_quant=kv_quant, write_impl=write_impl, scale_plane=True, **MIXED)
+    assert b["layout"].scale_range is None and b["kv"].shape[-1] == 64
+    want = oracle(b)
+    assert_close_to_oracle(run_batch(b, "reference").cpu(), want, dtype=torch.float32)
+    assert_close_to_oracle(run_batch(b, "triton").cpu(), want, dtype=torch.float32)
+    assert_close_to_oracle(run_batch(b, "triton", num_splits=3).cpu(), want, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_wrong_plane_scale_fails_the_check(impl: str, request: pytest.FixtureRequest) -> None:
+    """One token's K and V scales doubled in the page's scale plane: the read must see it (a
+    kernel reading the plane at the wrong head or token would read an undamaged scale)."""
+    if impl == "triton":
+        request.getfixturevalue("triton_device")
+    b = make_quant_batch(
+        kv_quant="int8_per_token_head", q_lens=[1], seq_lens=[24], scale_plane=True
+    )
+    want = oracle(b)
+    assert check_close_to_oracle(run_batch(b, impl).cpu(), want, dtype=torch.float32).ok
+    layout, slot = b["layout"], int(b["slots"][0][17])
+    plane = scale_plane_view(b["kv"], layout)
+    plane[slot // layout.block_size, :, slot % layout.block_size] *= 2
+    res = check_close_to_oracle(run_batch(b, impl).cpu(), want, dtype=torch.float32)
+    assert not res.ok, "a doubled plane scale went unnoticed"
 
 
 def test_scales_are_refused_for_inline_modes() -> None:

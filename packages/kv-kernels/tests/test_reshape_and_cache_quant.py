@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_kernels import allocate_kv_cache, layer_view
+from kv_kernels.cache import scale_plane_view
 from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
 from kv_kernels.testing_cache import (
     hard_rows,
@@ -52,6 +53,68 @@ def test_triton_int8_hard_values_and_scale_stores(
         reshape_and_cache(
             key.to(device), value.to(device), view, slots.to(device), layout, impl=impl
         )
+        results.append(raw_bytes(storage))
+    for ref, tri in zip(*results, strict=True):
+        assert torch.equal(ref, tri)
+
+
+# ---- a scale plane (kv-spec ``scale_plane``: the scales after each page's data) ----------------------
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLNHC"])
+@pytest.mark.parametrize("mla", [False, True])
+def test_scale_plane_holds_what_inline_scales_hold(order: str, mla: bool) -> None:
+    """The reference writes the same quantized values and scales into a scale-plane layout as
+    into the inline one (read back through read_kv, which reads either), and the plane's bytes
+    are the scales: ``scale_plane_view`` gives K's and V's scale of every written row."""
+    kw = dict(num_layers=2, num_blocks=6, heads=1 if mla else 3, block_size=4, head_size=16,
+              head_size_v=0 if mla else 8, dtype="int8", kv_quant="int8_per_token_head",
+              is_mla=mla)  # fmt: skip
+    inline, plane = small_layout(order, **kw), small_layout(order, scale_plane=True, **kw)
+    n = 17
+    key = hard_rows(n, 3, 16, seed=3)[:, : kw["heads"]].contiguous()
+    value = None if mla else hard_rows(n, 3, 8, seed=4)
+    slots = make_slots(n, inline, seed=2, pad_every=4)
+    keep = slots >= 0
+    got = []
+    for lay in (inline, plane):
+        view = layer_view(random_storage(lay, "cpu", seed=1), lay, 1)
+        reshape_and_cache(key, value, view, slots, lay, impl="reference")
+        got.append((read_kv(view, lay, slots[keep]), view, lay))
+    (k_in, v_in), _, _ = got[0]
+    (k_pl, v_pl), view, lay = got[1]
+    assert torch.equal(k_in, k_pl)
+    assert v_in is None if mla else torch.equal(v_in, v_pl)
+    scales = scale_plane_view(view, lay)[slots[keep] // 4, :, slots[keep] % 4]  # [T, H, S]
+    amax = key[: slots.numel()][keep].abs().amax(-1)
+    assert torch.equal(scales[..., 0], torch.where(amax > 0, amax / 127.0, 1.0))
+
+
+@pytest.mark.parametrize(("order", "word"), [("LBNHC", 8), ("BLHNC", 8), ("LBNHC", 4)])
+def test_triton_writes_a_scale_plane_bitwise(order: str, word: int, triton_device: str) -> None:
+    """The Triton write into a scale-plane layout, bitwise against the reference (data, plane,
+    and the padding and other pages untouched), for the 8- and 4-byte scale stores (MLA: one
+    scale a row)."""
+    from kv_kernels.reshape_and_cache import triton as rc_triton
+
+    mla = word == 4
+    layout = small_layout(
+        order, num_layers=2, num_blocks=9, heads=1 if mla else 3, block_size=4, head_size=16,
+        head_size_v=0 if mla else 16, dtype="int8", kv_quant="int8_per_token_head", is_mla=mla,
+        scale_plane=True,
+    )  # fmt: skip
+    n = 23
+    key = hard_rows(n + 2, 3, 16, seed=5)[:, : layout.num_kv_heads].contiguous()
+    value = None if mla else hard_rows(n + 2, 3, 16, seed=6)
+    slots = make_slots(n, layout, seed=7, pad_every=6)
+    results = []
+    for impl, device in (("reference", "cpu"), ("triton", triton_device)):
+        storage = random_storage(layout, device, seed=8)
+        view = layer_view(storage, layout, 1)
+        if impl == "triton":
+            assert rc_triton.scale_word(layout, view) == word
+        v = None if value is None else value.to(device)
+        reshape_and_cache(key.to(device), v, view, slots.to(device), layout, impl=impl)
         results.append(raw_bytes(storage))
     for ref, tri in zip(*results, strict=True):
         assert torch.equal(ref, tri)
@@ -207,21 +270,24 @@ def test_gpu_parity_quantized_hard_values(dtype: str, kv_quant: str, in_dtype: s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("dtype", "kv_quant"),
+    ("dtype", "kv_quant", "plane"),
     [
-        ("fp8_e4m3", "fp8_per_tensor"),
-        ("fp8_e5m2", "fp8_per_tensor"),
-        ("fp8_e4m3", "fp8_per_token_head"),
-        ("fp8_e5m2", "fp8_per_token_head"),
-        ("int8", "int8_per_token_head"),
+        ("fp8_e4m3", "fp8_per_tensor", False),
+        ("fp8_e5m2", "fp8_per_tensor", False),
+        ("fp8_e4m3", "fp8_per_token_head", False),
+        ("fp8_e5m2", "fp8_per_token_head", False),
+        ("int8", "int8_per_token_head", False),
+        # the scales in each page's scale plane
+        ("fp8_e4m3", "fp8_per_token_head", True),
+        ("int8", "int8_per_token_head", True),
     ],
 )
-def test_gpu_signed_zeros_on_the_fast_path(dtype: str, kv_quant: str) -> None:
+def test_gpu_signed_zeros_on_the_fast_path(dtype: str, kv_quant: str, plane: bool) -> None:
     """-0.0 and +0.0 inputs in rows whose scales all lie in the reciprocal path's range (the hard
     values above send every per-tensor program to ``div_rn``), bitwise against torch. Catches a
     negation written ``0 - x``: it turned -0.0 into +0.0 (fp8 byte 0x00 instead of 0x80) on 22k
     elements of 64k tokens before the kernel negated with ``* -1.0``."""
-    layout, key, value, slots = write_case("LBNHC", dtype, kv_quant, seed=6)
+    layout, key, value, slots = write_case("LBNHC", dtype, kv_quant, seed=6, scale_plane=plane)
     key[::3, 1, 3] = -0.0
     key[1::3, 2, 5] = 0.0
     value[::2, 0, 0] = -0.0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.cache import allocate_kv_cache, layer_view, scale_plane_view
 from kv_kernels.paged_attention import _sm90_decode, paged_attention
 from kv_kernels.paged_attention._sm90_decode import (
     aot_case,
@@ -58,16 +58,19 @@ _CASES = [
     # per-token-head pages (mode 3): 264-byte rows, scales copied beside the tiles
     ("bf16", "i8", 4, 16, True, 3, True, False),
     ("fp16", "fp8e4nv", 8, 64, True, 3, False, True),
+    # the same scales in each page's scale plane: rows of 256 bytes, 16-byte copies
+    ("bf16", "i8", 4, 16, True, 3, True, False, "plane"),
 ]
 
 
 def _case_id(c: tuple) -> str:
-    dt, cache, g, n, causal, ks, split, lse = c
+    dt, cache, g, n, causal, ks, split, lse, *plane = c
     return (
         f"{dt}-{cache}-g{g}-n{n}-s{ks}"
         + ("-causal" if causal else "")
         + ("-split" if split else "")
         + ("-lse" if lse else "")
+        + ("-plane" if plane else "")
     )
 
 
@@ -75,10 +78,10 @@ def _case_id(c: tuple) -> str:
 def aot_results(aot_compile_checks) -> dict[str, dict]:
     cases = []
     for c in _CASES:
-        dt, cache, g, n, causal, ks, split, lse = c
+        dt, cache, g, n, causal, ks, split, lse, *plane = c
         case = aot_case(
             dtype=dt, cache=cache, group=g, block_size=n, causal=causal, kv_scale=ks, split=split,
-            write_lse=lse,
+            write_lse=lse, scale_plane=bool(plane),
         )  # fmt: skip
         cases.append({"id": _case_id(c), "count": _PTX, **case})
     return aot_compile_checks(cases)
@@ -89,8 +92,9 @@ def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
     res = aot_results[_case_id(case)]
     assert res["ok"], res.get("error")
     counts = res["counts"]
-    # (per-token-head rows are 8-byte aligned: their tiles move 8 bytes a copy)
-    copies = "cp_async_8" if case[5] == 3 else "cp_async_16"
+    # (per-token-head rows are 8-byte aligned: their tiles move 8 bytes a copy; with a scale
+    # plane the rows are K and V, 256 bytes)
+    copies = "cp_async_8" if case[5] == 3 and len(case) == 8 else "cp_async_16"
     for name in ("mma", copies, "ld_shared_v4"):
         assert counts[name] > 0, f"no {name} in the PTX: {counts}"
     if case[1] == "fp8e4nv":  # (e5m2 widens by a byte shuffle, no conversion instruction)
@@ -128,6 +132,9 @@ def test_serves_the_plain_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     # per-token-head pages, int8 or fp8, rows 8-byte aligned (264 bytes) or 16
     assert _eligible(cache_dtype=torch.int8, features={"kv_scale_mode": 3, "row_align": 8})
     assert _eligible(features={"kv_scale_mode": 3, "row_align": 1, "scale_words": True})
+    # an H100's memory peak: inline rows stay with the Triton kernel, a scale plane's come here
+    assert not _eligible(peak_tbps=3.35, features={"kv_scale_mode": 3, "row_align": 8})
+    assert _eligible(peak_tbps=3.35, features={"kv_scale_mode": 3, "scale_plane": True})
 
 
 @pytest.mark.parametrize(
@@ -202,7 +209,7 @@ def test_non_unit_row_stride_is_a_value_error() -> None:
             q, kv, k_start=0, v_start=128, block_table=torch.zeros(2, 3, dtype=torch.int32),
             seq_lens=torch.tensor([8, 9]), query_start_loc=torch.tensor([0, 1, 2]), scale=0.1,
             causal=True, block_size=16, kv_scale_mode=0, scale_args=(q, q, 0, 0, 1.0, 1.0),
-            scale_start=None, row_align=1,
+            scale_rows=None, row_align=1,
             out=torch.zeros(2, 4, 128), lse=None, part_out=q, part_lse=q, num_splits=1,
         )  # fmt: skip
 
@@ -433,53 +440,66 @@ def test_gpu_environment_switch(monkeypatch: pytest.MonkeyPatch, launches: list[
 
 
 @pytest.mark.parametrize(
-    ("kv_quant", "group", "n", "splits"),
+    ("kv_quant", "group", "n", "splits", "plane"),
     [
-        ("int8_per_token_head", 4, 16, None),
-        ("fp8_per_token_head", 4, 16, None),
-        ("int8_per_token_head", 8, 64, 3),
-        ("fp8_per_token_head", 1, 32, 8),
-        ("int8_per_token_head", 16, 16, 1),
+        ("int8_per_token_head", 4, 16, None, False),
+        ("fp8_per_token_head", 4, 16, None, False),
+        ("int8_per_token_head", 8, 64, 3, False),
+        ("fp8_per_token_head", 1, 32, 8, False),
+        ("int8_per_token_head", 16, 16, 1, False),
+        # the scales in each page's scale plane (rows of 256 bytes)
+        ("int8_per_token_head", 4, 16, None, True),
+        ("fp8_per_token_head", 8, 64, 3, True),
     ],
 )
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_per_token_head_pages(
-    kv_quant: str, group: int, n: int, splits: int | None, launches: list[int]
+    kv_quant: str, group: int, n: int, splits: int | None, plane: bool, launches: list[int]
 ) -> None:
     """bf16 queries over per-token-head pages the Triton write kernel filled (rows of magnitudes
-    spread 40x: per-token scales differ widely), against the oracle over ``read_kv``'s rows."""
+    spread 40x: per-token scales differ widely), against the oracle over ``read_kv``'s rows;
+    ``plane``: the scales in each page's scale plane."""
     q_lens = [1, 1, min(4, 16 // group), 1]
     b = make_quant_batch(
         kv_quant=kv_quant, q_lens=q_lens, seq_lens=[4000, 900, 300, 33], head_size=128,
         head_size_v=128, num_kv_heads=2, group=group, block_size=n, write_impl="triton",
-        device="cuda",
+        device="cuda", scale_plane=plane,
     )  # fmt: skip
     b["q"] = b["q"].bfloat16()
     want = quant_oracle(b)
     low = run_batch(b, "reference").cpu()
     got = run_batch(b, "triton", num_splits=splits).cpu()
     assert_close_to_oracle(got, want, lowprec_reference=low)
-    assert bool(launches) == _INLINE_HERE, "per-token-head pages went to the other kernel"
+    # (pages with a scale plane go to the Gluon kernel on every sm_90 card)
+    assert bool(launches) == (_INLINE_HERE or plane), "pth pages went to the other kernel"
 
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_per_token_head_doubled_scale_is_caught(launches: list[int]) -> None:
+@pytest.mark.parametrize("plane", [False, True], ids=["inline", "plane"])
+def test_gpu_per_token_head_doubled_scale_is_caught(plane: bool, launches: list[int]) -> None:
     """One token's stored K and V scales doubled after the write: the oracle (read before the
-    damage) must see it, so the kernel reads each token's own scales."""
+    damage) must see it, so the kernel reads each token's own scales (inline in the row, or in
+    the page's scale plane)."""
     b = make_quant_batch(
         kv_quant="int8_per_token_head", q_lens=[1], seq_lens=[700], head_size=128,
         head_size_v=128, num_kv_heads=2, group=4, write_impl="triton", device="cuda",
+        scale_plane=plane,
     )  # fmt: skip
     b["q"] = b["q"].bfloat16()
     want = quant_oracle(b)
     assert check_close_to_oracle(run_batch(b, "triton").cpu(), want, dtype=torch.bfloat16).ok
     layout, slot = b["layout"], int(b["slots"][0][517])
-    start, stop = layout.scale_range
-    row = b["kv"][slot // layout.block_size, :, slot % layout.block_size]  # [H, C] view
-    scales = row.view(torch.uint8)[:, start:stop].contiguous().view(torch.float32)  # [H, 2]
-    row.view(torch.uint8)[:, start:stop] = (scales * 2).view(torch.uint8)
+    if plane:
+        scale_plane_view(b["kv"], layout)[
+            slot // layout.block_size, :, slot % layout.block_size
+        ] *= 2
+    else:
+        start, stop = layout.scale_range
+        row = b["kv"][slot // layout.block_size, :, slot % layout.block_size]  # [H, C] view
+        scales = row.view(torch.uint8)[:, start:stop].contiguous().view(torch.float32)  # [H, 2]
+        row.view(torch.uint8)[:, start:stop] = (scales * 2).view(torch.uint8)
     got = run_batch(b, "triton").cpu()
     assert not check_close_to_oracle(got, want, dtype=torch.bfloat16).ok
-    assert bool(launches) == _INLINE_HERE
+    assert bool(launches) == (_INLINE_HERE or plane)

@@ -240,3 +240,63 @@ class TestResolveLayout:
             choice.order is LayoutOrder.LBHNC
             and "first order the backends support" in choice.reason
         )
+
+
+def _pth(order: str = "LBNHC", **kw: object) -> KVCacheLayout:
+    base: dict[str, object] = dict(
+        order=order, num_layers=2, num_blocks=5, num_kv_heads=8, block_size=16, head_size=128,
+        head_size_v=128, dtype="int8", kv_quant="int8_per_token_head",
+    )  # fmt: skip
+    base.update(kw)
+    return KVCacheLayout(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+def test_scale_plane_follows_each_pages_data(order: str) -> None:
+    """A scale plane keeps the page size and moves the scales out of the rows: C is K + V, the
+    plane ``[H, N, 2]`` float32 starts right after the page's data, and every data element and
+    scale of a page is addressed once inside that page."""
+    inline, plane = _pth(order), _pth(order, scale_plane=True)
+    assert plane.page_bytes == inline.page_bytes == 16 * 8 * 264
+    assert plane.content_size == 256 and inline.content_size == 264
+    assert plane.scale_range is None and inline.scale_range == (256, 264)
+    assert plane.scale_placement == "plane" and inline.scale_placement == "inline"
+    offset, head_stride, token_stride = plane.scale_plane_geometry  # type: ignore[misc]
+    assert (offset, head_stride, token_stride) == (16 * 8 * 256, 16 * 8, 8)
+    _, sb, sh, sn, sc = plane.byte_strides
+    touched = set()
+    for h, n, c in itertools.product(range(8), range(16), range(256)):
+        touched.add(h * sh + n * sn + c * sc)
+    for h, n, k in itertools.product(range(8), range(16), range(8)):
+        touched.add(offset + h * head_stride + n * token_stride + k)
+    assert touched == set(range(plane.page_bytes))  # data and plane tile the page exactly
+    assert sb == plane.page_bytes * (2 if order.startswith("B") else 1)
+    assert inline.to_dict().get("scale_plane") is None  # old layouts keep their JSON and hash
+    assert KVCacheLayout.from_json(plane.to_json()) == plane
+    assert plane.compatibility_hash() != inline.compatibility_hash()
+    assert inline.scale_plane_geometry is None
+
+
+def test_scale_plane_mla_and_kernel_blocks() -> None:
+    mla = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=3, num_kv_heads=1, block_size=64, head_size=576,
+        head_size_v=0, dtype="fp8_e4m3", kv_quant="fp8_per_token_head", is_mla=True,
+        scale_plane=True,
+    )  # fmt: skip
+    assert mla.content_size == 576 and mla.scale_plane_geometry == (64 * 576, 64 * 4, 4)
+    problem = _pth(scale_plane=True).kernel_block_problem(8)
+    assert problem is not None and "scale plane" in problem
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(kv_quant="fp8_per_tensor", dtype="fp8_e4m3", scale_plane=True), "per-token-head"),
+        (dict(order="LHBNC", scale_plane=True), "page-contiguous"),
+        (dict(head_size=3, head_size_v=2, block_size=1, num_kv_heads=1, scale_plane=True), "16"),
+        (dict(scale_plane=1), "must be a bool"),
+    ],
+)
+def test_scale_plane_validation(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _pth(**kw)

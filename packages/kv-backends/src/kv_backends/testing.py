@@ -133,6 +133,7 @@ def make_paged_batch(
     fill: bool = True,
     blocks: Sequence[int] | None = None,
     make_kv: bool = True,
+    scale_plane: bool = False,
 ) -> PagedBatch:
     """Allocate a cache, give each request shuffled (non-contiguous) blocks, and fill every
     context slot with random K/V (written straight into the layer view by torch indexing, so the
@@ -161,7 +162,9 @@ def make_paged_batch(
     nb = num_blocks if num_blocks is not None else need + 3
     if nb < need:
         raise ValueError(f"num_blocks={nb} < {need} blocks the batch needs")
-    layout = KVCacheLayout.from_spec(spec, num_blocks=nb, num_layers=num_layers, order=order)
+    layout = KVCacheLayout.from_spec(
+        spec, num_blocks=nb, num_layers=num_layers, order=order, scale_plane=scale_plane
+    )
     config = dataclasses.replace(
         AttentionConfig.from_spec(
             spec,

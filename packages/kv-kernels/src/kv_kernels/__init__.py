@@ -16,6 +16,7 @@ from kv_kernels.cache import (
     kernel_block_view,
     layer_view,
     layer_views,
+    scale_plane_view,
 )
 from kv_kernels.paged_attention import merge_attn_states, paged_attention
 from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
@@ -40,5 +41,6 @@ __all__ = [
     "paged_attention",
     "read_kv",
     "reshape_and_cache",
+    "scale_plane_view",
     "scatter_blocks",
 ]

@@ -2,7 +2,9 @@
 
 Every op reads the cache through a *layer view*: a tensor with logical dims ``[B, H, N, C]``
 (blocks, kv heads, tokens in a block, content) whose strides come from the physical order. Ops read
-strides from the tensor, so any of the six orders (and padded pages) works without a copy.
+strides from the tensor, so any of the six orders (and padded pages) works without a copy. A
+layout with a scale plane (kv-spec ``scale_plane``) keeps its per-token-head scales after each
+page's data, outside the rows: :func:`scale_plane_view` is their ``[B, H, N, scales]`` view.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ __all__ = [
     "kernel_block_view",
     "layer_view",
     "layer_views",
+    "plane_scales",
+    "scale_plane_view",
 ]
 
 #: What :func:`allocate_kv_cache` returns: one tensor per layer slot (L-outer orders) or one slab.
@@ -115,6 +119,40 @@ def kernel_block_view(
         (kernel_block_size * sn, sh, sn, sc),
     )
     return view, klayout
+
+
+def scale_plane_view(kv_cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
+    """The per-token-head scales of a layout with a scale plane (``layout.scale_plane``) as a
+    float32 ``[B, H, N, num_scales]`` view aliasing the pages of the layer view ``kv_cache``
+    (no copy): scale ``(b, h, n, i)`` is K's (``i = 0``) or V's (``i = 1``) scale of that row."""
+    geo = layout.scale_plane_geometry
+    if geo is None:
+        raise ValueError(
+            f"scale_plane_view: layout has scale_placement={layout.scale_placement!r}; only a "
+            "layout with scale_plane=True has a plane"
+        )
+    expected = (layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.content_size)
+    if tuple(kv_cache.shape) != expected or kv_cache.element_size() != layout.element_bytes:
+        raise ValueError(
+            f"scale_plane_view: kv_cache has shape {tuple(kv_cache.shape)} ({kv_cache.dtype}); "
+            f"the layout's layer view is {expected} of {layout.dtype}: pass layer_view(...)"
+        )
+    return plane_scales(kv_cache, geo)
+
+
+def plane_scales(kv_cache: torch.Tensor, geometry: tuple[int, int, int]) -> torch.Tensor:
+    """:func:`scale_plane_view` from the plane's ``(offset, head_stride, token_stride)`` bytes
+    (``KVCacheLayout.scale_plane_geometry``) and a 1-byte layer view ``[B, H, N, C]``."""
+    if kv_cache.element_size() != 1:  # (kv-spec allows planes only with per-token-head quant)
+        raise ValueError(f"a {kv_cache.dtype} cache has no scale plane (1-byte caches only)")
+    offset, head_stride, token_stride = geometry
+    b, h, n, _ = kv_cache.shape
+    rows = kv_cache.view(torch.uint8).as_strided(
+        (b, h, n, token_stride),
+        (kv_cache.stride(0), head_stride, token_stride, 1),
+        kv_cache.storage_offset() + offset,
+    )
+    return rows.view(torch.float32)
 
 
 def _inverse(perm: Sequence[int]) -> tuple[int, ...]:

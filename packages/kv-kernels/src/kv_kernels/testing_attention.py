@@ -332,11 +332,12 @@ def make_quant_batch(
     write_impl: str = "reference",
     seed: int = 0,
     device: str = "cpu",
+    scale_plane: bool = False,
 ) -> PagedBatch:
     """A varlen batch over a per-token-head quantized cache (``kv_quant`` int8 / fp8 per token
     and head) that ``reshape_and_cache`` wrote through a shuffled table, rows of magnitudes
     spread 40x so the per-token scales differ widely; ``slots`` holds each sequence's slots for
-    :func:`quant_oracle`."""
+    :func:`quant_oracle`. ``scale_plane``: the scales in each page's plane (kv-spec)."""
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(pages) + 2
@@ -350,6 +351,7 @@ def make_quant_batch(
         head_size_v=head_size_v,
         dtype=CACHE_DTYPES[kv_quant],
         kv_quant=KVQuantMode(kv_quant),
+        scale_plane=scale_plane,
     )
     kv = layer_view(allocate_kv_cache(layout, device), layout, 1)
     table, slots_of = shuffled_pages(seq_lens, block_size, num_blocks, gen, spare_columns=1)

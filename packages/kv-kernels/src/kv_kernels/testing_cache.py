@@ -52,10 +52,11 @@ def small_layout(
     kv_quant: str = "none",
     is_mla: bool = False,
     pad: int = 0,
+    scale_plane: bool = False,
 ) -> KVCacheLayout:
     """A layout small enough for the interpreter (odd head and V sizes, 7 blocks of 4 tokens by
     default); MLA layouts get ``head_size_v = 0``; ``pad`` bytes after each page (see
-    :func:`with_page_padding`)."""
+    :func:`with_page_padding`); ``scale_plane``: per-token-head scales in a plane (kv-spec)."""
     base = KVCacheLayout(
         order=LayoutOrder(order),
         num_layers=num_layers,
@@ -67,6 +68,7 @@ def small_layout(
         dtype=dtype,
         kv_quant=KVQuantMode(kv_quant),
         is_mla=is_mla,
+        scale_plane=scale_plane,
     )
     return with_page_padding(base, pad)
 
@@ -173,13 +175,14 @@ def write_case(
     num_tokens: int = 1000,
     seed: int = 0,
     device: str = "cuda",
+    scale_plane: bool = False,
 ) -> tuple[KVCacheLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A production-sized write (8 heads of 128, page 16, 96 blocks): ``(layout, key [T', 8, 128],
     value [T', 8, 128], slots [T])`` with bf16 key/value (``|key|`` ~ 3 N(0, 1)), ``T' = T + 7``
-    and every 7th slot -1, on ``device``."""
+    and every 7th slot -1, on ``device``; ``scale_plane``: per-token-head scales in a plane."""
     layout = small_layout(
         order, num_layers=2, num_blocks=96, heads=8, block_size=16, head_size=128, head_size_v=128,
-        dtype=dtype, kv_quant=kv_quant,
+        dtype=dtype, kv_quant=kv_quant, scale_plane=scale_plane,
     )  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     in_dtype = torch.bfloat16

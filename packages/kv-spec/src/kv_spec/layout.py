@@ -2,7 +2,8 @@
 
 Every KV cache has the logical shape ``[L, B, H, N, C]``: layer slots, blocks, kv heads, tokens in a
 block, content (``head_size`` K elements, then ``head_size_v`` V elements, then inline scales; for
-MLA the latent). The physical order is one of six named permutations. A :class:`KVCacheLayout` is a
+MLA the latent). With ``scale_plane=True`` a per-token-head cache keeps its scales out of ``C``, in
+a plane after each page's data (:attr:`KVCacheLayout.scale_plane_geometry`). The physical order is one of six named permutations. A :class:`KVCacheLayout` is a
 frozen value: it gives shapes and strides in elements and bytes, the byte offset of each layer,
 the block stride and the page size, and a stable :meth:`~KVCacheLayout.compatibility_hash` that two
 processes compare before they exchange KV. Nobody infers a layout from a tensor's shape.
@@ -25,7 +26,7 @@ from typing import Any, Final, NamedTuple
 from kv_spec import pages
 from kv_spec._checks import check_int, check_positive_int
 from kv_spec.dtypes import dtype_bytes, normalize_dtype
-from kv_spec.quant import KVQuantMode
+from kv_spec.quant import SCALE_BYTES, KVQuantMode
 from kv_spec.specs import AttentionSpec, MLAAttentionSpec
 
 __all__ = [
@@ -189,6 +190,11 @@ class KVCacheLayout:
     kv_quant: KVQuantMode = KVQuantMode.NONE
     is_mla: bool = False
     page_size_bytes: int | None = None
+    #: per-token-head scales in a plane after each page's data (``[H, N, scales]`` float32) instead
+    #: of inline at the end of every row: the rows keep a K + V pitch (256 bytes for 128 + 128 of
+    #: int8 / fp8), which decode reads at the copy rate where 264-byte rows read ~0.65-0.75 of it
+    #: (docs/benchmarks/kernels.md, twelfth session). Same page size; page-contiguous orders only.
+    scale_plane: bool = False
 
     def __post_init__(self) -> None:
         owner = "KVCacheLayout"
@@ -219,6 +225,13 @@ class KVCacheLayout:
                 f"{owner}.dtype={self.dtype!r} cannot hold kv_quant={self.kv_quant.value!r}; "
                 f"that mode stores {sorted(self.kv_quant.allowed_dtypes)}"
             )
+        if not isinstance(self.scale_plane, bool):
+            raise ValueError(
+                f"{owner}.scale_plane={self.scale_plane!r} must be a bool (True or False), got "
+                f"{type(self.scale_plane).__name__}"
+            )
+        if self.scale_plane:
+            self._check_scale_plane(owner)
         real = self.real_page_size_bytes
         if self.page_size_bytes is None:
             object.__setattr__(self, "page_size_bytes", real)
@@ -246,6 +259,26 @@ class KVCacheLayout:
                 "use fewer blocks or layers"
             )
 
+    def _check_scale_plane(self, owner: str) -> None:
+        if not self.kv_quant.per_token_head:
+            raise ValueError(
+                f"{owner}.scale_plane=True needs per-token-head scales; kv_quant="
+                f"{self.kv_quant.value!r} has none (use int8_per_token_head or fp8_per_token_head, "
+                "or scale_plane=False)"
+            )
+        if not self.order.page_contiguous:
+            raise ValueError(
+                f"{owner}.scale_plane=True needs a page-contiguous order (LBNHC, LBHNC, BLNHC, "
+                f"BLHNC): the plane follows each page's data; {self.order.value} interleaves pages"
+            )
+        data = self.block_size * self.num_kv_heads * self.content_size * self.element_bytes
+        if data % 16:
+            raise ValueError(
+                f"{owner}.scale_plane=True needs a page's data ({self.block_size} tokens x "
+                f"{self.num_kv_heads} heads x {self.content_size} bytes = {data}) to be a multiple "
+                "of 16 bytes so the plane starts aligned; use scale_plane=False for these sizes"
+            )
+
     @classmethod
     def from_spec(
         cls,
@@ -254,8 +287,10 @@ class KVCacheLayout:
         num_blocks: int,
         num_layers: int = 1,
         order: LayoutOrder | str = LayoutOrder.LBNHC,
+        scale_plane: bool = False,
     ) -> KVCacheLayout:
-        """The layout of ``num_layers`` layer slots of ``spec`` with ``num_blocks`` blocks each."""
+        """The layout of ``num_layers`` layer slots of ``spec`` with ``num_blocks`` blocks each
+        (``scale_plane``: a per-token-head spec's scales in each page's plane)."""
         is_mla = isinstance(spec, MLAAttentionSpec)
         return cls(
             order=LayoutOrder.parse(order),
@@ -269,6 +304,7 @@ class KVCacheLayout:
             kv_quant=spec.kv_quant,
             is_mla=is_mla,
             page_size_bytes=spec.page_size_bytes,
+            scale_plane=scale_plane,
         )
 
     # -- content dim -------------------------------------------------------------------------
@@ -284,22 +320,37 @@ class KVCacheLayout:
 
     @property
     def scale_placement(self) -> str:
-        """``"inline"`` (float32 scales at the end of C), ``"external"`` (per-tensor/per-head scales
+        """``"inline"`` (float32 scales at the end of C), ``"plane"`` (per-token-head scales after
+        each page's data, :attr:`scale_plane_geometry`), ``"external"`` (per-tensor/per-head scales
         passed to the ops), or ``"none"``."""
         if self.kv_quant.per_token_head:
-            return "inline"
+            return "plane" if self.scale_plane else "inline"
         return "external" if self.kv_quant is KVQuantMode.FP8_PER_TENSOR else "none"
 
     @property
     def content_size(self) -> int:
-        """C: elements per token and head."""
-        return pages.content_size(
+        """C: elements per token and head (with a scale plane, K and V only)."""
+        c = pages.content_size(
             head_size=self.head_size,
             head_size_v=self.head_size_v,
             kv_quant=self.kv_quant,
             is_mla=self.is_mla,
             dtype=self.dtype,
         )
+        if self.scale_plane:
+            c -= self.num_scales * SCALE_BYTES // self.element_bytes
+        return c
+
+    @property
+    def scale_plane_geometry(self) -> tuple[int, int, int] | None:
+        """``(offset, head_stride, token_stride)`` in bytes of the scale plane inside a page: the
+        ``num_scales`` float32 scales of head ``h``, token ``n`` sit at ``offset + h * head_stride
+        + n * token_stride`` from the page's first byte. ``None`` without a plane."""
+        if not self.scale_plane:
+            return None
+        row = self.num_scales * SCALE_BYTES
+        data = self.block_size * self.num_kv_heads * self.content_size * self.element_bytes
+        return (data, self.block_size * row, row)
 
     @property
     def k_range(self) -> tuple[int, int]:
@@ -313,8 +364,9 @@ class KVCacheLayout:
 
     @property
     def scale_range(self) -> tuple[int, int] | None:
-        """``[start, stop)`` in C of the inline scales (K's float32 then V's), in cache elements."""
-        if not self.num_scales:
+        """``[start, stop)`` in C of the inline scales (K's float32 then V's), in cache elements;
+        ``None`` without inline scales (none, or a scale plane)."""
+        if not self.num_scales or self.scale_plane:
             return None
         start = self.head_size + self.head_size_v
         return (start, self.content_size)
@@ -442,6 +494,8 @@ class KVCacheLayout:
             "kv_quant": self.kv_quant.value,
             "is_mla": self.is_mla,
             "page_size_bytes": self.page_bytes,
+            # (only when set: layouts without a plane keep the JSON and hash they had)
+            **({"scale_plane": True} if self.scale_plane else {}),
         }
 
     def to_json(self) -> str:
@@ -471,6 +525,7 @@ class KVCacheLayout:
             "kv_quant",
             "is_mla",
             "page_size_bytes",
+            "scale_plane",
         }
         unknown = set(data) - known
         if unknown:
@@ -519,6 +574,12 @@ class KVCacheLayout:
                 f"kernel block size {kernel_block_size} < block size {self.block_size} needs order "
                 f"{' or '.join(pages.SPLITTABLE_ORDERS)} (block stride = block_size x token stride); "
                 f"got {self.order.value}"
+            )
+        if self.scale_plane:
+            return (
+                f"kernel block size {kernel_block_size} < block size {self.block_size}: a page's "
+                "scale plane follows its data, so kernel blocks are no plain view; use "
+                "scale_plane=False"
             )
         if self.page_bytes != self.real_page_size_bytes:
             return (

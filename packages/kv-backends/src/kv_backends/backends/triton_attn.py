@@ -159,12 +159,15 @@ class TritonBackend(AttentionBackend):
         needs_gpu=True,
         notes=(
             "kv-kernels' unified Triton kernel; reads any layout order through strides; "
-            "per-token-head int8/fp8 caches with inline scales; batch-invariant with a fixed "
+            "per-token-head int8/fp8 caches with inline scales or a scale plane (kv-spec "
+            "scale_plane=True: 256-byte rows, the layout decode reads fastest); batch-invariant "
+            "with a fixed "
             "num_splits. On sm_90 the prefill of plain 16-bit launches (heads 64, 128, DiffKV "
             "192/128; no ALiBi, soft-cap, window, sinks, quantized cache or split) runs "
             "kv-kernels' warp-specialized Gluon kernel instead (KV_KERNELS_SM90_PREFILL=0 turns "
-            "it off), and the decode over fp8 pages (and per-token-head pages on cards with 4+ "
-            "TB/s of memory) a Gluon decode kernel (KV_KERNELS_SM90_DECODE=0 turns it off)."
+            "it off), and the decode over fp8 pages (and per-token-head pages with a scale "
+            "plane, or inline on cards with 4+ TB/s of memory) a Gluon decode kernel "
+            "(KV_KERNELS_SM90_DECODE=0 turns it off)."
         ),
     )
     builder_cls = MetadataBuilder

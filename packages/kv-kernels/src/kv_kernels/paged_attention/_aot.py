@@ -56,7 +56,8 @@ def _attention_signature(qt: str, ct: str, st: str) -> dict[str, str]:
         "lse_ptr": "*fp32", "stride_lt": i32, "stride_lh": i32,
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "err_ptr": "*i32",
         "num_seqs": i32, "num_q_heads": i32, "num_blocks": i32, "max_blocks": i32,
-        "ks_idx": i32, "vs_idx": i32, "scale": "fp32", "softcap": "fp32", "window": i32,
+        "ks_idx": i32, "vs_idx": i32, "stride_ssh": i64, "stride_ssn": i64,
+        "scale": "fp32", "softcap": "fp32", "window": i32,
         "q_len_min": i32, "q_len_max": i32,
     }  # fmt: skip
 
@@ -72,6 +73,7 @@ def _attention_specs(
     arch: int,
     inline_scales: bool,
     mla: bool,
+    scale_plane: bool = False,
 ) -> list[AotSpec]:
     ct = _TRITON_TYPES[cache_dtype]
     sig = _attention_signature(_TRITON_TYPES[q_dtype], ct, "fp32" if inline_scales else ct)
@@ -89,10 +91,14 @@ def _attention_specs(
     row = pages.content_size(
         head_size=head_size,
         head_size_v=0 if mla else head_size_v,
-        kv_quant=KVQuantMode.INT8_PER_TOKEN_HEAD if inline_scales else KVQuantMode.NONE,
+        kv_quant=(
+            KVQuantMode.INT8_PER_TOKEN_HEAD
+            if inline_scales and not scale_plane
+            else KVQuantMode.NONE
+        ),
         is_mla=mla,
         dtype=normalize_dtype(cache_dtype),
-    )
+    )  # (a scale plane keeps the rows to K + V)
     if row % 16:
         aligned = tuple(a for a in aligned if a != "stride_kn")
     align = row_align((row,))
@@ -128,6 +134,7 @@ def _attention_specs(
             check=not split,  # both the counting and the plain variant compile
             v_from_k=mla,
             scale_words=inline_scales,
+            scale_plane=scale_plane,
             row_align=align,
             tma=cfg.tma,
             kv_bytes=elem,
@@ -215,6 +222,7 @@ def aot_specs(
     arch: int,
     kv_quant: str | None = None,
     mla: bool = False,
+    scale_plane: bool = False,
 ) -> list[AotSpec]:
     """Every kernel variant the launcher would run on such a cache, with the launcher's own
     configs (so CI compiles what runs). Strides of the cache are ``i64`` (the large-cache case);
@@ -222,7 +230,8 @@ def aot_specs(
 
     ``kv_quant``: ``None`` (unquantized, or fp8 per tensor for an fp8 cache) or a per-token-head
     mode (scales read inline as float32 words); ``mla``: one latent (``head_size = head_size_v``
-    + rope tail), V read from K's tile."""
+    + rope tail), V read from K's tile; ``scale_plane``: the per-token-head scales in each page's
+    scale plane (kv-spec's ``scale_plane``)."""
     inline = kv_quant in ("int8_per_token_head", "fp8_per_token_head")
     if kv_quant not in (None, "none", "fp8_per_tensor") and not inline:
         raise ValueError(f"aot_specs: kv_quant={kv_quant!r} is not a mode the kernel reads")
@@ -237,6 +246,7 @@ def aot_specs(
             arch=arch,
             inline_scales=inline,
             mla=mla,
+            scale_plane=scale_plane and inline,
         ),
         *_merge_specs(_TRITON_TYPES[q_dtype], head_size_v),
     ]

@@ -115,6 +115,7 @@ def _attend_tiles(
     stride_kc,
     ks_idx,
     vs_idx,  # where K's / V's inline scale starts (see inline_scale)
+    stride_ssn,  # SCALE_PLANE: the plane's token stride (bytes)
     seq_len,
     q_pos,  # [M]
     slopes,  # [M]
@@ -140,6 +141,7 @@ def _attend_tiles(
     FOLD_LOG2: tl.constexpr,
     INLINE_SCALES: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
+    SCALE_PLANE: tl.constexpr,  # the scales in each page's plane (kv-spec), not in the rows
     DOT_IEEE: tl.constexpr,
     CHECK: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
@@ -233,12 +235,14 @@ def _attend_tiles(
         if INLINE_SCALES:
             # Dequantize per token and head without touching the tile: q.(k * s_k) = (q.k) s_k,
             # and p.(v * s_v) = (p s_v).v, so the scales scale logit columns and P columns.
-            k_sc = inline_scale(
-                kvs_head_ptr, tok_off, ks_idx, stride_kc, in_seq, MASKED, SCALE_WORDS
-            )
-            v_sc = inline_scale(
-                kvs_head_ptr, tok_off, vs_idx, stride_kc, in_seq, MASKED, SCALE_WORDS
-            )
+            s_off = tok_off
+            if SCALE_PLANE:  # the tile's rows of the page's [H, N, scales] plane
+                s_off, _ = page_offsets(
+                    t, seq_len, bt_row_ptr, stride_btb, max_blocks, num_blocks, stride_kb,
+                    stride_ssn, err_ptr, BLOCK_SIZE, TILE_N, MASKED, False, 4,
+                )  # fmt: skip
+            k_sc = inline_scale(kvs_head_ptr, s_off, ks_idx, stride_kc, in_seq, MASKED, SCALE_WORDS)
+            v_sc = inline_scale(kvs_head_ptr, s_off, vs_idx, stride_kc, in_seq, MASKED, SCALE_WORDS)
             s = s * k_sc[None, :]
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -342,7 +346,8 @@ def paged_attention_kernel(
     part_out_ptr, part_lse_ptr,  # [T, Hq, S, DV_PAD] / [T, Hq, S] f32, contiguous
     err_ptr,  # [1] int32 error counter (CHECK)
     num_seqs, num_q_heads, num_blocks, max_blocks,
-    ks_idx, vs_idx, scale, softcap, window,
+    ks_idx, vs_idx, stride_ssh, stride_ssn,  # inline scales: start; rows' head / token strides
+    scale, softcap, window,
     q_len_min, q_len_max,  # this launch's query-length class
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     D_TAIL: tl.constexpr, V_FROM_K: tl.constexpr, K_START: tl.constexpr, V_START: tl.constexpr,
@@ -352,7 +357,8 @@ def paged_attention_kernel(
     SEQ_PER_PROGRAM: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, FOLD_LOG2: tl.constexpr,
-    KV_SCALE: tl.constexpr, SCALE_WORDS: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    KV_SCALE: tl.constexpr, SCALE_WORDS: tl.constexpr, SCALE_PLANE: tl.constexpr,
+    SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_IEEE: tl.constexpr, CHECK: tl.constexpr, ROW_ALIGN: tl.constexpr, TMA: tl.constexpr,
     KV_UPCAST: tl.constexpr, PTX: tl.constexpr, K_DIRECT: tl.constexpr, V_DIRECT: tl.constexpr,
 ):  # fmt: skip
@@ -474,10 +480,11 @@ def paged_attention_kernel(
     if ROW_ALIGN > 1:
         head_off = tl.multiple_of(head_off, ROW_ALIGN)
     kv_head_ptr = kv_ptr + head_off
+    # (stride_ssh is stride_kh for scales in the rows, the plane's head stride otherwise)
     if SCALE_WORDS:
-        kvs_head_ptr = kvs_ptr + kvh.to(tl.int64) * (stride_kh // 4)
+        kvs_head_ptr = kvs_ptr + kvh.to(tl.int64) * (stride_ssh // 4)
     else:
-        kvs_head_ptr = kvs_ptr + kvh.to(tl.int64) * stride_kh
+        kvs_head_ptr = kvs_ptr + kvh.to(tl.int64) * stride_ssh
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bts
     # Three phases: the window's lower edge (masked), the fully visible middle (no mask), the
     # causal diagonal / tail (masked).
@@ -497,11 +504,12 @@ def paged_attention_kernel(
                 acc, l_i, m_i, q, q2, p_lo, p_hi,
                 bt_row_ptr, stride_btb, max_blocks, num_blocks,
                 kv_head_ptr, kvs_head_ptr, k_desc, v_desc, kvh, stride_kb, stride_kn, stride_kc,
-                ks_idx, vs_idx, seq_len, q_pos, slopes, qk_scale, softcap, window, err_ptr,
+                ks_idx, vs_idx, stride_ssn, seq_len, q_pos, slopes, qk_scale, softcap, window,
+                err_ptr,
                 HEAD_SIZE, HEAD_SIZE_V, D_PAD, D_TAIL, DV_PAD, V_FROM_K, K_START, V_START,
                 BLOCK_SIZE, TILE_N,
                 phase != 1, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, FOLD_LOG2,
-                KV_SCALE == 3, SCALE_WORDS, DOT_IEEE, CHECK, ROW_ALIGN, TMA,
+                KV_SCALE == 3, SCALE_WORDS, SCALE_PLANE, DOT_IEEE, CHECK, ROW_ALIGN, TMA,
                 KV_UPCAST, PTX, pv_dtype, K_DIRECT, V_DIRECT,
             )  # fmt: skip
     if V_DIRECT:

@@ -53,6 +53,9 @@ PROGRAMS_PER_SM = 8
 #: 2.23 vs 2.33 / 2.28, fp8 2.22 vs 2.31 (ncu, H200: L1/TEX 88% busy, DRAM 50%: the 8-byte
 #: copies of the 264-byte rows go through L1)
 INLINE_MIN_TBPS = 4.0
+#: Pages whose scales sit in a scale plane (kv-spec ``scale_plane``: K and V rows of 256 bytes)
+#: go to this kernel on every sm_90 card: H200, same process, 0.94-0.95 of the copy against the
+#: Triton kernel's 0.62-0.65 (``paged_attention_h200_pth_plane_s12.*``).
 #: tiles in flight: a ring of NBUF shared-memory slots filled by cp.async (a sweep on the H200,
 #: its output only; fp8 per tensor, 64 x 4k at the best split count of each: plain loads into
 #: registers, each tile waited for where it is used, 2.83 TB/s; NBUF 2 3.96, 3 3.87, 4 3.49)
@@ -96,14 +99,16 @@ def _pages_served(cache_dtype: torch.dtype, features: dict[str, Any], peak_tbps:
     """fp8 pages with no scale or per-tensor / per-KV-head scales (modes 0-2), and int8 / fp8
     pages with inline per-token-head scales (mode 3) whose rows the host proved 8-byte aligned
     (``row_align`` 8, or 1: every stride a multiple of 16) on a card whose memory peaks at
-    :data:`INLINE_MIN_TBPS` or more (see there)."""
+    :data:`INLINE_MIN_TBPS` or more (see there), or with the scales in a scale plane
+    (``features["scale_plane"]``) on any card."""
     mode = features.get("kv_scale_mode", 0)
     fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if mode == 3:
+        # (a scale plane's 256-byte rows: on every sm_90 card, see INLINE_MIN_TBPS)
         return (
             (fp8 or cache_dtype == torch.int8)
             and features.get("row_align", 1) in (1, 8)
-            and peak_tbps >= INLINE_MIN_TBPS
+            and (peak_tbps >= INLINE_MIN_TBPS or bool(features.get("scale_plane")))
         )
     return fp8 and mode in (0, 1, 2)
 
@@ -148,7 +153,7 @@ def launch_sm90_decode(
     block_size: int,
     kv_scale_mode: int,
     scale_args: tuple[Any, ...],  # (k_ptr, v_ptr, k_stride, v_stride, k_val, v_val)
-    scale_start: int | None,  # first byte of a row's inline scales (per token and head)
+    scale_rows: tuple[int, int, int] | None,  # per-token-head scales: (start, head, token) bytes
     row_align: int,  # kv_kernels._common.row_align of the cache's strides
     out: torch.Tensor,  # [T, Hq, 128]
     lse: torch.Tensor | None,  # [T, Hq] f32
@@ -169,13 +174,14 @@ def launch_sm90_decode(
     sm90_decode_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        *(scale_rows[1:] if scale_rows else (kv_cache.stride(1), kv_cache.stride(2))),
         block_table, block_table.stride(0), seq_lens, query_start_loc,
         *scale_args,
         out, out.stride(0), out.stride(1),
         lse_t, lse_t.stride(0), lse_t.stride(1),
         part_out, part_lse,
         num_q_heads, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
-        K_START=k_start, V_START=v_start, SCALE_START=scale_start or 0,
+        K_START=k_start, V_START=v_start, SCALE_START=scale_rows[0] if scale_rows else 0,
         BLOCK_SIZE=block_size, ROW_ALIGN=row_align,
         GROUP=num_q_heads // num_kv_heads, KV_SCALE=kv_scale_mode, CAUSAL=causal,
         SPLIT=num_splits > 1, WRITE_LSE=lse is not None, NBUF_=NBUF, num_warps=1,
@@ -192,22 +198,28 @@ def aot_case(
     kv_scale: int = 1,
     split: bool = False,
     write_lse: bool = False,
+    scale_plane: bool = False,
 ) -> dict[str, Any]:
     """The kernel as :func:`launch_sm90_decode` launches it, for an ahead-of-time sm_90 build
-    (``kv_kernels.aot.aot_compile`` keywords, as :func:`._sm90_prefill.aot_case`)."""
+    (``kv_kernels.aot.aot_compile`` keywords, as :func:`._sm90_prefill.aot_case`);
+    ``scale_plane`` (``kv_scale=3``): the scales in each page's plane, rows of 256 bytes."""
     pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{cache}", "bt_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "k_scale_ptr": "*fp32",
                 "v_scale_ptr": "*fp32", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
-    inline = kv_scale == 3  # per token and head: 264-byte rows, 8-byte aligned
+    inline = kv_scale == 3 and not scale_plane  # per token and head: 264-byte rows, 8-aligned
+    # (a plane's offset: block_size tokens x 8 heads x 256 bytes of data before it)
+    start = 2 * HEAD.value if inline else block_size * 8 * 2 * HEAD.value if scale_plane else 0
     constexprs = dict(
-        K_START=0, V_START=HEAD.value, SCALE_START=2 * HEAD.value if inline else 0,
+        K_START=0, V_START=HEAD.value, SCALE_START=start,
         BLOCK_SIZE=block_size, ROW_ALIGN=8 if inline else 1, GROUP=group, KV_SCALE=kv_scale,
         CAUSAL=causal, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF, num_warps=1,
     )  # fmt: skip
     aligned = ["stride_qt", "stride_qh", "stride_ot", "stride_oh"]
     if not inline:  # (264-byte rows: the head and token strides are not multiples of 16)
         aligned += ["stride_kb", "stride_kh", "stride_kn"]
+    if scale_plane:  # the plane's head stride (16 tokens x 8 bytes); its token stride is 8
+        aligned += ["stride_ssh"]
     return aot_case_spec(
         sm90_decode_kernel, module="kv_kernels.paged_attention._sm90_decode_kernel",
         pointers=pointers, floats=("qk_scale_log2", "k_scale_val", "v_scale_val"),

@@ -187,12 +187,15 @@ def _split_tiles(seq_len, mine, TILE: gl.constexpr):
 
 
 @gluon.jit
-def _issue(ring, slot, t, live, head_ptr, bt_row_ptr, seq_len, num_blocks, max_blocks,
-           stride_kb, stride_kn, K_START: gl.constexpr, V_START: gl.constexpr,
+def _issue(ring, slot, t, live, head_ptr, s_head_ptr, bt_row_ptr, seq_len, num_blocks,
+           max_blocks, stride_kb, stride_kn, stride_ssn, K_START: gl.constexpr,
+           V_START: gl.constexpr,
            SCALE_START: gl.constexpr, BLOCK_SIZE: gl.constexpr,
            ROW_ALIGN: gl.constexpr):  # fmt: skip
-    """cp.async of tile ``t``'s K and V (and with ``SCALE_START``, each row's two inline float32
-    scales) into ring slot ``slot``, committed as one group (an empty one when not ``live``).
+    """cp.async of tile ``t``'s K and V (and with ``SCALE_START``, each row's two float32 scales,
+    from ``s_head_ptr + SCALE_START`` with token stride ``stride_ssn``: inline in the rows, or
+    in the page's scale plane) into ring slot ``slot``, committed as one group (an empty one when
+    not ``live``).
     Rows past the sequence are zero-filled, not read. Each lane copies the bytes it later reads
     (the operand layouts), in ``VEC``-byte pieces."""
     k_smem, v_smem, ks_smem, vs_smem = ring
@@ -213,8 +216,8 @@ def _issue(ring, slot, t, live, head_ptr, bt_row_ptr, seq_len, num_blocks, max_b
         # one float32 a lane (a layout without repeats: every scale is copied once)
         sl: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         s_off, s_ok = _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb,
-                                 stride_kn, BLOCK_SIZE, ROW_ALIGN, sl)  # fmt: skip
-        s_ptr = (head_ptr + SCALE_START + s_off).to(gl.pointer_type(gl.float32))
+                                 stride_ssn, BLOCK_SIZE, ROW_ALIGN, sl)  # fmt: skip
+        s_ptr = (s_head_ptr + SCALE_START + s_off).to(gl.pointer_type(gl.float32))
         async_load(ks_smem.index(slot), s_ptr, mask=s_ok & live)
         async_load(vs_smem.index(slot), s_ptr + 1, mask=s_ok & live)
     async_copy.commit_group()
@@ -277,8 +280,8 @@ def _attend(q_op, acc, m_i, l_i, r_i, k, v, ks, vs, t, row_scale, q_pos,
 
 
 @gluon.jit
-def _tiles(q_op, acc, m_i, l_i, r_i, ring, lo, hi, s_lo, s_hi, head_ptr, bt_row_ptr, seq_len,
-           num_blocks, max_blocks, stride_kb, stride_kn, row_scale, q_pos,
+def _tiles(q_op, acc, m_i, l_i, r_i, ring, lo, hi, s_lo, s_hi, head_ptr, s_head_ptr, bt_row_ptr,
+           seq_len, num_blocks, max_blocks, stride_kb, stride_kn, stride_ssn, row_scale, q_pos,
            K_START: gl.constexpr, V_START: gl.constexpr, SCALE_START: gl.constexpr,
            BLOCK_SIZE: gl.constexpr, ROW_ALIGN: gl.constexpr, NBUF_: gl.constexpr,
            MASKED: gl.constexpr):  # fmt: skip
@@ -292,9 +295,9 @@ def _tiles(q_op, acc, m_i, l_i, r_i, ring, lo, hi, s_lo, s_hi, head_ptr, bt_row_
     k_smem, v_smem, ks_smem, vs_smem = ring
     for t in range(lo, hi):
         ahead = t + NBUF_ - 1
-        _issue(ring, (ahead - s_lo) % NBUF_, ahead, ahead < s_hi, head_ptr, bt_row_ptr, seq_len,
-               num_blocks, max_blocks, stride_kb, stride_kn, K_START, V_START, SCALE_START,
-               BLOCK_SIZE, ROW_ALIGN)  # fmt: skip
+        _issue(ring, (ahead - s_lo) % NBUF_, ahead, ahead < s_hi, head_ptr, s_head_ptr,
+               bt_row_ptr, seq_len, num_blocks, max_blocks, stride_kb, stride_kn, stride_ssn,
+               K_START, V_START, SCALE_START, BLOCK_SIZE, ROW_ALIGN)  # fmt: skip
         async_copy.wait_group(NBUF_ - 1)  # tile t's group has landed
         slot = (t - s_lo) % NBUF_
         k = k_smem.index(slot).load(kl)  # (each lane reads back the bytes it copied)
@@ -315,6 +318,7 @@ def _tiles(q_op, acc, m_i, l_i, r_i, ring, lo, hi, s_lo, s_hi, head_ptr, bt_row_
 def sm90_decode_kernel(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, stride_kb, stride_kh, stride_kn,
+    stride_ssh, stride_ssn,  # per-token-head scales: head / token strides (inline: the rows')
     bt_ptr, stride_bts,
     seq_lens_ptr, qsl_ptr,
     k_scale_ptr, v_scale_ptr, stride_ks, stride_vs, k_scale_val, v_scale_val,
@@ -385,6 +389,9 @@ def sm90_decode_kernel(
     if ROW_ALIGN > 1:
         head_ptr = gl.multiple_of(head_ptr, ROW_ALIGN)
     bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bts
+    s_head_ptr = kv_ptr + kvh.to(gl.int64) * stride_ssh
+    if ROW_ALIGN > 1:
+        s_head_ptr = gl.multiple_of(s_head_ptr, ROW_ALIGN)
     acc = gl.zeros([ROWS, HEAD], gl.float32, mma)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
     l_i = gl.zeros([ROWS], gl.float32, row_l)
@@ -402,18 +409,20 @@ def sm90_decode_kernel(
         gl.allocate_shared_memory(gl.float32, [NBUF_, SCALE_ROWS], scale_l),
     )
     for i in gl.static_range(NBUF_ - 1):
-        _issue(ring, i, s_lo + i, s_lo + i < s_hi, head_ptr, bt_row_ptr, seq_len, num_blocks,
-               max_blocks, stride_kb, stride_kn, K_START, V_START, SCALE_START, BLOCK_SIZE,
-               ROW_ALIGN)  # fmt: skip
+        _issue(ring, i, s_lo + i, s_lo + i < s_hi, head_ptr, s_head_ptr, bt_row_ptr, seq_len,
+               num_blocks, max_blocks, stride_kb, stride_kn, stride_ssn, K_START, V_START,
+               SCALE_START, BLOCK_SIZE, ROW_ALIGN)  # fmt: skip
     mid = gl.maximum(gl.minimum(s_hi, t_full), s_lo)
     acc, m_i, l_i, r_i = _tiles(q_op, acc, m_i, l_i, r_i, ring, s_lo, mid, s_lo, s_hi, head_ptr,
-                                bt_row_ptr, seq_len, num_blocks, max_blocks, stride_kb,
-                                stride_kn, row_scale, q_pos, K_START, V_START, SCALE_START,
-                                BLOCK_SIZE, ROW_ALIGN, NBUF_, False)  # fmt: skip
+                                s_head_ptr, bt_row_ptr, seq_len, num_blocks, max_blocks,
+                                stride_kb, stride_kn, stride_ssn, row_scale, q_pos, K_START,
+                                V_START, SCALE_START, BLOCK_SIZE, ROW_ALIGN, NBUF_,
+                                False)  # fmt: skip
     acc, m_i, l_i, r_i = _tiles(q_op, acc, m_i, l_i, r_i, ring, mid, s_hi, s_lo, s_hi, head_ptr,
-                                bt_row_ptr, seq_len, num_blocks, max_blocks, stride_kb,
-                                stride_kn, row_scale, q_pos, K_START, V_START, SCALE_START,
-                                BLOCK_SIZE, ROW_ALIGN, NBUF_, True)  # fmt: skip
+                                s_head_ptr, bt_row_ptr, seq_len, num_blocks, max_blocks,
+                                stride_kb, stride_kn, stride_ssn, row_scale, q_pos, K_START,
+                                V_START, SCALE_START, BLOCK_SIZE, ROW_ALIGN, NBUF_,
+                                True)  # fmt: skip
     async_copy.wait_group(0)  # (the empty groups issued past the split)
     if SCALE_START > 0:
         v_deq = v_deq * r_i

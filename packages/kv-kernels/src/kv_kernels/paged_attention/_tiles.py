@@ -336,6 +336,7 @@ def kernel_constexprs(
     check: bool,
     v_from_k: bool = False,
     scale_words: bool = False,
+    scale_plane: bool = False,
     row_align: int = 1,
     tma: bool = False,
     kv_bytes: int = 2,
@@ -346,7 +347,8 @@ def kernel_constexprs(
     """Every ``tl.constexpr`` of :func:`~._kernels.paged_attention_kernel` for one launch.
 
     ``kv_scale_mode``: 0 unquantized, 1 scales as scalar arguments, 2 scales read from tensors,
-    3 per-token-head scales inline in the page (``scale_words``: read as aligned float32 words).
+    3 per-token-head scales inline in the page (``scale_words``: read as aligned float32 words;
+    ``scale_plane``: in each page's scale plane, kv-spec's ``scale_plane``, not in the rows).
     ``FOLD_LOG2`` folds the base-2 conversion into the q.k scale, which is exact only when nothing
     (softcap, ALiBi) acts on the logits between the scale and the exponent. ``row_align``: see
     :func:`kv_kernels._common.row_align`. ``tma``: the launcher passes TMA descriptors (only
@@ -393,6 +395,7 @@ def kernel_constexprs(
         FOLD_LOG2=not (softcap or alibi),
         KV_SCALE=kv_scale_mode,
         SCALE_WORDS=scale_words,
+        SCALE_PLANE=scale_plane,
         SPLIT=split,
         WRITE_LSE=write_lse,
         DOT_IEEE=dot_ieee,

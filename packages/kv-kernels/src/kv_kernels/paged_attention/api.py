@@ -267,7 +267,8 @@ def paged_attention(
       per-kv-head ``[H]`` tensor), dequant ``stored * scale``.
     - per-token-head caches (``int8_per_token_head`` / ``fp8_per_token_head``): each token's K
       and V row of each head is ``stored * s`` with its float32 ``s`` read from the page
-      (``layout.scale_range``, as ``reshape_and_cache`` writes it); pass no ``k_scale``/``v_scale``.
+      (``layout.scale_range``, or the page's scale plane with ``layout.scale_plane``, as
+      ``reshape_and_cache`` writes them); pass no ``k_scale``/``v_scale``.
     - MLA (``layout.is_mla``, absorbed decode): ``q`` is ``[T, Hq, head_size]`` against one latent
       row per token (``head_size = kv_lora_rank + rope``, DeepSeek-V3: 512 + 64); K is the whole
       row, V its first ``kv_lora_rank`` columns of the same storage (no second copy), and the
@@ -355,7 +356,8 @@ def paged_attention(
         _check_values(block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout)
     scale_start = layout.scale_range[0] if layout.scale_range is not None else None
     common: dict[str, Any] = dict(
-        k_range=layout.k_range, v_range=v_range, scale_start=scale_start, block_table=block_table,
+        k_range=layout.k_range, v_range=v_range, scale_start=scale_start,
+        scale_plane=layout.scale_plane_geometry, block_table=block_table,
         seq_lens=seq_lens, query_start_loc=query_start_loc, scale=float(scale), causal=causal,
         sliding_window=sliding_window, sinks=sinks, softcap=float(softcap),
         alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from kv_kernels.cache import plane_scales
+
 __all__ = ["merge_attn_states_reference", "paged_attention_reference"]
 
 
@@ -40,6 +42,7 @@ def paged_attention_reference(
     k_range: tuple[int, int],
     v_range: tuple[int, int],
     scale_start: int | None = None,
+    scale_plane: tuple[int, int, int] | None = None,
     block_table: torch.Tensor,  # [num_seqs, max_blocks]
     seq_lens: torch.Tensor,  # [num_seqs]
     query_start_loc: torch.Tensor,  # [num_seqs + 1]
@@ -58,6 +61,8 @@ def paged_attention_reference(
 
     ``scale_start`` (per-token-head quantized caches): the C element where each token's inline
     float32 K scale starts, the V scale right after it; K and V rows are multiplied by them.
+    ``scale_plane`` (``KVCacheLayout.scale_plane_geometry``): the same scales, read from each
+    page's scale plane instead.
     For MLA ``k_range`` is the whole latent row and ``v_range`` its first columns.
 
     Query ``i`` of a sequence with ``q_len`` new tokens and ``seq_len`` KV tokens sits at absolute
@@ -100,6 +105,11 @@ def paged_attention_reference(
         if scale_start is not None:
             k = k * _inline_scale(kv, scale_start)[..., None]
             v = v * _inline_scale(kv, scale_start + 4)[..., None]
+        elif scale_plane is not None:
+            sc = plane_scales(kv_cache, scale_plane)[pages]  # [n_pages, H, N, S]
+            sc = sc.permute(1, 0, 2, 3).reshape(num_kv_heads, n_pages * block_size, -1)[:, :seq_len]
+            k = k * sc[..., 0:1]
+            v = v * sc[..., 1:2]
         k = k.repeat_interleave(group, dim=0)  # [Hq, seq_len, D]: q head h reads kv head h // group
         v = v.repeat_interleave(group, dim=0)  # [Hq, seq_len, Dv]
         qs = q[q0:q1].float().transpose(0, 1)  # [Hq, q_len, D]

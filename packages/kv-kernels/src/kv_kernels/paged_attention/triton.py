@@ -120,21 +120,35 @@ def _constexprs(cfg: AttentionConfig, kind: str, **features: Any) -> dict[str, A
     return kept
 
 
+def _scale_rows(
+    kv_cache: torch.Tensor, scale_start: int | None, scale_plane: tuple[int, int, int] | None
+) -> tuple[int, int, int] | None:
+    """``(start, head_stride, token_stride)`` in bytes of a row's per-token-head scales: inline
+    (``scale_start`` in the row, the rows' own strides) or in the page's scale plane (its
+    geometry); ``None`` without such scales."""
+    if scale_plane is not None:
+        return scale_plane
+    if scale_start is None:
+        return None
+    return (scale_start, kv_cache.stride(1), kv_cache.stride(2))
+
+
 def _inline_scale_args(
-    kv_cache: torch.Tensor, scale_start: int | None
+    kv_cache: torch.Tensor, rows: tuple[int, int, int] | None
 ) -> tuple[torch.Tensor, int, int, bool]:
     """``(kvs, k_idx, v_idx, words)``: the cache seen as float32 words when every stride and the
     scale offset allow it (one 4-byte load per scale), else as bytes (the scale assembled from
     its 4 bytes: it may sit at any byte offset). Per-token-head caches are 1-byte dtypes, so
-    element offsets are byte offsets."""
-    if scale_start is None:
+    element offsets are byte offsets. ``rows``: :func:`_scale_rows`."""
+    if rows is None:
         return kv_cache, 0, 0, False
+    scale_start, head_stride, token_stride = rows
     raw = kv_cache.view(torch.uint8)
     # the whole storage as bytes, so a float32 view of it covers every layer slot the view spans
     flat = torch.empty(0, dtype=torch.uint8, device=raw.device).set_(raw.untyped_storage())
     aligned = (
         raw.stride(3) == 1
-        and all(st % 4 == 0 for st in raw.stride()[:3])
+        and all(st % 4 == 0 for st in (raw.stride(0), head_stride, token_stride))
         and scale_start % 4 == 0
         and raw.storage_offset() % 4 == 0
         and flat.numel() % 4 == 0
@@ -171,6 +185,7 @@ def paged_attention_triton(
     num_splits: int | None,
     error_flag: torch.Tensor | None = None,  # [1] int32, counts invalid metadata
     scale_start: int | None = None,  # first C element of the inline per-token-head scales
+    scale_plane: tuple[int, int, int] | None = None,  # or their plane (kv-spec geometry)
     v_from_k: bool = False,  # MLA: V is the first head_size_v columns of K (one latent)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the unified kernel (and the split merge); inputs validated by the api."""
@@ -185,7 +200,12 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return (out, lse) if lse is not None else out
     cfg_dec, cfg_pre, num_sms = _configs(
-        q, kv_cache, head_size_v, block_size, v_from_k, inline_scales=scale_start is not None
+        q,
+        kv_cache,
+        head_size_v,
+        block_size,
+        v_from_k,
+        inline_scales=scale_start is not None or scale_plane is not None,
     )
     group = num_q_heads // num_kv_heads
     # (a hand-made config may leave heads_per_program at 0: the whole group, as kernel_constexprs)
@@ -193,8 +213,9 @@ def paged_attention_triton(
     chunks_pre = -(-group // (cfg_pre.heads_per_program or group))
     run_prefill = max_query_len > cfg_dec.block_q
     kv_scale_mode, scale_args = _scale_args(k_scale, v_scale, q)
-    kvs, ks_idx, vs_idx, scale_words = _inline_scale_args(kv_cache, scale_start)
-    if scale_start is not None:
+    scale_rows = _scale_rows(kv_cache, scale_start, scale_plane)
+    kvs, ks_idx, vs_idx, scale_words = _inline_scale_args(kv_cache, scale_rows)
+    if scale_rows is not None:
         kv_scale_mode = 3
     lse_t = lse if lse is not None else out
     features = dict(
@@ -214,6 +235,7 @@ def paged_attention_triton(
         check=error_flag is not None,
         v_from_k=v_from_k,
         scale_words=scale_words,
+        scale_plane=scale_plane is not None,
         row_align=row_align(kv_cache.stride()[:3]),
         kv_bytes=kv_cache.element_size(),
         ptx=type(paged_attention_kernel).__name__ != "InterpretedFunction",
@@ -277,7 +299,8 @@ def paged_attention_triton(
         *scale_args, out, *out.stride(), lse_t, lse_t.stride(0), lse_t.stride(1),
         part_out, part_lse, error_flag if error_flag is not None else seq_lens,
         num_seqs, num_q_heads, num_blocks, block_table.shape[1],
-        ks_idx, vs_idx, scale, float(softcap), int(sliding_window or 0),
+        ks_idx, vs_idx, *(scale_rows[1:] if scale_rows else (0, 0)),
+        scale, float(softcap), int(sliding_window or 0),
     )  # fmt: skip
     # decode class: q_len in [1, block_q(decode)], one program per sequence
     if gluon_decode:
@@ -287,7 +310,7 @@ def paged_attention_triton(
             q, kv_cache, k_start=k_range[0], v_start=v_range[0], block_table=block_table,
             seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale, causal=causal,
             block_size=block_size, kv_scale_mode=kv_scale_mode, scale_args=scale_args,
-            scale_start=scale_start, row_align=features["row_align"], out=out, lse=lse,
+            scale_rows=scale_rows, row_align=features["row_align"], out=out, lse=lse,
             part_out=part_out, part_lse=part_lse, num_splits=num_splits,
         )  # fmt: skip
     elif gluon_mla:

@@ -8,6 +8,7 @@ The write, token by token, is::
         cache[block, :, offset, k_range] = quant(key[t])
         cache[block, :, offset, v_range] = quant(value[t])
         cache[block, :, offset, scale_range] = bytes(k_scale_row, v_scale_row)   # per-token-head only
+        # (with a scale plane: plane[block, :, offset] = (k_scale_row, v_scale_row) instead)
 
 done here for all tokens at once with advanced indexing. Quantization (all in float32):
 
@@ -19,7 +20,8 @@ done here for all tokens at once with advanced indexing. Quantization (all in fl
   ``q = clamp(x / s, -fmax, fmax)`` cast to fp8.
 
 Per-token-head scales are float32 and stored inline: their 4 bytes (K's, then V's) are bit-cast
-into the 1-byte cache elements of ``layout.scale_range``. Inputs are assumed validated by
+into the 1-byte cache elements of ``layout.scale_range``; with ``layout.scale_plane`` they go to
+the page's scale plane (:func:`kv_kernels.cache.scale_plane_view`). Inputs are assumed validated by
 :mod:`kv_kernels.reshape_and_cache.api`.
 """
 
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode, to_torch_dtype
+
+from kv_kernels.cache import scale_plane_view
 
 __all__ = ["quant_max", "read_kv", "reshape_and_cache_reference"]
 
@@ -130,12 +134,15 @@ def reshape_and_cache_reference(
     if value is not None:
         assert layout.v_range is not None
         v_row_scale = write(value, layout.v_range, v_scale)
-    if layout.scale_range is not None:
+    if layout.num_scales:
         assert k_row_scale is not None
         rows = [k_row_scale] if v_row_scale is None else [k_row_scale, v_row_scale]
-        scale_bytes = _bytes_of(torch.stack(rows, dim=-1))  # [T_kept, H, 4 * num_scales]
-        start, stop = layout.scale_range
-        target[blocks, :, offsets, start:stop] = scale_bytes
+        scales = torch.stack(rows, dim=-1)  # [T_kept, H, num_scales]
+        if layout.scale_range is not None:
+            start, stop = layout.scale_range
+            target[blocks, :, offsets, start:stop] = _bytes_of(scales)  # [T_kept, H, 4 * ...]
+        else:
+            scale_plane_view(kv_cache, layout)[blocks, :, offsets] = scales
 
 
 def read_kv(
@@ -194,7 +201,9 @@ def read_kv(
                 )
             s = torch.as_tensor(scale, dtype=torch.float32, device=kv_cache.device).reshape(-1)
             return s.expand(num_heads)[None, :, None]  # [1, H, 1]
-        assert layout.scale_range is not None
+        if layout.scale_range is None:  # a scale plane
+            plane = scale_plane_view(kv_cache, layout)
+            return plane[slots // layout.block_size, :, slots % layout.block_size, which, None]
         start = layout.scale_range[0] + 4 * which
         raw = rows.view(torch.uint8)[..., start : start + 4].contiguous()  # [S, H, 4]
         return raw.view(torch.float32)  # [S, H, 1]

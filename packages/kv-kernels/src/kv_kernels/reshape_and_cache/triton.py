@@ -196,13 +196,15 @@ def _reshape_and_cache_kernel(
     cache_sc,
     k_scale_sh,  # 0: one scale for every head, 1: per head
     v_scale_sh,
+    scale_sh,  # SCALE_PLANE: byte strides of the scale plane's heads and tokens (see kv-spec)
+    scale_sn,
     err_ptr,  # int32 [1]: slots past the cache are counted here (CHECK)
     NUM_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_V: tl.constexpr,
     V_OFFSET: tl.constexpr,  # first C element of V
-    SCALE_OFFSET: tl.constexpr,  # first C element of the inline scales
+    SCALE_OFFSET: tl.constexpr,  # first C element of the inline scales (plane: its page offset)
     HAS_V: tl.constexpr,
     QUANT: tl.constexpr,
     QMAX: tl.constexpr,
@@ -216,6 +218,7 @@ def _reshape_and_cache_kernel(
     ROW_ALIGN: tl.constexpr,  # see kv_kernels._common.row_align
     SCALE_WORD: tl.constexpr,  # bytes per scale store: 8 (K and V scales), 4 or 1 (see launcher)
     ROUND_DOWN: tl.constexpr = False,  # compiled builds: int8's rounding by libdevice (see _quantize)
+    SCALE_PLANE: tl.constexpr = False,  # the scales sit in each page's plane, not in the rows
 ):
     R: tl.constexpr = BLOCK_T * BLOCK_H
     # row i of the tile is head (i % BLOCK_H) of token (i // BLOCK_H)
@@ -312,7 +315,11 @@ def _reshape_and_cache_kernel(
         # ---- inline float32 scales: K's 4 bytes, then V's (little-endian, as torch lays them) ---
         if QUANT >= 2:
             # the word paths' scale area is contiguous (C stride 1, checked by the launcher)
-            s_base = cache_bytes_ptr + row + SCALE_OFFSET  # [R]
+            s_row = row
+            if SCALE_PLANE:  # (block, head, token) of the page's [H, N, scales] plane
+                s_row = block * cache_sb + heads64 * scale_sh + offset * scale_sn
+                s_row = tl.multiple_of(s_row, 8)
+            s_base = cache_bytes_ptr + s_row + SCALE_OFFSET  # [R]
             k_bits = ks.to(tl.uint32, bitcast=True)
             if SCALE_WORD == 8:
                 # both scales in one aligned 8-byte store (the launcher proved the alignment)
@@ -336,7 +343,9 @@ def _reshape_and_cache_kernel(
                 byte = (bits >> ((j % 4) * 8)[None, :]) & 0xFF  # [R, NUM_SCALE_BYTES]
                 s_off = (SCALE_OFFSET + j[None, :]).to(tl.int64) * cache_sc
                 tl.store(
-                    cache_bytes_ptr + row[:, None] + s_off, byte.to(tl.uint8), mask=row_ok[:, None]
+                    cache_bytes_ptr + s_row[:, None] + s_off,
+                    byte.to(tl.uint8),
+                    mask=row_ok[:, None],
                 )
 
 
@@ -393,12 +402,18 @@ def _reciprocal_f32(qmax: float) -> float:
 def scale_word(layout: KVCacheLayout, kv_cache: torch.Tensor) -> int:
     """Bytes per inline-scale store the kernel may use: 8 (K's and V's scale in one store) or 4
     when every scale area is that aligned in memory (base address, block/head/token strides and
-    the scale offset) and contiguous (C stride 1); else 1 (bytes). 0 without inline scales."""
-    if layout.scale_range is None:
+    the scale offset) and contiguous (C stride 1); else 1 (bytes). 0 without per-token-head
+    scales. A scale plane's strides are its own (``layout.scale_plane_geometry``)."""
+    if not layout.num_scales:
         return 0
     if kv_cache.element_size() != 1 or kv_cache.stride(3) != 1:
         return 1
-    align = math.gcd(kv_cache.data_ptr(), layout.scale_range[0], *kv_cache.stride()[:3])
+    plane = layout.scale_plane_geometry
+    if plane is not None:
+        align = math.gcd(kv_cache.data_ptr(), kv_cache.stride(0), *plane)
+    else:
+        assert layout.scale_range is not None
+        align = math.gcd(kv_cache.data_ptr(), layout.scale_range[0], *kv_cache.stride()[:3])
     if layout.num_scales == 2 and align % 8 == 0:
         return 8
     return 4 if align % 4 == 0 else 1
@@ -432,6 +447,9 @@ def reshape_and_cache_triton(
         qmax = 127.0 if kv_cache.dtype == torch.int8 else float(torch.finfo(kv_cache.dtype).max)
     v_offset = layout.v_range[0] if layout.v_range is not None else 0
     scale_offset = layout.scale_range[0] if layout.scale_range is not None else 0
+    plane = layout.scale_plane_geometry  # (offset, head stride, token stride) in bytes, or None
+    if plane is not None:
+        scale_offset = plane[0]
     grid = (triton.cdiv(num_tokens, cfg.block_t), triton.cdiv(num_heads, cfg.block_h))
     _reshape_and_cache_kernel[grid](
         key,
@@ -448,6 +466,7 @@ def reshape_and_cache_triton(
         *kv_cache.stride(),
         0 if k_scale is None or k_scale.numel() == 1 else 1,
         0 if v_scale is None or v_scale.numel() == 1 else 1,
+        *(plane[1:] if plane is not None else (0, 0)),
         error_flag if error_flag is not None else slot_mapping,
         NUM_HEADS=num_heads,
         BLOCK_SIZE=block_size,
@@ -468,5 +487,6 @@ def reshape_and_cache_triton(
         ROW_ALIGN=row_align(kv_cache.stride()[:3]),
         SCALE_WORD=scale_word(layout, kv_cache),
         ROUND_DOWN=not triton_interpreting(),
+        SCALE_PLANE=plane is not None,
         num_warps=cfg.num_warps,
     )
