@@ -86,8 +86,8 @@ def _attention_specs(
         "stride_ot", "stride_oh",
     )  # fmt: skip
     # A token row that is not a multiple of 16 elements (heads of 80 + 72): Triton does not
-    # specialize its stride, and the launcher passes the alignment it has (kv-spec pads
-    # per-token-head rows to 16 bytes, so theirs are aligned).
+    # specialize its stride, and the launcher passes the alignment it has (ROW_ALIGN: a
+    # per-token-head row of 128 + 128 + 8 bytes is 8-byte aligned; with a scale plane 256).
     row = pages.content_size(
         head_size=head_size,
         head_size_v=0 if mla else head_size_v,

@@ -11,7 +11,10 @@ splits, LSE, rows of unit stride, over
   0.75; H100: 0.92-0.93, the Triton kernel's 0.91-0.93);
 - int8 / fp8 pages with inline per-token-head scales (kv-spec's 264-byte rows): on cards whose
   memory peaks at :data:`INLINE_MIN_TBPS` or more (the H200: 0.67-0.68 of its copy against
-  0.58-0.60; on an H100 this kernel read 0.74 where the Triton kernel reads 0.76-0.77).
+  0.58-0.60; on an H100 this kernel read 0.74 where the Triton kernel reads 0.76-0.77);
+- int8 / fp8 pages whose per-token-head scales sit in a scale plane (kv-spec ``scale_plane``,
+  rows of 256 bytes): everywhere on sm_90 (H100 0.92, H200 0.94-0.95 of the copy, against the
+  Triton kernel's 0.83-0.85 / 0.62-0.65).
 
 ALiBi, soft-cap, windows, sinks, metadata checks, MLA and other head sizes stay with the Triton
 kernel; ``KV_KERNELS_SM90_DECODE=0`` sends every decode back to it. Gluon has no interpreter: the

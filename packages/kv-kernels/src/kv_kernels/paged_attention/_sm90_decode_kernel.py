@@ -26,7 +26,9 @@ memory are a large part. Here (sm_90 build, triton 3.6, one warp, a 32-token til
   ``p * 2^15`` in fp16 (l carries the factor); the accumulator is rescaled only on tiles where
   some row's maximum moved (a uniform branch: one warp);
 - per-token-head pages (``SCALE_START``): each row's two float32 scales ride the same ring (one
-  a lane, read by others after a barrier); K's multiply the logits' columns; V's multiply P's
+  a lane, read by others after a barrier), copied from the row's end or, with kv-spec's
+  ``scale_plane``, from the page's plane (``stride_ssh`` / ``stride_ssn``: the scales' own head
+  and token strides); K's multiply the logits' columns; V's multiply P's
   columns divided by ``r``, the largest V scale seen so far, which keeps P in ``[0, 2^15]``
   whatever the scales (``r`` growing rescales the accumulator with the softmax's ``alpha``; the
   epilogue multiplies by the final ``r``).
