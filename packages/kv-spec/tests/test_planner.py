@@ -198,3 +198,26 @@ def test_catalogue_sink_layers() -> None:
         47,
     ]
     assert not get_model("Llama-3-8B").layer_has_sinks(0)
+
+
+def test_scale_plane_reaches_the_per_token_head_groups_layouts() -> None:
+    """``plan_kv_cache(scale_plane=True)``: per-token-head groups get plane layouts (same page
+    bytes, rows of K + V), other groups keep theirs; refused with no per-token-head layer, with an
+    order that interleaves pages, and across workers that disagree."""
+    pth = llama_specs(2, dtype="int8", kv_quant="int8_per_token_head")
+    mixed = {**pth, "full": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128)}
+    cfg = plan_kv_cache(mixed, 64 * 2**20, scale_plane=True)
+    kinds = {g.spec.kv_quant.value: cfg.layout(g.group_id) for g in cfg.groups}
+    plane, plain = kinds["int8_per_token_head"], kinds["none"]
+    assert plane.scale_placement == "plane" and plane.content_size == 256
+    assert plane.page_bytes == cfg.page_size_bytes and plain.scale_plane is False
+    inline = plan_kv_cache(mixed, 64 * 2**20)
+    assert inline.layout(0).scale_placement == "inline"
+    with pytest.raises(ValueError, match="scale_plane=True but no layer stores per-token-head"):
+        plan_kv_cache(llama_specs(), 64 * 2**20, scale_plane=True)
+    with pytest.raises(ValueError, match="page-contiguous order"):
+        plan_kv_cache(pth, 64 * 2**20, scale_plane=True, layout_order="LHBNC")
+    with pytest.raises(ValueError, match="layout order or scale plane"):
+        merge_kv_cache_configs(
+            [plan_kv_cache(pth, 2**24, scale_plane=True), plan_kv_cache(pth, 2**24)]
+        )

@@ -58,6 +58,23 @@ def test_plan_json_for_scripts_with_tp_and_fp8() -> None:
     assert plan["bytes_per_request"] == (2048 + 521) * 8192 * 18
 
 
+def test_plan_with_a_scale_plane() -> None:
+    """``--scale-plane`` with per-token-head quant: the same page bytes, a layout (hence hash)
+    of its own; without per-token-head scales it is refused with kv-spec's reason."""
+    args = ("plan", "Llama-3-8B", "--memory", "8GiB", "--kv-quant", "int8_per_token_head", "--json")
+    inline = kvstack(*args)
+    plane = kvstack(*args, "--scale-plane")
+    assert inline.returncode == plane.returncode == 0, plane.stderr
+    [a], [b] = json.loads(inline.stdout), json.loads(plane.stdout)
+    # 16 tokens * 8 heads * (128 + 128 + 8) bytes either way
+    assert a["page_size_bytes"] == b["page_size_bytes"] == 16 * 8 * 264
+    assert (a["scale_plane"], b["scale_plane"]) == (False, True)
+    assert a["groups"][0]["layout_hash"] != b["groups"][0]["layout_hash"]
+    res = kvstack("plan", "Llama-3-8B", "--memory", "8GiB", "--scale-plane")
+    assert res.returncode != 0 and "no layer stores per-token-head scales" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_plan_that_cannot_serve_one_request_exits_nonzero() -> None:
     res = kvstack("plan", "MiMo-V2-Flash", "--memory", "4GiB")
     assert res.returncode == 1

@@ -69,6 +69,9 @@ class KVCacheConfig:
     tensors: tuple[KVCacheTensor, ...]
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    #: per-token-head groups keep their scales in a plane after each page's data
+    #: (:attr:`KVCacheLayout.scale_plane`); other groups are unaffected
+    scale_plane: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -99,6 +102,7 @@ class KVCacheConfig:
             num_blocks=self.num_blocks,
             num_layers=self.num_layer_slots,
             order=self.layout_order,
+            scale_plane=self.scale_plane and spec.kv_quant.per_token_head,
         )
 
     def blocks_per_request(self, max_model_len: int | None = None) -> int:
@@ -163,10 +167,14 @@ def plan_kv_cache(
     max_num_batched_tokens: int | None = None,
     layout_order: LayoutOrder | str = LayoutOrder.LBNHC,
     allow_padding: bool = True,
+    scale_plane: bool = False,
 ) -> KVCacheConfig:
     """Plan a KV cache for ``specs`` (layer name -> spec) within ``available_bytes``.
 
     Given ``max_model_len`` it refuses a budget too small for one request of that length.
+    ``scale_plane``: per-token-head groups keep their scales in a plane after each page's data
+    (kv-spec's ``KVCacheLayout.scale_plane``: rows of K + V, the layout decode reads fastest);
+    refused when no layer has per-token-head scales or a group's layout cannot take a plane.
     """
     if not specs:
         raise ValueError("plan_kv_cache needs at least one layer spec; got an empty mapping")
@@ -181,6 +189,14 @@ def plan_kv_cache(
     if max_num_batched_tokens is not None:
         check_positive_int("plan_kv_cache", "max_num_batched_tokens", max_num_batched_tokens)
     order = LayoutOrder.parse(layout_order)
+    if not isinstance(scale_plane, bool):
+        raise ValueError(f"scale_plane={scale_plane!r} must be a bool (True or False)")
+    if scale_plane and not any(s.kv_quant.per_token_head for s in specs.values()):
+        raise ValueError(
+            "scale_plane=True but no layer stores per-token-head scales (kv_quant "
+            f"{sorted({s.kv_quant.value for s in specs.values()})}); drop scale_plane or use "
+            "int8_per_token_head / fp8_per_token_head"
+        )
 
     # Group layers by spec, in first-seen order.
     by_spec: dict[AttentionSpec, list[str]] = {}
@@ -242,7 +258,7 @@ def plan_kv_cache(
                 layer_slot=None,
             )
         ]
-    return KVCacheConfig(
+    config = KVCacheConfig(
         num_blocks=num_blocks,
         num_layer_slots=slots,
         page_size_bytes=page,
@@ -251,7 +267,12 @@ def plan_kv_cache(
         tensors=tuple(tensors),
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
+        scale_plane=scale_plane,
     )
+    if scale_plane:  # each plane layout validates itself (order, alignment): refuse here, early
+        for g in groups:
+            config.layout(g.group_id)
+    return config
 
 
 def merge_kv_cache_configs(configs: Sequence[KVCacheConfig]) -> KVCacheConfig:
@@ -260,15 +281,16 @@ def merge_kv_cache_configs(configs: Sequence[KVCacheConfig]) -> KVCacheConfig:
         raise ValueError("merge_kv_cache_configs needs at least one config")
     first = configs[0]
     for i, c in enumerate(configs[1:], start=1):
-        if (c.groups, c.num_layer_slots, c.page_size_bytes, c.layout_order) != (
+        if (c.groups, c.num_layer_slots, c.page_size_bytes, c.layout_order, c.scale_plane) != (
             first.groups,
             first.num_layer_slots,
             first.page_size_bytes,
             first.layout_order,
+            first.scale_plane,
         ):
             raise ValueError(
                 f"worker {i}'s KV-cache config differs from worker 0's in groups, layer slots, page "
-                "size or layout order; every worker must plan from the same specs"
+                "size, layout order or scale plane; every worker must plan from the same specs"
             )
     num_blocks = min(c.num_blocks for c in configs)
     per_block = first.page_size_bytes * (

@@ -167,6 +167,7 @@ class PlanReport:
             page_size_bytes=cfg.page_size_bytes,
             total_bytes=cfg.total_bytes,
             layout_order=cfg.layout_order.value,
+            scale_plane=cfg.scale_plane,
             requests_at_max_len=cfg.max_concurrency(self.max_model_len),
             groups=[
                 {
@@ -200,9 +201,11 @@ def plan_model(
     kv_quant: str = "none",
     layout: str = "LBNHC",
     max_num_batched_tokens: int = 8192,
+    scale_plane: bool = False,
 ) -> PlanReport:
     """Plan ``model``'s cache in ``memory`` bytes; a budget too small for one request gives
-    a report with ``config=None`` (and what one request needs) rather than an exception."""
+    a report with ``config=None`` (and what one request needs) rather than an exception.
+    ``scale_plane``: per-token-head scales in a plane after each page's data (kv-spec)."""
     check_tensor_parallel(model, tp)
     quant = KVQuantMode.parse(kv_quant)
     specs = model.kv_specs(
@@ -215,8 +218,9 @@ def plan_model(
     order = LayoutOrder.parse(layout)
     # An unlimited budget gives the page geometry, hence what one request costs.
     big = plan_kv_cache(
-        specs, 2**62, max_num_batched_tokens=max_num_batched_tokens, layout_order=order
-    )
+        specs, 2**62, max_num_batched_tokens=max_num_batched_tokens, layout_order=order,
+        scale_plane=scale_plane,
+    )  # fmt: skip
     block_bytes = big.page_size_bytes * big.num_layer_slots
     need = big.blocks_per_request(mml) * block_bytes
     if memory < need + NULL_BLOCKS * block_bytes:  # the allocator's null block holds no request
@@ -227,6 +231,7 @@ def plan_model(
         max_model_len=mml,
         max_num_batched_tokens=max_num_batched_tokens,
         layout_order=order,
+        scale_plane=scale_plane,
     )
     return PlanReport(model, mml, memory, cfg, need)
 

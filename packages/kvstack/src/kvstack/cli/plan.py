@@ -71,6 +71,12 @@ def add_parsers(sub: Any) -> None:
         help="tokens scheduled per step (sizes sliding windows; default 8192)",
     )
     p.add_argument("--layout", default="LBNHC", choices=[o.value for o in LayoutOrder])
+    p.add_argument(
+        "--scale-plane",
+        action="store_true",
+        help="per-token-head scales in a plane after each page's data, not inline in the rows "
+        "(same bytes; the layout decode reads fastest)",
+    )
     p.add_argument("--json", action="store_true", help="print the plans as JSON (for scripts)")
     p.set_defaults(func=cmd_plan)
     m = sub.add_parser(
@@ -94,6 +100,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
             kv_quant=args.kv_quant,
             layout=args.layout,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            scale_plane=args.scale_plane,
         )
         for m in models
     ]
@@ -102,7 +109,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     else:
         title = (
             f"KV-cache plan: {format_bytes(args.memory)} for KV, block {args.block_size}, "
-            f"TP {args.tp}, {args.kv_quant}, {args.layout}"
+            f"TP {args.tp}, {args.kv_quant}{' (scale plane)' if args.scale_plane else ''}, "
+            f"{args.layout}"
         )
         console.print(plan_table(title, reports))
         for r in reports:
