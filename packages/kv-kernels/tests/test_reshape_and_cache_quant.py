@@ -90,19 +90,24 @@ def test_scale_plane_holds_what_inline_scales_hold(order: str, mla: bool) -> Non
     assert torch.equal(scales[..., 0], torch.where(amax > 0, amax / 127.0, 1.0))
 
 
-@pytest.mark.parametrize(("order", "word"), [("LBNHC", 8), ("BLHNC", 8), ("LBNHC", 4)])
-def test_triton_writes_a_scale_plane_bitwise(order: str, word: int, triton_device: str) -> None:
+@pytest.mark.parametrize(
+    ("order", "word", "pad"), [("LBNHC", 8, 0), ("BLHNC", 8, 0), ("LBNHC", 4, 0), ("LBHNC", 8, 24)]
+)
+def test_triton_writes_a_scale_plane_bitwise(
+    order: str, word: int, pad: int, triton_device: str
+) -> None:
     """The Triton write into a scale-plane layout, bitwise against the reference (data, plane,
     and the padding and other pages untouched), for the 8- and 4-byte scale stores (MLA: one
-    scale a row)."""
+    scale a row), and with padded pages (the plane right after the data, the padding after it)."""
     from kv_kernels.reshape_and_cache import triton as rc_triton
 
     mla = word == 4
     layout = small_layout(
         order, num_layers=2, num_blocks=9, heads=1 if mla else 3, block_size=4, head_size=16,
         head_size_v=0 if mla else 16, dtype="int8", kv_quant="int8_per_token_head", is_mla=mla,
-        scale_plane=True,
+        scale_plane=True, pad=pad,
     )  # fmt: skip
+    assert layout.page_bytes == layout.real_page_size_bytes + pad
     n = 23
     key = hard_rows(n + 2, 3, 16, seed=5)[:, : layout.num_kv_heads].contiguous()
     value = None if mla else hard_rows(n + 2, 3, 16, seed=6)
