@@ -36,6 +36,7 @@ import torch
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
 from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._sm90_decode_kernel import HEAD, ROWS, TILE_N, sm90_decode_kernel
+from kv_kernels.paged_attention._tiles import pick_num_splits
 
 __all__ = [
     "aot_case",
@@ -133,13 +134,11 @@ def pick_decode_splits(*, num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     tiles of 32 tokens. (A split sweep on the H200, fp8 per tensor, graph-timed, its output only:
     64 x 4k read 3.96 TB/s at 2 splits, one wave of 1,024 programs, and 3.26 at 4; 8 x 32k 4.01
     at 16 and 3.30 at 32.)"""
-    programs = max(1, num_seqs * num_kv_heads)
-    tiles = -(-max(max_seq_len, 1) // TILE_N.value)
-    slots = PROGRAMS_PER_SM * num_sms
-    splits = 1
-    while splits < 64 and programs * splits * 2 <= slots and tiles >= 16 * splits:
-        splits *= 2
-    return splits
+    return pick_num_splits(
+        num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_seq_len=max_seq_len,
+        tile_n=TILE_N.value, num_sms=num_sms, waves=1, programs_per_sm=PROGRAMS_PER_SM,
+        min_tiles=8,
+    )  # fmt: skip
 
 
 def launch_sm90_decode(

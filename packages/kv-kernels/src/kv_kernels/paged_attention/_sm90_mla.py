@@ -46,6 +46,7 @@ from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._gluon_compat import barrier
 from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
 from kv_kernels.paged_attention._sm90_prefill import _gather, _tile_rows
+from kv_kernels.paged_attention._tiles import pick_num_splits
 
 __all__ = [
     "aot_case",
@@ -311,12 +312,10 @@ def pick_mla_splits(*, num_seqs: int, head_blocks: int, max_seq_len: int, num_sm
     so the most splits (a power of two, at most 64) whose programs still fit one wave, each
     split keeping at least 8 tiles of 64 tokens. A function of the batch's shape and the card,
     as the Triton kernel's split rule."""
-    programs = max(1, num_seqs * head_blocks)
-    tiles = -(-max(max_seq_len, 1) // TILE_N.value)
-    splits = 1
-    while splits < 64 and programs * splits * 2 <= num_sms and tiles >= 16 * splits:
-        splits *= 2
-    return splits
+    return pick_num_splits(
+        num_seqs=num_seqs, num_kv_heads=head_blocks, max_seq_len=max_seq_len,
+        tile_n=TILE_N.value, num_sms=num_sms, waves=1, programs_per_sm=1, min_tiles=8,
+    )  # fmt: skip
 
 
 def launch_sm90_mla(

@@ -282,16 +282,19 @@ def pick_num_splits(
     num_sms: int,
     waves: int = 2,
     programs_per_sm: int = 1,
+    min_tiles: int = 16,
 ) -> int:
     """KV split count for a decode batch: enough programs for ~``waves`` waves of the GPU, while
     each split keeps at least 8 KV tiles (fewer and the merge and the prologue dominate).
-    ``waves=1``: the most splits that still fit one wave of ``programs_per_sm`` programs an SM."""
+    ``waves=1``: the most splits (a power of two, at most 64) that still fit one wave of
+    ``programs_per_sm`` programs an SM, each keeping at least ``min_tiles`` tiles (the sm_90
+    Gluon decode and MLA kernels' rule too, with their own tiles, programs an SM and 8)."""
     programs = max(1, num_seqs * num_kv_heads)
     tiles = -(-max(max_seq_len, 1) // tile_n)
     splits = 1
     if waves == 1:
         slots = num_sms * programs_per_sm
-        while splits < 64 and programs * splits * 2 <= slots and tiles >= 32 * splits:
+        while splits < 64 and programs * splits * 2 <= slots and tiles >= 2 * min_tiles * splits:
             splits *= 2
         return splits
     while splits < 64 and programs * splits < waves * num_sms and tiles >= 16 * splits:
