@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from kv_kernels.aot import SHARED_MEMORY_LIMIT
+from kv_kernels.aot import build_problems
 from kv_kernels.paged_attention import _sm90_mla
 from kv_kernels.paged_attention._sm90_mla import aot_case, pick_mla_splits, sm90_mla_eligible
 from kv_kernels.testing import assert_close_to_oracle, check_close_to_oracle, plant_wrong_page
@@ -53,12 +53,23 @@ def aot_results(aot_compile_checks) -> dict[str, dict]:
 
 @pytest.mark.parametrize("case", _CASES, ids=_case_id)
 def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
-    res = aot_results[_case_id(case)]
-    assert res["ok"], res.get("error")
-    assert res["shared"] <= SHARED_MEMORY_LIMIT[90], f"{res['shared']} bytes of shared memory"
-    counts = res["counts"]
-    for name in _PTX:
-        assert counts[name] > 0, f"no {name} in the PTX: {counts}"
+    problems = build_problems(aot_results[_case_id(case)], arch=90, present=tuple(_PTX))
+    assert not problems, problems
+
+
+def test_build_problems_can_fail() -> None:
+    """The check the three sm_90 kernels' builds go through sees each kind of bad build."""
+    assert (
+        build_problems(
+            {"ok": True, "shared": 1024, "counts": {"mma": 3}}, arch=90, present=("mma",)
+        )
+        == []
+    )
+    bad = build_problems(
+        {"ok": True, "shared": 240_000, "counts": {"mma": 0}}, arch=90, present=("mma",)
+    )
+    assert len(bad) == 2 and "shared memory" in bad[0] and "no mma" in bad[1]
+    assert "failed" in build_problems({"ok": False, "error": "x"}, arch=90, present=())[0]
 
 
 _FEATURES = dict(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_kernels.aot import SHARED_MEMORY_LIMIT
+from kv_kernels.aot import build_problems
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import _sm90_prefill
 from kv_kernels.paged_attention._sm90_prefill import aot_case, sm90_prefill_eligible
@@ -67,12 +67,8 @@ def aot_results(aot_compile_checks) -> dict[str, dict]:
 
 @pytest.mark.parametrize("case", _CASES, ids=_case_id)
 def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
-    res = aot_results[_case_id(case)]
-    assert res["ok"], res.get("error")
-    assert res["shared"] <= SHARED_MEMORY_LIMIT[90], f"{res['shared']} bytes of shared memory"
-    counts = res["counts"]
-    for name in _PTX:
-        assert counts[name] > 0, f"no {name} in the PTX: {counts}"
+    problems = build_problems(aot_results[_case_id(case)], arch=90, present=tuple(_PTX))
+    assert not problems, problems
 
 
 _FEATURES_OFF = dict(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SHARED_MEMORY_LIMIT", "aot_case_spec", "aot_compile"]
+__all__ = ["SHARED_MEMORY_LIMIT", "aot_case_spec", "aot_compile", "build_problems"]
 
 #: The most shared memory (bytes) a block may opt into, by arch: sm_90 227 KiB, sm_80 163 KiB.
 #: A kernel built for a target must fit it (the AOT tests check every build against it).
@@ -99,3 +99,20 @@ def aot_case_spec(
         "num_warps": constexprs["num_warps"],
         "divisible_by_16": [*pointers, *aligned_strides],
     }
+
+
+def build_problems(result: dict[str, Any], *, arch: int, present: tuple[str, ...]) -> list[str]:
+    """What is wrong with one AOT build's result (the test fixtures' ``{"ok", "error"?, "shared"?,
+    "counts"?}``): it failed, its shared memory passes :data:`SHARED_MEMORY_LIMIT`, or one of the
+    ``present`` PTX patterns counted none. Empty when the build is sound."""
+    if not result.get("ok"):
+        return [f"the build failed: {result.get('error')}"]
+    problems = []
+    shared = result.get("shared", 0)
+    if shared > SHARED_MEMORY_LIMIT[arch]:
+        problems.append(
+            f"{shared} bytes of shared memory > sm_{arch}'s {SHARED_MEMORY_LIMIT[arch]}"
+        )
+    counts = result.get("counts", {})
+    problems += [f"no {name} in the PTX: {counts}" for name in present if not counts.get(name)]
+    return problems
