@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kv_kernels.cache import allocate_kv_cache, layer_view, scale_plane_view
+from kv_kernels.cache import allocate_kv_cache, layer_view, scale_bytes, scale_geometry
 from kv_kernels.paged_attention import paged_attention
 from kv_spec import KVCacheLayout, LayoutOrder
 
@@ -65,29 +65,21 @@ def _paged(
 
 
 def _fill_quantized(kv: torch.Tensor, layout: KVCacheLayout, gen: torch.Generator) -> None:
-    """Random data (never zeros) and valid float32 scales, block chunk by block chunk (inline in
-    the rows, or in each page's scale plane)."""
-    data = layout.head_size + layout.head_size_v
-    if layout.scale_range is None:  # a scale plane
-        plane = scale_plane_view(kv, layout)
-        for lo in range(0, kv.shape[0], 1024):
-            chunk = kv[lo : lo + 1024]
-            x = torch.randn(*chunk.shape, generator=gen) * 30
-            if kv.dtype == torch.int8:
-                x = x.round().clamp(-127, 127)
-            chunk.copy_(x.to(kv.dtype).to(kv.device))
-            sc = plane[lo : lo + 1024]
-            sc.copy_((torch.rand(sc.shape, generator=gen) * 0.01 + 1e-3).to(kv.device))
-        return
-    s0, s1 = layout.scale_range
+    """Random data (never zeros) and valid float32 scales, block chunk by block chunk (the
+    scales inline in the rows or in each page's scale plane: ``scale_geometry`` says where)."""
+    data = layout.head_size + layout.head_size_v  # (the rows' K and V; inline scales after them)
+    geometry = scale_geometry(kv, layout)
+    assert geometry is not None
+    scale_rows = scale_bytes(kv, geometry, layout.num_scales)  # [B, H, N, 4 * scales]
     for lo in range(0, kv.shape[0], 1024):
         chunk = kv[lo : lo + 1024]  # [b, H, N, C]
         x = torch.randn(*chunk.shape[:-1], data, generator=gen) * 30
         if kv.dtype == torch.int8:
             x = x.round().clamp(-127, 127)
         chunk[..., :data] = x.to(kv.dtype).to(kv.device)
-        scales = torch.rand(*chunk.shape[:-1], (s1 - s0) // 4, generator=gen) * 0.01 + 1e-3
-        chunk.view(torch.uint8)[..., s0:s1] = scales.view(torch.uint8).to(kv.device)
+        rows = scale_rows[lo : lo + 1024]
+        scales = torch.rand(*rows.shape[:-1], layout.num_scales, generator=gen) * 0.01 + 1e-3
+        rows.copy_(scales.view(torch.uint8).to(kv.device))
 
 
 def _pth(

@@ -275,6 +275,9 @@ def test_scale_plane_follows_each_pages_data(order: str) -> None:
     assert KVCacheLayout.from_json(plane.to_json()) == plane
     assert plane.compatibility_hash() != inline.compatibility_hash()
     assert inline.scale_plane_geometry is None
+    # one geometry for both placements: inline, the row's end through the rows' own strides
+    _, _, ish, isn, _ = inline.byte_strides
+    assert inline.scale_geometry == (256, ish, isn) and plane.scale_geometry == (offset, 128, 8)
 
 
 def test_scale_plane_mla_and_kernel_blocks() -> None:

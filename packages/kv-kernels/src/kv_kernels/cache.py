@@ -20,8 +20,10 @@ __all__ = [
     "kernel_block_view",
     "layer_view",
     "layer_views",
-    "plane_scales",
+    "scale_bytes",
+    "scale_geometry",
     "scale_plane_view",
+    "scale_values",
 ]
 
 #: What :func:`allocate_kv_cache` returns: one tensor per layer slot (L-outer orders) or one slab.
@@ -137,22 +139,45 @@ def scale_plane_view(kv_cache: torch.Tensor, layout: KVCacheLayout) -> torch.Ten
             f"scale_plane_view: kv_cache has shape {tuple(kv_cache.shape)} ({kv_cache.dtype}); "
             f"the layout's layer view is {expected} of {layout.dtype}: pass layer_view(...)"
         )
-    return plane_scales(kv_cache, geo)
+    return scale_values(kv_cache, geo, layout.num_scales)  # (a plane is aligned: a view)
 
 
-def plane_scales(kv_cache: torch.Tensor, geometry: tuple[int, int, int]) -> torch.Tensor:
-    """:func:`scale_plane_view` from the plane's ``(offset, head_stride, token_stride)`` bytes
-    (``KVCacheLayout.scale_plane_geometry``) and a 1-byte layer view ``[B, H, N, C]``."""
-    if kv_cache.element_size() != 1:  # (kv-spec allows planes only with per-token-head quant)
-        raise ValueError(f"a {kv_cache.dtype} cache has no scale plane (1-byte caches only)")
+def scale_geometry(kv_cache: torch.Tensor, layout: KVCacheLayout) -> tuple[int, int, int] | None:
+    """``(offset, head_stride, token_stride)`` in bytes of the per-token-head scales of the layer
+    view ``kv_cache`` (``KVCacheLayout.scale_geometry``, with inline scales following the
+    tensor's own row strides: ops take any strided view); ``None`` without such scales."""
+    geometry = layout.scale_geometry
+    if geometry is None or layout.scale_plane:
+        return geometry
+    eb = kv_cache.element_size()
+    return (geometry[0], kv_cache.stride(1) * eb, kv_cache.stride(2) * eb)
+
+
+def scale_bytes(
+    kv_cache: torch.Tensor, geometry: tuple[int, int, int], num_scales: int
+) -> torch.Tensor:
+    """The bytes of every row's per-token-head scales, inline or in a plane, as a uint8
+    ``[B, H, N, 4 * num_scales]`` view of the 1-byte layer view ``kv_cache`` (any alignment;
+    ``geometry``: ``KVCacheLayout.scale_geometry``). Writers store through it."""
+    if kv_cache.element_size() != 1:  # (kv-spec allows per-token-head scales on 1-byte caches)
+        raise ValueError(f"a {kv_cache.dtype} cache holds no per-token-head scales")
     offset, head_stride, token_stride = geometry
     b, h, n, _ = kv_cache.shape
-    rows = kv_cache.view(torch.uint8).as_strided(
-        (b, h, n, token_stride),
+    return kv_cache.view(torch.uint8).as_strided(
+        (b, h, n, 4 * num_scales),
         (kv_cache.stride(0), head_stride, token_stride, 1),
         kv_cache.storage_offset() + offset,
     )
-    return rows.view(torch.float32)
+
+
+def scale_values(
+    kv_cache: torch.Tensor, geometry: tuple[int, int, int], num_scales: int
+) -> torch.Tensor:
+    """:func:`scale_bytes` as float32 ``[B, H, N, num_scales]``: a view where every scale is
+    4-byte aligned (a plane always is), else a copy (inline scales may sit at any byte)."""
+    raw = scale_bytes(kv_cache, geometry, num_scales)
+    aligned = raw.storage_offset() % 4 == 0 and all(st % 4 == 0 for st in raw.stride()[:3])
+    return (raw if aligned else raw.contiguous()).view(torch.float32)
 
 
 def _inverse(perm: Sequence[int]) -> tuple[int, ...]:

@@ -224,6 +224,20 @@ class KVCacheLayout:
         return (data, self.block_size * row, row)
 
     @property
+    def scale_geometry(self) -> tuple[int, int, int] | None:
+        """``(offset, head_stride, token_stride)`` in bytes of the per-token-head scales, whichever
+        their placement: the ``num_scales`` float32 scales of head ``h``, token ``n`` of a block
+        sit at ``offset + h * head_stride + n * token_stride`` from that block's (and layer's)
+        first byte. Inline: the scale range's start in a row, the rows' own strides; a plane:
+        :attr:`scale_plane_geometry`. ``None`` without per-token-head scales."""
+        if self.scale_plane:
+            return self.scale_plane_geometry
+        if self.scale_range is None:
+            return None
+        _, _, sh, sn, _ = self.byte_strides
+        return (self.scale_range[0] * self.element_bytes, sh, sn)
+
+    @property
     def k_range(self) -> tuple[int, int]:
         """``[start, stop)`` of K (for MLA, the whole latent) in C."""
         return (0, self.head_size)

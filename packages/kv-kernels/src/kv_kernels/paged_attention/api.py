@@ -28,6 +28,7 @@ from kv_kernels._common import (
     resolve_impl,
 )
 from kv_kernels._op_calls import paged_attention_op
+from kv_kernels.cache import scale_geometry
 
 __all__ = ["merge_attn_states", "paged_attention"]
 
@@ -354,10 +355,9 @@ def paged_attention(
         validate = device.type == "cpu" or host_validation_requested()
     if validate:
         _check_values(block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout)
-    scale_start = layout.scale_range[0] if layout.scale_range is not None else None
     common: dict[str, Any] = dict(
-        k_range=layout.k_range, v_range=v_range, scale_start=scale_start,
-        scale_plane=layout.scale_plane_geometry, block_table=block_table,
+        k_range=layout.k_range, v_range=v_range, scale_rows=scale_geometry(kv_cache, layout),
+        block_table=block_table,
         seq_lens=seq_lens, query_start_loc=query_start_loc, scale=float(scale), causal=causal,
         sliding_window=sliding_window, sinks=sinks, softcap=float(softcap),
         alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from kv_kernels.cache import plane_scales
+from kv_kernels.cache import scale_values
 
 __all__ = ["merge_attn_states_reference", "paged_attention_reference"]
 
@@ -28,21 +28,13 @@ def _as_head_scale(
     return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
 
 
-def _inline_scale(kv: torch.Tensor, start: int) -> torch.Tensor:
-    """The float32 stored at C elements ``[start, start + 4)`` of each row of a 1-byte cache:
-    ``kv`` ``[H, L, C]`` -> ``[H, L]`` (the 4 bytes reinterpreted, little-endian as written)."""
-    raw = kv.view(torch.uint8)[..., start : start + 4].contiguous()  # [H, L, 4]
-    return raw.view(torch.float32)[..., 0]
-
-
 def paged_attention_reference(
     q: torch.Tensor,  # [T, Hq, head_size]
     kv_cache: torch.Tensor,  # [B, H, N, C] layer view
     *,
     k_range: tuple[int, int],
     v_range: tuple[int, int],
-    scale_start: int | None = None,
-    scale_plane: tuple[int, int, int] | None = None,
+    scale_rows: tuple[int, int, int] | None = None,
     block_table: torch.Tensor,  # [num_seqs, max_blocks]
     seq_lens: torch.Tensor,  # [num_seqs]
     query_start_loc: torch.Tensor,  # [num_seqs + 1]
@@ -59,10 +51,9 @@ def paged_attention_reference(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention in float32 torch; writes ``out`` and returns it (and ``lse`` ``[T, Hq]``).
 
-    ``scale_start`` (per-token-head quantized caches): the C element where each token's inline
-    float32 K scale starts, the V scale right after it; K and V rows are multiplied by them.
-    ``scale_plane`` (``KVCacheLayout.scale_plane_geometry``): the same scales, read from each
-    page's scale plane instead.
+    ``scale_rows`` (per-token-head quantized caches, ``KVCacheLayout.scale_geometry``): where
+    each token's float32 K scale and V scale sit (inline at the row's end, or in the page's scale
+    plane); K and V rows are multiplied by them.
     For MLA ``k_range`` is the whole latent row and ``v_range`` its first columns.
 
     Query ``i`` of a sequence with ``q_len`` new tokens and ``seq_len`` KV tokens sits at absolute
@@ -102,12 +93,9 @@ def paged_attention_reference(
         kv = kv.permute(1, 0, 2, 3).reshape(num_kv_heads, n_pages * block_size, -1)[:, :seq_len]
         k = kv[..., k_range[0] : k_range[1]].float() * k_deq[:, None, None]  # [H, seq_len, D]
         v = kv[..., v_range[0] : v_range[1]].float() * v_deq[:, None, None]  # [H, seq_len, Dv]
-        if scale_start is not None:
-            k = k * _inline_scale(kv, scale_start)[..., None]
-            v = v * _inline_scale(kv, scale_start + 4)[..., None]
-        elif scale_plane is not None:
-            sc = plane_scales(kv_cache, scale_plane)[pages]  # [n_pages, H, N, S]
-            sc = sc.permute(1, 0, 2, 3).reshape(num_kv_heads, n_pages * block_size, -1)[:, :seq_len]
+        if scale_rows is not None:
+            sc = scale_values(kv_cache, scale_rows, 2)[pages]  # [n_pages, H, N, 2]
+            sc = sc.permute(1, 0, 2, 3).reshape(num_kv_heads, n_pages * block_size, 2)[:, :seq_len]
             k = k * sc[..., 0:1]
             v = v * sc[..., 1:2]
         k = k.repeat_interleave(group, dim=0)  # [Hq, seq_len, D]: q head h reads kv head h // group

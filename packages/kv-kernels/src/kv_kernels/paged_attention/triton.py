@@ -120,26 +120,13 @@ def _constexprs(cfg: AttentionConfig, kind: str, **features: Any) -> dict[str, A
     return kept
 
 
-def _scale_rows(
-    kv_cache: torch.Tensor, scale_start: int | None, scale_plane: tuple[int, int, int] | None
-) -> tuple[int, int, int] | None:
-    """``(start, head_stride, token_stride)`` in bytes of a row's per-token-head scales: inline
-    (``scale_start`` in the row, the rows' own strides) or in the page's scale plane (its
-    geometry); ``None`` without such scales."""
-    if scale_plane is not None:
-        return scale_plane
-    if scale_start is None:
-        return None
-    return (scale_start, kv_cache.stride(1), kv_cache.stride(2))
-
-
 def _inline_scale_args(
     kv_cache: torch.Tensor, rows: tuple[int, int, int] | None
 ) -> tuple[torch.Tensor, int, int, bool]:
     """``(kvs, k_idx, v_idx, words)``: the cache seen as float32 words when every stride and the
     scale offset allow it (one 4-byte load per scale), else as bytes (the scale assembled from
     its 4 bytes: it may sit at any byte offset). Per-token-head caches are 1-byte dtypes, so
-    element offsets are byte offsets. ``rows``: :func:`_scale_rows`."""
+    element offsets are byte offsets. ``rows``: ``KVCacheLayout.scale_geometry``."""
     if rows is None:
         return kv_cache, 0, 0, False
     scale_start, head_stride, token_stride = rows
@@ -184,8 +171,8 @@ def paged_attention_triton(
     block_size: int,
     num_splits: int | None,
     error_flag: torch.Tensor | None = None,  # [1] int32, counts invalid metadata
-    scale_start: int | None = None,  # first C element of the inline per-token-head scales
-    scale_plane: tuple[int, int, int] | None = None,  # or their plane (kv-spec geometry)
+    # per-token-head scales, inline or in a plane: KVCacheLayout.scale_geometry (bytes)
+    scale_rows: tuple[int, int, int] | None = None,
     v_from_k: bool = False,  # MLA: V is the first head_size_v columns of K (one latent)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the unified kernel (and the split merge); inputs validated by the api."""
@@ -205,7 +192,7 @@ def paged_attention_triton(
         head_size_v,
         block_size,
         v_from_k,
-        inline_scales=scale_start is not None or scale_plane is not None,
+        inline_scales=scale_rows is not None,
     )
     group = num_q_heads // num_kv_heads
     # (a hand-made config may leave heads_per_program at 0: the whole group, as kernel_constexprs)
@@ -213,7 +200,6 @@ def paged_attention_triton(
     chunks_pre = -(-group // (cfg_pre.heads_per_program or group))
     run_prefill = max_query_len > cfg_dec.block_q
     kv_scale_mode, scale_args = _scale_args(k_scale, v_scale, q)
-    scale_rows = _scale_rows(kv_cache, scale_start, scale_plane)
     kvs, ks_idx, vs_idx, scale_words = _inline_scale_args(kv_cache, scale_rows)
     if scale_rows is not None:
         kv_scale_mode = 3
@@ -235,7 +221,9 @@ def paged_attention_triton(
         check=error_flag is not None,
         v_from_k=v_from_k,
         scale_words=scale_words,
-        scale_plane=scale_plane is not None,
+        # (scales off the rows' own strides: in each page's plane)
+        scale_plane=scale_rows is not None
+        and scale_rows[1:] != (kv_cache.stride(1), kv_cache.stride(2)),
         row_align=row_align(kv_cache.stride()[:3]),
         kv_bytes=kv_cache.element_size(),
         ptx=type(paged_attention_kernel).__name__ != "InterpretedFunction",

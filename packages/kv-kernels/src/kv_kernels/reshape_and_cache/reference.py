@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode, to_torch_dtype
 
-from kv_kernels.cache import scale_plane_view
+from kv_kernels.cache import scale_bytes, scale_geometry, scale_values
 
 __all__ = ["quant_max", "read_kv", "reshape_and_cache_reference"]
 
@@ -137,12 +137,10 @@ def reshape_and_cache_reference(
     if layout.num_scales:
         assert k_row_scale is not None
         rows = [k_row_scale] if v_row_scale is None else [k_row_scale, v_row_scale]
-        scales = torch.stack(rows, dim=-1)  # [T_kept, H, num_scales]
-        if layout.scale_range is not None:
-            start, stop = layout.scale_range
-            target[blocks, :, offsets, start:stop] = _bytes_of(scales)  # [T_kept, H, 4 * ...]
-        else:
-            scale_plane_view(kv_cache, layout)[blocks, :, offsets] = scales
+        geometry = scale_geometry(kv_cache, layout)
+        assert geometry is not None
+        scales = scale_bytes(kv_cache, geometry, layout.num_scales)  # inline or in a plane
+        scales[blocks, :, offsets] = _bytes_of(torch.stack(rows, dim=-1))  # [T_kept, H, 4 S]
 
 
 def read_kv(
@@ -201,12 +199,10 @@ def read_kv(
                 )
             s = torch.as_tensor(scale, dtype=torch.float32, device=kv_cache.device).reshape(-1)
             return s.expand(num_heads)[None, :, None]  # [1, H, 1]
-        if layout.scale_range is None:  # a scale plane
-            plane = scale_plane_view(kv_cache, layout)
-            return plane[slots // layout.block_size, :, slots % layout.block_size, which, None]
-        start = layout.scale_range[0] + 4 * which
-        raw = rows.view(torch.uint8)[..., start : start + 4].contiguous()  # [S, H, 4]
-        return raw.view(torch.float32)  # [S, H, 1]
+        geometry = scale_geometry(kv_cache, layout)  # inline or in a plane
+        assert geometry is not None
+        values = scale_values(kv_cache, geometry, layout.num_scales)  # [B, H, N, scales]
+        return values[slots // layout.block_size, :, slots % layout.block_size, which, None]
 
     k0, k1 = layout.k_range
     k = rows[..., k0:k1].to(torch.float32) * scale_of(k_scale, 0, "k_scale")

@@ -66,6 +66,7 @@ from kv_spec import KVCacheLayout, KVQuantMode
 from triton.language.extra import libdevice
 
 from kv_kernels._common import row_align, triton_interpreting
+from kv_kernels.cache import scale_geometry
 
 __all__ = ["WriteConfig", "launch_config", "reshape_and_cache_triton"]
 
@@ -408,12 +409,9 @@ def scale_word(layout: KVCacheLayout, kv_cache: torch.Tensor) -> int:
         return 0
     if kv_cache.element_size() != 1 or kv_cache.stride(3) != 1:
         return 1
-    plane = layout.scale_plane_geometry
-    if plane is not None:
-        align = math.gcd(kv_cache.data_ptr(), kv_cache.stride(0), *plane)
-    else:
-        assert layout.scale_range is not None
-        align = math.gcd(kv_cache.data_ptr(), layout.scale_range[0], *kv_cache.stride()[:3])
+    geometry = scale_geometry(kv_cache, layout)  # (start, head stride, token stride)
+    assert geometry is not None
+    align = math.gcd(kv_cache.data_ptr(), kv_cache.stride(0), *geometry)
     if layout.num_scales == 2 and align % 8 == 0:
         return 8
     return 4 if align % 4 == 0 else 1
@@ -446,10 +444,8 @@ def reshape_and_cache_triton(
     if quant != _QUANT_NONE:
         qmax = 127.0 if kv_cache.dtype == torch.int8 else float(torch.finfo(kv_cache.dtype).max)
     v_offset = layout.v_range[0] if layout.v_range is not None else 0
-    scale_offset = layout.scale_range[0] if layout.scale_range is not None else 0
-    plane = layout.scale_plane_geometry  # (offset, head stride, token stride) in bytes, or None
-    if plane is not None:
-        scale_offset = plane[0]
+    geometry = scale_geometry(kv_cache, layout)  # (start, head, token stride) bytes, or None
+    plane = layout.scale_plane_geometry
     grid = (triton.cdiv(num_tokens, cfg.block_t), triton.cdiv(num_heads, cfg.block_h))
     _reshape_and_cache_kernel[grid](
         key,
@@ -473,7 +469,7 @@ def reshape_and_cache_triton(
         HEAD_SIZE=layout.head_size,
         HEAD_SIZE_V=max(layout.head_size_v, 1),
         V_OFFSET=v_offset,
-        SCALE_OFFSET=scale_offset,
+        SCALE_OFFSET=geometry[0] if geometry is not None else 0,
         HAS_V=has_v,
         QUANT=quant,
         QMAX=qmax,
