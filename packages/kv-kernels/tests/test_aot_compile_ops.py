@@ -40,10 +40,10 @@ def _signature(
 
 
 def _scale_word(layout: KVCacheLayout) -> int:
-    if layout.scale_range is None:
+    geometry = layout.scale_geometry
+    if geometry is None:
         return 0
-    c = layout.content_size
-    align = math.gcd(16, layout.scale_range[0], layout.block_size * layout.num_kv_heads * c, c)
+    align = math.gcd(16, layout.page_bytes, *geometry)
     return 8 if layout.num_scales == 2 and align % 8 == 0 else 4 if align % 4 == 0 else 1
 
 
@@ -60,7 +60,8 @@ def _reshape_case(
         "HEAD_SIZE": layout.head_size,
         "HEAD_SIZE_V": max(layout.head_size_v, 1),
         "V_OFFSET": layout.v_range[0] if layout.v_range else 0,
-        "SCALE_OFFSET": layout.scale_range[0] if layout.scale_range else 0,
+        "SCALE_OFFSET": layout.scale_geometry[0] if layout.scale_geometry else 0,
+        "SCALE_PLANE": layout.scale_plane,
         "HAS_V": not layout.is_mla,
         "QUANT": quant,
         "QMAX": qmax if quant else 0.0,
@@ -128,10 +129,12 @@ def _layout(
     head: int = 128,
     head_v: int = 128,
     mla: bool = False,
+    plane: bool = False,
 ):
     return KVCacheLayout(
         order="LBNHC", num_layers=1, num_blocks=1024, num_kv_heads=1 if mla else heads, block_size=16,
         head_size=head, head_size_v=0 if mla else head_v, dtype=dtype, kv_quant=kv_quant, is_mla=mla,
+        scale_plane=plane,
     )  # fmt: skip
 
 
@@ -160,6 +163,18 @@ def _reshape_cases() -> list[dict[str, Any]]:
                 arch,
                 _layout("int8", "int8_per_token_head", head=96),
                 "float16",
+            ),
+            _reshape_case(
+                "int8-per-token-head-plane",
+                arch,
+                _layout("int8", "int8_per_token_head", plane=True),
+                "bfloat16",
+            ),
+            _reshape_case(
+                "mla-fp8-per-token-head-plane",
+                arch,
+                _layout(fp8, "fp8_per_token_head", head=576, mla=True, plane=True),
+                "bfloat16",
             ),
             _reshape_case("mla-bf16", arch, _layout("bfloat16", head=576, mla=True), "bfloat16"),
             _reshape_case(

@@ -319,7 +319,7 @@ def _reshape_and_cache_kernel(
             s_row = row
             if SCALE_PLANE:  # (block, head, token) of the page's [H, N, scales] plane
                 s_row = block * cache_sb + heads64 * scale_sh + offset * scale_sn
-                s_row = tl.multiple_of(s_row, 8)
+                s_row = tl.multiple_of(s_row, 8 if HAS_V else 4)  # (the token stride: the scales)
             s_base = cache_bytes_ptr + s_row + SCALE_OFFSET  # [R]
             k_bits = ks.to(tl.uint32, bitcast=True)
             if SCALE_WORD == 8:
@@ -404,7 +404,7 @@ def scale_word(layout: KVCacheLayout, kv_cache: torch.Tensor) -> int:
     """Bytes per inline-scale store the kernel may use: 8 (K's and V's scale in one store) or 4
     when every scale area is that aligned in memory (base address, block/head/token strides and
     the scale offset) and contiguous (C stride 1); else 1 (bytes). 0 without per-token-head
-    scales. A scale plane's strides are its own (``layout.scale_plane_geometry``)."""
+    scales (:func:`kv_kernels.cache.scale_geometry`: inline or in a plane)."""
     if not layout.num_scales:
         return 0
     if kv_cache.element_size() != 1 or kv_cache.stride(3) != 1:
@@ -445,7 +445,6 @@ def reshape_and_cache_triton(
         qmax = 127.0 if kv_cache.dtype == torch.int8 else float(torch.finfo(kv_cache.dtype).max)
     v_offset = layout.v_range[0] if layout.v_range is not None else 0
     geometry = scale_geometry(kv_cache, layout)  # (start, head, token stride) bytes, or None
-    plane = layout.scale_plane_geometry
     grid = (triton.cdiv(num_tokens, cfg.block_t), triton.cdiv(num_heads, cfg.block_h))
     _reshape_and_cache_kernel[grid](
         key,
@@ -462,7 +461,7 @@ def reshape_and_cache_triton(
         *kv_cache.stride(),
         0 if k_scale is None or k_scale.numel() == 1 else 1,
         0 if v_scale is None or v_scale.numel() == 1 else 1,
-        *(plane[1:] if plane is not None else (0, 0)),
+        *(geometry[1:] if geometry is not None else (0, 0)),  # (read with a plane only)
         error_flag if error_flag is not None else slot_mapping,
         NUM_HEADS=num_heads,
         BLOCK_SIZE=block_size,
@@ -483,6 +482,6 @@ def reshape_and_cache_triton(
         ROW_ALIGN=row_align(kv_cache.stride()[:3]),
         SCALE_WORD=scale_word(layout, kv_cache),
         ROUND_DOWN=not triton_interpreting(),
-        SCALE_PLANE=plane is not None,
+        SCALE_PLANE=layout.scale_plane,
         num_warps=cfg.num_warps,
     )
