@@ -215,6 +215,8 @@ def test_scale_plane_reaches_the_per_token_head_groups_layouts() -> None:
     assert inline.layout(0).scale_placement == "inline"
     with pytest.raises(ValueError, match="scale_plane=True but no layer stores per-token-head"):
         plan_kv_cache(llama_specs(), 64 * 2**20, scale_plane=True)
+    with pytest.raises(ValueError, match=r"plan_kv_cache\.scale_plane=1 must be a bool"):
+        plan_kv_cache(pth, 64 * 2**20, scale_plane=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="page-contiguous order"):
         plan_kv_cache(pth, 64 * 2**20, scale_plane=True, layout_order="LHBNC")
     with pytest.raises(ValueError, match="layout order or scale plane"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["check_int", "check_positive_int"]
+__all__ = ["check_bool", "check_int", "check_positive_int"]
 
 
 def check_int(owner: str, field: str, value: object, *, minimum: int) -> int:
@@ -18,3 +18,13 @@ def check_int(owner: str, field: str, value: object, *, minimum: int) -> int:
 
 def check_positive_int(owner: str, field: str, value: object) -> int:
     return check_int(owner, field, value, minimum=1)
+
+
+def check_bool(owner: str, field: str, value: object) -> bool:
+    """Return ``value`` if it is a real ``bool``; raise ``ValueError`` otherwise (``1 == True``
+    but serializes as ``1``, so two processes would disagree on a hash; ``"no"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{owner}.{field}={value!r} must be a bool (True or False), got {type(value).__name__}"
+        )
+    return value

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kv_spec import pages
-from kv_spec._checks import check_int, check_positive_int
+from kv_spec._checks import check_bool, check_int, check_positive_int
 from kv_spec.dtypes import dtype_bytes, normalize_dtype
 from kv_spec.orders import LOGICAL_DIMS, LayoutChoice, LayoutOrder, resolve_layout
 from kv_spec.quant import SCALE_BYTES, KVQuantMode
@@ -72,13 +72,8 @@ class KVCacheLayout:
         object.__setattr__(self, "order", LayoutOrder.parse(self.order))
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype, field=f"{owner}.dtype"))
         object.__setattr__(self, "kv_quant", KVQuantMode.parse(self.kv_quant))
-        if not isinstance(self.is_mla, bool):
-            # 1 == True but hashes into the JSON as 1, not true: two processes would disagree on
-            # the compatibility hash; a string like "no" would be truthy. Only a real bool is valid.
-            raise ValueError(
-                f"{owner}.is_mla={self.is_mla!r} must be a bool (True or False), got "
-                f"{type(self.is_mla).__name__}"
-            )
+        check_bool(owner, "is_mla", self.is_mla)
+        check_bool(owner, "scale_plane", self.scale_plane)
         for name in ("num_layers", "num_blocks", "num_kv_heads", "block_size", "head_size"):
             check_positive_int(owner, name, getattr(self, name))
         check_int(owner, "head_size_v", self.head_size_v, minimum=0)
@@ -95,11 +90,6 @@ class KVCacheLayout:
             raise ValueError(
                 f"{owner}.dtype={self.dtype!r} cannot hold kv_quant={self.kv_quant.value!r}; "
                 f"that mode stores {sorted(self.kv_quant.allowed_dtypes)}"
-            )
-        if not isinstance(self.scale_plane, bool):
-            raise ValueError(
-                f"{owner}.scale_plane={self.scale_plane!r} must be a bool (True or False), got "
-                f"{type(self.scale_plane).__name__}"
             )
         if self.scale_plane:
             self._check_scale_plane(owner)

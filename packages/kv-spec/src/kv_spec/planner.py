@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
-from kv_spec._checks import check_int, check_positive_int
+from kv_spec._checks import check_bool, check_int, check_positive_int
 from kv_spec.layout import KVCacheLayout, LayoutOrder
 from kv_spec.specs import AttentionSpec, cdiv
 
@@ -189,8 +189,7 @@ def plan_kv_cache(
     if max_num_batched_tokens is not None:
         check_positive_int("plan_kv_cache", "max_num_batched_tokens", max_num_batched_tokens)
     order = LayoutOrder.parse(layout_order)
-    if not isinstance(scale_plane, bool):
-        raise ValueError(f"scale_plane={scale_plane!r} must be a bool (True or False)")
+    check_bool("plan_kv_cache", "scale_plane", scale_plane)
     if scale_plane and not any(s.kv_quant.per_token_head for s in specs.values()):
         raise ValueError(
             "scale_plane=True but no layer stores per-token-head scales (kv_quant "
