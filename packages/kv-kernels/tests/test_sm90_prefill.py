@@ -88,6 +88,22 @@ def _eligible(**over) -> bool:
     return sm90_prefill_eligible(**kw)
 
 
+@pytest.mark.parametrize(
+    ("version", "split"),
+    [("3.6.0", (120, 192)), ("3.5.1", (120, 192)), ("3.9.0", (80, 216)), ("3.10.0", (80, 216))],
+)
+def test_register_split_follows_the_triton_version(
+    monkeypatch: pytest.MonkeyPatch, version: str, split: tuple[int, int]
+) -> None:
+    """The measured 120 / 192 split only where it was measured (triton 3.6 and before: a "3.10"
+    read as text would sort before "3.6"); every split fits setmaxnreg's rules (multiples of 8,
+    two consumers and the producer within 512 registers a thread-slot)."""
+    monkeypatch.setattr(_sm90_prefill.triton, "__version__", version)
+    p_regs, c_regs = _sm90_prefill._register_split()
+    assert (p_regs, c_regs) == split
+    assert p_regs % 8 == 0 and c_regs % 8 == 0 and 2 * c_regs + p_regs <= 512
+
+
 def test_serves_the_plain_16_bit_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KV_KERNELS_SM90_PREFILL", raising=False)
     assert _eligible()

@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -64,15 +65,25 @@ __all__ = [
 #: rows per consumer warpgroup (a warpgroup MMA's M), and the program's two consumers
 WG_M = 64
 BLOCK_M = 2 * WG_M
-#: KV tile (tokens) and ring slots; producer / consumer registers after ``setmaxnreg``. sm_90
-#: builds, bytes spilled a thread (triton 3.6 / 3.9), page 16: head 128 0 / 8 and DiffKV 192/128
-#: 40 / 52 (in the producer) at 80 / 216. Before the producer's shared block-table walk: 80 / 216
-#: 0 / 0 and 12 / 12; 96 / 208 0 / 20 and 12 / 360 (in the consumers' masked loop); 64 / 224
-#: 116 / 40 and 108 / 84
+#: KV tile (tokens) and ring slots
 TILE_N = 128
 NBUF = 2
-P_REGS = 80
-C_REGS = 216
+
+
+def _register_split() -> tuple[int, int]:
+    """The producer's and each consumer's registers after ``setmaxnreg`` (``2 C + P <= 512``).
+
+    Triton 3.6 (the GPU machine's; H100, 4 x 4096 causal, same process, best of three interleaved
+    rounds): 120 / 192 reads head 128 468 / 475 and DiffKV 192/128 479 / 501 TFLOP/s at page 16 /
+    128, against 453 / 468 and 454 / 475 at 80 / 216 (96 / 208, 104 / 200, 112 / 200 in between;
+    128 / 192 418-462). Its sm_90 builds spill 0 bytes a thread at head 128 and 8 at DiffKV.
+    Triton 3.9's consumer needs more: 120 / 192 spills 232 bytes a thread there and 80 / 216
+    48-56, so later versions keep 80 / 216 (not measured on a GPU: the machine has 3.6)."""
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (120, 192) if (major, minor) <= (3, 6) else (80, 216)
+
+
+P_REGS, C_REGS = _register_split()
 
 
 @gluon.constexpr_function
