@@ -105,6 +105,53 @@ def test_replicated_heads_read_from_the_owning_rank() -> None:
         plan_conversion(a, b, src_tp=(0, 2), dst_tp=(3, 4))
 
 
+_PLANE_ORDERS = [o.value for o in LayoutOrder if o.page_contiguous]
+
+
+def _pth(order: str, **kw: object) -> KVCacheLayout:
+    """An int8 per-token-head layout with its scales in each page's plane."""
+    return make_layout(
+        order,
+        dtype="int8",
+        kv_quant="int8_per_token_head",
+        scale_plane=True,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(_PLANE_ORDERS, _PLANE_ORDERS)))
+def test_scale_planes_move_with_their_rows(src: str, dst: str) -> None:
+    """Orders change, the planes' scales follow their tokens (``block_bytes`` gives each row's
+    scales after its K and V, so a conversion that dropped or misplaced a plane fails here)."""
+    a, b = _pth(src, num_blocks=6, num_kv_heads=3), _pth(dst, num_blocks=5, num_kv_heads=3)
+    cache = random_cache(a, seed=5)
+    out = _apply(convert_rows(_rows(a, cache, [4, 1]), plan_conversion(a, b)), b, [0, 3])
+    assert torch.equal(block_bytes(out, b, 0), block_bytes(cache, a, 4))
+    assert torch.equal(block_bytes(out, b, 3), block_bytes(cache, a, 1))
+
+
+@pytest.mark.parametrize(("bs_src", "bs_dst"), [(4, 8), (8, 4)])
+def test_scale_planes_merge_and_split_blocks_and_heads(bs_src: int, bs_dst: int) -> None:
+    a = _pth("LBHNC", block_size=bs_src, num_blocks=8, num_kv_heads=4)
+    cache = random_cache(a, seed=6)
+    src_ids = [5, 2, 7, 0]
+    want = torch.cat([block_bytes(cache, a, i) for i in src_ids], dim=2)
+    for rank in range(2):  # TP 1 -> 2: each consumer rank takes its two heads
+        b = _pth("BLNHC", block_size=bs_dst, num_blocks=16, num_kv_heads=2)
+        conv = plan_conversion(a, b, src_tp=(0, 1), dst_tp=(rank, 2))
+        n_dst = conv.num_dst_blocks(len(src_ids))
+        out = _apply(convert_rows(_rows(a, cache, src_ids), conv), b, list(range(n_dst)))
+        got = torch.cat([block_bytes(out, b, j) for j in range(n_dst)], dim=2)
+        assert torch.equal(got, want[:, 2 * rank : 2 * rank + 2])
+
+
+def test_scale_plane_and_inline_scales_do_not_convert() -> None:
+    """The same bytes a token, placed differently: refused with the reason, not reshuffled."""
+    inline = make_layout("LBNHC", dtype="int8", kv_quant="int8_per_token_head")
+    with pytest.raises(HandshakeRefused, match="scale placement"):
+        plan_conversion(_pth("LBNHC"), inline)
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [

@@ -161,9 +161,17 @@ class LayoutConversion:
 
 
 def _content_key(lay: KVCacheLayout) -> tuple[object, ...]:
-    # Everything that fixes what one token of one head holds; the physical order, block size,
-    # head count and page padding may differ (those are converted).
-    return (lay.dtype, lay.kv_quant.value, lay.k_range, lay.v_range, lay.scale_range)
+    # Everything that fixes what one token of one head holds, and where its scales sit (in the
+    # row or in the page's scale plane); the physical order, block size, head count and page
+    # padding may differ (those are converted).
+    return (
+        lay.dtype,
+        lay.kv_quant.value,
+        lay.k_range,
+        lay.v_range,
+        lay.scale_range,
+        lay.scale_placement,
+    )
 
 
 def plan_conversion(
@@ -179,7 +187,7 @@ def plan_conversion(
     """
     if _content_key(src) != _content_key(dst):
         raise HandshakeRefused(
-            "token content differs: producer stores dtype/quant/K/V/scale ranges "
+            "token content differs: producer stores dtype/quant/K/V/scale ranges/scale placement "
             f"{_content_key(src)}, consumer {_content_key(dst)}; both must run the same KV dtype, "
             "quantization and head sizes"
         )
@@ -257,15 +265,43 @@ def _plan_heads(
 
 
 def _logical(rows: torch.Tensor, lay: KVCacheLayout) -> torch.Tensor:
-    """``[n, L, H, N, C_bytes]`` view of byte rows (``[n, L * page_bytes]``) of layout ``lay``."""
+    """``[n, L, H, N, C_bytes]`` view of byte rows (``[n, L * page_bytes]``) of layout ``lay``
+    (a page's data: a scale plane after it is :func:`_plane`'s)."""
     n = rows.shape[0]
     cb = lay.content_size * lay.element_bytes
-    real = lay.real_page_size_bytes
-    pages = rows.view(n, lay.num_layers, lay.page_bytes)[:, :, :real]
     h, nt = lay.num_kv_heads, lay.block_size
+    pages = rows.view(n, lay.num_layers, lay.page_bytes)[:, :, : nt * h * cb]
     if lay.order.token_major:  # pages are [N, H, C]
         return pages.unflatten(2, (nt, h, cb)).transpose(2, 3)
     return pages.unflatten(2, (h, nt, cb))  # [H, N, C] (head-outer orders gather the same)
+
+
+def _plane(rows: torch.Tensor, lay: KVCacheLayout) -> torch.Tensor | None:
+    """``[n, L, H, N, scale bytes]`` view of the scale planes of byte rows of layout ``lay``
+    (``None`` without a plane): each page's ``[H, N, scales]`` after its data, whatever the
+    order."""
+    geo = lay.scale_plane_geometry
+    if geo is None:
+        return None
+    offset, head_stride, token_stride = geo
+    h, nt = lay.num_kv_heads, lay.block_size
+    pages = rows.view(rows.shape[0], lay.num_layers, lay.page_bytes)
+    return pages[:, :, offset : offset + h * head_stride].unflatten(2, (h, nt, token_stride))
+
+
+def _regroup(x: torch.Tensor, conv: LayoutConversion) -> torch.Tensor:
+    """``[n, L, h, N, bytes]`` source blocks regrouped into destination blocks (tokens of block
+    ``j * k + i`` at ``[i * N, (i + 1) * N)`` of a merge; a split the other way)."""
+    n, lay, h, nt, cb = x.shape
+    if conv.merge > 1:
+        k = conv.merge
+        x = x.reshape(n // k, k, lay, h, nt, cb).permute(0, 2, 3, 1, 4, 5)
+        return x.reshape(n // k, lay, h, k * nt, cb)
+    if conv.split > 1:
+        k = conv.split
+        x = x.reshape(n, lay, h, k, nt // k, cb).permute(0, 3, 1, 2, 4, 5)
+        return x.reshape(n * k, lay, h, nt // k, cb)
+    return x
 
 
 def convert_rows(
@@ -289,23 +325,19 @@ def convert_rows(
         )
     if n % conv.merge:
         raise ValueError(f"{n} source blocks do not merge {conv.merge} at a time; pass a multiple")
-    x = _logical(rows.contiguous(), src)[:, :, conv.src_heads[0] : conv.src_heads[1]]
-    lay, h, nt, cb = src.num_layers, x.shape[2], src.block_size, x.shape[4]
-    if conv.merge > 1:  # k consecutive blocks -> one: tokens of block j*k+i go to [i*N, (i+1)*N)
-        k = conv.merge
-        x = x.reshape(n // k, k, lay, h, nt, cb).permute(0, 2, 3, 1, 4, 5)
-        x = x.reshape(n // k, lay, h, k * nt, cb)
-    elif conv.split > 1:
-        k = conv.split
-        x = x.reshape(n, lay, h, k, nt // k, cb).permute(0, 3, 1, 2, 4, 5)
-        x = x.reshape(n * k, lay, h, nt // k, cb)
-    m = x.shape[0]
+    rows = rows.contiguous()
+    heads = slice(conv.src_heads[0], conv.src_heads[1])
+    x = _regroup(_logical(rows, src)[:, :, heads], conv)
+    h, m = x.shape[2], x.shape[0]
     if out is None:
         out = torch.zeros(m, dst.num_layers * dst.page_bytes, dtype=torch.uint8, device=rows.device)
     elif tuple(out.shape) != (m, dst.num_layers * dst.page_bytes) or not out.is_contiguous():
         raise ValueError(
             f"out is {list(out.shape)}; expected contiguous [{m}, {dst.num_layers * dst.page_bytes}]"
         )
-    target = _logical(out, dst)
-    target[:, :, conv.dst_head_offset : conv.dst_head_offset + h].copy_(x)
+    to = slice(conv.dst_head_offset, conv.dst_head_offset + h)
+    _logical(out, dst)[:, :, to].copy_(x)
+    src_plane, dst_plane = _plane(rows, src), _plane(out, dst)
+    if src_plane is not None and dst_plane is not None:  # (the content key pairs placements)
+        dst_plane[:, :, to].copy_(_regroup(src_plane[:, :, heads], conv))
     return out

@@ -8,7 +8,7 @@ so a byte-exact comparison catches a wrong page, a lost scale or a torn copy.
 from __future__ import annotations
 
 import torch
-from kv_kernels import KVCacheStorage, allocate_kv_cache, layer_view
+from kv_kernels import KVCacheStorage, allocate_kv_cache, layer_view, scale_plane_view
 from kv_spec import KVCacheLayout, KVQuantMode, LayoutOrder
 
 __all__ = [
@@ -32,6 +32,7 @@ def make_layout(
     dtype: str = "float16",
     kv_quant: str = "none",
     page_size_bytes: int | None = None,
+    scale_plane: bool = False,
 ) -> KVCacheLayout:
     return KVCacheLayout(
         order=LayoutOrder.parse(order),
@@ -44,6 +45,7 @@ def make_layout(
         dtype=dtype,
         kv_quant=KVQuantMode.parse(kv_quant),
         page_size_bytes=page_size_bytes,
+        scale_plane=scale_plane,
     )
 
 
@@ -103,10 +105,15 @@ def block_bytes(storage: KVCacheStorage, layout: KVCacheLayout, block_id: int) -
     """Logical bytes of block ``block_id`` over every layer: ``uint8 [L, H, N, C_bytes]`` on the CPU.
 
     Read through :func:`kv_kernels.layer_view` (real content, padding excluded), so two layouts that
-    hold the same KV compare equal whatever their physical order.
+    hold the same KV compare equal whatever their physical order; a layout with a scale plane
+    gives each row's scales after its K and V, as inline scales sit.
     """
     pages = []
     for layer in range(layout.num_layers):
-        view = layer_view(storage, layout, layer)[block_id]  # [H, N, C]
-        pages.append(view.contiguous().view(torch.uint8).cpu())  # [H, N, C * element_bytes]
+        view = layer_view(storage, layout, layer)
+        row = view[block_id].contiguous().view(torch.uint8).cpu()  # [H, N, C * element_bytes]
+        if layout.scale_plane:
+            scales = scale_plane_view(view, layout)[block_id].contiguous().view(torch.uint8)
+            row = torch.cat([row, scales.cpu()], dim=-1)
+        pages.append(row)
     return torch.stack(pages)
