@@ -211,8 +211,8 @@ def test_scale_plane_reaches_the_per_token_head_groups_layouts() -> None:
     plane, plain = kinds["int8_per_token_head"], kinds["none"]
     assert plane.scale_placement == "plane" and plane.content_size == 256
     assert plane.page_bytes == cfg.page_size_bytes and plain.scale_plane is False
-    inline = plan_kv_cache(mixed, 64 * 2**20)
-    assert inline.layout(0).scale_placement == "inline"
+    inline = plan_kv_cache(mixed, 64 * 2**20, scale_plane=False)
+    assert inline.layout(0).scale_placement == "inline" and inline.scale_plane is False
     with pytest.raises(ValueError, match="scale_plane=True but no layer stores per-token-head"):
         plan_kv_cache(llama_specs(), 64 * 2**20, scale_plane=True)
     with pytest.raises(ValueError, match=r"plan_kv_cache\.scale_plane=1 must be a bool"):
@@ -221,5 +221,25 @@ def test_scale_plane_reaches_the_per_token_head_groups_layouts() -> None:
         plan_kv_cache(pth, 64 * 2**20, scale_plane=True, layout_order="LHBNC")
     with pytest.raises(ValueError, match="layout order or scale plane"):
         merge_kv_cache_configs(
-            [plan_kv_cache(pth, 2**24, scale_plane=True), plan_kv_cache(pth, 2**24)]
+            [plan_kv_cache(pth, 2**24), plan_kv_cache(pth, 2**24, scale_plane=False)]
         )
+
+
+def test_scale_plane_by_default_where_the_layout_takes_one() -> None:
+    """No ``scale_plane`` argument: per-token-head groups get a plane wherever every such group's
+    layout can take one (the same layout as asking for it), inline where one cannot (an order
+    that interleaves pages, page data off 16 bytes), and configs without per-token-head scales
+    record no plane."""
+    pth = llama_specs(2, dtype="int8", kv_quant="int8_per_token_head")
+    auto, asked = plan_kv_cache(pth, 2**24), plan_kv_cache(pth, 2**24, scale_plane=True)
+    assert auto.scale_plane is True and auto.layout(0) == asked.layout(0)
+    assert auto.layout(0).scale_placement == "plane"
+    interleaved = plan_kv_cache(pth, 2**24, layout_order="LHBNC")
+    assert interleaved.scale_plane is False and interleaved.layout(0).scale_placement == "inline"
+    # 1 token x 1 head x (3 + 2) bytes of data a page: no 16-byte-aligned plane after it
+    odd = {"l0": FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=3, head_size_v=2,
+                                   dtype="int8", kv_quant="int8_per_token_head")}  # fmt: skip
+    assert plan_kv_cache(odd, 2**20).scale_plane is False
+    with pytest.raises(ValueError, match="16"):
+        plan_kv_cache(odd, 2**20, scale_plane=True)
+    assert plan_kv_cache(llama_specs(), 2**26).scale_plane is False

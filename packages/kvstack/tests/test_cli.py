@@ -59,18 +59,21 @@ def test_plan_json_for_scripts_with_tp_and_fp8() -> None:
 
 
 def test_plan_with_a_scale_plane() -> None:
-    """``--scale-plane`` with per-token-head quant: the same page bytes, a layout (hence hash)
-    of its own; without per-token-head scales it is refused with kv-spec's reason."""
-    args = ("plan", "Llama-3-8B", "--memory", "8GiB", "--kv-quant", "int8_per_token_head", "--json")
-    inline = kvstack(*args)
-    plane = kvstack(*args, "--scale-plane")
-    assert inline.returncode == plane.returncode == 0, plane.stderr
-    [a], [b] = json.loads(inline.stdout), json.loads(plane.stdout)
+    """``--scales``: per-token-head quant gets a plane by default (``auto``) as with ``plane``:
+    the same page bytes as ``inline``, a layout (hence hash) of its own; the title says where
+    the scales went; ``plane`` without per-token-head scales is refused with kv-spec's reason."""
+    args = ("plan", "Llama-3-8B", "--memory", "8GiB", "--kv-quant", "int8_per_token_head")
+    runs = {s: kvstack(*args, "--json", "--scales", s) for s in ("auto", "plane", "inline")}
+    assert all(r.returncode == 0 for r in runs.values()), runs["auto"].stderr
+    auto, plane, inline = (json.loads(runs[s].stdout)[0] for s in ("auto", "plane", "inline"))
     # 16 tokens * 8 heads * (128 + 128 + 8) bytes either way
-    assert a["page_size_bytes"] == b["page_size_bytes"] == 16 * 8 * 264
-    assert (a["scale_plane"], b["scale_plane"]) == (False, True)
-    assert a["groups"][0]["layout_hash"] != b["groups"][0]["layout_hash"]
-    res = kvstack("plan", "Llama-3-8B", "--memory", "8GiB", "--scale-plane")
+    assert auto["page_size_bytes"] == inline["page_size_bytes"] == 16 * 8 * 264
+    assert (auto["scale_plane"], plane["scale_plane"], inline["scale_plane"]) == (True, True, False)
+    assert auto["groups"][0]["layout_hash"] == plane["groups"][0]["layout_hash"]
+    assert auto["groups"][0]["layout_hash"] != inline["groups"][0]["layout_hash"]
+    assert "(scales in a plane)" in kvstack(*args).stdout
+    assert "(scales inline)" in kvstack(*args, "--scales", "inline").stdout
+    res = kvstack("plan", "Llama-3-8B", "--memory", "8GiB", "--scales", "plane")
     assert res.returncode != 0 and "no layer stores per-token-head scales" in res.stderr
     assert "Traceback" not in res.stderr
 

@@ -70,7 +70,8 @@ class KVCacheConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     #: per-token-head groups keep their scales in a plane after each page's data
-    #: (:attr:`KVCacheLayout.scale_plane`); other groups are unaffected
+    #: (:attr:`KVCacheLayout.scale_plane`); other groups are unaffected. :func:`plan_kv_cache`
+    #: sets it wherever the groups' layouts can take a plane unless told otherwise
     scale_plane: bool = False
 
     @property
@@ -167,14 +168,19 @@ def plan_kv_cache(
     max_num_batched_tokens: int | None = None,
     layout_order: LayoutOrder | str = LayoutOrder.LBNHC,
     allow_padding: bool = True,
-    scale_plane: bool = False,
+    scale_plane: bool | None = None,
 ) -> KVCacheConfig:
     """Plan a KV cache for ``specs`` (layer name -> spec) within ``available_bytes``.
 
     Given ``max_model_len`` it refuses a budget too small for one request of that length.
-    ``scale_plane``: per-token-head groups keep their scales in a plane after each page's data
-    (kv-spec's ``KVCacheLayout.scale_plane``: rows of K + V, the layout decode reads fastest);
-    refused when no layer has per-token-head scales or a group's layout cannot take a plane.
+    ``scale_plane``: where per-token-head groups keep their scales. ``None`` (the default): in a
+    plane after each page's data (``KVCacheLayout.scale_plane``: rows of K + V at a 16-byte pitch,
+    the layout decode reads fastest; same page bytes) when every such group's layout can take one
+    (a page-contiguous order, page data a multiple of 16 bytes), else inline in the rows;
+    ``True``: a plane, refused when no layer has per-token-head scales or a group's layout cannot
+    take one; ``False``: inline. The config records the choice (:attr:`KVCacheConfig.scale_plane`).
+    A plane layout has no kernel-block view (:meth:`KVCacheLayout.kernel_block_problem`): plan
+    with ``False`` for a backend that splits blocks and reads per-token-head scales.
     """
     if not specs:
         raise ValueError("plan_kv_cache needs at least one layer spec; got an empty mapping")
@@ -189,7 +195,8 @@ def plan_kv_cache(
     if max_num_batched_tokens is not None:
         check_positive_int("plan_kv_cache", "max_num_batched_tokens", max_num_batched_tokens)
     order = LayoutOrder.parse(layout_order)
-    check_bool("plan_kv_cache", "scale_plane", scale_plane)
+    if scale_plane is not None:
+        check_bool("plan_kv_cache", "scale_plane", scale_plane)
     if scale_plane and not any(s.kv_quant.per_token_head for s in specs.values()):
         raise ValueError(
             "scale_plane=True but no layer stores per-token-head scales (kv_quant "
@@ -266,11 +273,17 @@ def plan_kv_cache(
         tensors=tuple(tensors),
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
-        scale_plane=scale_plane,
+        scale_plane=scale_plane is not False
+        and any(g.spec.kv_quant.per_token_head for g in groups),
     )
-    if scale_plane:  # each plane layout validates itself (order, alignment): refuse here, early
-        for g in groups:
-            config.layout(g.group_id)
+    if config.scale_plane:  # each plane layout validates itself (order, alignment)
+        try:
+            for g in groups:
+                config.layout(g.group_id)
+        except ValueError:
+            if scale_plane:  # asked for: refuse, naming the group's problem
+                raise
+            config = replace(config, scale_plane=False)  # the default: inline where no plane fits
     return config
 
 

@@ -201,11 +201,12 @@ def plan_model(
     kv_quant: str = "none",
     layout: str = "LBNHC",
     max_num_batched_tokens: int = 8192,
-    scale_plane: bool = False,
+    scale_plane: bool | None = None,
 ) -> PlanReport:
     """Plan ``model``'s cache in ``memory`` bytes; a budget too small for one request gives
     a report with ``config=None`` (and what one request needs) rather than an exception.
-    ``scale_plane``: per-token-head scales in a plane after each page's data (kv-spec)."""
+    ``scale_plane``: where per-token-head scales sit, as kv-spec's ``plan_kv_cache`` takes it
+    (``None``: in a plane after each page's data wherever the layout can take one)."""
     check_tensor_parallel(model, tp)
     quant = KVQuantMode.parse(kv_quant)
     specs = model.kv_specs(

@@ -17,6 +17,9 @@ from kvstack.units import format_bytes
 
 __all__ = ["add_parsers", "cmd_models", "cmd_plan"]
 
+#: ``--scales`` -> ``plan_kv_cache(scale_plane=...)``
+_SCALES: dict[str, bool | None] = {"auto": None, "plane": True, "inline": False}
+
 #: Exit status of a plan that cannot hold one request of --max-model-len.
 EXIT_DOES_NOT_FIT = 1
 
@@ -72,10 +75,12 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("--layout", default="LBNHC", choices=[o.value for o in LayoutOrder])
     p.add_argument(
-        "--scale-plane",
-        action="store_true",
-        help="per-token-head scales in a plane after each page's data, not inline in the rows "
-        "(same bytes; the layout decode reads fastest)",
+        "--scales",
+        default="auto",
+        choices=sorted(_SCALES),
+        help="where per-token-head scales sit: 'plane' after each page's data (same bytes, rows of "
+        "K + V: the layout decode reads fastest), 'inline' at the end of each row, 'auto' "
+        "(default) a plane wherever the layout can take one",
     )
     p.add_argument("--json", action="store_true", help="print the plans as JSON (for scripts)")
     p.set_defaults(func=cmd_plan)
@@ -100,7 +105,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
             kv_quant=args.kv_quant,
             layout=args.layout,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            scale_plane=args.scale_plane,
+            scale_plane=_SCALES[args.scales],
         )
         for m in models
     ]
@@ -109,7 +114,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     else:
         title = (
             f"KV-cache plan: {format_bytes(args.memory)} for KV, block {args.block_size}, "
-            f"TP {args.tp}, {args.kv_quant}{' (scale plane)' if args.scale_plane else ''}, "
+            f"TP {args.tp}, {args.kv_quant}{_scales_note(args.kv_quant, reports)}, "
             f"{args.layout}"
         )
         console.print(plan_table(title, reports))
@@ -171,3 +176,13 @@ def cmd_models(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(table)
     return 0
+
+
+def _scales_note(kv_quant: str, reports: list[Any]) -> str:
+    """Where the plans put per-token-head scales (nothing for other quant modes)."""
+    if not KVQuantMode.parse(kv_quant).per_token_head:
+        return ""
+    planes = {r.config.scale_plane for r in reports if r.config is not None}
+    return {frozenset({True}): " (scales in a plane)", frozenset({False}): " (scales inline)"}.get(
+        frozenset(planes), " (scales: plane or inline by model)"
+    )
