@@ -34,6 +34,8 @@ _PTX = {
     "mbarrier_wait": r"mbarrier\.try_wait",
     "setmaxnreg": r"setmaxnreg",
 }
+#: TMA boxes: whole tiles of pages of 128+ tokens (absent at smaller pages)
+_TMA = {"tma": r"cp\.async\.bulk\.tensor"}
 
 # (dtype, head, group, page, causal, lse): every served dtype, head size, GQA group and page
 # shape at least once
@@ -61,14 +63,19 @@ def aot_results(aot_compile_checks) -> dict[str, dict]:
         case = aot_case(
             dtype=dt, head=d, head_v=dv, group=g, block_size=n, causal=causal, write_lse=lse
         )
-        cases.append({"id": _case_id(c), "count": _PTX, **case})
+        cases.append({"id": _case_id(c), "count": {**_PTX, **_TMA}, **case})
     return aot_compile_checks(cases)
 
 
 @pytest.mark.parametrize("case", _CASES, ids=_case_id)
 def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
-    problems = build_problems(aot_results[_case_id(case)], arch=90, present=tuple(_PTX))
+    """Every build has its warpgroup MMAs, gathers and barriers; pages of whole tiles (128
+    tokens) also TMA boxes, and only they."""
+    result = aot_results[_case_id(case)]
+    problems = build_problems(result, arch=90, present=tuple(_PTX))
     assert not problems, problems
+    page = case[3]
+    assert bool(result["counts"]["tma"]) == (page % 128 == 0), result["counts"]
 
 
 _FEATURES_OFF = dict(
@@ -231,10 +238,28 @@ def test_gpu_catches_a_wrong_page(launches: list[int]) -> None:
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_cache_past_2_31_elements(launches: list[int]) -> None:
+def test_gpu_tma_tiles_match_the_gathers(
+    monkeypatch: pytest.MonkeyPatch, launches: list[int]
+) -> None:
+    """Pages of 128 tokens: whole tiles by TMA (the last, partial one gathered) give the same bits
+    as gathering every tile, so a box at a wrong block, head, token or column shows."""
+    b = _batch(q_lens=_Q, seq_lens=_L, n=128)
+    with_tma = run_batch(b, "triton")
+    monkeypatch.setattr(_sm90_prefill, "TMA_TILES", False)
+    gathered = run_batch(b, "triton")
+    assert torch.equal(with_tma, gathered)
+    assert launches
+
+
+@pytest.mark.parametrize(("n", "seq_lens"), [(16, (120, 90)), (128, (1000, 700))])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_cache_past_2_31_elements(
+    n: int, seq_lens: tuple[int, int], launches: list[int]
+) -> None:
     """A bf16 cache of more than 2^31 elements whose prefill reads its last blocks (64-bit page
-    offsets in the producer's gathers)."""
-    h, d, n = 8, 128, 16
+    offsets in the producer's gathers; at page 128 its TMA boxes too)."""
+    h, d = 8, 128
     nb = 2**31 // (h * n * 2 * d) + 16
     layout = KVCacheLayout(
         order="LBNHC", num_layers=1, num_blocks=nb, num_kv_heads=h, block_size=n, head_size=d,
@@ -249,7 +274,7 @@ def test_gpu_cache_past_2_31_elements(launches: list[int]) -> None:
     table[1, :6] = ids[8:]
     b = dict(
         q=torch.randn(160, h * 4, d, dtype=torch.bfloat16, device="cuda"), kv=kv, layout=layout,
-        block_table=table, seq_lens=torch.tensor([120, 90], dtype=torch.int32, device="cuda"),
+        block_table=table, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
         qsl=torch.tensor([0, 100, 160], dtype=torch.int32, device="cuda"), max_query_len=100,
     )  # fmt: skip
     got = run_batch(b, "triton")

@@ -79,15 +79,18 @@ def aot_case_spec(
     constexprs: dict[str, Any],
     aligned_strides: tuple[str, ...] | list[str],
     arch: int = 90,
+    descriptors: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A launcher's build as :func:`aot_compile` keywords (plus ``module`` and ``kernel``, the
     kernel's name there): every argument of ``kernel`` typed from ``pointers`` (name -> pointer
-    type), ``floats`` (float32 scalars), ``constexprs`` (whose ``num_warps`` is the build's), and
-    otherwise ``i64`` for ``stride_*`` and ``i32`` for the rest; ``divisible_by_16``: every pointer
-    and ``aligned_strides``, what a launch from contiguous tensors aligns."""
+    type), ``descriptors`` (name -> ``tensordesc<...>`` type: TMA descriptors), ``floats``
+    (float32 scalars), ``constexprs`` (whose ``num_warps`` is the build's), and otherwise ``i64``
+    for ``stride_*`` and ``i32`` for the rest; ``divisible_by_16``: every pointer and
+    ``aligned_strides``, what a launch from contiguous tensors aligns."""
     sig = {}
     for name in kernel.arg_names:
         sig[name] = pointers.get(name, "i64" if name.startswith("stride_") else "i32")
+    sig.update(descriptors or {})
     sig.update(dict.fromkeys(floats, "fp32"))
     sig.update(dict.fromkeys(constexprs, "constexpr"))
     return {

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
-__all__ = ["async_load", "barrier"]
+__all__ = ["async_load", "barrier", "tma_load"]
 
 #: ``cp.async`` of a tensor of pointers into shared memory: 3.9's ``async_load``, 3.6's
 #: ``async_copy_global_to_shared``
@@ -14,3 +15,6 @@ async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_gl
 #: a barrier of the partition's warps (the CTA's outside warp specialization): 3.9's ``barrier``,
 #: 3.6's ``thread_barrier``
 barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+#: a TMA copy of a descriptor's box into shared memory, completing on an mbarrier: 3.9's
+#: ``tma.async_load``, 3.6's ``tma.async_copy_global_to_shared``
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared

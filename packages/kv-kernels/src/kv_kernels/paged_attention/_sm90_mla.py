@@ -4,7 +4,7 @@ program over one 576-wide latent (K the whole row, V its first 512 columns of th
 Why a third Gluon kernel. At 128 heads a latent byte feeds ~240 FLOPs, so MLA decode is bound by
 the tensor cores and by how well the copies overlap them, not by HBM bandwidth; the Triton
 kernel's MLA decode reached 232-245 TFLOP/s on an H100 / H200 (0.24-0.33 of the copy). This
-kernel states the schedule, as :mod:`._sm90_prefill` does for prefill:
+kernel states the schedule, as :mod:`._sm90_prefill_kernel` does for prefill:
 
 - a producer warpgroup gathers each 64-token tile of latent rows (``cp.async``, 16 bytes a
   thread, any page size) into a ring of ``NBUF`` slots: the 512 "nope" columns in one tile
@@ -23,7 +23,7 @@ first 512 columns, ``v_from_k``), 64 or 128 query heads over the one latent head
 scale, LSE and KV splits; everything else (fewer heads, fp8 latents, windows, soft-cap, metadata
 checks) stays with the Triton kernel. ``KV_KERNELS_SM90_MLA=0`` turns it off.
 
-Bounds: as :mod:`._sm90_prefill` (block-table columns and block ids clamped, tokens past the
+Bounds: as :mod:`._sm90_prefill_kernel` (block-table columns and block ids clamped, tokens past the
 sequence zero-filled by ``cp.async`` and masked), so no read leaves the cache.
 """
 
@@ -45,7 +45,7 @@ from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
 from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._gluon_compat import barrier
 from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
-from kv_kernels.paged_attention._sm90_prefill import _gather, _tile_rows
+from kv_kernels.paged_attention._sm90_prefill_kernel import _gather, _tile_rows
 from kv_kernels.paged_attention._tiles import pick_num_splits
 
 __all__ = [

@@ -1,37 +1,20 @@
-"""Paged prefill for Hopper (sm_90) in Gluon: warp-specialized, warpgroup MMAs issued
-asynchronously, so softmax and tensor-core work overlap.
+"""Paged prefill for Hopper (sm_90): when the warp-specialized Gluon kernel of
+:mod:`._sm90_prefill_kernel` serves a launch's prefill class instead of the Triton kernel, its
+launcher, TMA descriptors and ahead-of-time spec.
 
 Why a second kernel. The Triton kernel (:mod:`._kernels`) reaches ~415 TFLOP/s at page 16 on an
 H100 (FA4: 532-553): Triton 3.6 waits on each warpgroup MMA as soon as it is issued and keeps the
 page gathers, the MMAs and the softmax of a program in one instruction stream. Gluon states the
-schedule, as FlashAttention-3 does:
-
-- a producer warpgroup gathers K and V pages token by token (``cp.async``, 16 bytes a thread,
-  whatever the page size) into rings of ``NBUF`` slots, and signals each slot's mbarrier when
-  its copies land (``full``); it waits on the slot's ``empty`` barrier before reusing it;
-- two consumer warpgroups of 64 query rows each (the q tile: ``128 / group`` tokens of one KV
-  head's ``group`` query heads) run, per KV tile ``i``: issue ``S = Q K_i^T`` and
-  ``O += P_(i-1) V_(i-1)`` together, wait for ``S`` only, do tile ``i``'s softmax while ``P.V``
-  runs, then wait for it and release both slots. No CTA barrier: each consumer runs on its own
-  schedule, so one's softmax overlaps the other's MMAs;
-- the softmax scale sits inside ``exp2``'s FMA (``2^(s c - m c)``, raw-logit maxima), and the
-  tiles every row sees in full run a loop without masks.
+schedule, as FlashAttention-3 does (a producer warpgroup filling rings of K / V tiles by
+``cp.async`` gathers or, where pages hold whole tiles, TMA boxes; two consumer warpgroups
+overlapping one tile's softmax with the next MMAs).
 
 Scope (:func:`sm90_prefill_eligible`): 16-bit queries and cache of the same dtype, (K, V) head
-sizes 64 / 64, 128 / 128 or DiffKV's 192 / 128 (K's last 64 columns in a tile of their own, a
-second MMA into the same logits: no padding to 256), GQA groups 1-16, a positive scale, causal
+sizes 64 / 64, 128 / 128 or DiffKV's 192 / 128, GQA groups 1-16, a positive scale, causal
 or not, LSE; ALiBi, soft-cap, windows, sinks, quantized caches, KV splits, MLA and metadata
-checks stay with the Triton kernel. Gluon has no interpreter: the CPU suite compiles this kernel for sm_90, the GPU suite
-checks it against the reference.
-
-Bounds: block-table columns past ``max_blocks`` read the last column, block ids are clamped into
-``[0, num_blocks)`` (unsigned, as in :mod:`._tile_loads`), and tokens past the sequence are not
-read (``cp.async`` zero-fills them), so no read leaves the cache whatever the metadata says.
-
-Version notes: triton 3.9 renamed ``async_copy_global_to_shared`` to ``async_load``. Triton 3.6's
-alignment analysis asserts on the gathers when they are unrolled at the top level with constant
-tile indices (the producer's runtime loop avoids that) and when the program returns early (the
-kernel has no early return: a program with nothing to do runs zero tiles and stores nothing).
+checks stay with the Triton kernel; ``KV_KERNELS_SM90_PREFILL=0`` sends every prefill back to
+it. Gluon has no interpreter: the CPU suite compiles this kernel for sm_90, the GPU suite checks
+it against the float64 oracle.
 """
 
 from __future__ import annotations
@@ -40,19 +23,12 @@ from typing import Any
 
 import torch
 import triton
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
 from kv_kernels.aot import aot_case_spec
-from kv_kernels.paged_attention._gluon_compat import async_load
+from kv_kernels.paged_attention._sm90_prefill_kernel import sm90_prefill_kernel
 from kv_kernels.paged_attention._tiles import split_head
 
 __all__ = [
@@ -84,337 +60,6 @@ def _register_split() -> tuple[int, int]:
 
 
 P_REGS, C_REGS = _register_split()
-
-
-@gluon.constexpr_function
-def _rows_layout(width, main, warps):
-    """A tile ``[rows, width]`` of 16-bit values laid out as a ``main``-wide tile's 16-byte
-    vectors are (8 values a thread, ``main / 8`` threads a row, so a warp's copy covers whole
-    rows): any ``width`` gives the same rows to the same threads, so the row offsets computed
-    for one serve all (a 64-wide tail of a 128-wide head moves 8 bytes a thread).
-
-    (Four threads a row, ``width / 4`` values each, halved the producer's address work but
-    split each warp's copy into 16-byte pieces 64 bytes apart: an H100 probe read 376 TFLOP/s at
-    page 16 where this layout reads 449 in a bench run; docs/benchmarks/kernels.md.)"""
-    per_row = main // 8
-    return gl.BlockedLayout([1, width // per_row], [32 // per_row, per_row], [warps, 1], [1, 0])
-
-
-@gluon.jit
-def _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
-               BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
-    """Element offsets ``[TILE_N]`` (int64) of KV tile ``t``'s token rows through the block table,
-    and which rows are in the sequence."""
-    rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LAYOUT))
-    kpos = t * TILE_N + rows
-    col = gl.minimum(kpos // BLOCK_SIZE, max_blocks - 1)
-    blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
-    blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
-    off = blk.to(gl.int64) * stride_kb + (kpos % BLOCK_SIZE).to(gl.int64) * stride_kn
-    return off, kpos < seq_len
-
-
-@gluon.jit
-def _gather(smem, ptr, off, ok, WIDTH: gl.constexpr, LAYOUT: gl.constexpr):
-    """cp.async of the rows ``off`` (columns ``[0, WIDTH)`` from ``ptr``) into ``smem``; rows not
-    ``ok`` are zero-filled, not read."""
-    off = gl.convert_layout(off, gl.SliceLayout(1, LAYOUT))  # (the same rows: no data moves)
-    ok = gl.convert_layout(ok, gl.SliceLayout(1, LAYOUT))
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LAYOUT))
-    async_load(smem, ptr + off[:, None] + cols[None, :], mask=ok[:, None] & (cols < WIDTH)[None, :])
-
-
-@gluon.jit
-def _producer(k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_ptr,
-              v_head_ptr, bt_row_ptr, n_tiles, seq_len, num_blocks, max_blocks, stride_kb,
-              stride_kn, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, D_MAIN: gl.constexpr,
-              D_TAIL: gl.constexpr, HEAD_V: gl.constexpr, NBUF: gl.constexpr,
-              P_WARPS: gl.constexpr):  # fmt: skip
-    main_l: gl.constexpr = _rows_layout(D_MAIN, D_MAIN, P_WARPS)
-    v_l: gl.constexpr = _rows_layout(HEAD_V, D_MAIN, P_WARPS)
-    for i in range(n_tiles):
-        s = i % NBUF
-        ph = ((i // NBUF) & 1) ^ 1  # the previous use of the slot
-        # one walk through the block table serves K, K's tail and V (sm_90 build, head 128, page
-        # 16: the producer's loop 516 -> 446 instructions a tile against a walk per copy)
-        off, ok = _tile_rows(bt_row_ptr, i, seq_len, num_blocks, max_blocks, stride_kb,
-                             stride_kn, BLOCK_SIZE, TILE_N, main_l)  # fmt: skip
-        mbarrier.wait(k_empty.index(s), ph, pred=i >= NBUF)
-        _gather(k_smem.index(s), k_head_ptr, off, ok, D_MAIN, main_l)
-        if D_TAIL > 0:
-            # a split head (DiffKV 192 = 128 + 64): K's last columns in their own tile
-            _gather(k2_smem.index(s), k_head_ptr + D_MAIN, off, ok, D_TAIL,
-                    _rows_layout(D_TAIL, D_MAIN, P_WARPS))  # fmt: skip
-        async_copy.mbarrier_arrive(k_full.index(s), increment_count=False)
-        mbarrier.wait(v_empty.index(s), ph, pred=i >= NBUF)
-        _gather(v_smem.index(s), v_head_ptr, off, ok, HEAD_V, v_l)
-        async_copy.mbarrier_arrive(v_full.index(s), increment_count=False)
-
-
-@gluon.jit
-def _qk(q_wg, q2_wg, k_slot, k2_slot, s_zero, D_TAIL: gl.constexpr, ASYNC: gl.constexpr):
-    """``S = q.K^T`` of one KV slot, with a split head's tail columns as a second MMA into the
-    same accumulator (asynchronous: the token to wait on)."""
-    s = warpgroup_mma(q_wg, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=ASYNC)
-    if D_TAIL > 0:
-        s = warpgroup_mma(q2_wg, k2_slot.permute((1, 0)), s, is_async=ASYNC)
-    return s
-
-
-@gluon.jit
-def _softmax(s, m_i, l_i, i, seq_len, q_pos, kcols, qk_scale_log2,
-             TILE_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-             P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
-    """Online softmax of raw logits ``s`` (tile ``i``): ``p = 2^(s c - m c)`` in one FMA an
-    element (``c`` the scale in log2 units, > 0; ``m`` the running maximum of raw logits)."""
-    if MASKED:
-        kpos = i * TILE_N + kcols
-        if CAUSAL:
-            # (a stored row has q_pos < seq_len, so this also hides the tail past the sequence;
-            # rows past the query, never stored, may see zero-filled keys)
-            vis = kpos[None, :] <= q_pos[:, None]
-        else:
-            vis = (kpos < seq_len)[None, :]
-        s = gl.where(vis, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    if MASKED:
-        # a row that has seen nothing keeps m = -inf: exp2 against 0 keeps its weights at 0
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale_log2
-    else:
-        m_use = m_new * qk_scale_log2
-    alpha = gl.exp2(m_i * qk_scale_log2 - m_use)
-    p32 = gl.exp2(s * qk_scale_log2 - m_use[:, None])
-    l_i = l_i * alpha + gl.sum(p32, 1)
-    return gl.convert_layout(p32.to(DTYPE), P_LAYOUT), m_new, l_i, alpha
-
-
-@gluon.jit
-def _step(q_wg, q2_wg, k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, i, s_zero, p,
-          m_i, l_i, acc, seq_len, q_pos, kcols, qk_scale_log2, TILE_N: gl.constexpr,
-          NBUF: gl.constexpr, D_TAIL: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-          O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
-    """Tile ``i``'s q.K and tile ``i - 1``'s P.V issued together; the softmax of tile ``i`` runs
-    while P.V does; each slot is released as soon as its MMA is done."""
-    s = i % NBUF
-    sp = (i - 1) % NBUF  # tile i - 1's slot
-    mbarrier.wait(k_full.index(s), (i // NBUF) & 1)
-    mbarrier.wait(v_full.index(sp), ((i - 1) // NBUF) & 1)
-    s_tok = _qk(q_wg, q2_wg, k_smem.index(s), k2_smem.index(s), s_zero, D_TAIL, True)
-    acc_tok = warpgroup_mma(p, v_smem.index(sp), acc, is_async=True)
-    sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-    mbarrier.arrive(k_empty.index(s), count=1)
-    p_new, m_i, l_i, alpha = _softmax(sc, m_i, l_i, i, seq_len, q_pos, kcols, qk_scale_log2,
-                                      TILE_N, CAUSAL, MASKED, P_LAYOUT, DTYPE)  # fmt: skip
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-    mbarrier.arrive(v_empty.index(sp), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-    return p_new, m_i, l_i, acc
-
-
-@gluon.jit
-def _consumer(q_smem, q2_smem, k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, wg,
-              n_tiles, t_full, seq_len, ctx, q_tile, q_start, q_len, kvh, qk_scale_log2,
-              out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh,
-              HEAD_V: gl.constexpr, D_TAIL: gl.constexpr, GROUP: gl.constexpr,
-              BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, NBUF: gl.constexpr,
-              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
-    dtype: gl.constexpr = q_smem.dtype
-    WG_M: gl.constexpr = 64
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_V, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_wg = q_smem.index(wg)
-    q2_wg = q2_smem.index(wg)
-    rows = wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-    q_pos = ctx + q_tile * BLOCK_Q + rows // GROUP
-    kcols = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([WG_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([WG_M, HEAD_V], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([WG_M, TILE_N], gl.float32, layout=s_layout)
-    p = gl.zeros([WG_M, TILE_N], dtype, layout=p_layout)
-    # tile 0 alone (no P.V yet: an MMA of P = 0 over an unwritten V slot would still read it,
-    # and 0 * nan is nan), then each tile's q.K beside the previous tile's P.V
-    if n_tiles > 0:
-        mbarrier.wait(k_full.index(0), 0)
-        sc = _qk(q_wg, q2_wg, k_smem.index(0), k2_smem.index(0), s_zero, D_TAIL, False)
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, _alpha = _softmax(sc, m_i, l_i, 0, seq_len, q_pos, kcols, qk_scale_log2,
-                                      TILE_N, CAUSAL, True, p_layout, dtype)  # fmt: skip
-    # the tiles every row sees in full, then the causal diagonal / sequence tail (masked)
-    t_mid = gl.maximum(gl.minimum(t_full, n_tiles), 1)
-    for i in range(1, t_mid):
-        p, m_i, l_i, acc = _step(q_wg, q2_wg, k_smem, k2_smem, v_smem, k_full, v_full, k_empty,
-                                 v_empty, i, s_zero, p, m_i, l_i, acc, seq_len, q_pos, kcols,
-                                 qk_scale_log2, TILE_N, NBUF, D_TAIL, CAUSAL, False, o_layout,
-                                 p_layout, dtype)  # fmt: skip
-    for i in range(t_mid, n_tiles):
-        p, m_i, l_i, acc = _step(q_wg, q2_wg, k_smem, k2_smem, v_smem, k_full, v_full, k_empty,
-                                 v_empty, i, s_zero, p, m_i, l_i, acc, seq_len, q_pos, kcols,
-                                 qk_scale_log2, TILE_N, NBUF, D_TAIL, CAUSAL, True, o_layout,
-                                 p_layout, dtype)  # fmt: skip
-    if n_tiles > 0:
-        sl = (n_tiles - 1) % NBUF
-        mbarrier.wait(v_full.index(sl), ((n_tiles - 1) // NBUF) & 1)
-        acc = warpgroup_mma(p, v_smem.index(sl), acc)
-        mbarrier.arrive(v_empty.index(sl), count=1)
-
-    has = l_i > 0.0
-    l_div = gl.where(has, l_i, 1.0)
-    o = acc / gl.convert_layout(l_div, gl.SliceLayout(1, o_layout))[:, None]
-    o_rows = wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_V, layout=gl.SliceLayout(0, o_layout))
-    o_tok = q_tile * BLOCK_Q + o_rows // GROUP
-    o_ptrs = (
-        out_ptr
-        + (q_start + o_tok).to(gl.int64)[:, None] * stride_ot
-        + (kvh * GROUP + o_rows % GROUP).to(gl.int64)[:, None] * stride_oh
-        + o_cols[None, :]
-    )
-    gl.store(o_ptrs, o.to(dtype), mask=(o_tok < q_len)[:, None] & (o_cols < HEAD_V)[None, :])
-    if WRITE_LSE:
-        lse = gl.where(
-            has, (m_i * qk_scale_log2 + gl.log2(l_div)) * 0.6931471805599453, float("-inf")
-        )
-        l_tok = q_tile * BLOCK_Q + rows // GROUP
-        lse_ptrs = (
-            lse_ptr
-            + (q_start + l_tok).to(gl.int64) * stride_lt
-            + (kvh * GROUP + rows % GROUP).to(gl.int64) * stride_lh
-        )
-        gl.store(lse_ptrs, lse, mask=l_tok < q_len)
-
-
-@gluon.jit
-def _stage_q(q_smem, q_ptr, stride_qt, stride_qh, q_start, q_tile, q_len, kvh,
-             COL0: gl.constexpr, WIDTH: gl.constexpr, GROUP: gl.constexpr,
-             BLOCK_Q: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """The q tile's columns ``[COL0, COL0 + WIDTH)`` of its 128 rows (token, head) into the two
-    consumers' halves of ``q_smem``; rows past the query read zeros."""
-    layout: gl.constexpr = _rows_layout(WIDTH, WIDTH, num_warps)
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    for h in gl.static_range(2):
-        rows = h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        tok = q_tile * BLOCK_Q + rows // GROUP
-        ptrs = (
-            q_ptr
-            + (q_start + tok).to(gl.int64)[:, None] * stride_qt
-            + (kvh * GROUP + rows % GROUP).to(gl.int64)[:, None] * stride_qh
-            + (COL0 + cols)[None, :]
-        )
-        ok = (tok < q_len)[:, None] & (cols < WIDTH)[None, :]
-        q_smem.index(h).store(gl.load(ptrs, mask=ok, other=0.0))
-
-
-@gluon.jit
-def sm90_prefill_kernel(
-    q_ptr, stride_qt, stride_qh,
-    kv_ptr, stride_kb, stride_kh, stride_kn,
-    bt_ptr, stride_bts,
-    seq_lens_ptr, qsl_ptr,
-    out_ptr, stride_ot, stride_oh,
-    lse_ptr, stride_lt, stride_lh,
-    num_seqs, num_blocks, max_blocks, qk_scale_log2,
-    q_len_min, q_len_max,
-    D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, HEAD_V: gl.constexpr,
-    K_START: gl.constexpr, V_START: gl.constexpr,
-    BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
-    BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, NBUF: gl.constexpr,
-    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-    P_WARPS: gl.constexpr, C_REGS: gl.constexpr, P_REGS: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    WG_M: gl.constexpr = 64
-    # q (and a split head's tail) per consumer: [2, 64, width]; K, K's tail, V: rings of NBUF
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, D_MAIN], dtype)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_MAIN], dtype)
-    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD_V], dtype)
-
-    n_h = gl.num_programs(1)
-    n_q = gl.num_programs(0).to(gl.int64)
-    lin = n_q * n_h - 1 - (gl.program_id(0) + n_q * gl.program_id(1))
-    pid_q = (lin // n_h).to(gl.int32)
-    kvh = (lin % n_h).to(gl.int32)
-    lo = gl.to_tensor(0)
-    hi = gl.to_tensor(num_seqs)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        go_right = gl.load(qsl_ptr + mid).to(gl.int32) // BLOCK_Q + mid <= pid_q
-        lo = gl.where(go_right, mid, lo)
-        hi = gl.where(go_right, hi, mid)
-    seq = lo
-    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
-    q_tile = pid_q - (q_start // BLOCK_Q + seq)
-    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
-    mine = (q_len >= q_len_min) & (q_len <= q_len_max) & (q_tile * BLOCK_Q < q_len)
-    q_len = gl.where(mine, q_len, 0)
-    seq_len = gl.load(seq_lens_ptr + seq).to(gl.int32)
-    ctx = seq_len - q_len
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, D_MAIN], q_sl)
-    _stage_q(q_smem, q_ptr, stride_qt, stride_qh, q_start, q_tile, q_len, kvh, 0, D_MAIN, GROUP,
-             BLOCK_Q, num_warps)  # fmt: skip
-    k_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, D_MAIN], k_sl)
-    if D_TAIL > 0:
-        q2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, D_TAIL], dtype)
-        k2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_TAIL], dtype)
-        q2_smem = gl.allocate_shared_memory(dtype, [2, WG_M, D_TAIL], q2_sl)
-        _stage_q(q2_smem, q_ptr, stride_qt, stride_qh, q_start, q_tile, q_len, kvh, D_MAIN,
-                 D_TAIL, GROUP, BLOCK_Q, num_warps)  # fmt: skip
-        k2_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, D_TAIL], k2_sl)
-    else:
-        q2_smem = q_smem  # (unread without a tail)
-        k2_smem = k_smem
-    v_smem = gl.allocate_shared_memory(dtype, [NBUF, TILE_N, HEAD_V], v_sl)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    k_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
-    v_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], bar_layout)
-    for b in gl.static_range(NBUF):
-        mbarrier.init(k_full.index(b), count=32 * P_WARPS)
-        mbarrier.init(v_full.index(b), count=32 * P_WARPS)
-        mbarrier.init(k_empty.index(b), count=2)
-        mbarrier.init(v_empty.index(b), count=2)
-    fence_async_shared()
-
-    first_q = q_tile * BLOCK_Q
-    last_q = gl.minimum(first_q + BLOCK_Q, q_len) - 1
-    if CAUSAL:
-        kv_hi = gl.minimum(seq_len, ctx + last_q + 1)
-        full_hi = gl.minimum(seq_len, ctx + first_q + 1)
-    else:
-        kv_hi = seq_len
-        full_hi = seq_len
-    n_tiles = gl.where(mine, gl.cdiv(kv_hi, TILE_N), 0)
-    t_full = full_hi // TILE_N
-    head_ptr = kv_ptr + kvh.to(gl.int64) * stride_kh
-    bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bts
-
-    gl.warp_specialize(
-        [
-            (_consumer, (q_smem, q2_smem, k_smem, k2_smem, v_smem, k_full, v_full, k_empty,
-                         v_empty, 0, n_tiles, t_full, seq_len, ctx, q_tile, q_start, q_len, kvh,
-                         qk_scale_log2, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
-                         stride_lh, HEAD_V, D_TAIL, GROUP, BLOCK_Q, TILE_N, NBUF, CAUSAL,
-                         WRITE_LSE)),
-            (_consumer, (q_smem, q2_smem, k_smem, k2_smem, v_smem, k_full, v_full, k_empty,
-                         v_empty, 1, n_tiles, t_full, seq_len, ctx, q_tile, q_start, q_len, kvh,
-                         qk_scale_log2, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
-                         stride_lh, HEAD_V, D_TAIL, GROUP, BLOCK_Q, TILE_N, NBUF, CAUSAL,
-                         WRITE_LSE)),
-            (_producer, (k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                         head_ptr + K_START, head_ptr + V_START, bt_row_ptr, n_tiles, seq_len,
-                         num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, TILE_N,
-                         D_MAIN, D_TAIL, HEAD_V, NBUF, P_WARPS)),
-        ],
-        [4, P_WARPS],
-        [C_REGS, P_REGS],
-    )  # fmt: skip
 
 
 #: (K, V) head sizes served: 192 / 128 is DiffKV's split head (128 + 64 columns of K)
@@ -478,6 +123,7 @@ def launch_sm90_prefill(
     )
     lse_t = lse if lse is not None else out
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    descs = _tma_descriptors(kv_cache, block_size, (d_main, d_tail, out.shape[2]))
     sm90_prefill_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -485,12 +131,45 @@ def launch_sm90_prefill(
         out, out.stride(0), out.stride(1),
         lse_t, lse_t.stride(0), lse_t.stride(1),
         num_seqs, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
-        q_len_min, 2**31 - 1,
+        q_len_min, 2**31 - 1, *(descs or (None, None, None)),
         D_MAIN=d_main, D_TAIL=d_tail, HEAD_V=out.shape[2], K_START=k_start, V_START=v_start,
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, TILE_N=TILE_N, NBUF=NBUF,
         CAUSAL=causal, WRITE_LSE=lse is not None, P_WARPS=4, C_REGS=C_REGS,
-        P_REGS=P_REGS, num_warps=4,
+        P_REGS=P_REGS, num_warps=4, USE_TMA=descs is not None,
     )  # fmt: skip
+
+
+#: whole tiles of pages of ``TILE_N``-multiple tokens by TMA (tests turn it off to check the
+#: gathers at those pages)
+TMA_TILES = True
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def _tma_layout(width: int, dtype: Any) -> Any:
+    """The shared layout of a TMA box ``[1, 1, TILE_N, width]`` (the K / V tiles' own, as 4-d)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, TILE_N, width], dtype)
+
+
+def _tma_descriptors(
+    kv_cache: torch.Tensor, block_size: int, widths: tuple[int, int, int]
+) -> list[TensorDescriptor] | None:
+    """The K, K-tail and V descriptors of boxes ``[1, 1, TILE_N, width]`` over the cache
+    ``[B, H, N, C]`` where its pages hold whole tiles and TMA can address it (a 16-byte aligned
+    base and strides), else ``None`` (the producer gathers every tile)."""
+    es = kv_cache.element_size()
+    if (
+        not TMA_TILES
+        or block_size % TILE_N
+        or kv_cache.data_ptr() % 16
+        or any(st * es % 16 for st in kv_cache.stride()[:-1])
+    ):
+        return None
+    d_main, d_tail, head_v = widths
+    dtype = _GL_DTYPES[kv_cache.dtype]
+    return [
+        TensorDescriptor.from_tensor(kv_cache, [1, 1, TILE_N, w], _tma_layout(w, dtype))
+        for w in (d_main, d_tail or 64, head_v)  # (no tail: an unread descriptor)
+    ]
 
 
 def aot_case(
@@ -511,14 +190,27 @@ def aot_case(
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
                 "lse_ptr": "*fp32"}  # fmt: skip
     d_main, d_tail = split_head(head)
-    constexprs = dict(
-        D_MAIN=d_main, D_TAIL=d_tail, HEAD_V=head_v or head, K_START=0, V_START=head,
+    head_v = head_v or head
+    tma = TMA_TILES and block_size % TILE_N == 0
+    constexprs: dict[str, Any] = dict(
+        D_MAIN=d_main, D_TAIL=d_tail, HEAD_V=head_v, K_START=0, V_START=head,
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=BLOCK_M // group, TILE_N=TILE_N, NBUF=NBUF,
         CAUSAL=causal, WRITE_LSE=write_lse, P_WARPS=4, C_REGS=C_REGS,
-        P_REGS=P_REGS, num_warps=4,
+        P_REGS=P_REGS, num_warps=4, USE_TMA=tma,
     )  # fmt: skip
+    names = ("k_desc", "k2_desc", "v_desc")
+    descriptors = {}
+    if tma:
+        gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+        for name, w in zip(names, (d_main, d_tail or 64, head_v), strict=True):
+            descriptors[name] = (
+                f"tensordesc<{dtype}[1, 1, {TILE_N}, {w}],{_tma_layout(w, gl_dtype)!r}>"
+            )
+    else:
+        constexprs.update(dict.fromkeys(names))
     strides = [n for n in sm90_prefill_kernel.arg_names if n.startswith("stride_")]
     return aot_case_spec(
         sm90_prefill_kernel, module=__name__, pointers=pointers, floats=("qk_scale_log2",),
         constexprs=constexprs, aligned_strides=[n for n in strides if n != "stride_lh"],
+        descriptors=descriptors,
     )  # fmt: skip
