@@ -123,7 +123,7 @@ def launch_sm90_prefill(
     )
     lse_t = lse if lse is not None else out
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    descs = _tma_descriptors(kv_cache, block_size, (d_main, d_tail, out.shape[2]))
+    descs = _tma_descriptors(kv_cache, block_size, d_main, d_tail)
     sm90_prefill_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -131,7 +131,7 @@ def launch_sm90_prefill(
         out, out.stride(0), out.stride(1),
         lse_t, lse_t.stride(0), lse_t.stride(1),
         num_seqs, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
-        q_len_min, 2**31 - 1, *(descs or (None, None, None)),
+        q_len_min, 2**31 - 1, *(descs or (None, None)),
         D_MAIN=d_main, D_TAIL=d_tail, HEAD_V=out.shape[2], K_START=k_start, V_START=v_start,
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, TILE_N=TILE_N, NBUF=NBUF,
         CAUSAL=causal, WRITE_LSE=lse is not None, P_WARPS=4, C_REGS=C_REGS,
@@ -151,11 +151,14 @@ def _tma_layout(width: int, dtype: Any) -> Any:
 
 
 def _tma_descriptors(
-    kv_cache: torch.Tensor, block_size: int, widths: tuple[int, int, int]
-) -> list[TensorDescriptor] | None:
-    """The K, K-tail and V descriptors of boxes ``[1, 1, TILE_N, width]`` over the cache
-    ``[B, H, N, C]`` where its pages hold whole tiles and TMA can address it (a 16-byte aligned
-    base and strides), else ``None`` (the producer gathers every tile)."""
+    kv_cache: torch.Tensor, block_size: int, d_main: int, d_tail: int
+) -> tuple[TensorDescriptor, TensorDescriptor | None] | None:
+    """TMA descriptors of boxes ``[1, 1, TILE_N, width]`` over the cache ``[B, H, N, C]``: one
+    ``d_main`` wide for K and V (V is as wide as K's main columns in every served head) and, for
+    a split head, one for K's tail; ``None`` (the producer gathers every tile) unless the pages
+    hold whole tiles and TMA can address the cache (a 16-byte aligned base and strides). Each
+    descriptor is encoded again at every launch (host time: the bench's ``host_ms``), so there
+    are as few as the heads need."""
     es = kv_cache.element_size()
     if (
         not TMA_TILES
@@ -164,12 +167,13 @@ def _tma_descriptors(
         or any(st * es % 16 for st in kv_cache.stride()[:-1])
     ):
         return None
-    d_main, d_tail, head_v = widths
     dtype = _GL_DTYPES[kv_cache.dtype]
-    return [
-        TensorDescriptor.from_tensor(kv_cache, [1, 1, TILE_N, w], _tma_layout(w, dtype))
-        for w in (d_main, d_tail or 64, head_v)  # (no tail: an unread descriptor)
-    ]
+
+    def box(width: int) -> TensorDescriptor:
+        layout = _tma_layout(width, dtype)
+        return TensorDescriptor.from_tensor(kv_cache, [1, 1, TILE_N, width], layout)
+
+    return box(d_main), (box(d_tail) if d_tail else None)
 
 
 def aot_case(
@@ -198,16 +202,14 @@ def aot_case(
         CAUSAL=causal, WRITE_LSE=write_lse, P_WARPS=4, C_REGS=C_REGS,
         P_REGS=P_REGS, num_warps=4, USE_TMA=tma,
     )  # fmt: skip
-    names = ("k_desc", "k2_desc", "v_desc")
     descriptors = {}
-    if tma:
-        gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-        for name, w in zip(names, (d_main, d_tail or 64, head_v), strict=True):
-            descriptors[name] = (
-                f"tensordesc<{dtype}[1, 1, {TILE_N}, {w}],{_tma_layout(w, gl_dtype)!r}>"
-            )
-    else:
-        constexprs.update(dict.fromkeys(names))
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    for name, width in (("kv_desc", d_main), ("tail_desc", d_tail)):
+        if tma and width:
+            layout = _tma_layout(width, gl_dtype)
+            descriptors[name] = f"tensordesc<{dtype}[1, 1, {TILE_N}, {width}],{layout!r}>"
+        else:
+            constexprs[name] = None
     strides = [n for n in sm90_prefill_kernel.arg_names if n.startswith("stride_")]
     return aot_case_spec(
         sm90_prefill_kernel, module=__name__, pointers=pointers, floats=("qk_scale_log2",),

@@ -112,7 +112,7 @@ def _tma_tile(desc, desc2, smem, smem2, full, blk, kvh, n0, COL: gl.constexpr,
 @gluon.jit
 def _producer(k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_ptr,
               v_head_ptr, bt_row_ptr, n_tiles, seq_len, num_blocks, max_blocks, stride_kb,
-              stride_kn, k_desc, k2_desc, v_desc, kvh, BLOCK_SIZE: gl.constexpr,
+              stride_kn, kv_desc, tail_desc, kvh, BLOCK_SIZE: gl.constexpr,
               TILE_N: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
               HEAD_V: gl.constexpr, NBUF: gl.constexpr, P_WARPS: gl.constexpr,
               K_START: gl.constexpr, V_START: gl.constexpr, USE_TMA: gl.constexpr):  # fmt: skip
@@ -123,6 +123,7 @@ def _producer(k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_
         # pages of whole tiles: the tiles wholly inside the sequence by TMA, one box each for K
         # (and its tail) and V; the last, partial tile is gathered (its rows past the sequence
         # zero-filled: a page's stale rows there could hold nan, and 0 * nan is nan in P.V)
+        gl.static_assert(HEAD_V == D_MAIN, "V's tiles come through K's descriptor")
         for i in range(gl.minimum(t_whole, n_tiles)):
             s = i % NBUF
             ph = ((i // NBUF) & 1) ^ 1  # the previous use of the slot
@@ -131,10 +132,10 @@ def _producer(k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_
             blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32)).to(gl.int32)
             n0 = (i * TILE_N) % BLOCK_SIZE
             mbarrier.wait(k_empty.index(s), ph, pred=i >= NBUF)
-            _tma_tile(k_desc, k2_desc, k_smem.index(s), k2_smem.index(s), k_full.index(s), blk,
+            _tma_tile(kv_desc, tail_desc, k_smem.index(s), k2_smem.index(s), k_full.index(s), blk,
                       kvh, n0, K_START, D_TAIL, P_WARPS)  # fmt: skip
             mbarrier.wait(v_empty.index(s), ph, pred=i >= NBUF)
-            _tma_tile(v_desc, v_desc, v_smem.index(s), v_smem.index(s), v_full.index(s), blk,
+            _tma_tile(kv_desc, kv_desc, v_smem.index(s), v_smem.index(s), v_full.index(s), blk,
                       kvh, n0, V_START, 0, P_WARPS)  # fmt: skip
         t_lo = gl.minimum(t_whole, n_tiles)
     else:
@@ -326,7 +327,7 @@ def sm90_prefill_kernel(
     out_ptr, stride_ot, stride_oh,
     lse_ptr, stride_lt, stride_lh,
     num_seqs, num_blocks, max_blocks, qk_scale_log2,
-    q_len_min, q_len_max, k_desc, k2_desc, v_desc,
+    q_len_min, q_len_max, kv_desc, tail_desc,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, HEAD_V: gl.constexpr,
     K_START: gl.constexpr, V_START: gl.constexpr,
     BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
@@ -417,7 +418,7 @@ def sm90_prefill_kernel(
                          WRITE_LSE)),
             (_producer, (k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty,
                          head_ptr + K_START, head_ptr + V_START, bt_row_ptr, n_tiles, seq_len,
-                         num_blocks, max_blocks, stride_kb, stride_kn, k_desc, k2_desc, v_desc,
+                         num_blocks, max_blocks, stride_kb, stride_kn, kv_desc, tail_desc,
                          kvh, BLOCK_SIZE, TILE_N, D_MAIN, D_TAIL, HEAD_V, NBUF, P_WARPS,
                          K_START, V_START, USE_TMA)),
         ],
