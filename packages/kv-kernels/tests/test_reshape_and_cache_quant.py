@@ -44,18 +44,13 @@ def test_triton_int8_hard_values_and_scale_stores(
     key = hard_rows(n + 3, 3, head_size, seed=1)
     value = hard_rows(n + 3, 3, head_size_v, seed=2)
     slots = make_slots(n, layout, seed=6, pad_every=5)
-    results = []
-    for impl, device in (("reference", "cpu"), ("triton", triton_device)):
-        storage = random_storage(layout, device, seed=9)
-        view = layer_view(storage, layout, 0)
-        if impl == "triton":
-            assert rc_triton.scale_word(layout, view) == word
-        reshape_and_cache(
-            key.to(device), value.to(device), view, slots.to(device), layout, impl=impl
-        )
-        results.append(raw_bytes(storage))
-    for ref, tri in zip(*results, strict=True):
-        assert torch.equal(ref, tri)
+    dev = triton_device
+    ref, tri = write_with_both_impls(
+        layout, key.to(dev), value.to(dev), slots.to(dev), device=dev, layer=0, seed=9
+    )
+    assert rc_triton.scale_word(layout, layer_view(tri, layout, 0)) == word
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)
 
 
 # ---- a scale plane (kv-spec ``scale_plane``: the scales after each page's data) ----------------------
@@ -112,17 +107,12 @@ def test_triton_writes_a_scale_plane_bitwise(
     key = hard_rows(n + 2, 3, 16, seed=5)[:, : layout.num_kv_heads].contiguous()
     value = None if mla else hard_rows(n + 2, 3, 16, seed=6)
     slots = make_slots(n, layout, seed=7, pad_every=6)
-    results = []
-    for impl, device in (("reference", "cpu"), ("triton", triton_device)):
-        storage = random_storage(layout, device, seed=8)
-        view = layer_view(storage, layout, 1)
-        if impl == "triton":
-            assert rc_triton.scale_word(layout, view) == word
-        v = None if value is None else value.to(device)
-        reshape_and_cache(key.to(device), v, view, slots.to(device), layout, impl=impl)
-        results.append(raw_bytes(storage))
-    for ref, tri in zip(*results, strict=True):
-        assert torch.equal(ref, tri)
+    dev = triton_device
+    v = None if value is None else value.to(dev)
+    ref, tri = write_with_both_impls(layout, key.to(dev), v, slots.to(dev), device=dev, seed=8)
+    assert rc_triton.scale_word(layout, layer_view(tri, layout, 1)) == word
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)
 
 
 # ---- quantized caches (reference on the CPU; the Triton fp8 path is tested on the GPU) -------------
