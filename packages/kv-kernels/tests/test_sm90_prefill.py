@@ -95,6 +95,27 @@ def _eligible(**over) -> bool:
     return sm90_prefill_eligible(**kw)
 
 
+def test_tma_descriptors_only_where_tma_can_address_whole_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One descriptor for K and V (a second for DiffKV's tail) at pages of whole 128-token tiles
+    of a TMA-addressable cache; gathers (``None``) at smaller pages, for a base off 16 bytes, rows
+    of 16-bit values whose pitch is no multiple of 16 bytes, or with TMA tiles turned off."""
+    kv = torch.zeros(4, 2, 128, 256, dtype=torch.bfloat16)
+    k, tail = _sm90_prefill._tma_descriptors(kv, 128, 128, 0)  # type: ignore[misc]
+    assert k.block_shape == [1, 1, 128, 128] and tail is None
+    diffkv = torch.zeros(2, 2, 256, 192 + 128, dtype=torch.bfloat16)
+    k, tail = _sm90_prefill._tma_descriptors(diffkv, 256, 128, 64)  # type: ignore[misc]
+    assert tail is not None and tail.block_shape == [1, 1, 128, 64]
+    assert _sm90_prefill._tma_descriptors(kv, 64, 128, 0) is None
+    off = torch.zeros(kv.numel() + 8, dtype=torch.bfloat16)[1 : 1 + kv.numel()].view(kv.shape)
+    assert _sm90_prefill._tma_descriptors(off, 128, 128, 0) is None
+    pitch = torch.zeros(4, 2, 128, 260, dtype=torch.bfloat16)[..., :256]  # 520-byte rows
+    assert _sm90_prefill._tma_descriptors(pitch, 128, 128, 0) is None
+    monkeypatch.setattr(_sm90_prefill, "TMA_TILES", False)
+    assert _sm90_prefill._tma_descriptors(kv, 128, 128, 0) is None
+
+
 @pytest.mark.parametrize(
     ("version", "split"),
     [("3.6.0", (120, 192)), ("3.5.1", (120, 192)), ("3.9.0", (80, 216)), ("3.10.0", (80, 216))],

@@ -27,6 +27,7 @@ __all__ = [
     "resolve_impl",
     "row_align",
     "scale_tensor",
+    "tma_addressable",
     "triton_interpreting",
 ]
 
@@ -184,6 +185,18 @@ def row_align(strides: Iterable[int]) -> int:
     them itself, and the compiled variant stays the same)."""
     align = math.gcd(16, *strides)
     return 1 if align == 16 else align
+
+
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address ``t`` as it is: a unit last stride, a 16-byte
+    aligned base and every other stride a multiple of 16 bytes (else a kernel gathers by
+    pointers)."""
+    es = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(st * es % 16 == 0 for st in t.stride()[:-1])
+    )
 
 
 def require_unit_rows(kernel: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -26,7 +26,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
+from kv_kernels._common import require_unit_rows, sm90_gluon_allowed, tma_addressable
 from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._sm90_prefill_kernel import sm90_prefill_kernel
 from kv_kernels.paged_attention._tiles import split_head
@@ -159,13 +159,7 @@ def _tma_descriptors(
     hold whole tiles and TMA can address the cache (a 16-byte aligned base and strides). Each
     descriptor is encoded again at every launch (host time: the bench's ``host_ms``), so there
     are as few as the heads need."""
-    es = kv_cache.element_size()
-    if (
-        not TMA_TILES
-        or block_size % TILE_N
-        or kv_cache.data_ptr() % 16
-        or any(st * es % 16 for st in kv_cache.stride()[:-1])
-    ):
+    if not TMA_TILES or block_size % TILE_N or not tma_addressable(kv_cache):
         return None
     dtype = _GL_DTYPES[kv_cache.dtype]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kv_kernels._common import row_align
+from kv_kernels._common import row_align, tma_addressable
 from kv_kernels.paged_attention._aot import AotSpec, aot_specs
 from kv_kernels.paged_attention._kernels import paged_attention_kernel
 from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
@@ -406,14 +406,11 @@ def _tma_descriptors(
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    elem = kv_cache.element_size()
-    if kv_cache.stride(3) != 1 or any(st * elem % 16 for st in kv_cache.stride()[:3]):
-        return None
     bnhc = kv_cache.permute(0, 2, 1, 3)
     descs = []
     for lo, hi in (k_range, v_range):
         part = bnhc[..., lo:hi]
-        if part.data_ptr() % 16:
+        if not tma_addressable(part):
             return None
         descs.append(
             TensorDescriptor(
