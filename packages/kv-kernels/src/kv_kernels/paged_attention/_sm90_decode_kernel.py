@@ -50,6 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kv_kernels.paged_attention._gluon_compat import async_load, barrier
+from kv_kernels.paged_attention._sm90_prefill_kernel import _block_of
 from kv_kernels.paged_attention._upcast import _I8_ASM
 
 __all__ = ["HEAD", "ROWS", "TILE_N", "sm90_decode_kernel"]
@@ -130,8 +131,7 @@ def _unrename_v(x, ROWS_: gl.constexpr, VEC: gl.constexpr):
 def _page_base(bt_row_ptr, col, num_blocks, max_blocks, stride_kb):
     """Element offset (int64) of the page in block-table column ``col``: columns past the table
     read its last, block ids are clamped into ``[0, num_blocks)`` (unsigned: -1 too)."""
-    blk = gl.load(bt_row_ptr + gl.minimum(col, max_blocks - 1)).to(gl.uint32, bitcast=True)
-    return gl.minimum(blk, (num_blocks - 1).to(gl.uint32)).to(gl.int64) * stride_kb
+    return _block_of(bt_row_ptr, col, num_blocks, max_blocks).to(gl.int64) * stride_kb
 
 
 @gluon.jit
@@ -159,9 +159,7 @@ def _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb, stride
         second = (rows >= BLOCK_SIZE).to(gl.int64)
         off = b0 + second * (b1 - b0) + (rows % BLOCK_SIZE).to(gl.int64) * stride_kn
     else:
-        col = gl.minimum(kpos // BLOCK_SIZE, max_blocks - 1)
-        blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
-        blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
+        blk = _block_of(bt_row_ptr, kpos // BLOCK_SIZE, num_blocks, max_blocks)
         off = blk.to(gl.int64) * stride_kb + (kpos % BLOCK_SIZE).to(gl.int64) * stride_kn
     if ROW_ALIGN > 1:
         off = gl.multiple_of(off, ROW_ALIGN)

@@ -65,15 +65,22 @@ def _rows_layout(width, main, warps):
 
 
 @gluon.jit
+def _block_of(bt_row_ptr, col, num_blocks, max_blocks):
+    """The cache block (uint32) in block-table column ``col`` (a scalar or a tensor), inside the
+    cache whatever the table says: columns past ``max_blocks`` read the last one, ids are clamped
+    into ``[0, num_blocks)`` as unsigned (so ``-1`` lands on the last block)."""
+    blk = gl.load(bt_row_ptr + gl.minimum(col, max_blocks - 1)).to(gl.uint32, bitcast=True)
+    return gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
+
+
+@gluon.jit
 def _tile_rows(bt_row_ptr, t, seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
                BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
     """Element offsets ``[TILE_N]`` (int64) of KV tile ``t``'s token rows through the block table,
     and which rows are in the sequence."""
     rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LAYOUT))
     kpos = t * TILE_N + rows
-    col = gl.minimum(kpos // BLOCK_SIZE, max_blocks - 1)
-    blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
-    blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32))
+    blk = _block_of(bt_row_ptr, kpos // BLOCK_SIZE, num_blocks, max_blocks)
     off = blk.to(gl.int64) * stride_kb + (kpos % BLOCK_SIZE).to(gl.int64) * stride_kn
     return off, kpos < seq_len
 
@@ -127,9 +134,8 @@ def _producer(k_smem, k2_smem, v_smem, k_full, v_full, k_empty, v_empty, k_head_
         for i in range(gl.minimum(t_whole, n_tiles)):
             s = i % NBUF
             ph = ((i // NBUF) & 1) ^ 1  # the previous use of the slot
-            col = gl.minimum((i * TILE_N) // BLOCK_SIZE, max_blocks - 1)
-            blk = gl.load(bt_row_ptr + col).to(gl.uint32, bitcast=True)
-            blk = gl.minimum(blk, (num_blocks - 1).to(gl.uint32)).to(gl.int32)
+            col = (i * TILE_N) // BLOCK_SIZE
+            blk = _block_of(bt_row_ptr, col, num_blocks, max_blocks).to(gl.int32)
             n0 = (i * TILE_N) % BLOCK_SIZE
             mbarrier.wait(k_empty.index(s), ph, pred=i >= NBUF)
             _tma_tile(kv_desc, tail_desc, k_smem.index(s), k2_smem.index(s), k_full.index(s), blk,
