@@ -183,6 +183,8 @@ def _scales_note(kv_quant: str, reports: list[Any]) -> str:
     if not KVQuantMode.parse(kv_quant).per_token_head:
         return ""
     planes = {r.config.scale_plane for r in reports if r.config is not None}
-    return {frozenset({True}): " (scales in a plane)", frozenset({False}): " (scales inline)"}.get(
-        frozenset(planes), " (scales: plane or inline by model)"
-    )
+    if len(planes) == 2:
+        return " (scales in a plane for some models, inline for others)"
+    if not planes:  # no plan fits: nothing was placed
+        return ""
+    return " (scales in a plane)" if planes.pop() else " (scales inline)"
