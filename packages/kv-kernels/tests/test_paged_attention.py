@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import merge_attn_states, paged_attention
+from kv_kernels.testing import attention_oracle
 from kv_kernels.testing_attention import (
     FEATURES,
     MIXED_Q_LENS,
@@ -206,6 +207,76 @@ def test_merge_attn_states_cascade(triton_device: str) -> None:
         out, lse = merge_attn_states(a[0], a[1], s[0], s[1], impl=impl)
         torch.testing.assert_close(out.cpu(), full.cpu(), atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse.cpu(), full_lse.cpu(), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "prefix", "block_size"),
+    [
+        ([20, 1, 9], 16, 16),  # 30 queries over a 16-token prefix: the prefill class
+        ([1, 1, 2, 1], 4, 4),  # 5 queries over a 4-token prefix: the decode class
+    ],
+)
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_cascade_shared_prefix(
+    q_lens: list[int], prefix: int, block_size: int, impl: str, request: pytest.FixtureRequest
+) -> None:
+    """Cascade attention as vLLM and FlashInfer run it: requests share the pages of a common
+    prefix; one non-causal pass puts every query of the batch against the prefix (more queries
+    than prefix keys), a causal pass puts each request against its own suffix, and
+    ``merge_attn_states`` joins them. The result is causal attention over prefix + suffix, held
+    to the float64 oracle over the dense K/V. The prefix pass used to be refused as
+    ``query_len > seq_len``."""
+    if impl == "triton":
+        request.getfixturevalue("triton_device")
+    suffixes = [q + 3 * i for i, q in enumerate(q_lens)]  # each suffix holds its new tokens
+    b = make_paged_batch(
+        q_lens=q_lens,
+        seq_lens=[prefix + s for s in suffixes],
+        head_size=16,
+        group=2,
+        block_size=block_size,
+        seed=5,
+    )
+    n_pre = prefix // block_size
+    table = b["block_table"].clone()
+    table[1:, :n_pre] = table[0, :n_pre]  # every request reads request 0's prefix pages
+    ks = [torch.cat([b["ks"][0][:, :prefix], k[:, prefix:]], 1) for k in b["ks"]]  # [H, L, D]
+    vs = [torch.cat([b["vs"][0][:, :prefix], v[:, prefix:]], 1) for v in b["vs"]]
+    total = sum(q_lens)
+    dev = b["q"].device
+    common = (b["q"], b["kv"], b["layout"])
+    pre_out, pre_lse = paged_attention(
+        *common,
+        table[:1, :n_pre].contiguous(),  # one row: the shared prefix
+        torch.tensor([prefix], dtype=torch.int32, device=dev),
+        torch.tensor([0, total], dtype=torch.int32, device=dev),
+        total,
+        causal=False,
+        return_lse=True,
+        impl=impl,
+    )
+    suf_table = torch.full_like(table, -1)
+    suf_table[:, : table.shape[1] - n_pre] = table[:, n_pre:]
+    suf_out, suf_lse = paged_attention(
+        *common,
+        suf_table,
+        torch.tensor(suffixes, dtype=torch.int32, device=dev),
+        b["qsl"],
+        b["max_query_len"],
+        causal=True,
+        return_lse=True,
+        impl=impl,
+    )
+    out, lse = merge_attn_states(pre_out, pre_lse, suf_out, suf_lse, impl=impl)
+    ref, ref_lse = attention_oracle(
+        b["q"].cpu(),
+        [k.transpose(0, 1) for k in ks],  # [L, H, D]
+        [v.transpose(0, 1) for v in vs],
+        q_lens,
+        causal=True,
+    )
+    assert_rows_close(out, ref, torch.float32)
+    assert_lse_close(lse, ref_lse)
 
 
 def test_merge_attn_states_empty_side(triton_device: str) -> None:

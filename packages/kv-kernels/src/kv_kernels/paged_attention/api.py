@@ -6,7 +6,7 @@ tensors and the reference for CPU tensors. Nothing falls back silently: an unsup
 a ``ValueError`` that names the value, the bound and the fix.
 
 Value checks that need the data (query offsets monotonic, block ids in range, ``q_len <=
-max_query_len``, ``q_len <= seq_len``) run when the index tensors live on the CPU, or on request
+max_query_len``, ``q_len <= seq_len`` where positions matter) run when the index tensors live on the CPU, or on request
 (``validate=True`` / ``KV_KERNELS_VALIDATE=1``, a debug mode); on CUDA they would cost a device
 sync per call (and break CUDA-graph capture), so there the kernel masks what it cannot trust and
 counts it in an optional device-side ``error_flag``.
@@ -279,9 +279,15 @@ def paged_attention(
       the batch (batch invariance). The reference computes the exact softmax and ignores it.
     - ``max_query_len`` must bound every sequence's query count (as in FlashAttention's varlen API);
       ``max_seq_len`` (optional) only steers the split heuristic.
+    - ``q_len > seq_len`` is allowed only where no rule reads a position: ``causal=False``, no
+      ``sliding_window``, no ``alibi_slopes``. Every query then sees all ``seq_len`` keys, which
+      is cascade attention's shared-prefix pass (more queries than prefix keys, merged with the
+      suffix pass by :func:`merge_attn_states`). With any position-dependent feature it is an
+      input error: the first ``q_len - seq_len`` queries would have no position.
 
     Bad metadata. With index tensors on the CPU (or ``validate=True``, or the environment variable
-    ``KV_KERNELS_VALIDATE=1``) every value is checked on the host first: ``q_len > seq_len``,
+    ``KV_KERNELS_VALIDATE=1``) every value is checked on the host first: ``q_len > seq_len`` (where
+    positions matter),
     unallocated or out-of-range block ids, non-monotone offsets all raise ``ValueError``. On CUDA
     that check would synchronize every step, so by default it is skipped; the Triton kernel still
     never reads outside the cache or the block table (a bad id is redirected inside it), and when
@@ -354,7 +360,12 @@ def paged_attention(
     if validate is None:
         validate = device.type == "cpu" or host_validation_requested()
     if validate:
-        _check_values(block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout)
+        # Without a causal mask, a window or ALiBi no rule reads a query's position, so a query
+        # may outnumber the keys (cascade attention's shared-prefix pass).
+        positional = causal or sliding_window is not None or alibi_slopes is not None
+        _check_values(
+            block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout, positional
+        )
     common: dict[str, Any] = dict(
         k_range=layout.k_range, v_range=v_range, scale_rows=scale_geometry(kv_cache, layout),
         block_table=block_table,
@@ -405,8 +416,10 @@ def _check_values(
     num_tokens: int,
     max_query_len: int,
     layout: KVCacheLayout,
+    positional: bool = True,
 ) -> None:
-    """Data-dependent checks, run only for CPU index tensors (no device sync)."""
+    """Data-dependent checks, run only for CPU index tensors (no device sync). ``positional``:
+    some rule (causal, window, ALiBi) reads query positions, so ``q_len <= seq_len`` must hold."""
     qsl = query_start_loc.to(torch.int64)
     if qsl.numel() and int(qsl[0]) != 0:
         raise ValueError(f"query_start_loc[0]={int(qsl[0])} must be 0")
@@ -426,13 +439,14 @@ def _check_values(
     lens = seq_lens.to(torch.int64)
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"seq_lens has a negative entry ({int(lens.min())})")
-    longer = (q_lens > lens).nonzero().flatten() if q_lens.numel() else q_lens
+    longer = (q_lens > lens).nonzero().flatten() if positional and q_lens.numel() else q_lens[:0]
     if longer.numel():
         s = int(longer[0])
         raise ValueError(
             f"sequence {s} has query_len={int(q_lens[s])} > seq_lens[{s}]={int(lens[s])}: the query "
             "tokens are the last query_len positions of the sequence, so seq_lens must count them "
-            "(seq_len = context + new tokens)"
+            "(seq_len = context + new tokens); only a call with causal=False, no sliding_window "
+            "and no alibi_slopes (a cascade prefix pass) may have more queries than keys"
         )
     n = layout.block_size
     for s in range(lens.numel()):
