@@ -39,6 +39,7 @@ def _workload(vocab: int) -> list[tuple[int, list[int]]]:
     tails = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 14, 7, 10)]
     prompts = [shared + t for t in tails]
     other = torch.randint(0, vocab, (9,), generator=g).tolist()
+    other[0] = other[4] = 0  # id 0 is a real token (the oracle must not take it for padding)
     return [
         (0, prompts[0]),
         (0, prompts[1]),
@@ -60,8 +61,10 @@ def _hf_reference(
     out = []
     with torch.no_grad():
         for p in prompts:
+            ids = torch.tensor([p])
             res = model.generate(
-                torch.tensor([p]),
+                ids,
+                attention_mask=torch.ones_like(ids),  # id 0 is a token here, not padding
                 max_new_tokens=MAX_NEW,
                 min_new_tokens=MAX_NEW,
                 do_sample=False,

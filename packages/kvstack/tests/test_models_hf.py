@@ -43,7 +43,9 @@ from kvstack.engine.testing import (
 LOGIT_RTOL = 1e-4
 MAX_NEW = 6
 # Longer than every window (6, 8) and than Llama's 16-token "pretraining" context.
-PROMPTS = [list(range(3, 40)), [5, 9, 17, 33, 2, 8, 100], list(range(50, 71))]
+# The second holds token id 0 (first and inside): a real token, which an oracle that lets
+# transformers infer an attention mask from pad_token_id=0 would hide.
+PROMPTS = [list(range(3, 40)), [0, 9, 17, 0, 2, 8, 100], list(range(50, 71))]
 CHUNKS = [16, 100, 5]
 FAMILIES = list(TINY_CONFIGS)
 

@@ -8,7 +8,8 @@
 - :func:`greedy_generate` drives :meth:`ModelRunner.execute` like a minimal scheduler: every
   request gets its own shuffled blocks per KV group (one block-id space), prompts are prefilled in
   chunks, decodes share steps with other requests' prefills.
-- :func:`hf_greedy` is transformers' ``generate`` (greedy, no EOS) for one prompt.
+- :func:`hf_greedy` is transformers' ``generate`` (greedy, no EOS) for one prompt (an explicit
+  all-ones attention mask: token id 0 is a real token, not padding).
 """
 
 from __future__ import annotations
@@ -195,6 +196,9 @@ def hf_greedy(
     with torch.no_grad():
         out = model.generate(
             ids,
+            # Every prompt token is real: without a mask, transformers infers one from
+            # pad_token_id and would hide every prompt token whose id is 0.
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,
