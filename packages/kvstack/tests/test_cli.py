@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -168,29 +167,6 @@ def test_backends_chooses_per_group_and_gives_every_reason() -> None:
 def test_help_everywhere(command: tuple[str, ...]) -> None:
     res = kvstack(*command, "--help")
     assert res.returncode == 0 and res.stdout.startswith("usage: kvstack"), res.stderr
-
-
-def test_bench_runs_the_suite_scripts_with_out(tmp_path: Path) -> None:
-    bench_dir = tmp_path / "packages" / "kv-blocktable" / "benchmarks"
-    bench_dir.mkdir(parents=True)
-    (tmp_path / "packages" / "kvstack").mkdir()
-    (bench_dir / "bench_toy.py").write_text(
-        textwrap.dedent(
-            """
-            import argparse, json, pathlib
-            ap = argparse.ArgumentParser(); ap.add_argument("--out"); ap.add_argument("--quick", action="store_true")
-            a = ap.parse_args()
-            pathlib.Path(a.out, "toy.json").write_text(json.dumps({"quick": a.quick}))
-            """
-        )
-    )
-    res = kvstack("bench", "blocktable", "--root", str(tmp_path), "--args=--quick")
-    assert res.returncode == 0, res.stderr
-    assert json.loads((tmp_path / "docs" / "benchmarks" / "toy.json").read_text()) == {
-        "quick": True
-    }
-    res = kvstack("bench", "connectors", "--root", str(tmp_path))
-    assert_clean_error(res, "suite 'connectors' has no benchmarks")
 
 
 def test_generate_streams_token_ids_and_refuses_text_without_a_tokenizer(tmp_path: Path) -> None:

@@ -1,0 +1,156 @@
+"""``kvstack bench``: where results go, what is refused before starting, and the benchmark
+scripts' shared provenance helper (issue 27)."""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from kvstack.cli.bench import NEEDS, SUITES, cmd_bench, unmet_needs
+from rich.console import Console
+
+REPO = Path(__file__).resolve().parents[3]
+
+TOY = textwrap.dedent(
+    """
+    import argparse, json, pathlib
+    ap = argparse.ArgumentParser(); ap.add_argument("--out"); ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    pathlib.Path(a.out, "toy.json").write_text(json.dumps({"quick": a.quick}))
+    """
+)
+
+
+def kvstack(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstack.cli", *argv],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+
+
+def toy_checkout(root: Path, folder: str = "kv-blocktable") -> Path:
+    bench_dir = root / "packages" / folder / "benchmarks"
+    bench_dir.mkdir(parents=True)
+    (root / "packages" / "kvstack").mkdir(exist_ok=True)
+    (bench_dir / "bench_toy.py").write_text(TOY)
+    return root
+
+
+def test_out_is_the_folder_named_and_nothing_lands_in_docs(tmp_path: Path) -> None:
+    root = toy_checkout(tmp_path / "repo")
+    out = tmp_path / "results"
+    res = kvstack("bench", "blocktable", "--root", str(root), "--out", str(out), "--args=--quick")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "toy.json").read_text()) == {"quick": True}
+    assert not (root / "docs").exists()
+    assert "wrote toy.json" in res.stdout
+    res = kvstack("bench", "connectors", "--root", str(root))
+    assert res.returncode == 2 and "suite 'connectors' has no benchmarks" in res.stderr
+
+
+def test_default_out_is_a_fresh_temp_folder_never_docs(tmp_path: Path) -> None:
+    root = toy_checkout(tmp_path / "repo")
+    res = kvstack("bench", "blocktable", "--root", str(root))
+    assert res.returncode == 0, res.stderr
+    assert not (root / "docs").exists()
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("results go to "))
+    out = Path(line.removeprefix("results go to ").split(" (")[0])
+    assert out.name.startswith("kvstack-bench-") and (out / "toy.json").exists()
+    assert "--out docs/benchmarks" in line  # how to replace the committed results
+
+
+def test_help_says_where_results_go() -> None:
+    res = kvstack("bench", "--help")
+    assert res.returncode == 0
+    text = " ".join(res.stdout.split())
+    assert "fresh temp folder" in text and "--out docs/benchmarks" in text
+    assert "CUDA GPU" in text
+
+
+def test_unmet_needs_name_the_missing_piece_and_the_fix() -> None:
+    assert unmet_needs("blocktable", has_cuda=lambda: False, has_module=lambda m: False) is None
+    assert unmet_needs("connectors", has_cuda=lambda: False, has_module=lambda m: False) is None
+    for suite in ("kernels", "backends"):
+        why = unmet_needs(suite, has_cuda=lambda: False)
+        assert why is not None and "needs a CUDA GPU" in why and suite in why
+        assert unmet_needs(suite, has_cuda=lambda: True) is None
+    why = unmet_needs("engine", has_module=lambda m: m != "transformers")
+    assert why is not None and "transformers" in why and "uv sync --group hf" in why
+    assert unmet_needs("engine", has_module=lambda m: True) is None
+    assert set(NEEDS) <= set(SUITES)
+
+
+def _args(root: Path, out: Path, *suites: str) -> argparse.Namespace:
+    return argparse.Namespace(suites=list(suites), out=out, root=root, args="")
+
+
+def test_named_suites_that_cannot_run_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    for folder in ("kv-kernels", "kv-blocktable", "kv-connectors"):
+        toy_checkout(root, folder)
+    out = tmp_path / "out"
+    console = Console(file=open(tmp_path / "log", "w"))  # noqa: SIM115
+
+    def unmet(s: str) -> str | None:
+        return unmet_needs(s, has_cuda=lambda: False, has_module=lambda m: False)
+
+    with pytest.raises(ValueError, match="suite 'kernels' needs a CUDA GPU"):
+        cmd_bench(_args(root, out, "blocktable", "kernels"), console, unmet=unmet)
+    assert not out.exists()  # refused before the blocktable script ran
+    # No suite named: the ones that cannot run are skipped (one line each), the rest run.
+    assert cmd_bench(_args(root, out), console, unmet=unmet) == 0
+    console.file.close()
+    log = (tmp_path / "log").read_text()
+    assert "skipping: suite 'kernels' needs a CUDA GPU" in log
+    assert "skipping: suite 'backends' needs a CUDA GPU" in log
+    assert "skipping: suite 'engine' needs transformers" in log
+    assert (out / "toy.json").exists()
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
+def test_gpu_suite_on_a_cpu_machine_is_one_clear_line() -> None:
+    res = kvstack("bench", "kernels")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "suite 'kernels' needs a CUDA GPU" in res.stderr
+
+
+def test_provenance_copies_are_identical_and_carry_versions_and_commit() -> None:
+    copies = sorted(REPO.glob("packages/*/benchmarks/_provenance.py"))
+    assert len(copies) == len({SUITES[s] for s in SUITES}), copies  # one per benchmarks folder
+    for c in copies[1:]:
+        assert filecmp.cmp(copies[0], c, shallow=False), f"{c} differs from {copies[0]}"
+    code = (
+        "import json, _provenance as p; d = p.provenance('torch', 'no-such-dist'); "
+        "print(json.dumps(d))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=copies[0].parent, capture_output=True, text=True,
+        check=True, timeout=120,
+    )  # fmt: skip
+    d = json.loads(res.stdout)
+    for dist in ("kv-spec", "kv-kernels", "kv-backends", "kv-blocktable", "kv-connectors"):
+        assert d[dist] not in ("not installed", None), (dist, d)
+    assert d["no-such-dist"] == "not installed" and d["torch"] != "not installed"
+    assert len(d["git_commit"]) == 40 and isinstance(d["git_dirty"], bool)
+
+
+def test_provenance_falls_back_to_the_module_version(tmp_path: Path) -> None:
+    # A source tree on PYTHONPATH with no installed metadata: the module's __version__ is used.
+    (tmp_path / "kvfake_pkg").mkdir()
+    (tmp_path / "kvfake_pkg" / "__init__.py").write_text("__version__ = '9.9.9'\n")
+    helper = REPO / "packages" / "kv-blocktable" / "benchmarks"
+    code = "import _provenance as p; print(p.package_version('kvfake-pkg'))"
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=helper, capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": str(tmp_path)}, timeout=120,
+    )  # fmt: skip
+    assert res.stdout.strip() == "9.9.9"
