@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from _direct import direct_flash_attn, direct_paged_attention
+from _provenance import provenance
 
 
 def _bench(fn: Callable[[], Any]) -> float:
@@ -188,9 +189,11 @@ def main() -> int:
     batch, ctx = (8, 1024) if args.quick else (64, 4096)
     hq, h = 32, 8
     records: list[dict[str, Any]] = []
+    prov = provenance("torch", "triton", "flash-attn", "flash-attn-4")
 
     def add(r: dict[str, Any] | None) -> None:
         if r is not None:
+            r.update(prov)  # the versions and commit the numbers came from
             print(json.dumps(r), flush=True)
             records.append(r)
 

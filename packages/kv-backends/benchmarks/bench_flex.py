@@ -79,6 +79,7 @@ from typing import Any
 
 import torch
 from _flex_recipe import recipe_fn
+from _provenance import provenance
 
 HQ, H, D = 32, 8, 128
 
@@ -473,6 +474,7 @@ def _write(out: Path, records: list[Record], smoke: bool) -> None:
         "device": dev,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        **provenance("torch", "triton"),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "heads": {"q": HQ, "kv": H, "head_size": D},
         "dtype": "float32 (smoke)" if smoke else "bfloat16",

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from _direct import direct_flash_attn, direct_paged_attention
+from _provenance import provenance
 
 HEADS_Q, HEADS_KV, HEAD = 32, 8, 128
 BACKENDS = ("TRITON", "FLASH_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
@@ -227,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "backends_host.json").write_text(
-        json.dumps({"device": device, "records": records}, indent=1) + "\n"
+        json.dumps(
+            {"device": device, **provenance("torch", "triton"), "records": records}, indent=1
+        )
+        + "\n"
     )
     (args.out / "backends_host.md").write_text(_markdown(records, device))
     if records:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from _connector_common import Req, Results, device_s, make_cache, median_s
+from _provenance import provenance
 from _two_process import bench_two_process
 
 REPO = Path(__file__).resolve().parents[3]
@@ -218,16 +219,10 @@ def _gather_order(
 # -- output -------------------------------------------------------------------------------------
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("kv-connectors", "kv-kernels", "kv-spec", "triton", "nixl"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
+def _versions() -> dict[str, str | bool | None]:
+    """Python, the workspace packages', torch's, triton's and NIXL's versions as installed, and
+    the git commit (and whether the tree was dirty) the numbers came from."""
+    return provenance("torch", "triton", "nixl")
 
 
 def _size(nbytes: int | None) -> str:

@@ -11,15 +11,15 @@ import json
 import os
 from typing import Any
 
+from _provenance import provenance  # this folder's copy
+
 __all__ = ["BandwidthRecorder"]
 
 
-def _versions() -> dict[str, str]:
-    """torch / triton versions of the process, recorded in every record."""
-    import torch
-    import triton
-
-    return {"torch": torch.__version__, "triton": triton.__version__}
+def _versions() -> dict[str, str | bool | None]:
+    """Where every record's numbers came from: Python, the workspace packages' and torch /
+    triton versions as installed, the git commit and whether the tree was dirty."""
+    return provenance("torch", "triton")
 
 
 class BandwidthRecorder:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _provenance import provenance
 
 ARCHS = ("llama", "qwen3")
 SHAPE: dict[str, Any] = dict(
@@ -317,6 +318,7 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        **provenance("torch", "transformers"),
         "threads": torch.get_num_threads(),
         "quick": args.quick,
         "repeats": REPEATS,
