@@ -18,8 +18,14 @@ through ``_vllm_side.py`` because it is installed outside this workspace — see
 
 The two sides alternate run by run (vLLM's interpreter stays up and runs one workload per
 request), so load on the shared machine falls on both alike. Throughputs are the best of
-``repeats`` runs (the least disturbed one); step times are medians over all steps. Writes ``docs/benchmarks/blocktable.json``,
-``.md`` and ``.png``. Not collected by pytest.
+``repeats`` runs (the least disturbed one); step times are medians over all steps.
+
+Writes ``blocktable.json`` and ``.md`` into the folder ``--out`` names (default: a fresh temp
+folder, printed; pass ``--out docs/benchmarks`` to replace the committed results), and
+``blocktable.png`` when matplotlib is installed (the ``bench`` group); it prints one line for
+each thing it skipped and why (no vLLM interpreter, no xxhash, no matplotlib). The record carries
+the package versions and the git commit the numbers came from (``_provenance.py``). Not
+collected by pytest.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import json
 import os
 import platform
 import subprocess
-import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,10 +43,10 @@ from typing import Any
 
 import kv_blocktable
 import kv_spec
+from _provenance import provenance
 from kv_blocktable import BlockHasher, BlockPool, KVCacheManager, Request
 
-ROOT = Path(__file__).resolve().parents[3]
-DOCS = ROOT / "docs" / "benchmarks"
+NAME = "blocktable"  # <out>/blocktable.json, .md, .png
 VLLM_SIDE = Path(__file__).with_name("_vllm_side.py")
 TARGETS = {"ratio": 1.5, "decode_full_step_us": 200.0}
 
@@ -92,6 +98,19 @@ def ours_alloc_free(p: dict[str, Any], caching: bool) -> tuple[Callable[[], floa
         "cache_block(0, b, h) for 16 fresh hashes; " if caching else ""
     )
     return run, how + "free(ids)"
+
+
+def xxhash_missing() -> str | None:
+    """Why the xxhash-128 workload cannot run here (None: it can)."""
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return (
+            "xxhash is not installed, so the xxhash-128 hashing workload was skipped (sha256, "
+            "the default, was measured): add it with `uv sync --group xxhash` or "
+            "`pip install 'kv-blocktable[xxhash]'`"
+        )
+    return None
 
 
 def ours_hashing(p: dict[str, Any], algo: str) -> tuple[Callable[[], float], str]:
@@ -300,6 +319,11 @@ def measure(
         "hash_sha256": lambda: ours_hashing(p, "sha256"),
         "hash_xxhash128": lambda: ours_hashing(p, "xxhash128"),
     }
+    skip_xx = xxhash_missing()
+    if skip_xx is not None:
+        del builders["hash_xxhash128"]
+        ours["hash_xxhash128"] = {"skipped": skip_xx}
+        vllm.setdefault("hash_xxhash128", {}).setdefault("error", "not run (ours skipped)")
     try:
         for key, build in builders.items():
             run, how = build()
@@ -360,6 +384,8 @@ def summarize(ours: dict[str, Any], vllm: dict[str, Any]) -> list[dict[str, Any]
         ("hash_sha256", "chained hashing, 16-token blocks, sha256 (blocks/s)"),
         ("hash_xxhash128", "chained hashing, 16-token blocks, xxhash-128 (blocks/s)"),
     ):
+        if "blocks_per_s" not in ours[key]:
+            continue  # skipped (the record's "ours" entry says why)
         o = ours[key]["blocks_per_s"]
         v = vllm.get(key, {}).get("blocks_per_s")
         rows.append(
@@ -427,7 +453,8 @@ def write_md(path: Path, record: dict[str, Any]) -> None:
         )
     lines += ["", "How each side was called:", ""]
     for key in ("alloc_free_nocache", "alloc_free_cache", "hash_sha256", "hash_xxhash128"):
-        lines.append(f"- `{key}` — ours: {record['ours'][key]['how']}.")
+        o = record["ours"][key]
+        lines.append(f"- `{key}` — ours: {o.get('how', o.get('skipped'))}.")
         v = record["vllm"].get(key, {})
         lines.append(f"  vLLM: {v.get('how', v.get('error', 'not run'))}.")
     d = record["ours"]["decode_step"]
@@ -446,12 +473,26 @@ def write_md(path: Path, record: dict[str, Any]) -> None:
             "machine for the <= 200 us target (CUDA work is asynchronous there).",
         ]
     if "error" in record["vllm"]:
-        lines += ["", f"vLLM side failed: `{record['vllm']['error']}`"]
+        lines += ["", f"vLLM side skipped: {record['vllm']['error']}."]
+    prov = record.get("provenance", {})
+    if prov:
+        dirty = " (with uncommitted changes)" if prov.get("git_dirty") else ""
+        lines += [
+            "",
+            f"Measured at commit `{prov.get('git_commit')}`{dirty}; versions: "
+            + ", ".join(f"{k} {v}" for k, v in prov.items() if not k.startswith("git_"))
+            + ".",
+        ]
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_png(path: Path, rows: list[dict[str, Any]]) -> None:
-    import matplotlib
+def write_png(path: Path, rows: list[dict[str, Any]]) -> bool:
+    """The ratio plot (or, with no vLLM numbers, our own figures); False if matplotlib is
+    missing (the caller says so)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -464,9 +505,9 @@ def write_png(path: Path, rows: list[dict[str, Any]]) -> None:
         "decode_manager": "decode step x256, KV manager",
     }
     shown = [r for r in rows if r["ratio"] is not None]
-    if not shown:  # no vLLM interpreter (e.g. the GPU machine): the table says so; no ratio plot
-        print(f"no ratio to plot (vLLM side not run); {path} not written")
-        return
+    if not shown:  # no vLLM numbers: plot ours alone
+        _plot_ours(plt, path, rows, short)
+        return True
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(shown) + 1.6))
     ax.barh([short.get(r["key"], r["key"]) for r in shown], [r["ratio"] for r in shown])
     ax.set_xlim(0, max(r["ratio"] for r in shown) * 1.18)
@@ -480,52 +521,108 @@ def write_png(path: Path, rows: list[dict[str, Any]]) -> None:
     ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
-def main() -> None:
+def _plot_ours(plt: Any, path: Path, rows: list[dict[str, Any]], short: dict[str, str]) -> None:
+    """kv-blocktable's own figures (no vLLM side): throughputs and decode-step times."""
+    rates = [r for r in rows if not r["key"].startswith("decode")]
+    steps = [r for r in rows if r["key"].startswith("decode")]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 0.5 * len(rows) + 2.4))
+    a.barh([short.get(r["key"], r["key"]) for r in rates], [r["ours"] / 1e6 for r in rates])
+    a.set_xlabel("M blocks/s (higher is better)")
+    a.invert_yaxis()
+    labels = {"decode_full_step": "decode step x256, manager + tables + slots"}
+    b.barh([labels.get(r["key"], short.get(r["key"], r["key"])) for r in steps],
+           [r["ours"] for r in steps])  # fmt: skip
+    b.set_xlabel("host us per step, median (lower is better)")
+    b.invert_yaxis()
+    a.set_title("kv-blocktable scheduler side (CPU host time; vLLM side not run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, record: dict[str, Any], *, write_json: bool = True) -> list[Path]:
+    """``out/blocktable.{json,md,png}``; returns the files written (the PNG only with
+    matplotlib, which is said in one line when missing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    js = out / f"{NAME}.json"
+    if write_json:
+        js.write_text(json.dumps(record, indent=1) + "\n")
+        written.append(js)
+    md = out / f"{NAME}.md"
+    write_md(md, record)
+    written.append(md)
+    png = out / f"{NAME}.png"
+    if write_png(png, record["rows"]):
+        written.append(png)
+    else:
+        print(
+            f"matplotlib is not installed: {png} not written (add it with `uv sync --group "
+            "bench` or `pip install matplotlib`)"
+        )
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--vllm-python", default=os.environ.get("KVSTACK_VLLM_PYTHON", "/tmp/vllm-env/bin/python")
     )
     ap.add_argument("--device", default="cpu", help="device of the block tables (cpu or cuda)")
     ap.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
-    ap.add_argument("--out", type=Path, default=DOCS / "blocktable")
     ap.add_argument(
-        "--render-only", action="store_true", help="redraw .md and .png from the existing .json"
+        "--out",
+        type=Path,
+        default=None,
+        help=f"folder for {NAME}.json/.md/.png (default: a fresh temp folder, printed; pass "
+        "--out docs/benchmarks to replace the committed results)",
     )
-    args = ap.parse_args()
+    ap.add_argument(
+        "--render-only", action="store_true", help="redraw .md and .png from --out's .json"
+    )
+    args = ap.parse_args(argv)
     if args.render_only:
-        saved: dict[str, Any] = json.loads(args.out.with_suffix(".json").read_text())
-        write_md(args.out.with_suffix(".md"), saved)
-        write_png(args.out.with_suffix(".png"), saved["rows"])
+        if args.out is None:
+            ap.error("--render-only reads <out>/blocktable.json: pass --out FOLDER")
+        saved: dict[str, Any] = json.loads((args.out / f"{NAME}.json").read_text())
+        written = write_outputs(args.out, saved, write_json=False)
+        print("wrote " + ", ".join(str(f) for f in written))
         return
+    out = args.out or Path(tempfile.mkdtemp(prefix="kvstack-bench-blocktable-"))
     p = dict(PARAMS)
     if args.quick:
         p.update(alloc_iters=2000, repeats=2, hash_iters=3, decode_chunk=4)
 
-    ours, vllm = measure(p, args.device, VllmSide(args.vllm_python, p))
+    vside = VllmSide(args.vllm_python, p)
+    if "error" in vside.info:
+        print(f"vLLM side skipped: {vside.info['error']}; its column reads n/a")
+    if (why := xxhash_missing()) is not None:
+        print(why)
+    ours, vllm = measure(p, args.device, vside)
     record: dict[str, Any] = {
         "benchmark": "kv-blocktable scheduler side vs vLLM",
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "kv_blocktable": kv_blocktable.__version__,
+        "provenance": provenance(),
         "params": p,
         "ours": ours,
         "vllm": vllm,
     }
     record["rows"] = summarize(ours, vllm)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    write_md(args.out.with_suffix(".md"), record)
-    write_png(args.out.with_suffix(".png"), record["rows"])
+    written = write_outputs(out, record)
     for r in record["rows"]:
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         print(
             f"{r['what']:<90} ours {fmt(r['ours'], r['key']):>12}  vLLM "
             f"{fmt(r['vllm'], r['key']):>12}  {ratio}"
         )
-    print(f"wrote {args.out.with_suffix('.json')} (.md, .png)", file=sys.stderr)
+    print("wrote " + ", ".join(str(f) for f in written))
 
 
 if __name__ == "__main__":
