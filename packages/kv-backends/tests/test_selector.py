@@ -3,6 +3,9 @@ the others were rejected; FlashAttention version rules; prefer=; kernel block si
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 from kv_backends import (
     BACKEND_PRIORITY,
@@ -16,7 +19,7 @@ from kv_backends import (
     select_backend,
 )
 from kv_backends.backends.flash_attn import resolve_fa_version
-from kv_spec import CATALOGUE, FullAttentionSpec
+from kv_spec import CATALOGUE, FullAttentionSpec, KVCacheLayout, KVQuantMode, LayoutOrder
 
 # The machines we reason about. Installed modules are injected: on our H100 only FA4 installs;
 # an A100 box typically has flash-attn 2.
@@ -287,6 +290,52 @@ def test_prepare_kernel_block_sizes() -> None:
         prepare_kernel_block_sizes([8], [["FLEX_ATTENTION", "TORCH_SDPA"]])
     with pytest.raises(ValueError, match="got 2 groups and 1 backend lists"):
         prepare_kernel_block_sizes([16, 16], [["TRITON"]])
+
+
+@pytest.mark.parametrize(
+    ("backend", "kv_quant", "cache_dtype", "layout_kw", "reason"),
+    [
+        (
+            "TRITON",
+            "int8_per_token_head",
+            "int8",
+            {"scale_plane": True},
+            "a page's scale plane follows its data, so kernel blocks are no plain view",
+        ),
+        (
+            "TORCH_SDPA",
+            "none",
+            "float32",
+            {"page_size_bytes": 64 * 2 * 64 * 4 + 256},  # 256 bytes of padding a page
+            r"needs unpadded pages \(page_size_bytes=33024 > real 32768\)",
+        ),
+    ],
+    ids=["scale_plane", "padded"],
+)
+def test_validate_asks_kv_spec_kernel_block_rule_of_the_layout(
+    backend: str, kv_quant: str, cache_dtype: str, layout_kw: dict, reason: str
+) -> None:
+    """Manager blocks of 64 as kernel blocks of 16 need pages without a scale plane and without
+    padding (kv-spec's KVCacheLayout.kernel_block_problem). kv-backends' validate used to ask
+    only the order and the sizes, so it passed such caches and the impl failed at the first
+    forward; with the layout it now names the reason, and make_impl refuses."""
+    cfg = AttentionConfig(
+        num_q_heads=4, num_kv_heads=2, head_size=32, head_size_v=32, dtype="float32",
+        kv_cache_dtype=cache_dtype, kv_quant=kv_quant, block_size=64, kernel_block_size=16,
+    )  # fmt: skip
+    layout = KVCacheLayout(
+        order=LayoutOrder.LBNHC, num_layers=1, num_blocks=4, num_kv_heads=2, block_size=64,
+        head_size=32, head_size_v=32, dtype=cache_dtype, kv_quant=KVQuantMode(kv_quant),
+        **layout_kw,
+    )  # fmt: skip
+    b = get_backend(backend)
+    assert b.validate(cfg) == []  # a config cannot tell a plane or padding
+    reasons = b.validate(cfg, layout=layout)
+    assert len(reasons) == 1 and re.search(reason, reasons[0]), reasons
+    with pytest.raises(ValueError, match=reason):
+        b.make_impl(cfg, layout)
+    plain = dataclasses.replace(layout, scale_plane=False, page_size_bytes=None)
+    assert b.validate(cfg, layout=plain) == []
 
 
 # -- config and platform ----------------------------------------------------------------------

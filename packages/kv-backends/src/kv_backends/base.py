@@ -52,10 +52,18 @@ class AttentionBackend:
     # -- validation --------------------------------------------------------------------------
 
     @classmethod
-    def validate(cls, config: AttentionConfig, platform: Platform | None = None) -> list[str]:
+    def validate(
+        cls,
+        config: AttentionConfig,
+        platform: Platform | None = None,
+        *,
+        layout: KVCacheLayout | None = None,
+    ) -> list[str]:
         """Every reason this backend cannot serve ``config`` on ``platform`` (empty = usable).
 
-        With ``platform=None`` only device-independent rules are checked.
+        With ``platform=None`` only device-independent rules are checked. With ``layout`` (the
+        cache this backend will read) kv-spec's kernel-block rule is asked of it, scale plane
+        and page padding included; a config alone cannot tell those.
         """
         caps = cls.CAPABILITIES
         reasons: list[str] = []
@@ -98,7 +106,7 @@ class AttentionBackend:
             )
         elif caps.required_layout is not None and config.layout_order != caps.required_layout:
             reasons.append(f"requires layout {caps.required_layout}, got {config.layout_order}")
-        split = kernel_split_problem(config.layout_order, config.block_size, kbs)
+        split = kernel_split_problem(config.layout_order, config.block_size, kbs, layout)
         if split is not None:
             reasons.append(split)
         for flag, supported, what in (
@@ -203,7 +211,7 @@ class AttentionBackend:
 
         Raises ``ValueError`` with every reason when the backend cannot serve ``config``.
         """
-        reasons = cls.validate(config)
+        reasons = cls.validate(config, layout=layout)
         if reasons:
             raise ValueError(f"{cls.NAME} cannot serve this layer: " + "; ".join(reasons))
         return cls.impl_cls(

@@ -4,13 +4,12 @@ checked manager-block -> kernel-block view of a cache."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from kv_spec import SPLITTABLE_ORDERS, KVCacheLayout, kernel_blocks_per_block, to_torch_dtype
+from kv_spec import KVCacheLayout, LayoutOrder, to_torch_dtype
 
 from kv_backends.config import AttentionConfig
 
@@ -19,29 +18,44 @@ if TYPE_CHECKING:
 
 __all__ = ["AttentionImpl", "LayerParams", "kernel_block_view", "kernel_split_problem"]
 
-# The manager-block -> kernel-block view rule lives in kv-spec (kv_spec.pages): the orders whose
-# per-layer block stride is block_size x the token stride (pages unpadded), so manager block b
-# splits into kernel blocks b*k+i with one plain view. Here it becomes a reason string
-# (validate) and a checked view (kernel_block_view, which also checks the tensor's strides:
-# padding is a layout fact, not a config one).
+# The manager-block -> kernel-block view rule lives in kv-spec, once:
+# KVCacheLayout.kernel_block_problem (kernel block divides block_size, an order whose block
+# stride is block_size x the token stride, no scale plane, no page padding). Here it becomes a
+# reason string (validate: the whole rule given a layout, else the part a config can tell) and
+# a checked view (kv_kernels.kernel_block_view, which also checks the tensor's strides).
 
 
-def kernel_split_problem(order: str, block_size: int, kernel_block_size: int) -> str | None:
+def kernel_split_problem(
+    order: str,
+    block_size: int,
+    kernel_block_size: int,
+    layout: KVCacheLayout | None = None,
+) -> str | None:
     """Why ``block_size``-token blocks in ``order`` cannot be viewed as kernel blocks of
-    ``kernel_block_size`` tokens, or ``None`` when they can (or need no split)."""
-    if kernel_block_size == block_size:
-        return None
-    try:
-        kernel_blocks_per_block(block_size, kernel_block_size)
-    except ValueError as e:
-        return str(e)
-    if order not in SPLITTABLE_ORDERS:
-        return (
-            f"kernel block size {kernel_block_size} < block size {block_size} needs order "
-            f"{' or '.join(SPLITTABLE_ORDERS)} (block stride = block_size x token stride); "
-            f"got {order}"
-        )
-    return None
+    ``kernel_block_size`` tokens, or ``None`` when they can (or need no split).
+
+    kv-spec's rule (:meth:`kv_spec.KVCacheLayout.kernel_block_problem`). With ``layout`` it is
+    asked of that layout (scale plane and page padding included); without one, of an unpadded,
+    plane-free cache of ``order`` and ``block_size`` (what an :class:`AttentionConfig` tells).
+    """
+    if layout is None:
+        layout = _probe_layout(order, block_size)
+    return layout.kernel_block_problem(kernel_block_size)
+
+
+def _probe_layout(order: str, block_size: int) -> KVCacheLayout:
+    """The smallest unpadded, plane-free layout of ``order`` and ``block_size``: the facts a
+    config gives kv-spec's kernel-block rule (it reads nothing else)."""
+    return KVCacheLayout(
+        order=LayoutOrder.parse(order),
+        num_layers=1,
+        num_blocks=1,
+        num_kv_heads=1,
+        block_size=block_size,
+        head_size=1,
+        head_size_v=1,
+        dtype="float32",
+    )
 
 
 def _as_scale(
@@ -226,7 +240,7 @@ class AttentionImpl:
         if self._kernel_layout is None:
             view, self._kernel_layout = kernel_block_view(kv_cache, self.layout, kbs)
             return view, self._kernel_layout
-        return _kernel_view(kv_cache, self.layout, kbs), self._kernel_layout
+        return _strided_kernel_view(kv_cache, self.layout.block_size, kbs), self._kernel_layout
 
     def empty_output(
         self, q: torch.Tensor, out: torch.Tensor | None, *, zeroed: bool = True
@@ -357,39 +371,28 @@ def kernel_block_view(
     """View manager blocks of ``layout.block_size`` tokens as kernel blocks of ``kernel_block_size``.
 
     Manager block ``b`` becomes kernel blocks ``b*k + i`` (``k = block_size // kernel_block_size``).
-    That is one plain view when the block stride equals ``block_size`` x the token stride (LBNHC or
-    LHBNC without page padding); other caches raise, since a copy would defeat the point.
+    That is one plain view when kv-spec's rule allows it (LBNHC or LHBNC, pages neither padded nor
+    carrying a scale plane, :meth:`kv_spec.KVCacheLayout.kernel_block_problem`); other caches
+    raise, since a copy would defeat the point. This is :func:`kv_kernels.kernel_block_view`.
     """
-    n = layout.block_size
-    if kernel_block_size == n:
-        return kv_cache, layout
-    view = _kernel_view(kv_cache, layout, kernel_block_size)
-    klayout = dataclasses.replace(
-        layout,
-        num_blocks=layout.num_blocks * (n // kernel_block_size),
-        block_size=kernel_block_size,
-        page_size_bytes=None,
-    )
-    return view, klayout
+    from kv_kernels.cache import kernel_block_view as _kernels_view
+
+    return _kernels_view(kv_cache, layout, kernel_block_size)
 
 
-def _kernel_view(
-    kv_cache: torch.Tensor, layout: KVCacheLayout, kernel_block_size: int
+def _strided_kernel_view(
+    kv_cache: torch.Tensor, block_size: int, kernel_block_size: int
 ) -> torch.Tensor:
-    n = layout.block_size
-    problem = kernel_split_problem(layout.order.value, n, kernel_block_size)
-    if problem is not None:
-        raise ValueError(f"cannot view the cache as kernel blocks: {problem}")
-    k = n // kernel_block_size
+    """The per-step view of a cache whose layout :func:`kernel_block_view` already accepted
+    (no layout rebuilt each step): only the tensor's own block stride is checked again."""
     sb, sh, sn, sc = kv_cache.stride()
-    if sb != n * sn:
+    if sb != block_size * sn:
         raise ValueError(
-            f"cannot view {n}-token blocks as {kernel_block_size}-token kernel blocks: block stride "
-            f"{sb} != block_size x token stride {n * sn} (order {layout.order.value}"
-            f"{', padded pages' if layout.page_bytes != layout.real_page_size_bytes else ''}); "
-            "use LBNHC or LHBNC without padding, or kernel_block_size = block_size"
+            f"kv_cache block stride {sb} != block_size x token stride {block_size * sn}: "
+            "not the layer view of this layout; pass kv_kernels.layer_view(storage, layout, layer)"
         )
     b, h, _, c = kv_cache.shape
+    k = block_size // kernel_block_size
     return kv_cache.as_strided(
         (b * k, h, kernel_block_size, c), (kernel_block_size * sn, sh, sn, sc)
     )

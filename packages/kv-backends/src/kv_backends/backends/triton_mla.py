@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from kv_spec import KVCacheLayout
 
 from kv_backends.backends.triton_attn import TritonImpl
 from kv_backends.base import AttentionBackend, MetadataBuilder
@@ -117,8 +118,14 @@ class TritonMLABackend(AttentionBackend):
     impl_cls = TritonMLAImpl
 
     @classmethod
-    def validate(cls, config: AttentionConfig, platform: Platform | None = None) -> list[str]:
-        reasons = super().validate(config, platform)
+    def validate(
+        cls,
+        config: AttentionConfig,
+        platform: Platform | None = None,
+        *,
+        layout: KVCacheLayout | None = None,
+    ) -> list[str]:
+        reasons = super().validate(config, platform, layout=layout)
         if not config.mla:
             reasons.append("serves only MLA layers (one latent per token)")
         return reasons
