@@ -207,6 +207,24 @@ def test_impl_refuses_bad_layer_tensors() -> None:
         be.make_impl(b.config, b.layout, sinks=b.sinks, k_scale=1.0, v_scale="1")
 
 
+@pytest.mark.parametrize("name", ["TORCH_SDPA", "TRITON", "FLEX_ATTENTION", "TRITON_MLA"])
+def test_constructors_name_a_wrong_layout_or_config(name: str) -> None:
+    """Backends take a KVCacheLayout (they were typed ``Any``): a layout's dict, or a config's,
+    is a TypeError naming the field, not an AttributeError from deep inside (TRITON_MLA read
+    ``layout.is_mla`` before any check)."""
+    b = make_paged_batch(query_lens=[1], seq_lens=[4])
+    be = get_backend(name)
+    as_dict = b.layout.to_dict()
+    with pytest.raises(TypeError, match="layout must be a kv_spec.KVCacheLayout, got dict"):
+        be.make_impl(b.config, as_dict)
+    with pytest.raises(TypeError, match="layout must be a kv_spec.KVCacheLayout, got dict"):
+        be.make_builder(b.config, as_dict)
+    with pytest.raises(TypeError, match="layout must be a kv_spec.KVCacheLayout, got dict"):
+        be.validate(b.config, layout=as_dict)
+    with pytest.raises(TypeError, match="config must be a kv_backends.AttentionConfig, got dict"):
+        be.make_impl(dict(CFG), b.layout)
+
+
 # -- fuzz: every failure is a ValueError/TypeError with a message --------------------------------
 
 _junk = st.one_of(

@@ -16,7 +16,13 @@ from kv_spec import KVCacheLayout
 
 from kv_backends.capabilities import BackendCapabilities
 from kv_backends.config import AttentionConfig, Platform
-from kv_backends.impl import AttentionImpl, LayerParams, kernel_block_view, kernel_split_problem
+from kv_backends.impl import (
+    AttentionImpl,
+    LayerParams,
+    check_config_and_layout,
+    kernel_block_view,
+    kernel_split_problem,
+)
 from kv_backends.metadata import CommonAttentionMetadata
 
 __all__ = [
@@ -65,6 +71,8 @@ class AttentionBackend:
         cache this backend will read) kv-spec's kernel-block rule is asked of it, scale plane
         and page padding included; a config alone cannot tell those.
         """
+        if layout is not None:
+            check_config_and_layout(config, layout)
         caps = cls.CAPABILITIES
         reasons: list[str] = []
         if config.dtype not in caps.dtypes:
@@ -185,6 +193,7 @@ class AttentionBackend:
         **options: Any,
     ) -> MetadataBuilder:
         """One builder per KV group; it owns that group's persistent metadata buffers."""
+        check_config_and_layout(config, layout)
         return cls.builder_cls(
             config,
             layout,
@@ -211,6 +220,7 @@ class AttentionBackend:
 
         Raises ``ValueError`` with every reason when the backend cannot serve ``config``.
         """
+        check_config_and_layout(config, layout)
         reasons = cls.validate(config, layout=layout)
         if reasons:
             raise ValueError(f"{cls.NAME} cannot serve this layer: " + "; ".join(reasons))
@@ -255,6 +265,7 @@ class MetadataBuilder:
         max_num_seqs: int,
         **options: Any,
     ) -> None:
+        check_config_and_layout(config, layout)
         if options:
             raise ValueError(f"{type(self).__name__} takes no options; got {sorted(options)}")
         if max_num_batched_tokens <= 0 or max_num_seqs <= 0:

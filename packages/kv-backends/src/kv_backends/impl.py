@@ -16,7 +16,13 @@ from kv_backends.config import AttentionConfig
 if TYPE_CHECKING:
     from kv_backends.base import AttentionMetadata
 
-__all__ = ["AttentionImpl", "LayerParams", "kernel_block_view", "kernel_split_problem"]
+__all__ = [
+    "AttentionImpl",
+    "LayerParams",
+    "check_config_and_layout",
+    "kernel_block_view",
+    "kernel_split_problem",
+]
 
 # The manager-block -> kernel-block view rule lives in kv-spec, once:
 # KVCacheLayout.kernel_block_problem (kernel block divides block_size, an order whose block
@@ -130,6 +136,7 @@ class AttentionImpl:
         v_scale: torch.Tensor | float | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        check_config_and_layout(config, layout)
         _check_layout_matches(config, layout)
         self.config = config
         self.layout = layout
@@ -343,6 +350,21 @@ def _check_head_vector(name: str, t: object, declared: bool, num_q_heads: int, f
     if not t.is_floating_point():
         raise TypeError(f"{name} has dtype {t.dtype}; expected a float dtype")
     _check_finite(name, t)
+
+
+def check_config_and_layout(config: object, layout: object) -> None:
+    """The types of a constructor's ``config`` and ``layout`` (a ``TypeError`` naming the field,
+    what came and what to pass): every later check reads their fields."""
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(
+            f"config must be a kv_backends.AttentionConfig, got {type(config).__name__}; build "
+            "one with AttentionConfig(...) or AttentionConfig.from_spec(spec, ...)"
+        )
+    if not isinstance(layout, KVCacheLayout):
+        raise TypeError(
+            f"layout must be a kv_spec.KVCacheLayout, got {type(layout).__name__}; pass the "
+            "cache's layout (e.g. plan_kv_cache(...) or KVCacheLayout.from_dict(d))"
+        )
 
 
 def _check_layout_matches(config: AttentionConfig, layout: KVCacheLayout) -> None:

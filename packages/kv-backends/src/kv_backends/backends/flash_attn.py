@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 import torch
+from kv_spec import KVCacheLayout
 
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
@@ -167,7 +168,7 @@ class FlashAttnImpl(AttentionImpl):
     def __init__(
         self,
         config: AttentionConfig,
-        layout: Any,
+        layout: KVCacheLayout,
         *,
         version: int | None = None,
         platform: Platform | None = None,

@@ -75,6 +75,7 @@ from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import torch
+from kv_spec import KVCacheLayout
 
 from kv_backends.backends.flex_compile import (
     FLEX_RECOMPILE_LIMIT,
@@ -120,7 +121,7 @@ class FlexAttentionImpl(AttentionImpl):
     def __init__(
         self,
         config: AttentionConfig,
-        layout: Any,
+        layout: KVCacheLayout,
         *,
         compiled: bool | None = None,
         kernel_options: dict[str, Any] | None = None,

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from kv_spec import KVCacheLayout
 
 from kv_backends.backends.flex_decode import FlexDecode, build_decode_call, decode_kv_block_size
 from kv_backends.backends.flex_gather import PREFILL_MODES, build_gathered_window
@@ -84,7 +84,7 @@ class FlexMetadataBuilder(MetadataBuilder):
     def __init__(
         self,
         config: AttentionConfig,
-        layout: Any,
+        layout: KVCacheLayout,
         *,
         device: torch.device,
         max_num_batched_tokens: int,

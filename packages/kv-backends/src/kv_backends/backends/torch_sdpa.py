@@ -41,6 +41,7 @@ from kv_backends.backends.torch_sdpa_decode import DecodeRun
 from kv_backends.backends.torch_sdpa_kept import KeptGather, cache_ledger, gather_kept
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
+from kv_backends.config import AttentionConfig
 from kv_backends.metadata import CommonAttentionMetadata
 
 __all__ = [
@@ -336,8 +337,15 @@ class TorchSDPAImpl(AttentionImpl):
     :mod:`.torch_sdpa_kept` says why.
     """
 
-    def __init__(self, *args: Any, keep_decode_gather_bytes: int = 0, **kw: Any) -> None:
-        super().__init__(*args, **kw)
+    def __init__(
+        self,
+        config: AttentionConfig,
+        layout: KVCacheLayout,
+        *,
+        keep_decode_gather_bytes: int = 0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(config, layout, **kw)
         limit = keep_decode_gather_bytes
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise TypeError(

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from kv_spec import KVCacheLayout
 
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
@@ -40,7 +41,7 @@ class TritonImpl(AttentionImpl):
     def __init__(
         self,
         config: AttentionConfig,
-        layout: Any,
+        layout: KVCacheLayout,
         *,
         num_splits: int | None = None,
         impl: str = "triton",

@@ -47,7 +47,7 @@ class TritonMLAImpl(TritonImpl):
     def __init__(
         self,
         config: AttentionConfig,
-        layout: Any,
+        layout: KVCacheLayout,
         *,
         kv_lora_rank: int | None = None,
         **kw: Any,
