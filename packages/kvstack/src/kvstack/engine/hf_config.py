@@ -28,7 +28,14 @@ from typing import Any
 
 from kv_spec import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ArchConfig", "RopeConfig", "load_arch_config"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ArchConfig",
+    "RopeConfig",
+    "checkpoint_dtype",
+    "load_arch_config",
+    "read_json_object",
+]
 
 #: ``architectures[0]`` -> model family (the module layout that serves it).
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
@@ -349,7 +356,33 @@ def load_arch_config(model_dir: str | Path) -> ArchConfig:
         raise FileNotFoundError(
             f"{path} does not exist; model_dir must hold a Hugging Face config.json"
         )
-    cfg = json.loads(path.read_text())
+    cfg = read_json_object(path)
     gen_path = root / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    return ArchConfig.from_hf(cfg, gen)
+    gen = read_json_object(gen_path) if gen_path.is_file() else None
+    try:
+        return ArchConfig.from_hf(cfg, gen)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A JSON object from ``path``; a ``ValueError`` naming the file when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it as JSON ({e}); fix or re-download it") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: holds a JSON {type(data).__name__}, not an object of config fields"
+        )
+    return data
+
+
+def checkpoint_dtype(cfg: Mapping[str, Any]) -> str | None:
+    """The dtype a ``config.json`` says its weights are in (``dtype``, or the older
+    ``torch_dtype``), as ``"bfloat16"`` / ``"float16"`` / ``"float32"``; None when it names none
+    of these."""
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    name = str(value).removeprefix("torch.") if value is not None else None
+    return {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+            "float32": "float32", "float": "float32"}.get(name or "")  # fmt: skip

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.layers import RotaryEmbedding
@@ -36,7 +36,14 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(
+                f"{index}: cannot read the shard index ({e}); it must be a JSON object with a "
+                "'weight_map' of tensor name -> file (re-save the checkpoint, or delete the index "
+                "for a single-file checkpoint)"
+            ) from None
         files = sorted({root / name for name in weight_map.values()})
     else:
         files = sorted(root.glob("*.safetensors"))
@@ -53,9 +60,16 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                yield name, handle.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield name, handle.get_tensor(name)
+        except (OSError, SafetensorError) as e:
+            # safetensors' own message names no file ("incomplete metadata, file not fully covered")
+            raise ValueError(
+                f"{f}: cannot read it as safetensors ({e}); the file is truncated or corrupt: "
+                "download or save it again"
+            ) from None
 
 
 def _listed(names: list[str]) -> str:
