@@ -25,6 +25,8 @@ from kv_backends.config import check_tensor_parallel
 from kv_backends.testing import make_paged_batch
 from kv_spec import get_model
 
+# The fuzz runs by default (~1 s a test on two cores: too cheap for the slow mark, which a run
+# that deselects slow would drop it with); KVSTACK_HYPOTHESIS_EXAMPLES=500 for a long run.
 EXAMPLES = int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "60"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CFG = {"num_q_heads": 8, "num_kv_heads": 2, "head_size": 64, "head_size_v": 64}
@@ -247,7 +249,6 @@ def _expect_clean(fn, *args, **kwargs) -> object:
         return None
 
 
-@pytest.mark.slow
 @FUZZ
 @given(
     num_q_heads=_ints,
@@ -272,7 +273,6 @@ def test_fuzz_attention_config(**kw: object) -> None:
         _expect_clean(select_backend, cfg, Platform.cpu())
 
 
-@pytest.mark.slow
 @FUZZ
 @given(
     query_lens=st.one_of(st.lists(_ints, max_size=4), _junk),
@@ -292,7 +292,6 @@ def test_fuzz_from_lists(**kw: object) -> None:
         assert bool((md.slot_mapping[: md.num_actual_tokens] >= 0).all())
 
 
-@pytest.mark.slow
 @FUZZ
 @given(
     model=st.sampled_from(["Llama-3-8B", "gpt-oss-120b", "DeepSeek-V3", "MiMo-V2-Flash"]),

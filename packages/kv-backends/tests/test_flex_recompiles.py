@@ -73,8 +73,16 @@ def _serve(static_shapes: bool, graphs: list[Any], prefill: str = "paged", **kw:
     return counts
 
 
-@pytest.mark.parametrize("prefill", ["paged", "gather"])
-@pytest.mark.parametrize("feature", [{}, {"sliding_window": 9, "softcap": 4.0}])
+# Each prefill and each feature set once by default; the other two pairs under ``-m slow``.
+@pytest.mark.parametrize(
+    ("feature", "prefill"),
+    [
+        ({}, "paged"),
+        ({"sliding_window": 9, "softcap": 4.0}, "gather"),
+        pytest.param({}, "gather", marks=pytest.mark.slow),
+        pytest.param({"sliding_window": 9, "softcap": 4.0}, "paged", marks=pytest.mark.slow),
+    ],
+)
 def test_serving_loop_does_not_recompile(
     monkeypatch: pytest.MonkeyPatch, feature: dict, prefill: str
 ) -> None:

@@ -68,6 +68,22 @@ DEVICES = [
 ]
 
 
+#: (case, window, builder): every case with every builder; the window alternates so each case
+#: and each builder also runs with and without one. That half (16 of 32) runs by default; the
+#: other half is marked slow (``-m slow`` runs it): the same paths, the other window.
+MATRIX = [
+    pytest.param(
+        case,
+        window,
+        builder,
+        marks=[pytest.mark.slow] if (window is None) == bool((i + j) % 2) else [],
+    )
+    for i, case in enumerate(CASES)
+    for j, builder in enumerate(BUILDERS)
+    for window in (None, 6)
+]
+
+
 def _batch(
     case: str, *, has_sinks: bool = True, seed: int = 1, device: str = "cpu", **kw: Any
 ) -> PagedBatch:
@@ -109,9 +125,7 @@ def _row_max(x: torch.Tensor) -> torch.Tensor:  # [T, Hq, D] -> [T, Hq]
     return x.double().abs().amax(-1)
 
 
-@pytest.mark.parametrize("builder", list(BUILDERS))
-@pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("case", "window", "builder"), MATRIX)
 @pytest.mark.parametrize("device", DEVICES)
 def test_flex_bf16_sinks_match_float64_oracle_and_sdpa(
     device: str, case: str, window: int | None, builder: str
@@ -133,9 +147,7 @@ def test_flex_bf16_sinks_match_float64_oracle_and_sdpa(
     )
 
 
-@pytest.mark.parametrize("builder", list(BUILDERS))
-@pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("case", "window", "builder"), MATRIX)
 @pytest.mark.parametrize("device", DEVICES)
 def test_flex_bf16_sink_gate_is_exact(
     device: str, case: str, window: int | None, builder: str
@@ -174,10 +186,13 @@ def test_flex_bf16_sink_gate_is_exact(
     )
 
 
+@pytest.mark.slow
 def test_flex_bf16_compiled_cpu_matches_oracle_without_sinks() -> None:
     # Compiled Flex on the CPU cannot return the log-sum-exp (torch 2.15), so sinks are refused
     # there (test_backends_cpu); the compiled bf16 path itself is held to the same rule. One case
-    # (inductor's CPU template compiles in ~30 s): decodes, a chunked prefill, window, padding.
+    # (inductor's CPU template compiles in ~45 s): decodes, a chunked prefill, window, padding.
+    # Slow: the default run compiles the same calls in float32 (test_backends_cpu's
+    # test_flex_compiled_matches, test_flex_output's test_compiled_result_is_flex_output).
     b = _batch("mixed", has_sinks=False, sliding_window=6)
     t = _num(b)
     out = run_backend("FLEX_ATTENTION", b, impl_options={"compiled": True})

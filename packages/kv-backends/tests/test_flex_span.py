@@ -106,8 +106,20 @@ def test_span_mask_sees_what_the_owner_mask_sees(case: str, prefill: str) -> Non
     _assert_oracle(b, out)
 
 
-@pytest.mark.parametrize("prefill", ["paged", "gather"])
-@pytest.mark.parametrize("case", ["prefix", "window", "blnhc"])
+# One compiled case per mask mod by default (the keyed span mask of the paged prefill, the span
+# mask of the gathered one; ~20 s of inductor each on two cores); the rest under ``-m slow``.
+# The eager test above runs every case through both.
+_COMPILED_DEFAULT = {("window", "paged"), ("prefix", "gather")}
+_COMPILED = [
+    pytest.param(
+        case, prefill, marks=[] if (case, prefill) in _COMPILED_DEFAULT else [pytest.mark.slow]
+    )
+    for prefill in ("paged", "gather")
+    for case in ("prefix", "window", "blnhc")
+]
+
+
+@pytest.mark.parametrize(("case", "prefill"), _COMPILED)
 def test_span_mask_compiled_equals_the_owner_mask(case: str, prefill: str) -> None:
     # inductor's C++ Flex template inlines the mask mod as the GPU template does.
     b = _batch(case)
