@@ -179,16 +179,16 @@ def test_generate_streams_token_ids_and_refuses_text_without_a_tokenizer(tmp_pat
         "eos_token_id": None,
     }  # fmt: skip
     model_dir = write_random_checkpoint(tmp_path / "m", cfg)
-    res = kvstack("generate", str(model_dir), "--prompt", "1 2 3 4 5", "--max-new-tokens", "6")
+    res = kvstack("generate", str(model_dir), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6")
     assert res.returncode == 0, res.stderr
     ids = [int(t) for t in res.stdout.split()]
     assert len(ids) == 6 and all(0 <= t < 64 for t in ids)
     assert "6 tokens in" in res.stderr
     res = kvstack("generate", str(model_dir), "--prompt", "hello there")
-    assert_clean_error(res, "has no tokenizer this install can read")
-    res = kvstack("generate", str(tmp_path / "missing"), "--prompt", "1")
-    assert_clean_error(res, "is not a checkpoint directory")
-    res = kvstack("generate", str(model_dir), "--prompt", "1 2", "--max-new-tokens", "0")
+    assert_clean_error(res, "has no tokenizer")
+    res = kvstack("generate", str(tmp_path / "missing"), "--prompt-ids", "1")
+    assert_clean_error(res, "does not exist; give a Hugging Face checkpoint directory")
+    res = kvstack("generate", str(model_dir), "--prompt-ids", "1 2", "--max-new-tokens", "0")
     assert_clean_error(res, "--max-new-tokens='0' must be at least 1")
 
 

@@ -18,7 +18,47 @@ from rich.console import Console
 from kvstack.cli import backends, bench, demo_cmd, generate, plan
 from kvstack.cli._args import EXIT_USAGE, Parser
 
-__all__ = ["build_parser", "main"]
+__all__ = ["DISTRIBUTIONS", "build_parser", "main", "versions"]
+
+#: The packages of the stack, top to bottom, as ``kvstack --version`` lists them.
+DISTRIBUTIONS = (
+    "kvstack",
+    "kv-connectors",
+    "kv-blocktable",
+    "kv-backends",
+    "kv-kernels",
+    "kv-spec",
+)
+
+
+def versions() -> str:
+    """Each package's installed version, one per line (and where a checkout is imported from)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from kvstack._hints import workspace_root
+
+    lines = []
+    for dist in DISTRIBUTIONS:
+        try:
+            lines.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            lines.append(f"{dist} not installed")
+    root = workspace_root()
+    if root is not None:
+        lines.append(f"(from the workspace checkout at {root})")
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+            help="print each package's version and exit",
+        )  # fmt: skip
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(versions())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The paged KV-cache layer of LLM inference: plan caches, pick attention "
         "backends, run a small reference engine over the whole stack.",
     )
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     demo_cmd.add_parser(sub)
     generate.add_parser(sub)

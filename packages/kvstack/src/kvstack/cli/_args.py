@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from kvstack.units import parse_bytes, parse_count
 
-__all__ = ["EXIT_USAGE", "Parser", "bytes_arg", "count_arg"]
+__all__ = ["EXIT_USAGE", "DefaultsFormatter", "Parser", "bytes_arg", "count_arg"]
 
 #: Exit status of bad input (argparse uses the same).
 EXIT_USAGE = 2
@@ -35,8 +36,30 @@ def count_arg(name: str, minimum: int = 1) -> Callable[[str], int]:
     return parse
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default in (None, argparse.SUPPRESS)
+            or "default" in text
+        ):
+            return action.help
+        if action.default == "":
+            return f"{text} (default: none)".lstrip()
+        if action.default is False and action.nargs == 0:  # a flag
+            return f"{text} (default: off)".lstrip()
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line on stderr (no usage dump), exit 2."""
+    """argparse, but an error is one line on stderr (no usage dump), exit 2; help shows defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
