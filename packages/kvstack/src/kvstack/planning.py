@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from kv_spec import (
+    CATALOGUE,
+    DTYPE_BYTES,
     NULL_BLOCKS,
     KVCacheConfig,
     KVQuantMode,
     LayoutOrder,
     ModelConfig,
     get_model,
+    normalize_dtype,
     plan_kv_cache,
 )
 from rich.table import Table
@@ -108,7 +111,15 @@ def resolve_model(text: str) -> ModelConfig:
                 f"{str(path)!r} holds a JSON {type(config).__name__}, not a config object"
             )
         return model_from_hf_config(config, name=str(path))
-    return get_model(text)
+    try:
+        return get_model(text)
+    except ValueError:
+        if "/" in text or "\\" in text or text.startswith(("~", ".")):
+            raise ValueError(
+                f"{text!r}: no such file or directory; give an existing checkpoint directory or "
+                f"config.json, or a catalogue name ({', '.join(CATALOGUE)})"
+            ) from None
+        raise
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
@@ -209,6 +220,8 @@ def plan_model(
     (``None``: in a plane after each page's data wherever the layout can take one)."""
     check_tensor_parallel(model, tp)
     quant = KVQuantMode.parse(kv_quant)
+    if dtype is not None:
+        _check_cache_dtype(dtype, quant)
     specs = model.kv_specs(
         block_size=block_size,
         tensor_parallel_size=tp,
@@ -235,6 +248,25 @@ def plan_model(
         scale_plane=scale_plane,
     )
     return PlanReport(model, mml, memory, cfg, need)
+
+
+def _check_cache_dtype(dtype: str, quant: KVQuantMode) -> None:
+    """``--dtype`` names an unquantized cache dtype; a quantized one comes from ``--kv-quant``."""
+    try:
+        name = normalize_dtype(dtype)
+    except ValueError:
+        raise ValueError(
+            f"--dtype={dtype!r} is not a KV-cache dtype; use float32, float16 or bfloat16 "
+            "(quantized caches: --kv-quant)"
+        ) from None
+    if quant is KVQuantMode.NONE and DTYPE_BYTES[name] == 1:
+        modes = [m.value for m in KVQuantMode if m is not KVQuantMode.NONE]
+        hint = [m for m in modes if m.startswith(name[:3])] or modes
+        raise ValueError(
+            f"--dtype={dtype!r} is a quantized cache dtype, which --kv-quant chooses: give "
+            f"--kv-quant {' or '.join(hint)} (it sets the storage dtype), and --dtype only for "
+            "float32, float16 or bfloat16"
+        )
 
 
 def _groups_summary(cfg: KVCacheConfig) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -73,7 +74,12 @@ def add_parsers(sub: Any) -> None:
         default=8192,
         help="tokens scheduled per step (sizes sliding windows; default 8192)",
     )
-    p.add_argument("--layout", default="LBNHC", choices=[o.value for o in LayoutOrder])
+    p.add_argument(
+        "--layout",
+        default="LBNHC",
+        choices=[o.value for o in LayoutOrder],
+        help="physical order of the cache (kv-spec's six named orders)",
+    )
     p.add_argument(
         "--scales",
         default="auto",
@@ -89,6 +95,7 @@ def add_parsers(sub: Any) -> None:
         help="list the model catalogue",
         description="The catalogue's models and their attention shape.",
     )
+    m.add_argument("--json", action="store_true", help="print the catalogue as JSON (for scripts)")
     m.set_defaults(func=cmd_models)
 
 
@@ -139,6 +146,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_models(args: argparse.Namespace, console: Console) -> int:
+    if args.json:
+        # kv_spec.ModelConfig's own fields, as the catalogue declares them
+        print(json.dumps([dataclasses.asdict(m) for m in CATALOGUE.values()], indent=2))
+        return 0
     table = Table(title="Model catalogue (kv_spec.CATALOGUE)")
     for col in (
         "model",
