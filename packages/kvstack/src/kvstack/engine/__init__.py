@@ -9,6 +9,7 @@ Generate::
 
     engine = LLMEngine("path/to/checkpoint")
     outputs = engine.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_new_tokens=16))
+    texts = engine.generate(["Hello"], SamplingParams(stop=["."]))  # with the checkpoint's tokenizer
 
 Run one step over the paged cache::
 
@@ -36,6 +37,7 @@ from kvstack.engine.loader import checkpoint_files, load_model
 from kvstack.engine.models import CausalLM, dense_attention
 from kvstack.engine.runner import DEFAULT_CACHE_REQUESTS, LayerBinding, ModelRunner
 from kvstack.engine.sampling import SamplingParams
+from kvstack.engine.tokenizer import TextTokenizer, load_tokenizer
 
 __all__ = [
     "DEFAULT_CACHE_REQUESTS",
@@ -49,9 +51,11 @@ __all__ = [
     "ModelRunner",
     "RopeConfig",
     "SamplingParams",
+    "TextTokenizer",
     "TokenEvent",
     "checkpoint_files",
     "dense_attention",
     "load_arch_config",
     "load_model",
+    "load_tokenizer",
 ]

@@ -13,27 +13,49 @@ Use it three ways::
     engine.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_new_tokens=8))  # -> completions
     for event in engine.stream(prompts, params): ...  # one TokenEvent per generated token
     engine.add_request("a", [1, 2, 3], params); engine.step()  # requests arriving over time
+    engine.abort_request("a")  # gone: blocks freed, out of the batch
+
+Prompts may be text when the checkpoint has a tokenizer (:mod:`kvstack.engine.tokenizer`):
+``engine.generate(["hello"])`` returns completions with ``text``; ``SamplingParams(stop=[...])``
+ends a request at a stop string; ``engine.chat(messages)`` applies the chat template.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from kv_blocktable import KVCacheManager, Request
 from kv_blocktable.block_table import BlockTables, int64_tensor
 
+from kvstack.engine._inputs import chat_prompts, check_engine_flags, check_token_ids
 from kvstack.engine.runner import ModelRunner
-from kvstack.engine.sampling import SamplingParams, make_generator, sample
+from kvstack.engine.sampling import SamplingParams, check_keywords, make_generator, sample
 from kvstack.engine.scheduler import FinishReason, Scheduler, SchedulerOutput, SchedulerStats
 from kvstack.engine.scheduler import Sequence as Seq
+from kvstack.engine.tokenizer import TextTokenizer, missing_tokenizer_reason
 
-__all__ = ["Completion", "EngineStats", "LLMEngine", "TokenEvent"]
+__all__ = ["Completion", "EngineStats", "LLMEngine", "Prompt", "TokenEvent"]
+
+#: A prompt: token ids, or text the engine's tokenizer encodes.
+Prompt: TypeAlias = "Sequence[int] | str"
+#: One chat message: ``{"role": "user", "content": "..."}``.
+Message: TypeAlias = Mapping[str, Any]
+#: The engine's own options (the rest go to :class:`ModelRunner`).
+_ENGINE_OPTIONS = ("runner", "max_num_seqs", "enable_prefix_caching", "keep_logits", "tokenizer")
+#: ModelRunner's options an engine passes on (``max_num_seqs`` is the engine's own).
+_RUNNER_OPTIONS = tuple(
+    name
+    for name, p in inspect.signature(ModelRunner.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "max_num_seqs"
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,11 @@ class Completion:
     #: float32 ``[len(token_ids), vocab]``: the logits each token was sampled from (only with
     #: ``LLMEngine(keep_logits=True)``; tests hold them to a reference).
     logits: torch.Tensor | None = None
+    #: The output decoded by the engine's tokenizer (None without one), cut before a stop
+    #: string (``SamplingParams.stop``) as vLLM does; ``prompt_text`` is the prompt given as text
+    #: (or rendered by :meth:`LLMEngine.chat`), None for a prompt given as token ids.
+    text: str | None = None
+    prompt_text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,9 +108,14 @@ class LLMEngine:
     """Continuous batching over one :class:`ModelRunner` (see the module docstring).
 
     ``runner`` may be given instead of ``model_dir`` (tests share one runner between engines
-    only one at a time: the cache contents belong to the engine using it). Other arguments go to
-    :class:`ModelRunner`. ``max_num_batched_tokens`` is the per-step token budget (chunked
+    only one at a time: the cache contents belong to the engine using it). Other keyword options
+    go to :class:`ModelRunner` (a misspelt one is a ``TypeError`` naming the closest option and
+    listing every valid one). ``max_num_batched_tokens`` is the per-step token budget (chunked
     prefill); ``max_num_seqs`` caps running requests (and the block-table rows).
+
+    ``tokenizer``: for text prompts, stop strings and decoded outputs -- ``None`` (default) reads
+    the checkpoint directory's tokenizer when first needed (:mod:`kvstack.engine.tokenizer`), a
+    path reads that directory's, or give a transformers / ``tokenizers`` tokenizer object.
     """
 
     def __init__(
@@ -94,10 +126,13 @@ class LLMEngine:
         max_num_seqs: int = 64,
         enable_prefix_caching: bool = True,
         keep_logits: bool = False,
+        tokenizer: str | Path | Any | None = None,
         **runner_kwargs: Any,
     ) -> None:
+        check_keywords("LLMEngine", runner_kwargs, _ENGINE_OPTIONS + _RUNNER_OPTIONS)
         if (model_dir is None) == (runner is None):
             raise ValueError("give LLMEngine a model_dir or a runner (exactly one)")
+        check_engine_flags(max_num_seqs, enable_prefix_caching, keep_logits)
         if runner is None:
             assert model_dir is not None
             runner = ModelRunner(model_dir, max_num_seqs=max_num_seqs, **runner_kwargs)
@@ -128,25 +163,80 @@ class LLMEngine:
         self._seqs: dict[str, Seq] = {}
         self.keep_logits = keep_logits
         self.external_loader: Callable[[str, tuple[list[int], ...], int], None] | None = None
+        #: Called with a request id when :meth:`abort_request` drops that request, before its
+        #: blocks go back to the pool: whoever drives a connector for the engine ends the
+        #: request's transfers there (a producer stops serving a held request's blocks).
+        self.abort_listener: Callable[[str], None] | None = None
         self._logits: dict[str, list[torch.Tensor]] = {}
+        #: Request id -> its prompt text (requests given text); -> the output text's length
+        #: (requests a stop string finished).
+        self._prompt_text: dict[str, str] = {}
+        self._text_cut: dict[str, int] = {}
+        self._tokenizer_arg = tokenizer
+        self._tokenizer: TextTokenizer | None = None
+        self._tokenizer_read = False
         self._ids = itertools.count()
         self._generated = 0
         self._computed = 0
         self._model_s = 0.0
         self._wall_s = 0.0
 
+    # -- text ----------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        """The engine's tokenizer (read on first use; None when there is none)."""
+        if not self._tokenizer_read:
+            arg = self._tokenizer_arg
+            if arg is None:
+                self._tokenizer = TextTokenizer.from_dir(self.runner.model_dir)
+            elif isinstance(arg, (str, Path)):
+                self._tokenizer = TextTokenizer.from_dir(arg)
+                if self._tokenizer is None:
+                    raise ValueError(
+                        f"LLMEngine(tokenizer={str(arg)!r}): {missing_tokenizer_reason(arg)}"
+                    )
+            else:
+                self._tokenizer = (
+                    arg
+                    if isinstance(arg, TextTokenizer)
+                    else TextTokenizer(arg, self.runner.model_dir)  # its chat template
+                )
+            self._tokenizer_read = True
+        return self._tokenizer
+
+    def _require_tokenizer(self, what: str) -> TextTokenizer:
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError(
+                f"{what} needs a tokenizer: {missing_tokenizer_reason(self.runner.model_dir)}; "
+                "or give prompts as token ids"
+            )
+        return tok
+
     # -- requests ------------------------------------------------------------------------------
+
+    def _prompt_ids(self, rid: str, prompt: object) -> list[int]:
+        """``prompt`` (text or token ids) as checked token ids."""
+        if isinstance(prompt, str):
+            tok = self._require_tokenizer(f"request {rid!r}: the text prompt {prompt[:40]!r}")
+            return tok.encode(prompt)
+        return check_token_ids(rid, prompt, self.runner.arch.vocab_size)
 
     def add_request(
         self,
         request_id: str | None,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
         *,
         hold_blocks: bool = False,
         num_external_tokens: int = 0,
     ) -> str:
         """Queue a request; it joins the batch at the next :meth:`step` the pool allows.
+
+        ``prompt``: token ids (ints in ``[0, vocab_size)``, checked, never rounded), or text
+        encoded by the engine's :attr:`tokenizer` (special tokens added as the tokenizer's
+        post-processor says). ``params`` defaults to ``SamplingParams()``.
 
         Disaggregated serving: ``hold_blocks`` keeps a finished request's blocks (read them with
         :meth:`block_ids`, free them with :meth:`release`) so a connector can serve them;
@@ -156,24 +246,44 @@ class LLMEngine:
         version counters, :meth:`~kvstack.engine.runner.ModelRunner.note_external_writes`, so
         TORCH_SDPA's kept decode gathers see the new bytes).
         """
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(
+                f"request_id={request_id!r} is a {type(request_id).__name__}; give a str (or "
+                "None for a generated one)"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request id {rid!r} is already in the engine; ids must be unique")
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params is a {type(params).__name__}; pass a SamplingParams")
+        if not isinstance(hold_blocks, bool):
+            raise TypeError(
+                f"request {rid!r}: hold_blocks={hold_blocks!r} is a {type(hold_blocks).__name__}; "
+                "give True or False"
+            )
+        if isinstance(num_external_tokens, bool) or not isinstance(num_external_tokens, int):
+            raise TypeError(
+                f"request {rid!r}: num_external_tokens={num_external_tokens!r} is a "
+                f"{type(num_external_tokens).__name__}; give an int >= 0"
+            )
+        ids = self._prompt_ids(rid, prompt)
         vocab = self.runner.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(
-                f"request {rid!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+                f"request {rid!r}: SamplingParams.stop_token_ids {bad[:5]} are outside the "
+                f"vocabulary [0, {vocab}); give ids below {vocab}"
             )
+        if params.stop:
+            self._require_tokenizer(f"request {rid!r}: SamplingParams.stop={list(params.stop)!r}")
         stop = set(params.stop_token_ids) | (
             set() if params.ignore_eos else set(self.eos_token_ids)
         )
         seq = Seq(
-            Request(rid, [int(t) for t in prompt_token_ids]),
+            Request(rid, ids),
             params,
-            prompt_len=len(prompt_token_ids),
+            prompt_len=len(ids),
             stop_ids=frozenset(stop),
             generator=make_generator(params, self.runner.device),
             num_external_tokens=num_external_tokens,
@@ -183,7 +293,44 @@ class LLMEngine:
             raise ValueError(f"request {rid!r} has external tokens but no external_loader is set")
         self.scheduler.add(seq)
         self._seqs[rid] = seq
+        if isinstance(prompt, str):
+            self._prompt_text[rid] = prompt
         return rid
+
+    def abort_request(self, request_id: str | Iterable[str]) -> list[str]:
+        """Drop requests wherever they are (vLLM's ``abort_request``): waiting, running (its
+        blocks go back to the pool and it leaves the batch), or finished (a ``hold_blocks``
+        request's blocks are freed, an unread :meth:`completion` is discarded). Before a
+        request's blocks are freed, :attr:`abort_listener` (if set) is called with its id, so a
+        connector can end its transfers first. Returns the ids that were dropped.
+
+        Ids the engine does not have are ignored, as vLLM does: an abort races with the
+        request finishing (a client that disconnects as its last token arrives), and the caller
+        cannot tell the two apart; the returned list says which ids were found.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for r in ids:
+            if not isinstance(r, str):
+                raise TypeError(f"abort_request: request id {r!r} is a {type(r).__name__}, not str")
+        dropped = []
+        for rid in ids:
+            if rid not in self._seqs:
+                continue
+            seq = self._seqs[rid]
+            live = seq.finish_reason is None or rid in self.scheduler.held
+            if live and self.abort_listener is not None:  # it has blocks a transfer may use
+                self.abort_listener(rid)
+            self.scheduler.abort(rid)  # frees its blocks (None: finished, holding none)
+            self._forget(rid)
+            dropped.append(rid)
+        return dropped
+
+    def _forget(self, rid: str) -> None:
+        self._release_row(rid)
+        self._seqs.pop(rid, None)
+        self._logits.pop(rid, None)
+        self._prompt_text.pop(rid, None)
+        self._text_cut.pop(rid, None)
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids per KV group of a running or held request (0 where a window dropped one)."""
@@ -293,6 +440,9 @@ class LLMEngine:
             for s, row in zip(sampled, logits.float().cpu(), strict=True):
                 self._logits.setdefault(s.request_id, []).append(row)
         finished = self.scheduler.update(out, zip(sampled, tokens, strict=True))
+        for s in sampled:
+            if s.params.stop and s.request_id not in self._text_cut and self._stop_string(s):
+                finished.append(s)
         for s in finished:
             self._release_row(s.request_id)
         self._generated += len(tokens)
@@ -309,6 +459,22 @@ class LLMEngine:
             for s, t in zip(sampled, tokens, strict=True)
         ]
 
+    def _stop_string(self, seq: Seq) -> bool:
+        """Whether ``seq``'s decoded output now holds one of its stop strings; if so it finishes
+        (reason STOP, also when it just finished by length, as in vLLM) and its text's cut is
+        kept: before the earliest stop string, or after it with ``include_stop_str_in_output``."""
+        tok = self.tokenizer
+        assert tok is not None  # add_request required one for stop strings
+        text = tok.decode(seq.output_token_ids)
+        hits = [(i, len(s)) for s in seq.params.stop if (i := text.find(s)) >= 0]
+        if not hits:
+            return False
+        at, n = min(hits)
+        self._text_cut[seq.request_id] = at + n if seq.params.include_stop_str_in_output else at
+        was_running = seq.finish_reason is None
+        self.scheduler.finish(seq, FinishReason.STOP)
+        return was_running
+
     def completion(self, request_id: str) -> Completion:
         """The finished request ``request_id`` (forgotten by the engine once read)."""
         seq = self._seqs.get(request_id)
@@ -316,6 +482,11 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} is not a finished request of this engine")
         del self._seqs[request_id]
         rows = self._logits.pop(request_id, None)
+        tok = self.tokenizer
+        text = None if tok is None else tok.decode(seq.output_token_ids)
+        cut = self._text_cut.pop(request_id, None)
+        if text is not None and cut is not None:
+            text = text[:cut]
         return Completion(
             request_id,
             tuple(seq.token_ids[: seq.prompt_len]),
@@ -324,27 +495,96 @@ class LLMEngine:
             seq.num_cached_prompt_tokens,
             seq.num_preemptions,
             torch.stack(rows) if rows else None,
+            text,
+            self._prompt_text.pop(request_id, None),
         )
 
-    def stream(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    def _params_for(
+        self,
+        prompts: Sequence[Prompt] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> tuple[list[Prompt], list[SamplingParams]]:
+        plist_prompts: list[Prompt] = [prompts] if isinstance(prompts, str) else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams()] * len(plist_prompts)
+        else:
+            plist = list(params)
+        if len(plist) != len(plist_prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(plist_prompts)} prompts")
+        return plist_prompts, plist
+
+    def _run(
+        self,
+        prompts: Sequence[Prompt] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        added: list[str],
     ) -> Iterator[TokenEvent]:
-        """Add ``prompts`` (ids ``"0"``, ``"1"``, ...) and yield each token as it is generated."""
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
-            self.add_request(str(i), p, sp)
-        while self.has_unfinished:
-            yield from self.step()
+        """Add ``prompts`` as requests ``"0"``, ``"1"``, ... (their ids go to ``added`` as they
+        are added) and step until each has finished; yield their tokens. Other requests in the
+        engine run along; their events are not yielded (read them with :meth:`completion`)."""
+        plist_prompts, plist = self._params_for(prompts, params)
+        for i, (p, sp) in enumerate(zip(plist_prompts, plist, strict=True)):
+            added.append(self.add_request(str(i), p, sp))
+        mine = set(added)
+
+        def unfinished() -> bool:
+            return any(
+                (s := self._seqs.get(r)) is not None and s.finish_reason is None for r in added
+            )
+
+        while unfinished():
+            for ev in self.step():
+                if ev.request_id in mine:
+                    yield ev
+
+    def stream(
+        self,
+        prompts: Sequence[Prompt] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[TokenEvent]:
+        """Add ``prompts`` (ids ``"0"``, ``"1"``, ...; text or token ids) and yield each token as
+        it is generated. When the iteration ends -- run out, closed early (``break``, ``close()``)
+        or on an error -- its requests leave the engine: finished ones are forgotten, unfinished
+        ones aborted (their blocks freed), so the engine can run the same ids again."""
+        added: list[str] = []
+        try:
+            yield from self._run(prompts, params, added)
+        finally:
+            self.abort_request(added)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Prompt] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
-        """Run ``prompts`` to completion; one :class:`Completion` per prompt, in order."""
-        for _ in self.stream(prompts, params):
-            pass
-        return [self.completion(str(i)) for i in range(len(prompts))]
+        """Run ``prompts`` (text or token ids; one string is one prompt) to completion; one
+        :class:`Completion` per prompt, in order, with its decoded ``text`` when the engine has a
+        tokenizer. On an error, every request it added leaves the engine."""
+        added: list[str] = []
+        try:
+            for _ in self._run(prompts, params, added):
+                pass
+            return [self.completion(r) for r in added]
+        finally:
+            self.abort_request(
+                added
+            )  # only what an error left behind: completion() forgot the rest
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[Completion]:
+        """Generate replies to conversations (``[{"role": "user", "content": "hi"}, ...]``, or a
+        list of them), each rendered by the tokenizer's chat template (its ``prompt_text``) and
+        encoded without adding special tokens again (the template writes them), as vLLM's
+        ``LLM.chat`` does."""
+        tok = self._require_tokenizer("chat")
+        texts, prompts = chat_prompts(tok, messages, add_generation_prompt)
+        out = self.generate(prompts, params)
+        return [dataclasses.replace(c, prompt_text=t) for c, t in zip(out, texts, strict=True)]
 
     def stats(self) -> EngineStats:
         cfg = self.runner.kv_cache_config

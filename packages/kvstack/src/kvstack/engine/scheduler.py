@@ -288,6 +288,44 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish ``seq`` now with ``reason`` (the engine found a stop string in its text): off
+        the running list, its blocks freed (or held, with ``hold_blocks``). A request that
+        already finished (this step, by length) only takes the new reason."""
+        if seq.status is Status.FINISHED:
+            seq.finish_reason = reason
+            return
+        if seq.status is not Status.RUNNING:
+            raise ValueError(
+                f"request {seq.request_id!r} is {seq.status.value}; only a running request can "
+                "be finished"
+            )
+        self.running.remove(seq)  # Sequence compares by identity (eq=False)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq.hold_blocks:
+            self.held[seq.request_id] = seq
+        else:
+            self.kv.free(seq.kv)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop request ``request_id`` wherever it is -- waiting, running, or finished and holding
+        its blocks -- and free its blocks; the request, or None when the scheduler has none of
+        that id (a finished request that holds no blocks is the engine's alone)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            seq = next((s for s in self.running if s.request_id == request_id), None)
+            if seq is not None:
+                self.running.remove(seq)
+        if seq is None:
+            seq = next((s for s in self.waiting if s.request_id == request_id), None)
+            if seq is None:
+                return None
+            self.waiting.remove(seq)  # a waiting request holds no blocks (preemption freed them)
+            return seq
+        self.kv.free(seq.kv)
+        return seq
+
     def release(self, request_id: str) -> None:
         """Free the blocks of a finished ``hold_blocks`` request (its consumer has them)."""
         seq = self.held.pop(request_id, None)

@@ -8,6 +8,9 @@
 - :func:`greedy_generate` drives :meth:`ModelRunner.execute` like a minimal scheduler: every
   request gets its own shuffled blocks per KV group (one block-id space), prompts are prefilled in
   chunks, decodes share steps with other requests' prefills.
+- :func:`make_text_checkpoint` writes a tiny random Llama with a word-level tokenizer
+  (``tokenizer.json``, BOS added to text, a chat template): the text API's test model. Needs the
+  ``tokenizers`` package (transformers brings it).
 - :func:`hf_greedy` is transformers' ``generate`` (greedy, no EOS) for one prompt (an explicit
   all-ones attention mask: token id 0 is a real token, not padding).
 """
@@ -45,6 +48,7 @@ __all__ = [
     "hf_greedy",
     "make_diffkv_checkpoint",
     "make_hf_checkpoint",
+    "make_text_checkpoint",
     "write_checkpoint",
 ]
 
@@ -180,6 +184,62 @@ def make_diffkv_checkpoint(
     return write_checkpoint(
         diffkv_config(head_dim=head_dim, v_head_dim=v_head_dim), path, seed=seed
     )
+
+
+#: The word-level vocabulary of :func:`make_text_checkpoint` (64 words: ids 0-63).
+TEXT_WORDS: tuple[str, ...] = (
+    "<unk>", "<s>", "</s>", "user", "assistant", "system", ":", ".", ",", "!", "?",
+    "hello", "world", "the", "a", "cat", "dog", "sat", "on", "mat", "red", "blue", "green",
+    "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "is", "was",
+    "and", "or", "not", "yes", "no", "big", "small", "fast", "slow", "sun", "moon", "star",
+    "tree", "sea", "sky", "rain", "snow", "wind", "fire", "stone", "bird", "fish", "cloud",
+    "river", "hill", "road", "house", "door", "end",
+)  # fmt: skip
+#: Its chat template: ``<s>`` once, then ``role : content .`` per message.
+TEXT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def make_text_checkpoint(path: str | Path, *, seed: int = 0) -> Path:
+    """A tiny random-weight Llama (vocabulary :data:`TEXT_WORDS`) with a word-level tokenizer:
+    ``tokenizer.json`` (whitespace words, ``<s>`` prepended to encoded text, decoded words joined
+    by spaces) and ``tokenizer_config.json`` (BOS ``<s>``, EOS ``</s>``,
+    :data:`TEXT_CHAT_TEMPLATE`). The model has no EOS in ``config.json``, so random weights run to
+    ``max_new_tokens``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": len(TEXT_WORDS),
+        "max_position_embeddings": 256, "eos_token_id": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }  # fmt: skip
+    out = write_checkpoint(config, path, seed=seed)
+    vocab = {w: i for i, w in enumerate(TEXT_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": TEXT_CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+    return out
 
 
 def hf_greedy(
