@@ -180,6 +180,22 @@ def test_a_misspelt_engine_option_names_the_closest(llama_dir: Path) -> None:
         LLMEngine(llama_dir, max_num_seqs=2.0)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("num_blocks", 10.5, r"ModelRunner: num_blocks=10.5 is a float; give an int \(or None\)"),
+        ("block_size", True, r"ModelRunner: block_size=True is a bool; give an int"),
+        ("kv_cache_memory", 1.5e6, r"kv_cache_memory=1500000.0 is a float"),
+        ("max_num_batched_tokens", "64", r"max_num_batched_tokens='64' is a str"),
+        ("device", 3.0, r"device=3.0 is a float; give a str \('cpu'"),
+        ("dtype", "float32", r"dtype='float32' is a str; give a torch.dtype"),
+    ],
+)
+def test_runner_options_are_typed(llama_dir: Path, option: str, value: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        LLMEngine(llama_dir, **{option: value})
+
+
 # -- add_request: hypothesis property -----------------------------------------------------------
 
 TOKEN = st.one_of(

@@ -124,6 +124,29 @@ class ModelRunner:
     ) -> None:
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} must be None, True or False")
+        for name, v, optional in (
+            ("block_size", block_size, False),
+            ("kv_cache_memory", kv_cache_memory, True),
+            ("num_blocks", num_blocks, True),
+            ("max_model_len", max_model_len, True),
+            ("max_num_batched_tokens", max_num_batched_tokens, False),
+            ("max_num_seqs", max_num_seqs, False),
+        ):
+            if (v is not None or not optional) and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(
+                    f"ModelRunner: {name}={v!r} is a {type(v).__name__}; give an int"
+                    + (" (or None)" if optional else "")
+                )
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"ModelRunner: dtype={dtype!r} is a {type(dtype).__name__}; give a torch.dtype, "
+                f"one of {list(_TORCH_TO_NAME)}"
+            )
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(
+                f"ModelRunner: device={device!r} is a {type(device).__name__}; give a str "
+                "('cpu', 'cuda', 'cuda:0') or a torch.device"
+            )
         if dtype not in _TORCH_TO_NAME:
             raise ValueError(f"dtype={dtype} is not supported; use one of {list(_TORCH_TO_NAME)}")
         if kv_cache_memory is not None and num_blocks is not None:
