@@ -84,7 +84,7 @@ def _direct(name: str, b: Any, md: Any, impl: Any, out: torch.Tensor) -> Callabl
     if name == "TRITON":
         return direct_paged_attention(b, md, out)
     if name == "FLEX_ATTENTION":
-        from kv_backends.backends.flex_compile import compiled_flex as _compiled_flex
+        from kv_backends.backends.flex.compiled import compiled_flex as _compiled_flex
 
         _, sh, sn, _ = b.kv_cache.stride()
         h = b.kv_cache.shape[1]

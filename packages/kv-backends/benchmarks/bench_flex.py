@@ -303,7 +303,7 @@ def _copy_bandwidth(device: str, timer: Callable[[Callable[[], Any]], float], sm
 def _fa4_options() -> tuple[dict[str, Any] | None, str]:
     import importlib.util
 
-    from kv_backends.backends.flex_mask import flex_has_backend_option
+    from kv_backends.backends.flex.options import flex_has_backend_option
 
     if not flex_has_backend_option():
         return None, "this torch has no kernel_options BACKEND"

@@ -14,7 +14,8 @@ from kv_backends import (
     MetadataBuilder,
     get_backend,
 )
-from kv_backends.backends.flex_attention import FlexOptions, build_flex_block_indices
+from kv_backends.backends.flex.entries import build_flex_block_indices
+from kv_backends.backends.flex.options import FlexOptions
 from kv_backends.registry import BACKEND_CLASSES
 from kv_backends.testing import make_paged_batch, oracle_attention, run_backend
 
@@ -613,8 +614,11 @@ def test_flex_dynamo_limits_are_scoped_to_our_calls() -> None:
     """Every Flex user shares flex_attention's Dynamo cache: 8 graphs (fp16 + bf16 x a hybrid
     model's layer kinds) would make fullgraph=True a hard failure (seen on the GPU). The limits
     are raised while our compiled call runs and restored afterwards: no process-wide change."""
-    from kv_backends.backends.flex_attention import FLEX_RECOMPILE_LIMIT
-    from kv_backends.backends.flex_compile import compiled_flex, flex_dynamo_limits
+    from kv_backends.backends.flex.compiled import (
+        FLEX_RECOMPILE_LIMIT,
+        compiled_flex,
+        flex_dynamo_limits,
+    )
 
     cfg = torch._dynamo.config
     before = (cfg.recompile_limit, cfg.accumulated_recompile_limit)

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_backends import get_backend
-from kv_backends.backends.flex_mask import build_flex_block_entries
+from kv_backends.backends.flex.entries import build_flex_block_entries
 from kv_backends.testing import make_paged_batch, oracle_attention, run_backend
 
 EXAMPLES = int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "40"))

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from kv_backends import get_backend
-from kv_backends.backends import flex_decode
+from kv_backends.backends.flex import decode as flex_decode
 from kv_backends.testing import make_paged_batch, oracle_attention
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from kv_backends import get_backend
-from kv_backends.backends.flex_attention import FlexAttentionImpl
+from kv_backends.backends.flex.impl import FlexAttentionImpl
 from kv_backends.testing import PagedBatch, make_batch_impl, make_paged_batch, oracle_attention
 
 TOL: dict[str, Any] = {"atol": 2e-5, "rtol": 1e-4}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from kv_backends import get_backend
-from kv_backends.backends import flex_attention as flex_module
+from kv_backends.backends.flex import impl as flex_module
 from kv_backends.testing import make_paged_batch, oracle_attention
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}
@@ -127,7 +127,7 @@ def test_decode_call_asks_for_the_decoding_kernel(
     """Static shapes and a power-of-2 GQA group: the decode call names Flex's split-KV decoding
     kernel (where torch has the BACKEND option; with KV tiles >= 128 it gets there by shape on
     older torch); otherwise it stays on the main kernel. Options are data: no GPU needed."""
-    from kv_backends.backends.flex_mask import flex_has_backend_option
+    from kv_backends.backends.flex.options import flex_has_backend_option
 
     b = make_paged_batch(query_lens=[1, 1], seq_lens=[30, 9], num_q_heads=heads, num_kv_heads=2)
     backend = get_backend("FLEX_ATTENTION")

@@ -1,4 +1,4 @@
-"""FLEX_ATTENTION's span mask mods (flex_span), the default where exact, against the owner mask
+"""FLEX_ATTENTION's span mask mods (kv_backends.backends.flex.span), the default where exact, against the owner mask
 they replace: the same visibility on every (query, key) pair of a row the flattened call serves,
 so bitwise the same outputs, eager and compiled on the CPU. Planted bugs (an interval one key too
 wide, block keys of the previous batch left in place, a gathered offset one page off) show the
@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 from kv_backends import get_backend
-from kv_backends.backends import flex_gather, flex_metadata, flex_span
-from kv_backends.backends.flex_span import SPAN_NO_KEY, span_stride
+from kv_backends.backends.flex import gather as flex_gather
+from kv_backends.backends.flex import metadata as flex_metadata
+from kv_backends.backends.flex import span as flex_span
+from kv_backends.backends.flex.span import SPAN_NO_KEY, span_stride
 from kv_backends.testing import PagedBatch, make_paged_batch, oracle_attention
 
 TOL: dict[str, Any] = {"atol": 2e-5, "rtol": 1e-4}

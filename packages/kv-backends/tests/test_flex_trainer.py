@@ -1,6 +1,6 @@
 """Rollout equals trainer: in batch-invariant mode every request's rows from the paged backend
 equal a dense call over that request alone — the call an RL trainer makes
-(:mod:`kv_backends.backends.flex_trainer`).
+(:mod:`kv_backends.backends.flex.trainer`).
 
 What the CPU can and cannot check:
 - The trainer's block mask (tiles listed, logical order) and its semantics against the float64
@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_backends import get_backend
-from kv_backends.backends.flex_mask import FlexOptions
-from kv_backends.backends.flex_trainer import (
+from kv_backends.backends.flex.options import FlexOptions
+from kv_backends.backends.flex.trainer import (
     flex_trainer_attention,
     flex_trainer_block_mask,
     triton_trainer_attention,

@@ -19,7 +19,7 @@ BACKEND_CLASSES: Final[dict[str, str]] = {
     "TORCH_SDPA": "kv_backends.backends.torch_sdpa:TorchSDPABackend",
     "TRITON": "kv_backends.backends.triton_attn:TritonBackend",
     "TRITON_MLA": "kv_backends.backends.triton_mla:TritonMLABackend",
-    "FLEX_ATTENTION": "kv_backends.backends.flex_attention:FlexAttentionBackend",
+    "FLEX_ATTENTION": "kv_backends.backends.flex.backend:FlexAttentionBackend",
     "FLASH_ATTN": "kv_backends.backends.flash_attn:FlashAttnBackend",
     "FLASH_ATTN_DIFFKV": "kv_backends.backends.flash_attn_diffkv:FlashAttnDiffKVBackend",
 }

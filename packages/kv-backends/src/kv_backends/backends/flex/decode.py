@@ -37,17 +37,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kv_backends.backends.flex_mask import (
-    CacheGeometry,
-    build_flex_block_entries,
-    flex_has_backend_option,
-    make_decode_mask_mod,
-)
+from kv_backends.backends.flex.entries import build_flex_block_entries
+from kv_backends.backends.flex.geometry import CacheGeometry
+from kv_backends.backends.flex.mask_mods import make_decode_mask_mod
+from kv_backends.backends.flex.options import flex_has_backend_option
 from kv_backends.base import AttentionMetadata
 from kv_backends.metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
-    from kv_backends.backends.flex_metadata import FlexMetadataBuilder
+    from kv_backends.backends.flex.metadata import FlexMetadataBuilder
 
 __all__ = [
     "DECODE_TILE_MODES",
@@ -206,8 +204,8 @@ def build_decode_call(
     if w_lo != w_hi:
         return None, None
     cpu = {"kv_len": geo.window_len(w_lo), "kv_block": kvb}
-    builder._grow("dec_indices", max_cols, **cpu)
-    builder._grow("dec_full_indices", max_cols, **cpu)
+    builder.grow_index_buffer("dec_indices", max_cols, **cpu)
+    builder.grow_index_buffer("dec_full_indices", max_cols, **cpu)
     tables = []
     for kind, (nbuf, ibuf) in enumerate(
         [

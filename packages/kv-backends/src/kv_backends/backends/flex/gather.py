@@ -11,10 +11,10 @@ triangle becomes full tiles (no mask mod), and the tile count is dense Flex's.
 
 How. The buffer is itself a paged cache with pages of ``kv_block_size`` tokens, request ``r``'s
 pages consecutive from page ``page0[r]``, starting at its window's first tile: so the ordinary
-entry builder (:func:`~kv_backends.backends.flex_mask.build_flex_block_entries`) and mask mods
+entry builder (:func:`~kv_backends.backends.flex.entries.build_flex_block_entries`) and mask mods
 run on it unchanged, with a per-batch page table and physical -> logical map of the buffer; and
 since one request's pages are consecutive in logical order, a query row's visible keys are one
-interval of buffer indices (the span mask, :mod:`~kv_backends.backends.flex_span`).
+interval of buffer indices (the span mask, :mod:`~kv_backends.backends.flex.span`).
 Its size is padded to a power of 2 of pages under static shapes. Not with batch invariance (the
 buffer's tiles are not the trainer's) nor ALiBi (the score mod reads cache positions).
 """
@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_backends.backends.flex_mask import CacheGeometry, FlexEntries, build_flex_block_entries
-from kv_backends.backends.flex_span import SpanInputs, write_row_spans
-from kv_backends.backends.flex_windows import FlexWindow, MaskInputs, build_windows
+from kv_backends.backends.flex.entries import FlexEntries, build_flex_block_entries
+from kv_backends.backends.flex.geometry import CacheGeometry
+from kv_backends.backends.flex.span import SpanInputs, write_row_spans
+from kv_backends.backends.flex.windows import FlexWindow, MaskInputs, build_windows
 from kv_backends.base import AttentionMetadata
+from kv_backends.config import AttentionConfig
 
 if TYPE_CHECKING:
-    from kv_backends.backends.flex_metadata import FlexMetadataBuilder
+    from kv_backends.backends.flex.metadata import FlexMetadataBuilder
 
-__all__ = ["PREFILL_MODES", "build_gathered_window", "gather_tokens"]
+__all__ = ["PREFILL_MODES", "build_gathered_window", "check_prefill", "gather_tokens"]
 
 #: Values of the builder option ``prefill``.
 PREFILL_MODES = ("paged", "gather")
@@ -86,7 +88,7 @@ def build_gathered_window(
     rr, cc = torch.nonzero(valid, as_tuple=True)  # sorted by (r, c): the buffer's page order
     ptl = builder.gathered_phys_to_logical(total_pad)
     ptl[table[rr, cc]] = cc.int()
-    # Each page is one request's private copy: the owner mask mod is exact here (flex_windows).
+    # Each page is one request's private copy: the owner mask mod is exact here (windows.py).
     g_req = builder.gathered_block_req(total_pad)
     g_req.fill_(-1)  # padding pages (and last step's entries) belong to no request
     g_req[table[rr, cc]] = rr.int()
@@ -115,7 +117,7 @@ def build_gathered_window(
     gtok = total_pad * kvb
     ggeo = CacheGeometry(kvb, kvb, total_pad, geo.sn, gtok, gtok)
     if builder.static_shapes:
-        seq_lens, tab = builder._padded_table("gather", base.seq_lens, table.int())
+        seq_lens, tab = builder.padded_table("gather", base.seq_lens, table.int())
     else:
         seq_lens, tab = base.seq_lens, table.int()
     no_conflict = torch.zeros((), dtype=torch.bool, device=sl.device)
@@ -141,3 +143,27 @@ def build_gathered_window(
     wins = build_windows(builder, padded, ggeo, ent, no_conflict, masks, full=True)
     # One window: the buffer is far below 2^31 elements' worth of tokens per view.
     return tuple(FlexWindow(0, gtok, w.block_mask, gather=tokens[:gtok]) for w in wins)
+
+
+def check_prefill(prefill: object, config: AttentionConfig, tile_spans_pages: bool) -> str:
+    """The builder option ``prefill`` resolved: ``"paged"`` or ``"gather"`` (this module).
+    ``"auto"``: gather where a KV tile spans pages (``tile_spans_pages``: most of a tile would be
+    other requests' keys) and nothing forbids it, else paged."""
+    if prefill == "auto":
+        ok = not (config.batch_invariant or config.use_alibi)
+        return "gather" if tile_spans_pages and ok else "paged"
+    if prefill not in PREFILL_MODES:
+        raise ValueError(
+            f"FLEX_ATTENTION prefill={prefill!r} must be 'auto' or one of {PREFILL_MODES}"
+        )
+    if prefill == "gather" and config.batch_invariant:
+        raise ValueError(
+            "FLEX_ATTENTION prefill='gather' cannot keep batch invariance (the gathered "
+            "buffer's tiles are not the trainer's); use prefill='paged'"
+        )
+    if prefill == "gather" and config.use_alibi:
+        raise ValueError(
+            "FLEX_ATTENTION prefill='gather' does not support ALiBi (its score mod reads cache "
+            "positions); use prefill='paged'"
+        )
+    return str(prefill)

@@ -17,18 +17,13 @@ from dataclasses import dataclass
 import torch
 from kv_spec import KVCacheLayout
 
-from kv_backends.backends.flex_decode import FlexDecode, build_decode_call, decode_kv_block_size
-from kv_backends.backends.flex_gather import PREFILL_MODES, build_gathered_window
-from kv_backends.backends.flex_mask import (
-    INT32_LIMIT,
-    CacheGeometry,
-    FlexEntries,
-    FlexOptions,
-    build_flex_block_entries,
-    cache_geometry,
-)
-from kv_backends.backends.flex_span import SPAN_NO_KEY, SpanInputs, span_stride, write_row_spans
-from kv_backends.backends.flex_windows import MASK_MODES, FlexWindow, MaskInputs, build_windows
+from kv_backends.backends.flex.decode import FlexDecode, build_decode_call, decode_kv_block_size
+from kv_backends.backends.flex.entries import FlexEntries, build_flex_block_entries
+from kv_backends.backends.flex.gather import build_gathered_window, check_prefill
+from kv_backends.backends.flex.geometry import INT32_LIMIT, CacheGeometry, cache_geometry
+from kv_backends.backends.flex.options import FlexOptions, pow2_at_least, resolve_builder_options
+from kv_backends.backends.flex.span import SPAN_NO_KEY, SpanInputs, span_stride, write_row_spans
+from kv_backends.backends.flex.windows import MASK_MODES, FlexWindow, MaskInputs, build_windows
 from kv_backends.base import AttentionMetadata, MetadataBuilder, kernel_block_view
 from kv_backends.config import AttentionConfig
 from kv_backends.metadata import CommonAttentionMetadata
@@ -70,13 +65,13 @@ class FlexMetadataBuilder(MetadataBuilder):
     a handful of captured graphs instead of recompiling (or going symbolic, which also keeps
     decodes off Flex's split-KV decoding kernel: it needs a static batch size);
     ``decode_tiles`` (``"auto"``, default, or ``"kv"``): the decode call's KV tiles (see
-    :mod:`~kv_backends.backends.flex_decode`); ``mask`` (``"auto"``, default, ``"owner"`` or
+    :mod:`~kv_backends.backends.flex.decode`); ``mask`` (``"auto"``, default, ``"owner"`` or
     ``"table"``): the flattened call's mask mod: the per-row span test where it is exact
     (falling back to the owner test, then the table test); the per-column owner test where it
     is exact (the default before the span test, kept for A/B runs); or always the block-table
-    test (see :mod:`~kv_backends.backends.flex_windows`); ``prefill`` (``"auto"``,
+    test (see :mod:`~kv_backends.backends.flex.windows`); ``prefill`` (``"auto"``,
     default, ``"paged"`` or ``"gather"``): whether the flattened call reads the paged cache or a
-    gathered copy of the batch's context (:mod:`~kv_backends.backends.flex_gather`); ``"auto"``
+    gathered copy of the batch's context (:mod:`~kv_backends.backends.flex.gather`); ``"auto"``
     gathers where a KV tile is wider than a page (H200, 4 x 4096 causal at page 16: 48 -> 321
     TFLOP/s, dense Flex 385) unless batch invariance or ALiBi rule it out.
     """
@@ -109,18 +104,18 @@ class FlexMetadataBuilder(MetadataBuilder):
         )
         assert config.kernel_block_size is not None
         self.n = config.kernel_block_size
-        self.options = _resolve_options(
+        self.options = resolve_builder_options(
             config, options, q_block_size, kv_block_size, block_m, block_n
         )
         if static_shapes is not None and not isinstance(static_shapes, bool):
             raise TypeError(f"static_shapes={static_shapes!r} must be a bool or None")
         self.static_shapes = device.type == "cuda" if static_shapes is None else static_shapes
-        self.prefill = _check_prefill(prefill, config, self.options.kv_block_size > self.n)
+        self.prefill = check_prefill(prefill, config, self.options.kv_block_size > self.n)
         decode_kv_block_size(decode_tiles, self.options.kv_block_size, self.n)  # validates
         self.decode_tiles = decode_tiles
         if mask not in MASK_MODES:
             raise ValueError(f"FLEX_ATTENTION mask={mask!r} must be one of {MASK_MODES}")
-        # The owner and span mask mods (flex_windows): never under batch invariance, whose mask
+        # The owner and span mask mods (windows.py): never under batch invariance, whose mask
         # mod stays the one its bitwise equality with the trainer was established with.
         self.owner_mask = mask in ("auto", "owner") and not config.batch_invariant
         self.span_mask = mask == "auto" and not config.batch_invariant
@@ -139,7 +134,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         # Token buffers round up to whole query blocks: the padded call reads up to there.
         self.q_req = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
         self.q_pos = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
-        # The span mask's interval of key numbers per query row (flex_span).
+        # The span mask's interval of key numbers per query row (span.py).
         self.row_lo = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
         self.row_hi = torch.zeros(max_q_blocks * qbs, dtype=torch.int32, device=device)
         self.phys_to_logical = torch.zeros(self.num_kernel_blocks, dtype=torch.int32, device=device)
@@ -157,7 +152,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         self.kv_num_blocks = torch.zeros(max_q_blocks, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(max_q_blocks, 64, dtype=torch.int32, device=device)
         # Tiles every query of a block sees whole: Flex skips the mask mod on them. Not under
-        # batch invariance (Flex visits them after the partial tiles; see flex_mask).
+        # batch invariance (Flex visits them after the partial tiles; see entries.py).
         self.full_blocks = not config.batch_invariant and self.options.kv_block_size <= self.n
         self.full_kv_num_blocks = torch.zeros_like(self.kv_num_blocks)
         self.full_kv_indices = torch.zeros_like(self.kv_indices)
@@ -183,39 +178,39 @@ class FlexMetadataBuilder(MetadataBuilder):
         power of 2 >= it (and >= ``q_block_size``), capped at the buffers' size."""
         if not self.static_shapes:
             return num_tokens
-        return min(_pow2_at_least(max(num_tokens, self.options.q_block_size)), self.q_req.numel())
+        return min(pow2_at_least(max(num_tokens, self.options.q_block_size)), self.q_req.numel())
 
     def decode_rows(self, num_decodes: int) -> int:
         """Batch rows of the decode call (static shapes: a power of 2 capped at max_num_seqs)."""
         if not self.static_shapes:
             return num_decodes
-        return min(_pow2_at_least(num_decodes), self.max_num_seqs)
+        return min(pow2_at_least(num_decodes), self.max_num_seqs)
 
     def gathered_pages(self, pages: int) -> int:
         """Pages of the gathered prefill buffer: ``pages``, or a power of 2 (static shapes)."""
-        return _pow2_at_least(pages) if self.static_shapes else pages
+        return pow2_at_least(pages) if self.static_shapes else pages
 
     def gathered_phys_to_logical(self, pages: int) -> torch.Tensor:
         """The gathered buffer's page -> logical column map, ``[pages]`` int32 (persistent)."""
         if self._g_ptl.numel() < pages:
-            self._g_ptl = torch.zeros(_pow2_at_least(pages), dtype=torch.int32, device=self.device)
+            self._g_ptl = torch.zeros(pow2_at_least(pages), dtype=torch.int32, device=self.device)
         return self._g_ptl[:pages]
 
     def gathered_block_req(self, pages: int) -> torch.Tensor:
         """The gathered buffer's page -> request map, ``[pages]`` int32 (persistent)."""
         if self._g_req.numel() < pages:
-            self._g_req = torch.zeros(_pow2_at_least(pages), dtype=torch.int32, device=self.device)
+            self._g_req = torch.zeros(pow2_at_least(pages), dtype=torch.int32, device=self.device)
         return self._g_req[:pages]
 
     def gathered_token_buffer(self, tokens: int) -> torch.Tensor:
         """The gathered buffer's physical token list, ``[tokens]`` int64 (persistent)."""
         if self._g_tokens.numel() < tokens:
             self._g_tokens = torch.zeros(
-                _pow2_at_least(tokens), dtype=torch.long, device=self.device
+                pow2_at_least(tokens), dtype=torch.long, device=self.device
             )
         return self._g_tokens[:tokens]
 
-    def _padded_table(
+    def padded_table(
         self, key: str, seq_lens: torch.Tensor, block_table: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``seq_lens`` ``[max_num_seqs]`` and ``block_table`` ``[max_num_seqs, C]`` (``C`` a
@@ -223,7 +218,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         r, m = block_table.shape
         sl, bt = self._tables.get(key, (None, None))
         if sl is None or bt is None or bt.shape[1] < m:
-            cols = _pow2_at_least(max(m, 16))
+            cols = pow2_at_least(max(m, 16))
             sl = torch.zeros(self.max_num_seqs, dtype=torch.int32, device=self.device)
             bt = torch.zeros(self.max_num_seqs, cols, dtype=torch.int32, device=self.device)
             self._tables[key] = (sl, bt)
@@ -241,7 +236,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         rows: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decode call's lengths, table and positions padded to ``rows`` batch rows."""
-        sl, bt = self._padded_table("decode", seq_lens, block_table)
+        sl, bt = self.padded_table("decode", seq_lens, block_table)
         r = pos.numel()
         self._dec_pos[:rows].zero_()
         self._dec_pos[:r] = pos
@@ -341,7 +336,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         self.phys_to_logical[phys] = logical.int()
         conflict = (self.phys_to_logical[phys].long() != logical).any()
         if self.static_shapes:
-            seq_lens, table = self._padded_table("flat", base.seq_lens, base.block_table)
+            seq_lens, table = self.padded_table("flat", base.seq_lens, base.block_table)
         else:
             seq_lens, table = base.seq_lens, base.block_table
         masks = MaskInputs(seq_lens, table, self.phys_to_logical, self.n)
@@ -361,7 +356,7 @@ class FlexMetadataBuilder(MetadataBuilder):
         req: torch.Tensor,
         masks: MaskInputs,
     ) -> MaskInputs:
-        """The span mask's inputs (flex_span) where its keys fit int32, else the owner mask's;
+        """The span mask's inputs (span.py) where its keys fit int32, else the owner mask's;
         either is exact unless a block has two users among the flattened call's requests
         (``owner_ok``). Decode requests, served by their own call, do not count: their blocks
         read as no request's."""
@@ -464,7 +459,9 @@ class FlexMetadataBuilder(MetadataBuilder):
             static_shapes=self.static_shapes,
         )
 
-    def _grow(self, name: str, cols: int, *, kv_len: int = 0, kv_block: int = 0) -> None:
+    def grow_index_buffer(
+        self, name: str, cols: int, *, kv_len: int = 0, kv_block: int = 0
+    ) -> None:
         """Widen the persistent index buffer ``name`` to hold ``cols`` columns (powers of 2).
 
         On the CPU also to ``kv_len / kv_block`` columns: inductor's C++ Flex template refuses a
@@ -477,67 +474,3 @@ class FlexMetadataBuilder(MetadataBuilder):
         if cols > buf.shape[1]:
             grown = 1 << (cols - 1).bit_length()
             setattr(self, name, buf.new_zeros(buf.shape[0], grown))
-
-
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(x - 1, 0).bit_length()
-
-
-def _resolve_options(
-    config: AttentionConfig,
-    options: FlexOptions | None,
-    q_block_size: int | None,
-    kv_block_size: int | None,
-    block_m: int | None,
-    block_n: int | None,
-) -> FlexOptions:
-    """The builder's tiles: one :class:`FlexOptions` value, or the four loose options (not
-    both); validated against the kernel block size either way."""
-    assert config.kernel_block_size is not None
-    loose = {
-        "q_block_size": q_block_size,
-        "kv_block_size": kv_block_size,
-        "block_m": block_m,
-        "block_n": block_n,
-    }
-    if options is not None:
-        given = sorted(k for k, v in loose.items() if v is not None)
-        if given:
-            raise ValueError(
-                f"pass the Flex tiles either as options=FlexOptions(...) or as {given}, not both"
-            )
-        if not isinstance(options, FlexOptions):
-            raise TypeError(f"options={options!r} must be a FlexOptions (FlexOptions.resolve(...))")
-        loose = {
-            "q_block_size": options.q_block_size,
-            "kv_block_size": options.kv_block_size,
-            "block_m": options.block_m,
-            "block_n": options.block_n,
-        }
-    return FlexOptions.resolve(
-        config.kernel_block_size, batch_invariant=config.batch_invariant, **loose
-    )
-
-
-def _check_prefill(prefill: object, config: AttentionConfig, tile_spans_pages: bool) -> str:
-    """The builder option ``prefill`` resolved: ``"paged"`` or ``"gather"`` (see flex_gather).
-    ``"auto"``: gather where a KV tile spans pages (``tile_spans_pages``: most of a tile would be
-    other requests' keys) and nothing forbids it, else paged."""
-    if prefill == "auto":
-        ok = not (config.batch_invariant or config.use_alibi)
-        return "gather" if tile_spans_pages and ok else "paged"
-    if prefill not in PREFILL_MODES:
-        raise ValueError(
-            f"FLEX_ATTENTION prefill={prefill!r} must be 'auto' or one of {PREFILL_MODES}"
-        )
-    if prefill == "gather" and config.batch_invariant:
-        raise ValueError(
-            "FLEX_ATTENTION prefill='gather' cannot keep batch invariance (the gathered "
-            "buffer's tiles are not the trainer's); use prefill='paged'"
-        )
-    if prefill == "gather" and config.use_alibi:
-        raise ValueError(
-            "FLEX_ATTENTION prefill='gather' does not support ALiBi (its score mod reads cache "
-            "positions); use prefill='paged'"
-        )
-    return str(prefill)

@@ -1,25 +1,25 @@
 """FLEX_ATTENTION's flattened call, cut into cache windows: each window's block mask (partial and
 full tiles in the builder's persistent index buffers) and the mask mod it carries.
 
-Split from :mod:`~kv_backends.backends.flex_metadata` (the builder calls :func:`build_windows`
-for the paged cache, :mod:`~kv_backends.backends.flex_gather` for its gathered buffer).
+Split from :mod:`~kv_backends.backends.flex.metadata` (the builder calls :func:`build_windows`
+for the paged cache, :mod:`~kv_backends.backends.flex.gather` for its gathered buffer).
 
 The mask mod. All are exact per (query, key) pair; they differ in cost on partial tiles:
 
-- ``"span"`` (:mod:`~kv_backends.backends.flex_span`, builder option ``mask="auto"``, the
+- ``"span"`` (:mod:`~kv_backends.backends.flex.span`, builder option ``mask="auto"``, the
   default): each query row's visible keys as one interval of key numbers precomputed per row, so
   a partial tile's mask is two compares after two loads per row (and, over the paged cache, one
   per column). Exact where the owner mask is and the key numbers fit int32; otherwise ``auto``
   falls back to the owner mask, then the table mask.
 
-- ``"owner"`` (:func:`~kv_backends.backends.flex_mask.make_owner_mask_mod`, builder option
+- ``"owner"`` (:func:`~kv_backends.backends.flex.mask_mods.make_owner_mask_mod`, builder option
   ``mask="owner"``: the default before the span mask, kept for A/B runs): two loads per query
   row and per key column (the column's owning request and logical block), so a partial tile
   costs little more than dense causal Flex's. Exact when no block is read by two requests of the
   flattened call (blocks outside the batch own no request): always in the gathered buffer
   (private pages of one request each), and over the paged cache unless a block is shared (a
   prefix-cache hit shares blocks; the builder checks each step, with its other checks).
-- ``"table"`` (:func:`~kv_backends.backends.flex_mask.make_mask_mod`): the ownership test reads
+- ``"table"`` (:func:`~kv_backends.backends.flex.mask_mods.make_mask_mod`): the ownership test reads
   ``block_table[request of the row, logical block of the column]``, a gather indexed by both,
   ``BLOCK_M x BLOCK_N`` loads per partial tile. Exact everywhere; used where the owner mask is
   not, under batch invariance (its mask mod stays the one the trainer's rows were pinned with),
@@ -33,20 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kv_backends.backends.flex_mask import (
-    CacheGeometry,
-    FlexEntries,
-    make_mask_mod,
-    make_owner_mask_mod,
-)
-from kv_backends.backends.flex_span import (
-    SpanInputs,
-    make_keyed_span_mask_mod,
-    make_span_mask_mod,
-)
+from kv_backends.backends.flex.entries import FlexEntries
+from kv_backends.backends.flex.geometry import CacheGeometry
+from kv_backends.backends.flex.mask_mods import make_mask_mod, make_owner_mask_mod
+from kv_backends.backends.flex.span import SpanInputs, make_keyed_span_mask_mod, make_span_mask_mod
 
 if TYPE_CHECKING:
-    from kv_backends.backends.flex_metadata import FlexMetadataBuilder
+    from kv_backends.backends.flex.metadata import FlexMetadataBuilder
 
 __all__ = ["MASK_MODES", "FlexWindow", "MaskInputs", "build_windows"]
 
@@ -78,7 +71,7 @@ class MaskInputs:
     #: conditions hold (``owner_ok``, a 0-d bool tensor synced with the step's other checks).
     block_req: torch.Tensor | None = None
     owner_ok: torch.Tensor | None = None
-    #: The span mask's rows and keys (flex_span): used where ``owner_ok`` holds.
+    #: The span mask's rows and keys (span.py): used where ``owner_ok`` holds.
     span: SpanInputs | None = None
 
 
@@ -116,9 +109,9 @@ def build_windows(
             "Flex backend's physical->logical table needs one position per block per step"
         )
     cpu = {"kv_len": geo.window_tokens, "kv_block": opts.kv_block_size}
-    builder._grow("kv_indices", max_cols, **cpu)
+    builder.grow_index_buffer("kv_indices", max_cols, **cpu)
     if full:
-        builder._grow("full_kv_indices", max_cols, **cpu)
+        builder.grow_index_buffer("full_kv_indices", max_cols, **cpu)
     windows: list[FlexWindow] = []
     for rank, w in enumerate(w_list):
         rows: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]

@@ -3,7 +3,7 @@ numbers, precomputed per row by the builder, so a partial tile's mask is two com
 
 Why. On a partial tile (the causal diagonal) Flex evaluates the mask mod for every (query, key)
 pair, inside the kernel's inner loop. Dense causal Flex's is ``kv_idx <= q_idx``; the owner mask
-(:func:`~kv_backends.backends.flex_mask.make_owner_mask_mod`) loads the row's request and
+(:func:`~kv_backends.backends.flex.mask_mods.make_owner_mask_mod`) loads the row's request and
 position and the column's owning request and logical block, then multiplies, compares and
 combines five terms. The partial tiles are few (128 of 2112 tiles at 4 x 4096, pages of 128)
 but the inner loop of each is that much longer.
@@ -14,7 +14,7 @@ with ``a = max(0, q_pos - w + 1)`` under a sliding window ``w`` (else 0) and ``b
 every key of the call so that one request's keys are consecutive in logical order, and the
 interval becomes ``[row_lo, row_hi]`` of key numbers, written per row by the builder:
 
-- the gathered buffer (:mod:`~kv_backends.backends.flex_gather`): request ``r``'s pages are
+- the gathered buffer (:mod:`~kv_backends.backends.flex.gather`): request ``r``'s pages are
   consecutive in logical order, so the key number is the buffer index ``kv_idx`` itself, offset
   by ``(page0[r] - first_tile[r]) * kv_block_size``. Mask: ``row_lo[q] <= kv_idx <= row_hi[q]``
   (two loads per row, none per column, no division: dense causal's mask plus two loads).
