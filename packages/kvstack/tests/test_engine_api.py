@@ -132,6 +132,17 @@ def test_abort_waiting_held_and_finished_requests(llama_dir: Path) -> None:
     assert_empty(engine)
 
 
+def test_aborting_a_streamed_request_mid_stream_ends_only_it(llama_dir: Path) -> None:
+    engine = engine_of(llama_dir)
+    seen: dict[str, int] = {}
+    for ev in engine.stream(PROMPTS[:2], SamplingParams(max_new_tokens=10)):
+        seen[ev.request_id] = seen.get(ev.request_id, 0) + 1
+        if ev.request_id == "0" and ev.index == 2:
+            assert engine.abort_request("0") == ["0"]
+    assert seen == {"0": 3, "1": 10}
+    assert_empty(engine)
+
+
 def test_abort_of_an_unknown_id_is_a_no_op_and_a_non_str_id_an_error(engine: LLMEngine) -> None:
     assert engine.abort_request("never-added") == []
     with pytest.raises(TypeError, match=r"request id 3 is a int, not str"):
