@@ -231,6 +231,8 @@ def test_max_model_len_above_the_model_needs_the_override(
         (("--prompt-ids", "1", "--top-p", "0"), "--top-p='0' must be in (0, 1]"),
         (("--prompt-ids", "1", "--temperature", "nan"), "--temperature='nan' must be a finite"),
         (("--prompt-ids", "1", "--temperature=-1"), "--temperature='-1' must be a finite"),
+        # the engine's own check (SamplingParams), named as the flag
+        (("--prompt-ids", "1", "--temperature", "1e-6"), "error: --temperature=1e-06 is below"),
         (("--prompt-ids", "1", "--seed", str(2**64)), f"--seed='{2**64}' is beyond 2^64 - 1"),
         (("--prompt-ids", "1", "--seed=-1"), "--seed='-1' must be a whole number in [0, 2^64 - 1]"),
         (("--prompt-ids", "1,x"), "--prompt-ids='1,x' is not a list of token ids"),

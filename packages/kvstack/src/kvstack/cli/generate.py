@@ -253,6 +253,13 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
     from kvstack.engine.hf_config import checkpoint_dtype, load_arch_config, read_json_object
     from kvstack.engine.sampling import SamplingParams
 
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:  # the engine's checks, named as the user wrote them
+        raise ValueError(_as_flags(str(e))) from None
     arch = load_arch_config(args.model_dir)
     mpe = arch.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > mpe:
@@ -276,10 +283,6 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
     ckpt_dtype = checkpoint_dtype(read_json_object(args.model_dir / "config.json"))
     dtype, why = choose_dtype(args.dtype, ckpt_dtype, device.type)
     sys.stderr.write(f"dtype: {dtype} ({why})\n")
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-    )  # fmt: skip
     engine = LLMEngine(
         args.model_dir, device=device, dtype=getattr(torch, dtype),
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
@@ -312,3 +315,8 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
         f"({st.tokens_per_second:,.1f} tokens/s); prefix-cache hit rate {st.scheduler.prefix_hit_rate:.0%}\n"
     )
     return 0
+
+
+def _as_flags(message: str) -> str:
+    """``SamplingParams.top_p=...`` -> ``--top-p=...``: errors name the flag the user typed."""
+    return re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
