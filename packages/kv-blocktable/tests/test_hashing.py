@@ -149,7 +149,7 @@ def test_bad_input() -> None:
         BlockHasher(4, "md5")
     with pytest.raises(ValueError, match="block_size=0"):
         BlockHasher(0)
-    with pytest.raises(ValueError, match=r"token id 1\.5"):
+    with pytest.raises(TypeError, match=r"token id 1\.5"):
         Request("r", [1, 1.5])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="2\\*\\*63"):
         Request("r", [2**63])

@@ -50,21 +50,73 @@ _U32 = struct.Struct("<I")
 _NO_EXTRA: Final = _U32.pack(0)
 _PARENT_LEN: Final = tuple(bytes((n,)) for n in range(256))
 _BIG_ENDIAN: Final = sys.byteorder == "big"
+_I64: Final = 2**63
 
 
 def _pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as consecutive little-endian int64 (OverflowError/TypeError on a bad id)."""
+    """Token ids as consecutive little-endian int64 (OverflowError/TypeError on a bad id; the
+    public functions check with :func:`_checked_tokens` first, a ``Request``'s are checked)."""
     arr = array("q", token_ids)
     if _BIG_ENDIAN:
         arr.byteswap()
     return arr.tobytes()
 
 
+def _checked_tokens(owner: str, token_ids: object) -> Sequence[int]:
+    """``token_ids`` if it is a sequence of ints (not bools) in the int64 range, else a
+    ``TypeError`` / ``ValueError`` naming the first bad id (``array`` alone would take a bool as
+    0 / 1 and say nothing of which id overflowed)."""
+    if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, Sequence):
+        raise TypeError(
+            f"{owner}: token_ids={token_ids!r} is a {type(token_ids).__name__}; pass a list of "
+            "int token ids"
+        )
+    for i, t in enumerate(token_ids):
+        if type(t) is not int:
+            raise TypeError(
+                f"{owner}: token_ids[{i}]={t!r} is a {type(t).__name__}; token ids are ints "
+                "(hashed as int64)"
+            )
+        if not -_I64 <= t < _I64:
+            raise ValueError(
+                f"{owner}: token_ids[{i}]={t} is outside the int64 range [-2**63, 2**63) the "
+                "hash encodes"
+            )
+    return token_ids
+
+
+def _checked_parent(owner: str, parent_hash: object) -> bytes | None:
+    if parent_hash is None:
+        return None
+    if not isinstance(parent_hash, bytes):
+        raise TypeError(
+            f"{owner}: parent_hash={parent_hash!r} is a {type(parent_hash).__name__}; pass the "
+            "parent block's hash (bytes) or None for the first block"
+        )
+    if not 0 < len(parent_hash) <= 255:
+        raise ValueError(
+            f"{owner}: parent_hash has {len(parent_hash)} bytes; a block hash has 1 to 255 (pass "
+            "None for the first block)"
+        )
+    return parent_hash
+
+
 def _encode_extra(extra_keys: BlockExtraKeys | None) -> bytes:
     if not extra_keys:
         return _NO_EXTRA
+    if not isinstance(extra_keys, (tuple, list)):
+        raise TypeError(
+            f"block extra keys {extra_keys!r} are a {type(extra_keys).__name__}; pass a tuple of "
+            "(kind, value) str pairs (ExtraKeys.for_block makes them)"
+        )
     parts = [_U32.pack(len(extra_keys))]
-    for kind, value in extra_keys:
+    for pair in extra_keys:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(
+                f"block extra key {pair!r} is not a (kind, value) pair of str; pass a tuple of "
+                "such pairs (ExtraKeys.for_block makes them)"
+            )
+        kind, value = pair
         for s in (kind, value):
             if not isinstance(s, str):
                 raise TypeError(
@@ -98,9 +150,8 @@ def encode_block(
     parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: BlockExtraKeys | None = None
 ) -> bytes:
     """The canonical message of one block (version 1); its digest is the block hash."""
-    parent = parent_hash or b""
-    if len(parent) > 255:
-        raise ValueError(f"parent_hash has {len(parent)} bytes; a block hash has at most 255")
+    parent = _checked_parent("encode_block", parent_hash) or b""
+    token_ids = _checked_tokens("encode_block", token_ids)
     return (
         _PARENT_LEN[len(parent)]
         + parent
@@ -152,6 +203,37 @@ class BlockHasher:
         ``parent_hash`` is the hash of block ``start_block - 1`` (None for block 0). A trailing
         partial block gets no hash.
         """
+        owner = "BlockHasher.hash_blocks"
+        token_ids = _checked_tokens(owner, token_ids)
+        parent_hash = _checked_parent(owner, parent_hash)
+        if type(start_block) is not int or start_block < 0:
+            raise (ValueError if type(start_block) is int else TypeError)(
+                f"{owner}: start_block={start_block!r} must be an int >= 0 (the index of the "
+                "first block to hash)"
+            )
+        if start_block == 0 and parent_hash is not None:
+            raise ValueError(
+                f"{owner}: start_block=0 has no parent; pass parent_hash=None (block 0's parent "
+                "is empty in the encoding)"
+            )
+        from kv_blocktable.request import ExtraKeys  # (request.py imports this module)
+
+        if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
+            raise TypeError(
+                f"{owner}: extra_keys is a {type(extra_keys).__name__}; pass a "
+                "kv_blocktable.ExtraKeys or None"
+            )
+        return self._hash_blocks(token_ids, extra_keys, parent_hash, start_block)
+
+    def _hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        extra_keys: ExtraKeys | None,
+        parent_hash: bytes | None,
+        start_block: int,
+    ) -> list[bytes]:
+        """``hash_blocks`` without the argument checks: a ``Request``'s tokens are checked when
+        they enter it, and it passes its own chain."""
         bs = self.block_size
         end_block = len(token_ids) // bs
         if end_block <= start_block:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kv_spec import NULL_BLOCKS, KVCacheConfig, cdiv
+from kv_spec._checks import check_bool
 
 from kv_blocktable.events import KVEvent
 from kv_blocktable.hashing import BlockHasher
@@ -91,6 +92,8 @@ class KVCacheManager:
                 "kv_spec.KVCacheConfig that kv_spec.plan_kv_cache returns"
             )
         cfg = kv_cache_config
+        check_bool("KVCacheManager", "enable_prefix_caching", enable_prefix_caching)
+        check_bool("KVCacheManager", "enable_events", enable_events)
         if cfg.num_blocks < 2:
             raise ValueError(
                 f"kv_cache_config.num_blocks={cfg.num_blocks} leaves no usable block: block 0 is "
@@ -132,6 +135,8 @@ class KVCacheManager:
         )
         #: request id -> tokens computed (or scheduled) so far.
         self._computed: dict[str, int] = {}
+        #: request id -> the running Request (its ``_kv_owner`` is this manager).
+        self._requests: dict[str, Request] = {}
         self._empty = KVCacheBlocks(tuple(() for _ in self.managers))
 
     # -- properties ----------------------------------------------------------------------------
@@ -150,8 +155,8 @@ class KVCacheManager:
         return len(self._computed)
 
     def num_computed_tokens(self, request_id: str) -> int:
-        self._check_known(request_id, "num_computed_tokens")
-        return self._computed[request_id]
+        rid = self._check_known(request_id, "num_computed_tokens")
+        return self._computed[rid]
 
     # -- prefix hits ---------------------------------------------------------------------------
 
@@ -165,11 +170,7 @@ class KVCacheManager:
         """
         if not isinstance(request, Request):
             raise TypeError(f"request is a {type(request).__name__}; pass a kv_blocktable.Request")
-        if request.request_id in self._computed:
-            raise ValueError(
-                f"request {request.request_id!r} already holds blocks; get_computed_blocks is for "
-                "admitting a request (free it first to re-admit, e.g. after preemption)"
-            )
+        self._check_admissible(request, "get_computed_blocks")
         if not self.enable_prefix_caching or request.num_tokens <= 1:
             return self._empty, 0
         request.bind_hasher(self.hasher)
@@ -211,8 +212,15 @@ class KVCacheManager:
         """
         # The decode fast path: a running request, one full-attention group, no extras. It is
         # what a scheduler calls for every running request every step, so it stays inline.
+        # "Running" is by identity: a request this manager admitted (another Request object with
+        # the same id takes the checked path below, which refuses it).
+        try:
+            owned = request._kv_owner is self
+        except AttributeError:  # not a Request: the checked path says so
+            owned = False
         if (
-            self._single_full
+            owned
+            and self._single_full
             and new_computed_blocks is None
             and not num_new_computed_tokens
             and not num_lookahead_tokens
@@ -221,31 +229,29 @@ class KVCacheManager:
             and num_new_tokens >= 0
         ):
             rid = request.request_id
-            computed = self._computed.get(rid)
-            if computed is not None:
-                done = computed + num_new_tokens
-                if done > self._max_len:
-                    self._raise_too_long(rid, computed, num_new_tokens, 0)
-                m = self.managers[0]
-                blocks = m.blocks[rid]
-                end = -(-done // m.block_size)
-                new: list[int] = []
-                if end > len(blocks):
-                    if end - len(blocks) > self.pool._num_free:
-                        return None
-                    new = self.pool.allocate(end - len(blocks))
-                    blocks.extend(new)
-                self._computed[rid] = done
-                if self.enable_prefix_caching:
-                    known = len(request.token_ids)
-                    if done < known:
-                        known = done
-                    if known // m.block_size > m.num_cached[rid]:
-                        m.cache_blocks(request, known)
-                return KVCacheBlocks((tuple(new),)) if new else self._empty
+            computed = self._computed[rid]
+            done = computed + num_new_tokens
+            if done > self._max_len:
+                self._raise_too_long(rid, computed, num_new_tokens, 0)
+            m = self.managers[0]
+            blocks = m.blocks[rid]
+            end = -(-done // m.block_size)
+            new: list[int] = []
+            if end > len(blocks):
+                if end - len(blocks) > self.pool._num_free:
+                    return None
+                new = self.pool.allocate(end - len(blocks))
+                blocks.extend(new)
+            self._computed[rid] = done
+            if self.enable_prefix_caching:
+                known = len(request.token_ids)
+                if done < known:
+                    known = done
+                if known // m.block_size > m.num_cached[rid]:
+                    m.cache_blocks(request, known)
+            return KVCacheBlocks((tuple(new),)) if new else self._empty
         return self._allocate(
             request,
-            self._computed.get(request.request_id),
             num_new_tokens,
             num_new_computed_tokens,
             new_computed_blocks,
@@ -256,7 +262,6 @@ class KVCacheManager:
     def _allocate(
         self,
         request: Request,
-        computed: int | None,
         num_new_tokens: int,
         num_new_computed_tokens: int,
         new_computed_blocks: KVCacheBlocks | None,
@@ -269,7 +274,19 @@ class KVCacheManager:
         _check_count("num_new_tokens", num_new_tokens)
         _check_count("num_new_computed_tokens", num_new_computed_tokens)
         _check_count("num_lookahead_tokens", num_lookahead_tokens)
-        admitting = computed is None
+        admitting = request._kv_owner is not self
+        computed: int | None = None
+        if admitting:
+            self._check_admissible(request, "allocate_slots")
+            if num_new_computed_tokens > request.num_tokens:
+                raise ValueError(
+                    f"allocate_slots: request {rid!r}: num_new_computed_tokens="
+                    f"{num_new_computed_tokens} is more than its {request.num_tokens} tokens; "
+                    "only known tokens can be computed (pass get_computed_blocks' count, plus "
+                    "any tokens a connector loads, at most the prompt)"
+                )
+        else:
+            computed = self._computed[rid]
         if not admitting and (num_new_computed_tokens or new_computed_blocks is not None):
             raise ValueError(
                 f"request {rid!r} is running; num_new_computed_tokens={num_new_computed_tokens} "
@@ -282,11 +299,20 @@ class KVCacheManager:
                     f"num_computed_tokens={num_computed_tokens} overrides a running request's "
                     f"count; request {rid!r} is being admitted (pass num_new_computed_tokens)"
                 )
+            slots = min(len(m.blocks[rid]) * m.block_size for m in self.managers)
+            bound = min(slots, request.num_tokens)
+            if num_computed_tokens > bound:
+                raise ValueError(
+                    f"allocate_slots: request {rid!r}: num_computed_tokens={num_computed_tokens} "
+                    f"is more than min(its {request.num_tokens} tokens, the {slots} it holds "
+                    f"slots for) = {bound}; computed tokens are known tokens with slots (e.g. "
+                    "the accepted ones after speculative decoding)"
+                )
             computed = num_computed_tokens
-        hit = self._check_hit(rid, num_new_computed_tokens, new_computed_blocks)
+        if admitting and self.enable_prefix_caching:  # without caching, hashes are wasted work
+            request.bind_hasher(self.hasher)
+        hit = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
         if admitting:
-            if self.enable_prefix_caching:  # without caching, hashes would be wasted work
-                request.bind_hasher(self.hasher)
             computed = num_new_computed_tokens
         assert computed is not None
         total = computed + num_new_tokens + num_lookahead_tokens
@@ -313,6 +339,9 @@ class KVCacheManager:
         new = tuple(tuple(m.allocate(rid, total, computed)) for m in self.managers)
         done = computed + num_new_tokens
         self._computed[rid] = done
+        if admitting:
+            self._requests[rid] = request
+            request._kv_owner = self
         if self.enable_prefix_caching:
             known = min(done, request.num_tokens)
             for m in self.managers:
@@ -331,9 +360,30 @@ class KVCacheManager:
             need += max(0, end - max(len(h), min(end, skipped)))
         return need
 
+    def _check_admissible(self, request: Request, op: str) -> None:
+        """``request`` may be admitted: it runs nowhere, and no running request has its id."""
+        rid = request.request_id
+        owner = request._kv_owner
+        if owner is self:
+            raise ValueError(
+                f"{op}: request {rid!r} already holds blocks; admission is for a waiting request "
+                "(free it first to re-admit, e.g. after preemption)"
+            )
+        if owner is not None:
+            raise ValueError(
+                f"{op}: request {rid!r} is running in another KVCacheManager; a request belongs "
+                "to one manager (free it there first, or build a new Request)"
+            )
+        if rid in self._computed:
+            raise ValueError(
+                f"{op}: another request with id {rid!r} is running in this manager; request ids "
+                "must be unique among running requests (finish or free it, or pick a new id)"
+            )
+
     def _check_hit(
-        self, rid: str, num_new_computed_tokens: int, blocks: KVCacheBlocks | None
+        self, request: Request, num_new_computed_tokens: int, blocks: KVCacheBlocks | None
     ) -> tuple[tuple[int, ...], ...]:
+        rid = request.request_id
         if blocks is None:
             return tuple(() for _ in self.managers)
         if not isinstance(blocks, KVCacheBlocks) or blocks.num_groups != len(self.managers):
@@ -348,7 +398,53 @@ class KVCacheManager:
                 f"which must be one length <= num_new_computed_tokens={num_new_computed_tokens}; "
                 "pass get_computed_blocks' (blocks, num_computed_tokens) unchanged"
             )
+        length = lengths.pop()
+        if length:
+            self._check_hit_blocks(request, length, blocks.blocks)
         return blocks.blocks
+
+    def _check_hit_blocks(
+        self, request: Request, length: int, hit: tuple[tuple[int, ...], ...]
+    ) -> None:
+        """Every block of a ``length``-token hit is one this request may take: an id of the pool,
+        real (not the null block) wherever a query past the hit reads it, and cached in its
+        group under this request's hash at its position — so another request's blocks, blocks
+        evicted since ``get_computed_blocks``, or blocks of other tokens are refused."""
+        rid = request.request_id
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                f"allocate_slots: request {rid!r}: new_computed_blocks hold a {length}-token hit "
+                "but prefix caching is off, so no block can be a hit; pass None"
+            )
+        pool = self.pool
+        hashes = request.block_hashes
+        for m, h in zip(self.managers, hit, strict=True):
+            need = m.needed_from(length)
+            for j, b in enumerate(h):
+                if type(b) is not int or not 0 <= b < pool.num_blocks:
+                    raise ValueError(
+                        f"allocate_slots: request {rid!r}: group {m.group_id} hit position {j} "
+                        f"holds {b!r}, not a block id in [0, num_blocks={pool.num_blocks}); pass "
+                        "get_computed_blocks' blocks unchanged"
+                    )
+                if b == 0:
+                    if j >= need:
+                        raise ValueError(
+                            f"allocate_slots: request {rid!r}: group {m.group_id} hit position "
+                            f"{j} is the null block, but a query past the {length}-token hit "
+                            f"reads positions >= {need} of this group; pass get_computed_blocks' "
+                            "blocks unchanged"
+                        )
+                    continue
+                k = (j + 1) * m.hash_ratio - 1
+                want = hashes[k] if k < len(hashes) else None
+                if want is None or pool._hash[b] != want or pool._group[b] != m.group_id:
+                    raise ValueError(
+                        f"allocate_slots: request {rid!r}: group {m.group_id} hit block {b} "
+                        f"(position {j}) is not cached for this request's tokens there (another "
+                        "request's block, other tokens, or evicted since get_computed_blocks); "
+                        "call get_computed_blocks again right before allocate_slots"
+                    )
 
     def _raise_too_long(self, rid: str, computed: int, new: int, lookahead: int) -> None:
         raise ValueError(
@@ -362,17 +458,16 @@ class KVCacheManager:
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted). Its cached blocks stay
         in the prefix cache until evicted, so a re-admitted request hits them."""
-        rid = request if isinstance(request, str) else request.request_id
-        self._check_known(rid, "free")
+        rid = self._check_known(request, "free")
         del self._computed[rid]
+        self._requests.pop(rid)._kv_owner = None
         for m in self.managers:
             m.free(rid)
 
     def get_block_ids(self, request: Request | str) -> tuple[list[int], ...]:
         """The request's block ids per group, by position (0 where a window dropped a block).
         The lists are copies."""
-        rid = request if isinstance(request, str) else request.request_id
-        self._check_known(rid, "get_block_ids")
+        rid = self._check_known(request, "get_block_ids")
         return tuple(list(m.blocks.get(rid, ())) for m in self.managers)
 
     def reset_prefix_cache(self) -> bool:
@@ -383,14 +478,32 @@ class KVCacheManager:
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
-    def _check_known(self, rid: str, op: str) -> None:
+    def _check_known(self, request: Request | str, op: str) -> str:
+        """The id of ``request`` (a running Request, or a running request's id)."""
+        if isinstance(request, Request):
+            rid = request.request_id
+        elif isinstance(request, str):
+            rid = request
+        else:
+            raise TypeError(
+                f"{op}: request={request!r} is a {type(request).__name__}; pass the Request or "
+                "its request_id (a str)"
+            )
         if rid not in self._computed:
             raise ValueError(
                 f"{op}: request {rid!r} holds no blocks in this manager (never allocated, or "
                 f"already freed); {len(self._computed)} requests are running"
             )
+        if isinstance(request, Request) and self._requests[rid] is not request:
+            raise ValueError(
+                f"{op}: request {rid!r} is another Request object than the running one with "
+                "that id; pass the running Request (or its id)"
+            )
+        return rid
 
 
 def _check_count(name: str, value: object) -> None:
     if type(value) is not int or value < 0:  # bool is excluded on purpose
-        raise ValueError(f"allocate_slots: {name}={value!r} must be an int >= 0")
+        raise (ValueError if type(value) is int else TypeError)(
+            f"allocate_slots: {name}={value!r} must be an int >= 0; got {type(value).__name__}"
+        )

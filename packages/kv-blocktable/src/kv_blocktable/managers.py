@@ -51,8 +51,29 @@ class GroupManager:
         hash_block_size: int,
         enable_caching: bool,
     ) -> None:
+        owner = type(self).__name__
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"{owner}: pool is a {type(pool).__name__}; pass a BlockPool")
+        if type(group_id) is not int or not 0 <= group_id < len(pool._cache):
+            raise ValueError(
+                f"{owner}: group_id={group_id!r} is not a group of the pool, [0, num_groups="
+                f"{len(pool._cache)}); build the pool with one group per KV-cache group"
+            )
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"{owner}: spec is a {type(spec).__name__}; pass a kv_spec spec")
+        if (
+            type(hash_block_size) is not int
+            or hash_block_size < 1
+            or spec.block_size % hash_block_size
+        ):
+            raise ValueError(
+                f"{owner}: hash_block_size={hash_block_size!r} must be a positive int dividing "
+                f"block_size={spec.block_size} (the gcd of the groups' block sizes)"
+            )
         self.pool = pool
         self.group_id = group_id
+        #: this group's prefix-cache map in the pool (hash -> block id), read on every lookup.
+        self._cache = pool._cache[group_id]
         self.spec = spec
         self.block_size = spec.block_size
         self.hash_block_size = hash_block_size
@@ -75,6 +96,11 @@ class GroupManager:
         """Cached blocks (null where not needed) for the longest valid hit of at most
         ``max_length`` tokens, and its length in tokens (a multiple of ``block_size``)."""
         raise NotImplementedError
+
+    def needed_from(self, length: int) -> int:
+        """The first position a hit of ``length`` tokens needs a real block at (the positions
+        before it may hold the null block: no query past ``length`` reads them)."""
+        return self.num_skipped_tokens(length) // self.block_size
 
     # -- shared --------------------------------------------------------------------------------
 
@@ -149,7 +175,7 @@ class GroupManager:
             b = blocks[j]
             h = self._hash_at(hashes, j)
             # cache_block runs first: events only decide whether to record it.
-            if b != NULL_BLOCK_ID and pool.cache_block(group, b, h) and pool.enable_events:
+            if b != NULL_BLOCK_ID and pool._cache_block(group, b, h) and pool.enable_events:
                 if not stored:
                     stored_from = j
                 elif stored_from + len(stored) != j:  # a gap: close the run
@@ -193,7 +219,7 @@ class GroupManager:
             self.pool._release(held)
 
     def _lookup(self, block_hashes: Sequence[bytes], j: int) -> int | None:
-        return self.pool.get_cached_block(self.group_id, self._hash_at(block_hashes, j))
+        return self._cache.get(self._hash_at(block_hashes, j))
 
 
 class FullAttentionManager(GroupManager):

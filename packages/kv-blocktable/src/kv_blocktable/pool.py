@@ -31,9 +31,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from kv_spec._checks import check_int
+from kv_spec._checks import check_bool, check_int
 
-from kv_blocktable.events import AllBlocksCleared, BlockRemoved, KVEvent
+from kv_blocktable.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["NULL_BLOCK_ID", "BlockPool", "PrefixCacheBusyError"]
 
@@ -62,6 +62,13 @@ class BlockPool:
     ) -> None:
         check_int("BlockPool", "num_blocks", num_blocks, minimum=2)
         check_int("BlockPool", "num_groups", num_groups, minimum=1)
+        check_bool("BlockPool", "enable_caching", enable_caching)
+        check_bool("BlockPool", "enable_events", enable_events)
+        if not isinstance(medium, str) or not medium:
+            raise ValueError(
+                f"BlockPool.medium={medium!r} must be a non-empty str naming where the blocks "
+                'live (e.g. "GPU", "CPU"); events carry it'
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_events = enable_events
@@ -70,6 +77,7 @@ class BlockPool:
         self._hash: list[bytes | None] = [None] * num_blocks
         self._group: list[int] = [0] * num_blocks
         self._cache: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        self._num_groups = num_groups
         self._num_cached = 0
         self._front: list[int] = list(range(num_blocks - 1, 0, -1))  # top (end) = block 1
         self._back: deque[int] = deque()
@@ -118,6 +126,11 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the front of the free queue, evicting any cached ones; ref = 1."""
+        if type(n) is not int:  # bool and float included: never a count
+            raise TypeError(
+                f"BlockPool.allocate(n={n!r}): n is a {type(n).__name__}; pass an int in "
+                f"[0, num_free_blocks={self._num_free}]"
+            )
         if n > self._num_free or n < 0:
             raise ValueError(
                 f"BlockPool.allocate(n={n}): {self._num_free} blocks are free; check "
@@ -138,16 +151,26 @@ class BlockPool:
         return ids
 
     def _take_slow(self, n: int) -> list[int]:
-        """One entry at a time: skip stale entries, then drain the cached back, evicting."""
+        """The stack's blocks, then the back's (evicting cached ones); with stale entries, one
+        entry at a time to skip them."""
         front, back, stale = self._front, self._back, self._stale
-        ids: list[int] = []
-        while len(ids) < n:
-            b = front.pop() if front else back.popleft()
-            if stale[b]:
-                stale[b] -= 1
-                self._num_stale -= 1
-            else:
-                ids.append(b)
+        if not self._num_stale:  # every entry is live: the stack, then the back, in order
+            k = min(n, len(front))
+            ids = front[len(front) - k :]
+            del front[len(front) - k :]
+            ids.reverse()
+            if k < n:
+                pop = back.popleft
+                ids += [pop() for _ in range(n - k)]
+        else:
+            ids = []
+            while len(ids) < n:
+                b = front.pop() if front else back.popleft()
+                if stale[b]:
+                    stale[b] -= 1
+                    self._num_stale -= 1
+                else:
+                    ids.append(b)
         if self._num_cached:
             h = self._hash
             evicted = [b for b in ids if h[b] is not None]
@@ -161,11 +184,20 @@ class BlockPool:
         evicted before its shared prefix), uncached ones at the front. Raises ``ValueError`` and
         changes nothing if any block is not held (a double free), is the null block, or is out of
         range."""
-        ids = block_ids if type(block_ids) is list else list(block_ids)
-        # Ids >= num_blocks fail the ref lookup in _release (and are undone there); negative ids
-        # would silently index from the end, and 0 is the null block: check those here.
-        if ids and min(ids) < 1:
-            raise ValueError(self._bad_id_message("free", min(ids)))
+        ids = block_ids if type(block_ids) is list else _as_list("free", block_ids)
+        # Ids >= num_blocks and non-ints fail the ref lookup in _release (and are undone there);
+        # negative ids would silently index from the end and 0 is the null block: the minimum
+        # tells, so well-formed ids pay one min(). A bool minimum (True alone, or first of the
+        # ids equal to 1) is refused too; a True after a 1 would count as block 1 (finding it
+        # costs a pass over every call's ids, ~10% of an allocate + free).
+        if ids:
+            try:
+                lo = min(ids)
+                low = lo < 1 or type(lo) is not int
+            except TypeError:  # None, str, ... (beside ints, or alone)
+                raise self._bad_id_error("free", ids) from None
+            if low:
+                _check_low_ids("free", ids, lo, self.num_blocks)
         self._release(ids)
 
     def _release(self, ids: Sequence[int]) -> None:
@@ -175,13 +207,13 @@ class BlockPool:
         for i, b in enumerate(ids):
             try:
                 r = ref[b] - 1
-            except IndexError:
+            except (IndexError, TypeError):
                 r = -2
             if r < 0:
                 for prev in ids[:i]:  # undo: a failed free changes nothing
                     ref[prev] += 1
                 if r == -2:
-                    raise ValueError(self._bad_id_message("free", b)) from None
+                    raise self._bad_id_error("free", [b]) from None
                 raise ValueError(
                     f"BlockPool.free: block {b} is not held by anyone (ref count 0): a double "
                     "free, or a block this pool never handed out"
@@ -208,10 +240,17 @@ class BlockPool:
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a request reusing cached blocks). A block with no
         holder leaves the free queue, so it can no longer be evicted."""
-        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
-        if ids and (min(ids) < 1 or max(ids) >= self.num_blocks):
-            bad = next(b for b in ids if not 1 <= b < self.num_blocks)
-            raise ValueError(self._bad_id_message("touch", bad))
+        ids = block_ids if type(block_ids) is list else _as_list("touch", block_ids)
+        if ids:
+            try:
+                lo, hi = min(ids), max(ids)
+                low = lo < 1 or type(lo) is not int
+            except TypeError:  # None, str, ... (beside ints, or alone)
+                raise self._bad_id_error("touch", ids) from None
+            if low:
+                _check_low_ids("touch", ids, lo, self.num_blocks)
+            if hi >= self.num_blocks or not all(type(b) is int for b in ids):
+                raise self._bad_id_error("touch", ids)
         ref = self._ref
         stale = self._stale
         for b in ids:
@@ -247,12 +286,55 @@ class BlockPool:
 
     def get_cached_block(self, group: int, block_hash: bytes) -> int | None:
         """The block caching ``block_hash`` for ``group``, or None."""
+        self._check_group("get_cached_block", group)
+        if type(block_hash) is not bytes:
+            raise self._bad_hash_error("get_cached_block", block_hash)
         return self._cache[group].get(block_hash)
 
     def cache_block(self, group: int, block_id: int, block_hash: bytes) -> bool:
         """Enter a held, full block in the prefix cache. Returns False (and changes nothing) if
         another block already caches this hash for ``group`` (two requests computed the same
-        block at once; the second copy stays uncached and is freed normally)."""
+        block at once; the second copy stays uncached and is freed normally).
+
+        ``group`` is a group index, ``block_id`` a block this pool handed out (not the null
+        block) and ``block_hash`` ``bytes``; anything else raises (``None`` would leave the
+        block findable after it was freed and reused)."""
+        # The fast path checks the hash's type and the low bounds; the high bounds and the
+        # ids' types are the lists' own (an IndexError / TypeError for 2.5 or None, caught
+        # before anything changed; a bool indexes as 0 / 1, the same number). The body is
+        # _cache_block's, inlined: a call would cost more than the checks.
+        try:
+            if block_hash.__class__ is not bytes or block_id < 1 or group < 0:
+                raise TypeError
+            cache = self._cache[group]
+            if block_hash in cache:
+                return False
+            held = self._ref[block_id]
+        except (TypeError, IndexError):
+            raise self._cache_args_error(group, block_id, block_hash) from None
+        h = self._hash
+        if not held:
+            raise ValueError(f"block {block_id} is free; only a held block can be cached")
+        if h[block_id] is not None:
+            raise ValueError(f"block {block_id} is already cached under another hash")
+        cache[block_hash] = block_id
+        h[block_id] = block_hash
+        self._group[block_id] = group
+        self._num_cached += 1
+        return True
+
+    def _cache_args_error(self, group: object, block_id: object, block_hash: object) -> Exception:
+        try:
+            self._check_group("cache_block", group)
+        except (TypeError, ValueError) as e:
+            return e
+        if type(block_hash) is not bytes:
+            return self._bad_hash_error("cache_block", block_hash)
+        return self._bad_id_error("cache_block", [block_id])
+
+    def _cache_block(self, group: int, block_id: int, block_hash: bytes) -> bool:
+        """``cache_block`` without the argument checks, for managers (their ids come from this
+        pool, their hashes from a ``BlockHasher``)."""
         cache = self._cache[group]
         if block_hash in cache:
             return False
@@ -271,6 +353,13 @@ class BlockPool:
     def _evict(self, ids: list[int]) -> None:
         h = self._hash
         g = self._group
+        if not self.enable_events:  # no runs to record: one dict delete per block
+            cache = self._cache
+            for b in ids:
+                del cache[g[b]][h[b]]  # type: ignore[arg-type]
+                h[b] = None
+            self._num_cached -= len(ids)
+            return
         runs: list[tuple[int, list[bytes]]] = []  # (group, hashes) in eviction order
         for b in ids:
             bh = h[b]
@@ -305,6 +394,11 @@ class BlockPool:
     # -- events --------------------------------------------------------------------------------
 
     def record_event(self, event: KVEvent) -> None:
+        if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            raise TypeError(
+                f"BlockPool.record_event(event={event!r}): a {type(event).__name__}; pass a "
+                "BlockStored, BlockRemoved or AllBlocksCleared"
+            )
         if self.enable_events:
             self._events.append(event)
 
@@ -321,7 +415,60 @@ class BlockPool:
         if not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} is outside [0, num_blocks={self.num_blocks})")
 
-    def _bad_id_message(self, op: str, b: int) -> str:
-        if b == NULL_BLOCK_ID:
-            return f"BlockPool.{op}: block 0 is the null block; it is never allocated or freed"
-        return f"BlockPool.{op}: block id {b} is outside [1, num_blocks={self.num_blocks})"
+    def _check_group(self, op: str, group: object) -> None:
+        if type(group) is not int or not 0 <= group < len(self._cache):
+            raise (ValueError if type(group) is int else TypeError)(
+                f"BlockPool.{op}: group={group!r} is not a group index in [0, num_groups="
+                f"{len(self._cache)}); pass the KV-cache group's position in the plan"
+            )
+
+    def _bad_hash_error(self, op: str, block_hash: object) -> Exception:
+        return TypeError(
+            f"BlockPool.{op}: block_hash={block_hash!r} must be bytes (a BlockHasher digest); "
+            f"got {type(block_hash).__name__}"
+        )
+
+    def _bad_id_error(self, op: str, ids: Sequence[object]) -> Exception:
+        """The error for the first id in ``ids`` that is not a block this pool hands out."""
+        for b in ids:
+            if type(b) is not int:
+                return TypeError(
+                    f"BlockPool.{op}: block id {b!r} is a {type(b).__name__}; block ids are ints "
+                    f"in [1, num_blocks={self.num_blocks})"
+                )
+            if b == NULL_BLOCK_ID:
+                return ValueError(
+                    f"BlockPool.{op}: block 0 is the null block; it is never allocated, cached "
+                    "or freed"
+                )
+            if not 1 <= b < self.num_blocks:
+                return ValueError(
+                    f"BlockPool.{op}: block id {b} is outside [1, num_blocks={self.num_blocks})"
+                )
+        raise AssertionError(f"no bad id in {ids!r}")  # callers found one
+
+
+def _as_list(op: str, block_ids: object) -> list[int]:
+    if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
+        raise TypeError(
+            f"BlockPool.{op}: block_ids={block_ids!r} is a {type(block_ids).__name__}; pass a "
+            "list of block ids"
+        )
+    return list(block_ids)
+
+
+def _check_low_ids(op: str, ids: list[int], lo: int, num_blocks: int) -> None:
+    """The slow path of a minimum below 1 or not an int: anything but an int (a bool compares
+    equal to 0 / 1, True is not block 1), the null block 0 and negative ids are refused."""
+    for b in ids:
+        if type(b) is not int:
+            raise TypeError(
+                f"BlockPool.{op}: block id {b!r} is a {type(b).__name__}; block ids are ints "
+                "(True is not block 1)"
+            )
+    if lo < 1:
+        raise ValueError(
+            f"BlockPool.{op}: block 0 is the null block; it is never allocated, cached or freed"
+            if lo == NULL_BLOCK_ID
+            else f"BlockPool.{op}: block id {lo} is outside [1, num_blocks={num_blocks})"
+        )

@@ -93,6 +93,9 @@ class Request:
     # Token count at which the next block hash is due (never, until a hasher is bound): one
     # comparison per appended token instead of a division.
     _next_hash_at: int = field(default=sys.maxsize, init=False, repr=False)
+    # The KVCacheManager this request is running in (None: not admitted). A manager's decode
+    # fast path checks it by identity: another Request object with the same id is not this one.
+    _kv_owner: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -100,6 +103,11 @@ class Request:
         if self.extra_keys is not None and not isinstance(self.extra_keys, ExtraKeys):
             raise TypeError(
                 f"Request.extra_keys is a {type(self.extra_keys).__name__}; pass ExtraKeys or None"
+            )
+        if self.block_hasher is not None and not isinstance(self.block_hasher, BlockHasher):
+            raise TypeError(
+                f"Request.block_hasher is a {type(self.block_hasher).__name__}; pass a "
+                "BlockHasher or None"
             )
         self.token_ids = _check_tokens(self.request_id, self.token_ids)
         if self.block_hasher is not None:
@@ -125,6 +133,11 @@ class Request:
 
     def bind_hasher(self, hasher: BlockHasher) -> None:
         """Hash this request's blocks with ``hasher`` (a no-op if it is already bound to it)."""
+        if not isinstance(hasher, BlockHasher):
+            raise TypeError(
+                f"request {self.request_id!r}: bind_hasher(hasher={hasher!r}) takes a "
+                f"BlockHasher; got {type(hasher).__name__}"
+            )
         if self.block_hasher == hasher:
             return
         if self.block_hasher is not None:
@@ -140,11 +153,8 @@ class Request:
         assert h is not None
         hashes = self._block_hashes
         hashes.extend(
-            h.hash_blocks(
-                self.token_ids,
-                self.extra_keys,
-                parent_hash=hashes[-1] if hashes else None,
-                start_block=len(hashes),
+            h._hash_blocks(
+                self.token_ids, self.extra_keys, hashes[-1] if hashes else None, len(hashes)
             )
         )
         self._next_hash_at = (len(hashes) + 1) * h.block_size
@@ -157,12 +167,24 @@ def _iterable(token_ids: int | Iterable[int]) -> Iterable[int]:
     return [token_ids] if isinstance(token_ids, int) else token_ids
 
 
-def _check_tokens(request_id: str, token_ids: Iterable[int]) -> list[int]:
-    ids = list(token_ids)  # a copy: the request owns its tokens
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not -(2**63) <= t < 2**63:
+def _check_tokens(request_id: str, token_ids: object) -> list[int]:
+    """A copy of ``token_ids`` (the request owns its tokens) if every id is an int (not a bool)
+    in the int64 range; a str is refused, not read as characters."""
+    if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, Iterable):
+        raise TypeError(
+            f"request {request_id!r}: token_ids={token_ids!r} is a {type(token_ids).__name__}; "
+            "pass a list of int token ids (a str is not read as digits)"
+        )
+    ids = list(token_ids)
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            raise TypeError(
+                f"request {request_id!r}: token id {t!r} (index {i}) is a {type(t).__name__}; "
+                "token ids are ints in [-2**63, 2**63) (hashed as int64), never rounded"
+            )
+        if not -_I64 <= t < _I64:
             raise ValueError(
-                f"request {request_id!r}: token id {t!r} must be an int in [-2**63, 2**63) "
-                "(they are hashed as int64)"
+                f"request {request_id!r}: token id {t} (index {i}) is outside [-2**63, 2**63) "
+                "(token ids are hashed as int64)"
             )
     return ids
