@@ -107,6 +107,17 @@ NUM_BLOCKS = 24
 WINDOW_KINDS = ("sliding_window", "chunked_local")
 
 
+def _distinct_real(ids: list[int]) -> list[int]:
+    """``ids`` without repeats of a real block (the null block may repeat)."""
+    seen: set[int] = set()
+    out = []
+    for b in ids:
+        if b == NULL or b not in seen:
+            out.append(b)
+            seen.add(b)
+    return out
+
+
 class BlockTablesMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -145,8 +156,11 @@ class BlockTablesMachine(RuleBasedStateMachine):
 
     def _ids(self, data: st.DataObject, room: list[int]) -> tuple[list[int], ...]:
         # Mostly real blocks, sometimes the null block (a sliding-window hole).
+        # A list names a real block at most once (BlockTables refuses repeats); NULL may repeat.
         block = st.one_of(st.integers(1, NUM_BLOCKS - 1), st.just(NULL))
-        return tuple(data.draw(st.lists(block, max_size=max(r, 0))) for r in room)
+        return tuple(
+            data.draw(st.lists(block, max_size=max(r, 0)).map(_distinct_real)) for r in room
+        )
 
     @rule(data=st.data(), row=st.integers(0, MAX_REQS - 1))
     def add_row(self, data: st.DataObject, row: int) -> None:
@@ -178,7 +192,8 @@ class BlockTablesMachine(RuleBasedStateMachine):
     def append_too_many(self, row: int) -> None:
         g = 0
         ids = tuple(
-            [1] * (self.maxb[i] - len(self.rows[row][i]) + (i == g)) for i in range(len(self.bs))
+            list(range(1, 1 + self.maxb[i] - len(self.rows[row][i]) + (i == g)))
+            for i in range(len(self.bs))
         )
         with pytest.raises(ValueError, match="max_num_blocks_per_req"):
             self.bt.append_row(row, ids)  # nothing written: the model is unchanged
@@ -307,7 +322,7 @@ def _tables(**kw: object) -> BlockTables:
         (lambda t: t.add_row(0, ([1],)), "tuple of 2 lists"),
         (lambda t: t.add_row(0, ([1, -2], [2])), "block id -2 is negative"),
         (lambda t: t.add_row(0, ([1], [10])), "block id 10 is >= num_blocks=10"),
-        (lambda t: t.add_row(0, ([1] * 5, [2])), "5 blocks .* max_num_blocks_per_req=4"),
+        (lambda t: t.add_row(0, ([1, 2, 3, 4, 5], [2])), "5 blocks .* max_num_blocks_per_req=4"),
         (lambda t: t.move_row(0, 7), "dst=7"),
         (lambda t: t.swap_rows(True, 1), "a=True"),
         (lambda t: t.commit(4), r"num_reqs=4 must be an int in \[0, 3\]"),
@@ -484,7 +499,8 @@ def test_incremental_commit_never_leaves_a_stale_row(
     t = BlockTables(block_sizes, kernel_block_sizes, r, [5] * ngroups, max_num_batched_tokens=8)
 
     def ids() -> tuple[list[int], ...]:
-        return tuple(torch.randint(1, 50, (2,), generator=g).tolist() for _ in range(ngroups))
+        # Two distinct ids per group (a row names a block once).
+        return tuple((torch.randperm(49, generator=g)[:2] + 1).tolist() for _ in range(ngroups))
 
     def check(n: int) -> None:
         for grp, (bs, kbs) in enumerate(zip(block_sizes, kernel_block_sizes, strict=True)):

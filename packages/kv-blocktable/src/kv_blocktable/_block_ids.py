@@ -17,6 +17,7 @@ __all__ = [
     "INT32_MAX",
     "BlockIdCheck",
     "check_group_sizes",
+    "check_index_tensor",
     "check_kernel_block_split",
     "check_num_blocks",
     "int64_tensor",
@@ -35,6 +36,15 @@ def int64_tensor(values: list[int] | tuple[int, ...]) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(array("q", values), dtype=torch.int64)  # owns the array
+
+
+def check_index_tensor(owner: str, name: str, value: object) -> None:
+    """``value`` is an integer tensor (positions, offsets): a list has no device, a float
+    tensor would be truncated."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{owner}: {name} is a {type(value).__name__}; pass an integer tensor")
+    if value.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{owner}: {name} has dtype {value.dtype}; pass int32 or int64")
 
 
 def positive_int(owner: str, name: str, value: object) -> int:
@@ -158,6 +168,22 @@ class BlockIdCheck:
             )
         return None
 
+    def duplicate(self, g: int, row: int, ids: Sequence[int]) -> str | None:
+        """Why ``ids`` (group ``g``'s ids for ``row``) are refused for naming a block twice
+        (the null block may repeat: a sliding-window row holds it wherever blocks fell out of
+        the window), if they are."""
+        if len(ids) < 2 or len(set(ids)) == len(ids):
+            return None
+        seen: set[int] = set()
+        for b in ids:
+            if b in seen and b != self.null_block:
+                return (
+                    f"group {g} row {row}: block id {b} appears twice; a block holds one "
+                    "position of one request (two positions would share one page of KV)"
+                )
+            seen.add(b)
+        return None
+
     def lists(self, row: int, block_ids: object) -> list[list[int]]:
         """:meth:`tensors` as plain lists, without torch ops for lists of ints (the common case:
         ``KVCacheManager.get_block_ids`` returns them), so a decode step's appends cost
@@ -171,6 +197,8 @@ class BlockIdCheck:
                     lo, hi = min(ids), max(ids)
                     if lo < 0 or hi > self._max_id[g]:
                         raise ValueError(self.error(g, row, lo, hi))
+                    if len(ids) > 1 and (dup := self.duplicate(g, row, ids)):
+                        raise ValueError(dup)
                 out.append(list(ids))
             else:
                 return out
@@ -188,16 +216,49 @@ class BlockIdCheck:
         for g, ids in enumerate(block_ids):
             if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
                 raise ValueError(f"group {g} block ids are on {ids.device}; pass host ids")
+            _check_integral(g, row, ids)
             try:
                 t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"group {g} block ids for row {row} are not ints: {e}") from None
             if t.numel():
                 err = self.error(g, row, int(t.min()), int(t.max()))
+                if err is None and t.numel() > 1:
+                    err = self.duplicate(g, row, t.tolist())
                 if err is not None:
                     raise ValueError(err)
             out.append(t)
         return out
+
+
+def _check_integral(g: int, row: int, ids: object) -> None:
+    """Block ids are integers: a float or bool tensor / array, or a list holding anything but
+    ints, is refused (``torch.as_tensor(..., dtype=int64)`` would truncate 2.5 to block 2)."""
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None:  # a tensor or a numpy array
+        if isinstance(dtype, torch.dtype):
+            ok = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+        else:
+            ok = getattr(dtype, "kind", "") in ("i", "u")
+        if not ok:
+            raise TypeError(
+                f"group {g} block ids for row {row} have dtype {dtype}; pass integer ids "
+                "(a float id is never rounded to a block)"
+            )
+        return
+    if isinstance(ids, (list, tuple)):
+        for bad in ids:
+            if type(bad) is int:
+                continue
+            raise TypeError(
+                f"group {g} block ids for row {row} hold {bad!r} ({type(bad).__name__}); block "
+                "ids are ints (a float id is never rounded to a block)"
+            )
+        return
+    raise TypeError(
+        f"group {g} block ids for row {row} are a {type(ids).__name__}; pass a list of ints "
+        "(or an integer tensor)"
+    )
 
 
 def plan_appends(

@@ -96,9 +96,12 @@ def _host_lengths(name: str, values: object, num_reqs: int) -> torch.Tensor:
         )
     if isinstance(values, (list, tuple)) and len(values) == num_reqs:
         try:  # the common case, a list of ints from the scheduler: the fast conversion
+            # (array('q') refuses floats and None; it reads a bool as 0 / 1, the same number,
+            # which a per-element check every step would cost more than it is worth)
             return int64_tensor(values)
         except (TypeError, OverflowError):
-            pass  # not plain ints: torch.as_tensor below converts or explains
+            pass  # not plain ints: the checks below explain
+    _check_integer_lengths(name, values)
     try:
         t = torch.as_tensor(values, dtype=torch.int64)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -109,6 +112,26 @@ def _host_lengths(name: str, values: object, num_reqs: int) -> torch.Tensor:
             f"of num_reqs={num_reqs}"
         )
     return t
+
+
+def _check_integer_lengths(name: str, values: object) -> None:
+    """Lengths are integers: a float (or bool) list, tensor or array is refused, never
+    truncated (``torch.as_tensor([1.5], dtype=int64)`` is 1)."""
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None:
+        if isinstance(dtype, torch.dtype):
+            ok = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+        else:
+            ok = getattr(dtype, "kind", "") in ("i", "u")
+        if not ok:
+            raise TypeError(f"{name} has dtype {dtype}; pass integer lengths")
+    elif isinstance(values, (list, tuple)):
+        for bad in values:
+            if type(bad) is int:
+                continue
+            raise TypeError(
+                f"{name} holds {bad!r} ({type(bad).__name__}); lengths are ints (never rounded)"
+            )
 
 
 _DECODE_RANGES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

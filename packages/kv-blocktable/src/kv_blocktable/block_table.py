@@ -37,11 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
+from kv_spec._checks import check_bool
 
 from kv_blocktable import attn_metadata as _md
 from kv_blocktable._block_ids import (
     BlockIdCheck,
     check_group_sizes,
+    check_index_tensor,
     check_kernel_block_split,
     check_num_blocks,
     int64_tensor,
@@ -130,7 +132,7 @@ class BlockTables(StepExports):
         self.impl = impl
         self._ids = BlockIdCheck(null_block, num_blocks, self.kernel_blocks_per_block)
         self.device = torch.device(device)
-        self.pin_memory = bool(pin_memory)
+        self.pin_memory = check_bool(owner, "pin_memory", pin_memory)
         self._alloc_buffers()
 
     def _alloc_buffers(self) -> None:
@@ -200,6 +202,13 @@ class BlockTables(StepExports):
         cross-layer orders, head-major blocks and padded pages are refused with the reason. MLA
         groups store one latent per token, which splits like any NHD page.
         """
+        from kv_spec import KVCacheConfig
+
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise TypeError(
+                f"BlockTables.from_config: kv_cache_config is a {type(kv_cache_config).__name__}; "
+                "pass the kv_spec.KVCacheConfig that kv_spec.plan_kv_cache returns"
+            )
         positive_int("BlockTables.from_config", "max_model_len", max_model_len)
         groups = kv_cache_config.groups
         block_sizes = [g.spec.block_size for g in groups]
@@ -472,6 +481,8 @@ class BlockTables(StepExports):
         ``max_num_batched_tokens``) is the padded length a CUDA graph captured. The views are
         persistent buffers, overwritten by the next call.
         """
+        check_index_tensor("compute_slot_mapping", "query_start_loc", query_start_loc)
+        check_index_tensor("compute_slot_mapping", "positions", positions)
         num_tokens = positions.numel()
         length = num_tokens if num_slots is None else num_slots
         if isinstance(length, bool) or not isinstance(length, int):
