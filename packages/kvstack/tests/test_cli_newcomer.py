@@ -309,3 +309,14 @@ def test_an_unreadable_tokenizer_names_the_directory(
     (d / "tokenizer.json").write_text("")
     code, _, err = cli(capsys, "generate", str(d), "--prompt", "hi")
     one_error(code, err, f"{d}: cannot read its tokenizer (tokenizer.json)")
+
+
+@from_checkout
+def test_hint_from_a_removed_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()  # Path.cwd() now raises FileNotFoundError
+    assert install_hint("hf") == f"uv run --project {ROOT} --group hf kvstack ..."

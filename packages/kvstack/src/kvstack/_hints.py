@@ -58,6 +58,9 @@ def install_hint(feature: str, command: str = "kvstack ...", *, cwd: Path | None
     root = workspace_root()
     if root is None or group not in _workspace_groups(root):
         return f"pip install '{extra}'"
-    here = (cwd or Path.cwd()).resolve()
+    try:
+        here = (cwd or Path.cwd()).resolve()
+    except OSError:  # the working directory was removed
+        here = Path("/")
     project = "" if here == root or root in here.parents else f" --project {root}"
     return f"uv run{project} --group {group} {command}"
