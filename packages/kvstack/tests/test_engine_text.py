@@ -134,6 +134,8 @@ def test_without_a_tokenizer_text_needs_one(llama_dir: Path, text_dir: Path) -> 
     assert engine.generate([[1, 2]], GREEDY)[0].text is None
     with pytest.raises(ValueError, match=r"tokenizer=.*holds no tokenizer"):
         engine_of(text_dir, tokenizer=llama_dir).tokenizer  # noqa: B018
+    with pytest.raises(TypeError, match=r"tokenizer=5 is a int; give None"):
+        engine_of(text_dir, tokenizer=5)
 
 
 def test_a_tokenizer_without_a_chat_template(text_dir: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,8 +45,17 @@ def check_token_ids(rid: str, prompt: object, vocab: int) -> list[int]:
 
 
 def check_engine_flags(
-    max_num_seqs: object, enable_prefix_caching: object, keep_logits: object
+    max_num_seqs: object, enable_prefix_caching: object, keep_logits: object, tokenizer: object
 ) -> None:
+    if not (
+        tokenizer is None
+        or isinstance(tokenizer, (str, Path))
+        or (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode"))
+    ):
+        raise TypeError(
+            f"LLMEngine: tokenizer={tokenizer!r:.60} is a {type(tokenizer).__name__}; give "
+            "None (the checkpoint's), a directory, or a tokenizer with encode/decode"
+        )
     if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int):
         raise TypeError(
             f"LLMEngine: max_num_seqs={max_num_seqs!r} is a {type(max_num_seqs).__name__}; "

@@ -132,7 +132,7 @@ class LLMEngine:
         check_keywords("LLMEngine", runner_kwargs, _ENGINE_OPTIONS + _RUNNER_OPTIONS)
         if (model_dir is None) == (runner is None):
             raise ValueError("give LLMEngine a model_dir or a runner (exactly one)")
-        check_engine_flags(max_num_seqs, enable_prefix_caching, keep_logits)
+        check_engine_flags(max_num_seqs, enable_prefix_caching, keep_logits, tokenizer)
         if runner is None:
             assert model_dir is not None
             runner = ModelRunner(model_dir, max_num_seqs=max_num_seqs, **runner_kwargs)
