@@ -440,3 +440,34 @@ def test_manager_arguments_name_the_field() -> None:
     for op in (mgr.free, mgr.get_block_ids, mgr.num_computed_tokens):
         with pytest.raises(TypeError, match=r"request=\[1\] is a list"):
             op([1])  # type: ignore[arg-type]
+
+
+def test_group_manager_entry_points_check_their_arguments() -> None:
+    from kv_blocktable.managers import make_group_manager
+
+    pool = BlockPool(10)
+    with pytest.raises(
+        ValueError, match=r"group_id=1 is not a group of the pool, \[0, num_groups=1\)"
+    ):
+        make_group_manager(pool, 1, full(), 4, True)
+    with pytest.raises(ValueError, match="hash_block_size=3 must be a positive int dividing"):
+        make_group_manager(pool, 0, full(), 3, True)
+    with pytest.raises(TypeError, match="pool is a str"):
+        make_group_manager("pool", 0, full(), 4, True)  # type: ignore[arg-type]
+    m = make_group_manager(pool, 0, full(), 4, True)
+    with pytest.raises(ValueError, match=r"max_length=-1 must be an int >= 0"):
+        m.find_longest_cache_hit([], -1)
+    with pytest.raises(TypeError, match="block_hashes is a str"):
+        m.find_longest_cache_hit("abc", 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"block id 10 is not an int in \[0, num_blocks=10\)"):
+        m.add_computed_blocks("r", [1, 10])
+    with pytest.raises(ValueError, match=r"block id 2\.0"):
+        m.add_computed_blocks("r", [2.0])  # type: ignore[list-item]
+    assert m.blocks == {}
+
+
+def test_extra_keys_refuse_a_bare_multimodal_hash() -> None:
+    from kv_blocktable import MultiModalHash
+
+    with pytest.raises(TypeError, match="mm_hashes=.* must be a tuple of MultiModalHash"):
+        ExtraKeys(mm_hashes=MultiModalHash("img", 0, 2))  # type: ignore[arg-type]

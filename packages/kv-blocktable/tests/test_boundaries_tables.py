@@ -130,3 +130,21 @@ def test_tensor_arguments_are_checked() -> None:
             max_model_len=8,
             max_num_batched_tokens=8,  # type: ignore[arg-type]
         )
+
+
+def test_step_and_export_arguments_are_named() -> None:
+    from kv_blocktable.attn_metadata import csr_from_table, physical_to_logical
+
+    t = tables()
+    t.add_row(0, ([1], [2]))
+    t.commit(1)
+    with pytest.raises(ValueError, match="num_reqs='1' must be an int"):
+        t.build_common_metadata("1", [1], [1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="rows \\(int\\)"):
+        t.append_rows(0, [([3], [])])  # type: ignore[arg-type]
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([3])
+    with pytest.raises(ValueError, match="kernel_block_size=0 must be a positive int"):
+        csr_from_table(table, lens, 0)
+    with pytest.raises(ValueError, match="num_kernel_blocks=2.0 must be a positive int"):
+        physical_to_logical(table, lens, 2, num_kernel_blocks=2.0)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from kv_backends import CommonAttentionMetadata
 
-from kv_blocktable._block_ids import int64_tensor
+from kv_blocktable._block_ids import int64_tensor, positive_int
 
 __all__ = [
     "KeyWindow",
@@ -474,6 +474,7 @@ def csr_from_table(
     kernel_block_size: int,
 ) -> PagedKVIndices:
     """FlashInfer's ``(indptr, indices, last_page_len)`` of a committed kernel block table."""
+    positive_int("csr_from_table", "kernel_block_size", kernel_block_size)
     pages, indptr, rows, cols = _used_entries(kernel_table, seq_lens, kernel_block_size)
     last = seq_lens - (pages - 1) * kernel_block_size  # [R]; an empty request gives kbs
     device = kernel_table.device
@@ -501,6 +502,8 @@ def physical_to_logical(
     skipped (their blocks may already be another request's). Any other block at two different
     columns in one batch raises (one map per step cannot say both).
     """
+    positive_int("physical_to_logical", "kernel_block_size", kernel_block_size)
+    positive_int("physical_to_logical", "num_kernel_blocks", num_kernel_blocks)
     _, _, rows, cols = _used_entries(kernel_table, seq_lens, kernel_block_size, first_pos)
     phys = kernel_table[rows, cols].long()  # [nnz]
     if null_kernel_blocks is not None:

@@ -344,6 +344,12 @@ class BlockTables(StepExports):
         that crossed a block boundary in one call instead of a few torch ops per row. A row may
         appear more than once; its appends apply in order.
         """
+        if not isinstance(rows, Sequence) or not isinstance(new_block_ids, Sequence):
+            raise TypeError(
+                f"append_rows: rows ({type(rows).__name__}) and new_block_ids "
+                f"({type(new_block_ids).__name__}) must be sequences, one tuple of per-group "
+                "ids per row"
+            )
         rows, new_block_ids = list(rows), list(new_block_ids)
         if len(rows) != len(new_block_ids):
             raise ValueError(
@@ -524,6 +530,8 @@ class BlockTables(StepExports):
         slot mappings with ``-1`` to a captured length. The groups share ``query_start_loc`` and
         ``seq_lens`` (and their host copies); each has its own kernel block table and slots.
         """
+        if type(num_reqs) is not int or num_reqs < 0:
+            raise ValueError(f"build_common_metadata: num_reqs={num_reqs!r} must be an int >= 0")
         self._require_committed(num_reqs, "build_common_metadata")
         step = _md.StepInputs.from_lengths(
             num_reqs,

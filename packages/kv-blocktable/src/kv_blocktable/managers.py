@@ -41,7 +41,15 @@ __all__ = [
 
 
 class GroupManager:
-    """Blocks of one group for every request. Subclasses define which positions may be dropped."""
+    """Blocks of one group for every request. Subclasses define which positions may be dropped.
+
+    A part of :class:`~kv_blocktable.KVCacheManager`, which checks its callers' requests, counts
+    and hits before it calls these: the constructor, :meth:`find_longest_cache_hit` and
+    :meth:`add_computed_blocks` check their arguments; the per-step methods (``allocate``,
+    ``num_new_blocks``, ``remove_skipped_blocks``, ``cache_blocks``, ``free``) trust them, since
+    they run for every request of every step of a hybrid model. Drive groups through
+    ``KVCacheManager``.
+    """
 
     def __init__(
         self,
@@ -137,6 +145,19 @@ class GroupManager:
 
     def add_computed_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """A new request takes the cached blocks of a prefix hit (already touched by the caller)."""
+        owner = f"{type(self).__name__}.add_computed_blocks"
+        if not isinstance(request_id, str) or request_id in self.blocks:
+            raise ValueError(
+                f"{owner}: request_id={request_id!r} must be a str naming a request this group "
+                "holds no blocks for"
+            )
+        n = self.pool.num_blocks
+        for b in block_ids:
+            if type(b) is not int or not 0 <= b < n:
+                raise ValueError(
+                    f"{owner}: block id {b!r} is not an int in [0, num_blocks={n}); pass the "
+                    "hit's block ids"
+                )
         self.blocks[request_id] = list(block_ids)
         self.num_cached[request_id] = len(block_ids)
 
@@ -228,6 +249,7 @@ class FullAttentionManager(GroupManager):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[list[int], int]:
+        _check_hit_args(self, block_hashes, max_length)
         n = min(max_length // self.block_size, len(block_hashes) // self.hash_ratio)
         out: list[int] = []
         for j in range(n):
@@ -256,6 +278,7 @@ class SlidingWindowManager(GroupManager):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[list[int], int]:
+        _check_hit_args(self, block_hashes, max_length)
         n = min(max_length // self.block_size, len(block_hashes) // self.hash_ratio)
         need = self.window_blocks
         if need == 0:
@@ -294,6 +317,7 @@ class ChunkedLocalManager(GroupManager):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[list[int], int]:
+        _check_hit_args(self, block_hashes, max_length)
         n = min(max_length // self.block_size, len(block_hashes) // self.hash_ratio)
         limit = max_length
         while True:
@@ -311,6 +335,17 @@ class ChunkedLocalManager(GroupManager):
             if (length // self.chunk) * self.chunk // self.block_size >= start:
                 return out, length
             limit, n = length, len(out)
+
+
+def _check_hit_args(m: GroupManager, block_hashes: object, max_length: object) -> None:
+    owner = f"{type(m).__name__}.find_longest_cache_hit"
+    if type(max_length) is not int or max_length < 0:
+        raise ValueError(f"{owner}: max_length={max_length!r} must be an int >= 0 (tokens)")
+    if not isinstance(block_hashes, (list, tuple)):
+        raise TypeError(
+            f"{owner}: block_hashes is a {type(block_hashes).__name__}; pass the request's "
+            "block_hashes (a list of bytes)"
+        )
 
 
 def make_group_manager(

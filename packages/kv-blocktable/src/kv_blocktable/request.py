@@ -55,6 +55,13 @@ class ExtraKeys:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"ExtraKeys.{name}={v!r} must be a non-empty str or None")
+        if isinstance(self.mm_hashes, MultiModalHash) or not isinstance(
+            self.mm_hashes, (tuple, list)
+        ):
+            raise TypeError(
+                f"ExtraKeys.mm_hashes={self.mm_hashes!r} must be a tuple of MultiModalHash "
+                f"values; got {type(self.mm_hashes).__name__}"
+            )
         mm = tuple(self.mm_hashes)
         for m in mm:
             if not isinstance(m, MultiModalHash):
