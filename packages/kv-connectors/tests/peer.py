@@ -4,7 +4,7 @@
 
 CONFIG_JSON: {"transport": "p2p"|"nixl", "timeout_s": float, "fault": null|"die"|"stall",
 "mode": "read"|"write" and "push_to": "host:port" (P2P push), "buffer_bytes" (P2P chunk bound),
-"port" (P2P side-channel port, default any),
+"port" (side-channel port, default any),
 "device": "cpu" | "cuda:N" (default cpu), "producers": [{"name", "layout" (layout JSON), "seed",
 "block_ids", "tp": [rank, size]}]}.
 For each producer it builds a cache filled from ``seed``, registers a connector, finishes one
@@ -50,7 +50,7 @@ def _connector(cfg: dict[str, Any], prod: dict[str, Any]) -> Any:
     from kv_connectors.nixl import NixlConnector
 
     return NixlConnector(
-        NixlConfig(timeout_s=cfg["timeout_s"], progress_thread=False),
+        NixlConfig(timeout_s=cfg["timeout_s"], progress_thread=False, port=cfg.get("port", 0)),
         block_size=bs,
         tp_rank=rank,
         tp_size=size,

@@ -24,7 +24,8 @@ def _conn(
     root: Path, layout: KVCacheLayout, seed: int, **kw: Any
 ) -> tuple[FilesystemConnector, Any]:
     conn = FilesystemConnector(
-        FilesystemConfig(root=root, fsync=False, **kw), block_size=layout.block_size
+        FilesystemConfig(root=root, model_fingerprint="model-a", fsync=False, **kw),
+        block_size=layout.block_size,
     )
     cache = random_cache(layout, seed=seed)
     conn.register_kv_caches(cache, layout)

@@ -67,7 +67,9 @@ def test_offload_round_trip_on_cuda(layout: Any, make_request: Callable[..., Any
 def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[..., Any]) -> None:
     layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
     cache = random_cache(layout, seed=3, device="cuda")
-    conn = FilesystemConnector(FilesystemConfig(root=tmp_path), block_size=layout.block_size)
+    conn = FilesystemConnector(
+        FilesystemConfig(root=tmp_path, model_fingerprint="model-a"), block_size=layout.block_size
+    )
     conn.register_kv_caches(cache, layout)
     want = block_bytes(cache, layout, 7)
     conn.request_finished(make_request("a", 1, layout.block_size, seed=4), [7])

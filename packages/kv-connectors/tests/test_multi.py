@@ -26,7 +26,9 @@ def _multi(root: Path, seed: int) -> tuple[MultiConnector, Any]:
     multi = MultiConnector(
         [
             OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=BS),
-            FilesystemConnector(FilesystemConfig(root=root, fsync=False), block_size=BS),
+            FilesystemConnector(
+                FilesystemConfig(root=root, model_fingerprint="model-a", fsync=False), block_size=BS
+            ),
         ]
     )
     cache = random_cache(LAYOUT, seed=seed)

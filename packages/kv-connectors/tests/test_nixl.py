@@ -6,6 +6,7 @@ the next request succeeds; an impossible conversion is refused with a reason."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -177,4 +178,131 @@ def test_dead_or_stalled_producer_is_a_load_error_then_next_succeeds(
     src = random_cache(BASE, seed=10 + list(LAYOUTS).index(name))
     for b, p in zip([8, 9, 10, 11], PRODUCER_BLOCKS, strict=True):
         assert torch.equal(block_bytes(cache, BASE, b), block_bytes(src, BASE, p))
+    conn.close()
+
+
+def _held_pair(
+    make_request: Callable[..., Any],
+) -> tuple[NixlConnector, NixlConnector, Any, dict[str, Any]]:
+    """A producer holding request "p" (blocks 3, 9, 1, 6; abandon_after_s=1.5) and a consumer,
+    in this process (two NIXL agents over UCX loopback)."""
+    prod = NixlConnector(
+        NixlConfig(timeout_s=TIMEOUT, abandon_after_s=1.5, progress_thread=False),
+        block_size=BASE.block_size,
+    )
+    prod.register_kv_caches(random_cache(BASE, seed=1), BASE)
+    cons, cache = _consumer(BASE)
+    _delay, params = prod.request_finished(make_request("p", 4, BASE.block_size), PRODUCER_BLOCKS)
+    assert params is not None
+    return prod, cons, cache, params
+
+
+def _stall_first_read(cons: NixlConnector, then: Callable[[], None] = lambda: None) -> Any:
+    """Stop the consumer's first READ after the producer accepted the pull (blocks pinned) and
+    before it is posted; ``then`` runs when it resumes."""
+    import threading
+
+    mid, resume = threading.Event(), threading.Event()
+    original = cons._read
+
+    def stalled(*args: Any) -> None:
+        if not mid.is_set():
+            mid.set()
+            assert resume.wait(30)
+            then()
+        original(*args)
+
+    cons._read = stalled  # type: ignore[method-assign]
+    return mid, resume
+
+
+def _finish_both(
+    prod: NixlConnector, cons: NixlConnector, rid: str, sent: set[str] | None = None
+) -> set[int]:
+    """Poll both sides (in one process without progress threads, the producer's agent progresses
+    only when polled) until the consumer's load of ``rid`` ended; its blocks with errors (the
+    producer's ``done_sending`` is collected into ``sent``)."""
+    deadline = time.monotonic() + 30
+    recving: set[str] = set()
+    while rid not in recving:
+        assert time.monotonic() < deadline, f"{rid} never reported in done_recving"
+        recving |= cons.get_finished()[1]
+        (sent if sent is not None else set()).update(prod.get_finished()[0])
+        time.sleep(0.005)
+    return cons.get_block_ids_with_load_errors()
+
+
+def test_read_outliving_abandon_keeps_blocks_pinned_until_notified(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    """Issue 28: the abandon timer fires while a READ is in flight. Without the pin the producer's
+    poll lists "p" in done_sending here and the engine reuses the blocks the READ reads."""
+    prod, cons, cache, params = _held_pair(make_request)
+    src = random_cache(BASE, seed=1)
+    mid, resume = _stall_first_read(cons)
+    assert remote_load.start(cons, params, [4, 5, 6, 7], "c") == 4 * BASE.block_size
+    assert mid.wait(30)
+    prod._clock = lambda: time.monotonic() + 3  # past abandon_after_s, within the READ's lease
+    assert prod.get_finished()[0] == set()
+    resume.set()
+    sent: set[str] = set()
+    assert _finish_both(prod, cons, "c", sent) == set(), cons.load_error_reasons
+    for b, p in zip([4, 5, 6, 7], PRODUCER_BLOCKS, strict=True):
+        assert torch.equal(block_bytes(cache, BASE, b), block_bytes(src, BASE, p))
+    deadline = time.monotonic() + 30
+    while "p" not in sent:  # the READ's notification releases the blocks
+        assert time.monotonic() < deadline
+        sent |= prod.get_finished()[0]
+        time.sleep(0.005)
+    prod.close()
+    cons.close()
+
+
+def test_read_finishing_after_its_lease_is_a_load_error(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    """A consumer that stalls past its lease: the producer frees the blocks at the lease's end
+    (the consumer may be dead), so the consumer must not report that READ a success."""
+    prod, cons, _cache, params = _held_pair(make_request)
+
+    def lease_over() -> None:
+        cons._clock = lambda: time.monotonic() + 3600
+
+    mid, resume = _stall_first_read(cons, lease_over)
+    assert remote_load.start(cons, params, [4, 5, 6, 7], "c") == 4 * BASE.block_size
+    assert mid.wait(30)
+    prod._clock = lambda: time.monotonic() + 3600  # the lease ended on the producer too
+    assert prod.get_finished()[0] == {"p"}  # freed: nothing may trust a READ of it any more
+    resume.set()
+    start = time.monotonic()
+    assert _finish_both(prod, cons, "c") == {4, 5, 6, 7}
+    assert time.monotonic() - start < TIMEOUT  # refused at once, not at a timeout
+    assert "lease" in cons.load_error_reasons["c"]
+    prod.close()
+    cons.close()
+
+
+def test_producer_restarted_with_another_layout_gets_a_fresh_session(
+    spawn_peer: Callable[..., Any], remote_load: Any
+) -> None:
+    """Issue 28: a new producer on the same port serves another layout (HND, converted): the
+    cached remote agent of the dead one is dropped and the handshake made again."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg: dict[str, Any] = {"transport": "nixl", "timeout_s": TIMEOUT, "port": port}
+    conn, cache = _consumer(BASE)
+    first = spawn_peer({**cfg, "producers": _producers(["LBNHC"])})
+    assert remote_load.start(conn, first.params["LBNHC"], [1, 2, 3, 4], "r1") > 0
+    assert remote_load.finish(conn, "r1", 30)[1] == set(), conn.load_error_reasons
+    first.stop()
+    second = spawn_peer({**cfg, "producers": _producers(["hnd"])})
+    assert remote_load.start(conn, second.params["hnd"], [5, 6, 7, 8], "r2") > 0
+    assert remote_load.finish(conn, "r2", 30)[1] == set(), conn.load_error_reasons
+    src = random_cache(LAYOUTS["hnd"], seed=10 + list(LAYOUTS).index("hnd"))
+    want = remote_load.expected(src, LAYOUTS["hnd"], BASE, PRODUCER_BLOCKS)
+    for b, w in zip([5, 6, 7, 8], want, strict=True):
+        assert torch.equal(block_bytes(cache, BASE, b), w)
     conn.close()

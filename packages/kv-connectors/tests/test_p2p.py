@@ -48,6 +48,7 @@ CASES: dict[str, tuple[KVCacheLayout, tuple[int, int], KVCacheLayout, tuple[int,
     "after_die": (make_layout("LBNHC"), (0, 1), make_layout("LBNHC"), (0, 1)),
     "after_stall": (make_layout("LBNHC"), (0, 1), make_layout("LBNHC"), (0, 1)),
     "wrong_layout": (make_layout("LBNHC", dtype="bfloat16"), (0, 1), make_layout("LBNHC"), (0, 1)),
+    "restarted_hnd": (make_layout("LBHNC"), (0, 1), make_layout("LBNHC"), (0, 1)),
 }
 PRODUCER_BLOCKS = [3, 9, 1, 6]
 
@@ -325,5 +326,105 @@ def test_restarted_producer_on_the_same_address_gets_a_fresh_session(
     tokens, errors = _pull(conn, second.params["LBNHC"], [5, 6, 7, 8], remote_load, "r2")
     assert tokens == 4 * conn.block_size and errors == set(), conn.load_error_reasons
     for b, w in zip([5, 6, 7, 8], _want(remote_load, "LBNHC"), strict=True):
+        assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
+    conn.close()
+
+
+def test_pull_outliving_abandon_keeps_blocks_pinned_until_it_ends(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    """Issue 28: the abandon timer fires while a pull is mid-transfer. Forced: the producer's
+    sends stop after the first chunks (an event), its clock jumps past abandon_after_s, and its
+    poll must not report the request in done_sending (the engine would reuse the blocks under the
+    gathers still to come). Without the pin, get_finished returns {"p"} here."""
+    import threading
+
+    layout = CASES["LBNHC"][0]
+    row = layout.num_layers * layout.page_bytes
+    prod = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, abandon_after_s=1.5, buffer_bytes=2 * row),
+        block_size=layout.block_size,
+    )
+    src = random_cache(layout, seed=1)
+    prod.register_kv_caches(src, layout)
+    cons = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, role="consumer", buffer_bytes=2 * row),
+        block_size=layout.block_size,
+    )
+    cache = random_cache(layout, seed=2)
+    cons.register_kv_caches(cache, layout)
+    mid, resume = threading.Event(), threading.Event()
+    original = prod._wait
+
+    def stall_once(work: Any) -> None:  # the first wait comes after two chunks were sent
+        if not mid.is_set():
+            mid.set()
+            assert resume.wait(30)
+        original(work)
+
+    prod._wait = stall_once  # type: ignore[method-assign]
+    _delay, params = prod.request_finished(make_request("p", 4, prod.block_size), [3, 9, 1, 6])
+    assert params is not None
+    want = [block_bytes(src, layout, b) for b in (3, 9, 1, 6)]
+    assert remote_load.start(cons, params, [4, 5, 6, 7], "c") == 4 * cons.block_size
+    assert mid.wait(30)  # mid-transfer
+    prod._clock = lambda: time.monotonic() + 3600  # the abandon timer fires
+    assert prod.get_finished()[0] == set()  # still pinned: the pull has not ended
+    resume.set()
+    _elapsed, errors = remote_load.finish(cons, "c", 3 * TIMEOUT + 10, poll_s=0.01)
+    assert errors == set(), cons.load_error_reasons
+    # listed only once the pull ended (the consumer's "done"); the engine then reuses the blocks
+    deadline = time.monotonic() + 30
+    while "p" not in prod.get_finished()[0]:
+        assert time.monotonic() < deadline, "the request is released once its pull ended"
+        time.sleep(0.005)
+    for b, w in zip([4, 5, 6, 7], want, strict=True):
+        assert torch.equal(block_bytes(cache, layout, b), w)
+    prod.close()
+    cons.close()
+
+
+def test_pull_asked_after_abandon_is_refused_even_before_the_poll(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    prod, cons, cache = _pair(abandon_after_s=1.5)
+    _delay, params = prod.request_finished(make_request("p", 2, prod.block_size), [3, 9])
+    assert params is not None
+    prod._clock = lambda: time.monotonic() + 3600  # past abandon_after_s, not yet polled
+    before = block_bytes(cache, cons.kv.layouts[0], 5)
+    tokens, errors = _pull(cons, params, [5, 6], remote_load, "late")
+    assert tokens == 2 * prod.block_size and errors == {5, 6}
+    assert "no pull started within abandon_after_s" in cons.load_error_reasons["late"]
+    assert torch.equal(block_bytes(cache, cons.kv.layouts[0], 5), before)
+    assert prod.get_finished()[0] == {"p"}  # abandoned now: nothing reads its blocks
+    prod.close()
+    cons.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_producer_restarted_with_another_layout_gets_a_fresh_session(
+    spawn_peer: Callable[..., Any], remote_load: Any
+) -> None:
+    """Issue 28: the producer on port X exits while idle; a new one on port X serves another
+    layout the consumer converts. The cached session named the dead producer's layouts, and every
+    request was refused ("now serves layouts [...]") until the consumer restarted."""
+    port = _free_port()
+    cfg: dict[str, Any] = {"transport": "p2p", "timeout_s": TIMEOUT, "port": port}
+    conn, cache = _consumer("LBNHC")
+    first = spawn_peer({**cfg, "producers": _producers(["LBNHC"])})
+    assert _pull(conn, first.params["LBNHC"], [1, 2, 3, 4], remote_load, "r1")[1] == set()
+    first.stop()
+    second = spawn_peer({**cfg, "producers": _producers(["restarted_hnd"])})
+    params = second.params["restarted_hnd"]
+    tokens, errors = _pull(conn, params, [5, 6, 7, 8], remote_load, "r2")
+    assert tokens == 4 * conn.block_size and errors == set(), conn.load_error_reasons
+    for b, w in zip([5, 6, 7, 8], _want(remote_load, "restarted_hnd"), strict=True):
         assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
     conn.close()

@@ -9,11 +9,20 @@ Producer (prefill): ``request_finished`` keeps the request's blocks (``delay_fre
 returns :class:`KVTransferParams` naming its side channel, block ids and layouts. A consumer pulls
 them; when it says it is done the request is reported in ``done_sending``. A consumer that never
 comes is given up on after ``abandon_after_s`` (then the blocks are reported sent and freed).
+A pull that *started* pins the blocks until it ends, whatever ``abandon_after_s`` says: a request
+is reported in ``done_sending`` only once no pull of it is in flight (P2P: the producer's sends
+ended; NIXL: the consumer's completion notification arrived, or the READ lease it was granted
+expired — a consumer never reports success for a READ that completes after its lease). A pull
+asked for after ``abandon_after_s`` is refused (a load error on the consumer).
 
 Consumer (decode): a request carrying producer params (``request.kv_transfer_params`` or
 :meth:`DisaggConnector.add_remote_request`) is planned against the local layouts
 (:func:`~kv_connectors.handshake.plan_conversion`); a refusal means zero matched tokens (the engine
-computes the prompt) and its reason is kept in ``load_error_reasons``. Loads run on worker threads
+computes the prompt) and its reason is kept in ``load_error_reasons``; so does a producer whose
+``model_fingerprint`` differs from this worker's. Peers are cached per producer address; when the
+worker behind an address changes (another engine id, layouts or model fingerprint than a request's
+params declare, e.g. a producer restarted with another layout) the cached session is dropped and
+made again once before the request is refused. Loads run on worker threads
 (``load_async=True``); each ends in ``done_recving``, with its blocks in
 ``get_block_ids_with_load_errors()`` when it failed (dead peer, refused live handshake, timeout).
 """
@@ -22,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import socket
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -42,7 +52,7 @@ from kv_connectors._sidechannel import (
     send_msg,
 )
 from kv_connectors.base import KVConnector, LoadSpec, RequestLike, log, transfer_params_of
-from kv_connectors.config import KVRole, NixlConfig, P2pConfig
+from kv_connectors.config import KVRole, NixlConfig, P2pConfig, check_int, check_str
 from kv_connectors.handshake import (
     HandshakeRefused,
     KVTransferParams,
@@ -57,11 +67,28 @@ __all__ = ["DisaggConnector", "RemotePlan"]
 
 class _Peer(Protocol):
     """What the consumer keeps per producer address: the side-channel socket, the producer's live
-    compatibility hashes and a lock that serializes pulls (P2P sessions, NIXL remote agents)."""
+    compatibility hashes, its identity (engine id, hashes, model fingerprint) and a lock that
+    serializes pulls (P2P sessions, NIXL remote agents)."""
 
     sock: socket.socket
     hashes: tuple[str, ...]
+    identity: tuple[Any, ...]
     lock: threading.Lock
+
+
+@dataclass
+class _Held:
+    """A finished request a producer keeps for consumers."""
+
+    block_ids: tuple[int, ...]
+    deadline: float  # a pull must start by then, else the request is abandoned
+    pulls: dict[int, float] = dataclasses.field(default_factory=dict)  # token -> lease end (inf:
+    # ends when the transport says so)
+    sent: bool = False  # a consumer confirmed a complete pull
+
+
+def _identity(engine_id: str, hashes: Sequence[str], fingerprint: str | None) -> tuple[Any, ...]:
+    return (engine_id, tuple(hashes), fingerprint)
 
 
 @dataclass(frozen=True)
@@ -93,12 +120,14 @@ class DisaggConnector(KVConnector):
         self, config: P2pConfig | NixlConfig, *, block_size: int, tp_rank: int = 0, tp_size: int = 1
     ) -> None:
         super().__init__(block_size=block_size)
-        if not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+        check_int(type(self).__name__, "tp_size", tp_size, minimum=1)
+        check_int(type(self).__name__, "tp_rank", tp_rank, minimum=0, maximum=tp_size - 1)
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._lock = threading.Lock()
-        self._sendable: dict[str, tuple[tuple[int, ...], float]] = {}  # id -> (blocks, deadline)
+        self._clock: Callable[[], float] = time.monotonic  # deadlines and leases (tests move it)
+        self._sendable: dict[str, _Held] = {}
+        self._pull_ids = itertools.count(1)
         self._remote: dict[str, KVTransferParams] = {}
         self._plans: dict[str, tuple[RemotePlan, int]] = {}  # id -> (plan, first local block)
         self._load_plans: dict[str, RemotePlan] = {}
@@ -163,6 +192,12 @@ class DisaggConnector(KVConnector):
         self, request_id: str, params: KVTransferParams | dict[str, Any]
     ) -> None:
         """Attach a producer's params to a request (for requests that cannot carry them)."""
+        check_str("add_remote_request", "request_id", request_id, what="the engine's request id")
+        if not isinstance(params, KVTransferParams | dict):
+            raise TypeError(
+                f"add_remote_request: params is a {type(params).__name__}; give the "
+                "KVTransferParams (or its dict) the producer's request_finished returned"
+            )
         self._remote[request_id] = (
             params if isinstance(params, KVTransferParams) else KVTransferParams.from_dict(params)
         )
@@ -193,6 +228,13 @@ class DisaggConnector(KVConnector):
         return (n_dst - first) * self.block_size, True
 
     def _plan(self, params: KVTransferParams) -> RemotePlan:
+        mine = self.config.model_fingerprint
+        if params.model_fingerprint != mine:
+            raise HandshakeRefused(
+                f"producer serves model fingerprint {params.model_fingerprint!r}, this worker "
+                f"{mine!r}: KV of another model is never loaded; give both workers the same "
+                "model (and model_fingerprint)"
+            )
         remote = params.layouts()
         local = self.kv.layouts
         if len(remote) != len(local):
@@ -250,9 +292,11 @@ class DisaggConnector(KVConnector):
         n = min(len(request.block_hashes), len(block_ids))
         if n == 0 or self._server is None:
             return False, None
-        ids = tuple(int(b) for b in block_ids[:n])
+        ids = tuple(block_ids[:n])
+        for i, b in enumerate(ids):
+            check_int("request_finished", f"block_ids[{i}]", b, minimum=0)
         with self._lock:
-            self._sendable[rid] = (ids, time.monotonic() + self.config.abandon_after_s)
+            self._sendable[rid] = _Held(ids, self._clock() + self.config.abandon_after_s)
         params = KVTransferParams.for_layouts(
             self.kv.layouts,
             request_id=rid,
@@ -263,24 +307,66 @@ class DisaggConnector(KVConnector):
             block_ids=ids,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
+            model_fingerprint=self.config.model_fingerprint,
         )
         return True, params.to_dict()
 
     # -- producer side (session threads) --------------------------------------------------------
 
-    def _take_sendable(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Check that a consumer asks for blocks this worker is holding for it."""
+    def _start_pull(self, request_id: str, block_ids: Sequence[int], lease_s: float | None) -> int:
+        """Pin a held request for one pull; returns the pull's token. ``lease_s``: the pull ends by
+        itself after that long (NIXL: a READ the consumer may no longer report as success);
+        ``None``: it ends only at :meth:`_end_pull` (P2P: this worker's own sends)."""
         with self._lock:
             held = self._sendable.get(request_id)
-        if held is None:
-            raise KeyError(f"request {request_id!r} is not held for sending (expired or unknown)")
-        if not set(block_ids) <= set(held[0]):
-            raise KeyError(f"request {request_id!r}: blocks asked for are not the request's")
+            if held is None or held.sent:
+                raise KeyError(
+                    f"request {request_id!r} is not held for sending (expired or unknown)"
+                )
+            now = self._clock()
+            if held.deadline < now:
+                raise KeyError(
+                    f"request {request_id!r} is not held for sending: no pull started within "
+                    f"abandon_after_s={self.config.abandon_after_s}"
+                )
+            if not set(block_ids) <= set(held.block_ids):
+                raise KeyError(f"request {request_id!r}: blocks asked for are not the request's")
+            token = next(self._pull_ids)
+            held.pulls[token] = float("inf") if lease_s is None else now + lease_s
+            return token
 
-    def _mark_sent(self, request_id: str) -> None:
+    def _release_locked(self, request_id: str, held: _Held, now: float) -> None:
+        """Report ``request_id`` sent once nothing reads its blocks and it is done or abandoned."""
+        if held.pulls or not (held.sent or held.deadline < now):
+            return
+        del self._sendable[request_id]
+        self._worker.done_sending.add(request_id)
+        if not held.sent:
+            log.warning(
+                "request %s: no consumer completed a pull in time; freeing its blocks", request_id
+            )
+
+    def _end_pull(self, request_id: str, token: int, *, completed: bool = False) -> None:
+        """Pull ``token`` of ``request_id`` ended (``completed``: the consumer has the bytes)."""
         with self._lock:
-            if self._sendable.pop(request_id, None) is not None:
-                self._worker.done_sending.add(request_id)
+            held = self._sendable.get(request_id)
+            if held is None:
+                return
+            held.pulls.pop(token, None)
+            held.sent = held.sent or completed
+            self._release_locked(request_id, held, self._clock())
+
+    def _mark_sent(self, request_id: str, token: int | None = None) -> None:
+        """A consumer has the request's bytes (its ``done``): free the blocks once no pull is in
+        flight."""
+        with self._lock:
+            held = self._sendable.get(request_id)
+            if held is None:
+                return
+            if token is not None:
+                held.pulls.pop(token, None)
+            held.sent = True
+            self._release_locked(request_id, held, self._clock())
 
     def _live_hashes(self) -> list[str]:
         return [lay.compatibility_hash() for lay in self.kv.layouts]
@@ -292,16 +378,36 @@ class DisaggConnector(KVConnector):
             raise ConnectionError(f"expected hello, got {hello.get('op')!r}")
         return hello
 
-    def _accept_pull(self, sock: socket.socket, rid: str, ids: list[int]) -> bool:
-        """Answer a consumer's ``pull``: ``ok`` if the blocks are held for it, else the reason."""
+    def _accept_pull(
+        self, sock: socket.socket, rid: str, ids: list[int], lease_s: float | None = None
+    ) -> int | None:
+        """Answer a consumer's ``pull``: ``ok`` (with the pull's token and lease) if the blocks are
+        held for it, else the reason. Returns the token of the pull now pinning the blocks (end it
+        with :meth:`_end_pull`), or ``None`` when refused."""
         try:
-            self._take_sendable(rid, ids)
             self.kv.check_block_ids(ids, what="pull block_ids")
+            token = self._start_pull(rid, ids, lease_s)
         except (KeyError, ValueError) as exc:
             send_msg(sock, {"ok": False, "error": str(exc)})
-            return False
-        send_msg(sock, {"ok": True})
-        return True
+            return None
+        reply: dict[str, Any] = {"ok": True, "pull": token}
+        if lease_s is not None:
+            reply["lease_s"] = lease_s
+        try:
+            send_msg(sock, reply)
+        except BaseException:
+            self._end_pull(rid, token)
+            raise
+        return token
+
+    def _hello_reply(self) -> dict[str, Any]:
+        """What every producer says about itself in its ``hello`` answer."""
+        return {
+            "ok": True,
+            "hashes": self._live_hashes(),
+            "engine_id": self.config.engine_id,
+            "model_fingerprint": self.config.model_fingerprint,
+        }
 
     # -- consumer side (pull threads) -----------------------------------------------------------
 
@@ -322,6 +428,11 @@ class DisaggConnector(KVConnector):
             if not reply.get("ok"):
                 raise HandshakeRefused(str(reply.get("error")))
             peer = self._open_peer(host, sock, reply)
+            peer.identity = _identity(
+                str(reply.get("engine_id")),
+                [str(h) for h in reply.get("hashes", ())],
+                reply.get("model_fingerprint"),
+            )
         except BaseException:
             sock.close()
             raise
@@ -329,28 +440,38 @@ class DisaggConnector(KVConnector):
             self._peers[key] = peer
         return peer
 
-    def _drop_peer(self, host: str, port: int) -> None:
+    def _drop_peer(self, host: str, port: int, only: Any = None) -> None:
+        """Forget the peer of ``(host, port)`` (if ``only`` is given: only if it is that one)."""
         with self._peers_lock:
-            peer = self._peers.pop((host, port), None)
-        if peer is None:
-            return
+            peer = self._peers.get((host, port))
+            if peer is None or (only is not None and peer is not only):
+                return
+            del self._peers[(host, port)]
         with contextlib.suppress(OSError):
             peer.sock.close()
         self._release_peer(peer)
 
     def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
         params = plan.params
+        want = _identity(params.engine_id, params.compatibility_hashes, params.model_fingerprint)
         for attempt in range(2):
             with self._peers_lock:
                 cached = (params.host, params.port) in self._peers
             try:
                 peer = self._peer(params.host, params.port)
                 with peer.lock:
-                    if peer.hashes != params.compatibility_hashes:
+                    if peer.identity != want:
+                        if cached and not attempt:
+                            # Another worker now answers on this address (a restart with
+                            # another layout, engine or model): make a fresh session, once.
+                            self._drop_peer(params.host, params.port, only=peer)
+                            continue
+                        engine, hashes, fingerprint = peer.identity
                         raise HandshakeRefused(
                             f"producer {params.host}:{params.port} now serves layouts "
-                            f"{list(peer.hashes)}, the request's params declared "
-                            f"{list(params.compatibility_hashes)}"
+                            f"{list(hashes)} (engine {engine!r}, model {fingerprint!r}), the "
+                            f"request's params declared {list(params.compatibility_hashes)} "
+                            f"(engine {params.engine_id!r}, model {params.model_fingerprint!r})"
                         )
                     self._pull_in(peer, spec, plan)
                 return
@@ -365,15 +486,18 @@ class DisaggConnector(KVConnector):
                 self._drop_peer(params.host, params.port)  # the next request makes a new one
                 raise
 
-    def _ask_pull(self, sock: socket.socket, params: KVTransferParams, **extra: Any) -> list[int]:
-        """Ask the producer to serve ``params.block_ids``; returns them (a refusal raises)."""
+    def _ask_pull(
+        self, sock: socket.socket, params: KVTransferParams, **extra: Any
+    ) -> tuple[list[int], dict[str, Any]]:
+        """Ask the producer to serve ``params.block_ids``: ``(ids, its reply)`` (a refusal
+        raises)."""
         ids = list(params.block_ids)
         reply = request(
             sock, {"op": "pull", "request_id": params.request_id, "block_ids": ids, **extra}
         )
         if not reply.get("ok"):
             raise KeyError(f"producer refused the pull: {reply.get('error')}")
-        return ids
+        return ids, reply
 
     # -- worker side ---------------------------------------------------------------------------
 
@@ -405,12 +529,13 @@ class DisaggConnector(KVConnector):
             done = [(f, s) for f, s in self._futures.items() if f.done()]
             for f, _ in done:
                 del self._futures[f]
-            now = time.monotonic()
-            expired = [rid for rid, (_ids, dl) in self._sendable.items() if dl < now]
-            for rid in expired:
-                del self._sendable[rid]
-                self._worker.done_sending.add(rid)
-                log.warning("request %s: no consumer pulled it in time; freeing its blocks", rid)
+            now = self._clock()
+            for rid, held in list(self._sendable.items()):
+                for token, lease_end in list(held.pulls.items()):
+                    if lease_end < now:  # the consumer may no longer report this READ a success
+                        del held.pulls[token]
+                        log.warning("request %s: pull %d outlived its lease", rid, token)
+                self._release_locked(rid, held, now)
         for f, spec in done:
             exc = f.exception()
             if exc is None:

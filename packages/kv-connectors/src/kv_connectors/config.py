@@ -23,6 +23,10 @@ __all__ = [
     "OffloadingConfig",
     "P2pConfig",
     "TransferMode",
+    "check_bool",
+    "check_fingerprint",
+    "check_int",
+    "check_str",
     "parse_address",
 ]
 
@@ -40,14 +44,20 @@ def _parse_enum(
     choices: str | None = None,
     aliases: dict[str, str] | None = None,
 ) -> _E:
-    """``value`` as a member of ``cls`` (a member, or its value in any case, or an alias)."""
+    """``value`` as a member of ``cls`` (a member, or its value as a string in any case, or an
+    alias); anything else (another type, an unknown name) is refused, never coerced."""
+    expected = choices if choices is not None else " / ".join(repr(m.value) for m in cls)
     if isinstance(value, cls):
         return value
-    text = str(value).lower()
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{owner}.{field}={value!r} is a {type(value).__name__}; give one of {expected} "
+            f"(a string or a {cls.__name__} member)"
+        )
+    text = value.lower()
     try:
         return cls((aliases or {}).get(text, text))
     except ValueError:
-        expected = choices if choices is not None else [m.value for m in cls]
         raise ValueError(f"{owner}.{field}={value!r} is not one of {expected}") from None
 
 
@@ -95,7 +105,10 @@ class TransferMode(str, Enum):
 
 def _check_timeout(owner: str, field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{owner}.{field}={value!r} must be a number of seconds")
+        raise ValueError(
+            f"{owner}.{field}={value!r} is a {type(value).__name__}; give a number of seconds "
+            "> 0 (e.g. 30.0)"
+        )
     if not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"{owner}.{field}={value!r} must be finite and > 0: every transfer has a timeout"
@@ -103,17 +116,60 @@ def _check_timeout(owner: str, field: str, value: object) -> float:
     return float(value)
 
 
-def _check_int(owner: str, field: str, value: object, *, minimum: int) -> int:
+def check_int(
+    owner: str, field: str, value: object, *, minimum: int, maximum: int | None = None
+) -> int:
+    bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{owner}.{field}={value!r} must be an int >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"{owner}.{field}={value} must be >= {minimum}")
+        raise ValueError(
+            f"{owner}.{field}={value!r} is a {type(value).__name__}; give an int {bound} "
+            "(no float, bool or string is converted)"
+        )
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{owner}.{field}={value} is out of range; give an int {bound}")
     return value
 
 
+def check_bool(owner: str, field: str, value: object) -> bool:
+    """A real ``bool`` (``"no"``, ``0`` or ``None`` are refused, never read as truthy/falsy)."""
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{owner}.{field}={value!r} is a {type(value).__name__}; give True or False"
+        )
+    return value
+
+
+def check_str(owner: str, field: str, value: object, *, what: str) -> str:
+    """A non-empty ``str`` without surrounding whitespace."""
+    if not isinstance(value, str) or not value or value != value.strip():
+        raise ValueError(
+            f"{owner}.{field}={value!r} must be a non-empty string without surrounding "
+            f"whitespace ({what})"
+        )
+    return value
+
+
+def check_fingerprint(owner: str, value: object, *, required: bool) -> str | None:
+    """``model_fingerprint``: a non-empty string naming the model whose KV this is (a digest of
+    its config and weights); ``None`` only where ``required`` is false."""
+    if value is None and not required:
+        return None
+    if value is None:
+        raise ValueError(
+            f"{owner}.model_fingerprint=None: KV stored under a shared key must name its model, "
+            "or two models with the same layout read each other's KV; pass model_fingerprint="
+            "a digest of the model's config and weights (e.g. its checkpoint's content hash)"
+        )
+    return check_str(
+        owner, "model_fingerprint", value, what="a digest of the model's config and weights"
+    )
+
+
 def _check_host(owner: str, field: str, value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{owner}.{field}={value!r} must be a host name or IP address")
+    if not isinstance(value, str) or not value or value != value.strip():
+        raise ValueError(
+            f"{owner}.{field}={value!r} must be a host name or IP address (e.g. {DEFAULT_HOST})"
+        )
     try:
         ip = ipaddress.ip_address(value)
     except ValueError:
@@ -129,11 +185,11 @@ def _check_host(owner: str, field: str, value: object) -> str:
 def parse_address(owner: str, field: str, value: object) -> tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``, checked (IPv6 hosts in brackets: ``"[::1]:5000"``)."""
     if not isinstance(value, str) or ":" not in value:
-        raise ValueError(f"{owner}.{field}={value!r} must be 'host:port'")
+        raise ValueError(f"{owner}.{field}={value!r} must be a string 'host:port'")
     host, _, port = value.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{owner}.{field}={value!r}: port must be in [1, 65535]")
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
+        raise ValueError(f"{owner}.{field}={value!r}: the port must be a decimal int in [1, 65535]")
     return _check_host(owner, field, host), int(port)
 
 
@@ -142,10 +198,11 @@ class OffloadingConfig:
     """GPU <-> (pinned) CPU offload.
 
     ``cpu_bytes`` is the byte budget of the CPU tier (never exceeded; rounded *down* to whole
-    blocks, and at least one block must fit). ``pin_memory`` pins the tier when the cache is on CUDA
-    (asynchronous copies need pinned pages). ``staging_bytes``: the GPU buffer a CUDA cache's
-    blocks are gathered into before one contiguous copy to the tier (and back); larger transfers
-    move in pieces. ``timeout_s`` bounds every wait on a copy.
+    blocks, and at least one block must fit). ``pin_memory`` (a bool) pins the tier when the cache
+    is on CUDA (asynchronous copies need pinned pages). ``staging_bytes``: the GPU buffer a CUDA
+    cache's blocks are gathered into before one contiguous copy to the tier (and back); larger
+    transfers move in pieces. ``timeout_s`` bounds every wait on a copy. The tier lives in this
+    process, so it never holds another model's KV: it needs no model fingerprint.
     """
 
     cpu_bytes: int
@@ -156,8 +213,9 @@ class OffloadingConfig:
 
     def __post_init__(self) -> None:
         owner = "OffloadingConfig"
-        _check_int(owner, "cpu_bytes", self.cpu_bytes, minimum=1)
-        _check_int(owner, "staging_bytes", self.staging_bytes, minimum=1)
+        check_int(owner, "cpu_bytes", self.cpu_bytes, minimum=1)
+        check_int(owner, "staging_bytes", self.staging_bytes, minimum=1)
+        check_bool(owner, "pin_memory", self.pin_memory)
         object.__setattr__(self, "policy", EvictionPolicy.parse(self.policy, owner=owner))
         object.__setattr__(self, "timeout_s", _check_timeout(owner, "timeout_s", self.timeout_s))
 
@@ -166,32 +224,45 @@ class OffloadingConfig:
 class FilesystemConfig:
     """Blocks as files under ``root`` (one file per block hash, written atomically).
 
-    ``fsync`` makes each file durable before it becomes visible (turn off only for tests
-    on throwaway directories). ``timeout_s`` bounds each load.
+    ``model_fingerprint`` (required): what the KV depends on beyond its layout — a digest of the
+    model's config and weights. It is part of every file's key, so two models with the same
+    layout sharing a root never read each other's KV; there is no default, because a shared key
+    that names no model is exactly that bug. ``fsync`` makes each file durable before it becomes
+    visible (turn off only for tests on throwaway directories). ``timeout_s`` bounds each load.
+    ``stale_tmp_s``: a temporary file (a save in progress) older than this is a dead writer's
+    and is removed (see :meth:`~kv_connectors.FilesystemConnector.clean_stale_temporaries`).
     """
 
     root: Path | str
+    model_fingerprint: str
     fsync: bool = True
     timeout_s: float = 30.0
+    stale_tmp_s: float = 3600.0
 
     def __post_init__(self) -> None:
         owner = "FilesystemConfig"
         if not isinstance(self.root, str | Path) or not str(self.root):
-            raise ValueError(f"{owner}.root={self.root!r} must be a directory path")
+            raise ValueError(
+                f"{owner}.root={self.root!r} must be a directory path (a non-empty str or Path)"
+            )
         object.__setattr__(self, "root", Path(self.root))
+        check_fingerprint(owner, self.model_fingerprint, required=True)
+        check_bool(owner, "fsync", self.fsync)
         object.__setattr__(self, "timeout_s", _check_timeout(owner, "timeout_s", self.timeout_s))
+        object.__setattr__(
+            self, "stale_tmp_s", _check_timeout(owner, "stale_tmp_s", self.stale_tmp_s)
+        )
 
 
 def _check_endpoint(cfg: P2pConfig | NixlConfig, owner: str) -> None:
-    """The side-channel address, engine id, mode and role of a disaggregated config (P2P, NIXL)."""
+    """The side-channel address, engine id, mode, role and model fingerprint of a disaggregated
+    config (P2P, NIXL)."""
     _check_host(owner, "host", cfg.host)
-    _check_int(owner, "port", cfg.port, minimum=0)
-    if cfg.port > 65535:
-        raise ValueError(f"{owner}.port={cfg.port} must be <= 65535")
-    if not isinstance(cfg.engine_id, str) or not cfg.engine_id:
-        raise ValueError(f"{owner}.engine_id={cfg.engine_id!r} must be a non-empty string")
+    check_int(owner, "port", cfg.port, minimum=0, maximum=65535)
+    check_str(owner, "engine_id", cfg.engine_id, what="this worker's engine id")
     object.__setattr__(cfg, "mode", TransferMode.parse(cfg.mode, owner=owner))
     object.__setattr__(cfg, "role", KVRole.parse(cfg.role, owner=owner))
+    check_fingerprint(owner, cfg.model_fingerprint, required=False)
 
 
 def _check_timeouts(cfg: P2pConfig | NixlConfig, owner: str) -> None:
@@ -210,7 +281,10 @@ class P2pConfig:
     ``backend``: ``"gloo"`` (CPU tensors), ``"nccl"`` (CUDA tensors) or ``"auto"`` (from the cache's
     device). ``buffer_bytes`` bounds the staging buffer of one transfer chunk on each side (a
     transfer larger than it moves in several chunks). ``timeout_s`` bounds every send, receive
-    and side-channel reply.
+    and side-channel reply. ``abandon_after_s``: a finished request no pull has *started* for by
+    then is given up on (a started pull keeps its blocks until it ends). ``model_fingerprint``:
+    the model whose KV this worker serves or loads (a digest of its config and weights); a
+    consumer refuses a producer whose fingerprint differs (``None`` matches only ``None``).
     """
 
     host: str = DEFAULT_HOST
@@ -224,14 +298,15 @@ class P2pConfig:
     receive_bytes: int = 2**30
     timeout_s: float = 30.0
     abandon_after_s: float = 120.0
+    model_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         owner = "P2pConfig"
         _check_endpoint(self, owner)
-        if self.backend not in ("auto", "gloo", "nccl"):
+        if not isinstance(self.backend, str) or self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"{owner}.backend={self.backend!r} must be 'auto', 'gloo' or 'nccl'")
-        _check_int(owner, "buffer_bytes", self.buffer_bytes, minimum=1)
-        _check_int(owner, "receive_bytes", self.receive_bytes, minimum=1)
+        check_int(owner, "buffer_bytes", self.buffer_bytes, minimum=1)
+        check_int(owner, "receive_bytes", self.receive_bytes, minimum=1)
         if self.push_to is not None:
             parse_address(owner, "push_to", self.push_to)
         _check_timeouts(self, owner)
@@ -244,11 +319,14 @@ class NixlConfig:
     ``host``/``port``: this worker's side channel (handshake: layout, agent metadata, descriptors).
     ``role``: ``producer``, ``consumer`` or ``both``, as for P2P.
     ``mode``: ``READ`` (the consumer pulls from the producer; default); ``WRITE`` is not
-    implemented for NIXL yet and raises. ``timeout_s`` bounds the handshake and every transfer;
-    ``abandon_after_s`` as for P2P.
+    implemented for NIXL yet and raises. ``backends``: a tuple (or list) of NIXL plugin names
+    (a bare string is refused: it is not a list of names). ``timeout_s`` bounds the handshake
+    and every transfer, and is the lease a consumer asks for its READs (see :mod:`kv_connectors.nixl`);
+    ``abandon_after_s`` and ``model_fingerprint`` as for P2P.
     ``staging_bytes``: the registered buffer a converting pull reads producer rows into (layouts
-    that differ; identical layouts are read in place). ``progress_thread``: NIXL's own progress thread (on by default); off, transfers progress when
-    the connector polls them (``get_finished``), which spares CPU on small hosts and in tests.
+    that differ; identical layouts are read in place). ``progress_thread`` (a bool): NIXL's own
+    progress thread (on by default); off, transfers progress when the connector polls them
+    (``get_finished``), which spares CPU on small hosts and in tests.
     """
 
     host: str = DEFAULT_HOST
@@ -261,12 +339,20 @@ class NixlConfig:
     timeout_s: float = 30.0
     abandon_after_s: float = 120.0
     progress_thread: bool = True
+    model_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         owner = "NixlConfig"
         _check_endpoint(self, owner)
-        if not self.backends or not all(isinstance(b, str) and b for b in self.backends):
-            raise ValueError(f"{owner}.backends={self.backends!r} must name at least one plugin")
-        object.__setattr__(self, "backends", tuple(self.backends))
-        _check_int(owner, "staging_bytes", self.staging_bytes, minimum=1)
+        backends = self.backends
+        if not isinstance(backends, tuple | list) or not backends:
+            raise ValueError(
+                f"{owner}.backends={backends!r} must be a non-empty tuple of plugin names, "
+                "e.g. ('UCX',) (a bare string is not a tuple of names)"
+            )
+        for i, b in enumerate(backends):
+            check_str(owner, f"backends[{i}]", b, what="a NIXL plugin name such as 'UCX'")
+        object.__setattr__(self, "backends", tuple(backends))
+        check_int(owner, "staging_bytes", self.staging_bytes, minimum=1)
+        check_bool(owner, "progress_thread", self.progress_thread)
         _check_timeouts(self, owner)

@@ -1,8 +1,9 @@
 """``FilesystemConnector``: blocks as files keyed by block hash; prefix reuse across restarts.
 
 Layout on disk: ``<root>/<layout key>/<hash[:2]>/<hash>.kvblock``, where the layout key is a
-digest of the registered caches' compatibility hashes (models with different layouts never
-overwrite each other's files). One file holds one block's row (every registered cache and layer
+digest of the config's ``model_fingerprint`` and the registered caches' compatibility hashes:
+two models never read each other's files, even with the same layout (KV depends on the
+weights, not only on the layout). One file holds one block's row (every registered cache and layer
 slot, inline scales included) behind a fixed header::
 
     magic "KVSTACKB" | format u32 | layout key (16 B) | hash length u16 | block hash (64 B, padded)
@@ -117,7 +118,8 @@ class FilesystemConnector(KVConnector):
 
     def _on_register(self, kv: RegisteredKV) -> None:
         hashes = ",".join(lay.compatibility_hash() for lay in kv.layouts)
-        self._layout_key = hashlib.sha256(hashes.encode()).digest()[:16]
+        key = f"model={self.config.model_fingerprint}\nlayouts={hashes}"
+        self._layout_key = hashlib.sha256(key.encode()).digest()[:16]
         self._dir = Path(self.config.root) / self._layout_key.hex()
 
     def path_of(self, block_hash: bytes) -> Path:

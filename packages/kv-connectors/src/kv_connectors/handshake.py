@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
 from kv_spec import KVCacheLayout
+
+from kv_connectors.config import check_fingerprint, check_int, check_str
 
 __all__ = [
     "HandshakeRefused",
@@ -43,13 +45,28 @@ class HandshakeRefused(ValueError):
         self.reason = reason
 
 
+_OWNER = "KVTransferParams"
+
+
+def _check_seq(field: str, value: object, item: str) -> tuple[Any, ...]:
+    """A list or tuple (a JSON array), never a bare string or another iterable."""
+    if not isinstance(value, list | tuple):
+        raise ValueError(
+            f"{_OWNER}.{field}={value!r} is a {type(value).__name__}; give a list or tuple of "
+            f"{item}"
+        )
+    return tuple(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class KVTransferParams:
     """What a producer returns from ``request_finished`` and a consumer's request carries.
 
     ``block_ids`` are the producer's block ids of the request's full blocks, in order;
     ``layouts_json``/``compatibility_hashes`` describe each of its registered caches.
-    ``host``/``port`` name the producer's side channel; ``tp_rank``/``tp_size`` its TP position.
+    ``host``/``port`` name the producer's side channel; ``tp_rank``/``tp_size`` its TP position;
+    ``model_fingerprint`` the model whose KV it serves (``None``: the producer declared none).
+    Every field is checked (types, ranges); nothing is converted but lists into tuples.
     """
 
     request_id: str
@@ -62,20 +79,35 @@ class KVTransferParams:
     compatibility_hashes: tuple[str, ...]
     tp_rank: int = 0
     tp_size: int = 1
+    model_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
-        object.__setattr__(self, "layouts_json", tuple(self.layouts_json))
-        object.__setattr__(self, "compatibility_hashes", tuple(self.compatibility_hashes))
-        if len(self.layouts_json) != len(self.compatibility_hashes) or not self.layouts_json:
+        o = _OWNER
+        check_str(o, "request_id", self.request_id, what="the producer's request id")
+        check_str(o, "engine_id", self.engine_id, what="the producer's engine id")
+        check_str(o, "transport", self.transport, what="'p2p' or 'nixl'")
+        check_str(o, "host", self.host, what="the producer's side-channel host")
+        check_int(o, "port", self.port, minimum=1, maximum=65535)
+        ids = _check_seq("block_ids", self.block_ids, "block ids (ints >= 0)")
+        for i, b in enumerate(ids):
+            check_int(o, f"block_ids[{i}]", b, minimum=0)
+        layouts = _check_seq("layouts_json", self.layouts_json, "layout JSON strings")
+        hashes = _check_seq("compatibility_hashes", self.compatibility_hashes, "hash strings")
+        for i, t in enumerate(layouts):
+            check_str(o, f"layouts_json[{i}]", t, what="a KVCacheLayout JSON")
+        for i, h in enumerate(hashes):
+            check_str(o, f"compatibility_hashes[{i}]", h, what="a layout compatibility hash")
+        object.__setattr__(self, "block_ids", ids)
+        object.__setattr__(self, "layouts_json", layouts)
+        object.__setattr__(self, "compatibility_hashes", hashes)
+        if len(layouts) != len(hashes) or not layouts:
             raise ValueError(
-                f"KVTransferParams has {len(self.layouts_json)} layouts and "
-                f"{len(self.compatibility_hashes)} hashes; give one hash per layout (at least one)"
+                f"KVTransferParams has {len(layouts)} layouts and "
+                f"{len(hashes)} hashes; give one hash per layout (at least one)"
             )
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(
-                f"KVTransferParams.tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})"
-            )
+        check_int(o, "tp_size", self.tp_size, minimum=1)
+        check_int(o, "tp_rank", self.tp_rank, minimum=0, maximum=self.tp_size - 1)
+        check_fingerprint(o, self.model_fingerprint, required=False)
 
     @classmethod
     def for_layouts(cls, layouts: Sequence[KVCacheLayout], **fields: Any) -> KVTransferParams:
@@ -115,10 +147,26 @@ class KVTransferParams:
             "compatibility_hashes": list(self.compatibility_hashes),
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
+            "model_fingerprint": self.model_fingerprint,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVTransferParams:
+        """The params a :meth:`to_dict` made; a missing or unknown key is refused by name."""
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"KVTransferParams.from_dict takes a dict (what to_dict made), got "
+                f"{type(data).__name__}"
+            )
+        known = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing = sorted(required - data.keys())
+        unknown = sorted(str(k) for k in data.keys() - known)
+        if missing or unknown:
+            raise ValueError(
+                f"KVTransferParams.from_dict: missing keys {missing}, unknown keys {unknown}; "
+                f"pass the dict a producer's request_finished returned (keys {sorted(known)})"
+            )
         return cls(**data)
 
     def to_json(self) -> str:
@@ -126,7 +174,13 @@ class KVTransferParams:
 
     @classmethod
     def from_json(cls, text: str) -> KVTransferParams:
-        return cls.from_dict(json.loads(text))
+        if not isinstance(text, str | bytes):
+            raise ValueError(f"KVTransferParams.from_json takes a JSON string, got {type(text)}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"KVTransferParams.from_json: not JSON ({exc})") from exc
+        return cls.from_dict(data)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,14 @@ Handshake (side channel, per producer): the consumer sends ``hello``; the produc
 agent metadata, its live compatibility hashes and the compact shape of its descriptor list
 (per segment: base address, block stride, ranges); the consumer adds the remote agent and prepares
 the remote descriptor list once per producer. A pull (``READ``, the default): the consumer asks the
-producer to hold the request's blocks (``pull``; the producer checks it still holds them), then
-posts one READ of all the request's descriptors with a notification; the producer sees the
-notification and reports the request in ``done_sending``. Every step has ``timeout_s``.
+producer to hold the request's blocks for a *lease* (``pull`` with ``lease_s``, its ``timeout_s``;
+the producer checks it still holds them and grants at most its own ``timeout_s``), then posts one
+READ of all the request's descriptors with a notification naming the pull; the producer sees the
+notification and reports the request in ``done_sending``. The blocks stay pinned until that
+notification arrives or the lease ends (a consumer that died mid-READ). The consumer measures
+its lease from *before* it asked, so its lease ends no later than the producer's, and a READ
+it sees complete after its lease ended is a load error, never a success: bytes that may have
+changed under a READ never reach the engine as loaded KV.
 
 Descriptor ranges are in *row order* (:meth:`~kv_connectors.views.CacheSegment.chunk_ranges`):
 read one after the other they are the block's row. Caches with the same compatibility hash are
@@ -85,7 +90,10 @@ class _Remote:
     hashes: tuple[str, ...]
     sock: socket.socket
     lock: threading.Lock
-    staging: Any = None  # prepared local staging descriptors for these range lengths
+    staging: Any = None
+    identity: tuple[
+        Any, ...
+    ] = ()  # (engine id, hashes, model fingerprint), set by the handshake  # prepared local staging descriptors for these range lengths
 
     @property
     def ranges_per_block(self) -> int:
@@ -166,9 +174,8 @@ class NixlConnector(DisaggConnector):
             send_msg(
                 sock,
                 {
-                    "ok": True,
+                    **self._hello_reply(),
                     "agent_metadata": base64.b64encode(meta).decode(),
-                    "hashes": self._live_hashes(),
                     "pattern": self._pattern,
                     "num_blocks": self.kv.num_blocks,
                     "mem_type": self._mem_type,
@@ -186,7 +193,13 @@ class NixlConnector(DisaggConnector):
             log.warning("nixl session ended: %s: %s", type(exc).__name__, exc)
 
     def _serve_pull(self, sock: socket.socket, msg: dict[str, Any]) -> None:
-        self._accept_pull(sock, str(msg["request_id"]), [int(b) for b in msg["block_ids"]])
+        asked = msg.get("lease_s")
+        lease = self.config.timeout_s
+        if isinstance(asked, int | float) and not isinstance(asked, bool) and 0 < asked < lease:
+            lease = float(asked)
+        self._accept_pull(
+            sock, str(msg["request_id"]), [int(b) for b in msg["block_ids"]], lease_s=lease
+        )
 
     def _poll(self) -> None:
         if self._agent is not None:
@@ -195,8 +208,9 @@ class NixlConnector(DisaggConnector):
             for messages in notifs.values():
                 for m in messages:
                     text = m.decode(errors="replace")
-                    if text.startswith("kv-done:"):
-                        self._mark_sent(text.removeprefix("kv-done:"))
+                    token, _, rid = text.removeprefix("kv-done:").partition(":")
+                    if text.startswith("kv-done:") and token.isdigit():
+                        self._mark_sent(rid, int(token))
         super()._poll()
 
     # -- consumer ------------------------------------------------------------------------------
@@ -231,9 +245,13 @@ class NixlConnector(DisaggConnector):
 
     def _pull_in(self, rem: _Remote, spec: LoadSpec, plan: RemotePlan) -> None:
         params = plan.params
-        ids = self._ask_pull(rem.sock, params)
-        deadline = time.monotonic() + self.config.timeout_s
-        notif = f"kv-done:{params.request_id}".encode()
+        start = self._clock()  # before asking: this lease ends no later than the producer's
+        ids, reply = self._ask_pull(rem.sock, params, lease_s=self.config.timeout_s)
+        lease, token = reply.get("lease_s"), reply.get("pull")
+        if not isinstance(lease, int | float) or isinstance(lease, bool) or lease <= 0:
+            raise ConnectionError(f"producer granted no READ lease (lease_s={lease!r})")
+        deadline = start + lease
+        notif = f"kv-done:{token}:{params.request_id}".encode()
         remote_idx = self._indices(ids, rem.ranges_per_block)
         if plan.identity and rem.range_lens == self._range_lens:
             # same bytes in the same ranges: read straight into the cache blocks
@@ -290,7 +308,8 @@ class NixlConnector(DisaggConnector):
         notif: bytes,
         deadline: float,
     ) -> None:
-        """One READ, polled until done, failed or past ``deadline``."""
+        """One READ, polled until done, failed or past ``deadline`` (the lease's end: a READ seen
+        done only after it is refused, since the producer may have freed the blocks)."""
         with self._agent_lock:
             xfer = self._agent.make_prepped_xfer(
                 "READ", local, local_idx, remote, remote_idx, notif
@@ -298,13 +317,20 @@ class NixlConnector(DisaggConnector):
             state = self._agent.transfer(xfer)
         try:
             while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"NIXL READ exceeded timeout_s={self.config.timeout_s}")
+                if self._clock() > deadline:
+                    raise TimeoutError(
+                        f"NIXL READ exceeded its lease (timeout_s={self.config.timeout_s})"
+                    )
                 time.sleep(1e-4)
                 with self._agent_lock:
                     state = self._agent.check_xfer_state(xfer)
             if state == "ERR":
                 raise ConnectionError("NIXL READ failed (peer gone or memory unregistered)")
+            if self._clock() > deadline:
+                raise TimeoutError(
+                    "NIXL READ completed after its lease ended: the producer may have freed the "
+                    "blocks, so its bytes are not trusted"
+                )
         finally:
             with self._agent_lock, contextlib.suppress(Exception):
                 self._agent.release_xfer_handle(xfer)

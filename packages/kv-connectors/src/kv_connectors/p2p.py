@@ -66,6 +66,7 @@ class _Session:
     pg: Any
     hashes: tuple[str, ...]  # the producer's live compatibility hashes
     lock: threading.Lock
+    identity: tuple[Any, ...] = ()  # (engine id, hashes, model fingerprint), set by the handshake
 
 
 class P2pConnector(DisaggConnector):
@@ -153,13 +154,7 @@ class P2pConnector(DisaggConnector):
             hello = self._recv_hello(sock)
             session = f"{next(self._session_ids)}-{threading.get_ident()}"
             send_msg(
-                sock,
-                {
-                    "ok": True,
-                    "store_port": self._store.port,
-                    "session": session,
-                    "hashes": self._live_hashes(),
-                },
+                sock, {**self._hello_reply(), "store_port": self._store.port, "session": session}
             )
             sock.settimeout(self.config.timeout_s)
             pg = self._group(self._store, session, 0)
@@ -185,8 +180,13 @@ class P2pConnector(DisaggConnector):
         rid = str(msg["request_id"])
         ids = [int(b) for b in msg["block_ids"]]
         chunk = int(msg["chunk_rows"])
-        if self._accept_pull(sock, rid, ids):
+        token = self._accept_pull(sock, rid, ids)
+        if token is None:
+            return
+        try:  # the blocks stay pinned until the last chunk is gathered and sent (or it failed)
             self._send_rows(pg, 1, ids, chunk)
+        finally:
+            self._end_pull(rid, token)
 
     def _send_rows(self, pg: Any, dst: int, ids: list[int], chunk: int) -> None:
         """Gather blocks ``ids`` chunk by chunk and send each to ``dst``, double-buffered: the
@@ -245,7 +245,7 @@ class P2pConnector(DisaggConnector):
         # two buffers on each side (double buffering) within buffer_bytes
         per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, self.kv.row_bytes)))
         chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
-        ids = self._ask_pull(sess.sock, params, chunk_rows=chunk)
+        ids, _reply = self._ask_pull(sess.sock, params, chunk_rows=chunk)
         deadline = time.monotonic() + self.config.timeout_s
         # Double-buffered: chunk i+1 arrives in one buffer while chunk i is scattered from the other.
         bufs = [self._buffer(min(chunk, len(ids)), src_row) for _ in range(2)]
@@ -297,6 +297,7 @@ class P2pConnector(DisaggConnector):
         self._bind_device()
         assert self.config.push_to is not None
         host, port = parse_address("P2pConfig", "push_to", self.config.push_to)
+        token = self._start_pull(rid, ids, None)  # pinned while this push gathers its blocks
         try:
             sess = self._peer(host, port)
             with sess.lock:
@@ -310,6 +311,8 @@ class P2pConnector(DisaggConnector):
         except Exception:
             self._drop_peer(host, port)
             raise
+        finally:
+            self._end_pull(rid, token)
 
     def _receive_push(
         self, sock: socket.socket, pg: Any, msg: dict[str, Any], hashes: tuple[str, ...]
