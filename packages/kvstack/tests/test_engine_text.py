@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -144,3 +146,39 @@ def test_a_tokenizer_without_a_chat_template(text_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"has no chat template"):
         engine.chat([{"role": "user", "content": "hi"}])
     assert engine.generate(["hello"], GREEDY)[0].text is not None
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    prompt=st.lists(st.sampled_from(TEXT_WORDS[3:]), min_size=1, max_size=6),
+    stop=st.lists(
+        st.one_of(
+            st.sampled_from(TEXT_WORDS[3:]), st.text("abcdehilnorst ", min_size=1, max_size=3)
+        ),
+        max_size=3,
+    ),
+    include=st.booleans(),
+)
+def test_stop_strings_property(
+    engine: LLMEngine, prompt: list[str], stop: list[str], include: bool
+) -> None:
+    """For any prompt and stop strings: the token ids are the free run's up to the first token
+    whose text holds a stop string, and the text is the free run's text cut at the earliest
+    stop string (after it with ``include_stop_str_in_output``)."""
+    text_prompt = " ".join(prompt)
+    free = engine.generate([text_prompt], SamplingParams(max_new_tokens=6))[0]
+    params = SamplingParams(max_new_tokens=6, stop=stop, include_stop_str_in_output=include)
+    got = engine.generate([text_prompt], params)[0]
+    assert free.text is not None and got.text is not None
+    hit = next((k for k in range(1, 7) if any(s in words(free.token_ids[:k]) for s in stop)), None)
+    if hit is None:
+        assert got.token_ids == free.token_ids and got.text == free.text
+        assert got.finish_reason is FinishReason.LENGTH
+        return
+    assert got.token_ids == free.token_ids[:hit] and got.finish_reason is FinishReason.STOP
+    full = words(free.token_ids[:hit])
+    at, n = min((full.find(s), len(s)) for s in stop if s in full)
+    assert got.text == full[: at + n if include else at]
+    assert engine.kv.num_free_blocks == engine.runner.kv_cache_config.num_blocks - 1

@@ -221,7 +221,7 @@ def make_text_checkpoint(path: str | Path, *, seed: int = 0) -> Path:
     vocab = {w: i for i, w in enumerate(TEXT_WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # words joined by spaces
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
