@@ -16,7 +16,12 @@ Scheduler side (decides, never touches KV):
 Worker side (moves KV): ``register_kv_caches(storages, layouts)``, ``start_load_kv(meta)``,
 ``wait_for_layer_load(layer)``, ``save_kv_layer(layer, meta)``, ``wait_for_save()``,
 ``get_finished(finished_req_ids) -> (done_sending, done_recving)``,
-``get_block_ids_with_load_errors()``.
+``get_block_ids_with_load_errors()``, ``get_request_ids_with_save_errors()``.
+
+Errors reach the engine through the contract, never only a log line: a failed load through
+``get_block_ids_with_load_errors`` (the engine recomputes those blocks); a failed save through
+``get_request_ids_with_save_errors`` (requests whose KV a connector could not store: a later
+request finds no hit for them; ``done_sending`` only ever meant "the blocks may be freed").
 
 Block ids here are the ids of the registered caches' blocks; the engine's scheduler block size must
 equal the layout's ``block_size`` (expand manager blocks to kernel blocks before calling in).
@@ -28,6 +33,7 @@ attribute ``kv_transfer_params`` (a :class:`~kv_connectors.handshake.KVTransferP
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +42,7 @@ from typing import Any, Protocol
 from kv_kernels import KVCacheStorage
 from kv_spec import KVCacheLayout
 
+from kv_connectors.config import check_int
 from kv_connectors.handshake import KVTransferParams
 from kv_connectors.views import RegisteredKV
 
@@ -108,6 +115,8 @@ class _WorkerState:
     error_reasons: dict[str, str] = field(default_factory=dict)
     done_sending: set[str] = field(default_factory=set)
     done_recving: set[str] = field(default_factory=set)
+    save_errors: dict[str, str] = field(default_factory=dict)
+    save_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class KVConnector(ABC):
@@ -118,8 +127,7 @@ class KVConnector(ABC):
     """
 
     def __init__(self, *, block_size: int) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r} must be an int >= 1 (tokens per block)")
+        check_int(type(self).__name__, "block_size", block_size, minimum=1)
         self.block_size = block_size
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
@@ -138,6 +146,7 @@ class KVConnector(ABC):
         self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         """Plan the load of the blocks matched for ``request`` (no-op when nothing matched)."""
+        check_int("update_state_after_alloc", "num_external_tokens", num_external_tokens, minimum=0)
         first, count = self._matched.pop(request.request_id, (0, 0))
         if num_external_tokens <= 0 or count == 0:
             return
@@ -244,6 +253,25 @@ class KVConnector(ABC):
     def load_error_reasons(self) -> dict[str, str]:
         """Request id -> why its last load failed (kept for diagnostics; newest wins)."""
         return dict(self._worker.error_reasons)
+
+    def get_request_ids_with_save_errors(self) -> set[str]:
+        """Requests whose save failed since the last call (their KV is not stored; nothing to
+        undo: the engine may log or count them). Reasons: :attr:`save_error_reasons`."""
+        with self._worker.save_lock:
+            out = set(self._worker.save_errors)
+            self._worker.save_errors.clear()
+        return out
+
+    @property
+    def save_error_reasons(self) -> dict[str, str]:
+        """Request id -> why its save failed, for the failures not yet collected."""
+        with self._worker.save_lock:
+            return dict(self._worker.save_errors)
+
+    def _fail_save(self, request_id: str, reason: str) -> None:
+        log.warning("kv save for request %s failed: %s", request_id, reason)
+        with self._worker.save_lock:
+            self._worker.save_errors[request_id] = reason
 
     def _fail_load(self, spec: LoadSpec, reason: str, *, async_load: bool) -> None:
         log.warning("kv load for request %s failed: %s", spec.request_id, reason)

@@ -9,8 +9,18 @@ slot, inline scales included) behind a fixed header::
     magic "KVSTACKB" | format u32 | layout key (16 B) | hash length u16 | block hash (64 B, padded)
     | payload bytes u64 | blake2b-128 of the payload (16 B)
 
-A file is written to a temporary name in the same directory, flushed, ``fsync``-ed and renamed
-into place (``os.replace`` is atomic on POSIX), so a reader sees a whole file or none. On load the
+A file is written to a temporary name in the same directory
+(``.<name>~<host>~<pid>~<random>.tmp``), flushed, ``fsync``-ed and renamed into place
+(``os.replace`` is atomic on POSIX), so a reader sees a whole file or none. A writer killed
+mid-save leaves its temporary behind; :meth:`FilesystemConnector.clean_stale_temporaries` (run at
+registration, on the writer thread) removes those that provably belong to no live writer.
+
+The root must be a usable directory: the connector creates it and probes that it can write there
+at construction, and refuses (``ValueError`` naming the root and the reason) otherwise. Saves are
+written behind ``wait_for_save`` (which reports the request in ``done_sending`` as soon as its
+blocks are copied to host memory, so they may be freed); a save that cannot be written is
+reported through :meth:`~kv_connectors.KVConnector.get_request_ids_with_save_errors` with its
+reason in ``save_error_reasons``, never only logged. On load the
 header (magic, format, layout key, block hash, size) and the checksum are verified: a corrupt,
 truncated or foreign-layout file is a load error for that block, never wrong KV. Loads run on a
 reader thread bounded by ``timeout_s``; a load that overruns is reported as failed (its late bytes
@@ -19,9 +29,13 @@ are discarded).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import socket
 import struct
+import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,11 +49,48 @@ from kv_connectors.base import ConnectorMetadata, KVConnector, LoadSpec, Request
 from kv_connectors.config import FilesystemConfig
 from kv_connectors.views import RegisteredKV
 
-__all__ = ["BlockFileError", "FilesystemConnector", "read_block_file", "write_block_file"]
+__all__ = [
+    "BlockFileError",
+    "FilesystemConnector",
+    "is_stale_temporary",
+    "read_block_file",
+    "write_block_file",
+]
 
 _MAGIC = b"KVSTACKB"
 _FORMAT = 1
 _HEADER = struct.Struct("<8sI16sH64sQ16s")  # see the module docstring
+
+
+_HOST = socket.gethostname().replace("~", "-")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a reused pid reads as alive: the safe way)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_stale_temporary(path: Path, *, max_age_s: float, now: float | None = None) -> bool:
+    """Whether ``path`` (a block file's temporary) belongs to no live writer: written on this
+    host by a process that no longer exists, or not modified for ``max_age_s`` seconds (a writer
+    on another host sharing the root, whose pid cannot be checked from here). A live writer
+    renames its temporary within seconds; one stalled past the bound loses it, and its rename
+    then fails: a reported save error, never a torn block file."""
+    parts = path.name.removesuffix(".tmp").split("~")
+    mine = len(parts) == 4 and parts[1] == _HOST and parts[2].isascii() and parts[2].isdigit()
+    if mine and not _pid_alive(int(parts[2])):
+        return True
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return False  # renamed into place or removed meanwhile
+    return (time.time() if now is None else now) - mtime > max_age_s
 
 
 class BlockFileError(ValueError):
@@ -60,7 +111,7 @@ def write_block_file(
         _MAGIC, _FORMAT, layout_key, len(block_hash), block_hash, len(payload), _checksum(payload)
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    tmp = path.with_name(f".{path.name}~{_HOST}~{os.getpid()}~{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(header)
@@ -100,6 +151,20 @@ def read_block_file(path: Path, layout_key: bytes, block_hash: bytes, nbytes: in
     return bytes(payload)
 
 
+def _check_root(root: Path) -> None:
+    """Create ``root`` if needed and prove a file can be written there; refuse otherwise."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".kvstack-probe-"):
+            pass
+    except OSError as exc:
+        what = "is not a directory" if root.exists() and not root.is_dir() else "is not usable"
+        raise ValueError(
+            f"FilesystemConfig.root={str(root)!r} {what} ({exc.strerror or exc}); no block could "
+            "be saved there: give a writable directory path (it is created if missing)"
+        ) from exc
+
+
 class FilesystemConnector(KVConnector):
     """Disk tier keyed by block hash; see the module docstring."""
 
@@ -108,6 +173,7 @@ class FilesystemConnector(KVConnector):
             raise TypeError(f"config must be a FilesystemConfig, got {type(config).__name__}")
         super().__init__(block_size=block_size)
         self.config = config
+        _check_root(Path(config.root))
         self._layout_key = b""
         self._dir: Path | None = None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fs-read")
@@ -121,6 +187,32 @@ class FilesystemConnector(KVConnector):
         key = f"model={self.config.model_fingerprint}\nlayouts={hashes}"
         self._layout_key = hashlib.sha256(key.encode()).digest()[:16]
         self._dir = Path(self.config.root) / self._layout_key.hex()
+        self._writes.append(self._writer.submit(self._clean_quietly))
+
+    def _clean_quietly(self) -> None:
+        try:
+            self.clean_stale_temporaries()
+        except OSError as exc:  # a sweep that cannot list the directory is only a leak
+            log.warning("filesystem: sweeping stale temporaries failed: %s", exc)
+
+    def clean_stale_temporaries(self) -> int:
+        """Remove the temporaries of dead writers under this layout's directory; returns how many.
+
+        Safe against live writers: a temporary is removed only if its writer ran on this host and
+        its pid no longer exists, or if it was not modified for ``FilesystemConfig.stale_tmp_s``
+        (default an hour; writers on other hosts sharing the root). See
+        :func:`is_stale_temporary`."""
+        if self._dir is None or not self._dir.is_dir():
+            return 0
+        removed = 0
+        for path in self._dir.glob("*/.*.tmp"):
+            if is_stale_temporary(path, max_age_s=self.config.stale_tmp_s):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed += 1
+        if removed:
+            log.warning("filesystem: removed %d stale temporaries under %s", removed, self._dir)
+        return removed
 
     def path_of(self, block_hash: bytes) -> Path:
         """Where the file of ``block_hash`` lives for the registered layout."""
@@ -230,8 +322,8 @@ class FilesystemConnector(KVConnector):
                 write_block_file(
                     self.path_of(h), self._layout_key, h, payload, fsync=self.config.fsync
                 )
-        except OSError as exc:
-            log.warning("filesystem: saving request %s failed: %s", spec.request_id, exc)
+        except (OSError, ValueError) as exc:
+            self._fail_save(spec.request_id, f"{type(exc).__name__}: {exc}")
         finally:
             self._saving.difference_update(spec.block_hashes)
 

@@ -149,6 +149,19 @@ class MultiConnector(KVConnector):
             out |= c.get_block_ids_with_load_errors()
         return out
 
+    def get_request_ids_with_save_errors(self) -> set[str]:
+        out: set[str] = set()
+        for c in self.connectors:
+            out |= c.get_request_ids_with_save_errors()
+        return out
+
+    @property
+    def save_error_reasons(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for c in self.connectors:
+            out.update(c.save_error_reasons)
+        return out
+
     @property
     def load_error_reasons(self) -> dict[str, str]:
         out: dict[str, str] = {}
