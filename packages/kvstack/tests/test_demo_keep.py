@@ -34,7 +34,7 @@ def test_demo_keeps_its_model_for_generate(
     out = " ".join(capsys.readouterr().out.split())
     assert (keep / "config.json").is_file() and (keep / "model.safetensors").is_file()
     # the timing excludes a warm-up pass, and the output says so
-    assert "256 tokens," in out and "timed after an untimed warm-up pass" in out
+    assert "256 tokens," in out and "timed after an untimed warm-up run" in out
     # peak use 100% and preemptions are the point of the small pool, and it says so
     assert "the pool is small on purpose" in out and "expected with the small pool" in out
     assert f"next: kvstack generate {keep} --prompt-ids 1,2,3" in out

@@ -59,8 +59,6 @@ DEMO_CONFIG: dict[str, Any] = {
     "bos_token_id": None,
 }
 NUM_SYSTEM_PROMPTS, REQUESTS_PER_PROMPT, SYSTEM_LEN, MAX_NEW = 4, 4, 32, 16
-#: New tokens per request of the untimed warm-up pass (the same workload's shapes, other prompts).
-WARMUP_NEW = 4
 #: The demo's KV pool: 80 blocks of 16 tokens, fewer than the 16 requests hold at once, so the
 #: batch preempts and resumes from the prefix cache (what a pool under pressure does).
 DEMO_KV_BYTES = 5 * 2**18
@@ -145,16 +143,15 @@ def _serve(
         max_num_batched_tokens=512,
         max_num_seqs=16,
     )
-    vocab = warm.runner.arch.vocab_size
-    # Untimed warm-up over the same shapes (first calls pay one-time costs: lazy init, allocator
-    # growth, on a GPU Triton compilation and CUDA-graph capture), then a fresh engine (empty
-    # prefix cache, zeroed stats) on the same runner for the timed run.
-    warm.generate(
-        _workload(vocab, seed=1), SamplingParams(max_new_tokens=WARMUP_NEW, ignore_eos=True)
-    )
-    engine = LLMEngine(runner=warm.runner, max_num_seqs=16)
-    prompts = _workload(vocab)
+    prompts = _workload(warm.runner.arch.vocab_size)
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    # An untimed run of the same requests first: first calls pay one-time costs (lazy init,
+    # allocator growth; on a GPU Triton compiles each kernel variant the batch shapes need and
+    # CUDA graphs are captured per batch size), and only the same schedule meets every variant
+    # the timed run will. Then a fresh engine (empty prefix cache, zeroed stats) on the same
+    # runner serves them again, timed: what every rerun measures.
+    warm.generate(prompts, params)
+    engine = LLMEngine(runner=warm.runner, max_num_seqs=16)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     total = len(prompts) * MAX_NEW
@@ -182,8 +179,8 @@ def _report_engine(console: Console, engine: Any) -> None:
         "throughput",
         f"{st.tokens_per_second:,.0f} generated tokens/s ({st.num_generated_tokens} tokens, "
         f"{st.num_computed_tokens} tokens computed, {sched.num_steps} steps, {st.wall_seconds:.2f} s)"
-        + f"; timed after an untimed warm-up pass ({NUM_SYSTEM_PROMPTS * REQUESTS_PER_PROMPT} "
-        f"other requests x {WARMUP_NEW} tokens) that paid the first calls' one-time costs"
+        + "; timed after an untimed warm-up run of the same requests that paid the first "
+        "calls' one-time costs"
         + (
             " (Triton compilation, CUDA-graph capture)"
             if engine.runner.device.type == "cuda"
