@@ -428,3 +428,33 @@ def test_producer_restarted_with_another_layout_gets_a_fresh_session(
     for b, w in zip([5, 6, 7, 8], _want(remote_load, "restarted_hnd"), strict=True):
         assert torch.equal(block_bytes(cache, conn.kv.layouts[0], b), w)
     conn.close()
+
+
+def test_producer_of_another_model_is_refused(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    """model_fingerprint: a consumer never loads another model's KV, whether the params say so
+    (refused at planning: zero tokens) or only the live producer does (a load error)."""
+    layout = CASES["LBNHC"][0]
+    prod = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, model_fingerprint="model-a"), block_size=layout.block_size
+    )
+    prod.register_kv_caches(random_cache(layout, seed=1), layout)
+    cons = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, role="consumer", model_fingerprint="model-b"),
+        block_size=layout.block_size,
+    )
+    cache = random_cache(layout, seed=2)
+    cons.register_kv_caches(cache, layout)
+    _delay, params = prod.request_finished(make_request("p", 2, prod.block_size), [3, 9])
+    assert params is not None and params["model_fingerprint"] == "model-a"
+    assert remote_load.start(cons, params, [5, 6], "c") == 0
+    assert "model fingerprint 'model-a'" in cons.load_error_reasons["c"]
+    forged = {**params, "model_fingerprint": "model-b"}  # params that lie about the model
+    before = block_bytes(cache, layout, 5)
+    tokens, errors = _pull(cons, forged, [5, 6], remote_load, "forged")
+    assert tokens == 2 * prod.block_size and errors == {5, 6}
+    assert "model 'model-a'" in cons.load_error_reasons["forged"]
+    assert torch.equal(block_bytes(cache, layout, 5), before)
+    prod.close()
+    cons.close()

@@ -205,6 +205,7 @@ class DisaggConnector(KVConnector):
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        self._check_computed(num_computed_tokens)
         rid = request.request_id
         params = self._remote.get(rid) or transfer_params_of(request)
         if params is None or self.config.role is KVRole.PRODUCER:
@@ -379,12 +380,15 @@ class DisaggConnector(KVConnector):
         return hello
 
     def _accept_pull(
-        self, sock: socket.socket, rid: str, ids: list[int], lease_s: float | None = None
+        self, sock: socket.socket, rid: str, ids: object, lease_s: float | None = None
     ) -> int | None:
         """Answer a consumer's ``pull``: ``ok`` (with the pull's token and lease) if the blocks are
         held for it, else the reason. Returns the token of the pull now pinning the blocks (end it
-        with :meth:`_end_pull`), or ``None`` when refused."""
+        with :meth:`_end_pull`), or ``None`` when refused. ``ids`` come off the wire: a list of
+        ints in the cache's range, checked (never converted)."""
         try:
+            if not isinstance(ids, list):
+                raise ValueError(f"pull block_ids={ids!r} is not a list of block ids")
             self.kv.check_block_ids(ids, what="pull block_ids")
             token = self._start_pull(rid, ids, lease_s)
         except (KeyError, ValueError) as exc:

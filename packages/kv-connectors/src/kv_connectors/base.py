@@ -182,6 +182,15 @@ class KVConnector(ABC):
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)`` for a finished request."""
 
+    def _check_computed(self, num_computed_tokens: object) -> None:
+        """``get_num_new_matched_tokens``'s ``num_computed_tokens``: an int >= 0."""
+        check_int(
+            f"{type(self).__name__}.get_num_new_matched_tokens",
+            "num_computed_tokens",
+            num_computed_tokens,
+            minimum=0,
+        )
+
     def _matched_blocks(self, num_computed_tokens: int, hits: int) -> tuple[int, int]:
         """``(first block, tokens)`` for ``hits`` consecutive matched blocks from the first block
         not yet computed."""

@@ -229,6 +229,7 @@ class FilesystemConnector(KVConnector):
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        self._check_computed(num_computed_tokens)
         first = num_computed_tokens // self.block_size
         hits = 0
         for h in request.block_hashes[first:]:

@@ -52,6 +52,7 @@ class MultiConnector(KVConnector):
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        self._check_computed(num_computed_tokens)
         best, best_i, best_async = 0, -1, False
         for i, c in enumerate(self.connectors):
             tokens, load_async = c.get_num_new_matched_tokens(request, num_computed_tokens)

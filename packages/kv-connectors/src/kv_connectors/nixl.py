@@ -197,9 +197,7 @@ class NixlConnector(DisaggConnector):
         lease = self.config.timeout_s
         if isinstance(asked, int | float) and not isinstance(asked, bool) and 0 < asked < lease:
             lease = float(asked)
-        self._accept_pull(
-            sock, str(msg["request_id"]), [int(b) for b in msg["block_ids"]], lease_s=lease
-        )
+        self._accept_pull(sock, str(msg["request_id"]), msg.get("block_ids"), lease_s=lease)
 
     def _poll(self) -> None:
         if self._agent is not None:

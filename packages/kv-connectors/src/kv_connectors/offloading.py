@@ -202,6 +202,7 @@ class OffloadingConnector(KVConnector):
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        self._check_computed(num_computed_tokens)
         self._policy_or_raise()
         first = num_computed_tokens // self.block_size
         hits = 0

@@ -178,11 +178,14 @@ class P2pConnector(DisaggConnector):
 
     def _send_blocks(self, sock: socket.socket, pg: Any, msg: dict[str, Any]) -> None:
         rid = str(msg["request_id"])
-        ids = [int(b) for b in msg["block_ids"]]
-        chunk = int(msg["chunk_rows"])
+        ids, chunk = msg.get("block_ids"), msg.get("chunk_rows")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            send_msg(sock, {"ok": False, "error": f"chunk_rows={chunk!r} must be an int >= 1"})
+            return
         token = self._accept_pull(sock, rid, ids)
         if token is None:
             return
+        assert isinstance(ids, list)  # checked by _accept_pull
         try:  # the blocks stay pinned until the last chunk is gathered and sent (or it failed)
             self._send_rows(pg, 1, ids, chunk)
         finally:
