@@ -1,5 +1,13 @@
 """Test setup: the Triton interpreter on GPU-less machines, and a fixture that skips Triton
-tests where the interpreter cannot run."""
+tests where the interpreter cannot run.
+
+The default CPU run is CI-sized: each compiled-Flex feature once (inductor's CPU template takes
+~20-45 s a graph on two cores), the sink and recompile matrices pairwise. The rest of those
+matrices is marked ``slow``; hypothesis tests take ``KVSTACK_HYPOTHESIS_EXAMPLES``::
+
+    .venv/bin/python -m pytest packages/kv-backends/tests -m "slow and not gpu" -q
+    KVSTACK_HYPOTHESIS_EXAMPLES=500 .venv/bin/python -m pytest packages/kv-backends/tests -q
+"""
 
 from __future__ import annotations
 
