@@ -3,7 +3,7 @@ KVTransferParams refuses a non-conforming value with a ValueError naming the cla
 (nothing coerced: no ``int("5")``, no ``tuple("UCX")``, no truthy strings), and every conforming
 value is kept as given (KVTransferParams: round-trips through its dict and JSON).
 
-Property runs are CI-sized; ``KV_HYPOTHESIS_EXAMPLES`` raises the example count for longer runs."""
+Property runs are CI-sized; ``KVSTACK_HYPOTHESIS_EXAMPLES`` raises the example count for longer runs."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from kv_connectors import (
     TransferMode,
 )
 
-EXAMPLES = int(os.environ.get("KV_HYPOTHESIS_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "60"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None)
 
 # -- strategies ----------------------------------------------------------------------------------
