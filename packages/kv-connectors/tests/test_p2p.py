@@ -450,6 +450,8 @@ def test_producer_of_another_model_is_refused(
     assert params is not None and params["model_fingerprint"] == "model-a"
     assert remote_load.start(cons, params, [5, 6], "c") == 0
     assert "model fingerprint 'model-a'" in cons.load_error_reasons["c"]
+    assert remote_load.start(cons, {**params, "transport": "nixl"}, [5, 6], "t") == 0
+    assert "transport 'nixl'" in cons.load_error_reasons["t"]
     forged = {**params, "model_fingerprint": "model-b"}  # params that lie about the model
     before = block_bytes(cache, layout, 5)
     tokens, errors = _pull(cons, forged, [5, 6], remote_load, "forged")

@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from kv_connectors._holding import Held, ProducerHolds
 from kv_connectors._sidechannel import (
     SideChannelServer,
     StaleSession,
@@ -76,17 +77,6 @@ class _Peer(Protocol):
     lock: threading.Lock
 
 
-@dataclass
-class _Held:
-    """A finished request a producer keeps for consumers."""
-
-    block_ids: tuple[int, ...]
-    deadline: float  # a pull must start by then, else the request is abandoned
-    pulls: dict[int, float] = dataclasses.field(default_factory=dict)  # token -> lease end (inf:
-    # ends when the transport says so)
-    sent: bool = False  # a consumer confirmed a complete pull
-
-
 def _identity(engine_id: str, hashes: Sequence[str], fingerprint: str | None) -> tuple[Any, ...]:
     return (engine_id, tuple(hashes), fingerprint)
 
@@ -111,7 +101,7 @@ class RemotePlan:
         return self.convs[0].split
 
 
-class DisaggConnector(KVConnector):
+class DisaggConnector(ProducerHolds, KVConnector):
     """Base of P2P and NIXL; subclasses serve sessions and pull bytes."""
 
     transport: ClassVar[str] = ""
@@ -126,7 +116,7 @@ class DisaggConnector(KVConnector):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._lock = threading.Lock()
         self._clock: Callable[[], float] = time.monotonic  # deadlines and leases (tests move it)
-        self._sendable: dict[str, _Held] = {}
+        self._sendable: dict[str, Held] = {}
         self._pull_ids = itertools.count(1)
         self._remote: dict[str, KVTransferParams] = {}
         self._plans: dict[str, tuple[RemotePlan, int]] = {}  # id -> (plan, first local block)
@@ -229,6 +219,11 @@ class DisaggConnector(KVConnector):
         return (n_dst - first) * self.block_size, True
 
     def _plan(self, params: KVTransferParams) -> RemotePlan:
+        if params.transport != self.transport:
+            raise HandshakeRefused(
+                f"the params name transport {params.transport!r}, this is a {self.transport!r} "
+                "connector; decode with the producer's transport"
+            )
         mine = self.config.model_fingerprint
         if params.model_fingerprint != mine:
             raise HandshakeRefused(
@@ -297,7 +292,7 @@ class DisaggConnector(KVConnector):
         for i, b in enumerate(ids):
             check_int("request_finished", f"block_ids[{i}]", b, minimum=0)
         with self._lock:
-            self._sendable[rid] = _Held(ids, self._clock() + self.config.abandon_after_s)
+            self._sendable[rid] = Held(ids, self._clock() + self.config.abandon_after_s)
         params = KVTransferParams.for_layouts(
             self.kv.layouts,
             request_id=rid,
@@ -313,61 +308,6 @@ class DisaggConnector(KVConnector):
         return True, params.to_dict()
 
     # -- producer side (session threads) --------------------------------------------------------
-
-    def _start_pull(self, request_id: str, block_ids: Sequence[int], lease_s: float | None) -> int:
-        """Pin a held request for one pull; returns the pull's token. ``lease_s``: the pull ends by
-        itself after that long (NIXL: a READ the consumer may no longer report as success);
-        ``None``: it ends only at :meth:`_end_pull` (P2P: this worker's own sends)."""
-        with self._lock:
-            held = self._sendable.get(request_id)
-            if held is None or held.sent:
-                raise KeyError(
-                    f"request {request_id!r} is not held for sending (expired or unknown)"
-                )
-            now = self._clock()
-            if held.deadline < now:
-                raise KeyError(
-                    f"request {request_id!r} is not held for sending: no pull started within "
-                    f"abandon_after_s={self.config.abandon_after_s}"
-                )
-            if not set(block_ids) <= set(held.block_ids):
-                raise KeyError(f"request {request_id!r}: blocks asked for are not the request's")
-            token = next(self._pull_ids)
-            held.pulls[token] = float("inf") if lease_s is None else now + lease_s
-            return token
-
-    def _release_locked(self, request_id: str, held: _Held, now: float) -> None:
-        """Report ``request_id`` sent once nothing reads its blocks and it is done or abandoned."""
-        if held.pulls or not (held.sent or held.deadline < now):
-            return
-        del self._sendable[request_id]
-        self._worker.done_sending.add(request_id)
-        if not held.sent:
-            log.warning(
-                "request %s: no consumer completed a pull in time; freeing its blocks", request_id
-            )
-
-    def _end_pull(self, request_id: str, token: int, *, completed: bool = False) -> None:
-        """Pull ``token`` of ``request_id`` ended (``completed``: the consumer has the bytes)."""
-        with self._lock:
-            held = self._sendable.get(request_id)
-            if held is None:
-                return
-            held.pulls.pop(token, None)
-            held.sent = held.sent or completed
-            self._release_locked(request_id, held, self._clock())
-
-    def _mark_sent(self, request_id: str, token: int | None = None) -> None:
-        """A consumer has the request's bytes (its ``done``): free the blocks once no pull is in
-        flight."""
-        with self._lock:
-            held = self._sendable.get(request_id)
-            if held is None:
-                return
-            if token is not None:
-                held.pulls.pop(token, None)
-            held.sent = True
-            self._release_locked(request_id, held, self._clock())
 
     def _live_hashes(self) -> list[str]:
         return [lay.compatibility_hash() for lay in self.kv.layouts]
@@ -533,13 +473,7 @@ class DisaggConnector(KVConnector):
             done = [(f, s) for f, s in self._futures.items() if f.done()]
             for f, _ in done:
                 del self._futures[f]
-            now = self._clock()
-            for rid, held in list(self._sendable.items()):
-                for token, lease_end in list(held.pulls.items()):
-                    if lease_end < now:  # the consumer may no longer report this READ a success
-                        del held.pulls[token]
-                        log.warning("request %s: pull %d outlived its lease", rid, token)
-                self._release_locked(rid, held, now)
+            self._expire_locked()
         for f, spec in done:
             exc = f.exception()
             if exc is None:
