@@ -306,3 +306,33 @@ def test_producer_restarted_with_another_layout_gets_a_fresh_session(
     for b, w in zip([5, 6, 7, 8], want, strict=True):
         assert torch.equal(block_bytes(cache, BASE, b), w)
     conn.close()
+
+
+def test_failed_read_unpins_the_producer_before_its_lease_ends(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    """A READ that ended in ERR (no READ in flight) tells the producer ("kv-end"), which frees the
+    blocks at once instead of holding them to the lease's end; the consumer reports a load error.
+    The producer's clock is frozen past abandon_after_s and before the lease's end, so without the
+    notification the request is never released here."""
+    prod, cons, _cache, params = _held_pair(make_request)
+
+    def read_fails() -> None:  # the READ ended in state ERR
+        raise ConnectionError("NIXL READ failed (peer gone or memory unregistered)")
+
+    mid, resume = _stall_first_read(cons, read_fails)
+    assert remote_load.start(cons, params, [4, 5, 6, 7], "c") == 4 * BASE.block_size
+    assert mid.wait(30)
+    frozen = time.monotonic() + 3  # > abandon deadline (1.5 s), < lease end (timeout_s = 5 s)
+    prod._clock = lambda: frozen
+    resume.set()
+    sent: set[str] = set()
+    assert _finish_both(prod, cons, "c", sent) == {4, 5, 6, 7}
+    deadline = time.monotonic() + 10
+    while "p" not in sent:
+        assert time.monotonic() < deadline, "the failed pull never unpinned the blocks"
+        cons.get_finished()  # (without progress threads, polling progresses both agents)
+        sent |= prod.get_finished()[0]
+        time.sleep(0.005)
+    prod.close()
+    cons.close()

@@ -16,7 +16,9 @@ notification and reports the request in ``done_sending``. The blocks stay pinned
 notification arrives or the lease ends (a consumer that died mid-READ). The consumer measures
 its lease from *before* it asked, so its lease ends no later than the producer's, and a READ
 it sees complete after its lease ended is a load error, never a success: bytes that may have
-changed under a READ never reach the engine as loaded KV.
+changed under a READ never reach the engine as loaded KV. A pull that fails with no READ in flight
+(a READ in state ``ERR``, a conversion error) sends ``kv-end`` so the producer unpins at once;
+one that timed out sends nothing (its READ may still run) and the lease bounds it.
 
 Descriptor ranges are in *row order* (:meth:`~kv_connectors.views.CacheSegment.chunk_ranges`):
 read one after the other they are the block's row. Caches with the same compatibility hash are
@@ -206,9 +208,14 @@ class NixlConnector(DisaggConnector):
             for messages in notifs.values():
                 for m in messages:
                     text = m.decode(errors="replace")
-                    token, _, rid = text.removeprefix("kv-done:").partition(":")
-                    if text.startswith("kv-done:") and token.isdigit():
+                    kind, _, rest = text.partition(":")
+                    token, _, rid = rest.partition(":")
+                    if not (token.isascii() and token.isdigit()):
+                        continue
+                    if kind == "kv-done":  # the last READ completed: the consumer has the bytes
                         self._mark_sent(rid, int(token))
+                    elif kind == "kv-end":  # the pull failed with no READ in flight
+                        self._end_pull(rid, int(token))
         super()._poll()
 
     # -- consumer ------------------------------------------------------------------------------
@@ -249,7 +256,28 @@ class NixlConnector(DisaggConnector):
         if not isinstance(lease, int | float) or isinstance(lease, bool) or lease <= 0:
             raise ConnectionError(f"producer granted no READ lease (lease_s={lease!r})")
         deadline = start + lease
-        notif = f"kv-done:{token}:{params.request_id}".encode()
+        try:
+            self._reads(rem, spec, plan, ids, deadline, f"{token}:{params.request_id}")
+        except TimeoutError:
+            raise  # a READ may still be in flight: the producer keeps the blocks to the lease's end
+        except Exception:
+            # No READ of this pull is in flight (each ended, failed or was never posted): tell the
+            # producer, so it frees the blocks now rather than at the lease's end.
+            with self._agent_lock, contextlib.suppress(Exception):
+                self._agent.send_notif(rem.agent, f"kv-end:{token}:{params.request_id}".encode())
+            raise
+
+    def _reads(
+        self,
+        rem: _Remote,
+        spec: LoadSpec,
+        plan: RemotePlan,
+        ids: list[int],
+        deadline: float,
+        pull: str,
+    ) -> None:
+        """The READs of one pull (``pull``: ``"<token>:<request id>"``), the last one notifying."""
+        notif = f"kv-done:{pull}".encode()
         remote_idx = self._indices(ids, rem.ranges_per_block)
         if plan.identity and rem.range_lens == self._range_lens:
             # same bytes in the same ranges: read straight into the cache blocks
