@@ -352,3 +352,49 @@ def test_connector_methods_check_their_arguments(make_request: Callable[..., Any
     with pytest.raises(ValueError, match=r"KVTransferParams\.from_dict: missing keys"):
         conn.add_remote_request("r", {"request_id": "r"})
     conn.close()
+
+
+@SETTINGS
+@given(
+    which=st.sampled_from(["src_tp", "dst_tp"]),
+    tp=st.one_of(
+        st.tuples(st.integers(), st.integers()).filter(lambda t: not 0 <= t[0] < t[1]),
+        st.tuples(st.booleans(), st.integers(1, 4)),
+        st.tuples(st.integers(0, 3).map(float), st.integers(4, 8)),
+        st.just((0,)),
+        st.just("01"),
+        st.none(),
+    ),
+)
+def test_plan_conversion_refuses_bad_tp_naming_it(which: str, tp: Any) -> None:
+    from kv_connectors import plan_conversion
+    from kv_connectors.testing import make_layout
+
+    with pytest.raises(ValueError, match=rf"plan_conversion\.{which}"):
+        plan_conversion(make_layout(), make_layout(), **{which: tp})
+
+
+@SETTINGS
+@given(capacity=bad_int(1))
+def test_policies_refuse_a_bad_capacity(capacity: Any) -> None:
+    from kv_connectors import ARCPolicy, LRUPolicy
+
+    for cls in (LRUPolicy, ARCPolicy):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\.capacity"):
+            cls(capacity)
+
+
+def test_waits_refuse_a_bad_timeout(tmp_path: Path) -> None:
+    from kv_connectors import FilesystemConnector, P2pConnector
+
+    conn = P2pConnector(P2pConfig(), block_size=4)
+    for bad in (0, -1.0, float("nan"), "5"):
+        with pytest.raises(ValueError, match=r"wait_for_loads\.timeout_s"):
+            conn.wait_for_loads(bad)  # type: ignore[arg-type]
+    conn.close()
+    fs = FilesystemConnector(
+        FilesystemConfig(root=tmp_path, model_fingerprint="m", fsync=False), block_size=4
+    )
+    with pytest.raises(ValueError, match=r"FilesystemConnector\.flush\.timeout_s"):
+        fs.flush(0)
+    fs.close()

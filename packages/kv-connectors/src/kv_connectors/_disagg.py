@@ -53,7 +53,14 @@ from kv_connectors._sidechannel import (
     send_msg,
 )
 from kv_connectors.base import KVConnector, LoadSpec, RequestLike, log, transfer_params_of
-from kv_connectors.config import KVRole, NixlConfig, P2pConfig, check_int, check_str
+from kv_connectors.config import (
+    KVRole,
+    NixlConfig,
+    P2pConfig,
+    check_int,
+    check_str,
+    check_timeout,
+)
 from kv_connectors.handshake import (
     HandshakeRefused,
     KVTransferParams,
@@ -460,7 +467,10 @@ class DisaggConnector(ProducerHolds, KVConnector):
     def wait_for_loads(self, timeout_s: float | None = None) -> None:
         """Block until every started load ended (bounded: ``timeout_s``, default the config's
         ``timeout_s`` plus a margin)."""
-        deadline = time.monotonic() + (timeout_s or self.config.timeout_s * 2 + 5)
+        if timeout_s is None:
+            timeout_s = self.config.timeout_s * 2 + 5
+        timeout_s = check_timeout("wait_for_loads", "timeout_s", timeout_s)
+        deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
                 pending = [f for f in self._futures if not f.done()]

@@ -27,6 +27,7 @@ __all__ = [
     "check_fingerprint",
     "check_int",
     "check_str",
+    "check_timeout",
     "parse_address",
 ]
 
@@ -103,7 +104,7 @@ class TransferMode(str, Enum):
         )
 
 
-def _check_timeout(owner: str, field: str, value: object) -> float:
+def check_timeout(owner: str, field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(
             f"{owner}.{field}={value!r} is a {type(value).__name__}; give a number of seconds "
@@ -217,7 +218,7 @@ class OffloadingConfig:
         check_int(owner, "staging_bytes", self.staging_bytes, minimum=1)
         check_bool(owner, "pin_memory", self.pin_memory)
         object.__setattr__(self, "policy", EvictionPolicy.parse(self.policy, owner=owner))
-        object.__setattr__(self, "timeout_s", _check_timeout(owner, "timeout_s", self.timeout_s))
+        object.__setattr__(self, "timeout_s", check_timeout(owner, "timeout_s", self.timeout_s))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,9 +249,9 @@ class FilesystemConfig:
         object.__setattr__(self, "root", Path(self.root))
         check_fingerprint(owner, self.model_fingerprint, required=True)
         check_bool(owner, "fsync", self.fsync)
-        object.__setattr__(self, "timeout_s", _check_timeout(owner, "timeout_s", self.timeout_s))
+        object.__setattr__(self, "timeout_s", check_timeout(owner, "timeout_s", self.timeout_s))
         object.__setattr__(
-            self, "stale_tmp_s", _check_timeout(owner, "stale_tmp_s", self.stale_tmp_s)
+            self, "stale_tmp_s", check_timeout(owner, "stale_tmp_s", self.stale_tmp_s)
         )
 
 
@@ -266,9 +267,9 @@ def _check_endpoint(cfg: P2pConfig | NixlConfig, owner: str) -> None:
 
 
 def _check_timeouts(cfg: P2pConfig | NixlConfig, owner: str) -> None:
-    object.__setattr__(cfg, "timeout_s", _check_timeout(owner, "timeout_s", cfg.timeout_s))
+    object.__setattr__(cfg, "timeout_s", check_timeout(owner, "timeout_s", cfg.timeout_s))
     object.__setattr__(
-        cfg, "abandon_after_s", _check_timeout(owner, "abandon_after_s", cfg.abandon_after_s)
+        cfg, "abandon_after_s", check_timeout(owner, "abandon_after_s", cfg.abandon_after_s)
     )
 
 

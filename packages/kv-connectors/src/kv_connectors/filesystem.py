@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from kv_connectors.base import ConnectorMetadata, KVConnector, LoadSpec, RequestLike, SaveSpec, log
-from kv_connectors.config import FilesystemConfig
+from kv_connectors.config import FilesystemConfig, check_timeout
 from kv_connectors.views import RegisteredKV
 
 __all__ = [
@@ -331,6 +331,7 @@ class FilesystemConnector(KVConnector):
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every queued file write is on disk (bounded by ``timeout_s``)."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        timeout = check_timeout("FilesystemConnector.flush", "timeout_s", timeout)
         for f in self._writes:
             f.result(timeout=timeout)
         self._writes.clear()

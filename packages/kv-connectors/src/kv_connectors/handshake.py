@@ -237,8 +237,21 @@ def plan_conversion(
 ) -> LayoutConversion:
     """Plan how rows of producer layout ``src`` (TP ``(rank, size)``) fill consumer layout ``dst``.
 
-    Raises :class:`HandshakeRefused` with the reason when no exact conversion exists.
+    Raises :class:`HandshakeRefused` with the reason when no exact conversion exists (and
+    ``ValueError`` for arguments of the wrong kind: layouts, ``(rank, size)`` pairs).
     """
+    for name, lay in (("src", src), ("dst", dst)):
+        if not isinstance(lay, KVCacheLayout):
+            raise TypeError(
+                f"plan_conversion: {name} is a {type(lay).__name__}, not a KVCacheLayout"
+            )
+    for name, tp in (("src_tp", src_tp), ("dst_tp", dst_tp)):
+        if not isinstance(tp, tuple | list) or len(tp) != 2:
+            raise ValueError(
+                f"plan_conversion.{name}={tp!r} must be a (rank, size) pair, e.g. (0, 1)"
+            )
+        check_int("plan_conversion", f"{name}[1]", tp[1], minimum=1)
+        check_int("plan_conversion", f"{name}[0]", tp[0], minimum=0, maximum=tp[1] - 1)
     if _content_key(src) != _content_key(dst):
         raise HandshakeRefused(
             "token content differs: producer stores dtype/quant/K/V/scale ranges/scale placement "

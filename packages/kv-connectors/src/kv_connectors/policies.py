@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from kv_connectors.config import EvictionPolicy
+from kv_connectors.config import EvictionPolicy, check_int
 
 __all__ = ["ARCPolicy", "LRUPolicy", "Policy", "make_policy"]
 
@@ -28,8 +28,12 @@ class Policy(ABC):
     """Resident keys of a store of ``capacity`` blocks and the order they leave in."""
 
     def __init__(self, capacity: int, evictable: Evictable | None = None) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity={capacity} blocks must be >= 1")
+        check_int(type(self).__name__, "capacity", capacity, minimum=1)
+        if evictable is not None and not callable(evictable):
+            raise TypeError(
+                f"{type(self).__name__}.evictable={evictable!r} must be a callable(key) -> bool "
+                "or None"
+            )
         self.capacity = capacity
         self._evictable: Evictable = evictable or (lambda _k: True)
 
