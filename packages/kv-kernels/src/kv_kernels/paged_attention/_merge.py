@@ -10,7 +10,9 @@ import triton.language as tl
 __all__ = ["merge_splits_kernel", "merge_two_kernel"]
 
 
-@triton.jit
+# Counts are not specialized: a count of 1 or a multiple of 16 would otherwise build its own
+# variant (a decode batch of 1, 16 splits), which a warmup cannot foresee; they only bound loops.
+@triton.jit(do_not_specialize=["num_seqs", "num_q_heads", "num_splits"])
 def merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,  # [T, Hq, S, DV_PAD] / [T, Hq, S] f32, contiguous

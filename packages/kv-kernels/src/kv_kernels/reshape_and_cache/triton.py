@@ -174,7 +174,9 @@ def _row_scale(amax, QMAX: tl.constexpr, QMAX_RCP: tl.constexpr):
     return tl.where(amax > 0, s, 1.0), fast  # 2**-40 <= amax <= 2**60: s in [2**-57, 2**60]
 
 
-@triton.jit
+# The token and slot counts are not specialized (a batch of 1 token or of a multiple of 16 would
+# build its own variant, which a warmup cannot foresee); they only bound the grid's programs.
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _reshape_and_cache_kernel(
     key_ptr,  # [T', H, HEAD_SIZE]
     value_ptr,  # [T', H, HEAD_SIZE_V] (unused when not HAS_V)
