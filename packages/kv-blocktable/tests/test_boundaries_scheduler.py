@@ -471,3 +471,13 @@ def test_extra_keys_refuse_a_bare_multimodal_hash() -> None:
 
     with pytest.raises(TypeError, match="mm_hashes=.* must be a tuple of MultiModalHash"):
         ExtraKeys(mm_hashes=MultiModalHash("img", 0, 2))  # type: ignore[arg-type]
+
+
+def test_pool_sizes_have_upper_bounds() -> None:
+    # (a huge count used to fail as an OverflowError / MemoryError inside the per-block lists)
+    with pytest.raises(ValueError, match=r"num_blocks=2361183241434822606848 is past 2147483648"):
+        BlockPool(2**71)
+    with pytest.raises(ValueError, match="num_groups=8 must be < num_blocks=8"):
+        BlockPool(8, num_groups=8)
+    with pytest.raises(ValueError, match="num_groups=1180591620717411303424 must be <"):
+        BlockPool(8, num_groups=2**70)

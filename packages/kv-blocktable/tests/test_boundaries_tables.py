@@ -148,3 +148,8 @@ def test_step_and_export_arguments_are_named() -> None:
         csr_from_table(table, lens, 0)
     with pytest.raises(ValueError, match="num_kernel_blocks=2.0 must be a positive int"):
         physical_to_logical(table, lens, 2, num_kernel_blocks=2.0)  # type: ignore[arg-type]
+
+
+def test_a_bad_device_is_named() -> None:
+    with pytest.raises(ValueError, match="device=-1 is not a torch device"):
+        BlockTables([8], [8], 1, [2], max_num_batched_tokens=8, device=-1)  # type: ignore[arg-type]

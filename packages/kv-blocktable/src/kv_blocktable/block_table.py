@@ -131,7 +131,10 @@ class BlockTables(StepExports):
             raise ValueError(f"{owner}: impl={impl!r} is not one of {_IMPLS}")
         self.impl = impl
         self._ids = BlockIdCheck(null_block, num_blocks, self.kernel_blocks_per_block)
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"{owner}: device={device!r} is not a torch device: {e}") from None
         self.pin_memory = check_bool(owner, "pin_memory", pin_memory)
         self._alloc_buffers()
 

@@ -38,6 +38,7 @@ from kv_blocktable.events import AllBlocksCleared, BlockRemoved, BlockStored, KV
 __all__ = ["NULL_BLOCK_ID", "BlockPool", "PrefixCacheBusyError"]
 
 NULL_BLOCK_ID = 0
+MAX_NUM_BLOCKS = 2**31
 
 
 class PrefixCacheBusyError(RuntimeError):
@@ -62,6 +63,19 @@ class BlockPool:
     ) -> None:
         check_int("BlockPool", "num_blocks", num_blocks, minimum=2)
         check_int("BlockPool", "num_groups", num_groups, minimum=1)
+        # Upper bounds, so a wrong count fails here and not as a MemoryError / OverflowError in
+        # the per-block lists: block ids fit int32 (block tables are int32), and a group with no
+        # block to hold is a mistake.
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise ValueError(
+                f"BlockPool.num_blocks={num_blocks} is past {MAX_NUM_BLOCKS} (2**31: block ids are "
+                "int32 in block tables); plan with larger blocks"
+            )
+        if num_groups >= num_blocks:
+            raise ValueError(
+                f"BlockPool.num_groups={num_groups} must be < num_blocks={num_blocks} (each group "
+                "needs a block besides the null block); pass one group per KV-cache group"
+            )
         check_bool("BlockPool", "enable_caching", enable_caching)
         check_bool("BlockPool", "enable_events", enable_events)
         if not isinstance(medium, str) or not medium:
