@@ -481,3 +481,67 @@ def test_pool_sizes_have_upper_bounds() -> None:
         BlockPool(8, num_groups=8)
     with pytest.raises(ValueError, match="num_groups=1180591620717411303424 must be <"):
         BlockPool(8, num_groups=2**70)
+
+
+# -- errors that name nothing ----------------------------------------------------------------------
+
+JUNK = st.one_of(
+    NOT_INTS,
+    st.integers(-(2**80), 2**80),
+    st.binary(max_size=3),
+    st.lists(st.one_of(st.integers(-5, 50), st.floats(), st.none()), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+)
+
+
+def _entry_points() -> dict[str, tuple[object, ...]]:
+    """name -> default arguments of a call on a fresh pool / manager / request."""
+    return {
+        "pool.allocate": (2,),
+        "pool.free": ([1],),
+        "pool.touch": ([1],),
+        "pool.cache_block": (0, 2, b"x"),
+        "pool.get_cached_block": (0, b"h"),
+        "pool.ref_count": (1,),
+        "mgr.allocate_slots": ("R", 1, 0, None, 0),
+        "mgr.free": ("R",),
+        "mgr.get_block_ids": ("R",),
+        "mgr.num_computed_tokens": ("r",),
+        "req.append_token_ids": ([1],),
+        "hash_block_tokens": (None, [1, 2], None),
+        "BlockHasher.hash_blocks": ([1, 2, 3, 4], None, None, 0),
+        "event_from_dict": ({"type": "AllBlocksCleared", "medium": "GPU"},),
+    }
+
+
+@SETTINGS
+@given(name=st.sampled_from(sorted(_entry_points())), data=st.data())
+def test_bad_arguments_raise_only_named_value_or_type_errors(
+    name: str, data: st.DataObject
+) -> None:
+    args = list(_entry_points()[name])
+    i = data.draw(st.integers(0, len(args) - 1))
+    args[i] = data.draw(JUNK)
+    pool = BlockPool(10, num_groups=2)
+    pool.cache_block(0, pool.allocate(3)[0], b"h")
+    mgr = KVCacheManager(CONFIGS["full+sliding"])
+    req = Request("r", list(range(20)))
+    admit(mgr, req)
+    args = [req if a == "R" else a for a in args]
+    calls = {
+        "pool": pool,
+        "mgr": mgr,
+        "req": req,
+        "hash_block_tokens": hash_block_tokens,
+        "BlockHasher": BlockHasher(2),
+        "event_from_dict": event_from_dict,
+    }
+    head, _, meth = name.partition(".")
+    fn = getattr(calls[head], meth) if meth else calls[head]
+    try:
+        if name == "BlockHasher.hash_blocks":
+            fn(args[0], args[1], parent_hash=args[2], start_block=args[3])
+        else:
+            fn(*args)
+    except (ValueError, TypeError) as e:
+        assert str(e), f"{name}: an error with no message"
