@@ -240,7 +240,8 @@ class KVConnector(ABC):
 
     @abstractmethod
     def wait_for_save(self) -> None:
-        """Block until the saves of this step are done (or failed; failures are logged)."""
+        """Block until the saves of this step are handed off (a failure is reported by
+        :meth:`get_request_ids_with_save_errors`)."""
 
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         """``(done_sending, done_recving)`` since the last call. ``finished_req_ids`` are requests
