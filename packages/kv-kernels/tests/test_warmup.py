@@ -48,6 +48,23 @@ def test_both_kinds_of_table_width_without_a_width() -> None:
             assert seq_len <= (c.width - 1) * 16
 
 
+def test_narrow_tables_hold_every_sequence_and_keep_their_stride() -> None:
+    calls = warmup_calls(_layout(), block_table_width=3, block_table_stride=40)
+    for c in calls:
+        assert all(s <= (c.width - 1) * 16 for _, s in c.seqs), c
+        assert c.op == "write" or (c.width, c.row_stride) == (3, 40)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [({"block_table_width": 8, "block_table_stride": 7}, "block_table_stride=7 must be an int >= "),
+     ({"block_table_stride": 64}, "block_table_stride needs block_table_width")],
+)  # fmt: skip
+def test_bad_table_stride_is_refused(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        warmup_calls(_layout(), **kw)
+
+
 @pytest.mark.parametrize("width", [0, 1, 2.5, True, "64"])
 def test_bad_table_width_is_refused(width: object) -> None:
     with pytest.raises(ValueError, match="block_table_width=.* must be an int >= 2"):

@@ -49,10 +49,16 @@ class WarmupCall:
     seqs: tuple[tuple[int, int], ...] = ()
     tokens: int = 0
     width: int = 0
+    #: the table's row stride (columns of the buffer the table is a view of; 0: ``width``)
+    row_stride: int = 0
 
 
 def warmup_calls(
-    layout: KVCacheLayout, *, max_seq_len: int = 8192, block_table_width: int | None = None
+    layout: KVCacheLayout,
+    *,
+    max_seq_len: int = 8192,
+    block_table_width: int | None = None,
+    block_table_stride: int | None = None,
 ) -> list[WarmupCall]:
     """The launches a serving step makes over ``layout``, one per compiled variant: the cache
     write, a mixed prefill + decode step (attention's prefill and decode classes), a whole-prompt
@@ -62,7 +68,9 @@ def warmup_calls(
 
     The attention kernels specialize the block table's width (a multiple of 16 or not), so the
     calls use ``block_table_width`` (the serving engine's persistent table, as wide as its
-    longest request's pages) or, when it is ``None``, run once at each kind of width."""
+    longest request's pages) or, when it is ``None``, run once at each kind of width; and the
+    table's row stride, ``block_table_stride`` (a group's columns of a wider buffer), else the
+    width."""
     n = layout.block_size
     if block_table_width is not None:
         check = block_table_width
@@ -72,25 +80,59 @@ def warmup_calls(
                 "serving step's block table), or None to warm both kinds of width"
             )
         widths = [block_table_width]
+        if block_table_stride is not None and (
+            isinstance(block_table_stride, bool)
+            or not isinstance(block_table_stride, int)
+            or block_table_stride < block_table_width
+        ):
+            raise ValueError(
+                f"block_table_stride={block_table_stride!r} must be an int >= "
+                f"block_table_width={block_table_width} (the table's row pitch), or None"
+            )
         max_seq_len = min(max_seq_len, (block_table_width - 1) * n)
     else:
         longest = -(-max(2 * n, max_seq_len) // n) + 1
         widths = [longest | 1, -(-longest // 16) * 16]  # (an odd width, then a multiple of 16)
+    if block_table_width is None and block_table_stride is not None:
+        raise ValueError(
+            "block_table_stride needs block_table_width (the table it is the pitch of)"
+        )
     long = max(2, min(max(2 * n, max_seq_len), (min(widths) - 1) * n))
-    mixed = min(300, long)
+    # (every sequence fits the narrowest table: 300-, 200-, 96- and 40-token lengths shrink)
+    mixed, ctx, prompt, short = (min(x, long) for x in (300, 200, 96, 40))
+    stride = block_table_stride or 0
     calls = [WarmupCall("write", "write", tokens=max(n, 2))]
     for w in widths:
         tag = "" if len(widths) == 1 else f", table width {w}"
         calls += [
             WarmupCall(
-                "mixed prefill + decode" + tag, "attention", ((mixed, mixed), (1, 200)), 0, w
+                "mixed prefill + decode" + tag,
+                "attention",
+                ((mixed, mixed), (1, ctx)),
+                0,
+                w,
+                stride,
             ),
-            WarmupCall("prefill, one prompt" + tag, "attention", ((96, 96),), 0, w),
-            WarmupCall("decode, batch 1" + tag, "attention", ((1, long),), 0, w),
-            WarmupCall("decode, batch 4" + tag, "attention", ((1, long),) * 3 + ((1, 40),), 0, w),
-            WarmupCall("decode, batch 16" + tag, "attention", ((1, long),) * 15 + ((1, 40),), 0, w),
+            WarmupCall("prefill, one prompt" + tag, "attention", ((prompt, prompt),), 0, w, stride),
+            WarmupCall("decode, batch 1" + tag, "attention", ((1, long),), 0, w, stride),
             WarmupCall(
-                "mixed, 16 sequences" + tag, "attention", ((mixed, mixed),) + ((1, 200),) * 15, 0, w
+                "decode, batch 4" + tag, "attention", ((1, long),) * 3 + ((1, short),), 0, w, stride
+            ),
+            WarmupCall(
+                "decode, batch 16" + tag,
+                "attention",
+                ((1, long),) * 15 + ((1, short),),
+                0,
+                w,
+                stride,
+            ),
+            WarmupCall(
+                "mixed, 16 sequences" + tag,
+                "attention",
+                ((mixed, mixed),) + ((1, ctx),) * 15,
+                0,
+                w,
+                stride,
             ),
         ]
     return calls
@@ -119,17 +161,20 @@ def _run(
         else:
             key = torch.zeros(call.tokens, h, layout.head_size, dtype=q_dtype, device=dev)
             value = torch.zeros(call.tokens, h, layout.head_size_v, dtype=q_dtype, device=dev)
-            reshape_and_cache(key, value, kv_cache, slots, layout, **_scales(layout))
+            scales = {k: attention_kwargs.get(k, v) for k, v in _scales(layout).items()}
+            reshape_and_cache(key, value, kv_cache, slots, layout, **scales)
         return
     q_lens = [q for q, _ in call.seqs]
     seq_lens = [s for _, s in call.seqs]
-    table = torch.full((len(seq_lens), call.width), scratch_block, dtype=torch.int32, device=dev)
+    pitch = call.row_stride or call.width
+    table = torch.full((len(seq_lens), pitch), scratch_block, dtype=torch.int32, device=dev)
+    table = table[:, : call.width]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     head = layout.head_size
     q = torch.zeros(sum(q_lens), num_q_heads, head, dtype=q_dtype, device=dev)
     paged_attention(
         q, kv_cache, layout, table, torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        qsl.to(dev), max(q_lens), **_scales(layout), **attention_kwargs,
+        qsl.to(dev), max(q_lens), **{**_scales(layout), **attention_kwargs},
     )  # fmt: skip
 
 
@@ -146,6 +191,7 @@ def warm_paged_ops(
     scratch_block: int = 0,
     max_seq_len: int = 8192,
     block_table_width: int | None = None,
+    block_table_stride: int | None = None,
     jobs: int = 1,
     **attention_kwargs: object,
 ) -> dict[str, float]:
@@ -155,8 +201,8 @@ def warm_paged_ops(
 
     ``attention_kwargs`` are the layer's attention options as the step passes them
     (``sliding_window``, ``sinks``, ``softcap``, ``causal``, ``kv_lora_rank``, ...); the
-    calls read and write only ``scratch_block``; ``block_table_width``: the columns of the
-    step's block tables (see :func:`warmup_calls`). CUDA only (on the CPU nothing compiles: returns
+    calls read and write only ``scratch_block``; ``block_table_width`` / ``block_table_stride``:
+    the columns and row pitch of the step's block tables (see :func:`warmup_calls`). CUDA only (on the CPU nothing compiles: returns
     ``{}``). ``jobs > 1``: build the calls in that many child processes first (see the module).
     """
     if not isinstance(layout, KVCacheLayout):
@@ -177,7 +223,12 @@ def warm_paged_ops(
     if q_dtype is None:
         cache_dtype = to_torch_dtype(layout.dtype)
         q_dtype = cache_dtype if cache_dtype.itemsize == 2 else torch.bfloat16
-    calls = warmup_calls(layout, max_seq_len=max_seq_len, block_table_width=block_table_width)
+    calls = warmup_calls(
+        layout,
+        max_seq_len=max_seq_len,
+        block_table_width=block_table_width,
+        block_table_stride=block_table_stride,
+    )
     if jobs > 1:
         _build_in_children(layout, calls, num_q_heads, q_dtype, attention_kwargs, jobs)
     times = {}
