@@ -307,6 +307,20 @@ class AttentionImpl:
         TRITON backends keep one under ``check_metadata=True``)."""
         return None
 
+    def warmup(
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        block_table_width: int | None = None,
+        block_table_stride: int | None = None,
+    ) -> dict[str, float]:
+        """Build the kernels this layer's steps launch before the first request, through the
+        cache's null block 0 (``kv_kernels.warmup``): seconds per launch, ``{}`` where this
+        backend compiles nothing ahead (the torch reference, libraries that ship their
+        kernels built). ``block_table_width`` / ``block_table_stride``: the columns and row
+        pitch of the block tables the steps pass."""
+        return {}
+
     def forward(
         self,
         layer: object,

@@ -32,6 +32,11 @@ from kv_backends.config import AttentionConfig
 __all__ = ["TritonBackend", "TritonImpl"]
 
 
+def _compiles_ahead(device: torch.device) -> bool:
+    """Whether kernels build ahead on ``device`` (CUDA; the interpreter compiles nothing)."""
+    return device.type == "cuda"
+
+
 class TritonImpl(AttentionImpl):
     """Per-layer TRITON attention. Options: ``num_splits`` (``None`` = the kernel's heuristic;
     forced to 1 under batch invariance unless given), ``impl`` (``"triton"``; tests may pass
@@ -124,6 +129,38 @@ class TritonImpl(AttentionImpl):
             **self._kernel_features(layer, q, params),
         )
         return result
+
+    def warmup(
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        block_table_width: int | None = None,
+        block_table_stride: int | None = None,
+    ) -> dict[str, float]:
+        """The cache write and attention variants a step launches, built through block 0 with
+        this layer's options (``kv_kernels.warmup.warm_paged_ops``); ``{}`` off CUDA or with
+        ``impl="reference"``."""
+        if self.impl != "triton" or not _compiles_ahead(kv_cache.device):
+            return {}
+        from kv_kernels.warmup import warm_paged_ops
+
+        cache, klayout = self.kernel_cache(kv_cache)
+        params = self.device_params(cache.device)
+        q = torch.empty(
+            0, self.num_q_heads, self.head_size, dtype=self._q_dtype, device=cache.device
+        )
+        return warm_paged_ops(
+            cache,
+            klayout,
+            num_q_heads=self.num_q_heads,
+            q_dtype=self._q_dtype,
+            block_table_width=block_table_width,
+            block_table_stride=block_table_stride,
+            scale=self.scale,
+            causal=self.causal,
+            num_splits=self.num_splits,
+            **self._kernel_features(None, q, params),
+        )
 
     def _kernel_features(self, layer: object, q: torch.Tensor, params: Any) -> dict[str, Any]:
         """The kernel's per-layer feature arguments (window, sinks, softcap, ALiBi, KV scales)."""
