@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -63,6 +64,7 @@ def test_default_out_is_a_fresh_temp_folder_never_docs(tmp_path: Path) -> None:
     out = Path(line.removeprefix("results go to ").split(" (")[0])
     assert out.name.startswith("kvstack-bench-") and (out / "toy.json").exists()
     assert "--out docs/benchmarks" in line  # how to replace the committed results
+    shutil.rmtree(out)
 
 
 def test_help_says_where_results_go() -> None:
