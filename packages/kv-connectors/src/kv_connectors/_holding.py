@@ -29,8 +29,8 @@ class Held:
 
     block_ids: tuple[int, ...]
     deadline: float  # a pull must start by then, else the request is abandoned
-    pulls: dict[int, float] = dataclasses.field(default_factory=dict)  # token -> lease end (inf:
-    # ends when the transport says so)
+    # pull token -> its lease's end (inf: the pull ends only when the transport says so)
+    pulls: dict[int, float] = dataclasses.field(default_factory=dict)
     sent: bool = False  # a consumer confirmed a complete pull
 
 
