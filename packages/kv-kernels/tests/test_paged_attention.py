@@ -36,6 +36,7 @@ from kv_kernels.testing_attention import (
     assert_lse_close,
     assert_rows_close,
     batch_oracle,
+    counting_gluon_launches,
     feature_kwargs,
     make_paged_batch,
     run_batch,
@@ -209,32 +210,30 @@ def test_merge_attn_states_cascade(triton_device: str) -> None:
         torch.testing.assert_close(lse.cpu(), full_lse.cpu(), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize(
-    ("q_lens", "prefix", "block_size"),
-    [
-        ([20, 1, 9], 16, 16),  # 30 queries over a 16-token prefix: the prefill class
-        ([1, 1, 2, 1], 4, 4),  # 5 queries over a 4-token prefix: the decode class
-    ],
-)
-@pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_cascade_shared_prefix(
-    q_lens: list[int], prefix: int, block_size: int, impl: str, request: pytest.FixtureRequest
-) -> None:
+def _cascade(
+    q_lens: list[int],
+    prefix: int,
+    block_size: int,
+    impl: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    head_size: int = 16,
+    group: int = 2,
+) -> int:
     """Cascade attention as vLLM and FlashInfer run it: requests share the pages of a common
     prefix; one non-causal pass puts every query of the batch against the prefix (more queries
     than prefix keys), a causal pass puts each request against its own suffix, and
     ``merge_attn_states`` joins them. The result is causal attention over prefix + suffix, held
-    to the float64 oracle over the dense K/V. The prefix pass used to be refused as
-    ``query_len > seq_len``."""
-    if impl == "triton":
-        request.getfixturevalue("triton_device")
+    to the float64 oracle over the dense K/V. Returns the sm_90 Gluon prefill's launches in the
+    prefix pass."""
     suffixes = [q + 3 * i for i, q in enumerate(q_lens)]  # each suffix holds its new tokens
     b = make_paged_batch(
         q_lens=q_lens,
         seq_lens=[prefix + s for s in suffixes],
-        head_size=16,
-        group=2,
+        head_size=head_size,
+        group=group,
         block_size=block_size,
+        dtype=dtype,
         seed=5,
     )
     n_pre = prefix // block_size
@@ -245,16 +244,18 @@ def test_cascade_shared_prefix(
     total = sum(q_lens)
     dev = b["q"].device
     common = (b["q"], b["kv"], b["layout"])
-    pre_out, pre_lse = paged_attention(
-        *common,
-        table[:1, :n_pre].contiguous(),  # one row: the shared prefix
-        torch.tensor([prefix], dtype=torch.int32, device=dev),
-        torch.tensor([0, total], dtype=torch.int32, device=dev),
-        total,
-        causal=False,
-        return_lse=True,
-        impl=impl,
-    )
+    with counting_gluon_launches("prefill") as gluon:
+        pre_out, pre_lse = paged_attention(
+            *common,
+            table[:1, :n_pre].contiguous(),  # one row: the shared prefix
+            torch.tensor([prefix], dtype=torch.int32, device=dev),
+            torch.tensor([0, total], dtype=torch.int32, device=dev),
+            total,
+            causal=False,
+            return_lse=True,
+            impl=impl,
+        )
+        launches = len(gluon)
     suf_table = torch.full_like(table, -1)
     suf_table[:, : table.shape[1] - n_pre] = table[:, n_pre:]
     suf_out, suf_lse = paged_attention(
@@ -275,8 +276,50 @@ def test_cascade_shared_prefix(
         q_lens,
         causal=True,
     )
-    assert_rows_close(out, ref, torch.float32)
-    assert_lse_close(lse, ref_lse)
+    assert_rows_close(out, ref, dtype)
+    if dtype == torch.float32:
+        assert_lse_close(lse, ref_lse)
+    return launches
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "prefix", "block_size"),
+    [
+        ([20, 1, 9], 16, 16),  # 30 queries over a 16-token prefix: the prefill class
+        ([1, 1, 2, 1], 4, 4),  # 5 queries over a 4-token prefix: the decode class
+    ],
+)
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_cascade_shared_prefix(
+    q_lens: list[int], prefix: int, block_size: int, impl: str, request: pytest.FixtureRequest
+) -> None:
+    """A cascade (prefix pass + suffix pass + merge) against the dense oracle (see
+    :func:`_cascade`); the prefix pass used to be refused as ``query_len > seq_len``."""
+    if impl == "triton":
+        request.getfixturevalue("triton_device")
+    _cascade(q_lens, prefix, block_size, impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("q_lens", "prefix", "block_size", "group"),
+    [
+        ([200, 1, 90], 128, 16, 4),  # 291 queries over 128 prefix keys, gathered tiles
+        ([300, 5, 77], 128, 128, 8),  # whole 128-token pages: TMA tiles
+        ([64, 64], 0, 16, 4),  # an empty prefix: rows that see no key, lse -inf
+    ],
+)
+def test_cascade_shared_prefix_sm90_prefill(
+    q_lens: list[int], prefix: int, block_size: int, group: int
+) -> None:
+    """The same cascade in bf16 at heads 128: on sm_90 the prefix pass runs the Gluon prefill
+    (7 of 7 cascade cases passed on an H100, triton 3.6; the script it came from on an H200)."""
+    launches = _cascade(
+        q_lens, prefix, block_size, "triton", dtype=torch.bfloat16, head_size=128, group=group
+    )
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert launches == 1
 
 
 def test_merge_attn_states_empty_side(triton_device: str) -> None:
