@@ -45,7 +45,11 @@ def check_token_ids(rid: str, prompt: object, vocab: int) -> list[int]:
 
 
 def check_engine_flags(
-    max_num_seqs: object, enable_prefix_caching: object, keep_logits: object, tokenizer: object
+    max_num_seqs: object,
+    enable_prefix_caching: object,
+    keep_logits: object,
+    tokenizer: object,
+    warmup: object = True,
 ) -> None:
     if not (
         tokenizer is None
@@ -66,6 +70,7 @@ def check_engine_flags(
     for name, flag in (
         ("enable_prefix_caching", enable_prefix_caching),
         ("keep_logits", keep_logits),
+        ("warmup", warmup),
     ):
         if not isinstance(flag, bool):
             raise TypeError(

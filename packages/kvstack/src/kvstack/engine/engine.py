@@ -27,7 +27,6 @@ import inspect
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -36,9 +35,10 @@ from kv_blocktable import KVCacheManager, Request
 from kv_blocktable.block_table import BlockTables, int64_tensor
 
 from kvstack.engine._inputs import chat_prompts, check_engine_flags, check_token_ids
+from kvstack.engine.outputs import Completion, EngineStats, TokenEvent
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams, check_keywords, make_generator, sample
-from kvstack.engine.scheduler import FinishReason, Scheduler, SchedulerOutput, SchedulerStats
+from kvstack.engine.scheduler import FinishReason, Scheduler, SchedulerOutput
 from kvstack.engine.scheduler import Sequence as Seq
 from kvstack.engine.tokenizer import TextTokenizer, missing_tokenizer_reason
 
@@ -49,59 +49,15 @@ Prompt: TypeAlias = "Sequence[int] | str"
 #: One chat message: ``{"role": "user", "content": "..."}``.
 Message: TypeAlias = Mapping[str, Any]
 #: The engine's own options (the rest go to :class:`ModelRunner`).
-_ENGINE_OPTIONS = ("runner", "max_num_seqs", "enable_prefix_caching", "keep_logits", "tokenizer")
+_ENGINE_OPTIONS = (
+    "runner", "max_num_seqs", "enable_prefix_caching", "keep_logits", "tokenizer", "warmup"
+)  # fmt: skip
 #: ModelRunner's options an engine passes on (``max_num_seqs`` is the engine's own).
 _RUNNER_OPTIONS = tuple(
     name
     for name, p in inspect.signature(ModelRunner.__init__).parameters.items()
     if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "max_num_seqs"
 )
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token of one request (``finished``: it was the request's last)."""
-
-    request_id: str
-    index: int
-    token_id: int
-    finished: bool
-    finish_reason: FinishReason | None
-
-
-@dataclass(frozen=True)
-class Completion:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason
-    num_cached_prompt_tokens: int
-    num_preemptions: int
-    #: float32 ``[len(token_ids), vocab]``: the logits each token was sampled from (only with
-    #: ``LLMEngine(keep_logits=True)``; tests hold them to a reference).
-    logits: torch.Tensor | None = None
-    #: The output decoded by the engine's tokenizer (None without one), cut before a stop
-    #: string (``SamplingParams.stop``) as vLLM does; ``prompt_text`` is the prompt given as text
-    #: (or rendered by :meth:`LLMEngine.chat`), None for a prompt given as token ids.
-    text: str | None = None
-    prompt_text: str | None = None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine did, for people and benchmarks."""
-
-    scheduler: SchedulerStats
-    num_generated_tokens: int
-    num_computed_tokens: int
-    model_seconds: float
-    wall_seconds: float
-    #: Bytes of the planned KV pool (scheduler.max_usage is the largest fraction held at once).
-    kv_pool_bytes: int
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
 class LLMEngine:
@@ -116,6 +72,10 @@ class LLMEngine:
     ``tokenizer``: for text prompts, stop strings and decoded outputs -- ``None`` (default) reads
     the checkpoint directory's tokenizer when first needed (:mod:`kvstack.engine.tokenizer`), a
     path reads that directory's, or give a transformers / ``tokenizers`` tokenizer object.
+
+    ``warmup`` (default on): on a GPU, build the kernels every step launches before the first
+    request (``ModelRunner.warm_kernels``; seconds in ``stats().startup_seconds["compile"]``),
+    so no request waits for a compile; later starts load them from Triton's disk cache.
     """
 
     def __init__(
@@ -127,12 +87,13 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         keep_logits: bool = False,
         tokenizer: str | Path | Any | None = None,
+        warmup: bool = True,
         **runner_kwargs: Any,
     ) -> None:
         check_keywords("LLMEngine", runner_kwargs, _ENGINE_OPTIONS + _RUNNER_OPTIONS)
         if (model_dir is None) == (runner is None):
             raise ValueError("give LLMEngine a model_dir or a runner (exactly one)")
-        check_engine_flags(max_num_seqs, enable_prefix_caching, keep_logits, tokenizer)
+        check_engine_flags(max_num_seqs, enable_prefix_caching, keep_logits, tokenizer, warmup)
         if runner is None:
             assert model_dir is not None
             runner = ModelRunner(model_dir, max_num_seqs=max_num_seqs, **runner_kwargs)
@@ -157,6 +118,8 @@ class LLMEngine:
             max_num_batched_tokens=runner.max_num_batched_tokens,
             device=runner.device,
         )
+        if warmup:  # (the kernels a step launches, built now rather than in the first requests)
+            runner.warm_kernels(self.tables.kernel_table)
         self.eos_token_ids = frozenset(runner.arch.eos_token_ids)
         self._rows: list[str | None] = [None] * max_num_seqs  # row -> request id
         self._row_of: dict[str, int] = {}
@@ -595,4 +558,5 @@ class LLMEngine:
             self._model_s,
             self._wall_s,
             cfg.total_bytes,
+            dict(self.runner.startup_seconds),
         )

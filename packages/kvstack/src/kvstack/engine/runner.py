@@ -16,7 +16,8 @@ all groups view the same storage.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,9 +167,11 @@ class ModelRunner:
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len={self.max_model_len} must be positive")
         self.max_num_batched_tokens = max_num_batched_tokens
+        t0 = time.perf_counter()
         self.model: CausalLM = load_model(
             model_dir, dtype=dtype, device=self.device, arch=self.arch
         )
+        t1 = time.perf_counter()
         self.kv_cache_config: KVCacheConfig = self._plan(
             block_size, kv_cache_memory, num_blocks, layout_order
         )
@@ -195,10 +198,18 @@ class ModelRunner:
         self.builders: dict[int, MetadataBuilder] = {}
         self.layers: list[LayerBinding] = []
         self._bind(layout_order, max_num_seqs)
+        #: Seconds each stage of the start took (``load``, ``plan``; ``graphs``, ``compile``
+        #: where they ran): :attr:`EngineStats.startup_seconds`.
+        self.startup_seconds: dict[str, float] = {
+            "load": t1 - t0,
+            "plan": time.perf_counter() - t1,
+        }
         self.graphs: DecodeGraphs | None = None
         why = "cuda_graphs=False" if cuda_graphs is False else reason_unsupported(self)
         if why is None:
+            t2 = time.perf_counter()
             self.graphs = DecodeGraphs(self, max_num_seqs)
+            self.startup_seconds["graphs"] = time.perf_counter() - t2
             self.cuda_graphs_reason = (
                 f"on: decode-only steps of up to {max_num_seqs} requests replay CUDA graphs "
                 f"(sizes {', '.join(map(str, self.graphs.sizes))})"
@@ -284,6 +295,26 @@ class ModelRunner:
             )
             view = layer_view(self.kv_caches[g.group_id], layout, slot)
             self.layers.append(LayerBinding(name, g.group_id, slot, view, impl))
+
+    def warm_kernels(self, kernel_table: Callable[[int], torch.Tensor]) -> dict[str, float]:
+        """Build every group's kernels before the first request (``AttentionImpl.warmup``,
+        through the null block 0, over the block tables ``kernel_table(group)`` the steps pass:
+        their width and row pitch are part of what the kernels specialize on). Returns seconds
+        per group and adds their sum to :attr:`startup_seconds` as ``compile``. One layer a
+        group: a group's layers share its spec, backend and options."""
+        done: dict[str, float] = {}
+        for b in self.layers:
+            key = f"group {b.group_id}"
+            if key in done:
+                continue
+            table = kernel_table(b.group_id)
+            t0 = time.perf_counter()
+            b.impl.warmup(
+                b.kv_cache, block_table_width=table.shape[1], block_table_stride=table.stride(0)
+            )
+            done[key] = time.perf_counter() - t0
+        self.startup_seconds["compile"] = sum(done.values())
+        return done
 
     # -- stepping ----------------------------------------------------------------------------
 

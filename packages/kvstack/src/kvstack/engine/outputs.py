@@ -1,0 +1,62 @@
+"""What :class:`~kvstack.engine.engine.LLMEngine` returns: one :class:`TokenEvent` per generated
+token, one :class:`Completion` per finished request, and :class:`EngineStats` for a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstack.engine.scheduler import FinishReason, SchedulerStats
+
+__all__ = ["Completion", "EngineStats", "TokenEvent"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one request (``finished``: it was the request's last)."""
+
+    request_id: str
+    index: int
+    token_id: int
+    finished: bool
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    num_cached_prompt_tokens: int
+    num_preemptions: int
+    #: float32 ``[len(token_ids), vocab]``: the logits each token was sampled from (only with
+    #: ``LLMEngine(keep_logits=True)``; tests hold them to a reference).
+    logits: torch.Tensor | None = None
+    #: The output decoded by the engine's tokenizer (None without one), cut before a stop
+    #: string (``SamplingParams.stop``) as vLLM does; ``prompt_text`` is the prompt given as text
+    #: (or rendered by :meth:`LLMEngine.chat`), None for a prompt given as token ids.
+    text: str | None = None
+    prompt_text: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine did, for people and benchmarks."""
+
+    scheduler: SchedulerStats
+    num_generated_tokens: int
+    num_computed_tokens: int
+    model_seconds: float
+    wall_seconds: float
+    #: Bytes of the planned KV pool (scheduler.max_usage is the largest fraction held at once).
+    kv_pool_bytes: int
+    #: Seconds the engine's start took, by stage: ``load`` (weights), ``plan`` (KV plan and
+    #: allocation, backends), ``graphs`` (CUDA-graph capture), ``compile`` (kernels built ahead
+    #: of the first request: ``LLMEngine(warmup=True)``).
+    startup_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
