@@ -28,6 +28,8 @@ from typing import Any
 
 from rich.markup import escape
 
+from kvstack._hints import install_hint
+
 __all__ = ["make_connector", "pair_blocks", "run_demo"]
 
 BLOCK_SIZE = 16
@@ -52,7 +54,7 @@ def make_connector(prefer_nixl: bool = True) -> tuple[Any, str]:
     if prefer_nixl and importlib.util.find_spec("nixl") is None:
         # kv_connectors.nixl imports without nixl and fails only when an agent is made, later:
         # decide here (`uv run kvstack demo` does not install the nixl extra).
-        why = "the nixl package is not installed: pip install 'kv-connectors[nixl]'"
+        why = f"the nixl package is not installed: {install_hint('nixl', 'kvstack demo')}"
     elif prefer_nixl:
         try:
             from kv_connectors import NixlConfig

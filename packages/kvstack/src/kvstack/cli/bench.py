@@ -21,6 +21,8 @@ from typing import Any
 
 from rich.console import Console
 
+from kvstack._hints import install_hint
+
 __all__ = ["NEEDS", "SUITES", "add_parser", "cmd_bench", "find_root", "unmet_needs"]
 
 #: Suite name -> package folder whose ``benchmarks/bench_*.py`` it runs.
@@ -38,7 +40,7 @@ SUITES = {
 NEEDS: dict[str, dict[str, str]] = {
     "kernels": {"cuda": "run it on a machine with a CUDA GPU (the kernels are timed on one)"},
     "backends": {"cuda": "run it on a machine with a CUDA GPU (the backends are timed on one)"},
-    "engine": {"transformers": "add it with `uv sync --group hf` or `pip install 'kvstack[hf]'`"},
+    "engine": {"transformers": "add it: " + install_hint("hf", "kvstack bench engine")},
 }
 
 _OUT_HELP = (

@@ -19,7 +19,13 @@ __all__ = ["TOKENIZER_FILES", "TextTokenizer", "load_tokenizer", "tokenizer_file
 
 #: Files a Hugging Face tokenizer is read from.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_HF_HINT = "pip install 'kvstack[hf]' (transformers) or pip install tokenizers"
+
+
+def _hf_hint() -> str:
+    """The command that adds transformers (and the tokenizers it brings) where the user is."""
+    from kvstack._hints import install_hint
+
+    return f"add transformers: {install_hint('hf')}"
 
 
 def tokenizer_files(model_dir: str | Path) -> list[str]:
@@ -52,7 +58,7 @@ def missing_tokenizer_reason(model_dir: str | Path) -> str:
     """Why :func:`load_tokenizer` found none in ``model_dir``, with the fix."""
     files = tokenizer_files(model_dir)
     if files:
-        return f"{model_dir} has {', '.join(files)} but no library here reads it ({_HF_HINT})"
+        return f"{model_dir} has {', '.join(files)} but no library here reads it ({_hf_hint()})"
     return (
         f"{model_dir} holds no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy the model's "
         "tokenizer files there or pass LLMEngine(tokenizer=DIR)"
@@ -141,7 +147,7 @@ class TextTokenizer:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
             raise ValueError(
-                f"rendering the chat template needs jinja2 (or transformers): {_HF_HINT}"
+                f"rendering the chat template needs jinja2 (or transformers): {_hf_hint()}"
             ) from None
 
         def raise_exception(message: str) -> None:
