@@ -396,8 +396,10 @@ def paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     ctx = seq_len - q_len  # absolute position of this sequence's first query token
-    if CHECK:
-        # q_len > seq_len has no positions for its first rows: counted once per sequence.
+    if CHECK and (CAUSAL or USE_WINDOW or USE_ALIBI):
+        # q_len > seq_len has no positions for its first rows where a mask or a bias reads
+        # positions: counted once per sequence (a position-free call -- non-causal, no window,
+        # no ALiBi: a cascade's shared-prefix pass -- is valid with more queries than keys).
         first = (q_tile == 0) & (pid_h == 0) & (split == 0)
         tl.atomic_add(err_ptr, 1, mask=first & (ctx < 0))
 
