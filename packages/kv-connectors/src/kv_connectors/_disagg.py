@@ -314,6 +314,31 @@ class DisaggConnector(ProducerHolds, KVConnector):
         )
         return True, params.to_dict()
 
+    def _drop_load(self, spec: LoadSpec) -> None:
+        self._load_plans.pop(spec.request_id, None)
+        self._consumed.discard(spec.request_id)
+        with self._lock:
+            self._worker.done_recving.add(spec.request_id)  # the engine waits for it
+
+    def _abort(self, request_id: str) -> None:
+        """Consumer: a pull not yet started is cancelled (reported failed in ``done_recving``);
+        one under way ends as it would. Producer: a held request is released as soon as no pull
+        of it is in flight (its blocks are never freed under a pull)."""
+        self._plans.pop(request_id, None)
+        self._remote.pop(request_id, None)
+        if self._load_plans.pop(request_id, None) is not None:  # planned, not started: see base
+            self._consumed.discard(request_id)
+            with self._lock:
+                self._worker.done_recving.add(request_id)
+        with self._lock:
+            for fut, spec in self._futures.items():
+                if spec.request_id == request_id:
+                    fut.cancel()  # only one not yet running is cancelled; _poll reports it
+            held = self._sendable.get(request_id)
+            if held is not None:
+                held.deadline = float("-inf")  # abandoned now: freed once no pull is in flight
+                self._release_locked(request_id, held, self._clock())
+
     # -- producer side (session threads) --------------------------------------------------------
 
     def _live_hashes(self) -> list[str]:
@@ -485,6 +510,11 @@ class DisaggConnector(ProducerHolds, KVConnector):
                 del self._futures[f]
             self._expire_locked()
         for f, spec in done:
+            if f.cancelled():  # abort_request: never loaded, so never reported as loaded
+                self._fail_load(
+                    spec, "the request was aborted before its pull started", async_load=True
+                )
+                continue
             exc = f.exception()
             if exc is None:
                 with self._lock:

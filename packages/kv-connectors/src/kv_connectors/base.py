@@ -11,7 +11,11 @@ Scheduler side (decides, never touches KV):
 - ``build_connector_meta() -> ConnectorMetadata``: everything planned since the last call, for the
   worker side;
 - ``request_finished(request, block_ids) -> (delay_free, kv_transfer_params)``: the request is done;
-  ``delay_free=True`` asks the engine to keep its blocks until ``done_sending`` reports it.
+  ``delay_free=True`` asks the engine to keep its blocks until ``done_sending`` reports it;
+- ``abort_request(request_id)``: the engine dropped the request: what was planned for it and not
+  started is dropped, what is under way ends as it would; the engine keeps the request's blocks
+  until the connector reports it (``done_recving`` for a load it waits for, ``done_sending`` for
+  blocks it held back with ``delay_free``).
 
 Worker side (moves KV): ``register_kv_caches(storages, layouts)``, ``start_load_kv(meta)``,
 ``wait_for_layer_load(layer)``, ``save_kv_layer(layer, meta)``, ``wait_for_save()``,
@@ -42,7 +46,7 @@ from typing import Any, Protocol
 from kv_kernels import KVCacheStorage
 from kv_spec import KVCacheLayout
 
-from kv_connectors.config import check_int
+from kv_connectors.config import check_int, check_str
 from kv_connectors.handshake import KVTransferParams
 from kv_connectors.views import RegisteredKV
 
@@ -181,6 +185,35 @@ class KVConnector(ABC):
         self, request: RequestLike, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)`` for a finished request."""
+
+    def abort_request(self, request_id: str) -> None:
+        """The engine dropped ``request_id`` (a client went away): forget its match, drop its
+        planned loads and saves not yet handed to the worker side (a dropped save is reported in
+        ``done_sending`` at once, a dropped asynchronous load in ``done_recving``, so the engine
+        frees the blocks it kept for them). A transfer already under way ends as it would and is
+        reported then: the engine must keep the request's blocks until that report. Unknown ids
+        are ignored (an abort races with the request finishing)."""
+        check_str(
+            f"{type(self).__name__}.abort_request", "request_id", request_id, what="a request id"
+        )
+        self._matched.pop(request_id, None)
+        for spec in [s for s in self._loads if s.request_id == request_id]:
+            self._loads.remove(spec)
+            self._drop_load(spec)
+        for save in [s for s in self._saves if s.request_id == request_id]:
+            self._saves.remove(save)
+            self._drop_save(save)
+            self._worker.done_sending.add(request_id)
+        self._abort(request_id)
+
+    def _drop_load(self, spec: LoadSpec) -> None:  # noqa: B027 - optional hook
+        """Subclass hook: undo what planning ``spec`` reserved (pins, plans)."""
+
+    def _drop_save(self, spec: SaveSpec) -> None:  # noqa: B027 - optional hook
+        """Subclass hook: undo what planning ``spec`` reserved (tier slots, in-progress marks)."""
+
+    def _abort(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """Subclass hook: end ``request_id``'s transfers past planning (held blocks, pulls)."""
 
     def _check_computed(self, num_computed_tokens: object) -> None:
         """``get_num_new_matched_tokens``'s ``num_computed_tokens``: an int >= 0."""

@@ -257,6 +257,9 @@ class FilesystemConnector(KVConnector):
         self._saves.append(SaveSpec(request.request_id, tuple(ids), tuple(hashes)))
         return True, None
 
+    def _drop_save(self, spec: SaveSpec) -> None:
+        self._saving.difference_update(spec.block_hashes)
+
     # -- worker side ---------------------------------------------------------------------------
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:

@@ -94,6 +94,11 @@ class MultiConnector(KVConnector):
             self._sending[request.request_id] = holders
         return bool(holders), params
 
+    def abort_request(self, request_id: str) -> None:
+        self._chosen.pop(request_id, None)
+        for c in self.connectors:
+            c.abort_request(request_id)
+
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(

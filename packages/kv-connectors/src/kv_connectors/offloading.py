@@ -250,6 +250,16 @@ class OffloadingConnector(KVConnector):
         self._saves.append(SaveSpec(request.request_id, tuple(ids), tuple(hashes)))
         return True, None
 
+    def _drop_load(self, spec: LoadSpec) -> None:
+        self._pin(spec.block_hashes, -1)
+
+    def _drop_save(self, spec: SaveSpec) -> None:
+        policy = self._policy_or_raise()
+        self._pin(spec.block_hashes, -1)
+        for h in spec.block_hashes:  # reserved, never written: give the slots back
+            policy.remove(h)
+            self._free.append(self._slot_of.pop(h))
+
     def _drop(self, h: bytes) -> None:
         self._free.append(self._slot_of.pop(h))
         self._ready.discard(h)

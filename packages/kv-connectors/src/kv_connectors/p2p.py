@@ -287,6 +287,10 @@ class P2pConnector(DisaggConnector):
             self._to_push.append((request.request_id, tuple(params["block_ids"])))
         return delay, params
 
+    def _abort(self, request_id: str) -> None:
+        self._to_push = [(r, ids) for r, ids in self._to_push if r != request_id]
+        super()._abort(request_id)
+
     def wait_for_save(self) -> None:
         """Push mode: start pushing the requests finished since the last call (in the background;
         each is reported in ``done_sending`` when its push ended)."""
