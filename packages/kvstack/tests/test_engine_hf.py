@@ -1,6 +1,6 @@
 """The engine against transformers, token for token, on a continuous-batching schedule.
 
-For each architecture (Llama, Qwen3, Mistral, gpt-oss) a tiny random-weight model is built by
+For each architecture of the registry (:data:`kvstack.engine.archs.FAMILIES`) a tiny random-weight model is built by
 transformers itself and saved as safetensors; the kvstack engine serves it with requests that
 arrive at different steps, share prompt prefixes (prefix-cache hits), are prefilled in chunks
 under a small token budget, and outgrow a tiny pool (at least one preemption, resumed from a
@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from kvstack.engine.archs import FAMILIES
 from kvstack.engine.engine import LLMEngine
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
@@ -114,7 +115,7 @@ def _serve(engine: LLMEngine, workload: list[tuple[int, list[int]]]) -> bool:
     return chunked
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gpt_oss"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
 def test_engine_matches_transformers_greedy(arch: str, tmp_path: Path) -> None:
     model_dir = make_hf_checkpoint(arch, tmp_path / arch)
     engine = LLMEngine(runner=_tiny_pool_runner(model_dir), max_num_seqs=8, keep_logits=True)

@@ -1,20 +1,15 @@
 """Parse a Hugging Face ``config.json`` into one frozen :class:`ArchConfig`.
 
 Only the fields the reference engine reads are kept, each with the meaning transformers 5 gives
-it. Anything the engine cannot honour (an unknown architecture, an activation other than SiLU, a
-RoPE variant that depends on the batch) is refused here with the field, the value and what is
-supported, so a model never runs with a silently different meaning.
+it. Anything the engine cannot honour (an unknown architecture, an activation other than the
+family's, a RoPE variant that depends on the batch) is refused here with the field, the value and
+what is supported, so a model never runs with a silently different meaning.
 
-Families:
-
-- ``llama``: ``LlamaForCausalLM``, ``MistralForCausalLM`` (``sliding_window`` on every layer),
-  ``Qwen3ForCausalLM`` (RMSNorm on each head of q and k before RoPE; ``layer_types`` choose
-  sliding-window layers). A Llama config may add ``v_head_dim`` (kvstack's own flag, not a
-  transformers field): values and the output projection use ``v_head_dim`` columns per head while
-  queries and keys keep ``head_dim`` -- the DiffKV shape (e.g. 192/128) served by backends with
-  ``head_size_v != head_size``.
-- ``gpt_oss``: ``GptOssForCausalLM``: attention bias, one learned sink logit per query head,
-  ``layer_types`` alternating sliding/full, a top-k mixture of experts with a clamped SwiGLU.
+The fields every family shares are parsed here; what makes a family different is parsed by its
+module in :mod:`kvstack.engine.archs` (one module per architecture, one registry), which sets the
+switches of :class:`ArchConfig` the model reads: projection biases, per-head q/k norms, sinks and
+which layer types carry them, sliding-window layers, per-type RoPE and partial rotary, Gemma's
+norms, scales and softcaps, the kind of MLP or MoE per layer, MLA's low ranks.
 """
 
 from __future__ import annotations
@@ -22,11 +17,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kv_spec import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+from kvstack.engine.archs import ARCHITECTURES, family_of
+from kvstack.engine.archs._base import LAYER_TYPES as _LAYER_TYPES
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -37,18 +35,12 @@ __all__ = [
     "read_json_object",
 ]
 
-#: ``architectures[0]`` -> model family (the module layout that serves it).
-SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "GptOssForCausalLM": "gpt_oss",
-}
+#: ``architectures[0]`` -> the name of the family that serves it (:mod:`kvstack.engine.archs`).
+SUPPORTED_ARCHITECTURES: Mapping[str, str] = {a: f.name for a, f in ARCHITECTURES.items()}
 
 # transformers' ``default_theta`` per model type, used when a config names no rope_theta.
 _DEFAULT_THETA = {"gpt_oss": 150000.0}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _require(d: Mapping[str, Any], key: str, where: str) -> Any:
@@ -79,10 +71,24 @@ class RopeConfig:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    #: The fraction of each head RoPE turns (its first ``int(head_dim * factor)`` dims).
+    partial_rotary_factor: float = 1.0
 
     @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any], model_type: str) -> RopeConfig:
-        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    def from_hf(
+        cls,
+        cfg: Mapping[str, Any],
+        model_type: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        partial_default: float | None = None,
+    ) -> RopeConfig:
+        """From ``cfg``'s ``rope_parameters`` (or ``params``, one layer type's entry of them).
+        ``partial_default``: the family allows partial rotary and defaults to this fraction; without
+        it, any ``partial_rotary_factor`` but 1 is refused."""
+        if params is None:
+            params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        params = dict(params)
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in _ROPE_TYPES:
             raise ValueError(
@@ -90,10 +96,15 @@ class RopeConfig:
                 f"{list(_ROPE_TYPES)} ('dynamic' NTK depends on the batch's longest sequence)"
             )
         prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-        if prf not in (None, 1, 1.0):
+        if partial_default is None and prf not in (None, 1, 1.0):
             raise ValueError(
-                f"partial_rotary_factor={prf} is not supported (only full-width rotary, 1.0)"
+                f"partial_rotary_factor={prf} is not supported for {model_type!r} (only "
+                "full-width rotary, 1.0)"
             )
+        if prf is None:
+            prf = 1.0 if partial_default is None else partial_default
+        if isinstance(prf, bool) or not isinstance(prf, int | float) or not 0 < prf <= 1:
+            raise ValueError(f"partial_rotary_factor={prf!r} must be a number in (0, 1]")
         theta = params.get("rope_theta", cfg.get("rope_theta"))
         if theta is None:
             theta = _DEFAULT_THETA.get(model_type, 10000.0)
@@ -122,6 +133,7 @@ class RopeConfig:
             attention_factor=params.get("attention_factor"),
             mscale=params.get("mscale"),
             mscale_all_dim=params.get("mscale_all_dim"),
+            partial_rotary_factor=float(prf),
         )
 
     def yarn_attention_factor(self) -> float:
@@ -141,10 +153,13 @@ class RopeConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ArchConfig:
-    """What the engine needs from ``config.json`` (and ``generation_config.json`` for EOS)."""
+    """What the engine needs from ``config.json`` (and ``generation_config.json`` for EOS).
+
+    The switches past ``bos_token_id`` are set by the family's module (:mod:`kvstack.engine.archs`);
+    their defaults are the Llama skeleton's."""
 
     architecture: str
-    family: str  # "llama" | "gpt_oss"
+    family: str  # the registry name of the family (kvstack.engine.archs.FAMILIES)
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -153,16 +168,17 @@ class ArchConfig:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
-    v_head_dim: int  # == head_dim except for kvstack's DiffKV flag
+    v_head_dim: int  # == head_dim except for DiffKV shapes (MiMo-V2-Flash, MLA, kvstack's flag)
     rms_norm_eps: float
     max_position_embeddings: int
     rope: RopeConfig
     layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention", one per layer
     sliding_window: int | None
-    attention_bias: bool = False
+    attention_bias: bool = False  # on q, k and v
+    o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    has_sinks: bool = False
+    has_sinks: bool = False  # some layer has sinks (those of sink_layer_types)
     tie_word_embeddings: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -170,12 +186,49 @@ class ArchConfig:
     swiglu_limit: float = 7.0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # -- family switches ---------------------------------------------------------------------
+    sink_layer_types: tuple[str, ...] = ()
+    sliding_num_kv_heads: int | None = None  # KV heads of sliding layers where they differ
+    #: RoPE per layer type (Gemma-3, MiMo-V2-Flash); a type not in it uses :attr:`rope`.
+    rope_by_type: Mapping[str, RopeConfig] = field(default_factory=dict)
+    norm_weight_first: bool = False  # gpt-oss: (weight * x).to(dtype)
+    norm_offset: float = 0.0  # Gemma: x / rms(x) * (offset + weight)
+    sandwich_norms: bool = False  # Gemma: norms after attention and after the MLP as well
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_pytorch_tanh"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    v_scale: float = 1.0  # MiMo-V2-Flash: values times attention_value_scale
+    #: "" (dense), "gpt_oss", "mixtral", "softmax_topk" (Qwen3-MoE), "grouped_sigmoid" (DeepSeek)
+    moe_kind: str = ""
+    mlp_layer_types: tuple[str, ...] = ()  # "dense" | "sparse" per layer; () = all one kind
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    mla_q_lora_rank: int | None = None
+    mla_kv_lora_rank: int = 0  # > 0: multi-head latent attention
+    mla_qk_nope_head_dim: int = 0
+    mla_qk_rope_head_dim: int = 0
+    mla_rope_interleave: bool = False
 
     # -- derived -----------------------------------------------------------------------------
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_kv_lora_rank > 0
+
+    @property
+    def scale(self) -> float:
+        """The attention logits' scale."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     def layer_name(self, i: int) -> str:
         """The KV-cache layer name of decoder layer ``i`` (its attention module's weight prefix)."""
@@ -185,13 +238,38 @@ class ArchConfig:
         """Sliding window of layer ``i`` in tokens (the query included), ``None`` = full."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
+    def layer_num_kv_heads(self, i: int) -> int:
+        if self.sliding_num_kv_heads is not None and self.layer_types[i] == "sliding_attention":
+            return self.sliding_num_kv_heads
+        return self.num_kv_heads
+
+    def layer_has_sinks(self, i: int) -> bool:
+        return self.has_sinks and self.layer_types[i] in self.sink_layer_types
+
+    def layer_rope(self, i: int) -> RopeConfig:
+        return self.rope_by_type.get(self.layer_types[i], self.rope)
+
+    def rotary_dim(self, i: int) -> int:
+        """How many leading dims of each q/k head layer ``i`` rotates."""
+        if self.is_mla:
+            return self.mla_qk_rope_head_dim
+        return int(self.head_dim * self.layer_rope(i).partial_rotary_factor)
+
+    def layer_mlp(self, i: int) -> str:
+        """``"dense"`` or ``"sparse"`` (a mixture of experts) for layer ``i``."""
+        if self.mlp_layer_types:
+            return self.mlp_layer_types[i]
+        return "sparse" if self.is_moe else "dense"
+
     def kv_specs(self, *, block_size: int, dtype: str) -> dict[str, AttentionSpec]:
-        """One kv-spec spec per layer, keyed by :meth:`layer_name`, in layer order."""
+        """One kv-spec spec per layer, keyed by :meth:`layer_name`, in layer order. MLA layers
+        get per-head decompressed K/V (``head_dim`` / ``v_head_dim``): see
+        :mod:`kvstack.engine.archs.deepseek_v3`."""
         out: dict[str, AttentionSpec] = {}
         for i in range(self.num_layers):
             kw: dict[str, Any] = dict(
                 block_size=block_size,
-                num_kv_heads=self.num_kv_heads,
+                num_kv_heads=self.layer_num_kv_heads(i),
                 head_size=self.head_dim,
                 head_size_v=self.v_head_dim,
                 dtype=dtype,
@@ -212,19 +290,14 @@ class ArchConfig:
     ) -> ArchConfig:
         """Parse a ``config.json`` dict (and optionally ``generation_config.json``)."""
         archs = cfg.get("architectures") or []
-        if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        if len(archs) != 1 or archs[0] not in ARCHITECTURES:
             raise ValueError(
                 f"config.json architectures={archs!r} is not supported; the engine serves exactly "
-                f"one of {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"one of {sorted(ARCHITECTURES)}"
             )
         arch = archs[0]
-        family = SUPPORTED_ARCHITECTURES[arch]
+        family = family_of(arch)
         model_type = str(cfg.get("model_type", ""))
-        act = cfg.get("hidden_act", "silu")
-        if family == "llama" and act != "silu":
-            raise ValueError(
-                f"hidden_act={act!r} is not supported (the engine's MLP is SwiGLU/silu)"
-            )
         if int(cfg.get("pretraining_tp", 1)) != 1:
             raise ValueError(f"pretraining_tp={cfg['pretraining_tp']} is not supported (only 1)")
 
@@ -235,7 +308,6 @@ class ArchConfig:
             return value
 
         hidden = req_int("hidden_size")
-        num_layers = req_int("num_hidden_layers")
         q_heads = req_int("num_attention_heads")
         kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
         if q_heads % kv_heads:
@@ -243,55 +315,96 @@ class ArchConfig:
                 f"num_attention_heads={q_heads} must be a multiple of num_key_value_heads={kv_heads}"
             )
         head_dim = int(cfg.get("head_dim") or hidden // q_heads)
-        v_head_dim = int(cfg.get("v_head_dim") or head_dim)
-        if v_head_dim != head_dim and family != "llama":
-            raise ValueError(
-                f"v_head_dim={v_head_dim} (DiffKV) is a kvstack flag for Llama-like configs only; "
-                f"{arch} keeps v_head_dim == head_dim={head_dim}"
-            )
-        layer_types, window = _layer_types(cfg, arch, num_layers)
-        eos = _eos_ids(cfg.get("eos_token_id"))
-        if generation_config is not None:
-            eos += tuple(e for e in _eos_ids(generation_config.get("eos_token_id")) if e not in eos)
-        moe: dict[str, Any] = {}
-        if family == "gpt_oss":
-            moe = dict(
-                num_experts=req_int("num_local_experts"),
-                num_experts_per_tok=req_int("num_experts_per_tok"),
-                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-            )
-            if moe["num_experts_per_tok"] > moe["num_experts"]:
-                raise ValueError(
-                    f"num_experts_per_tok={moe['num_experts_per_tok']} exceeds "
-                    f"num_local_experts={moe['num_experts']}"
-                )
-        return cls(
+        base: dict[str, Any] = dict(
             architecture=arch,
-            family=family,
+            family=family.name,
             model_type=model_type,
             vocab_size=req_int("vocab_size"),
             hidden_size=hidden,
             intermediate_size=req_int("intermediate_size"),
-            num_layers=num_layers,
+            num_layers=req_int("num_hidden_layers"),
             num_q_heads=q_heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            v_head_dim=v_head_dim,
+            v_head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=req_int("max_position_embeddings"),
-            rope=RopeConfig.from_hf(cfg, model_type),
-            layer_types=layer_types,
-            sliding_window=window,
-            attention_bias=bool(cfg.get("attention_bias", family == "gpt_oss")),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            has_sinks=family == "gpt_oss",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
-            **moe,
         )
+        fields = family.parse(cfg, base)
+        per_type = bool(fields.pop("rope_per_layer_type", False))
+        partial = fields.pop("partial_rotary_default", None)
+        fields = {**base, **fields}
+        v_flag = cfg.get("v_head_dim")
+        if (
+            v_flag is not None
+            and v_flag != fields["head_dim"]
+            and fields["v_head_dim"] == fields["head_dim"]
+        ):
+            raise ValueError(
+                f"v_head_dim={v_flag} (DiffKV) is a kvstack flag for Llama-like configs only; "
+                f"{arch} keeps v_head_dim == head_dim={fields['head_dim']}"
+            )
+        fields["rope"], fields["rope_by_type"] = _ropes(
+            cfg, model_type, fields["layer_types"], per_type=per_type, partial_default=partial
+        )
+        eos = _eos_ids(cfg.get("eos_token_id"))
+        if generation_config is not None:
+            eos += tuple(e for e in _eos_ids(generation_config.get("eos_token_id")) if e not in eos)
+        out = cls(eos_token_ids=eos, **fields)
+        if out.is_mla:
+            out = replace(out, attn_scale=_mla_scale(out))
+        for i in range(out.num_layers):
+            if out.rotary_dim(i) % 2 or out.rotary_dim(i) <= 0:
+                raise ValueError(
+                    f"layer {i} rotates {out.rotary_dim(i)} dims of head_dim={out.head_dim} "
+                    "(partial_rotary_factor); it must be a positive even number"
+                )
+        return out
+
+
+def _ropes(
+    cfg: Mapping[str, Any],
+    model_type: str,
+    layer_types: tuple[str, ...],
+    *,
+    per_type: bool,
+    partial_default: float | None,
+) -> tuple[RopeConfig, dict[str, RopeConfig]]:
+    """The default RoPE and, for families with RoPE per layer type, one per type."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    keyed = isinstance(params, Mapping) and bool(params) and set(params) <= set(_LAYER_TYPES)
+    if not keyed:
+        rope = RopeConfig.from_hf(cfg, model_type, partial_default=partial_default)
+        return rope, {}
+    if not per_type:
+        raise ValueError(
+            f"config.json rope_parameters is keyed by layer type ({sorted(params)}); {model_type!r} "
+            "takes one set of RoPE parameters"
+        )
+    missing = sorted(set(layer_types) - set(params))
+    if missing:
+        raise ValueError(
+            f"config.json rope_parameters has no entry for layer type(s) {missing}; give one per "
+            f"type in layer_types ({sorted(set(layer_types))})"
+        )
+    by_type = {
+        t: RopeConfig.from_hf(cfg, model_type, params=params[t], partial_default=partial_default)
+        for t in sorted(params)
+    }
+    return by_type.get("full_attention", next(iter(by_type.values()))), by_type
+
+
+def _mla_scale(arch: ArchConfig) -> float:
+    # transformers' yarn_apply_mscale: a scaled RoPE with mscale_all_dim multiplies the softmax
+    # scale by mscale(factor, mscale_all_dim) squared.
+    scale = arch.head_dim**-0.5
+    rope = arch.rope
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        m = 1.0 if rope.factor <= 1 else 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= m * m
+    return scale
 
 
 def _eos_ids(value: object) -> tuple[int, ...]:
@@ -302,50 +415,6 @@ def _eos_ids(value: object) -> tuple[int, ...]:
     if isinstance(value, list) and all(isinstance(v, int) for v in value):
         return tuple(value)
     raise ValueError(f"eos_token_id={value!r} must be an int, a list of ints or null")
-
-
-def _layer_types(
-    cfg: Mapping[str, Any], arch: str, num_layers: int
-) -> tuple[tuple[str, ...], int | None]:
-    """Per-layer attention kind and the window, following transformers 5 per architecture."""
-    window = cfg.get("sliding_window")
-    types = cfg.get("layer_types")
-    if types is None:
-        if arch == "MistralForCausalLM":
-            # Mistral applies its window (when set) to every layer.
-            kind = "sliding_attention" if window is not None else "full_attention"
-            types = [kind] * num_layers
-        elif arch == "Qwen3ForCausalLM":
-            if not cfg.get("use_sliding_window", False):
-                window = None
-            first = int(cfg.get("max_window_layers", num_layers))
-            types = [
-                "sliding_attention" if window is not None and i >= first else "full_attention"
-                for i in range(num_layers)
-            ]
-        elif arch == "GptOssForCausalLM":
-            types = [
-                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
-            ]
-        else:
-            types = ["full_attention"] * num_layers
-    types = tuple(types)
-    if len(types) != num_layers:
-        raise ValueError(
-            f"config.json layer_types has {len(types)} entries; num_hidden_layers={num_layers}"
-        )
-    bad = sorted({t for t in types if t not in _LAYER_TYPES})
-    if bad:
-        raise ValueError(f"layer_types has {bad}; the engine serves {list(_LAYER_TYPES)}")
-    if "sliding_attention" in types:
-        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-            raise ValueError(
-                f"layer_types has sliding_attention layers but sliding_window={window!r}; "
-                "set a positive window in tokens"
-            )
-    else:
-        window = None
-    return types, window
 
 
 def load_arch_config(model_dir: str | Path) -> ArchConfig:

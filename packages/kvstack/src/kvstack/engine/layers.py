@@ -18,8 +18,11 @@ __all__ = [
     "GatedMLP",
     "GptOssMoE",
     "Linear",
+    "MixtralExpert",
     "RMSNorm",
     "RotaryEmbedding",
+    "Router",
+    "SparseMoE",
     "StackedLinear",
     "linear",
     "rope_inv_freq",
@@ -34,11 +37,16 @@ class RMSNorm(nn.Module):
     gpt-oss; in float32 the two agree bit for bit, in bf16 they differ by one rounding.
     """
 
-    def __init__(self, size: int, eps: float, *, weight_first: bool = False) -> None:
+    def __init__(
+        self, size: int, eps: float, *, weight_first: bool = False, offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.weight_first = weight_first  # gpt-oss order: (weight * x).to(dtype)
+        # Gemma stores the gain's offset from one: x / rms(x) * (1 + weight), in float32 and
+        # cast back after the multiply (the weight_first order), so offset goes with weight_first.
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[..., size]`` normalized over its last dim, times ``weight`` (default: this
@@ -47,6 +55,8 @@ class RMSNorm(nn.Module):
         every row is normalized on its own, so the bits are those of one call per weight."""
         dtype = x.dtype
         w = self.weight if weight is None else weight
+        if self.offset:
+            w = w.float() + self.offset
         if dtype == torch.float32 and w.dtype == torch.float32:
             # One op instead of six (pow, mean, add, rsqrt, mul, mul): torch's rms_norm gives
             # the composite's bits on every shape here (test_layers.py holds it to them), and
@@ -308,10 +318,16 @@ class StackedLinear:
 
 
 class GatedMLP(nn.Module):
-    """Llama/Mistral/Qwen3 MLP: ``down(silu(gate(x)) * up(x))``."""
+    """Llama/Mistral/Qwen3 MLP: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or, for
+    Gemma, the tanh-approximated GELU (GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int, *, bias: bool = False) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, *, bias: bool = False, act: str = "silu"
+    ) -> None:
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"GatedMLP act={act!r} must be 'silu' or 'gelu_pytorch_tanh'")
+        self.act = act
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
@@ -329,6 +345,8 @@ class GatedMLP(nn.Module):
             gate, up = both[..., :n], both[..., n:]
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.act != "silu":
+            return self.down_proj(nn.functional.gelu(gate, approximate="tanh").mul_(up))
         if both is not None and not torch.is_grad_enabled():
             # silu(gate) * up written over gate's columns of the stacked result (this call's
             # own tensor): no activation-sized allocation at all (a prefill step's fresh
@@ -336,6 +354,120 @@ class GatedMLP(nn.Module):
             return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
         # silu(gate) * up, the product written into silu's fresh output: one allocation fewer.
         return self.down_proj(nn.functional.silu(gate).mul_(up))
+
+
+class Router(nn.Module):
+    """A mixture of experts' router: ``weight`` ``[E, hidden]`` (and, for DeepSeek-style routing,
+    ``e_score_correction_bias`` ``[E]``, which moves the choice but not the weights)."""
+
+    def __init__(self, hidden: int, num_experts: int, *, correction_bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts)) if correction_bias else None
+        )
+
+
+class MixtralExpert(nn.Module):
+    """One Mixtral expert, named as the checkpoint stores it: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = Linear(hidden, intermediate, bias=False)
+        self.w2 = Linear(intermediate, hidden, bias=False)
+        self.w3 = Linear(hidden, intermediate, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)).mul_(self.w3(x)))
+
+
+class SparseMoE(nn.Module):
+    """A mixture of SwiGLU experts behind a router, three routing rules:
+
+    - ``"mixtral"`` / ``"softmax_topk"`` (Mixtral, Qwen3-MoE): softmax over all experts in float32,
+      top k, renormalized to sum to one when ``norm_topk_prob`` (always for Mixtral);
+    - ``"grouped_sigmoid"`` (DeepSeek-V3, MiMo-V2-Flash): sigmoid scores; the choice uses the
+      scores plus ``e_score_correction_bias``, restricted to the ``topk_group`` best of ``n_group``
+      groups (a group scored by its two best experts); the weights are the chosen experts' plain
+      scores, renormalized when ``norm_topk_prob`` (+1e-20), times ``routed_scaling_factor``;
+      ``shared_experts`` (one SwiGLU) is added for every token.
+
+    Experts run one at a time over the tokens routed to them, in expert order, each output scaled
+    by its weight and summed with ``index_add_``: transformers' loop, slow for big models and
+    obvious to check.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool = True,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        shared_intermediate: int = 0,
+    ) -> None:
+        super().__init__()
+        if kind not in ("mixtral", "softmax_topk", "grouped_sigmoid"):
+            raise ValueError(
+                f"SparseMoE kind={kind!r} must be 'mixtral', 'softmax_topk' or 'grouped_sigmoid'"
+            )
+        self.kind = kind
+        self.gate = Router(hidden, num_experts, correction_bias=kind == "grouped_sigmoid")
+        self.experts = nn.ModuleList(
+            MixtralExpert(hidden, intermediate)
+            if kind == "mixtral"
+            else GatedMLP(hidden, intermediate)
+            for _ in range(num_experts)
+        )
+        self.shared_experts = (
+            GatedMLP(hidden, shared_intermediate) if shared_intermediate > 0 else None
+        )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.norm_topk_prob = norm_topk_prob or kind == "mixtral"
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] float32, expert ids [T, k])`` of tokens ``x`` ``[T, hidden]``."""
+        logits = nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E]
+        if self.kind != "grouped_sigmoid":
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, ids
+        bias = self.gate.e_score_correction_bias
+        assert bias is not None
+        scores = logits.sigmoid()  # [T, E]
+        choice = scores + bias.float()
+        t, g = x.shape[0], self.n_group
+        group_scores = choice.view(t, g, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, G]
+        keep = group_mask.unsqueeze(-1).expand(t, g, self.num_experts // g).reshape(t, -1)
+        choice = choice.masked_fill(~keep.bool(), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, k]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = torch.where(ids == e)  # tokens routed to expert e, and which of k
+            y = self.experts[e](x[tok])  # [t, hidden]
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
 
 
 class GptOssRouter(nn.Module):

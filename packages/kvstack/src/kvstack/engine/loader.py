@@ -6,6 +6,8 @@ plus three rules:
 - tied embeddings: with ``tie_word_embeddings`` the checkpoint may omit ``lm_head.weight`` (and
   if it has one, it must equal the embedding; transformers would ignore it);
 - buffers older exporters saved (``rotary_emb.inv_freq``) are skipped: the engine recomputes them;
+- a family's ``renames`` (:mod:`kvstack.engine.archs`) map the names transformers saves to the
+  engine's where they differ (MiMo-V2-Flash's ``attention_sink_bias`` is its ``sinks``);
 - everything else must match exactly: a missing tensor, an unexpected one or a wrong shape is a
   ``ValueError`` that lists them, never a silently random or dropped weight.
 
@@ -21,8 +23,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvstack.engine.archs import family_of
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
-from kvstack.engine.layers import RotaryEmbedding
 from kvstack.engine.models import CausalLM
 
 __all__ = ["checkpoint_files", "load_model"]
@@ -107,9 +109,14 @@ def load_model(
     unexpected: list[str] = []
     shape_errors: list[str] = []
     tied_head: torch.Tensor | None = None
+    renames = family_of(arch.architecture).renames
     for name, tensor in _tensors(checkpoint_files(model_dir)):
         if name.endswith(_SKIPPED_SUFFIXES):
             continue
+        for suffix, ours in renames.items():
+            if name.endswith(suffix):
+                name = name[: -len(suffix)] + ours
+                break
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             tied_head = tensor
             continue
@@ -151,6 +158,6 @@ def load_model(
     model.load_state_dict(loaded, strict=True, assign=True)
     # The rotary frequencies are a non-persistent buffer: put them on the device, in float32
     # whatever the weights' dtype, as transformers does.
-    model.rotary = RotaryEmbedding(arch.rope, arch.head_dim).to(device)
+    model.reset_rotaries(device)
     model.stack_projections()
     return model.eval()

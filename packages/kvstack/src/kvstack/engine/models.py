@@ -1,9 +1,13 @@
 """The decoder of every supported family as one readable torch module.
 
-Llama, Mistral, Qwen3 and gpt-oss share one skeleton (pre-norm decoder layers, RoPE, GQA); they
-differ only in switches read from :class:`ArchConfig`: q/k RMSNorm per head (Qwen3), projection
-biases, sinks and a mixture of experts (gpt-oss), sliding-window layers (Mistral, gpt-oss, some
-Qwen3), ``v_head_dim != head_dim`` (kvstack's DiffKV flag). Parameter names are the checkpoint's.
+Every family (:mod:`kvstack.engine.archs`) shares one skeleton (pre-norm decoder layers, RoPE,
+GQA); they differ only in switches read from :class:`ArchConfig`: q/k RMSNorm per head (Qwen3,
+Gemma-3), projection biases (Qwen2, gpt-oss), sinks (gpt-oss; MiMo-V2-Flash's sliding layers),
+sliding-window layers, RoPE per layer type and partial rotary (Gemma-3, MiMo-V2-Flash), Gemma's
+``1 + w`` norms after each sublayer, embedding scale, ``query_pre_attn_scalar`` and softcaps, value
+scaling (MiMo-V2-Flash), ``v_head_dim != head_dim``, the MLP or mixture of experts per layer
+(gpt-oss, Mixtral, Qwen3-MoE, DeepSeek-V3, MiMo-V2-Flash), and DeepSeek-V3's multi-head latent
+attention (:class:`MLAAttention`). Parameter names are the checkpoint's.
 
 Attention itself is not in here: each layer hands its rotated ``q``, ``k``, ``v`` to an
 ``attend(layer, q, k, v)`` callback. The :class:`kvstack.engine.ModelRunner` passes one that writes
@@ -27,12 +31,21 @@ from kvstack.engine.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    SparseMoE,
     StackedLinear,
     linear,
     transposed,
 )
 
-__all__ = ["AttendFn", "Attention", "CausalLM", "DecoderLayer", "dense_attention"]
+__all__ = [
+    "AttendFn",
+    "Attention",
+    "CausalLM",
+    "DecoderLayer",
+    "MLAAttention",
+    "dense_attention",
+    "rotate_partial",
+]
 
 #: ``attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]) -> out [T, Hq, Dv]``
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,18 +59,22 @@ def dense_attention(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of one sequence at positions ``0..T-1``, float32 math.
 
     ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v`` ``[T, Hkv, Dv]`` -> ``[T, Hq, Dv]`` in
     ``q.dtype``. A window ``w`` lets position ``p`` see keys ``p - w < j <= p``; a sink adds
-    ``exp(sink)`` to the softmax denominator (a logit column whose probability is dropped).
+    ``exp(sink)`` to the softmax denominator (a logit column whose probability is dropped);
+    ``softcap > 0`` maps each scaled logit ``s`` to ``softcap * tanh(s / softcap)`` before masking.
     """
     t, hq, _ = q.shape
     group = hq // k.shape[1]
     kk = k.float().repeat_interleave(group, dim=1)  # [T, Hq, D]
     vv = v.float().repeat_interleave(group, dim=1)  # [T, Hq, Dv]
     logits = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale  # [Hq, T, T]
+    if softcap > 0:
+        logits = torch.tanh(logits / softcap) * softcap
     pos = torch.arange(t, device=q.device)
     visible = pos[None, :] <= pos[:, None]  # [T(q), T(k)]
     if sliding_window is not None:
@@ -71,22 +88,38 @@ def dense_attention(
     return torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
 
 
-class Attention(nn.Module):
-    """Projections (and Qwen3's per-head q/k norm, gpt-oss's sinks) of one attention layer."""
+def rotate_partial(
+    rotary: RotaryEmbedding, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int
+) -> torch.Tensor:
+    """RoPE over the first ``dim`` of each head of ``x`` ``[T, H, D]`` (the rest passes through,
+    transformers' partial rotary); all of it when ``dim == D``."""
+    if dim == x.shape[-1]:
+        return rotary(x, cos, sin)
+    return torch.cat([rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
 
-    def __init__(self, arch: ArchConfig) -> None:
+
+class Attention(nn.Module):
+    """Projections (and the per-head q/k norm, sinks, value scale) of one attention layer."""
+
+    def __init__(self, arch: ArchConfig, layer: int = 0) -> None:
         super().__init__()
         h, d, dv = arch.hidden_size, arch.head_dim, arch.v_head_dim
         bias = arch.attention_bias
-        self.num_q_heads, self.num_kv_heads = arch.num_q_heads, arch.num_kv_heads
+        kv_heads = arch.layer_num_kv_heads(layer)
+        self.num_q_heads, self.num_kv_heads = arch.num_q_heads, kv_heads
         self.head_dim, self.v_head_dim = d, dv
+        self.rotary_dim = arch.rotary_dim(layer)
+        self.v_scale = arch.v_scale
         self.q_proj = Linear(h, arch.num_q_heads * d, bias=bias)
-        self.k_proj = Linear(h, arch.num_kv_heads * d, bias=bias)
-        self.v_proj = Linear(h, arch.num_kv_heads * dv, bias=bias)
-        self.o_proj = Linear(arch.num_q_heads * dv, h, bias=bias)
-        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.sinks = nn.Parameter(torch.empty(arch.num_q_heads)) if arch.has_sinks else None
+        self.k_proj = Linear(h, kv_heads * d, bias=bias)
+        self.v_proj = Linear(h, kv_heads * dv, bias=bias)
+        self.o_proj = Linear(arch.num_q_heads * dv, h, bias=arch.o_proj_bias)
+        off = arch.norm_offset
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps, offset=off) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps, offset=off) if arch.qk_norm else None
+        self.sinks = (
+            nn.Parameter(torch.empty(arch.num_q_heads)) if arch.layer_has_sinks(layer) else None
+        )
         self.stacked: StackedLinear | None = None
         self._qk_weight: tuple[torch.Tensor, torch.Tensor, tuple[int, int], torch.Tensor] | None = (
             None
@@ -116,7 +149,9 @@ class Attention(nn.Module):
             # Qwen3: RMSNorm over each head's dims, before RoPE (q heads take q_norm's weight,
             # k heads k_norm's; the two norms share eps).
             qk = self.q_norm(qk, self._qk_norm_weight(self.q_norm.weight, self.k_norm.weight))
-        qk = rotary(qk, cos, sin)
+        qk = rotate_partial(rotary, qk, cos, sin, self.rotary_dim)
+        if self.v_scale != 1.0:
+            v = v * self.v_scale  # MiMo-V2-Flash: values scaled before attention
         return qk[:, :hq], qk[:, hq:], v
 
     def _qk_norm_weight(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
@@ -138,19 +173,94 @@ class Attention(nn.Module):
         return weight
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+class MLAAttention(nn.Module):
+    """DeepSeek-V3's multi-head latent attention, with K and V decompressed per head.
+
+    ``x`` -> ``q`` ``[T, H, nope + rope]`` (through ``q_a_proj`` -> RMSNorm -> ``q_b_proj``, or one
+    ``q_proj``); the latent ``kv_a_proj_with_mqa(x)`` = ``kv_lora_rank`` compressed K/V (RMSNorm'd)
+    plus one ``rope``-wide rotary key shared by all heads; ``kv_b_proj`` decompresses the latent to
+    each head's ``nope`` key and ``v_head_dim`` value. RoPE turns the rope parts only; with
+    ``rope_interleave`` they are pairs ``(x0, x1), (x2, x3), ...``, which is rotate-half over the
+    dims reordered evens-then-odds (transformers' output order too).
+    """
+
+    def __init__(self, arch: ArchConfig, layer: int = 0) -> None:
         super().__init__()
-        gpt_oss = arch.family == "gpt_oss"
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, weight_first=gpt_oss)
-        self.self_attn = Attention(arch)
-        self.post_attention_layernorm = RMSNorm(
-            arch.hidden_size, arch.rms_norm_eps, weight_first=gpt_oss
+        h, heads = arch.hidden_size, arch.num_q_heads
+        self.num_q_heads = self.num_kv_heads = heads
+        self.nope, self.rope = arch.mla_qk_nope_head_dim, arch.mla_qk_rope_head_dim
+        self.rank, self.v_head_dim = arch.mla_kv_lora_rank, arch.v_head_dim
+        self.head_dim = self.nope + self.rope
+        self.rotary_dim = self.rope
+        self.interleave = arch.mla_rope_interleave
+        q_rank = arch.mla_q_lora_rank
+        bias = arch.attention_bias
+        qk = heads * self.head_dim
+        self.q_proj = Linear(h, qk, bias=False) if q_rank is None else None
+        self.q_a_proj = Linear(h, q_rank, bias=bias) if q_rank is not None else None
+        # transformers builds both latent norms with its RMSNorm's default eps (1e-6).
+        self.q_a_layernorm = RMSNorm(q_rank, 1e-6) if q_rank is not None else None
+        self.q_b_proj = Linear(q_rank, qk, bias=False) if q_rank is not None else None
+        self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_head_dim), bias=False)
+        self.o_proj = Linear(heads * self.v_head_dim, h, bias=arch.o_proj_bias)
+        self.sinks = None
+        order = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
+        self.register_buffer("rope_order", order, persistent=False)
+
+    def stack_projections(self) -> None:
+        pass  # (latent projections are chained, not side by side)
+
+    def qkv(
+        self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` -> ``q``, ``k`` ``[T, H, nope + rope]``, ``v`` ``[T, H, Dv]``."""
+        t, heads = x.shape[0], self.num_q_heads
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None
+            assert self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, heads, self.head_dim)
+        latent = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent[:, : self.rank]))
+        kv = kv.view(t, heads, self.nope + self.v_head_dim)
+        q_rot, k_rot = q[..., self.nope :], latent[:, None, self.rank :]  # [T, H|1, rope]
+        if self.interleave:
+            q_rot, k_rot = q_rot[..., self.rope_order], k_rot[..., self.rope_order]
+        q_rot, k_rot = rotary(q_rot, cos, sin), rotary(k_rot, cos, sin)
+        q = torch.cat([q[..., : self.nope], q_rot], dim=-1)
+        k = torch.cat([kv[..., : self.nope], k_rot.expand(t, heads, self.rope)], dim=-1)
+        return q, k, kv[..., self.nope :]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer: int = 0) -> None:
+        super().__init__()
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        # Gemma's (1 + w) norms cast back after the multiply, as gpt-oss's do.
+        first, off = arch.norm_weight_first or bool(arch.norm_offset), arch.norm_offset
+
+        def norm() -> RMSNorm:
+            return RMSNorm(h, eps, weight_first=first, offset=off)
+
+        self.input_layernorm = norm()
+        self.self_attn: Attention | MLAAttention = (
+            MLAAttention(arch, layer) if arch.is_mla else Attention(arch, layer)
         )
-        self.mlp: nn.Module
-        if arch.is_moe:
-            self.mlp = GptOssMoE(
-                arch.hidden_size,
+        self.post_attention_layernorm = norm()
+        self.sandwich = arch.sandwich_norms
+        if self.sandwich:  # Gemma: norms around the MLP as well
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        mlp: nn.Module
+        if arch.layer_mlp(layer) == "dense":
+            mlp = GatedMLP(h, arch.intermediate_size, bias=arch.mlp_bias, act=arch.hidden_act)
+        elif arch.moe_kind == "gpt_oss":
+            mlp = GptOssMoE(
+                h,
                 arch.intermediate_size,
                 arch.num_experts,
                 arch.num_experts_per_tok,
@@ -158,7 +268,25 @@ class DecoderLayer(nn.Module):
                 arch.swiglu_limit,
             )
         else:
-            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+            mlp = SparseMoE(
+                arch.moe_kind,
+                h,
+                arch.moe_intermediate_size,
+                arch.num_experts,
+                arch.num_experts_per_tok,
+                norm_topk_prob=arch.norm_topk_prob,
+                n_group=arch.n_group,
+                topk_group=arch.topk_group,
+                routed_scaling_factor=arch.routed_scaling_factor,
+                shared_intermediate=arch.n_shared_experts * arch.moe_intermediate_size,
+            )
+        # The checkpoint's name for the MLP: Mixtral's is block_sparse_moe.
+        self.mlp_name = "block_sparse_moe" if arch.moe_kind == "mixtral" else "mlp"
+        self.add_module(self.mlp_name, mlp)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return cast(nn.Module, self._modules[self.mlp_name])
 
 
 class _Backbone(nn.Module):
@@ -172,9 +300,12 @@ class _Backbone(nn.Module):
             arch.hidden_size,
             _weight=torch.empty(arch.vocab_size, arch.hidden_size),
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(
-            arch.hidden_size, arch.rms_norm_eps, weight_first=arch.family == "gpt_oss"
+            arch.hidden_size,
+            arch.rms_norm_eps,
+            weight_first=arch.norm_weight_first or bool(arch.norm_offset),
+            offset=arch.norm_offset,
         )
 
 
@@ -192,25 +323,58 @@ class CausalLM(nn.Module):
             if arch.tie_word_embeddings
             else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         )
-        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.scale
         self._logits_weight_t: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.reset_rotaries()
+
+    def reset_rotaries(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the rotary tables, in float32 on ``device``: one per distinct (RoPE, rotated
+        dims) among the layers (Gemma-3 and MiMo-V2-Flash have one per layer type).
+        :attr:`rotary` is layer 0's."""
+        arch = self.arch
+        keys: dict[tuple[object, int], str] = {}
+        self.rotary_keys: list[str] = []
+        tables: dict[str, RotaryEmbedding] = {}
+        for i in range(arch.num_layers):
+            rope, dim = arch.layer_rope(i), arch.rotary_dim(i)
+            key = keys.setdefault((rope, dim), f"rope{len(keys)}")
+            if key not in tables:
+                tables[key] = RotaryEmbedding(rope, dim)
+            self.rotary_keys.append(key)
+        self.rotaries = nn.ModuleDict(tables)
+        if device is not None:
+            self.rotaries.to(device)
+        self.rotary = cast(RotaryEmbedding, self.rotaries[self.rotary_keys[0]])
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.arch.embed_scale is not None:
+            # Gemma: the scale as a tensor of the activation dtype, as transformers rounds it.
+            x.mul_(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
+        tables = {
+            key: (rot, *rot.cos_sin(positions, x.dtype))
+            for key, rot in self.rotaries.items()
+            if isinstance(rot, RotaryEmbedding)
+        }
         # The residual stream is added to in place: x is this call's own tensor (the
         # embedding's output) and nothing else holds it, so each add saves an allocation.
         for i, layer in enumerate(self.decoder_layers()):
             attn = layer.self_attn
+            rot, cos, sin = tables[self.rotary_keys[i]]
             h = layer.input_layernorm(x)
-            q, k, v = attn.qkv(h, self.rotary, cos, sin)
+            q, k, v = attn.qkv(h, rot, cos, sin)
             o = attend(i, q, k, v)  # [T, Hq, Dv]
-            x.add_(attn.o_proj(o.reshape(o.shape[0], -1)))
-            x.add_(layer.mlp(layer.post_attention_layernorm(x)))
+            out = attn.o_proj(o.reshape(o.shape[0], -1))
+            if layer.sandwich:
+                x.add_(layer.post_attention_layernorm(out))
+                ffn = layer.ffn(layer.pre_feedforward_layernorm(x))
+                x.add_(layer.post_feedforward_layernorm(ffn))
+            else:
+                x.add_(out)
+                x.add_(layer.ffn(layer.post_attention_layernorm(x)))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -219,7 +383,11 @@ class CausalLM(nn.Module):
         kept = transposed(self._logits_weight_t, weight)
         if kept is not self._logits_weight_t:  # nn.Module.__setattr__ is slow: set only on change
             self._logits_weight_t = kept
-        return linear(hidden, weight, None, kept[1]).float()
+        logits = linear(hidden, weight, None, kept[1]).float()
+        cap = self.arch.final_softcap
+        if cap > 0:  # Gemma: the final logits softcapped, c * tanh(logits / c)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def stack_projections(self) -> None:
         """Run each layer's q/k/v (and a gated MLP's gate/up) projections as one matmul, once the
@@ -227,14 +395,15 @@ class CausalLM(nn.Module):
         as the checkpoint gave them (see :class:`~kvstack.engine.layers.StackedLinear`)."""
         for layer in self.decoder_layers():
             layer.self_attn.stack_projections()
-            if isinstance(layer.mlp, GatedMLP):
-                layer.mlp.stack_projections()
+            if isinstance(layer.ffn, GatedMLP):
+                layer.ffn.stack_projections()
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return cast(list[DecoderLayer], list(self.model.layers))
 
     def layer_sinks(self, i: int) -> torch.Tensor | None:
-        """Layer ``i``'s sink logits ``[num_q_heads]`` (gpt-oss), else ``None``."""
+        """Layer ``i``'s sink logits ``[num_q_heads]`` (gpt-oss, MiMo-V2-Flash's sliding layers),
+        else ``None``."""
         return cast(DecoderLayer, self.model.layers[i]).self_attn.sinks
 
     @torch.no_grad()
@@ -255,6 +424,7 @@ class CausalLM(nn.Module):
                 scale=self.scale,
                 sliding_window=arch.layer_window(i),
                 sinks=self.layer_sinks(i),
+                softcap=arch.attn_softcap,
             )
 
         positions = torch.arange(input_ids.numel(), device=input_ids.device)

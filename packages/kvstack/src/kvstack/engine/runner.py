@@ -252,12 +252,21 @@ class ModelRunner:
         return plan_kv_cache(specs, num_blocks * per_block, **kw)
 
     def _attention_config(self, group_id: int, layout_order: LayoutOrder | str) -> AttentionConfig:
-        spec = self.kv_cache_config.groups[group_id].spec
+        group = self.kv_cache_config.groups[group_id]
+        names = set(group.layer_names)
+        # Sinks are per layer (MiMo-V2-Flash: sliding layers only); a group shares one spec, so
+        # its layers agree.
+        sinks = any(
+            self.arch.layer_has_sinks(i)
+            for i in range(self.arch.num_layers)
+            if self.arch.layer_name(i) in names
+        )
         return AttentionConfig.from_spec(
-            spec,
+            group.spec,
             num_q_heads=self.arch.num_q_heads,
             dtype=_TORCH_TO_NAME[self.dtype],
-            has_sinks=self.arch.has_sinks,
+            has_sinks=sinks,
+            softcap=self.arch.attn_softcap,
             layout_order=layout_order,
         )
 

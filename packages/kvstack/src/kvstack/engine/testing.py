@@ -34,6 +34,7 @@ from kv_kernels.testing import (
     check_close_to_oracle,
 )
 
+from kvstack.engine.archs import FAMILIES
 from kvstack.engine.hf_config import ArchConfig
 from kvstack.engine.models import CausalLM, dense_attention
 from kvstack.engine.runner import ModelRunner
@@ -68,49 +69,9 @@ _COMMON: dict[str, Any] = dict(
     bos_token_id=None,
 )
 
-#: Tiny configs of each family, each exercising what makes the family different.
-TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    # Llama 3.1 RoPE scaling with a short "pretraining" context, so positions past 16 are scaled.
-    "llama": dict(
-        model_type="llama",
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
-    ),
-    # Qwen3: q/k norm; layer 1 sliding (max_window_layers=1); tied embeddings.
-    "qwen3": dict(
-        model_type="qwen3",
-        use_sliding_window=True,
-        sliding_window=6,
-        max_window_layers=1,
-        tie_word_embeddings=True,
-    ),
-    # Mistral: a window (8) much shorter than the sequences, on every layer.
-    "mistral": dict(model_type="mistral", sliding_window=8),
-    # gpt-oss: sinks, sliding/full alternating, 4 experts top-2 with a tight clamp, YaRN.
-    "gpt_oss": dict(
-        model_type="gpt_oss",
-        num_hidden_layers=3,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=8,
-        swiglu_limit=2.0,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 8.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-}
+#: Tiny configs of each family (from its module in :mod:`kvstack.engine.archs`), each
+#: exercising what makes the family different.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {name: dict(f.tiny) for name, f in FAMILIES.items()}
 
 
 def make_hf_checkpoint(name: str, path: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
