@@ -71,9 +71,31 @@ def tests(session: nox.Session, package: str) -> None:
         "pytest",
         f"packages/{package}/tests",
         "-m",
-        "not gpu",
+        "not gpu and not slow",
         "-q",
         *session.posargs,
+    )
+
+
+@nox.session(default=False, tags=["slow"])
+@nox.parametrize("package", _per_package())
+def slow(session: nox.Session, package: str) -> None:
+    """The tests marked slow (larger matrices and longer property runs than CI's default run,
+    whose CI-sized cases stay in ``tests``); KVSTACK_HYPOTHESIS_EXAMPLES lengthens the property
+    runs further."""
+    extra = [a for g in TEST_GROUPS.get(package, ()) for a in ("--group", g)]
+    extra += [a for e in TEST_EXTRAS.get(package, ()) for a in ("--extra", e)]
+    _sync(session, "--package", package, "--group", "test", *extra)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        f"packages/{package}/tests",
+        "-m",
+        "slow and not gpu",
+        "-q",
+        *session.posargs,
+        success_codes=[0, 5],  # (5: a package with no slow test)
     )
 
 

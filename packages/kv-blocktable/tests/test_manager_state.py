@@ -211,7 +211,7 @@ def _machine_test(name: str) -> type:
         stateful_step_count=hypothesis_steps(80),
         deadline=None,
     )
-    return pytest.mark.slow(case)
+    return case
 
 
 TestFull = _machine_test("full")

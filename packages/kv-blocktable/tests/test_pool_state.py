@@ -150,7 +150,7 @@ PoolMachine.TestCase.settings = settings(
     stateful_step_count=hypothesis_steps(120),
     deadline=None,
 )
-TestPoolMachine = pytest.mark.slow(PoolMachine.TestCase)
+TestPoolMachine = PoolMachine.TestCase
 
 
 def test_touch_of_a_free_block_then_refree_keeps_lru_order() -> None:

@@ -269,7 +269,6 @@ def test_valid_calls_run(name: str) -> None:
     fn(**kwargs)
 
 
-@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), name=st.sampled_from(list(_CALLS)), junk=_JUNK)
 def test_fuzz_one_bad_argument(data: st.DataObject, name: str, junk: object) -> None:

@@ -149,7 +149,6 @@ def test_flex_attention_backend_matches_dense_reference(gpt_oss: Path) -> None:
     assert_matches_dense(runner, generate(runner))
 
 
-@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -112,7 +112,6 @@ def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[tuple[int, Sequence]]]:
     return sched, arrivals
 
 
-@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_any_schedule_feeds_every_token_once_over_the_right_blocks(
