@@ -170,3 +170,27 @@ def test_unsupported_fields_are_refused_by_name(
     with pytest.raises(ValueError) as err:
         ArchConfig.from_hf(cfg)
     assert needle in str(err.value)
+
+
+def test_deepseek_mtp_layer_tensors_are_skipped(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    # Released DeepSeek-V3 checkpoints carry a multi-token-prediction layer past
+    # num_hidden_layers (layer 61 of 61); transformers drops it, so does the loader. Any other
+    # family still refuses such a tensor.
+    import shutil
+
+    from kvstack.engine.loader import load_model
+    from safetensors.torch import load_file, save_file
+
+    for name in ("deepseek_v3", "gemma2"):
+        dst = tmp_path / name
+        shutil.copytree(checkpoints[name], dst)
+        tensors = load_file(str(dst / "model.safetensors"))
+        tensors["model.layers.9.input_layernorm.weight"] = torch.ones(64)
+        save_file(tensors, str(dst / "model.safetensors"))
+        if name == "deepseek_v3":
+            load_model(dst)
+        else:
+            with pytest.raises(ValueError, match="unexpected tensors: model.layers.9"):
+                load_model(dst)

@@ -7,7 +7,9 @@ plus three rules:
   if it has one, it must equal the embedding; transformers would ignore it);
 - buffers older exporters saved (``rotary_emb.inv_freq``) are skipped: the engine recomputes them;
 - a family's ``renames`` (:mod:`kvstack.engine.archs`) map the names transformers saves to the
-  engine's where they differ (MiMo-V2-Flash's ``attention_sink_bias`` is its ``sinks``);
+  engine's where they differ (MiMo-V2-Flash's ``attention_sink_bias`` is its ``sinks``), and a
+  family that ``skips_extra_layers`` (DeepSeek-V3's multi-token-prediction layer) drops tensors of
+  layers past ``num_hidden_layers``, as transformers does;
 - everything else must match exactly: a missing tensor, an unexpected one or a wrong shape is a
   ``ValueError`` that lists them, never a silently random or dropped weight.
 
@@ -17,6 +19,7 @@ Sharded checkpoints (``model.safetensors.index.json``) and single files are both
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from kvstack.engine.models import CausalLM
 __all__ = ["checkpoint_files", "load_model"]
 
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _MAX_LISTED = 8
 
 
@@ -109,10 +113,15 @@ def load_model(
     unexpected: list[str] = []
     shape_errors: list[str] = []
     tied_head: torch.Tensor | None = None
-    renames = family_of(arch.architecture).renames
+    family = family_of(arch.architecture)
+    renames = family.renames
     for name, tensor in _tensors(checkpoint_files(model_dir)):
         if name.endswith(_SKIPPED_SUFFIXES):
             continue
+        if family.skips_extra_layers:
+            m = _LAYER_INDEX.match(name)
+            if m is not None and int(m.group(1)) >= arch.num_layers:
+                continue
         for suffix, ours in renames.items():
             if name.endswith(suffix):
                 name = name[: -len(suffix)] + ours

@@ -35,7 +35,8 @@ class ArchFamily:
     :mod:`kvstack.engine.testing`) chosen to exercise what makes the family different;
     ``checks(arch)`` asserts that the parsed tiny config still does (a config that lost its window
     or its sinks would let the parity test pass vacuously). ``renames`` maps checkpoint tensor-name
-    suffixes to the engine's parameter names where transformers saves another name.
+    suffixes to the engine's parameter names where transformers saves another name;
+    ``skips_extra_layers`` drops the tensors of layers past the config's count.
     """
 
     name: str
@@ -45,6 +46,9 @@ class ArchFamily:
     checks: Callable[[Any], None]
     summary: str
     renames: Mapping[str, str] = field(default_factory=dict)
+    #: Checkpoint tensors of layers past ``num_hidden_layers`` are not the model's (DeepSeek-V3's
+    #: multi-token-prediction layer 61, which transformers skips too) and are not loaded.
+    skips_extra_layers: bool = False
 
 
 def require(d: Mapping[str, Any], key: str, where: str = "config.json") -> Any:

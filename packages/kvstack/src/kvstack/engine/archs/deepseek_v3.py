@@ -150,4 +150,5 @@ DEEPSEEK_V3 = ArchFamily(
     ),
     checks=_checks,
     summary="DeepSeek-V3 (MLA with q/kv low rank and YaRN, grouped sigmoid MoE + shared experts)",
+    skips_extra_layers=True,
 )
