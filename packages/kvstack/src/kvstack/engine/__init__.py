@@ -1,5 +1,6 @@
-"""kvstack's reference engine: Hugging Face checkpoints of real architectures (Llama, Mistral,
-Qwen3, gpt-oss, and a DiffKV Llama variant) in plain torch, attending through kv-backends over a
+"""kvstack's reference engine: Hugging Face checkpoints of real architectures (the registry
+:data:`kvstack.engine.archs.FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss,
+Gemma-2, Gemma-3, MiMo-V2-Flash, DeepSeek-V3, and a DiffKV Llama variant) in plain torch, attending through kv-backends over a
 paged cache that kv-spec plans and kv-blocktable addresses, served by a continuous-batching
 :class:`LLMEngine` (chunked prefill, prefix caching, preemption, greedy and seeded sampling).
 
