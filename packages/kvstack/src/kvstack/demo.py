@@ -335,7 +335,15 @@ def run(
             console.print("\n[bold]5. Prefill in one process, decode in another[/bold]")
             from kvstack import handoff as handoff_mod
 
-            expected: list[int] | None = list(completions[0].token_ids)
+            # The connector contract carries one block list per request, so one KV group: the
+            # demo model with its sliding window off, checked against its own one-process run.
+            console.print(
+                "(the demo model with its sliding window off: a connector moves one KV group)"
+            )
+            full = {**DEMO_CONFIG, "use_sliding_window": False, "layer_types": None}
+            full_dir = write_random_checkpoint(Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="kvstack-handoff-"))) / "tiny-qwen3-full", full
+            )  # fmt: skip
             hand_device = device
             if device == "cuda" and torch.cuda.device_count() < 2:
                 # two processes on one GPU: NCCL refuses ("Duplicate GPU detected")
@@ -343,10 +351,8 @@ def run(
                     "(one GPU here, and NCCL needs a GPU per process: both processes run on the "
                     "CPU, checked against a one-process run on the CPU)"
                 )
-                expected, hand_device = None, "cpu"
-            ok &= handoff_mod.run_demo(
-                console, model_dir, prompts[0], MAX_NEW, expected, hand_device
-            )
+                hand_device = "cpu"
+            ok &= handoff_mod.run_demo(console, full_dir, prompts[0], MAX_NEW, None, hand_device)
     elapsed = time.perf_counter() - start
     verdict = "[green]all tokens match[/green]" if ok else "[red]MISMATCH: see above[/red]"
     console.print(f"\n{verdict} — demo took {elapsed:.1f} s")

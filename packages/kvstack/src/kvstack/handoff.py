@@ -1,16 +1,17 @@
 """Disaggregated prefill → decode through a kv-connectors connector, between two processes.
 
-The *prefill* process (``python -m kvstack.handoff prefill MODEL_DIR``, a child) runs a prompt
-through its engine for one token with ``hold_blocks``, registers its paged cache with the
-connector and publishes the request's blocks (``request_finished`` → transfer params JSON on
-stdout). The *decode* process (the caller) admits the same request with the prompt's tokens
-marked external: its scheduler allocates blocks, the connector pulls the producer's blocks into
-them (``get_num_new_matched_tokens`` → ``update_state_after_alloc`` → ``start_load_kv``), and
-decoding continues from the first token.
-
-Blocks move whole with every layer slot, so one transfer carries every KV group (groups share one
-block-id space; a block belongs to one group at a time). The pairs are taken position by position
-per group; positions a sliding window already dropped (the null block) are skipped on both sides.
+Both processes drive the connector the way any engine does: through the contract, from
+:class:`~kvstack.engine.LLMEngine` (``kv_connector=``; :mod:`kvstack.engine.connector_driver`).
+The *prefill* process (``python -m kvstack.handoff prefill MODEL_DIR DEVICE nixl|p2p``, a child)
+runs the prompt for one token with a producer connector: ``request_finished`` keeps the request's
+blocks and returns its transfer params (JSON on stdout). The *decode* process (the caller) adds the
+request with those params: its scheduler counts the producer's full blocks as external tokens
+before allocating (``get_num_new_matched_tokens``), the request waits out of the batch while the
+connector pulls them into its blocks (``update_state_after_alloc`` → ``start_load_kv`` →
+``done_recving``), then computes the rest of the prompt and decodes. A failed pull is recomputed
+(the demo then reports it). Blocks move whole with every layer slot; a model with one KV group (the
+contract carries one block list per request). Both sides name the model with
+:func:`~kvstack.engine.connector_driver.model_fingerprint`: a producer of another model is refused.
 The connector is NIXL (UCX) when the ``nixl`` package works here, else P2P over gloo.
 """
 
@@ -22,7 +23,6 @@ import select
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +30,18 @@ from rich.markup import escape
 
 from kvstack._hints import install_hint
 
-__all__ = ["make_connector", "pair_blocks", "run_demo"]
+__all__ = ["make_connector", "run_demo"]
 
 BLOCK_SIZE = 16
 TIMEOUT_S = 30.0
 _MARK = "KVSTACK-HANDOFF "
 
 
-@dataclass
-class _Req:
-    """What a connector needs of a request (``kv_connectors.RequestLike``). Every transferred
-    block counts as a full block, including a partial last one: its bytes are what they are, and
-    the decode side overwrites the slots past the prompt."""
-
-    request_id: str
-    block_hashes: list[bytes] = field(default_factory=list)
-
-
-def make_connector(prefer_nixl: bool = True) -> tuple[Any, str]:
-    """The connector for this machine and a sentence saying which and why."""
+def make_connector(
+    prefer_nixl: bool = True, *, role: str = "both", fingerprint: str | None = None
+) -> tuple[Any, str]:
+    """The connector for this machine (``role``: ``producer`` / ``consumer`` / ``both``; the
+    model's ``fingerprint``) and a sentence saying which and why."""
     from kv_connectors import P2pConfig, P2pConnector
 
     if prefer_nixl and importlib.util.find_spec("nixl") is None:
@@ -61,90 +54,54 @@ def make_connector(prefer_nixl: bool = True) -> tuple[Any, str]:
             from kv_connectors.nixl import NixlConnector
 
             # No progress thread: both sides poll (get_finished), which spares two small cores.
-            nixl = NixlConnector(
-                NixlConfig(timeout_s=TIMEOUT_S, progress_thread=False), block_size=BLOCK_SIZE
-            )
-            return nixl, "NIXL (UCX), installed here"
+            cfg = NixlConfig(
+                timeout_s=TIMEOUT_S, progress_thread=False, role=role,
+                model_fingerprint=fingerprint,
+            )  # fmt: skip
+            return NixlConnector(cfg, block_size=BLOCK_SIZE), "NIXL (UCX), installed here"
         except Exception as e:
             why = f"NIXL unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     else:
         why = "NIXL not requested"
-    p2p = P2pConnector(P2pConfig(timeout_s=TIMEOUT_S), block_size=BLOCK_SIZE)
-    return p2p, f"P2P over gloo ({why})"
+    cfg_p2p = P2pConfig(timeout_s=TIMEOUT_S, role=role, model_fingerprint=fingerprint)
+    return P2pConnector(cfg_p2p, block_size=BLOCK_SIZE), f"P2P over gloo ({why})"
 
 
-def pair_blocks(
-    producer: tuple[list[int], ...], consumer: tuple[list[int], ...], num_tokens: int
-) -> tuple[list[int], list[int]]:
-    """Producer and consumer block ids holding tokens ``[0, num_tokens)``, paired by group and
-    position. Positions the consumer's window no longer needs (null block 0: admitted with
-    ``num_tokens`` computed, it drops what no future query reads) are skipped."""
-    src: list[int] = []
-    dst: list[int] = []
-    n = -(-num_tokens // BLOCK_SIZE)
-    for p, c in zip(producer, consumer, strict=True):
-        for a, b in zip(p[:n], c[:n], strict=True):
-            if a and b:
-                src.append(a)
-                dst.append(b)
-            elif b:  # the consumer needs a block the producer's window already dropped
-                raise ValueError(
-                    f"the consumer needs block position {len(src)} that the producer dropped; "
-                    "their sliding windows differ"
-                )
-    return src, dst
-
-
-def _engine(model_dir: str | Path, device: str) -> Any:
+def _engine(model_dir: str | Path, device: str, connector: Any = None) -> Any:
     from kvstack.engine.engine import LLMEngine
 
     return LLMEngine(
         model_dir, device=device, block_size=BLOCK_SIZE, kv_cache_memory=2 * 2**20,
-        max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4,
+        max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4, kv_connector=connector,
     )  # fmt: skip
 
 
 def _prefill_main(model_dir: str, device: str, transport: str) -> None:
     """The child: prefill the prompt read from stdin, publish its blocks, serve until stdin closes."""
+    from kvstack.engine.connector_driver import model_fingerprint
     from kvstack.engine.sampling import SamplingParams
 
     job = json.loads(sys.stdin.readline())
-    engine = _engine(model_dir, device)
-    conn, _why = make_connector(prefer_nixl=transport == "nixl")
-    conn.register_kv_caches(engine.runner.kv_caches[0], engine.runner.layouts[0])
-    rid = job["request_id"]
-    engine.add_request(
-        rid, job["prompt"], SamplingParams(max_new_tokens=1, ignore_eos=True), hold_blocks=True
+    conn, _why = make_connector(
+        transport == "nixl", role="producer", fingerprint=model_fingerprint(model_dir)
     )
-    while engine.has_unfinished:
-        engine.step()
-    first = engine.completion(rid).token_ids[0]
-    # Publish what a decode worker admitted with the prompt computed will read: a sliding-window
-    # group drops the positions no future query sees (the manager's own rule), so they stay home.
-    num = len(job["prompt"])
-    n = -(-num // BLOCK_SIZE)
-    blocks = [
-        [0 if j < m.num_skipped_tokens(num) // BLOCK_SIZE else b for j, b in enumerate(group[:n])]
-        for m, group in zip(engine.kv.managers, engine.block_ids(rid), strict=True)
-    ]
-    ids = [b for group in blocks for b in group if b]
-    _ok, params = conn.request_finished(_Req(rid, [b""] * len(ids)), ids)
+    engine = _engine(model_dir, device, conn)
+    done = engine.generate([job["prompt"]], SamplingParams(max_new_tokens=1, ignore_eos=True))[0]
     # A marker: libraries (NIXL, UCX) may print their own lines on stdout.
-    print(
-        _MARK + json.dumps({"first_token": first, "blocks": blocks, "params": params}), flush=True
-    )
-    # Serve until the decode side has the blocks (polling drives NIXL without a progress thread)
-    # or closes stdin; then the blocks go back to the pool.
+    out = {"first_token": done.token_ids[0], "params": done.kv_transfer_params}
+    print(_MARK + json.dumps(out), flush=True)
+    # Serve until the decode side has the blocks and says so, or closes stdin. Each idle step
+    # polls the connector (which drives NIXL without a progress thread) and frees the blocks
+    # once the consumer is done.
     deadline = time.monotonic() + 4 * TIMEOUT_S
-    sent = told = False
-    while time.monotonic() < deadline and not (sent and told):
+    told = False
+    while time.monotonic() < deadline and not (told and not engine.scheduler.sending):
         ready, _, _ = select.select([sys.stdin], [], [], 0.01)
         if ready:
             if not sys.stdin.readline().strip():
                 break  # stdin closed: the decode side is gone
             told = True
-        sent |= rid in conn.get_finished()[0]
-    engine.release(rid)
+        engine.step()
     conn.close()
 
 
@@ -158,15 +115,15 @@ def run_demo(
 ) -> bool:
     """Prefill ``prompt`` in a child process, decode here; True when the tokens equal ``expected``
     (``None``: this process's own one-process run of ``prompt`` on ``device``)."""
+    from kvstack.engine.connector_driver import model_fingerprint
     from kvstack.engine.sampling import SamplingParams
 
     if expected is None:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         expected = list(_engine(model_dir, device).generate([prompt], params)[0].token_ids)
-    conn, why = make_connector()
+    conn, why = make_connector(role="consumer", fingerprint=model_fingerprint(model_dir))
     transport = "nixl" if why.startswith("NIXL") else "p2p"
-    engine = _engine(model_dir, device)
-    conn.register_kv_caches(engine.runner.kv_caches[0], engine.runner.layouts[0])
+    engine = _engine(model_dir, device, conn)
     child = subprocess.Popen(
         [sys.executable, "-m", "kvstack.handoff", "prefill", str(model_dir), device, transport],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -185,39 +142,16 @@ def run_demo(
             )
         msg = json.loads(line[len(_MARK) :])
         first = int(msg["first_token"])
-        loaded: dict[str, Any] = {}
-
-        def load(request_id: str, block_ids: tuple[list[int], ...], num_tokens: int) -> None:
-            t0 = time.perf_counter()
-            src, dst = pair_blocks(tuple(msg["blocks"]), block_ids, num_tokens)
-            conn.add_remote_request(request_id, msg["params"])
-            req = _Req(request_id)
-            tokens, _async = conn.get_num_new_matched_tokens(req, 0)
-            if tokens != len(src) * BLOCK_SIZE:
-                raise RuntimeError(
-                    f"the connector matched {tokens} tokens, expected {len(src) * BLOCK_SIZE}: {conn.load_error_reasons}"
-                )
-            conn.update_state_after_alloc(req, dst, tokens)
-            conn.start_load_kv(conn.build_connector_meta())
-            done: set[str] = set()
-            deadline = time.monotonic() + 2 * TIMEOUT_S
-            while request_id not in done and time.monotonic() < deadline:
-                done |= conn.get_finished()[1]
-                time.sleep(0.005)
-            errors = conn.get_block_ids_with_load_errors()
-            if request_id not in done or errors:
-                raise RuntimeError(
-                    f"KV load failed: {conn.load_error_reasons.get(request_id, 'timed out')}"
-                )
-            loaded.update(blocks=len(src), seconds=time.perf_counter() - t0)
-
-        engine.external_loader = load
+        t0 = time.perf_counter()
         engine.add_request(
             rid, [*prompt, first], SamplingParams(max_new_tokens=max_new_tokens - 1, ignore_eos=True),
-            num_external_tokens=len(prompt),
+            kv_transfer_params=msg["params"],
         )  # fmt: skip
+        load_s = None
         while engine.has_unfinished:
             engine.step()
+            if load_s is None and rid not in engine.scheduler.loading:
+                load_s = time.perf_counter() - t0
         tokens = [first, *engine.completion(rid).token_ids]
         child.stdin.write("done\n")
         child.stdin.flush()
@@ -227,16 +161,24 @@ def run_demo(
         except subprocess.TimeoutExpired:
             child.kill()
         conn.close()
+    stats = engine.stats().kv_connector
+    assert stats is not None
     page = (
         engine.runner.kv_cache_config.page_size_bytes
         * engine.runner.kv_cache_config.num_layer_slots
     )
-    ok = tokens == expected
+    ok = tokens == expected and not stats.num_load_failures
+    blocks = stats.loaded_blocks
     console.print(
         f"connector: {escape(why)}. The prefill process computed the {len(prompt)}-token prompt and its first "
-        f"token ({first}); {loaded['blocks']} blocks ({loaded['blocks'] * page:,} bytes, every layer and "
-        f"KV group) moved to this process in {loaded['seconds'] * 1000:.0f} ms; this process decoded the rest."
+        f"token ({first}); {blocks} full blocks ({blocks * page:,} bytes, every layer) moved to this process "
+        f"in {(load_s or 0.0) * 1000:.0f} ms while the request waited out of the batch; this process "
+        "computed the rest of the prompt and decoded."
     )
+    if stats.num_load_failures:
+        console.print(
+            f"  [red]✗ the load failed and was recomputed: {escape(str(stats.reasons))}[/red]"
+        )
     mark = "[green]✓ match[/green]" if ok else "[red]✗ MISMATCH[/red]"
     console.print(f"  handed-off tokens {tokens}\n  one-process tokens {expected}  {mark}")
     return ok

@@ -35,6 +35,7 @@ from kv_blocktable import KVCacheManager, Request
 from kv_blocktable.block_table import BlockTables, int64_tensor
 
 from kvstack.engine._inputs import chat_prompts, check_engine_flags, check_token_ids
+from kvstack.engine.connector_driver import KVConnectorDriver
 from kvstack.engine.outputs import Completion, EngineStats, TokenEvent
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams, check_keywords, make_generator, sample
@@ -50,7 +51,8 @@ Prompt: TypeAlias = "Sequence[int] | str"
 Message: TypeAlias = Mapping[str, Any]
 #: The engine's own options (the rest go to :class:`ModelRunner`).
 _ENGINE_OPTIONS = (
-    "runner", "max_num_seqs", "enable_prefix_caching", "keep_logits", "tokenizer", "warmup"
+    "runner", "max_num_seqs", "enable_prefix_caching", "keep_logits", "tokenizer", "warmup",
+    "kv_connector",
 )  # fmt: skip
 #: ModelRunner's options an engine passes on (``max_num_seqs`` is the engine's own).
 _RUNNER_OPTIONS = tuple(
@@ -76,6 +78,9 @@ class LLMEngine:
     ``warmup`` (default on): on a GPU, build the kernels every step launches before the first
     request (``ModelRunner.warm_kernels``; seconds in ``stats().startup_seconds["compile"]``),
     so no request waits for a compile; later starts load them from Triton's disk cache.
+
+    ``kv_connector``: a ``kv_connectors.KVConnector`` driven through its contract
+    (:mod:`kvstack.engine.connector_driver`); the caller builds (engine's block size) and closes it.
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class LLMEngine:
         keep_logits: bool = False,
         tokenizer: str | Path | Any | None = None,
         warmup: bool = True,
+        kv_connector: Any = None,
         **runner_kwargs: Any,
     ) -> None:
         check_keywords("LLMEngine", runner_kwargs, _ENGINE_OPTIONS + _RUNNER_OPTIONS)
@@ -104,11 +110,14 @@ class LLMEngine:
         self.runner = runner
         cfg = runner.kv_cache_config
         self.kv = KVCacheManager(cfg, enable_prefix_caching=enable_prefix_caching)
+        self.connector = None if kv_connector is None else KVConnectorDriver(kv_connector, runner)
+        runner.kv_layer_hooks = self.connector
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=runner.max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=runner.max_model_len,
+            connector=self.connector,  # (which it tells who drives it)
         )
         self.tables = BlockTables.from_config(
             cfg,
@@ -194,6 +203,7 @@ class LLMEngine:
         *,
         hold_blocks: bool = False,
         num_external_tokens: int = 0,
+        kv_transfer_params: Any = None,
     ) -> str:
         """Queue a request; it joins the batch at the next :meth:`step` the pool allows.
 
@@ -207,7 +217,8 @@ class LLMEngine:
         they get blocks and :attr:`external_loader` ``(request_id, block_ids_per_group,
         num_tokens)`` must fill them before it returns (the engine then moves the caches'
         version counters, :meth:`~kvstack.engine.runner.ModelRunner.note_external_writes`, so
-        TORCH_SDPA's kept decode gathers see the new bytes).
+        TORCH_SDPA's kept decode gathers see the new bytes). ``kv_transfer_params``: a producer's
+        (:attr:`Completion.kv_transfer_params`), loaded by the ``kv_connector``.
         """
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(
@@ -215,7 +226,7 @@ class LLMEngine:
                 "None for a generated one)"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._seqs:
+        if rid in self._seqs or rid in self.scheduler.sending:
             raise ValueError(f"request id {rid!r} is already in the engine; ids must be unique")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -251,7 +262,10 @@ class LLMEngine:
             generator=make_generator(params, self.runner.device),
             num_external_tokens=num_external_tokens,
             hold_blocks=hold_blocks,
+            kv_transfer_params=kv_transfer_params,
         )
+        if kv_transfer_params is not None and self.connector is None:
+            raise ValueError(f"request {rid!r}: kv_transfer_params given, but no kv_connector")
         if num_external_tokens and self.external_loader is None:
             raise ValueError(f"request {rid!r} has external tokens but no external_loader is set")
         self.scheduler.add(seq)
@@ -265,7 +279,9 @@ class LLMEngine:
         blocks go back to the pool and it leaves the batch), or finished (a ``hold_blocks``
         request's blocks are freed, an unread :meth:`completion` is discarded). Before a
         request's blocks are freed, :attr:`abort_listener` (if set) is called with its id, so a
-        connector can end its transfers first. Returns the ids that were dropped.
+        connector can end its transfers first; the engine's ``kv_connector`` gets
+        ``abort_request`` (also for a finished request whose blocks it still holds), and blocks a
+        transfer may still touch are freed when it reports them. Returns the ids dropped.
 
         Ids the engine does not have are ignored, as vLLM does: an abort races with the
         request finishing (a client that disconnects as its last token arrives), and the caller
@@ -277,12 +293,15 @@ class LLMEngine:
                 raise TypeError(f"abort_request: request id {r!r} is a {type(r).__name__}, not str")
         dropped = []
         for rid in ids:
-            if rid not in self._seqs:
+            sending = rid in self.scheduler.sending  # (also once its completion was read)
+            if rid not in self._seqs and not sending:
                 continue
-            seq = self._seqs[rid]
-            live = seq.finish_reason is None or rid in self.scheduler.held
+            seq = self._seqs.get(rid)
+            live = seq is not None and (seq.finish_reason is None or rid in self.scheduler.held)
             if live and self.abort_listener is not None:  # it has blocks a transfer may use
                 self.abort_listener(rid)
+            if self.connector is not None and (live or sending):
+                self.connector.abort(rid)  # its blocks stay until the connector lets go
             self.scheduler.abort(rid)  # frees its blocks (None: finished, holding none)
             self._forget(rid)
             dropped.append(rid)
@@ -358,9 +377,14 @@ class LLMEngine:
         """Schedule, run the model once, sample; the tokens generated this step."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        conn = self.connector
+        if conn is not None:
+            conn.start_step()
         if not out.chunks:
             for rid in out.preempted:
                 self._release_row(rid)
+            if conn is not None:
+                conn.idle_step()
             return []
         self._prepare_rows(out)
         # One pass over the chunks builds every host list (no per-chunk tensors). The positions
@@ -398,6 +422,8 @@ class LLMEngine:
             int64_tensor(ids), positions, metadata, rows
         )  # [R_sampled, vocab]
         self._model_s += time.perf_counter() - t1
+        if conn is not None and (failed := conn.end_forward()):  # an in-step load failed
+            logits, sampled = conn.recompute(failed, out.chunks, logits, sampled)
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
         if self.keep_logits:
             for s, row in zip(sampled, logits.float().cpu(), strict=True):
@@ -408,6 +434,8 @@ class LLMEngine:
                 finished.append(s)
         for s in finished:
             self._release_row(s.request_id)
+        if conn is not None:
+            conn.poll(s.request_id for s in finished)
         self._generated += len(tokens)
         self._computed += len(ids)
         self._wall_s += time.perf_counter() - t0
@@ -460,6 +488,7 @@ class LLMEngine:
             torch.stack(rows) if rows else None,
             text,
             self._prompt_text.pop(request_id, None),
+            seq.kv_transfer_params_out,
         )
 
     def _params_for(
@@ -513,7 +542,7 @@ class LLMEngine:
         try:
             yield from self._run(prompts, params, added)
         finally:
-            self.abort_request(added)
+            self._leave(added)
 
     def generate(
         self,
@@ -529,9 +558,14 @@ class LLMEngine:
                 pass
             return [self.completion(r) for r in added]
         finally:
-            self.abort_request(
-                added
-            )  # only what an error left behind: completion() forgot the rest
+            self._leave(added)  # only what an error left: completion() forgot the rest
+
+    def _leave(self, added: list[str]) -> None:
+        """A generate/stream call's requests leave (blocks a connector still sends stay held)."""
+        for r in added:
+            if r in self.scheduler.sending:
+                self._forget(r)
+        self.abort_request([r for r in added if r not in self.scheduler.sending])
 
     def chat(
         self,
@@ -559,4 +593,5 @@ class LLMEngine:
             self._wall_s,
             cfg.total_bytes,
             dict(self.runner.startup_seconds),
+            None if self.connector is None else dataclasses.replace(self.connector.stats),
         )

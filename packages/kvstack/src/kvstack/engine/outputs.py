@@ -4,9 +4,11 @@ token, one :class:`Completion` per finished request, and :class:`EngineStats` fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from kvstack.engine.connector_driver import KVConnectorStats
 from kvstack.engine.scheduler import FinishReason, SchedulerStats
 
 __all__ = ["Completion", "EngineStats", "TokenEvent"]
@@ -39,6 +41,9 @@ class Completion:
     #: (or rendered by :meth:`LLMEngine.chat`), None for a prompt given as token ids.
     text: str | None = None
     prompt_text: str | None = None
+    #: What the engine's KV connector returned when the request finished (a producer's transfer
+    #: params: give them to a decode engine's ``add_request(kv_transfer_params=...)``).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class EngineStats:
     #: allocation, backends), ``graphs`` (CUDA-graph capture), ``compile`` (kernels built ahead
     #: of the first request: ``LLMEngine(warmup=True)``).
     startup_seconds: dict[str, float] = field(default_factory=dict)
+    #: The KV connector's loads, failures and save errors (None: the engine has no connector).
+    kv_connector: KVConnectorStats | None = None
 
     @property
     def tokens_per_second(self) -> float:

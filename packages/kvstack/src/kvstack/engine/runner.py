@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from kv_backends import (
@@ -49,13 +49,26 @@ from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.loader import load_model
 from kvstack.engine.models import CausalLM
 
-__all__ = ["DEFAULT_CACHE_REQUESTS", "LayerBinding", "ModelRunner"]
+__all__ = ["DEFAULT_CACHE_REQUESTS", "KVLayerHooks", "LayerBinding", "ModelRunner"]
 
 #: With neither ``kv_cache_memory`` nor ``num_blocks``, the cache holds this many requests of
 #: ``max_model_len`` tokens at once.
 DEFAULT_CACHE_REQUESTS = 4
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class KVLayerHooks(Protocol):
+    """Per-layer calls around attention (a KV connector's layer-wise load and save:
+    :mod:`kvstack.engine.connector_driver`). ``layer_slot`` is the layer's slot in the cache."""
+
+    def before_attention(self, layer_slot: int) -> None: ...
+
+    def after_attention(self, layer_slot: int) -> None: ...
+
+    def before_replay(self) -> None:
+        """A CUDA-graph replay runs every layer without the per-layer calls: wait for all now."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -204,6 +217,8 @@ class ModelRunner:
             "load": t1 - t0,
             "plan": time.perf_counter() - t1,
         }
+        #: Set by an engine that drives a KV connector (None: no calls).
+        self.kv_layer_hooks: KVLayerHooks | None = None
         self.graphs: DecodeGraphs | None = None
         why = "cuda_graphs=False" if cuda_graphs is False else reason_unsupported(self)
         if why is None:
@@ -457,6 +472,8 @@ class ModelRunner:
         if graphs is not None:
             size = graphs.size_for(input_ids.numel(), metadata)
             if size is not None:
+                if self.kv_layer_hooks is not None:
+                    self.kv_layer_hooks.before_replay()
                 return graphs.run(size, input_ids, positions, metadata, logits_indices)
         hidden = self.forward_hidden(input_ids, positions, metadata)  # [T, hidden]
         # index_select, not hidden[...]: advanced indexing runs as a parallel region however
@@ -475,10 +492,16 @@ class ModelRunner:
         built = [self.builders[gid].build(md) for gid, md in enumerate(metadata)]
         slots = [md.slot_mapping for md in metadata]
         layers = self.layers
+        hooks = self.kv_layer_hooks
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             b = layers[i]
+            if hooks is not None:  # this layer's loaded KV is in place before it is read
+                hooks.before_attention(b.layer_slot)
             b.impl.do_kv_cache_update(None, k, v, b.kv_cache, slots[b.group_id])
-            return b.impl.forward(None, q, b.kv_cache, built[b.group_id])
+            out = b.impl.forward(None, q, b.kv_cache, built[b.group_id])
+            if hooks is not None:  # this layer's new KV is written: it may be saved
+                hooks.after_attention(b.layer_slot)
+            return out
 
         return self.model(input_ids.to(self.device), positions.to(self.device), attend)

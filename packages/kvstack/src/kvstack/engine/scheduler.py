@@ -12,6 +12,17 @@ request just has ``num_tokens - num_computed_tokens`` tokens to catch up on):
    (``get_computed_blocks``: shared prompts hit) and slots for the rest of the prompt, chunked to
    the budget left, while the pool, the budget and ``max_num_seqs`` allow.
 
+With a KV connector (:class:`SchedulerConnector`, vLLM v1's order): after the local hit, the
+connector says how many more tokens it can supply (whole blocks, at least one token left to
+compute); they get fresh slots in the same allocation. Loaded *inside* the step (a CPU tier), the
+request runs now from past them; loaded *asynchronously* (a remote producer), it leaves the batch
+(:attr:`Scheduler.loading`) and joins the running requests when :meth:`Scheduler.kv_loaded` says
+the bytes landed (or from the first block that failed: those are recomputed). Until a load is
+verified its blocks are not entered into the prefix cache (the manager is told only the local hit;
+:meth:`Scheduler.kv_loaded` / :meth:`Scheduler.rewind` set the count the next allocation reports).
+A finished request whose blocks the connector still reads stays in :attr:`Scheduler.sending` until
+:meth:`Scheduler.kv_sent`.
+
 The scheduler never touches tensors; it imports no torch, so its tests run without a model.
 """
 
@@ -21,7 +32,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kv_blocktable import KVCacheManager, Request
 
@@ -32,6 +43,7 @@ __all__ = [
     "FinishReason",
     "ScheduledChunk",
     "Scheduler",
+    "SchedulerConnector",
     "SchedulerOutput",
     "SchedulerStats",
     "Sequence",
@@ -42,6 +54,7 @@ __all__ = [
 class Status(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # waiting for a connector's asynchronous load; not in the batch
     FINISHED = "finished"
 
 
@@ -74,6 +87,13 @@ class Sequence:
     #: Keep the blocks after finishing (a prefill worker serving them to a decode worker) until
     #: :meth:`Scheduler.release`.
     hold_blocks: bool = False
+    #: A producer's transfer params (``kv_connectors.KVTransferParams`` or its dict): the
+    #: engine's connector loads the prompt's KV from it at first admission.
+    kv_transfer_params: Any = None
+    #: Prompt tokens a KV connector supplied at first admission (CPU tier, disk, a producer).
+    num_external_hit_tokens: int = 0
+    #: What the connector's ``request_finished`` returned for it (a producer's transfer params).
+    kv_transfer_params_out: dict[str, Any] | None = None
     _admitted_once: bool = field(default=False, repr=False)
 
     @property
@@ -141,12 +161,39 @@ class SchedulerStats:
     num_resumes: int = 0
     resume_hit_tokens: int = 0
     max_usage: float = 0.0
+    #: Tokens a KV connector supplied at admission (past the local hit), and how many of those
+    #: admissions waited for an asynchronous load.
+    external_hit_tokens: int = 0
+    num_async_loads: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
         return (
             self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
         )
+
+
+class SchedulerConnector(Protocol):
+    """What the scheduler asks a KV connector (:mod:`kvstack.engine.connector_driver` speaks the
+    ``kv_connectors`` contract behind it)."""
+
+    block_size: int
+    #: The scheduler driving it (set by :class:`Scheduler`).
+    scheduler: Scheduler | None
+
+    def match(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens past ``num_computed_tokens`` the connector supplies, and whether asynchronously."""
+        ...
+
+    def allocated(
+        self, seq: Sequence, block_ids: list[int], num_external_tokens: int, load_async: bool
+    ) -> None:
+        """``seq`` got ``block_ids`` (its whole table); ``num_external_tokens`` are to be loaded."""
+        ...
+
+    def finished(self, seq: Sequence) -> bool:
+        """``seq`` finished: True keeps its blocks until :meth:`Scheduler.kv_sent`."""
+        ...
 
 
 class Scheduler:
@@ -159,6 +206,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        connector: SchedulerConnector | None = None,
     ) -> None:
         for name, v in (
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -175,6 +223,19 @@ class Scheduler:
         self.running: list[Sequence] = []
         #: Finished requests whose blocks are kept (``hold_blocks``) until :meth:`release`.
         self.held: dict[str, Sequence] = {}
+        self.connector = connector
+        if connector is not None:
+            connector.scheduler = self
+        #: Requests waiting for a connector's asynchronous load (blocks held, not in the batch).
+        self.loading: dict[str, Sequence] = {}
+        #: Finished requests whose blocks the connector still reads (freed by :meth:`kv_sent`).
+        self.sending: dict[str, Sequence] = {}
+        #: Aborted while loading: freed when the load ends (a transfer may still write them).
+        self.aborted_loading: dict[str, Sequence] = {}
+        # Running requests whose count the manager was not told yet (loaded or rewound), and
+        # requests that join the batch without a block-table row (after an asynchronous load).
+        self._resync: set[str] = set()
+        self._new_row: set[str] = set()
         self.stats = SchedulerStats()
 
     # -- queue ---------------------------------------------------------------------------------
@@ -200,7 +261,12 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def has_pending_kv(self) -> bool:
+        """Whether a connector still loads into or reads from some request's blocks."""
+        return bool(self.loading or self.sending or self.aborted_loading)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -212,8 +278,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            rid = seq.request_id
             while True:
-                new = self.kv.allocate_slots(seq.kv, n)
+                if rid in self._resync:
+                    new = self.kv.allocate_slots(
+                        seq.kv, n, num_computed_tokens=seq.num_computed_tokens
+                    )
+                else:
+                    new = self.kv.allocate_slots(seq.kv, n)
                 if new is not None:
                     break
                 victim = self.running.pop()  # the most recently admitted goes first
@@ -223,15 +295,21 @@ class Scheduler:
                     break
             if new is None:  # seq preempted itself: nothing left to free
                 break
-            chunks.append(
-                ScheduledChunk(seq, seq.num_computed_tokens, n, False, new.get_block_ids())
-            )
+            self._resync.discard(rid)
+            if rid in self._new_row:  # joins after an asynchronous load: its whole row
+                self._new_row.discard(rid)
+                chunk = ScheduledChunk(
+                    seq, seq.num_computed_tokens, n, True, self.kv.get_block_ids(seq.kv)
+                )
+            else:
+                chunk = ScheduledChunk(seq, seq.num_computed_tokens, n, False, new.get_block_ids())
+            chunks.append(chunk)
             seq.num_computed_tokens += n
             budget -= n
             i += 1
         if not preempted:
             budget = self._admit(budget, chunks)
-        if not chunks and self.has_unfinished and not self.running:
+        if not chunks and self.has_unfinished and not self.running and not self.has_pending_kv:
             seq = self.waiting[0]
             raise RuntimeError(
                 f"request {seq.request_id!r} ({seq.num_tokens} tokens) cannot be admitted into an "
@@ -243,9 +321,19 @@ class Scheduler:
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.loading) < self.max_num_seqs
+        ):
             seq = self.waiting[0]
             external = bool(seq.num_external_tokens) and not seq._admitted_once
+            if self.connector is not None and not external:
+                admitted = self._admit_with_connector(seq, budget, chunks)
+                if admitted is None:
+                    break  # the pool is full: wait for running requests to finish
+                budget -= admitted
+                continue
             if external:
                 # Loaded from elsewhere: all of it at once (a chunk boundary inside would leave
                 # tokens neither loaded nor computed).
@@ -269,6 +357,74 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _admit_with_connector(
+        self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]
+    ) -> int | None:
+        """Admit ``seq`` past its local hit and the connector's tokens; the tokens it computes
+        this step, or None when the pool cannot hold it now."""
+        assert self.connector is not None
+        found, hit = self.kv.get_computed_blocks(seq.kv)
+        hit_blocks = found if hit else None
+        ext, load_async = self.connector.match(seq, hit)
+        bs = self.connector.block_size
+        # whole blocks, leaving at least the last token to compute (its logits are sampled)
+        ext = max(0, min(ext, (seq.num_tokens - 1) // bs * bs - hit))
+        n = 0 if ext and load_async else min(seq.num_tokens - hit - ext, budget)
+        if ext:  # slots for the loaded tokens, counted computed only once the load is verified
+            new = self.kv.allocate_slots(seq.kv, 0, hit, hit_blocks, num_lookahead_tokens=ext + n)
+        else:
+            new = self.kv.allocate_slots(seq.kv, n, hit, hit_blocks)
+        if new is None:
+            return None
+        self.waiting.popleft()
+        first = not seq._admitted_once
+        self._count_hit(seq, hit)
+        self.stats.external_hit_tokens += ext
+        if first:
+            seq.num_external_hit_tokens = ext
+        rid = seq.request_id
+        block_ids = self.kv.get_block_ids(seq.kv)
+        self.connector.allocated(seq, list(block_ids[0]), ext, load_async)
+        if ext and load_async:
+            self.stats.num_async_loads += 1
+            seq.status = Status.LOADING
+            seq.num_computed_tokens = hit
+            self.loading[rid] = seq
+            return 0
+        if ext:
+            self._resync.add(rid)
+        seq.status = Status.RUNNING
+        seq.num_computed_tokens = hit + ext + n
+        self.running.append(seq)
+        chunks.append(ScheduledChunk(seq, hit + ext, n, True, block_ids))
+        return n
+
+    def kv_loaded(self, request_id: str, num_computed_tokens: int) -> None:
+        """A connector's asynchronous load of ``request_id`` ended: its first
+        ``num_computed_tokens`` tokens are in the cache (the rest, failed blocks included, are
+        computed); it joins the running requests at the next step."""
+        seq = self.aborted_loading.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq.kv)  # the transfer that might write its blocks has ended
+            return
+        seq = self.loading.pop(request_id)
+        seq.status = Status.RUNNING
+        seq.num_computed_tokens = num_computed_tokens
+        self.running.append(seq)
+        self._resync.add(request_id)
+        self._new_row.add(request_id)
+
+    def rewind(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """A load inside this step failed: ``seq`` recomputes from ``num_computed_tokens``."""
+        seq.num_computed_tokens = num_computed_tokens
+        self._resync.add(seq.request_id)
+
+    def kv_sent(self, request_id: str) -> None:
+        """The connector no longer reads finished request ``request_id``'s blocks: free them."""
+        seq = self.sending.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq.kv)
+
     def _count_hit(self, seq: Sequence, hit: int) -> None:
         s = self.stats
         s.prefix_query_tokens += seq.num_tokens
@@ -280,7 +436,21 @@ class Scheduler:
             seq.num_cached_prompt_tokens = hit
             seq._admitted_once = True
 
+    def _release(self, seq: Sequence) -> None:
+        """A finished ``seq``'s blocks: held (``hold_blocks``), kept for the connector, or freed."""
+        rid = seq.request_id
+        self._resync.discard(rid)
+        self._new_row.discard(rid)
+        if seq.hold_blocks:
+            self.held[rid] = seq
+        elif self.connector is not None and self.connector.finished(seq):
+            self.sending[rid] = seq
+        else:
+            self.kv.free(seq.kv)
+
     def _preempt(self, seq: Sequence) -> None:
+        self._resync.discard(seq.request_id)
+        self._new_row.discard(seq.request_id)
         self.kv.free(seq.kv)
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
@@ -303,15 +473,21 @@ class Scheduler:
         self.running.remove(seq)  # Sequence compares by identity (eq=False)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        if seq.hold_blocks:
-            self.held[seq.request_id] = seq
-        else:
-            self.kv.free(seq.kv)
+        self._release(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop request ``request_id`` wherever it is -- waiting, running, or finished and holding
         its blocks -- and free its blocks; the request, or None when the scheduler has none of
-        that id (a finished request that holds no blocks is the engine's alone)."""
+        that id (a finished request that holds no blocks is the engine's alone). A request a
+        connector loads into or reads from keeps its blocks until the connector reports it
+        (:meth:`kv_loaded`, :meth:`kv_sent`)."""
+        self._resync.discard(request_id)
+        self._new_row.discard(request_id)
+        if request_id in self.sending:
+            return self.sending[request_id]
+        if request_id in self.loading:
+            loading = self.aborted_loading[request_id] = self.loading.pop(request_id)
+            return loading
         seq = self.held.pop(request_id, None)
         if seq is None:
             seq = next((s for s in self.running if s.request_id == request_id), None)
@@ -352,10 +528,7 @@ class Scheduler:
             else:
                 continue
             seq.status = Status.FINISHED
-            if seq.hold_blocks:
-                self.held[seq.request_id] = seq
-            else:
-                self.kv.free(seq.kv)
+            self._release(seq)
             finished.append(seq)
         if finished:
             done = {id(s) for s in finished}

@@ -1,0 +1,305 @@
+"""The engine's side of the KV connector contract (``kv_connectors.KVConnector``), in vLLM v1's order.
+
+One :class:`KVConnectorDriver` per engine plays both of the contract's callers:
+
+- *scheduler side* (:class:`~kvstack.engine.scheduler.SchedulerConnector`): at admission, after
+  the local prefix hit, ``get_num_new_matched_tokens`` (external hits counted before allocation),
+  then ``update_state_after_alloc`` with the request's blocks; at the end ``request_finished``
+  (``delay_free``: the blocks stay until ``done_sending``) or ``abort_request``;
+- *worker side*, every step: ``build_connector_meta`` → ``start_load_kv``, then per layer
+  ``wait_for_layer_load`` before attention and ``save_kv_layer`` after it
+  (:class:`~kvstack.engine.runner.KVLayerHooks`), ``wait_for_save`` after the forward, and
+  ``get_finished`` / ``get_block_ids_with_load_errors`` / ``get_request_ids_with_save_errors``.
+
+Failures never lose a request and never pass wrong KV as loaded: a request whose load failed
+recomputes from its first failed block (an in-step load: its token of this step is dropped and the
+step is redone from there; an asynchronous load: it joins the batch from there). Counters are in
+:class:`KVConnectorStats` (``LLMEngine.stats().kv_connector``).
+
+The connector's blocks are the scheduler's: it is registered with the runner's cache and layout,
+whose ``block_size`` is the manager's. One KV-cache group only: the contract carries one block list
+per request, and a hybrid model's groups hold one block per group per position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kv_connectors import ConnectorMetadata, KVConnector
+
+from kvstack.engine.scheduler import ScheduledChunk, Scheduler
+from kvstack.engine.scheduler import Sequence as Seq
+
+if TYPE_CHECKING:
+    from kvstack.engine.runner import ModelRunner
+
+__all__ = ["KVConnectorDriver", "KVConnectorStats", "model_fingerprint"]
+
+log = logging.getLogger("kvstack.engine")
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A digest naming a checkpoint's model, for a connector config's ``model_fingerprint``: its
+    ``config.json`` (parsed, so formatting does not count) and every weight's name, shape and
+    dtype from the safetensors headers (the bytes are not read: a checkpoint of many GB is
+    fingerprinted in milliseconds). Two checkpoints with the same architecture but other weight
+    shapes or dtypes differ; two fine-tunes of one base with the same shapes do not -- give those
+    their own fingerprint (e.g. a content hash) where they share a store."""
+    root = Path(model_dir)
+    config = root / "config.json"
+    if not config.is_file():
+        raise ValueError(f"model_fingerprint: {str(root)!r} has no config.json; give a checkpoint")
+    h = hashlib.sha256()
+    h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    for path in sorted(root.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for name in sorted(header):
+            entry = header[name]
+            h.update(f"\n{name}:{entry['dtype']}:{entry['shape']}".encode())
+    return f"sha256:{h.hexdigest()[:32]}"
+
+
+@dataclass
+class KVConnectorStats:
+    """What the engine's connector did since the engine started."""
+
+    #: Tokens (and blocks) loaded from the connector and verified (a CPU tier hit, a disk hit, a
+    #: producer's prefill); tokens of failed blocks are not counted.
+    loaded_tokens: int = 0
+    loaded_blocks: int = 0
+    #: Loads that failed (some blocks): the request recomputed from its first failed block.
+    num_load_failures: int = 0
+    failed_blocks: int = 0
+    #: Requests whose KV a connector could not store (reported by the contract; nothing to undo).
+    num_save_errors: int = 0
+    #: Request id -> why its last load or save failed (the connector's reasons, newest kept).
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _RequestView:
+    """What a connector reads of a request (``kv_connectors.RequestLike``)."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    kv_transfer_params: Any = None
+
+
+@dataclass
+class _Load:
+    seq: Seq
+    hit: int  # tokens computed before the load (the local prefix hit)
+    block_ids: list[int]  # the blocks loaded, in token order
+
+
+class KVConnectorDriver:
+    """Drives ``connector`` for one engine (see the module docstring)."""
+
+    def __init__(self, connector: KVConnector, runner: ModelRunner) -> None:
+        if not isinstance(connector, KVConnector):
+            raise TypeError(
+                f"kv_connector is a {type(connector).__name__}; give a kv_connectors.KVConnector "
+                "(OffloadingConnector, FilesystemConnector, P2pConnector, NixlConnector or a "
+                "MultiConnector of them)"
+            )
+        groups = runner.kv_cache_config.groups
+        if len(groups) != 1:
+            raise ValueError(
+                f"kv_connector needs a model with one KV-cache group; {runner.arch.architecture} "
+                f"has {len(groups)} (e.g. full and sliding-window layers): the connector contract "
+                "carries one block list per request. Serve it without a connector"
+            )
+        layout = runner.layouts[0]
+        if connector.block_size != layout.block_size:
+            raise ValueError(
+                f"kv_connector.block_size={connector.block_size} but the engine's blocks hold "
+                f"{layout.block_size} tokens; build the connector with block_size="
+                f"{layout.block_size}"
+            )
+        connector.register_kv_caches(runner.kv_caches[0], layout)
+        self.connector = connector
+        self.runner = runner
+        self.block_size = layout.block_size
+        self.stats = KVConnectorStats()
+        self.scheduler: Scheduler | None = None  # set by the engine
+        self._meta: ConnectorMetadata | None = None
+        self._step_loads: dict[str, _Load] = {}  # loaded inside this step's forward
+        self._async_loads: dict[str, _Load] = {}  # loaded behind the steps
+        self._bad: set[int] = set()  # blocks with load errors not yet matched to a request
+        self._held_back = False  # request_finished kept blocks this step
+
+    def _view(self, seq: Seq, with_params: bool) -> _RequestView:
+        params = seq.kv_transfer_params if with_params else None
+        return _RequestView(seq.request_id, seq.kv.block_hashes, params)
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def match(self, seq: Seq, num_computed_tokens: int) -> tuple[int, bool]:
+        if seq.kv.block_hasher is None:  # (prefix caching off: the connector still keys by hash)
+            assert self.scheduler is not None
+            seq.kv.bind_hasher(self.scheduler.kv.hasher)
+        # A producer's params load the prompt once; a resume after preemption recomputes it.
+        view = self._view(seq, not seq._admitted_once)
+        return self.connector.get_num_new_matched_tokens(view, num_computed_tokens)
+
+    def allocated(
+        self, seq: Seq, block_ids: list[int], num_external_tokens: int, load_async: bool
+    ) -> None:
+        self.connector.update_state_after_alloc(
+            self._view(seq, True), block_ids, num_external_tokens
+        )
+        if num_external_tokens:
+            assert self.scheduler is not None
+            # the manager counts only the local hit until the load is verified
+            hit = self.scheduler.kv.num_computed_tokens(seq.request_id)
+            first = hit // self.block_size
+            ids = block_ids[first : first + num_external_tokens // self.block_size]
+            load = _Load(seq, hit, ids)
+            (self._async_loads if load_async else self._step_loads)[seq.request_id] = load
+
+    def finished(self, seq: Seq) -> bool:
+        assert self.scheduler is not None
+        block_ids = list(self.scheduler.kv.get_block_ids(seq.kv)[0])
+        # Only blocks whose every slot was computed: the last sampled token was never fed, so a
+        # block it completed holds one slot of junk (a store keyed by its hash would serve it).
+        view = self._view(seq, True)
+        view.block_hashes = view.block_hashes[: seq.num_computed_tokens // self.block_size]
+        delay, params = self.connector.request_finished(view, block_ids)
+        seq.kv_transfer_params_out = params
+        self._held_back |= delay
+        return delay
+
+    def abort(self, request_id: str) -> None:
+        """The engine dropped ``request_id``: end its transfers (its blocks stay with the
+        scheduler until the connector reports them)."""
+        self.connector.abort_request(request_id)
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """This step's metadata to the worker side; loads start (in-step ones finish by layer)."""
+        self._meta = self.connector.build_connector_meta()
+        self.connector.start_load_kv(self._meta)
+        if self._meta.loads:  # (NIXL and sockets write past torch's version counters)
+            self.runner.note_external_writes()
+
+    def before_attention(self, layer_slot: int) -> None:
+        self.connector.wait_for_layer_load(layer_slot)
+
+    def after_attention(self, layer_slot: int) -> None:
+        assert self._meta is not None
+        self.connector.save_kv_layer(layer_slot, self._meta)
+
+    def before_replay(self) -> None:
+        for slot in range(self.connector.kv.num_layers):
+            self.connector.wait_for_layer_load(slot)
+
+    def end_forward(self) -> dict[str, int]:
+        """After this step's forward (or in its place, a step with no batch): saves handed off;
+        the requests whose in-step load failed, each with the tokens it keeps (before its first
+        failed block)."""
+        self.connector.wait_for_save()
+        self._bad |= self.connector.get_block_ids_with_load_errors()
+        loads, self._step_loads = self._step_loads, {}
+        failed: dict[str, int] = {}
+        for rid, load in loads.items():
+            good = self._settle(rid, load)
+            if good < len(load.block_ids):
+                failed[rid] = load.hit + good * self.block_size
+        return failed
+
+    def recompute(
+        self,
+        failed: dict[str, int],
+        chunks: Sequence[ScheduledChunk],
+        logits: Any,
+        sampled: list[Seq],
+    ) -> tuple[Any, list[Seq]]:
+        """Requests of this step whose in-step load failed (``failed``: id -> tokens kept) are
+        rewound to recompute from there; their sampled rows (from wrong KV) are dropped. Returns
+        the ``(logits, sampled)`` to sample."""
+        assert self.scheduler is not None
+        for c in chunks:
+            if c.seq.request_id in failed:
+                self.scheduler.rewind(c.seq, failed[c.seq.request_id])
+        keep = [i for i, s in enumerate(sampled) if s.request_id not in failed]
+        return logits[keep], [sampled[i] for i in keep]
+
+    def idle_step(self) -> None:
+        """A step with no batch: saves handed off, finished transfers collected."""
+        self.end_forward()
+        self.poll(())
+        assert self.scheduler is not None
+        if self.scheduler.loading:
+            time.sleep(1e-3)  # nothing to compute: leave the core to the transfer threads
+
+    def _settle(self, rid: str, load: _Load) -> int:
+        """Blocks of ``load`` before its first failed one; counts it."""
+        good = next(
+            (i for i, b in enumerate(load.block_ids) if b in self._bad), len(load.block_ids)
+        )
+        self._bad.difference_update(load.block_ids)
+        s = self.stats
+        s.loaded_blocks += good
+        s.loaded_tokens += good * self.block_size
+        if good < len(load.block_ids):
+            s.num_load_failures += 1
+            s.failed_blocks += len(load.block_ids) - good
+            reason = self.connector.load_error_reasons.get(rid, "load error")
+            s.reasons[rid] = reason
+            log.warning(
+                "request %s: KV load failed (%s); recomputing %d blocks",
+                rid,
+                reason,
+                len(load.block_ids) - good,
+            )
+        return good
+
+    def poll(self, finished_req_ids: Iterable[str]) -> None:
+        """Collect what the connector finished: landed loads join the batch, sent blocks are
+        freed, save errors are counted."""
+        self._meta = None
+        self._collect(finished_req_ids)
+        if self._held_back:
+            # Saves of requests that finished this step run now, not at the next step: an idle
+            # engine would otherwise keep their blocks (and their request ids) indefinitely.
+            self._held_back = False
+            self.start_step()
+            self.connector.wait_for_save()
+            self._meta = None
+            self._collect(())
+
+    def _collect(self, finished_req_ids: Iterable[str]) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        sending, recving = self.connector.get_finished(finished_req_ids)
+        self._bad |= self.connector.get_block_ids_with_load_errors()
+        for rid in recving:
+            load = self._async_loads.pop(rid, None)
+            if load is None:
+                continue
+            good = self._settle(rid, load)
+            sched.kv_loaded(rid, load.hit + good * self.block_size)
+        if recving:
+            self.runner.note_external_writes()
+        for rid in sending:
+            sched.kv_sent(rid)
+        reasons = self.connector.save_error_reasons  # (collecting the ids clears them)
+        errors = self.connector.get_request_ids_with_save_errors()
+        if errors:
+            self.stats.num_save_errors += len(errors)
+            for rid in errors:
+                self.stats.reasons[rid] = reasons.get(rid, "save error")
+
+    def close(self) -> None:
+        self.connector.close()
