@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from kv_connectors import (
     FilesystemConfig,
     FilesystemConnector,
@@ -19,7 +20,6 @@ from kv_connectors import (
     P2pConfig,
     P2pConnector,
 )
-import torch
 from kvstack.engine.connector_driver import model_fingerprint
 from kvstack.engine.engine import LLMEngine
 from kvstack.engine.sampling import SamplingParams
@@ -60,7 +60,7 @@ def _evict_history(engine: LLMEngine) -> None:
     """Run other conversations until the pool has evicted the history's blocks."""
     for prompt in FLOOD:
         engine.generate([prompt], GREEDY)
-    assert engine.kv.get_computed_blocks(_request(HISTORY + [1]))[1] == 0  # gone from the pool
+    assert engine.kv.get_computed_blocks(_request([*HISTORY, 1]))[1] == 0  # gone from the pool
 
 
 def _request(tokens: list[int]) -> Any:
@@ -155,7 +155,16 @@ def test_save_errors_are_counted(llama_dir: Path, tmp_path: Path, monkeypatch: A
     disk.close()
 
 
-def _p2p(role: str, fingerprint: str) -> P2pConnector:
+def _p2p(role: str, fingerprint: str, transport: str = "p2p") -> Any:
+    if transport == "nixl":  # NIXL agents over UCX, in DRAM (both engines in this process)
+        pytest.importorskip("nixl")
+        from kv_connectors import NixlConfig
+        from kv_connectors.nixl import NixlConnector
+
+        nixl = NixlConfig(
+            role=role, timeout_s=20.0, model_fingerprint=fingerprint, progress_thread=False
+        )
+        return NixlConnector(nixl, block_size=BS)
     cfg = P2pConfig(role=role, timeout_s=20.0, model_fingerprint=fingerprint, buffer_bytes=1 << 16)
     return P2pConnector(cfg, block_size=BS)
 
@@ -177,12 +186,13 @@ def _drain(*engines: LLMEngine, limit_s: float = 30.0) -> None:
     assert not any(e.scheduler.has_pending_kv for e in engines)
 
 
-def test_prefill_engine_hands_a_request_to_a_decode_engine(llama_dir: Path) -> None:
+@pytest.mark.parametrize("transport", ["p2p", "nixl"])
+def test_prefill_engine_hands_a_request_to_a_decode_engine(llama_dir: Path, transport: str) -> None:
     fp = model_fingerprint(llama_dir)
     prompt = [*HISTORY, 9, 8, 7]  # 27 tokens: 6 full blocks move, the rest is computed
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     want = _recomputed(llama_dir, prompt, params)
-    prod, cons = _p2p("producer", fp), _p2p("consumer", fp)
+    prod, cons = _p2p("producer", fp, transport), _p2p("consumer", fp, transport)
     try:
         prefill, first = _prefill(llama_dir, prompt, prod)
         decode = _engine(llama_dir, cons)
