@@ -50,14 +50,14 @@ def _phase(models: list[str], jobs: int) -> dict:
     import torch
     from kv_kernels.cache import allocate_kv_cache, layer_view
     from kv_kernels.warmup import warm_paged_ops
-    from kv_spec import KVCacheLayout
+    from kv_spec import KVCacheLayout, LayoutOrder
 
-    out = {}
+    out: dict[str, object] = {}
     t_all = time.perf_counter()
     for model in models:
         for k in _layer_kinds(model):
             layout = KVCacheLayout(
-                order="LBNHC", num_layers=2, num_blocks=4096, num_kv_heads=k["num_kv_heads"],
+                order=LayoutOrder.LBNHC, num_layers=2, num_blocks=4096, num_kv_heads=k["num_kv_heads"],
                 block_size=16, head_size=k["head_size"], head_size_v=k["head_size_v"],
                 dtype=k["dtype"],
             )  # fmt: skip

@@ -159,7 +159,7 @@ def _run_new_case(
         print(json.dumps(flop_rec), flush=True)
 
 
-def _provenance() -> dict[str, str]:
+def _provenance() -> dict[str, str | bool | None]:
     """The card and versions a sweep ran on (its JSON carries them, as every record does)."""
     return {"device": torch.cuda.get_device_name(), **_versions()}
 

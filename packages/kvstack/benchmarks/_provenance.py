@@ -1,88 +1,9 @@
-"""Where a benchmark's numbers came from: package versions as installed and the git commit.
+"""tools/bench_provenance.py from this folder (a script has only its own folder on sys.path)."""
 
-One copy of this file sits in every ``packages/*/benchmarks`` folder, byte for byte the same
-(``packages/kvstack/tests/test_cli_bench.py`` checks it): the scripts import their siblings by
-plain name from their own folder (``python packages/<pkg>/benchmarks/bench_x.py`` puts only that
-folder on ``sys.path``), so a helper in one folder cannot serve another without path tricks, and
-the installed packages are no place for benchmark bookkeeping. Edit one copy, then copy it over
-the others.
-
-``provenance()`` returns flat ``str``/``bool`` fields, ready to merge into a record::
-
-    {"python": "3.12.3", "kv-spec": "0.2.0", ..., "torch": "2.11.0",
-     "git_commit": "d62806e...", "git_dirty": True}
-
-A package's version is ``importlib.metadata``'s (what is installed, editable workspace installs
-included), else the module's ``__version__`` (a source tree on ``PYTHONPATH``), else
-``"not installed"``. ``git_dirty`` says whether tracked files differed from the commit (the
-numbers may come from uncommitted code); both git fields are ``None`` outside a git checkout.
-"""
-
-from __future__ import annotations
-
-import functools
-import importlib
-import importlib.metadata as md
-import platform
-import subprocess
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
+from bench_provenance import WORKSPACE_PACKAGES, git_state, package_version, provenance
+
 __all__ = ["WORKSPACE_PACKAGES", "git_state", "package_version", "provenance"]
-
-#: distribution name -> import name of the workspace's packages, bottom layer first.
-WORKSPACE_PACKAGES = {
-    "kv-spec": "kv_spec",
-    "kv-kernels": "kv_kernels",
-    "kv-backends": "kv_backends",
-    "kv-blocktable": "kv_blocktable",
-    "kv-connectors": "kv_connectors",
-    "kvstack": "kvstack",
-}
-
-
-def package_version(dist: str, module: str | None = None) -> str:
-    """``dist``'s installed version, else ``module.__version__``, else ``"not installed"``."""
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        pass
-    try:
-        mod = importlib.import_module(module or dist.replace("-", "_"))
-    except ImportError:
-        return "not installed"
-    return str(getattr(mod, "__version__", "unknown (no __version__)"))
-
-
-@functools.cache
-def git_state() -> dict[str, str | bool | None]:
-    """``git_commit`` (full hash) and ``git_dirty`` of the checkout holding this file."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"],
-            capture_output=True, text=True, check=True, timeout=30,
-        ).stdout.strip()  # fmt: skip
-        status = subprocess.run(
-            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True, timeout=30,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-    return {"git_commit": commit, "git_dirty": bool(status.strip())}
-
-
-@functools.cache
-def _provenance(others: tuple[str, ...]) -> dict[str, str | bool | None]:
-    out: dict[str, str | bool | None] = {"python": platform.python_version()}
-    for dist, module in WORKSPACE_PACKAGES.items():
-        out[dist] = package_version(dist, module)
-    for dist in others:
-        out[dist] = package_version(dist)
-    out.update(git_state())
-    return out
-
-
-def provenance(*others: str) -> dict[str, str | bool | None]:
-    """Python, the workspace packages' and ``others``' versions, and the git state (a fresh
-    dict each call; computed once per process)."""
-    return dict(_provenance(tuple(others)))
