@@ -58,23 +58,23 @@ def _per_package() -> list[object]:
     return [nox.param(p, id=p, tags=[p]) for p in PACKAGES]
 
 
-@nox.session(tags=["tests"])
-@nox.parametrize("package", _per_package())
-def tests(session: nox.Session, package: str) -> None:
-    """A package's CPU tests, in an env with only that package, its dependencies and pytest."""
+def _pytest(session: nox.Session, package: str, marks: str, **kw: object) -> None:
+    """A package's tests selected by ``marks``, in an env with only that package, its
+    dependencies and the test groups it needs."""
     extra = [a for g in TEST_GROUPS.get(package, ()) for a in ("--group", g)]
     extra += [a for e in TEST_EXTRAS.get(package, ()) for a in ("--extra", e)]
     _sync(session, "--package", package, "--group", "test", *extra)
     session.run(
-        "python",
-        "-m",
-        "pytest",
-        f"packages/{package}/tests",
-        "-m",
-        "not gpu and not slow",
-        "-q",
-        *session.posargs,
-    )
+        "python", "-m", "pytest", f"packages/{package}/tests", "-m", marks, "-q",
+        *session.posargs, **kw,
+    )  # fmt: skip
+
+
+@nox.session(tags=["tests"])
+@nox.parametrize("package", _per_package())
+def tests(session: nox.Session, package: str) -> None:
+    """A package's CPU tests (the default run: CI-sized; ``slow`` has the longer ones)."""
+    _pytest(session, package, "not gpu and not slow")
 
 
 @nox.session(default=False, tags=["slow"])
@@ -83,20 +83,7 @@ def slow(session: nox.Session, package: str) -> None:
     """The tests marked slow (larger matrices and longer property runs than CI's default run,
     whose CI-sized cases stay in ``tests``); KVSTACK_HYPOTHESIS_EXAMPLES lengthens the property
     runs further."""
-    extra = [a for g in TEST_GROUPS.get(package, ()) for a in ("--group", g)]
-    extra += [a for e in TEST_EXTRAS.get(package, ()) for a in ("--extra", e)]
-    _sync(session, "--package", package, "--group", "test", *extra)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        f"packages/{package}/tests",
-        "-m",
-        "slow and not gpu",
-        "-q",
-        *session.posargs,
-        success_codes=[0, 5],  # (5: a package with no slow test)
-    )
+    _pytest(session, package, "slow and not gpu", success_codes=[0, 5])  # 5: none marked
 
 
 @nox.session(tags=["tests"])
