@@ -62,3 +62,16 @@ def test_warmup_off_builds_nothing_ahead(qwen3_dir: Path, monkeypatch: pytest.Mo
 def test_warmup_takes_a_bool(qwen3_dir: Path) -> None:
     with pytest.raises(TypeError, match=r"warmup='yes' is a str; give True or False"):
         LLMEngine(qwen3_dir, warmup="yes", **_ARGS)
+
+
+def test_max_model_len_past_the_trained_positions_needs_the_override(qwen3_dir: Path) -> None:
+    """vLLM's rule, in the engine as in the CLI: max_model_len above max_position_embeddings
+    only with allow_long_max_model_len=True."""
+    from kvstack.engine.hf_config import load_arch_config
+
+    mpe = load_arch_config(qwen3_dir).max_position_embeddings
+    args = dict(_ARGS, max_model_len=mpe + 1, num_blocks=None, kv_cache_memory=2**24)
+    with pytest.raises(ValueError, match=rf"max_model_len={mpe + 1} is above .*={mpe}.*allow_long"):
+        LLMEngine(qwen3_dir, warmup=False, **args)
+    engine = LLMEngine(qwen3_dir, warmup=False, allow_long_max_model_len=True, **args)
+    assert engine.runner.max_model_len == mpe + 1

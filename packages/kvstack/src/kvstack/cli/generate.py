@@ -287,6 +287,7 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
         args.model_dir, device=device, dtype=getattr(torch, dtype),
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=max(1, len(prompts)),
+        allow_long_max_model_len=args.allow_long_max_model_len,
     )  # fmt: skip
     out = sys.stdout
     several = len(prompts) > 1

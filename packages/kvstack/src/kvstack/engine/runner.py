@@ -110,7 +110,8 @@ class ModelRunner:
       size to unify page sizes; each group's spec says what it got).
     - ``kv_cache_memory`` (bytes) or ``num_blocks`` size the cache; with neither, it holds
       :data:`DEFAULT_CACHE_REQUESTS` requests of ``max_model_len`` tokens.
-    - ``max_model_len`` defaults to ``max_position_embeddings``.
+    - ``max_model_len`` defaults to ``max_position_embeddings`` and may pass it only with
+      ``allow_long_max_model_len=True`` (as vLLM's override).
     - ``backend`` forces one backend name for every group (the selector's ``prefer``: an error
       with its reasons if it cannot serve a group, never a silent fallback).
     - ``layout_order``: the physical KV-cache order (kv-spec's six names).
@@ -135,6 +136,7 @@ class ModelRunner:
         backend: str | None = None,
         layout_order: LayoutOrder | str = "LBNHC",
         cuda_graphs: bool | None = None,
+        allow_long_max_model_len: bool = False,
     ) -> None:
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} must be None, True or False")
@@ -179,6 +181,19 @@ class ModelRunner:
         )
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len={self.max_model_len} must be positive")
+        if not isinstance(allow_long_max_model_len, bool):
+            raise TypeError(
+                f"ModelRunner: allow_long_max_model_len={allow_long_max_model_len!r} is a "
+                f"{type(allow_long_max_model_len).__name__}; give True or False"
+            )
+        mpe = self.arch.max_position_embeddings
+        if self.max_model_len > mpe and not allow_long_max_model_len:
+            # (vLLM's rule: positions the model was not trained for, only when asked)
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is above the model's "
+                f"max_position_embeddings={mpe} (config.json); give at most {mpe}, or pass "
+                "allow_long_max_model_len=True to run positions the model was not trained for"
+            )
         self.max_num_batched_tokens = max_num_batched_tokens
         t0 = time.perf_counter()
         self.model: CausalLM = load_model(
