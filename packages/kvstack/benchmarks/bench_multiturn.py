@@ -1,0 +1,209 @@
+"""Multi-turn conversations whose history outgrows the KV pool: the engine with and without a CPU
+tier (``OffloadingConnector``) behind its prefix cache, in one process, on the same workload.
+
+Workload: ``--conversations`` conversations take turns (round robin), ``--turns`` turns each; a turn
+sends the whole history so far plus ``--user-tokens`` new tokens and generates ``--reply-tokens``
+(greedy, no EOS), and the reply joins the history. The pool (``--pool-blocks``) holds fewer blocks
+than the conversations' histories together, so by the time a conversation comes back, the pool
+has evicted its history: without a tier every turn recomputes it; with the tier the history's full
+blocks come back from host memory (``--disk`` adds a ``FilesystemConnector`` behind it, in a
+temporary directory, through a ``MultiConnector``).
+
+Reported per mode: time to first token of every turn (add_request to the first token: the prefill
+of the history and the new tokens, loads included) by turn index, its median over turns >= 1 (those
+that can hit), tokens generated per second over the whole run, prompt tokens computed vs loaded,
+and whether every reply equals the no-tier run's (greedy; a tier must not change a token).
+
+The issue's goal (a CPU-tier hit on a >= 4k-token prefix: TTFT <= 1/3 of recomputing it) is for
+GPUs (``--device cuda --hidden 2048 --layers 16 --user-tokens 1024 --turns 5``); numbers from a
+CPU run are no performance claim.
+
+    python packages/kvstack/benchmarks/bench_multiturn.py [--quick] [--device cuda] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _provenance import provenance
+
+
+def _checkpoint(root: Path, hidden: int, layers: int, heads: int, vocab: int, max_len: int) -> Path:
+    from kvstack.demo import write_random_checkpoint
+
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 4),
+        "head_dim": hidden // heads, "vocab_size": vocab, "max_position_embeddings": max_len,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "eos_token_id": None,
+    }  # fmt: skip
+    return write_random_checkpoint(root / "llama", config)
+
+
+def _run(engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    from kvstack.engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    histories: list[list[int]] = [[] for _ in range(args.conversations)]
+    params = SamplingParams(max_new_tokens=args.reply_tokens, ignore_eos=True)
+    ttft: dict[int, list[float]] = {t: [] for t in range(args.turns)}
+    replies: list[list[int]] = []
+    generated = 0
+    start = time.perf_counter()
+    for turn in range(args.turns):
+        for c in range(args.conversations):
+            prompt = (
+                histories[c] + torch.randint(0, vocab, (args.user_tokens,), generator=g).tolist()
+            )
+            rid = engine.add_request(f"c{c}t{turn}", prompt, params)
+            t0 = time.perf_counter()
+            first: float | None = None
+            tokens: list[int] = []
+            while engine.has_unfinished:
+                for ev in engine.step():
+                    if ev.request_id == rid:
+                        if first is None:
+                            if torch.cuda.is_available():
+                                torch.cuda.synchronize()
+                            first = time.perf_counter() - t0
+                        tokens.append(ev.token_id)
+            engine.completion(rid)
+            assert first is not None
+            ttft[turn].append(first)
+            replies.append(tokens)
+            generated += len(tokens)
+            histories[c] = prompt + tokens
+    wall = time.perf_counter() - start
+    stats = engine.stats()
+    later = [s for t in range(1, args.turns) for s in ttft[t]]
+    kvc = stats.kv_connector
+    return {
+        "ttft_s_by_turn": {str(t): v for t, v in ttft.items()},
+        "ttft_median_s_turns_ge_1": statistics.median(later) if later else None,
+        "tokens_per_s": generated / wall,
+        "wall_s": wall,
+        "prompt_tokens_computed": stats.num_computed_tokens,
+        "pool_hit_tokens": stats.scheduler.prefix_hit_tokens,
+        "tier_loaded_tokens": 0 if kvc is None else kvc.loaded_tokens,
+        "tier_load_failures": 0 if kvc is None else kvc.num_load_failures,
+        "final_history_tokens": [len(h) for h in histories],
+        "_replies": replies,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model and workload (CI, CPU)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--user-tokens", type=int, default=512)
+    ap.add_argument("--reply-tokens", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--pool-blocks", type=int, default=0, help="0: 1.5 conversations' histories")
+    ap.add_argument("--disk", action="store_true", help="a filesystem tier behind the CPU tier")
+    ap.add_argument("--out", type=Path, default=None, help="write multiturn_<device>.json here")
+    args = ap.parse_args()
+    if args.quick:
+        args.conversations, args.turns, args.user_tokens, args.reply_tokens = 3, 3, 48, 8
+        args.hidden, args.layers, args.heads = 64, 2, 4
+    from kv_connectors import (
+        FilesystemConfig,
+        FilesystemConnector,
+        MultiConnector,
+        OffloadingConfig,
+        OffloadingConnector,
+    )
+    from kvstack.engine.connector_driver import model_fingerprint
+    from kvstack.engine.engine import LLMEngine
+
+    bs = args.block_size
+    final = args.turns * (args.user_tokens + args.reply_tokens)
+    max_len = -(-(final + bs) // bs) * bs
+    pool = args.pool_blocks or max(-(-max_len // bs) + 1, 3 * final // (2 * bs))
+    vocab = 1024
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    # The tier holds every conversation's history twice over: this measures hits, not eviction.
+    kv_heads, head = max(1, args.heads // 4), args.hidden // args.heads
+    row = args.layers * bs * kv_heads * 2 * head * (2 if dtype == torch.bfloat16 else 4)
+    tier_bytes = 2 * args.conversations * (-(-final // bs)) * row
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvstack-multiturn-") as tmp:
+        model_dir = _checkpoint(Path(tmp), args.hidden, args.layers, args.heads, vocab, max_len)
+        modes = ["no_tier", "cpu_tier"] + (["cpu_and_disk_tier"] if args.disk else [])
+        for mode in modes:
+            connector: Any = None
+            if mode != "no_tier":
+                tier = OffloadingConnector(OffloadingConfig(cpu_bytes=tier_bytes), block_size=bs)
+                connector = tier
+                if mode == "cpu_and_disk_tier":
+                    disk = FilesystemConnector(
+                        FilesystemConfig(
+                            root=Path(tmp) / "disk", model_fingerprint=model_fingerprint(model_dir)
+                        ),
+                        block_size=bs,
+                    )
+                    connector = MultiConnector([tier, disk])
+            engine = LLMEngine(
+                model_dir, device=args.device, dtype=dtype, block_size=bs, num_blocks=pool,
+                max_model_len=max_len, max_num_batched_tokens=max_len, max_num_seqs=4,
+                kv_connector=connector,
+            )  # fmt: skip
+            results[mode] = _run(engine, args, vocab)
+            if connector is not None:
+                connector.close()
+    base = results["no_tier"].pop("_replies")
+    for mode in modes[1:]:
+        results[mode]["replies_equal_no_tier"] = results[mode].pop("_replies") == base
+        a = results[mode]["ttft_median_s_turns_ge_1"]
+        b = results["no_tier"]["ttft_median_s_turns_ge_1"]
+        results[mode]["ttft_ratio_vs_no_tier"] = a / b if a and b else None
+    record = {
+        "benchmark": "multiturn",
+        "device": torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else platform.processor() or "cpu",
+        "note": "CPU runs are no performance claim; the issue's goal is measured on GPUs",
+        "config": {k: v for k, v in vars(args).items() if k != "out"}
+        | {
+            "pool_blocks": pool,
+            "max_model_len": max_len,
+            "dtype": str(dtype),
+            "tier_bytes": tier_bytes,
+        },
+        "results": results,
+        **provenance("torch"),
+    }
+    text = json.dumps(record, indent=2)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"multiturn_{args.device.split(':')[0]}.json"
+        path.write_text(text + "\n")
+        print(f"wrote {path}")
+    for mode, r in results.items():
+        print(
+            f"{mode:>18}: TTFT median (turns >= 1) {r['ttft_median_s_turns_ge_1'] * 1000:8.1f} ms, "
+            f"{r['tokens_per_s']:7.1f} tok/s, computed {r['prompt_tokens_computed']}, "
+            f"loaded {r['tier_loaded_tokens']}"
+            + (
+                f", replies equal: {r['replies_equal_no_tier']}"
+                if "replies_equal_no_tier" in r
+                else ""
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
