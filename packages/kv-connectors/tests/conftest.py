@@ -175,11 +175,16 @@ class RemoteLoad:
         tp_rank: int = 0,
     ) -> list[torch.Tensor]:
         """The logical bytes (``[L, H, N, Cb]`` each) the consumer's blocks hold after loading
-        ``producer_blocks`` of cache ``src``: merged to the consumer's block size, its TP heads."""
+        ``producer_blocks`` of cache ``src``: merged or split to the consumer's block size, its TP
+        heads."""
         blocks = [block_bytes(src, prod, b) for b in producer_blocks]
-        if cons.block_size != prod.block_size:
+        if cons.block_size > prod.block_size:  # merged: k producer blocks per consumer block
             k = cons.block_size // prod.block_size
             blocks = [torch.cat(blocks[i : i + k], dim=2) for i in range(0, len(blocks), k)]
+        elif cons.block_size < prod.block_size:  # split: each producer block into k
+            n = cons.block_size
+            k = prod.block_size // n
+            blocks = [b[:, :, i * n : (i + 1) * n] for b in blocks for i in range(k)]
         if cons.num_kv_heads != prod.num_kv_heads:
             h = cons.num_kv_heads
             blocks = [b[:, tp_rank * h : (tp_rank + 1) * h] for b in blocks]

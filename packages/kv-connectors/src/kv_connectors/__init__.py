@@ -16,6 +16,8 @@ survives restarts), :class:`P2pConnector` (torch.distributed: gloo/NCCL), :class
 from __future__ import annotations
 
 from kv_connectors.base import (
+    FAULTS,
+    ConnectorCapabilities,
     ConnectorMetadata,
     KVConnector,
     LoadSpec,
@@ -49,9 +51,11 @@ from kv_connectors.views import CacheSegment, RegisteredKV
 __version__ = "0.2.0"
 
 __all__ = [
+    "FAULTS",
     "ARCPolicy",
     "BlockFileError",
     "CacheSegment",
+    "ConnectorCapabilities",
     "ConnectorMetadata",
     "EvictionPolicy",
     "FilesystemConfig",

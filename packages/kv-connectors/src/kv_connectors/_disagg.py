@@ -52,7 +52,14 @@ from kv_connectors._sidechannel import (
     request,
     send_msg,
 )
-from kv_connectors.base import KVConnector, LoadSpec, RequestLike, log, transfer_params_of
+from kv_connectors.base import (
+    ConnectorCapabilities,
+    KVConnector,
+    LoadSpec,
+    RequestLike,
+    log,
+    transfer_params_of,
+)
 from kv_connectors.config import (
     KVRole,
     NixlConfig,
@@ -112,6 +119,9 @@ class DisaggConnector(ProducerHolds, KVConnector):
     """Base of P2P and NIXL; subclasses serve sessions and pull bytes."""
 
     transport: ClassVar[str] = ""
+    CAPABILITIES = ConnectorCapabilities(
+        kind="transfer", load_async=True, converts_layouts=True, faults=("peer_gone",)
+    )
 
     def __init__(
         self, config: P2pConfig | NixlConfig, *, block_size: int, tp_rank: int = 0, tp_size: int = 1

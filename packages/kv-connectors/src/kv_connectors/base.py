@@ -41,7 +41,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from kv_kernels import KVCacheStorage
 from kv_spec import KVCacheLayout
@@ -51,6 +51,8 @@ from kv_connectors.handshake import KVTransferParams
 from kv_connectors.views import RegisteredKV
 
 __all__ = [
+    "FAULTS",
+    "ConnectorCapabilities",
     "ConnectorMetadata",
     "KVConnector",
     "LoadSpec",
@@ -112,6 +114,44 @@ class ConnectorMetadata:
     saves: tuple[SaveSpec, ...] = ()
 
 
+#: The failure-model faults a connector may declare (``ConnectorCapabilities.faults``); the
+#: contract suite (``tests/test_contract.py``) injects each one a connector declares.
+FAULTS: dict[str, str] = {
+    "corrupt_block": "a stored block's bytes were damaged: that block is a load error, never KV",
+    "peer_gone": "the producer went away before the pull: a load error within the timeout",
+}
+
+
+@dataclass(frozen=True)
+class ConnectorCapabilities:
+    """What a connector declares, as data (read by the contract suite and by engines).
+
+    ``kind``: ``"store"`` (saves finished requests' blocks under their block hashes, loads them
+    back for a later request with the same prefix) or ``"transfer"`` (a producer's
+    ``request_finished`` returns params a consumer loads from). ``load_async``: loads end in
+    ``done_recving`` (else inside the step, layer by layer). ``converts_layouts``: a load may
+    target another physical order, block size (exact merge / split) and TP head split than the
+    source's (the handshake plans it); a store loads only into the layout it saved from.
+    ``faults``: the :data:`FAULTS` it handles.
+    """
+
+    kind: str
+    load_async: bool
+    converts_layouts: bool = False
+    faults: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("store", "transfer"):
+            raise ValueError(
+                f"ConnectorCapabilities.kind={self.kind!r}: give 'store' or 'transfer'"
+            )
+        unknown = sorted(set(self.faults) - set(FAULTS))
+        if unknown:
+            raise ValueError(
+                f"ConnectorCapabilities.faults {unknown} are not in FAULTS {sorted(FAULTS)}"
+            )
+
+
 @dataclass
 class _WorkerState:
     kv: RegisteredKV | None = None
@@ -127,8 +167,15 @@ class KVConnector(ABC):
     """Base of every connector: the bookkeeping both sides share; subclasses move the bytes.
 
     ``block_size`` is the engine's block size in tokens (what ``num_computed_tokens`` and block
-    hashes count in).
+    hashes count in). Each concrete connector declares :attr:`CAPABILITIES`.
     """
+
+    CAPABILITIES: ClassVar[ConnectorCapabilities]
+
+    @property
+    def capabilities(self) -> ConnectorCapabilities:
+        """What this connector declares (its class's :attr:`CAPABILITIES`)."""
+        return type(self).CAPABILITIES
 
     def __init__(self, *, block_size: int) -> None:
         check_int(type(self).__name__, "block_size", block_size, minimum=1)

@@ -45,7 +45,15 @@ from typing import Any
 
 import torch
 
-from kv_connectors.base import ConnectorMetadata, KVConnector, LoadSpec, RequestLike, SaveSpec, log
+from kv_connectors.base import (
+    ConnectorCapabilities,
+    ConnectorMetadata,
+    KVConnector,
+    LoadSpec,
+    RequestLike,
+    SaveSpec,
+    log,
+)
 from kv_connectors.config import FilesystemConfig, check_timeout
 from kv_connectors.views import RegisteredKV
 
@@ -167,6 +175,8 @@ def _check_root(root: Path) -> None:
 
 class FilesystemConnector(KVConnector):
     """Disk tier keyed by block hash; see the module docstring."""
+
+    CAPABILITIES = ConnectorCapabilities(kind="store", load_async=False, faults=("corrupt_block",))
 
     def __init__(self, config: FilesystemConfig, *, block_size: int) -> None:
         if not isinstance(config, FilesystemConfig):

@@ -17,7 +17,7 @@ from typing import Any
 from kv_kernels import KVCacheStorage
 from kv_spec import KVCacheLayout
 
-from kv_connectors.base import ConnectorMetadata, KVConnector, RequestLike
+from kv_connectors.base import ConnectorCapabilities, ConnectorMetadata, KVConnector, RequestLike
 
 __all__ = ["MultiConnector", "MultiConnectorMetadata"]
 
@@ -44,8 +44,24 @@ class MultiConnector(KVConnector):
             raise ValueError(f"child connectors count blocks of different sizes {sorted(sizes)}")
         super().__init__(block_size=sizes.pop())
         self.connectors = tuple(children)
+        kinds = {c.capabilities.kind for c in children}
+        self._capabilities = ConnectorCapabilities(  # what the children offer together
+            kind=kinds.pop() if len(kinds) == 1 else "store",
+            load_async=any(c.capabilities.load_async for c in children),
+            converts_layouts=all(c.capabilities.converts_layouts for c in children),
+            # a fault one child handles may be served by another child instead: only faults
+            # every child handles are the multi's
+            faults=tuple(sorted(set.intersection(*(set(c.capabilities.faults) for c in children)))),
+        )
         self._chosen: dict[str, int] = {}
         self._sending: dict[str, set[int]] = {}  # request -> children still holding its blocks
+
+    #: A MultiConnector's capabilities are its children's (:attr:`capabilities`).
+    CAPABILITIES = ConnectorCapabilities(kind="store", load_async=False)
+
+    @property
+    def capabilities(self) -> ConnectorCapabilities:
+        return self._capabilities
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -108,6 +124,7 @@ class MultiConnector(KVConnector):
     ) -> None:
         for c in self.connectors:
             c.register_kv_caches(storages, layouts)
+        self._worker.kv = self.connectors[0].kv  # (``kv``: the same caches, read as one)
 
     def _child_meta(self, meta: ConnectorMetadata, i: int) -> ConnectorMetadata:
         if not isinstance(meta, MultiConnectorMetadata) or len(meta.children) != len(

@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-from kv_connectors.base import ConnectorMetadata, KVConnector, LoadSpec, RequestLike, SaveSpec, log
+from kv_connectors.base import (
+    ConnectorCapabilities,
+    ConnectorMetadata,
+    KVConnector,
+    LoadSpec,
+    RequestLike,
+    SaveSpec,
+    log,
+)
 from kv_connectors.config import EvictionPolicy, OffloadingConfig
 from kv_connectors.policies import Policy, make_policy
 from kv_connectors.views import RegisteredKV
@@ -69,6 +77,8 @@ def _runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int
 
 class OffloadingConnector(KVConnector):
     """GPU <-> pinned CPU tier; see the module docstring."""
+
+    CAPABILITIES = ConnectorCapabilities(kind="store", load_async=False)
 
     def __init__(self, config: OffloadingConfig, *, block_size: int) -> None:
         if not isinstance(config, OffloadingConfig):
