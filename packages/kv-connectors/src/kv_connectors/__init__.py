@@ -11,6 +11,8 @@ conversion exists, refusing with a reason otherwise.
 Connectors: :class:`OffloadingConnector` (GPU <-> pinned CPU), :class:`FilesystemConnector` (disk,
 survives restarts), :class:`P2pConnector` (torch.distributed: gloo/NCCL), :class:`NixlConnector`
 (NIXL over UCX; ``from kv_connectors.nixl import NixlConnector``, needs the ``nixl`` extra) and :class:`MultiConnector`.
+P2P and NIXL share :class:`TransferConnector` (:mod:`kv_connectors.transfer`), the base of a
+producer -> consumer transport.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from kv_connectors.multi import MultiConnector, MultiConnectorMetadata
 from kv_connectors.offloading import OffloadingConnector, OffloadStats
 from kv_connectors.p2p import P2pConnector
 from kv_connectors.policies import ARCPolicy, LRUPolicy, Policy
+from kv_connectors.transfer import RemotePlan, TransferConnector
 from kv_connectors.views import CacheSegment, RegisteredKV
 
 __version__ = "0.2.0"
@@ -77,8 +80,10 @@ __all__ = [
     "P2pConnector",
     "Policy",
     "RegisteredKV",
+    "RemotePlan",
     "RequestLike",
     "SaveSpec",
+    "TransferConnector",
     "TransferMode",
     "__version__",
     "convert_rows",

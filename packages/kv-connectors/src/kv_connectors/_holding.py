@@ -1,5 +1,5 @@
 """The producer's side of a disaggregated transfer: which finished requests it holds for
-consumers, and which pulls pin them (see :mod:`kv_connectors._disagg`).
+consumers, and which pulls pin them (see :mod:`kv_connectors.transfer`).
 
 A held request is reported in ``done_sending`` (its blocks may be freed) only when no pull of it is
 in flight and either a consumer confirmed a complete pull or no pull started within
@@ -35,7 +35,7 @@ class Held:
 
 
 class ProducerHolds:
-    """Mixin of :class:`~kv_connectors._disagg.DisaggConnector`: the held requests and their pulls,
+    """Mixin of :class:`~kv_connectors.transfer.TransferConnector`: the held requests and their pulls,
     under the connector's ``_lock`` (which also guards ``done_sending``)."""
 
     _lock: threading.Lock

@@ -278,7 +278,7 @@ class P2pConfig:
     """Direct transfer between two workers over ``torch.distributed`` point-to-point.
 
     ``host``/``port``: where this worker's side channel listens (port 0 = pick a free one).
-    ``role``: ``producer``, ``consumer`` or ``both`` (see :mod:`kv_connectors._disagg`).
+    ``role``: ``producer``, ``consumer`` or ``both`` (see :mod:`kv_connectors.transfer`).
     ``backend``: ``"gloo"`` (CPU tensors), ``"nccl"`` (CUDA tensors) or ``"auto"`` (from the cache's
     device). ``buffer_bytes`` bounds the staging buffer of one transfer chunk on each side (a
     transfer larger than it moves in several chunks). ``timeout_s`` bounds every send, receive

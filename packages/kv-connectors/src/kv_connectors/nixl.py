@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from kv_connectors._disagg import DisaggConnector, RemotePlan
 from kv_connectors._sidechannel import recv_msg, send_msg
 from kv_connectors.base import LoadSpec, log
 from kv_connectors.config import NixlConfig, TransferMode
 from kv_connectors.handshake import HandshakeRefused
+from kv_connectors.transfer import RemotePlan, TransferConnector
 from kv_connectors.views import RegisteredKV
 
 __all__ = ["NixlConnector"]
@@ -106,7 +106,7 @@ class _Remote:
         return sum(self.range_lens)
 
 
-class NixlConnector(DisaggConnector):
+class NixlConnector(TransferConnector):
     """Producer and consumer of KV over NIXL; see the module docstring."""
 
     transport = "nixl"

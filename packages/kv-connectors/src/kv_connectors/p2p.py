@@ -1,6 +1,6 @@
 """``P2pConnector``: KV between two workers over ``torch.distributed`` point-to-point.
 
-Control travels on the side channel (JSON over TCP, see :mod:`kv_connectors._disagg`); bytes travel
+Control travels on the side channel (JSON over TCP, see :mod:`kv_connectors.transfer`); bytes travel
 on a two-rank process group made per session (gloo between CPU processes, NCCL between GPUs), the
 producer as rank 0 and the consumer as rank 1, rendezvous through a ``TCPStore`` the producer
 hosts on its side-channel address. No global process group is touched, so a worker can talk to
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kv_connectors._disagg import DisaggConnector, RemotePlan
 from kv_connectors._sidechannel import recv_msg, send_msg
 from kv_connectors.base import LoadSpec, log
 from kv_connectors.config import P2pConfig, TransferMode, parse_address
 from kv_connectors.handshake import HandshakeRefused
+from kv_connectors.transfer import RemotePlan, TransferConnector
 from kv_connectors.views import RegisteredKV
 
 __all__ = ["P2pConnector"]
@@ -69,7 +69,7 @@ class _Session:
     identity: tuple[Any, ...] = ()  # (engine id, hashes, model fingerprint), set by the handshake
 
 
-class P2pConnector(DisaggConnector):
+class P2pConnector(TransferConnector):
     """Producer and consumer of KV over torch.distributed point-to-point; see the module docstring."""
 
     transport = "p2p"

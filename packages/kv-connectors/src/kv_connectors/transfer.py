@@ -1,5 +1,8 @@
-"""What the disaggregated connectors (P2P, NIXL) share: producer bookkeeping, the consumer's
-handshake planning, asynchronous loads on worker threads, and the failure model.
+"""``TransferConnector``: the base of connectors that move KV from a producer worker to a consumer
+worker over a transport (P2P over torch.distributed, NIXL over UCX): producer bookkeeping, the
+consumer's handshake planning, asynchronous loads on worker threads, and the failure model. A new
+transport subclasses it and implements the session (``_setup_transport``, ``_serve_session``) and
+the pull (``_open_peer``, ``_pull_in``, ``_release_peer``).
 
 Roles (``config.role``): a ``producer`` serves its finished requests and never loads, a ``consumer``
 loads and never serves, ``both`` (the default) serves every finished request that it did not load
@@ -16,7 +19,7 @@ expired — a consumer never reports success for a READ that completes after its
 asked for after ``abandon_after_s`` is refused (a load error on the consumer).
 
 Consumer (decode): a request carrying producer params (``request.kv_transfer_params`` or
-:meth:`DisaggConnector.add_remote_request`) is planned against the local layouts
+:meth:`TransferConnector.add_remote_request`) is planned against the local layouts
 (:func:`~kv_connectors.handshake.plan_conversion`); a refusal means zero matched tokens (the engine
 computes the prompt) and its reason is kept in ``load_error_reasons``; so does a producer whose
 ``model_fingerprint`` differs from this worker's. Peers are cached per producer address; when the
@@ -77,7 +80,7 @@ from kv_connectors.handshake import (
 )
 from kv_connectors.views import RegisteredKV
 
-__all__ = ["DisaggConnector", "RemotePlan"]
+__all__ = ["RemotePlan", "TransferConnector"]
 
 
 class _Peer(Protocol):
@@ -115,8 +118,9 @@ class RemotePlan:
         return self.convs[0].split
 
 
-class DisaggConnector(ProducerHolds, KVConnector):
-    """Base of P2P and NIXL; subclasses serve sessions and pull bytes."""
+class TransferConnector(ProducerHolds, KVConnector):
+    """Base of the producer -> consumer transports (P2P, NIXL); subclasses serve sessions and
+    pull bytes (see the module docstring)."""
 
     transport: ClassVar[str] = ""
     CAPABILITIES = ConnectorCapabilities(
