@@ -15,6 +15,7 @@ import torch
 from kv_connectors import (
     FilesystemConfig,
     FilesystemConnector,
+    MultiConnector,
     OffloadingConfig,
     OffloadingConnector,
     P2pConfig,
@@ -63,15 +64,29 @@ def _evict_history(engine: LLMEngine) -> None:
     assert engine.kv.get_computed_blocks(_request([*HISTORY, 1]))[1] == 0  # gone from the pool
 
 
+def _hashes(engine: LLMEngine, tokens: list[int]) -> list[bytes]:
+    req = _request(tokens)
+    req.bind_hasher(engine.kv.hasher)
+    return req.block_hashes
+
+
 def _request(tokens: list[int]) -> Any:
     from kv_blocktable import Request
 
     return Request("probe", tokens)
 
 
-def test_cpu_tier_serves_a_prefix_the_pool_evicted(llama_dir: Path) -> None:
+@pytest.mark.parametrize("tiers", ["cpu", "cpu+disk"])
+def test_cpu_tier_serves_a_prefix_the_pool_evicted(
+    llama_dir: Path, tmp_path: Path, tiers: str
+) -> None:
     tier = OffloadingConnector(OffloadingConfig(cpu_bytes=64 * 2048), block_size=BS)
-    engine = _engine(llama_dir, tier)
+    connector: Any = tier
+    if tiers == "cpu+disk":  # saved to both, loaded from the CPU tier (the first child)
+        connector = MultiConnector([tier, _disk(tmp_path, llama_dir)])
+    engine = _engine(llama_dir, connector)
+    assert engine.connector is not None
+    engine.connector.before_replay()  # (what a CUDA-graph step calls: no load pending, no-op)
     assert _row_bytes(engine) == 2048  # the tier above holds 64 blocks
     first = engine.generate([HISTORY], GREEDY)[0]
     _evict_history(engine)
@@ -86,6 +101,13 @@ def test_cpu_tier_serves_a_prefix_the_pool_evicted(llama_dir: Path) -> None:
     assert loaded == 24  # the history's 6 blocks (the reply's tokens were never a full block)
     assert after.scheduler.external_hit_tokens == 24  # (the only tier hit of the run)
     assert tier.stats.hit_blocks == 6 and after.kv_connector.num_load_failures == 0
+    if tiers == "cpu+disk":
+        assert isinstance(connector, MultiConnector)
+        disk = connector.connectors[1]
+        assert isinstance(disk, FilesystemConnector)
+        disk.flush()
+        assert disk.path_of(_hashes(engine, HISTORY)[5]).is_file()  # the history is on disk too
+    connector.close()
 
 
 def test_connector_tokens_equal_recomputing_under_preemption(llama_dir: Path) -> None:
