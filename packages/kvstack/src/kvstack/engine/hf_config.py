@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kv_spec import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from kv_spec import AttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from kvstack.engine.archs import ARCHITECTURES, family_of
 from kvstack.engine.archs._base import LAYER_TYPES as _LAYER_TYPES
@@ -261,11 +261,22 @@ class ArchConfig:
             return self.mlp_layer_types[i]
         return "sparse" if self.is_moe else "dense"
 
-    def kv_specs(self, *, block_size: int, dtype: str) -> dict[str, AttentionSpec]:
+    def kv_specs(
+        self, *, block_size: int, dtype: str, mla_latent: bool = False
+    ) -> dict[str, AttentionSpec]:
         """One kv-spec spec per layer, keyed by :meth:`layer_name`, in layer order. MLA layers
-        get per-head decompressed K/V (``head_dim`` / ``v_head_dim``): see
-        :mod:`kvstack.engine.archs.deepseek_v3`."""
+        get per-head decompressed K/V (``head_dim`` / ``v_head_dim``), or with ``mla_latent``
+        one latent row of ``kv_lora_rank + qk_rope_head_dim`` per token (``MLAAttentionSpec``,
+        the absorbed form of :meth:`CausalLM.forward`): see :mod:`kvstack.engine.archs.deepseek_v3`."""
         out: dict[str, AttentionSpec] = {}
+        if mla_latent and self.is_mla:
+            width = self.mla_kv_lora_rank + self.mla_qk_rope_head_dim
+            return {
+                self.layer_name(i): MLAAttentionSpec(
+                    block_size=block_size, num_kv_heads=1, head_size=width, dtype=dtype
+                )
+                for i in range(self.num_layers)
+            }
         for i in range(self.num_layers):
             kw: dict[str, Any] = dict(
                 block_size=block_size,

@@ -212,6 +212,46 @@ class MLAAttention(nn.Module):
     def stack_projections(self) -> None:
         pass  # (latent projections are chained, not side by side)
 
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj``'s weight split per head: ``W_UK`` ``[H, nope, rank]`` (latent -> key)
+        and ``W_UV`` ``[H, v, rank]`` (latent -> value), views."""
+        w = self.kv_b_proj.weight.view(self.num_q_heads, self.nope + self.v_head_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def latent_qkv(
+        self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed form: ``q`` ``[T, H, rank + rope]`` (each head's nope query times its
+        ``W_UK``, then its rotated rope query) and the latent row ``[T, 1, rank + rope]`` (the
+        normed compressed K/V, then the rotated shared rope key) that MLA caches once per token.
+        ``q . row`` is the decompressed ``q . k`` (``q_nope . W_UK c + q_rope . k_rope``), so
+        attention over the rows with V = the rows' first ``rank`` columns, followed by
+        :meth:`absorb_out`, is the decompressed attention."""
+        t, heads = x.shape[0], self.num_q_heads
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None
+            assert self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, heads, self.head_dim)
+        latent = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
+        c = self.kv_a_layernorm(latent[:, : self.rank])  # [T, rank]
+        q_rot, k_rot = q[..., self.nope :], latent[:, None, self.rank :]
+        if self.interleave:
+            q_rot, k_rot = q_rot[..., self.rope_order], k_rot[..., self.rope_order]
+        w_uk, _ = self._w_uk_uv()
+        q_abs = torch.einsum("thn,hnr->thr", q[..., : self.nope], w_uk)  # [T, H, rank]
+        q_out = torch.cat([q_abs, rotary(q_rot, cos, sin)], dim=-1)
+        row = torch.cat([c[:, None, :], rotary(k_rot, cos, sin)], dim=-1)  # [T, 1, rank + rope]
+        return q_out, row
+
+    def absorb_out(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """Attention output over latent rows ``[T, H, rank]`` -> per-head values ``[T, H, v]``
+        (times each head's ``W_UV``)."""
+        _, w_uv = self._w_uk_uv()
+        return torch.einsum("thr,hvr->thv", o_latent, w_uv)
+
     def qkv(
         self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -347,9 +387,19 @@ class CausalLM(nn.Module):
         self.rotary = cast(RotaryEmbedding, self.rotaries[self.rotary_keys[0]])
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        *,
+        mla_latent: bool = False,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm."""
+        """Hidden states ``[T, hidden]`` after the final norm.
+
+        ``mla_latent``: MLA layers hand ``attend`` the absorbed form (:meth:`MLAAttention.
+        latent_qkv`): ``q`` ``[T, H, rank + rope]``, ``k`` the latent rows ``[T, 1, rank +
+        rope]`` and ``v`` their first ``rank`` columns (a view of ``k``: a latent cache stores the
+        row once), and take back ``[T, H, rank]``; without it, decompressed per-head K/V."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.arch.embed_scale is not None:
             # Gemma: the scale as a tensor of the activation dtype, as transformers rounds it.
@@ -365,8 +415,12 @@ class CausalLM(nn.Module):
             attn = layer.self_attn
             rot, cos, sin = tables[self.rotary_keys[i]]
             h = layer.input_layernorm(x)
-            q, k, v = attn.qkv(h, rot, cos, sin)
-            o = attend(i, q, k, v)  # [T, Hq, Dv]
+            if mla_latent and isinstance(attn, MLAAttention):
+                q, row = attn.latent_qkv(h, rot, cos, sin)
+                o = attn.absorb_out(attend(i, q, row, row[..., : attn.rank]))
+            else:
+                q, k, v = attn.qkv(h, rot, cos, sin)
+                o = attend(i, q, k, v)  # [T, Hq, Dv]
             out = attn.o_proj(o.reshape(o.shape[0], -1))
             if layer.sandwich:
                 x.add_(layer.post_attention_layernorm(out))
@@ -407,9 +461,10 @@ class CausalLM(nn.Module):
         return cast(DecoderLayer, self.model.layers[i]).self_attn.sinks
 
     @torch.no_grad()
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_dense(self, input_ids: torch.Tensor, *, mla_latent: bool = False) -> torch.Tensor:
         """Cache-free reference: float32 logits ``[T, vocab]`` of one sequence ``[T]`` at
-        positions ``0..T-1``, every layer attending through :func:`dense_attention`."""
+        positions ``0..T-1``, every layer attending through :func:`dense_attention`
+        (``mla_latent``: MLA layers in the absorbed form over latent rows, see :meth:`forward`)."""
         if input_ids.dim() != 1:
             raise ValueError(
                 f"forward_dense takes one sequence, int64 [T]; got shape {tuple(input_ids.shape)}"
@@ -428,4 +483,5 @@ class CausalLM(nn.Module):
             )
 
         positions = torch.arange(input_ids.numel(), device=input_ids.device)
-        return self.compute_logits(self.forward(input_ids, positions, attend))
+        hidden = self.forward(input_ids, positions, attend, mla_latent=mla_latent)
+        return self.compute_logits(hidden)
