@@ -36,7 +36,7 @@ from kv_blocktable.hashing import (
     encode_block,
     hash_block_tokens,
 )
-from kv_blocktable.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kv_blocktable.kv_cache_manager import DecodeSlots, KVCacheBlocks, KVCacheManager
 from kv_blocktable.managers import (
     ChunkedLocalManager,
     FullAttentionManager,
@@ -59,6 +59,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "ChunkedLocalManager",
+    "DecodeSlots",
     "ExtraKeys",
     "FullAttentionManager",
     "GroupManager",

@@ -20,8 +20,10 @@ __all__ = [
     "check_index_tensor",
     "check_kernel_block_split",
     "check_num_blocks",
+    "int32_tensor",
     "int64_tensor",
     "plan_appends",
+    "plan_single_appends",
     "positive_int",
 ]
 
@@ -36,6 +38,13 @@ def int64_tensor(values: list[int] | tuple[int, ...]) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(array("q", values), dtype=torch.int64)  # owns the array
+
+
+def int32_tensor(values: list[int]) -> torch.Tensor:
+    """:func:`int64_tensor` for ids known to fit int32 (``OverflowError`` otherwise)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int32)
+    return torch.frombuffer(array("i", values), dtype=torch.int32)
 
 
 def check_index_tensor(owner: str, name: str, value: object) -> None:
@@ -139,8 +148,8 @@ class BlockIdCheck:
         self.num_blocks = num_blocks
         self.kernel_blocks_per_block = kernel_blocks_per_block
         self.num_groups = len(kernel_blocks_per_block)
-        # The largest block id each group's table takes (pool size, int32 kernel block ids).
-        self._max_id = tuple(
+        #: The largest block id each group's table takes (pool size, int32 kernel block ids).
+        self.max_ids = tuple(
             min(
                 INT32_MAX if num_blocks is None else num_blocks - 1,
                 (INT32_MAX - k + 1) // k,
@@ -195,7 +204,7 @@ class BlockIdCheck:
                     break  # tensors, numpy arrays, odd values: the general path below
                 if ids:
                     lo, hi = min(ids), max(ids)
-                    if lo < 0 or hi > self._max_id[g]:
+                    if lo < 0 or hi > self.max_ids[g]:
                         raise ValueError(self.error(g, row, lo, hi))
                     if len(ids) > 1 and (dup := self.duplicate(g, row, ids)):
                         raise ValueError(dup)
@@ -294,4 +303,47 @@ def plan_appends(
             flat.extend(range(c0, c0 + len(ids)))
             vals.extend(ids)
             end[g] = n
+    return ends, flat, vals
+
+
+def plan_single_appends(
+    rows: Sequence[object],
+    new_block_ids: Sequence[object],
+    row_blocks: list[list[int]],
+    col: Sequence[int],
+    max_blocks: Sequence[int],
+    max_ids: Sequence[int],
+) -> tuple[dict[int, list[int]], list[int], list[int]] | None:
+    """:func:`plan_appends` for the shape of a decode step — every row an int in range, every
+    entry a tuple of one list per group holding at most one int id in ``[0, max_ids[g]]``, every
+    append fitting — checked in one loop; ``None`` for anything else, valid or not, which the
+    general path (:meth:`BlockIdCheck.lists` + :func:`plan_appends`) then plans or names the
+    error of. One id per list cannot repeat a block, so there is no duplicate check to make."""
+    num_rows, groups = len(row_blocks), len(col) - 1
+    width = col[-1]
+    ends: dict[int, list[int]] = {}
+    flat: list[int] = []
+    vals: list[int] = []
+    for row, ids in zip(rows, new_block_ids, strict=True):
+        if type(row) is not int or not 0 <= row < num_rows:
+            return None
+        if type(ids) is not tuple or len(ids) != groups:
+            return None
+        end = ends.get(row)
+        if end is None:
+            end = ends[row] = list(row_blocks[row])
+        for g in range(groups):
+            got = ids[g]
+            if type(got) is not list:
+                return None
+            if not got:
+                continue
+            if len(got) != 1:
+                return None
+            b, c = got[0], end[g]
+            if type(b) is not int or not 0 <= b <= max_ids[g] or c >= max_blocks[g]:
+                return None
+            flat.append(row * width + col[g] + c)
+            vals.append(b)
+            end[g] = c + 1
     return ends, flat, vals

@@ -40,6 +40,8 @@ __all__ = [
     "check_new_tokens_not_null",
     "check_rows_cover",
     "csr_from_table",
+    "decode_blocks",
+    "decode_slot_mappings",
     "host_slot_mapping",
     "host_slot_mappings",
     "make_common",
@@ -134,19 +136,70 @@ def _check_integer_lengths(name: str, values: object) -> None:
             )
 
 
-_DECODE_RANGES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_DECODE_RANGES: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _decode_ranges(num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(arange(R) int64, arange(R + 1) int32)``: a pure-decode step's token rows and
-    ``query_start_loc``, shared by every decode step of ``R`` requests (never written)."""
+def _decode_ranges(num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(arange(R) int64, arange(R + 1) int32, ones(R) int64)``: a pure-decode step's token
+    rows, ``query_start_loc`` and query lengths, shared by every decode step of ``R`` requests
+    (never written)."""
     got = _DECODE_RANGES.get(num_reqs)
     if got is None:
         got = _DECODE_RANGES[num_reqs] = (
             torch.arange(num_reqs),
             torch.arange(num_reqs + 1, dtype=torch.int32),
+            torch.ones(num_reqs, dtype=torch.int64),
         )
     return got
+
+
+def _decode_step(
+    num_reqs: int,
+    query_lens: object,
+    seq_lens: object,
+    pad_tokens_to: int | None,
+    max_num_batched_tokens: int,
+) -> StepInputs | None:
+    """The :class:`StepInputs` of a pure-decode step given as lists (every query length 1), or
+    ``None`` for anything else, valid or not: the general path then builds it or names the
+    error. Accepts exactly what the general path accepts for such a step, in a handful of C-level
+    passes instead of its list and tensor rounds (a decode step runs this every step)."""
+    if (
+        not num_reqs
+        or type(query_lens) not in (list, tuple)
+        or type(seq_lens) not in (list, tuple)
+        or len(query_lens) != num_reqs  # type: ignore[arg-type]
+        or len(seq_lens) != num_reqs  # type: ignore[arg-type]
+        or query_lens.count(1) != num_reqs  # type: ignore[attr-defined]
+        # count() also matches 1.0 (refused by the general path): a sum of ints is an int.
+        or type(sum(query_lens)) is not int  # type: ignore[call-overload]
+    ):
+        return None
+    padded = num_reqs if pad_tokens_to is None else pad_tokens_to
+    if type(padded) is not int or not num_reqs <= padded <= max_num_batched_tokens:
+        return None
+    try:
+        s = int64_tensor(seq_lens)  # type: ignore[arg-type]  # refuses floats, None, str
+    except (TypeError, OverflowError):
+        return None
+    lo, hi = s.aminmax()
+    max_s = int(hi)
+    if int(lo) < 1 or max_s > _INT32_MAX:  # query_len 1 needs seq_len >= 1
+        return None
+    token_reqs, qsl_i32, ones = _decode_ranges(num_reqs)
+    return StepInputs(
+        num_reqs=num_reqs,
+        query_lens=ones,
+        seq_lens=s,
+        query_start_loc=qsl_i32,
+        seq_lens_i32=s.to(torch.int32),
+        positions=s - 1,
+        token_reqs=token_reqs,
+        num_tokens=num_reqs,
+        padded_tokens=padded,
+        max_query_len=1,
+        max_seq_len=max_s,
+    )
 
 
 @dataclass(frozen=True)
@@ -166,6 +219,11 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
 
+    @property
+    def pure_decode(self) -> bool:
+        """Every request has exactly one new token (at ``seq_len - 1``)."""
+        return self.max_query_len == 1 and self.num_tokens == self.num_reqs
+
     @classmethod
     def from_lengths(
         cls,
@@ -178,6 +236,9 @@ class StepInputs:
     ) -> StepInputs:
         if isinstance(num_reqs, bool) or not isinstance(num_reqs, int) or num_reqs < 0:
             raise ValueError(f"num_reqs={num_reqs!r} must be an int >= 0")
+        fast = _decode_step(num_reqs, query_lens, seq_lens, pad_tokens_to, max_num_batched_tokens)
+        if fast is not None:
+            return fast
         q = _host_lengths("query_lens", query_lens, num_reqs)
         s = _host_lengths("seq_lens", seq_lens, num_reqs)
         # Every step runs this. The checks and bounds are Python's min / max / sum over the
@@ -208,7 +269,7 @@ class StepInputs:
             # request r's only new token, at seq_len - 1, and query_start_loc is 0..R. Those two
             # ranges depend on R alone: made once per R (read-only, like every StepInputs
             # tensor), three ops fewer each decode step.
-            token_reqs, qsl_i32 = _decode_ranges(num_reqs)
+            token_reqs, qsl_i32, _ = _decode_ranges(num_reqs)
             return cls(
                 num_reqs=num_reqs,
                 query_lens=q,
@@ -358,6 +419,58 @@ def host_slot_mappings(
         )
         for g, bs in enumerate(block_sizes)
     )
+
+
+def decode_blocks(
+    step: StepInputs,
+    flat_table: torch.Tensor,  # [rows * width] int32 committed manager ids, row-major (host)
+    bases: Sequence[torch.Tensor],  # per group [R] int64: row * width + the group's first column
+    block_sizes: Sequence[int],
+    max_blocks: Sequence[int],
+    null_block: int | None,
+) -> list[torch.Tensor] | None:
+    """Per group, the manager block of each request's new token in a pure-decode step ``[R]``
+    int32 — or ``None`` when one of them is not a real block (past the row's blocks: ``-1``
+    padding; the null block; past the table), so the caller runs :func:`check_rows_cover` and
+    the null check, which name the error.
+
+    For a decode the two checks are this one lookup: the new token sits at ``seq_len - 1``, and
+    the row covers ``seq_len`` tokens exactly when that column holds a block (a row's columns
+    past its blocks are ``-1``, block ids are ``>= 0``). One gather per group replaces the
+    Python loop over rows and the null check's own gather."""
+    floor = 1 if null_block == 0 else 0  # the smallest id a new token may land in
+    out = []
+    for g, bs in enumerate(block_sizes):
+        if step.max_seq_len > max_blocks[g] * bs:
+            return None
+        idx = torch.div(step.positions, bs, rounding_mode="floor").add_(bases[g])  # [R]
+        blocks = flat_table.index_select(0, idx)  # [R] int32
+        if int(blocks.min()) < floor:
+            return None
+        if null_block not in (None, 0) and bool((blocks == null_block).any()):
+            return None
+        out.append(blocks)
+    return out
+
+
+def decode_slot_mappings(
+    step: StepInputs,
+    blocks: Sequence[torch.Tensor],  # per group [R] int32, from decode_blocks
+    block_sizes: Sequence[int],
+    outs: Sequence[torch.Tensor],  # per group a persistent int64 buffer of >= padded_tokens
+) -> tuple[torch.Tensor, ...]:
+    """:func:`host_slot_mappings` of a pure-decode step from :func:`decode_blocks`' lookup:
+    ``slot = block * block_size + pos % block_size``, ``-1`` padding."""
+    n, padded = step.num_tokens, step.padded_tokens
+    slots = []
+    for g, bs in enumerate(block_sizes):
+        out = outs[g][:padded]
+        # int64 arithmetic (the add promotes before it multiplies): slots overflow int32.
+        torch.add(step.positions % bs, blocks[g], alpha=bs, out=out[:n] if padded > n else out)
+        if padded > n:
+            out[n:] = -1
+        slots.append(out)
+    return tuple(slots)
 
 
 class StepBuffers:

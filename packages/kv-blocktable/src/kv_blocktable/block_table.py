@@ -46,8 +46,10 @@ from kv_blocktable._block_ids import (
     check_index_tensor,
     check_kernel_block_split,
     check_num_blocks,
+    int32_tensor,
     int64_tensor,
     plan_appends,
+    plan_single_appends,
     positive_int,
 )
 from kv_blocktable._table_exports import StepExports
@@ -171,6 +173,11 @@ class BlockTables(StepExports):
         # save), so nothing is tracked there.
         self._track_rows = self.device.type == "cpu"
         self._dirty: set[int] = set()
+        # Appends change a few entries of a row: with one group whose kernel table is the
+        # committed table (nothing to expand), commit copies just those flat host indices (a
+        # decode step's new blocks, one per row that crossed a block boundary) instead of rows.
+        self._track_entries = self._track_rows and self._kernel[0] is self._dev
+        self._pending: list[int] = []
         self._slots = tuple(  # per group [max_num_batched_tokens] int64, -1 = padding
             torch.full((self.max_num_batched_tokens,), -1, dtype=torch.int64, device=self.device)
             for _ in range(self.num_groups)
@@ -181,6 +188,7 @@ class BlockTables(StepExports):
         # CUDA events of the last non-blocking copy out of each pinned buffer (tables, step).
         self._copy_event: Any = None
         self._step_event: Any = None
+        self._bases: dict[int, tuple[torch.Tensor, ...]] = {}  # see _decode_bases
         self._committed: int | None = None  # num_reqs of the last commit; None = stale
         self._last_step: _md.StepInputs | None = None
         self._positions: torch.Tensor | None = None
@@ -353,26 +361,42 @@ class BlockTables(StepExports):
                 f"({type(new_block_ids).__name__}) must be sequences, one tuple of per-group "
                 "ids per row"
             )
-        rows, new_block_ids = list(rows), list(new_block_ids)
         if len(rows) != len(new_block_ids):
             raise ValueError(
                 f"append_rows: got {len(rows)} rows but {len(new_block_ids)} block-id tuples; "
                 "pass one tuple (one list per KV group) per row"
             )
-        for row in rows:
-            self._check_row("row", row)
-        lists = [self._ids.lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)]
         if not rows:
             return
-        # Copies: plan_appends advances them, and a refused append must change no row.
-        have = [list(self._row_blocks[row]) for row in rows]  # [len(rows), G]
-        ends, flat, vals = plan_appends(
-            rows, have, lists, self._col, self.max_num_blocks_per_req, self.block_sizes
+        # A decode step's appends (at most one id per group and row) in one checked loop; any
+        # other shape, or anything the loop would refuse, takes the general checks below.
+        planned = plan_single_appends(
+            rows,
+            new_block_ids,
+            self._row_blocks,
+            self._col,
+            self.max_num_blocks_per_req,
+            self._ids.max_ids,
         )
+        written: Sequence[Sequence[Sequence[int]]] = new_block_ids
+        if planned is None:
+            rows, new_block_ids = list(rows), list(new_block_ids)
+            for row in rows:
+                self._check_row("row", row)
+            lists = [
+                self._ids.lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)
+            ]
+            # Copies: plan_appends advances them, and a refused append must change no row.
+            have = [list(self._row_blocks[row]) for row in rows]  # [len(rows), G]
+            planned = plan_appends(
+                rows, have, lists, self._col, self.max_num_blocks_per_req, self.block_sizes
+            )
+            written = lists
+        ends, flat, vals = planned
         self._wait_staged()
-        if len(rows) == 1:  # append_row: slices, cheaper than a scatter for one row
-            row, end = rows[0], ends[rows[0]]
-            for g, ids in enumerate(lists[0]):
+        if len(ends) == 1 and len(rows) == 1:  # append_row: slices, cheaper than a scatter
+            ((row, end),) = ends.items()
+            for g, ids in enumerate(written[0]):  # lists of ints, checked
                 if ids:
                     c1 = self._col[g] + end[g]
                     self._host[row, c1 - len(ids) : c1] = torch.tensor(ids, dtype=torch.int32)
@@ -381,10 +405,15 @@ class BlockTables(StepExports):
             if flat:
                 # int64_tensor: torch.tensor(list) costs ~0.1 us per element; ids fit in int32
                 # (BlockIdCheck), so the cast is exact.
-                self._host.view(-1)[int64_tensor(flat)] = int64_tensor(vals).to(torch.int32)
+                # (the indices are distinct: each append advances its row's end)
+                self._host.view(-1).index_copy_(0, int64_tensor(flat), int32_tensor(vals))
             for row, end in ends.items():
                 self._row_blocks[row] = end
-        self._touch(*ends)
+        if self._track_entries:
+            self._pending.extend(flat)  # commit copies these entries, not whole rows
+            self._committed = None
+        else:
+            self._touch(*ends)
 
     def clear_row(self, row: int) -> None:
         """Empty ``row`` (its request finished or was preempted)."""
@@ -436,9 +465,25 @@ class BlockTables(StepExports):
             self._expand(slice(0, n), self._dev[:n])
         self._committed = n
 
+    def _commit_entries(self, n: int) -> None:
+        """Copy the appended host entries of rows ``[0, n)`` (the rest stay pending). Runs before
+        the dirty rows' copy: an entry of a row also marked dirty is copied again with its row,
+        so the host table is what the device gets either way."""
+        pending, limit = self._pending, n * self._col[-1]
+        if max(pending) < limit:
+            todo, self._pending = pending, []
+        else:
+            todo = [i for i in pending if i < limit]
+            self._pending = [i for i in pending if i >= limit]
+        if todo:
+            idx = int64_tensor(todo)
+            self._dev.view(-1).index_copy_(0, idx, self._host.view(-1).index_select(0, idx))
+
     def _commit_rows(self, n: int) -> None:
         # Host tables: rows outside ``_dirty`` already match the host, so copy only the changed
         # rows below n (rows at or past n stay marked until a commit covers them).
+        if self._pending:
+            self._commit_entries(n)
         rows = sorted(r for r in self._dirty if r < n)
         if not rows:
             return
@@ -463,6 +508,15 @@ class BlockTables(StepExports):
                     manager, self.block_sizes[g], self.kernel_block_sizes[g], impl=self.impl
                 )  # [rows, M_g * k]
             self._kernel[g][rows] = manager
+
+    def _decode_bases(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
+        """Per group ``[R]`` int64 ``row * width + first column``: flat host-table index of
+        column 0 of each of the first ``num_reqs`` rows (made once per batch size)."""
+        got = self._bases.get(num_reqs)
+        if got is None:
+            rows = torch.arange(num_reqs) * self._col[-1]
+            got = self._bases[num_reqs] = tuple(rows + c for c in self._col[:-1])
+        return got
 
     def _require_committed(self, num_reqs: int, what: str) -> None:
         if self._committed is None:
@@ -543,30 +597,46 @@ class BlockTables(StepExports):
             pad_tokens_to=pad_tokens_to,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
-        _md.check_rows_cover(
-            step, self._row_blocks[:num_reqs], self.block_sizes, self.max_num_blocks_per_req
-        )
         # Host tables with the reference slot mapping: the slots come from the same host lookup
         # as the null-block check (host_slot_mappings), one pass instead of two.
         host_slots = self._track_rows and self.impl != "triton"
-        if self.null_block is not None and not host_slots:
-            for g in range(self.num_groups):
-                _md.check_new_tokens_not_null(
-                    step, self.host_table(g), self.block_sizes[g], self.null_block, g
-                )
+        # A pure decode checks coverage and the null block with one lookup per group (the
+        # committed table on the CPU, which the slots then read; the host table on a GPU).
+        blocks = (
+            _md.decode_blocks(
+                step,
+                (self._dev if host_slots else self._host).view(-1),
+                self._decode_bases(num_reqs),
+                self.block_sizes,
+                self.max_num_blocks_per_req,
+                self.null_block,
+            )
+            if step.pure_decode
+            else None
+        )
+        if blocks is None:  # not a decode, or one the lookup refused: the checks name the error
+            _md.check_rows_cover(
+                step, self._row_blocks[:num_reqs], self.block_sizes, self.max_num_blocks_per_req
+            )
+            if self.null_block is not None and not host_slots:
+                for g in range(self.num_groups):
+                    _md.check_new_tokens_not_null(
+                        step, self.host_table(g), self.block_sizes[g], self.null_block, g
+                    )
         if self._step_event is not None:  # the step's staging buffers are reused: same rule
             self._step_event.synchronize()
         qsl, seq, pos = self._step.stage(step)
         if self._pinned:
             self._step_event = torch.cuda.Event()
             self._step_event.record()
-        slots = (
-            _md.host_slot_mappings(
+        if host_slots and blocks is not None:
+            slots = _md.decode_slot_mappings(step, blocks, self.block_sizes, self._slots)
+        elif host_slots:
+            slots = _md.host_slot_mappings(
                 step, self._dev, self._col, self.block_sizes, self.null_block, self._slots
             )
-            if host_slots
-            else self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
-        )
+        else:
+            slots = self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
         self._last_step = step
         self._positions = pos
         return tuple(

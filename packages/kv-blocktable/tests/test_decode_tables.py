@@ -1,0 +1,251 @@
+"""The decode fast paths of ``BlockTables`` against the general paths they skip (issue 32).
+
+A pure-decode ``build_common_metadata`` (one lookup per group for the slots, the coverage check
+and the null check), decode-shaped ``append_rows`` (one checked loop) and a commit that copies
+appended entries instead of rows must give exactly what the general code gives: the same
+tables, slots, positions and lengths — and for bad input the same error, type and message. Two
+tables run the same random operations, one with the fast paths switched off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from kv_blocktable import attn_metadata as md_mod  # noqa: E402
+from kv_blocktable import block_table as bt_mod  # noqa: E402
+from kv_blocktable.block_table import BlockTables  # noqa: E402
+
+EXAMPLES = int(os.environ.get("KVSTACK_HYPOTHESIS_EXAMPLES", "0"))
+MAX_REQS = 6
+MAX_TOKENS = 10
+NUM_BLOCKS = 40
+
+
+@contextmanager
+def general_paths() -> Iterator[None]:
+    """Switch the decode fast paths off: every step and append takes the general code."""
+    with (
+        mock.patch.object(md_mod, "_decode_step", return_value=None),
+        mock.patch.object(md_mod, "decode_blocks", return_value=None),
+        mock.patch.object(bt_mod, "plan_single_appends", return_value=None),
+    ):
+        yield
+
+
+def outcome(fn: object) -> object:
+    """``fn()``'s result, or its error as ``(type, message)``."""
+    try:
+        return ("ok", fn())  # type: ignore[operator]
+    except (ValueError, TypeError) as e:
+        return (type(e).__name__, str(e))
+
+
+def snapshot(t: BlockTables, mds: tuple[object, ...]) -> list[object]:
+    out: list[object] = []
+    for md in mds:
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            out.append((name, getattr(md, name).tolist(), getattr(md, name).dtype))
+        for name in ("query_start_loc_cpu", "seq_lens_cpu"):
+            out.append((name, getattr(md, name).tolist(), getattr(md, name).dtype))
+        for name in ("max_query_len", "max_seq_len", "num_actual_tokens"):
+            out.append((name, getattr(md, name)))
+    step = t._last_step
+    assert step is not None
+    for name in ("query_lens", "seq_lens", "positions", "token_reqs", "seq_lens_i32"):
+        out.append((name, getattr(step, name).tolist(), getattr(step, name).dtype))
+    out.append(("padded", step.padded_tokens))
+    out.append(("positions", t.positions.tolist()))
+    for g in range(t.num_groups):
+        out.append(("csr", [x.tolist() for x in t.csr(g)]))
+    return out
+
+
+def tables_state(t: BlockTables) -> list[object]:
+    return [
+        t._host.tolist(),
+        [r[:] for r in t._row_blocks],
+        [t.kernel_table(g)[: t._committed or 0].tolist() for g in range(t.num_groups)],
+    ]
+
+
+# Odd values a caller may pass as a length or an id: each must be refused (or accepted) alike.
+ODD = st.sampled_from([1.0, True, False, None, "1", -1, 2**31, 2**40, 2.5])
+
+
+@st.composite
+def scenario(draw: st.DrawFn) -> dict[str, object]:
+    groups = draw(
+        st.lists(
+            st.tuples(st.sampled_from((4, 8)), st.sampled_from((1, 2, 4)), st.integers(1, 5)),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    null = draw(st.sampled_from((0, None)))
+    rows = draw(st.integers(1, MAX_REQS))
+    ops: list[tuple[object, ...]] = []
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(
+            st.sampled_from(("add", "append", "append", "append", "clear", "swap", "step", "step"))
+        )
+        if kind == "add":
+            r = draw(st.integers(0, rows - 1))
+            ids = tuple(
+                draw(st.lists(st.integers(0, NUM_BLOCKS - 1), max_size=m, unique=True))
+                for _, _, m in groups
+            )
+            ops.append(("add", r, ids))
+        elif kind == "append":
+            rs = draw(
+                st.lists(st.integers(0, rows - (draw(st.integers(0, 4)) > 0)), max_size=rows + 1)
+            )
+            decode_shaped = draw(st.integers(0, 4)) > 0  # mostly what a decode step appends
+            single = st.lists(st.integers(0, NUM_BLOCKS - 1), max_size=1)
+            odd = st.one_of(
+                single,
+                st.lists(st.integers(1, NUM_BLOCKS - 1), min_size=2, max_size=2),
+                st.lists(ODD, min_size=1, max_size=1),
+            )
+            batch = []
+            for _ in rs:
+                per = [draw(single if decode_shaped else odd) for _g in groups]
+                batch.append(tuple(per) if decode_shaped or draw(st.booleans()) else per)
+            if draw(st.integers(0, 9)) == 0 and batch:
+                batch[0] = batch[0][:-1]  # a tuple short of a group
+            ops.append(("append", rs, batch))
+        elif kind == "clear":
+            ops.append(("clear", draw(st.integers(0, rows - 1))))
+        elif kind == "swap":
+            ops.append(("swap", draw(st.integers(0, rows - 1)), draw(st.integers(0, rows - 1))))
+        else:
+            n = draw(st.integers(0, rows))
+            cap = max(m * b for b, _, m in groups)
+            slens: list[object] = [draw(st.integers(0, cap + 8)) for _ in range(n)]
+            qlens: list[object] = [1] * n
+            if n and draw(st.integers(0, 4)) == 0:
+                qlens[draw(st.integers(0, n - 1))] = draw(st.one_of(ODD, st.integers(0, 3)))
+            if n and draw(st.integers(0, 4)) == 0:
+                slens[draw(st.integers(0, n - 1))] = draw(ODD)
+            pad = draw(st.one_of(st.none(), st.integers(n - 1, MAX_TOKENS + 1), ODD))
+            commit = draw(st.integers(n, rows))
+            ops.append(("step", commit, n, qlens, slens, pad, draw(st.booleans())))
+    return {"groups": groups, "null": null, "rows": rows, "ops": ops}
+
+
+def _build(groups: list[tuple[int, int, int]], null: int | None, rows: int) -> BlockTables:
+    return BlockTables(
+        [b for b, _, _ in groups],
+        [b // k for b, k, _ in groups],
+        rows,
+        [m for _, _, m in groups],
+        max_num_batched_tokens=MAX_TOKENS,
+        num_blocks=NUM_BLOCKS,
+        null_block=null,
+    )
+
+
+def _apply(t: BlockTables, op: tuple[object, ...]) -> object:
+    kind = op[0]
+    if kind == "add":
+        return outcome(lambda: t.add_row(op[1], op[2]))  # type: ignore[arg-type]
+    if kind == "append":
+        return outcome(lambda: t.append_rows(op[1], op[2]))  # type: ignore[arg-type]
+    if kind == "clear":
+        return outcome(lambda: t.clear_row(op[1]))  # type: ignore[arg-type]
+    if kind == "swap":
+        return outcome(lambda: t.swap_rows(op[1], op[2]))  # type: ignore[arg-type]
+    _, commit, n, qlens, slens, pad, tuple_lens = op
+    t.commit(commit)  # type: ignore[arg-type]
+    if tuple_lens:
+        qlens, slens = tuple(qlens), tuple(slens)  # type: ignore[arg-type]
+    got = outcome(lambda: t.build_common_metadata(n, qlens, slens, pad_tokens_to=pad))  # type: ignore[arg-type]
+    if got[0] == "ok":  # type: ignore[index]
+        return ("ok", snapshot(t, got[1]))  # type: ignore[index]
+    return got
+
+
+@settings(
+    max_examples=EXAMPLES or 150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(scenario())
+def test_fast_paths_equal_the_general_paths(case: dict[str, object]) -> None:
+    groups, null, rows = case["groups"], case["null"], case["rows"]
+    fast = _build(groups, null, rows)  # type: ignore[arg-type]
+    slow = _build(groups, null, rows)  # type: ignore[arg-type]
+    slow._track_entries = False  # commit copies whole rows, as before
+    for op in case["ops"]:  # type: ignore[attr-defined]
+        got = _apply(fast, op)
+        with general_paths():
+            want = _apply(slow, op)
+        assert got == want, op
+        assert tables_state(fast) == tables_state(slow), op
+        if fast._committed is not None:
+            n = fast._committed
+            assert fast._dev[:n].tolist() == fast._host[:n].tolist()
+
+
+def _decode_tables() -> BlockTables:
+    t = BlockTables([16], [16], 4, [4], max_num_batched_tokens=8, num_blocks=64)
+    for r, ids in enumerate(([1, 2], [3], [4, 5, 6], [0, 7])):
+        t.add_row(r, (ids,))
+    t.commit(4)
+    return t
+
+
+def test_a_decode_step_takes_the_fast_path_and_matches_by_hand() -> None:
+    t = _decode_tables()
+    with mock.patch.object(
+        md_mod, "check_rows_cover", side_effect=AssertionError("general path taken")
+    ):
+        (md,) = t.build_common_metadata(4, [1, 1, 1, 1], [20, 16, 33, 17], pad_tokens_to=6)
+    assert md.slot_mapping.tolist() == [2 * 16 + 3, 3 * 16 + 15, 6 * 16 + 0, 7 * 16 + 0, -1, -1]
+    assert t.positions.tolist() == [19, 15, 32, 16]
+    assert md.seq_lens.tolist() == [20, 16, 33, 17] and md.max_seq_len == 33
+    assert md.query_start_loc_cpu.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("qlens", "slens", "match"),
+    [
+        ([1, 1, 1, 1], [20, 33, 33, 17], "request 1: seq_len=33 needs 3 blocks"),
+        ([1, 1, 1, 1], [20, 16, 33, 16], "position 15 maps to the null block 0"),
+        ([1, 1, 1, 1], [20, 16, 65, 17], "max_num_blocks_per_req=4 cannot hold it"),
+        ([1, 1, 1, 1], [20, 0, 33, 17], r"request 1: query_len=1 must be in \[0, seq_len=0\]"),
+        ([1, 1.0, 1, 1], [20, 16, 33, 17], r"query_lens holds 1.0 \(float\)"),
+        ([1, 1, 1, 1], [20, 16.0, 33, 17], r"seq_lens holds 16.0 \(float\)"),
+        ([1, 1, 1, 1], [20, 16, 2**31, 17], "exceeds the int32 range"),
+    ],
+)
+def test_bad_decode_steps_raise_the_general_error(
+    qlens: list[object], slens: list[object], match: str
+) -> None:
+    t = _decode_tables()
+    with pytest.raises((ValueError, TypeError), match=match):
+        t.build_common_metadata(4, qlens, slens)  # type: ignore[arg-type]
+
+
+def test_commit_copies_appended_entries_and_leaves_rows_past_n_pending() -> None:
+    """Appended entries of rows past ``n`` stay pending (the device row is not touched) until a
+    commit covers them, as whole dirty rows do."""
+    t = BlockTables([16], [16], 4, [4], max_num_batched_tokens=8, num_blocks=64)
+    for r in range(4):
+        t.add_row(r, ([10 + r],))
+    t.commit(4)
+    t.append_rows([0, 3], [([20],), ([23],)])
+    assert t._pending and not t._dirty
+    t.commit(2)
+    assert t.device_table(0)[:, :2].tolist() == [[10, 20], [11, -1], [12, -1], [13, -1]]
+    t.commit(4)
+    assert t.device_table(0)[:, :2].tolist() == [[10, 20], [11, -1], [12, -1], [13, 23]]
+    assert not t._pending
