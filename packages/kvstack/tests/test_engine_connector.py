@@ -284,7 +284,7 @@ def test_abort_of_a_loading_request_keeps_its_blocks_until_the_pull_ends(
         assert release.wait(30)
         real(*args)
 
-    cons._pull_in = held_pull  # type: ignore[method-assign,assignment]
+    cons._pull_in = held_pull
     try:
         prefill, first = _prefill(llama_dir, prompt, prod)
         decode = _engine(llama_dir, cons)
