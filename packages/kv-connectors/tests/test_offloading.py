@@ -9,9 +9,7 @@ from typing import Any
 import pytest
 import torch
 from kv_connectors import OffloadingConfig, OffloadingConnector
-from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
-
-LAYOUTS = standard_layouts(num_blocks=12)
+from kv_connectors.testing import block_bytes, make_layout, random_cache
 
 
 def _save(conn: OffloadingConnector, req: Any, block_ids: list[int]) -> None:
