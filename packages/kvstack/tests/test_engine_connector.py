@@ -337,3 +337,35 @@ def test_model_fingerprint_names_config_and_weight_shapes(llama_dir: Path, tmp_p
     assert model_fingerprint(wider) != fp
     with pytest.raises(ValueError, match="no config.json"):
         model_fingerprint(tmp_path)
+
+
+def test_a_load_the_connector_cannot_plan_is_recomputed(llama_dir: Path) -> None:
+    """The producer's blocks hold 8 tokens, the consumer's 4 (one producer block fills two). The
+    decode engine is given the bare prompt, so it leaves the last token to compute and takes 7
+    of the 8 blocks offered: half a producer block, which the connector refuses at allocation.
+    The request recomputes them (planted bug: the refusal escaped step() and the engine stuck)."""
+    fp = model_fingerprint(llama_dir)
+    prompt = [(5 * i + 1) % 120 + 1 for i in range(32)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = _recomputed(llama_dir, prompt, params)
+    prod = P2pConnector(
+        P2pConfig(role="producer", timeout_s=20.0, model_fingerprint=fp), block_size=8
+    )
+    cons = _p2p("consumer", fp)
+    try:
+        prefill = LLMEngine(
+            llama_dir, kv_connector=prod, block_size=8, num_blocks=12, max_model_len=64
+        )
+        first = prefill.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))[0]
+        decode = _engine(llama_dir, cons)
+        decode.add_request("r", prompt, params, kv_transfer_params=first.kv_transfer_params)
+        while decode.has_unfinished:
+            decode.step()
+        assert decode.completion("r").token_ids == want
+        stats = decode.stats().kv_connector
+        assert stats is not None and stats.num_load_failures == 1 and stats.loaded_tokens == 0
+        assert "refused the load" in stats.reasons["r"]
+        assert not decode.scheduler.has_pending_kv
+    finally:
+        prod.close()
+        cons.close()

@@ -23,6 +23,7 @@ per request, and a hybrid model's groups hold one block per group per position.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -137,6 +138,7 @@ class KVConnectorDriver:
         self._async_loads: dict[str, _Load] = {}  # loaded behind the steps
         self._bad: set[int] = set()  # blocks with load errors not yet matched to a request
         self._held_back = False  # request_finished kept blocks this step
+        self._refused: dict[str, str] = {}  # loads the connector refused at allocation: why
 
     def _view(self, seq: Seq, with_params: bool) -> _RequestView:
         params = seq.kv_transfer_params if with_params else None
@@ -155,17 +157,26 @@ class KVConnectorDriver:
     def allocated(
         self, seq: Seq, block_ids: list[int], num_external_tokens: int, load_async: bool
     ) -> None:
-        self.connector.update_state_after_alloc(
-            self._view(seq, True), block_ids, num_external_tokens
-        )
+        rid = seq.request_id
+        try:
+            self.connector.update_state_after_alloc(
+                self._view(seq, True), block_ids, num_external_tokens
+            )
+        except ValueError as exc:
+            # The connector cannot load the tokens the scheduler took (e.g. fewer than a whole
+            # producer block when the engine left the prompt's last token to compute): nothing
+            # loads; the request recomputes them, through the failed-load path.
+            self._refused[rid] = f"update_state_after_alloc refused the load: {exc}"
         if num_external_tokens:
             assert self.scheduler is not None
             # the manager counts only the local hit until the load is verified
-            hit = self.scheduler.kv.num_computed_tokens(seq.request_id)
+            hit = self.scheduler.kv.num_computed_tokens(rid)
             first = hit // self.block_size
             ids = block_ids[first : first + num_external_tokens // self.block_size]
             load = _Load(seq, hit, ids)
-            (self._async_loads if load_async else self._step_loads)[seq.request_id] = load
+            if rid in self._refused:
+                self._bad.update(ids)
+            (self._async_loads if load_async else self._step_loads)[rid] = load
 
     def finished(self, seq: Seq) -> bool:
         assert self.scheduler is not None
@@ -235,6 +246,10 @@ class KVConnectorDriver:
         keep = [i for i, s in enumerate(sampled) if s.request_id not in failed]
         return logits[keep], [sampled[i] for i in keep]
 
+    def snapshot(self) -> KVConnectorStats:
+        """A copy of :attr:`stats` (what ``LLMEngine.stats()`` returns)."""
+        return dataclasses.replace(self.stats, reasons=dict(self.stats.reasons))
+
     def idle_step(self) -> None:
         """A step with no batch: saves handed off, finished transfers collected."""
         self.end_forward()
@@ -255,7 +270,8 @@ class KVConnectorDriver:
         if good < len(load.block_ids):
             s.num_load_failures += 1
             s.failed_blocks += len(load.block_ids) - good
-            reason = self.connector.load_error_reasons.get(rid, "load error")
+            refused = self._refused.pop(rid, None)
+            reason = refused or self.connector.load_error_reasons.get(rid, "load error")
             s.reasons[rid] = reason
             log.warning(
                 "request %s: KV load failed (%s); recomputing %d blocks",
@@ -284,6 +300,8 @@ class KVConnectorDriver:
         assert sched is not None
         sending, recving = self.connector.get_finished(finished_req_ids)
         self._bad |= self.connector.get_block_ids_with_load_errors()
+        # (an asynchronous load refused at allocation never reaches done_recving: it ends here)
+        recving |= {rid for rid in self._refused if rid in self._async_loads}
         for rid in recving:
             load = self._async_loads.pop(rid, None)
             if load is None:

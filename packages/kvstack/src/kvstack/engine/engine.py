@@ -593,5 +593,5 @@ class LLMEngine:
             self._wall_s,
             cfg.total_bytes,
             dict(self.runner.startup_seconds),
-            None if self.connector is None else dataclasses.replace(self.connector.stats),
+            None if self.connector is None else self.connector.snapshot(),
         )
