@@ -194,3 +194,20 @@ def test_deepseek_mtp_layer_tensors_are_skipped(
         else:
             with pytest.raises(ValueError, match="unexpected tensors: model.layers.9"):
                 load_model(dst)
+
+
+def test_grouped_router_stays_float32_in_a_bf16_model(checkpoints: dict[str, Path]) -> None:
+    # transformers keeps DeepSeek-V3's and MiMo-V2-Flash's router (weight and correction bias)
+    # in float32 under a bf16 model (_keep_in_fp32_modules_strict); so does the loader.
+    from kvstack.engine.layers import SparseMoE
+    from kvstack.engine.loader import load_model
+
+    for name in ("deepseek_v3", "mimo_v2_flash"):
+        model = load_model(checkpoints[name], dtype=torch.bfloat16)
+        moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        assert moes
+        for moe in moes:
+            assert moe.gate.weight.dtype == torch.float32
+            assert moe.gate.e_score_correction_bias is not None
+            assert moe.gate.e_score_correction_bias.dtype == torch.float32
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16

@@ -103,7 +103,8 @@ def load_model(
 ) -> CausalLM:
     """Build the model ``config.json`` describes and fill it from the checkpoint's tensors.
 
-    Weights are cast to ``dtype`` and moved to ``device``; the model is returned in eval mode.
+    Weights are cast to ``dtype`` (but a family's ``keep_fp32`` parameters stay float32) and
+    moved to ``device``; the model is returned in eval mode.
     """
     arch = arch if arch is not None else load_arch_config(model_dir)
     # Parameters start uninitialised (no random init, untouched pages); each is replaced below.
@@ -138,7 +139,8 @@ def load_model(
                 f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
             )
             continue
-        loaded[name] = tensor.to(device=device, dtype=dtype)
+        keep = family.keep_fp32 and name.endswith(family.keep_fp32)
+        loaded[name] = tensor.to(device=device, dtype=torch.float32 if keep else dtype)
     missing = sorted(set(expected) - set(loaded))
     problems = []
     if missing:

@@ -114,9 +114,11 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, kv_heads * d, bias=bias)
         self.v_proj = Linear(h, kv_heads * dv, bias=bias)
         self.o_proj = Linear(arch.num_q_heads * dv, h, bias=arch.o_proj_bias)
-        off = arch.norm_offset
-        self.q_norm = RMSNorm(d, arch.rms_norm_eps, offset=off) if arch.qk_norm else None
-        self.k_norm = RMSNorm(d, arch.rms_norm_eps, offset=off) if arch.qk_norm else None
+        # Gemma-3's q/k norms scale by (1 + w) and cast back after the multiply.
+        norm = dict(eps=arch.rms_norm_eps, offset=arch.norm_offset)
+        first = bool(arch.norm_offset)
+        self.q_norm = RMSNorm(d, **norm, weight_first=first) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, **norm, weight_first=first) if arch.qk_norm else None
         self.sinks = (
             nn.Parameter(torch.empty(arch.num_q_heads)) if arch.layer_has_sinks(layer) else None
         )

@@ -49,6 +49,10 @@ class ArchFamily:
     #: Checkpoint tensors of layers past ``num_hidden_layers`` are not the model's (DeepSeek-V3's
     #: multi-token-prediction layer 61, which transformers skips too) and are not loaded.
     skips_extra_layers: bool = False
+    #: Parameters (name suffixes) kept in float32 whatever the model's dtype, as transformers'
+    #: ``_keep_in_fp32_modules_strict`` keeps them (the DeepSeek-style router: a bf16 router
+    #: would pick other experts than the checkpoint's own reference).
+    keep_fp32: tuple[str, ...] = ()
 
 
 def require(d: Mapping[str, Any], key: str, where: str = "config.json") -> Any:

@@ -151,4 +151,5 @@ DEEPSEEK_V3 = ArchFamily(
     checks=_checks,
     summary="DeepSeek-V3 (MLA with q/kv low rank and YaRN, grouped sigmoid MoE + shared experts)",
     skips_extra_layers=True,
+    keep_fp32=("mlp.gate.weight", "mlp.gate.e_score_correction_bias"),
 )

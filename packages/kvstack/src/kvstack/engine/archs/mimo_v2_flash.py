@@ -117,4 +117,5 @@ MIMO_V2_FLASH = ArchFamily(
     checks=_checks,
     summary="MiMo-V2-Flash (head 192 / V 128, sinks on sliding layers, partial RoPE per type, MoE)",
     renames={"self_attn.attention_sink_bias": "self_attn.sinks"},
+    keep_fp32=("mlp.gate.weight", "mlp.gate.e_score_correction_bias"),
 )
