@@ -175,6 +175,12 @@ class Attention(nn.Module):
         return weight
 
 
+def _evens_then_odds(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s last dim reordered ``x0, x2, ..., x1, x3, ...``: interleaved RoPE pairs become
+    rotate-half halves (slices, so no index tensor to keep on the right device)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
 class MLAAttention(nn.Module):
     """DeepSeek-V3's multi-head latent attention, with K and V decompressed per head.
 
@@ -208,8 +214,6 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_head_dim), bias=False)
         self.o_proj = Linear(heads * self.v_head_dim, h, bias=arch.o_proj_bias)
         self.sinks = None
-        order = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
-        self.register_buffer("rope_order", order, persistent=False)
 
     def stack_projections(self) -> None:
         pass  # (latent projections are chained, not side by side)
@@ -241,7 +245,7 @@ class MLAAttention(nn.Module):
         c = self.kv_a_layernorm(latent[:, : self.rank])  # [T, rank]
         q_rot, k_rot = q[..., self.nope :], latent[:, None, self.rank :]
         if self.interleave:
-            q_rot, k_rot = q_rot[..., self.rope_order], k_rot[..., self.rope_order]
+            q_rot, k_rot = _evens_then_odds(q_rot), _evens_then_odds(k_rot)
         w_uk, _ = self._w_uk_uv()
         q_abs = torch.einsum("thn,hnr->thr", q[..., : self.nope], w_uk)  # [T, H, rank]
         q_out = torch.cat([q_abs, rotary(q_rot, cos, sin)], dim=-1)
@@ -271,7 +275,7 @@ class MLAAttention(nn.Module):
         kv = kv.view(t, heads, self.nope + self.v_head_dim)
         q_rot, k_rot = q[..., self.nope :], latent[:, None, self.rank :]  # [T, H|1, rope]
         if self.interleave:
-            q_rot, k_rot = q_rot[..., self.rope_order], k_rot[..., self.rope_order]
+            q_rot, k_rot = _evens_then_odds(q_rot), _evens_then_odds(k_rot)
         q_rot, k_rot = rotary(q_rot, cos, sin), rotary(k_rot, cos, sin)
         q = torch.cat([q[..., : self.nope], q_rot], dim=-1)
         k = torch.cat([kv[..., : self.nope], k_rot.expand(t, heads, self.rope)], dim=-1)
