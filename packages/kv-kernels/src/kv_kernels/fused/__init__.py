@@ -1,0 +1,22 @@
+"""Fused elementwise ops of a decoder layer, each one launch where torch takes several:
+``rms_norm`` (optionally with the residual add: vLLM's ``fused_add_rms_norm``),
+``silu_and_mul`` / ``gelu_tanh_and_mul`` and in-place ``rotary_embedding`` (NeoX and GPT-J
+pairs, partial rotary), with ``rope_cos_sin_cache`` building the table RoPE reads."""
+
+from __future__ import annotations
+
+from kv_kernels.fused.api import (
+    gelu_tanh_and_mul,
+    rms_norm,
+    rope_cos_sin_cache,
+    rotary_embedding,
+    silu_and_mul,
+)
+
+__all__ = [
+    "gelu_tanh_and_mul",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+]

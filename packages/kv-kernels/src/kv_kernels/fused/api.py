@@ -1,0 +1,432 @@
+"""The fused elementwise ops of a decoder layer: ``rms_norm`` (with the residual add),
+``silu_and_mul`` / ``gelu_tanh_and_mul`` and ``rotary_embedding``, plus
+``rope_cos_sin_cache`` (the table ``rotary_embedding`` reads).
+
+Each validates every input, then dispatches on an explicit ``impl``: ``"reference"`` (torch, any
+device), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for CUDA
+tensors, the reference for CPU ones). Nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kv_kernels._common import check_error_flag, resolve_impl
+
+__all__ = [
+    "gelu_tanh_and_mul",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+#: The widest row the norm kernel takes (kv_kernels.fused.triton.MAX_NORM_WIDTH; the api keeps
+#: its own copy so that importing it never imports Triton).
+_MAX_NORM_WIDTH = 32768
+
+
+def _tensor(name: str, t: object, shape_doc: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(t).__name__}")
+    return t
+
+
+def _float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOATS:
+        raise TypeError(
+            f"{name} dtype {t.dtype} is not supported; pass one of {list(_FLOATS)} "
+            "(arithmetic is float32 inside; the result keeps the input's dtype)"
+        )
+
+
+def _unit_rows(name: str, t: torch.Tensor) -> None:
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name}.stride(-1)={t.stride(-1)}: the fused ops read rows of unit stride; pass "
+            f"{name}.contiguous() (leading dims may be strided)"
+        )
+
+
+def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}; move it")
+
+
+# ---- rms_norm ----------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+    weight_first: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, optionally after adding the residual stream (one launch).
+
+    Without ``residual``: returns ``y = x / sqrt(mean(x^2) + eps) * (weight + weight_offset)``.
+    With ``residual``: ``h = x + residual`` (rounded to ``x.dtype``: it is the new residual
+    stream), ``y = rms_norm(h)``; returns ``(y, h)`` — vLLM's ``fused_add_rms_norm``. Pass
+    ``residual_out=residual`` to write ``h`` over the residual in place, as vLLM does.
+
+    Args:
+        x: ``[T, D]`` or ``[T, H, D]`` (per-head norms: Qwen3's q/k norm over a slice of the
+            fused qkv projection), float16 / bfloat16 / float32, unit last stride, any
+            token/head strides; ``1 <= D <= 32768``.
+        weight: ``[D]`` gain, any float dtype (read as float32).
+        eps: added to the mean square, ``>= 0``.
+        residual: like ``x`` (same shape and dtype).
+        out: where ``y`` goes (shape and dtype of ``x``; may be ``x`` itself); a new tensor
+            if ``None``.
+        residual_out: where ``h`` goes (shape and dtype of ``x``; may be ``residual`` or
+            ``x``, not ``out``); a new tensor if ``None``. Needs ``residual``.
+        weight_offset: added to the gain in float32: ``1.0`` for Gemma's ``(1 + weight)``.
+        weight_first: multiply the gain in float32 and round once (Gemma, gpt-oss); the
+            default rounds the normalized row to ``x.dtype`` first and then multiplies by the
+            gain (Llama / Qwen / Mistral in transformers). Identical in float32.
+        impl: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Arithmetic is float32 throughout.
+    """
+    x = _tensor("x", x, "[T, D] or [T, H, D]")
+    weight = _tensor("weight", weight, "[D]")
+    _float("x", x)
+    if weight.dtype not in _FLOATS:
+        raise TypeError(f"weight dtype {weight.dtype} must be one of {list(_FLOATS)}")
+    if x.dim() not in (2, 3):
+        raise ValueError(
+            f"x has shape {tuple(x.shape)}; rms_norm takes [T, D] or [T, H, D] "
+            "(reshape other leading dims into T)"
+        )
+    width = x.shape[-1]
+    if not 1 <= width <= _MAX_NORM_WIDTH:
+        raise ValueError(
+            f"rms_norm: row width D={width} must be in [1, {_MAX_NORM_WIDTH}] (the kernel holds "
+            "a row in registers); split wider rows"
+        )
+    if weight.dim() != 1 or weight.shape[0] != width:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)}; expected [{width}] (x's last dim)"
+        )
+    device = x.device
+    _same_device("weight", weight, device)
+    _unit_rows("x", x)
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, (int, float))
+        or not (math.isfinite(eps) and eps >= 0)
+    ):
+        raise ValueError(f"eps={eps!r} must be a finite float >= 0 (e.g. 1e-6)")
+    if (
+        isinstance(weight_offset, bool)
+        or not isinstance(weight_offset, (int, float))
+        or not (math.isfinite(weight_offset))
+    ):
+        raise ValueError(
+            f"weight_offset={weight_offset!r} must be a finite float (1.0 for Gemma's 1 + w)"
+        )
+    if residual is None and residual_out is not None:
+        raise ValueError("residual_out was given without residual; pass residual= too, or drop it")
+    for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
+        if t is None:
+            continue
+        t = _tensor(name, t, f"{list(x.shape)}")
+        if tuple(t.shape) != tuple(x.shape) or t.dtype != x.dtype:
+            raise ValueError(
+                f"{name} is {t.dtype} {tuple(t.shape)}; it must match x: {x.dtype} "
+                f"{tuple(x.shape)} (the op never converts silently)"
+            )
+        _same_device(name, t, device)
+        _unit_rows(name, t)
+    if out is not None and residual_out is not None and _overlap(out, residual_out):
+        raise ValueError(
+            "out and residual_out share memory: y would overwrite h; give them separate buffers"
+        )
+    for name, t in (("out", out), ("residual_out", residual_out)):
+        if t is None:
+            continue
+        for src_name, src in (("x", x), ("residual", residual)):
+            if src is not None and _overlap(t, src) and not _same_view(t, src):
+                raise ValueError(
+                    f"{name} partly overlaps {src_name}; it may be {src_name} itself (in place) "
+                    "or separate memory, nothing in between"
+                )
+    chosen = resolve_impl(impl, device, op="rms_norm")
+    if chosen == "reference":
+        from kv_kernels.fused.reference import rms_norm_reference
+
+        y, h = rms_norm_reference(x, weight, float(eps), residual, weight_offset, weight_first)
+        if out is not None:
+            y = out.copy_(y)
+        if residual is not None and residual_out is not None:
+            h = residual_out.copy_(h)
+    else:
+        from kv_kernels.fused.triton import rms_norm_triton
+
+        y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+        h = x
+        if residual is not None:
+            h = (
+                residual_out
+                if residual_out is not None
+                else torch.empty_like(x, memory_format=torch.contiguous_format)
+            )
+        rms_norm_triton(
+            x, weight, float(eps), residual, y, h if residual is not None else None,
+            float(weight_offset), bool(weight_first),
+        )  # fmt: skip
+    if residual is None:
+        return y
+    return y, h
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of ``a`` and ``b`` intersect (a conservative span test)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+        start = t.data_ptr()
+        return start, start + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
+# ---- silu_and_mul / gelu_tanh_and_mul -------------------------------------------------------------
+
+
+def silu_and_mul(
+    x: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto"
+) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` ``[T, 2d]`` (the gate and up projections,
+    stacked as a fused ``gate_up_proj`` writes them): ``[T, d]`` in ``x.dtype`` (or into
+    ``out``), float32 inside, one launch. Any token stride, unit column stride."""
+    return _act_and_mul("silu_and_mul", "silu", x, out, impl)
+
+
+def gelu_tanh_and_mul(
+    x: torch.Tensor, *, out: torch.Tensor | None = None, impl: str = "auto"
+) -> torch.Tensor:
+    """``gelu(x[..., :d], approximate="tanh") * x[..., d:]`` (Gemma's ``gelu_pytorch_tanh``
+    MLP) for ``x`` ``[T, 2d]``; as :func:`silu_and_mul` otherwise."""
+    return _act_and_mul("gelu_tanh_and_mul", "gelu_tanh", x, out, impl)
+
+
+def _act_and_mul(
+    op: str, act: str, x: torch.Tensor, out: torch.Tensor | None, impl: str
+) -> torch.Tensor:
+    x = _tensor("x", x, "[T, 2d]")
+    _float("x", x)
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(
+            f"{op}: x has shape {tuple(x.shape)}; expected [T, 2d] (gate columns then up columns, "
+            "an even width)"
+        )
+    _unit_rows("x", x)
+    num_tokens, d = x.shape[0], x.shape[1] // 2
+    if out is not None:
+        out = _tensor("out", out, f"[{num_tokens}, {d}]")
+        if tuple(out.shape) != (num_tokens, d) or out.dtype != x.dtype:
+            raise ValueError(
+                f"{op}: out is {out.dtype} {tuple(out.shape)}; expected {x.dtype} "
+                f"[{num_tokens}, {d}]"
+            )
+        _same_device("out", out, x.device)
+        _unit_rows("out", out)
+        if _overlap(out, x):
+            raise ValueError(f"{op}: out overlaps x; the kernel reads x while writing out")
+    chosen = resolve_impl(impl, x.device, op=op)
+    if chosen == "reference":
+        from kv_kernels.fused import reference
+
+        fn = (
+            reference.silu_and_mul_reference
+            if act == "silu"
+            else reference.gelu_tanh_and_mul_reference
+        )
+        y = fn(x)
+        return out.copy_(y) if out is not None else y
+    from kv_kernels.fused.triton import act_and_mul_triton
+
+    y = out if out is not None else torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
+    act_and_mul_triton(x, y, act)
+    return y
+
+
+# ---- rotary embedding ------------------------------------------------------------------------------
+
+
+def rope_cos_sin_cache(
+    inv_freq: torch.Tensor,
+    max_positions: int,
+    *,
+    scaling: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The ``[max_positions, rotary_dim]`` table :func:`rotary_embedding` reads: row ``p`` is
+    ``cat(cos(p * inv_freq), sin(p * inv_freq)) * scaling`` (``rotary_dim = 2 * len(inv_freq)``),
+    computed in float32 like transformers and cast to ``dtype`` (float32 keeps the most bits;
+    the model's dtype gives the bits of a model that rounds cos/sin before multiplying).
+    ``scaling``: YaRN's attention factor (1 elsewhere); any rope scaling of the frequencies
+    (linear, llama3, yarn) is already in ``inv_freq``."""
+    inv_freq = _tensor("inv_freq", inv_freq, "[rotary_dim / 2]")
+    if inv_freq.dim() != 1 or inv_freq.numel() == 0:
+        raise ValueError(f"inv_freq has shape {tuple(inv_freq.shape)}; expected [rotary_dim / 2]")
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+        raise ValueError(f"max_positions={max_positions!r} must be an int >= 1")
+    pos = torch.arange(max_positions, dtype=torch.int64, device=inv_freq.device).float()
+    freqs = pos[:, None] * inv_freq.float()[None, :]  # [max_positions, rotary_dim / 2]
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scaling).to(dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    *,
+    is_neox: bool = True,
+    rotary_dim: int | None = None,
+    impl: str = "auto",
+    error_flag: torch.Tensor | None = None,
+) -> None:
+    """Rotate ``q`` and ``k`` in place by their tokens' positions (one launch for both).
+
+    Args:
+        positions: int64 or int32 ``[T]``; token ``t`` of ``q``/``k`` sits at ``positions[t]``.
+            A negative position is padding: its rows are left as they are.
+        q: ``[T', Hq, D]`` with ``T' >= T`` (the first ``T`` tokens are rotated; padded
+            batches may be longer), float16 / bfloat16 / float32, unit last stride, any
+            token/head strides (slices of a fused qkv projection).
+        k: ``[T', Hk, D]`` like ``q`` (same dtype and ``D``), or ``None``.
+        cos_sin_cache: ``[max_pos, rotary_dim]``, float: row ``p`` holds ``rotary_dim / 2``
+            cosines then as many sines (:func:`rope_cos_sin_cache` builds it).
+        is_neox: ``True``: column ``i`` pairs with ``i + rotary_dim / 2`` (Llama, Qwen,
+            Mistral, NeoX's ``rotate_half``); ``False``: ``2i`` pairs with ``2i + 1`` (GPT-J,
+            interleaved: GLM, DeepSeek's MLA rope).
+        rotary_dim: the rotated leading columns (partial rotary); default: the cache's width.
+            Even and ``<= D``; columns past it are left as they are.
+        impl: ``"auto"``, ``"reference"`` or ``"triton"``.
+        error_flag: optional int32 ``[1]`` on ``q``'s device; the Triton kernel adds the number
+            of tokens whose position is ``>= max_pos`` (their rows are left unrotated).
+
+    Positions ``>= max_pos`` raise ``ValueError`` when ``positions`` is on the CPU; on CUDA they
+    are not checked here (a read-back would synchronize): such rows are left unrotated and
+    counted in ``error_flag``.
+    """
+    positions = _tensor("positions", positions, "[T]")
+    q = _tensor("q", q, "[T, Hq, D]")
+    cos_sin_cache = _tensor("cos_sin_cache", cos_sin_cache, "[max_pos, rotary_dim]")
+    if positions.dtype not in (torch.int64, torch.int32) or positions.dim() != 1:
+        raise ValueError(
+            f"positions is {positions.dtype} {tuple(positions.shape)}; pass an int64 (or int32) "
+            "[T] tensor"
+        )
+    _float("q", q)
+    if q.dim() != 3:
+        raise ValueError(f"q has shape {tuple(q.shape)}; expected [T, Hq, D]")
+    num_tokens, head_size = positions.numel(), q.shape[-1]
+    device = q.device
+    _same_device("positions", positions, device)
+    _same_device("cos_sin_cache", cos_sin_cache, device)
+    for name, t in (("q", q), ("k", k)):
+        if t is None:
+            continue
+        t = _tensor(name, t, "[T, H, D]")
+        if t.dim() != 3 or t.shape[-1] != head_size or t.dtype != q.dtype:
+            raise ValueError(
+                f"{name} is {t.dtype} {tuple(t.shape)}; expected {q.dtype} [T', H, {head_size}] "
+                "(q and k share dtype and head size)"
+            )
+        if t.shape[0] < num_tokens:
+            raise ValueError(
+                f"{name} has {t.shape[0]} tokens but positions has {num_tokens}; {name} may be "
+                "longer (padded) but never shorter"
+            )
+        _same_device(name, t, device)
+        _unit_rows(name, t)
+    if k is not None and k.numel() and q.data_ptr() == k.data_ptr():
+        # (slices of one qkv buffer interleave their spans, so only the same start is checked;
+        # q and k must not share elements)
+        raise ValueError("q and k start at the same element; pass q and k as separate heads")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.dtype not in _FLOATS:
+        raise ValueError(
+            f"cos_sin_cache is {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}; expected a "
+            f"float [max_pos, rotary_dim] table (rope_cos_sin_cache builds it)"
+        )
+    _unit_rows("cos_sin_cache", cos_sin_cache)
+    if rotary_dim is None:
+        rotary_dim = cos_sin_cache.shape[1]
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_size:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even, >= 2 and <= head_size={head_size}")
+    if cos_sin_cache.shape[1] != rotary_dim:
+        raise ValueError(
+            f"cos_sin_cache has {cos_sin_cache.shape[1]} columns but rotary_dim={rotary_dim}; "
+            "the table holds rotary_dim / 2 cosines then rotary_dim / 2 sines per position"
+        )
+    max_pos = cos_sin_cache.shape[0]
+    if positions.device.type == "cpu" and num_tokens:
+        top = int(positions.max())
+        if top >= max_pos:
+            raise ValueError(
+                f"positions holds {top}, past the cos_sin_cache's {max_pos} rows; build the table "
+                "for max_position_embeddings (or the longest context served)"
+            )
+    check_error_flag(error_flag, device, op="rotary_embedding")
+    chosen = resolve_impl(impl, device, op="rotary_embedding")
+    if chosen == "reference":
+        from kv_kernels.fused.reference import rotary_embedding_reference
+
+        live = positions >= 0
+        if positions.device.type == "cpu" and bool(live.all()):
+            rotary_embedding_reference(positions, q, k, cos_sin_cache, is_neox, rotary_dim)
+            return
+        # padding (or, on CUDA, unchecked positions): rotate the live tokens only
+        _reference_masked(positions, q, k, cos_sin_cache, is_neox, rotary_dim)
+        return
+    from kv_kernels.fused.triton import rotary_embedding_triton
+
+    rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox, rotary_dim, error_flag)
+
+
+def _reference_masked(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    rotary_dim: int,
+) -> None:
+    """The reference over the tokens whose position is inside the table (rows of the others are
+    left as they are, as the kernel leaves them)."""
+    from kv_kernels.fused.reference import rotary_embedding_reference
+
+    num_tokens = positions.numel()
+    live = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    safe = torch.where(live, positions, torch.zeros_like(positions))
+    q_new = q[:num_tokens].clone()
+    k_new = None if k is None else k[:num_tokens].clone()
+    rotary_embedding_reference(safe, q_new, k_new, cos_sin_cache, is_neox, rotary_dim)
+    keep = live[:, None, None]
+    q[:num_tokens] = torch.where(keep, q_new, q[:num_tokens])
+    if k is not None and k_new is not None:
+        k[:num_tokens] = torch.where(keep, k_new, k[:num_tokens])

@@ -1,0 +1,325 @@
+"""Triton kernels of the fused elementwise ops and their launchers (one launch per call).
+
+Every kernel loads in the tensor's dtype and upcasts right after the load: the arithmetic is
+float32 on every path (the interpreter computes bf16 arithmetic wrongly, and the GPU would round
+each step otherwise). Token offsets are int64 (``tok * stride`` past 2**31 elements on long
+prefills of wide rows); column offsets stay int32 (a row is at most a few thousand elements).
+
+Why these are worth a kernel each (per layer of a decode step; bytes at Llama-3-8B's shape are
+in ``benchmarks/bench_fused.py``): torch's residual add + RMSNorm is two to six launches and reads
+the residual stream two or three times; SiLU-and-mul is two launches and writes the gate's
+activation only to read it back; RoPE as ``x * cos + rotate_half(x) * sin`` is four to seven
+launches per tensor. Each fused kernel reads its inputs once and writes its outputs once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "act_and_mul_triton",
+    "norm_config",
+    "rms_norm_triton",
+    "rotary_embedding_triton",
+]
+
+#: Largest row the norm kernel holds in registers at once (elements): 32768 (a 16-warp program
+#: keeps 64 float32 per thread per live value). Wider rows raise in the api.
+MAX_NORM_WIDTH = 32768
+#: Elements a norm program covers when rows are narrow (q/k norms: 128-wide rows, many of them):
+#: several rows per program, so a program still moves a few KiB.
+_NORM_TILE = 4096
+#: Columns of one activation program (a row of the MLP's intermediate is split over programs).
+_ACT_BLOCK = 1024
+
+
+# ---- RMSNorm (+ residual add) -------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    h_ptr,
+    num_rows,
+    rows_per_token,  # 3-D inputs [T, H, D]: row r is head r % H of token r // H (1 for 2-D)
+    x_st,
+    x_sh,
+    res_st,
+    res_sh,
+    y_st,
+    y_sh,
+    h_st,
+    h_sh,
+    eps,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows per program
+    HAS_RESIDUAL: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,  # multiply the gain in float32 before rounding (Gemma, gpt-oss)
+    WEIGHT_OFFSET: tl.constexpr,  # Gemma's gain is 1 + weight
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R] int64
+    tok = rows // rows_per_token
+    head = rows % rows_per_token
+    cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (cols < D)[None, :]  # [R, BLOCK_D]
+    x = tl.load(x_ptr + (tok * x_st + head * x_sh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    hf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(
+            res_ptr + (tok * res_st + head * res_sh)[:, None] + cols[None, :], mask=mask, other=0.0
+        )
+        # the residual stream is stored in the input dtype; the norm reads the rounded sum, as
+        # the unfused `h = x + residual; norm(h)` does
+        h = (hf + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + (tok * h_st + head * h_sh)[:, None] + cols[None, :], h, mask=mask)
+        hf = h.to(tl.float32)
+    mean_sq = tl.sum(hf * hf, axis=1) / D  # [R]
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    normed = hf * rstd[:, None]
+    gain = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) + WEIGHT_OFFSET
+    if WEIGHT_FIRST:
+        y = normed * gain[None, :]
+    else:
+        y = normed.to(y_ptr.dtype.element_ty).to(tl.float32) * gain[None, :]
+    tl.store(
+        y_ptr + (tok * y_st + head * y_sh)[:, None] + cols[None, :],
+        y.to(y_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+class NormConfig(NamedTuple):
+    """Launch parameters of the norm kernel (``norm_config`` picks them)."""
+
+    block_d: int  # next power of two of the row width
+    block_r: int  # rows per program
+    num_warps: int
+
+
+def norm_config(width: int) -> NormConfig:
+    """Whole rows per program: one row when it is at least :data:`_NORM_TILE` elements wide,
+    else as many as fill that tile; warps give each thread about 8 elements (one 16-byte vector
+    of a 16-bit row), 1 to 16."""
+    block_d = triton.next_power_of_2(width)
+    block_r = max(1, _NORM_TILE // block_d)
+    num_warps = max(1, min(16, block_d * block_r // 256))
+    return NormConfig(block_d, block_r, num_warps)
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(token stride, head stride) of a 2-D ``[T, D]`` or 3-D ``[T, H, D]`` tensor."""
+    if t.dim() == 2:
+        return t.stride(0), 0
+    return t.stride(0), t.stride(1)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # [T, D] or [T, H, D], unit last stride
+    weight: torch.Tensor,  # [D], contiguous
+    eps: float,
+    residual: torch.Tensor | None,  # like x
+    y: torch.Tensor,  # like x: the output
+    h: torch.Tensor | None,  # like x: x + residual (with a residual)
+    weight_offset: float,
+    weight_first: bool,
+) -> None:
+    """Launch the norm; inputs are assumed validated by the api (one launch, no host sync)."""
+    width = x.shape[-1]
+    rows_per_token = x.shape[1] if x.dim() == 3 else 1
+    num_rows = x.shape[0] * rows_per_token
+    if num_rows == 0:
+        return
+    cfg = norm_config(width)
+    res = residual if residual is not None else x
+    hh = h if h is not None else y
+    grid = (triton.cdiv(num_rows, cfg.block_r),)
+    _rms_norm_kernel[grid](
+        x, res, weight, y, hh,
+        num_rows, rows_per_token,
+        *_row_strides(x), *_row_strides(res), *_row_strides(y), *_row_strides(hh),
+        float(eps),
+        D=width,
+        BLOCK_D=cfg.block_d,
+        BLOCK_R=cfg.block_r,
+        HAS_RESIDUAL=residual is not None,
+        WEIGHT_FIRST=weight_first,
+        WEIGHT_OFFSET=float(weight_offset),
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+# ---- SiLU / GELU-tanh and mul --------------------------------------------------------------------
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    x_st,
+    out_st,
+    D: tl.constexpr,  # output columns (the input row is 2 * D)
+    BLOCK: tl.constexpr,
+    ACT: tl.constexpr,  # 0: silu, 1: gelu (tanh approximation)
+):
+    tok = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    row = x_ptr + tok * x_st
+    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + D + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        # x * sigmoid(x); for x -> -inf exp(-x) overflows to inf and the quotient is -0, not NaN
+        act = gate / (1.0 + tl.exp(-gate))
+    else:
+        # tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits +-1 where exp overflows or underflows
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+    tl.store(out_ptr + tok * out_st + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def act_and_mul_triton(x: torch.Tensor, out: torch.Tensor, act: str) -> None:
+    """``out[t] = act(x[t, :d]) * x[t, d:]`` for 2-D ``x`` ``[T, 2d]`` and ``out`` ``[T, d]`` (unit
+    last strides); ``act`` is ``"silu"`` or ``"gelu_tanh"``."""
+    num_tokens, d = out.shape
+    if num_tokens == 0 or d == 0:
+        return
+    block = min(_ACT_BLOCK, triton.next_power_of_2(d))
+    # 4 warps for a full 1024-column block of gate + up: 8 elements of each per thread
+    num_warps = max(1, min(4, block // 256))
+    grid = (num_tokens, triton.cdiv(d, block))
+    _act_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0),
+        D=d, BLOCK=block, ACT=0 if act == "silu" else 1, num_warps=num_warps,
+    )  # fmt: skip
+
+
+# ---- rotary embedding ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(
+    base,  # this token's row of q or k
+    s_h,
+    num_heads,
+    cos,  # [1, BLOCK_HALF] float32
+    sin,
+    ok,  # scalar: the position is inside the cache
+    IS_NEOX: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    i = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]: pair index
+    if IS_NEOX:
+        c1 = i
+        c2 = i + HALF
+    else:
+        c1 = 2 * i
+        c2 = 2 * i + 1
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+        mask = (heads < num_heads) & (i < HALF)
+        row = base + heads.to(tl.int64) * s_h
+        x1 = tl.load(row + c1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + c2, mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        # (tl.where rather than `&`: the interpreter mistypes a scalar-bool & tensor-bool)
+        write = tl.where(ok, mask, False)
+        tl.store(row + c1, o1.to(base.dtype.element_ty), mask=write)
+        tl.store(row + c2, o2.to(base.dtype.element_ty), mask=write)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cs_ptr,
+    err_ptr,
+    num_q_heads,
+    num_k_heads,
+    max_pos,
+    q_st,
+    q_sh,
+    k_st,
+    k_sh,
+    cs_st,
+    HALF: tl.constexpr,  # rotary_dim / 2
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HAS_K: tl.constexpr,
+    CHECK: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    ok = (pos >= 0) & (pos < max_pos)
+    if CHECK:
+        tl.atomic_add(err_ptr, 1, mask=pos >= max_pos)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    cs_row = cs_ptr + tl.where(ok, pos, 0) * cs_st  # a bad position reads row 0, writes nothing
+    cos = tl.load(cs_row + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr + tok * q_st, q_sh, num_q_heads, cos, sin, ok,
+        IS_NEOX, HALF, BLOCK_HQ, BLOCK_HALF,
+    )  # fmt: skip
+    if HAS_K:
+        _rotate_heads(
+            k_ptr + tok * k_st, k_sh, num_k_heads, cos, sin, ok,
+            IS_NEOX, HALF, BLOCK_HK, BLOCK_HALF,
+        )  # fmt: skip
+
+
+#: Pair elements a rotary program holds per head tile (per half): 32 heads x 64 pairs at head 128.
+_ROPE_TILE = 2048
+
+
+def _rope_heads(num_heads: int, block_half: int) -> int:
+    return max(1, min(triton.next_power_of_2(num_heads), _ROPE_TILE // block_half))
+
+
+def rotary_embedding_triton(
+    positions: torch.Tensor,  # [T] int32 / int64
+    q: torch.Tensor,  # [T', Hq, D], unit last stride
+    k: torch.Tensor | None,  # [T', Hk, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, rotary_dim], unit last stride
+    is_neox: bool,
+    rotary_dim: int,
+    error_flag: torch.Tensor | None,
+) -> None:
+    """One launch, one program per token rotating all its q heads, then its k heads."""
+    num_tokens = positions.numel()
+    if num_tokens == 0:
+        return
+    half = rotary_dim // 2
+    block_half = triton.next_power_of_2(half)
+    k_arg = k if k is not None else q
+    block_hq = _rope_heads(q.shape[1], block_half)
+    block_hk = _rope_heads(k_arg.shape[1], block_half)
+    num_warps = max(1, min(8, block_hq * block_half // 256))
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k_arg, cos_sin_cache,
+        error_flag if error_flag is not None else positions,
+        q.shape[1], k_arg.shape[1], cos_sin_cache.shape[0],
+        q.stride(0), q.stride(1), k_arg.stride(0), k_arg.stride(1), cos_sin_cache.stride(0),
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        IS_NEOX=is_neox,
+        HAS_K=k is not None,
+        CHECK=error_flag is not None,
+        num_warps=num_warps,
+    )  # fmt: skip
