@@ -12,12 +12,13 @@ through ``_vllm_side.py`` because it is installed outside this workspace — see
 3. chained hashing of 16-token blocks: a request's whole chain (256 blocks), sha256 and xxhash-128.
 4. a decode step of 256 running requests (prompts of 500..515 tokens, so 1/16 of the requests
    cross a block boundary each step): each appends one token and gets its slot (a new block
-   every 16 steps). ``manager``: the KV manager alone, one ``allocate_slots`` call per request
-   (what vLLM's number covers). ``full step`` (issue 32's figure): the sampled tokens appended,
-   ``allocate_decode_slots`` for the batch, ``BlockTables.append_rows`` of the rows that got a
-   block, ``commit`` and ``build_common_metadata`` (slot mapping, positions, lengths: the
+   every 16 steps). ``manager``: the KV manager alone, one ``append_token_ids`` and one
+   ``allocate_slots`` call per request (what vLLM's number covers). ``full step`` (issue 32's
+   figure): ``allocate_decode_slots`` for the batch, ``BlockTables.append_rows`` of the rows
+   that got a block, ``commit`` and ``build_common_metadata`` (slot mapping, positions, lengths: the
    metadata every attention backend takes; ``kv_blocktable.block_table``, torch, on
-   ``--device`` — host time, CUDA work is async). ``full step, per-request calls``: the same
+   ``--device`` — host time, CUDA work is async), after the step's sampled tokens are appended
+   (timed apart, and reported with them too). ``full step, per-request calls``: the same
    with the manager called per request (the engine's scheduler today), run interleaved with it.
 
 The two sides alternate run by run (vLLM's interpreter stays up and runs one workload per
@@ -158,7 +159,8 @@ class OursDecode:
             assert self.mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hit) is not None
             self.reqs.append(req)
         self.cfg, self.device, self.step = cfg, device, 0
-        self.tables: Callable[[list[Any]], None] | None = None
+        self.tables: Callable[[list[int], list[Any], list[int]], None] | None = None
+        self.after_tokens: dict[str, list[float]] = {}
         self.table_error: str | None = None
         self.how = (
             "KVCacheManager(plan of FullAttentionSpec(16, 8, 128, bf16), prefix caching on, "
@@ -166,15 +168,20 @@ class OursDecode:
         )
 
     def _steps(self, kind: str) -> list[float]:
+        """Host seconds per step, the token appends included; the full steps also record their
+        time after the appends (the manager's allocation, tables and metadata) in
+        ``self.after_tokens[kind]``."""
         times = []
         mgr, reqs = self.mgr, self.reqs
         n = len(reqs)
+        after = self.after_tokens.setdefault(kind, [])
         for _ in range(self.p["decode_chunk"]):
             tok = self.step % 100
             self.step += 1
             t0 = time.perf_counter()
-            for req in reqs:  # the last step's sampled tokens
+            for req in reqs:  # the last step's sampled tokens (hashing the blocks they fill)
                 req.append_token_ids(tok)
+            t1 = time.perf_counter()
             if kind == "full":
                 got = mgr.allocate_decode_slots(reqs)
                 assert got.num_scheduled == n  # the pool holds every step of the run
@@ -191,7 +198,9 @@ class OursDecode:
                         [news[i].get_block_ids() for i in rows],  # type: ignore[union-attr]
                         [len(req.token_ids) for req in reqs],  # seq_len: every token has a slot
                     )
-            times.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            times.append(t2 - t0)
+            after.append(t2 - t1)
         return times
 
     def manager(self) -> list[float]:
@@ -366,15 +375,22 @@ def measure(
         "how": dec.how,
     }
     if f_t:
-        d["full_step_median_us"] = median(f_t) * 1e6
-        d["full_step_min_us"] = min(f_t) * 1e6
-        d["full_step_per_request_median_us"] = median(fp_t) * 1e6
-        d["full_step_per_request_min_us"] = min(fp_t) * 1e6
+        # Issue 32's figure: the manager's allocation for the new tokens, the tables and the
+        # metadata (the tokens appended before it, with their block hashes, reported beside).
+        fa, fpa = dec.after_tokens["full"], dec.after_tokens["full_per_request"]
+        d["full_step_median_us"] = median(fa) * 1e6
+        d["full_step_min_us"] = min(fa) * 1e6
+        d["full_step_per_request_median_us"] = median(fpa) * 1e6
+        d["full_step_per_request_min_us"] = min(fpa) * 1e6
+        d["full_step_with_token_appends_median_us"] = median(f_t) * 1e6
+        d["full_step_with_token_appends_min_us"] = min(f_t) * 1e6
+        d["full_step_per_request_with_token_appends_median_us"] = median(fp_t) * 1e6
         d["full_step_steps"] = len(f_t)
         d["full_step_device"] = device
         d["full_step_how"] = (
             "then (separately, after the manager-only steps) per step: append_token_ids(tok) "
-            "for every request; got = allocate_decode_slots(requests); "
+            "for every request (timed apart: the '_with_token_appends' figures include it); "
+            "then, timed: got = allocate_decode_slots(requests); "
             "BlockTables.append_rows(got.rows, got.new_block_ids); commit(256); "
             "build_common_metadata(256, [1] * 256, got.num_computed_tokens) — alternating "
             "chunk by chunk with the same step through allocate_slots(req, 1) per request "
@@ -436,6 +452,11 @@ def summarize(ours: dict[str, Any], vllm: dict[str, Any]) -> list[dict[str, Any]
                 "decode_full_step_per_request",
                 "allocate_slots per request",
                 d["full_step_per_request_median_us"],
+            ),
+            (
+                "decode_full_step_with_tokens",
+                "the 256 token appends + allocate_decode_slots",
+                d["full_step_with_token_appends_median_us"],
             ),
         ):
             rows.append(
@@ -501,7 +522,10 @@ def write_md(path: Path, record: dict[str, Any]) -> None:
             f"median {d['full_step_median_us']:.0f} us, min {d['full_step_min_us']:.0f} us over "
             f"{d['full_step_steps']} steps; with per-request manager calls, interleaved: median "
             f"{d['full_step_per_request_median_us']:.0f} us, min "
-            f"{d['full_step_per_request_min_us']:.0f} us.",
+            f"{d['full_step_per_request_min_us']:.0f} us. With the step's 256 token appends "
+            "(append_token_ids, which hashes the blocks the tokens fill) before it: median "
+            f"{d['full_step_with_token_appends_median_us']:.0f} us (per-request manager calls: "
+            f"{d['full_step_per_request_with_token_appends_median_us']:.0f} us).",
         ]
     if "error" in record["vllm"]:
         lines += ["", f"vLLM side skipped: {record['vllm']['error']}."]
@@ -567,6 +591,7 @@ def _plot_ours(plt: Any, path: Path, rows: list[dict[str, Any]], short: dict[str
     labels = {
         "decode_full_step": "decode step x256, full (batched manager)",
         "decode_full_step_per_request": "decode step x256, full (per-request manager)",
+        "decode_full_step_with_tokens": "decode step x256, full + token appends",
     }
     b.barh([labels.get(r["key"], short.get(r["key"], r["key"])) for r in steps],
            [r["ours"] for r in steps])  # fmt: skip
@@ -578,19 +603,21 @@ def _plot_ours(plt: Any, path: Path, rows: list[dict[str, Any]], short: dict[str
     plt.close(fig)
 
 
-def write_outputs(out: Path, record: dict[str, Any], *, write_json: bool = True) -> list[Path]:
+def write_outputs(
+    out: Path, record: dict[str, Any], *, write_json: bool = True, name: str = NAME
+) -> list[Path]:
     """``out/blocktable.{json,md,png}``; returns the files written (the PNG only with
     matplotlib, which is said in one line when missing)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    js = out / f"{NAME}.json"
+    js = out / f"{name}.json"
     if write_json:
         js.write_text(json.dumps(record, indent=1) + "\n")
         written.append(js)
-    md = out / f"{NAME}.md"
+    md = out / f"{name}.md"
     write_md(md, record)
     written.append(md)
-    png = out / f"{NAME}.png"
+    png = out / f"{name}.png"
     if write_png(png, record["rows"]):
         written.append(png)
     else:
@@ -618,12 +645,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--render-only", action="store_true", help="redraw .md and .png from --out's .json"
     )
+    ap.add_argument(
+        "--name",
+        default=NAME,
+        help=f"file stem of the outputs (default {NAME}; e.g. blocktable_cpu_step for a record "
+        "beside the committed ones)",
+    )
     args = ap.parse_args(argv)
     if args.render_only:
         if args.out is None:
             ap.error("--render-only reads <out>/blocktable.json: pass --out FOLDER")
-        saved: dict[str, Any] = json.loads((args.out / f"{NAME}.json").read_text())
-        written = write_outputs(args.out, saved, write_json=False)
+        saved: dict[str, Any] = json.loads((args.out / f"{args.name}.json").read_text())
+        written = write_outputs(args.out, saved, write_json=False, name=args.name)
         print("wrote " + ", ".join(str(f) for f in written))
         return
     out = args.out or Path(tempfile.mkdtemp(prefix="kvstack-bench-blocktable-"))
@@ -649,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
         "vllm": vllm,
     }
     record["rows"] = summarize(ours, vllm)
-    written = write_outputs(out, record)
+    written = write_outputs(out, record, name=args.name)
     for r in record["rows"]:
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         print(

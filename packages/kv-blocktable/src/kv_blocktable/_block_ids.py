@@ -324,6 +324,30 @@ def plan_single_appends(
     ends: dict[int, list[int]] = {}
     flat: list[int] = []
     vals: list[int] = []
+    if groups == 1:  # the same loop without the inner one over groups
+        max_b, max_id = max_blocks[0], max_ids[0]
+        for row, ids in zip(rows, new_block_ids, strict=True):
+            if type(row) is not int or not 0 <= row < num_rows:
+                return None
+            if type(ids) is not tuple or len(ids) != 1:
+                return None
+            got = ids[0]
+            if type(got) is not list:
+                return None
+            end = ends.get(row)
+            if end is None:
+                end = ends[row] = [row_blocks[row][0]]
+            if not got:
+                continue
+            if len(got) != 1:
+                return None
+            b, c = got[0], end[0]
+            if type(b) is not int or not 0 <= b <= max_id or c >= max_b:
+                return None
+            flat.append(row * width + c)
+            vals.append(b)
+            end[0] = c + 1
+        return ends, flat, vals
     for row, ids in zip(rows, new_block_ids, strict=True):
         if type(row) is not int or not 0 <= row < num_rows:
             return None

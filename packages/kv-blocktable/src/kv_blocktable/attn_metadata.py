@@ -457,20 +457,18 @@ def decode_slot_mappings(
     step: StepInputs,
     blocks: Sequence[torch.Tensor],  # per group [R] int32, from decode_blocks
     block_sizes: Sequence[int],
-    outs: Sequence[torch.Tensor],  # per group a persistent int64 buffer of >= padded_tokens
+    outs: Sequence[torch.Tensor],  # per group the int64 [padded_tokens] view written in place
 ) -> tuple[torch.Tensor, ...]:
     """:func:`host_slot_mappings` of a pure-decode step from :func:`decode_blocks`' lookup:
     ``slot = block * block_size + pos % block_size``, ``-1`` padding."""
     n, padded = step.num_tokens, step.padded_tokens
-    slots = []
     for g, bs in enumerate(block_sizes):
-        out = outs[g][:padded]
+        out = outs[g]
         # int64 arithmetic (the add promotes before it multiplies): slots overflow int32.
         torch.add(step.positions % bs, blocks[g], alpha=bs, out=out[:n] if padded > n else out)
         if padded > n:
             out[n:] = -1
-        slots.append(out)
-    return tuple(slots)
+    return tuple(outs)
 
 
 class StepBuffers:
@@ -486,6 +484,7 @@ class StepBuffers:
         self.pos = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         # On the CPU the "device" buffers are host memory already: no staging copy.
         self.direct = device.type == "cpu"
+        self._decode_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if self.direct:
             self.host_qsl, self.host_seq, self.host_pos = self.qsl, self.seq, self.pos
         else:
@@ -499,11 +498,15 @@ class StepBuffers:
         before calling (the host buffers are reused)."""
         r, t = step.num_reqs, step.num_tokens
         if self.direct:  # the buffers are the host copies: one view each, no staging
-            views = self.qsl[: r + 1], self.seq[:r], self.pos[:t]
-            for view, src in zip(
-                views, (step.query_start_loc, step.seq_lens_i32, step.positions), strict=True
-            ):
-                view.copy_(src)
+            views = self._decode_views.get(r) if r == t else None
+            if views is None:
+                views = self.qsl[: r + 1], self.seq[:r], self.pos[:t]
+                if r == t:  # decode sizes: at most max_num_reqs of them, views made once
+                    self._decode_views[r] = views
+            qsl, seq, pos = views
+            qsl.copy_(step.query_start_loc)
+            seq.copy_(step.seq_lens_i32)
+            pos.copy_(step.positions)
             return views
         pairs = (
             (self.host_qsl[: r + 1], self.qsl[: r + 1], step.query_start_loc),

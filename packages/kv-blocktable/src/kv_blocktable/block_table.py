@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 __all__ = ["BlockTables", "KeyWindow", "check_kernel_block_split", "int64_tensor"]
 
 _IMPLS = ("auto", "reference", "triton")
+# Per group: flat table index of each row's column 0, kernel table rows, slot buffer entries.
+_DecodeViews = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
 
 class BlockTables(StepExports):
@@ -188,7 +190,10 @@ class BlockTables(StepExports):
         # CUDA events of the last non-blocking copy out of each pinned buffer (tables, step).
         self._copy_event: Any = None
         self._step_event: Any = None
-        self._bases: dict[int, tuple[torch.Tensor, ...]] = {}  # see _decode_bases
+        self._views: dict[tuple[int, int], _DecodeViews] = {}  # see _decode_views
+        # Flat views of the tables, for the decode lookup and the entry commit.
+        self._host_flat = self._host.view(-1)
+        self._dev_flat = self._dev.view(-1)
         self._committed: int | None = None  # num_reqs of the last commit; None = stale
         self._last_step: _md.StepInputs | None = None
         self._positions: torch.Tensor | None = None
@@ -355,7 +360,9 @@ class BlockTables(StepExports):
         that crossed a block boundary in one call instead of a few torch ops per row. A row may
         appear more than once; its appends apply in order.
         """
-        if not isinstance(rows, Sequence) or not isinstance(new_block_ids, Sequence):
+        if not (type(rows) is list or isinstance(rows, Sequence)) or not (
+            type(new_block_ids) is list or isinstance(new_block_ids, Sequence)
+        ):  # (the exact-type test first: an ABC check costs a microsecond)
             raise TypeError(
                 f"append_rows: rows ({type(rows).__name__}) and new_block_ids "
                 f"({type(new_block_ids).__name__}) must be sequences, one tuple of per-group "
@@ -406,7 +413,7 @@ class BlockTables(StepExports):
                 # int64_tensor: torch.tensor(list) costs ~0.1 us per element; ids fit in int32
                 # (BlockIdCheck), so the cast is exact.
                 # (the indices are distinct: each append advances its row's end)
-                self._host.view(-1).index_copy_(0, int64_tensor(flat), int32_tensor(vals))
+                self._host_flat.index_copy_(0, int64_tensor(flat), int32_tensor(vals))
             for row, end in ends.items():
                 self._row_blocks[row] = end
         if self._track_entries:
@@ -477,7 +484,7 @@ class BlockTables(StepExports):
             self._pending = [i for i in pending if i >= limit]
         if todo:
             idx = int64_tensor(todo)
-            self._dev.view(-1).index_copy_(0, idx, self._host.view(-1).index_select(0, idx))
+            self._dev_flat.index_copy_(0, idx, self._host_flat.index_select(0, idx))
 
     def _commit_rows(self, n: int) -> None:
         # Host tables: rows outside ``_dirty`` already match the host, so copy only the changed
@@ -509,13 +516,21 @@ class BlockTables(StepExports):
                 )  # [rows, M_g * k]
             self._kernel[g][rows] = manager
 
-    def _decode_bases(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
-        """Per group ``[R]`` int64 ``row * width + first column``: flat host-table index of
-        column 0 of each of the first ``num_reqs`` rows (made once per batch size)."""
-        got = self._bases.get(num_reqs)
+    def _decode_views(self, num_reqs: int, padded: int) -> _DecodeViews:
+        """What a decode step of ``num_reqs`` requests padded to ``padded`` tokens reads and
+        writes, made once per size (views of the persistent buffers stay valid): per group the
+        ``[R]`` int64 flat table index of each row's column 0 (``row * width + first column``),
+        the kernel table's first ``R`` rows and the slot buffer's first ``padded`` entries."""
+        got = self._views.get((num_reqs, padded))
         if got is None:
+            if len(self._views) >= 1024:  # many paddings: keep the cache bounded
+                self._views.clear()
             rows = torch.arange(num_reqs) * self._col[-1]
-            got = self._bases[num_reqs] = tuple(rows + c for c in self._col[:-1])
+            got = self._views[(num_reqs, padded)] = (
+                tuple(rows + c for c in self._col[:-1]),
+                tuple(k[:num_reqs] for k in self._kernel),
+                tuple(out[:padded] for out in self._slots),
+            )
         return got
 
     def _require_committed(self, num_reqs: int, what: str) -> None:
@@ -602,17 +617,18 @@ class BlockTables(StepExports):
         host_slots = self._track_rows and self.impl != "triton"
         # A pure decode checks coverage and the null block with one lookup per group (the
         # committed table on the CPU, which the slots then read; the host table on a GPU).
+        views = self._decode_views(num_reqs, step.padded_tokens) if step.pure_decode else None
         blocks = (
-            _md.decode_blocks(
+            None
+            if views is None
+            else _md.decode_blocks(
                 step,
-                (self._dev if host_slots else self._host).view(-1),
-                self._decode_bases(num_reqs),
+                self._dev_flat if host_slots else self._host_flat,
+                views[0],
                 self.block_sizes,
                 self.max_num_blocks_per_req,
                 self.null_block,
             )
-            if step.pure_decode
-            else None
         )
         if blocks is None:  # not a decode, or one the lookup refused: the checks name the error
             _md.check_rows_cover(
@@ -630,7 +646,8 @@ class BlockTables(StepExports):
             self._step_event = torch.cuda.Event()
             self._step_event.record()
         if host_slots and blocks is not None:
-            slots = _md.decode_slot_mappings(step, blocks, self.block_sizes, self._slots)
+            assert views is not None
+            slots = _md.decode_slot_mappings(step, blocks, self.block_sizes, views[2])
         elif host_slots:
             slots = _md.host_slot_mappings(
                 step, self._dev, self._col, self.block_sizes, self.null_block, self._slots
@@ -639,7 +656,7 @@ class BlockTables(StepExports):
             slots = self.compute_slot_mapping(qsl, pos, num_slots=step.padded_tokens)
         self._last_step = step
         self._positions = pos
+        kernel = views[1] if views is not None else [k[:num_reqs] for k in self._kernel]
         return tuple(
-            _md.make_common(step, qsl, seq, self._kernel[g][:num_reqs], slots[g])
-            for g in range(self.num_groups)
+            _md.make_common(step, qsl, seq, kernel[g], slots[g]) for g in range(self.num_groups)
         )

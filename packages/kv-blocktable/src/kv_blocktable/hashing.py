@@ -189,6 +189,7 @@ class BlockHasher:
         if self.block_size < 1:
             raise ValueError(f"BlockHasher.block_size={self.block_size} must be >= 1")
         object.__setattr__(self, "_digest", _digest_fn(self.algo))
+        object.__setattr__(self, "_n_prefix", _U32.pack(self.block_size))
 
     def hash_blocks(
         self,
@@ -224,6 +225,23 @@ class BlockHasher:
                 "kv_blocktable.ExtraKeys or None"
             )
         return self._hash_blocks(token_ids, extra_keys, parent_hash, start_block)
+
+    def _hash_next(self, token_ids: Sequence[int], parent_hash: bytes, block: int) -> bytes:
+        """The hash of block ``block >= 1`` alone, without extra keys: ``_hash_blocks``' loop
+        body for the one block a decode step completes (a ``Request`` calls it every
+        ``block_size`` tokens; the encoding is the same, held by the request hashing tests)."""
+        bs = self.block_size
+        return self._digest(  # type: ignore[attr-defined]
+            b"".join(
+                (
+                    _PARENT_LEN[len(parent_hash)],
+                    parent_hash,
+                    self._n_prefix,  # type: ignore[attr-defined]
+                    _pack_tokens(token_ids[block * bs : (block + 1) * bs]),
+                    _NO_EXTRA,
+                )
+            )
+        )
 
     def _hash_blocks(
         self,

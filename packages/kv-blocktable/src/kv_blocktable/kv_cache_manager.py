@@ -318,6 +318,7 @@ class KVCacheManager:
         m = self.managers[0]
         bs, held, cached = m.block_size, m.blocks, m.num_cached
         pool, max_len, caching = self.pool, self._max_len, self.enable_prefix_caching
+        count = counts.append
         for i, req in enumerate(requests):
             try:
                 owned = req._kv_owner is self
@@ -337,16 +338,26 @@ class KVCacheManager:
             if done > max_len:
                 self._raise_too_long(rid, done - n, n, 0)
             blocks = held[rid]
-            end = -(-done // bs)
-            if end > len(blocks):
-                if end - len(blocks) > pool._num_free:
+            if done > len(blocks) * bs:  # past its last block's slots: new blocks
+                need = -(-done // bs) - len(blocks)
+                if need > pool._num_free:
                     return DecodeSlots(i, rows, ids, counts)
-                new = pool.allocate(end - len(blocks))
-                blocks.extend(new)
+                front = pool._front
+                if need == 1 and front and not pool._num_stale:
+                    # BlockPool.allocate(1)'s common case inline (the top of the stack of
+                    # uncached free blocks: nothing to evict), the call being most of its cost.
+                    b = front.pop()
+                    pool._ref[b] = 1
+                    pool._num_free -= 1
+                    blocks.append(b)
+                    new = [b]
+                else:
+                    new = pool.allocate(need)
+                    blocks.extend(new)
                 rows.append(i)
                 ids.append((new,))
             computed[rid] = done
-            counts.append(done)
+            count(done)
             if caching:
                 known = len(req.token_ids)
                 if done < known:

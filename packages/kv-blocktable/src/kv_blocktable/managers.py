@@ -189,6 +189,12 @@ class GroupManager:
         blocks = self.blocks[rid]
         hashes = request.block_hashes
         pool = self.pool
+        if end == start + 1 and not pool.enable_events:  # one block (a decode step's), no events
+            b = blocks[start]
+            if b != NULL_BLOCK_ID:
+                pool._cache_block(self.group_id, b, hashes[end * self.hash_ratio - 1])
+            self.num_cached[rid] = end
+            return
         group = self.group_id
         stored_from = -1
         stored: list[bytes] = []

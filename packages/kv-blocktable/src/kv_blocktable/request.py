@@ -131,11 +131,13 @@ class Request:
 
     def append_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append output token ids (one int or several) and hash any block they complete."""
-        if type(token_ids) is int and -_I64 <= token_ids < _I64:  # the decode fast path
-            self.token_ids.append(token_ids)
+        tokens = self.token_ids
+        # The decode fast path (the int64 bounds as literals: constants load faster than globals).
+        if type(token_ids) is int and -0x8000000000000000 <= token_ids <= 0x7FFFFFFFFFFFFFFF:
+            tokens.append(token_ids)
         else:
-            self.token_ids.extend(_check_tokens(self.request_id, _iterable(token_ids)))
-        if len(self.token_ids) >= self._next_hash_at:
+            tokens.extend(_check_tokens(self.request_id, _iterable(token_ids)))
+        if len(tokens) >= self._next_hash_at:
             self._extend_hashes()
 
     def bind_hasher(self, hasher: BlockHasher) -> None:
@@ -159,12 +161,15 @@ class Request:
         h = self.block_hasher
         assert h is not None
         hashes = self._block_hashes
-        hashes.extend(
-            h._hash_blocks(
-                self.token_ids, self.extra_keys, hashes[-1] if hashes else None, len(hashes)
+        n, bs = len(hashes), h.block_size
+        if n and self.extra_keys is None and (n + 1) * bs <= len(self.token_ids) < (n + 2) * bs:
+            # Exactly one block completed (what decoding does every block_size tokens).
+            hashes.append(h._hash_next(self.token_ids, hashes[-1], n))
+        else:
+            hashes.extend(
+                h._hash_blocks(self.token_ids, self.extra_keys, hashes[-1] if hashes else None, n)
             )
-        )
-        self._next_hash_at = (len(hashes) + 1) * h.block_size
+        self._next_hash_at = (len(hashes) + 1) * bs
 
 
 _I64 = 2**63
