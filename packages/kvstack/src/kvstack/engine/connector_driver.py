@@ -132,7 +132,7 @@ class KVConnectorDriver:
         self.runner = runner
         self.block_size = layout.block_size
         self.stats = KVConnectorStats()
-        self.scheduler: Scheduler | None = None  # set by the engine
+        self.scheduler: Scheduler | None = None  # set by the Scheduler it is given to
         self._meta: ConnectorMetadata | None = None
         self._step_loads: dict[str, _Load] = {}  # loaded inside this step's forward
         self._async_loads: dict[str, _Load] = {}  # loaded behind the steps
