@@ -169,3 +169,39 @@ def test_paged_latent_cache_matches_transformers_greedy(
     monkeypatch.setattr(MLAAttention, "absorb_out", wrong_out)
     _, bad = _max_error(model, refs)
     assert bad > 100 * LOGIT_RTOL
+
+
+def test_runner_serves_the_latent_cache_through_an_mla_backend(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # TRITON_MLA needs a GPU; on the CPU it stands in with its kernels' torch reference (its
+    # impl="reference" option) and needs_gpu lifted, so the runner's latent path -- the MLA spec,
+    # the latent write (value=None), the absorbed attention and W_UV -- runs here as on a GPU.
+    import dataclasses
+
+    from kv_backends.backends.triton_mla import TritonMLABackend
+    from kvstack.engine.runner import ModelRunner
+    from kvstack.engine.testing import greedy_generate
+
+    plain = ModelRunner(ckpt, num_blocks=96, max_model_len=64)
+    assert not plain.mla_latent and "no backend serves an MLA latent cache" in plain.describe()
+    forced = ModelRunner(ckpt, num_blocks=96, max_model_len=64, backend="TORCH_SDPA")
+    assert not forced.mla_latent and "backend='TORCH_SDPA' serves no MLA" in forced.describe()
+    caps = dataclasses.replace(TritonMLABackend.CAPABILITIES, needs_gpu=False)
+    monkeypatch.setattr(TritonMLABackend, "CAPABILITIES", caps)
+    monkeypatch.setattr(
+        TritonMLABackend,
+        "engine_impl_options",
+        classmethod(lambda cls, **kw: {"impl": "reference"}),
+    )
+    runner = ModelRunner(ckpt, num_blocks=96, max_model_len=64, backend="TRITON_MLA")
+    assert runner.mla_latent and "one latent row of 48 per token" in runner.describe()
+    spec = runner.kv_cache_config.groups[0].spec
+    assert isinstance(spec, MLAAttentionSpec) and spec.head_size == 48
+    # a latent page is 48 floats a token; the decompressed one 4 heads x (32 + 16)
+    assert runner.kv_cache_config.page_size_bytes * 4 == plain.kv_cache_config.page_size_bytes
+    refs = [hf_greedy(ckpt, p, MAX_NEW) for p in PROMPTS]
+    result = greedy_generate(runner, PROMPTS, MAX_NEW, chunk_sizes=[5, 100])
+    for (want, ref), got, logits in zip(refs, result.tokens, result.logits, strict=True):
+        assert got == want
+        assert float((logits - ref).abs().max() / ref.abs().max()) <= LOGIT_RTOL

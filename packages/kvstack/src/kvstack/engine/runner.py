@@ -28,8 +28,10 @@ from kv_backends import (
     AttentionImpl,
     CommonAttentionMetadata,
     MetadataBuilder,
+    NoBackendError,
     Platform,
     Selection,
+    get_backend,
     prepare_kernel_block_sizes,
     select_backend,
 )
@@ -200,10 +202,13 @@ class ModelRunner:
             model_dir, dtype=dtype, device=self.device, arch=self.arch
         )
         t1 = time.perf_counter()
+        self.platform = Platform.detect(self.device)
+        #: MLA models (DeepSeek-V3): cache one latent row per token, attended absorbed, where a
+        #: backend serves MLA here (``mla_cache_reason`` says which, or why K/V are decompressed).
+        self.mla_latent, self.mla_cache_reason = self._mla_cache(block_size, layout_order, backend)
         self.kv_cache_config: KVCacheConfig = self._plan(
             block_size, kv_cache_memory, num_blocks, layout_order
         )
-        self.platform = Platform.detect(self.device)
         self.selections: dict[int, Selection] = {}
         for g in self.kv_cache_config.groups:
             self.selections[g.group_id] = select_backend(
@@ -258,7 +263,9 @@ class ModelRunner:
         num_blocks: int | None,
         layout_order: LayoutOrder | str,
     ) -> KVCacheConfig:
-        specs = self.arch.kv_specs(block_size=block_size, dtype=_TORCH_TO_NAME[self.dtype])
+        specs = self.arch.kv_specs(
+            block_size=block_size, dtype=_TORCH_TO_NAME[self.dtype], mla_latent=self.mla_latent
+        )
         kw: dict[str, Any] = dict(
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -280,6 +287,41 @@ class ModelRunner:
                 "give more blocks or a smaller max_model_len"
             )
         return plan_kv_cache(specs, num_blocks * per_block, **kw)
+
+    def _mla_cache(
+        self, block_size: int, layout_order: LayoutOrder | str, backend: str | None
+    ) -> tuple[bool, str | None]:
+        """Whether an MLA model caches its latent (a backend here serves an ``MLAAttentionSpec``
+        group), and why. An explicit ``backend`` that declares no MLA asks for decompressed K/V;
+        one that declares MLA but cannot serve it here raises its reasons."""
+        if not self.arch.is_mla:
+            return False, None
+        if backend is not None and not get_backend(backend).CAPABILITIES.mla:
+            return False, f"K/V decompressed per head (backend={backend!r} serves no MLA)"
+        spec = next(
+            iter(
+                self.arch.kv_specs(
+                    block_size=block_size, dtype=_TORCH_TO_NAME[self.dtype], mla_latent=True
+                ).values()
+            )
+        )
+        config = AttentionConfig.from_spec(
+            spec,
+            num_q_heads=self.arch.num_q_heads,
+            dtype=_TORCH_TO_NAME[self.dtype],
+            layout_order=layout_order,
+        )
+        try:
+            sel = select_backend(config, self.platform, prefer=backend)
+        except NoBackendError as e:
+            if backend is not None:
+                raise
+            first = str(e).splitlines()[1:]
+            return False, (
+                "K/V decompressed per head (no backend serves an MLA latent cache on "
+                f"{self.platform.label}: {'; '.join(x.strip() for x in first)})"
+            )
+        return True, f"one latent row of {spec.head_size} per token, attended absorbed ({sel.name})"
 
     def _attention_config(self, group_id: int, layout_order: LayoutOrder | str) -> AttentionConfig:
         group = self.kv_cache_config.groups[group_id]
@@ -321,6 +363,10 @@ class ModelRunner:
             layout = self.layouts[g.group_id]
             slot = cfg.layer_slot(name)
             sinks = self.model.layer_sinks(i)
+            # An MLA impl reads V as the latent row's first kv_lora_rank columns.
+            mla: dict[str, Any] = (
+                {"kv_lora_rank": self.arch.mla_kv_lora_rank} if self.mla_latent else {}
+            )
             impl = sel.backend.make_impl(
                 config,
                 layout,
@@ -331,6 +377,7 @@ class ModelRunner:
                     kv_cache_bytes=self.kv_cache_config.total_bytes,
                     num_layers=self.arch.num_layers,
                 ),
+                **mla,
             )
             view = layer_view(self.kv_caches[g.group_id], layout, slot)
             self.layers.append(LayerBinding(name, g.group_id, slot, view, impl))
@@ -382,6 +429,8 @@ class ModelRunner:
                 f"group {g.group_id} ({len(g.layer_names)} layers, block {g.spec.block_size}, "
                 f"kernel block {self.kernel_block_sizes[g.group_id]}): {self.selections[g.group_id]}"
             )
+        if self.mla_cache_reason is not None:
+            lines.append(f"MLA: {self.mla_cache_reason}")
         lines.append(f"CUDA graphs {self.cuda_graphs_reason}")
         return "\n".join(lines)
 
@@ -508,15 +557,19 @@ class ModelRunner:
         slots = [md.slot_mapping for md in metadata]
         layers = self.layers
         hooks = self.kv_layer_hooks
+        latent = self.mla_latent
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             b = layers[i]
             if hooks is not None:  # this layer's loaded KV is in place before it is read
                 hooks.before_attention(b.layer_slot)
-            b.impl.do_kv_cache_update(None, k, v, b.kv_cache, slots[b.group_id])
+            # MLA latent: k is the latent row, written once (v is a view of it)
+            b.impl.do_kv_cache_update(None, k, None if latent else v, b.kv_cache, slots[b.group_id])
             out = b.impl.forward(None, q, b.kv_cache, built[b.group_id])
             if hooks is not None:  # this layer's new KV is written: it may be saved
                 hooks.after_attention(b.layer_slot)
             return out
 
-        return self.model(input_ids.to(self.device), positions.to(self.device), attend)
+        return self.model(
+            input_ids.to(self.device), positions.to(self.device), attend, mla_latent=latent
+        )

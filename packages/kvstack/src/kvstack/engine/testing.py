@@ -384,16 +384,18 @@ class AttentionCalls:
                 self._step = None
                 self._steps += 1
 
-        def forward_hook(input_ids: torch.Tensor, positions: torch.Tensor, attend: Any) -> Any:
+        def forward_hook(
+            input_ids: torch.Tensor, positions: torch.Tensor, attend: Any, **kw: Any
+        ) -> Any:
             if self._step is None:  # forward_dense, not a runner step
-                return forward(input_ids, positions, attend)
+                return forward(input_ids, positions, attend, **kw)
 
             def attend_hook(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
                 out = attend(i, q, k, v)
                 self._check(i, q, k, v, out)
                 return out
 
-            return forward(input_ids, positions, attend_hook)
+            return forward(input_ids, positions, attend_hook, **kw)
 
         monkeypatch.setattr(runner, "execute", execute_hook)
         monkeypatch.setattr(runner.model, "forward", forward_hook)

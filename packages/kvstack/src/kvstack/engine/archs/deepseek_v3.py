@@ -107,7 +107,7 @@ def _parse(cfg: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
 
 def _checks(arch: Any) -> None:
     assert arch.is_mla and arch.mla_q_lora_rank and arch.mla_rope_interleave
-    assert (arch.head_dim, arch.v_head_dim) == (24, 16) and arch.rotary_dim(0) == 8
+    assert (arch.head_dim, arch.v_head_dim) == (32, 16) and arch.rotary_dim(0) == 16
     assert arch.rope.rope_type == "yarn" and arch.attn_scale != arch.head_dim**-0.5
     assert arch.mlp_layer_types == ("dense", "sparse", "sparse")
     assert arch.n_group == 4 and arch.topk_group == 2 and arch.n_shared_experts == 1
@@ -117,17 +117,18 @@ DEEPSEEK_V3 = ArchFamily(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
     parse=_parse,
-    # MLA with both low ranks, YaRN with mscale (scale != head_dim ** -0.5), one dense layer,
+    # MLA with both low ranks (a 32 + 16 latent row: a width TRITON_MLA's kernel takes), YaRN
+    # with mscale (scale != head_dim ** -0.5), one dense layer,
     # then 8 experts in 4 groups (top-2 groups, top-2 experts) and a shared expert.
     tiny=dict(
         model_type="deepseek_v3",
         num_hidden_layers=3,
         num_key_value_heads=4,
-        head_dim=8,  # transformers' rotary reads head_dim: DeepSeek's is qk_rope_head_dim
+        head_dim=16,  # transformers' rotary reads head_dim: DeepSeek's is qk_rope_head_dim
         q_lora_rank=32,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
+        qk_rope_head_dim=16,
         v_head_dim=16,
         n_routed_experts=8,
         num_experts_per_tok=2,
