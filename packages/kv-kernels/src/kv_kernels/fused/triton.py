@@ -219,24 +219,33 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
 ):
     i = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]: pair index
-    if IS_NEOX:
-        c1 = i
-        c2 = i + HALF
-    else:
-        c1 = 2 * i
-        c2 = 2 * i + 1
     for h0 in range(0, num_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-        mask = (heads < num_heads) & (i < HALF)
         row = base + heads.to(tl.int64) * s_h
-        x1 = tl.load(row + c1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + c2, mask=mask, other=0.0).to(tl.float32)
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        # (tl.where rather than `&`: the interpreter mistypes a scalar-bool & tensor-bool)
-        write = tl.where(ok, mask, False)
-        tl.store(row + c1, o1.to(base.dtype.element_ty), mask=write)
-        tl.store(row + c2, o2.to(base.dtype.element_ty), mask=write)
+        if IS_NEOX:
+            # pair i is (column i, column i + HALF): two contiguous half-rows
+            mask = (heads < num_heads) & (i < HALF)
+            x1 = tl.load(row + i, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(row + i + HALF, mask=mask, other=0.0).to(tl.float32)
+            o1 = x1 * cos - x2 * sin
+            o2 = x2 * cos + x1 * sin
+            # (tl.where rather than `&`: the interpreter mistypes a scalar-bool & tensor-bool)
+            write = tl.where(ok, mask, False)
+            tl.store(row + i, o1.to(base.dtype.element_ty), mask=write)
+            tl.store(row + i + HALF, o2.to(base.dtype.element_ty), mask=write)
+        else:
+            # pair i is (column 2i, column 2i + 1): the rotated columns are read as one
+            # contiguous row and split in registers, so the loads and stores stay vectors
+            # (two stride-2 loads would move one element at a time)
+            c = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, 2 * BLOCK_HALF]
+            mask = (heads < num_heads) & (c < 2 * HALF)
+            x = tl.load(row + c, mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
+            o1 = x1 * cos - x2 * sin
+            o2 = x2 * cos + x1 * sin
+            o = tl.reshape(tl.join(o1, o2), (BLOCK_H, 2 * BLOCK_HALF))
+            write = tl.where(ok, mask, False)
+            tl.store(row + c, o.to(base.dtype.element_ty), mask=write)
 
 
 @triton.jit
