@@ -211,3 +211,40 @@ def test_grouped_router_stays_float32_in_a_bf16_model(checkpoints: dict[str, Pat
             assert moe.gate.e_score_correction_bias is not None
             assert moe.gate.e_score_correction_bias.dtype == torch.float32
         assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_older_config_fields_are_read_as_transformers_reads_them() -> None:
+    # Released Gemma-3 configs carry rope_theta / rope_local_base_freq / rope_scaling instead of
+    # rope_parameters; MiMo-V2-Flash's sliding_window_size is the window minus the query; with no
+    # rope_parameters MiMo takes transformers' default thetas. Each read as transformers does.
+    from kvstack.engine.testing import _COMMON
+    from transformers import AutoConfig
+
+    legacy = dict(
+        rope_theta=500000.0,
+        rope_local_base_freq=20000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
+    kw = {**_COMMON, "num_hidden_layers": 3, "sliding_window": 6, "sliding_window_pattern": 2}
+    hf = AutoConfig.for_model("gemma3_text", **kw, **legacy)
+    cfg = {k: v for k, v in hf.to_dict().items() if k != "rope_parameters"}
+    cfg.update(legacy, architectures=["Gemma3ForCausalLM"])
+    ours = ArchConfig.from_hf(cfg).rope_by_type
+    for t, want in hf.rope_parameters.items():
+        assert (ours[t].rope_type, ours[t].theta) == (want["rope_type"], want["rope_theta"])
+        assert ours[t].factor == want.get("factor", 1.0)
+
+    tiny = {**_COMMON, **FAMILIES["mimo_v2_flash"].tiny}
+    tiny.pop("model_type")
+    tiny.pop("sliding_window")
+    tiny.pop("rope_parameters")
+    hf = AutoConfig.for_model("mimo_v2_flash", **tiny, sliding_window_size=5)
+    cfg = {k: v for k, v in hf.to_dict().items() if k not in ("rope_parameters", "sliding_window")}
+    cfg.update(sliding_window_size=5, architectures=["MiMoV2FlashForCausalLM"])
+    arch = ArchConfig.from_hf(cfg)
+    assert arch.sliding_window == hf.sliding_window == 6
+    assert {t: r.theta for t, r in arch.rope_by_type.items()} == {
+        t: p["rope_theta"] for t, p in hf.rope_parameters.items()
+    }
+    with pytest.raises(ValueError, match="rope_theta=1000.0 without rope_parameters"):
+        ArchConfig.from_hf({**cfg, "rope_theta": 1000.0})

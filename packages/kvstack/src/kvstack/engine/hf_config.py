@@ -346,6 +346,7 @@ class ArchConfig:
         fields = family.parse(cfg, base)
         per_type = bool(fields.pop("rope_per_layer_type", False))
         partial = fields.pop("partial_rotary_default", None)
+        rope_params = fields.pop("rope_parameters", None)  # a family's reading of older configs
         fields = {**base, **fields}
         v_flag = cfg.get("v_head_dim")
         if (
@@ -358,7 +359,11 @@ class ArchConfig:
                 f"{arch} keeps v_head_dim == head_dim={fields['head_dim']}"
             )
         fields["rope"], fields["rope_by_type"] = _ropes(
-            cfg, model_type, fields["layer_types"], per_type=per_type, partial_default=partial
+            cfg if rope_params is None else {**cfg, "rope_parameters": rope_params},
+            model_type,
+            fields["layer_types"],
+            per_type=per_type,
+            partial_default=partial,
         )
         eos = _eos_ids(cfg.get("eos_token_id"))
         if generation_config is not None:

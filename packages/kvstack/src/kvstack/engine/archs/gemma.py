@@ -86,7 +86,31 @@ def _parse_gemma3(cfg: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, 
             "checkpoint was trained without it; set it to null"
         )
     period = int(cfg.get("_sliding_window_pattern") or cfg.get("sliding_window_pattern") or 6)
-    return dict(_common(cfg, base, period), qk_norm=True, rope_per_layer_type=True)
+    return dict(
+        _common(cfg, base, period),
+        qk_norm=True,
+        rope_per_layer_type=True,
+        rope_parameters=_gemma3_rope_parameters(cfg),
+    )
+
+
+def _gemma3_rope_parameters(cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """RoPE per layer type as transformers 5 reads a Gemma-3 config, older ones included: the
+    released checkpoints' ``config.json`` carry ``rope_theta`` (global layers, default 1e6),
+    ``rope_local_base_freq`` (local layers, default 1e4) and ``rope_scaling`` (global layers
+    only) instead of ``rope_parameters``; a missing theta takes those defaults too."""
+    params = cfg.get("rope_parameters")
+    out: dict[str, dict[str, Any]] = {
+        t: dict(params.get(t) or {"rope_type": "default"})
+        if isinstance(params, Mapping)
+        else {"rope_type": "default"}
+        for t in ("full_attention", "sliding_attention")
+    }
+    if cfg.get("rope_scaling") is not None:
+        out["full_attention"].update(cfg["rope_scaling"])
+    out["full_attention"].setdefault("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
+    out["sliding_attention"].setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
+    return out
 
 
 def _check_gemma2(arch: Any) -> None:

@@ -32,7 +32,12 @@ def _parse(cfg: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
     types = cfg.get("layer_types") or [
         "full_attention" if (i == 0 or not (i + 1) % 6) else "sliding_attention" for i in range(n)
     ]
-    layer_types, window = check_layer_types(types, n, cfg.get("sliding_window"))
+    window = cfg.get("sliding_window")
+    if cfg.get("sliding_window_size") is not None:
+        # transformers: the reference attends to sliding_window_size previous tokens plus the
+        # query, so the window (which counts the query) is one more.
+        window = positive_int(cfg, "sliding_window_size") + 1
+    layer_types, window = check_layer_types(types, n, window)
     mlp = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
     if len(mlp) != n or not set(mlp) <= {"dense", "sparse"}:
         raise ValueError(
@@ -55,6 +60,7 @@ def _parse(cfg: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
         v_scale=float(v_scale),
         rope_per_layer_type=True,
         partial_rotary_default=0.334,
+        rope_parameters=_rope_parameters(cfg),
         mlp_layer_types=tuple(mlp),
     )
     if "sparse" in mlp:
@@ -66,6 +72,31 @@ def _parse(cfg: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
             **routed_moe_fields(cfg, experts),
         )
     return out
+
+
+#: transformers' RoPE per layer type when a config names none (the released thetas).
+_DEFAULT_ROPE = {
+    "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+}
+
+
+def _rope_parameters(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``rope_parameters`` keyed by layer type, or transformers' defaults when the config has
+    none. transformers then ignores flat ``rope_theta`` / ``swa_rope_theta``; a config whose
+    flat values differ from the defaults is refused rather than served with either meaning."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        return dict(params)
+    for key, t in (("rope_theta", "full_attention"), ("swa_rope_theta", "sliding_attention")):
+        value = cfg.get(key)
+        if value is not None and float(value) != _DEFAULT_ROPE[t]["rope_theta"]:
+            raise ValueError(
+                f"config.json {key}={value!r} without rope_parameters: transformers ignores it "
+                f"(and uses {_DEFAULT_ROPE[t]['rope_theta']:g}); give rope_parameters keyed by "
+                "layer type ({'full_attention': {...}, 'sliding_attention': {...}})"
+            )
+    return _DEFAULT_ROPE
 
 
 def _checks(arch: Any) -> None:
