@@ -217,6 +217,9 @@ def test_prefill_engine_hands_a_request_to_a_decode_engine(llama_dir: Path, tran
     prod, cons = _p2p("producer", fp, transport), _p2p("consumer", fp, transport)
     try:
         prefill, first = _prefill(llama_dir, prompt, prod)
+        again = prefill.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
+        assert again[0].request_id.startswith("0-")  # "0" is still held for its consumer
+        prefill.abort_request(again[0].request_id)  # (no consumer will come for this one)
         decode = _engine(llama_dir, cons)
         _junk(decode, seed=4)
         rid = decode.add_request(

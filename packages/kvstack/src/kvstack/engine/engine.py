@@ -511,12 +511,14 @@ class LLMEngine:
         params: SamplingParams | Sequence[SamplingParams] | None,
         added: list[str],
     ) -> Iterator[TokenEvent]:
-        """Add ``prompts`` as requests ``"0"``, ``"1"``, ... (their ids go to ``added`` as they
-        are added) and step until each has finished; yield their tokens. Other requests in the
-        engine run along; their events are not yielded (read them with :meth:`completion`)."""
+        """Add ``prompts`` as requests ``"0"``, ``"1"``, ... (``"0-7"`` where a connector still
+        holds an earlier ``"0"``'s blocks; ids go to ``added`` as they are added) and step until
+        each has finished; yield their tokens. Other requests in the engine run along; their
+        events are not yielded (read them with :meth:`completion`)."""
         plist_prompts, plist = self._params_for(prompts, params)
         for i, (p, sp) in enumerate(zip(plist_prompts, plist, strict=True)):
-            added.append(self.add_request(str(i), p, sp))
+            rid = f"{i}-{next(self._ids)}" if str(i) in self.scheduler.sending else str(i)
+            added.append(self.add_request(rid, p, sp))
         mine = set(added)
 
         def unfinished() -> bool:

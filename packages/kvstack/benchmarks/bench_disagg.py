@@ -1,0 +1,267 @@
+"""Disaggregated prefill -> decode against one colocated engine, through the engine's connector path.
+
+A *prefill* engine in a child process (``--prefill-device``; a producer connector) computes each
+prompt and its first token; a *decode* engine here (``--decode-device``; a consumer connector)
+takes the request with the producer's ``kv_transfer_params``, waits out of the batch while the
+connector pulls the prompt's full blocks, computes the rest and decodes. The colocated baseline is
+one engine on ``--decode-device`` running the same prompts. Requests run one at a time, so each
+time is that request's alone.
+
+Reported per request and as medians: the colocated time to first token; the disaggregated one
+split into prefill (the child's own clock, in the child), transfer (``add_request`` until the
+request left ``Scheduler.loading``) and the decode side's first step; the transfer's share of the
+colocated TTFT (the issue's goal: <= 10% for 8k-token prompts on two GPUs); decode tokens/s on
+both sides; whether every token equals the colocated run's. JSON with provenance.
+
+    python packages/kvstack/benchmarks/bench_disagg.py --quick                       # CPU, gloo
+    python packages/kvstack/benchmarks/bench_disagg.py --prefill-device cuda:0 \\
+        --decode-device cuda:1 --prompt-tokens 8192 --transport nixl --out docs/benchmarks
+
+CPU numbers are no performance claim. NIXL needs the ``nixl`` package on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _provenance import provenance
+
+_MARK = "BENCH-DISAGG "
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
+        "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+        "num_key_value_heads": max(1, args.heads // 4), "head_dim": args.hidden // args.heads,
+        "vocab_size": 1024, "max_position_embeddings": args.max_len,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "eos_token_id": None,
+    }  # fmt: skip
+
+
+def _connector(transport: str, role: str, fingerprint: str, block_size: int) -> Any:
+    from kv_connectors import P2pConfig, P2pConnector
+
+    if transport == "nixl":
+        from kv_connectors import NixlConfig
+        from kv_connectors.nixl import NixlConnector
+
+        cfg = NixlConfig(role=role, model_fingerprint=fingerprint, timeout_s=120.0)
+        return NixlConnector(cfg, block_size=block_size)
+    p2p = P2pConfig(role=role, model_fingerprint=fingerprint, timeout_s=120.0)
+    return P2pConnector(p2p, block_size=block_size)
+
+
+def _engine(model_dir: Path, device: str, args: argparse.Namespace, connector: Any) -> Any:
+    from kvstack.engine.engine import LLMEngine
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return LLMEngine(
+        model_dir, device=device, dtype=dtype, block_size=args.block_size,
+        max_model_len=args.max_len, max_num_batched_tokens=args.max_len, max_num_seqs=4,
+        num_blocks=4 * (args.max_len // args.block_size) + 1, kv_connector=connector,
+    )  # fmt: skip
+
+
+def _child(args: argparse.Namespace) -> None:
+    """The prefill process: for each prompt on stdin, prefill and publish; serve while stepping."""
+    from kvstack.engine.connector_driver import model_fingerprint
+    from kvstack.engine.sampling import SamplingParams
+
+    conn = _connector(args.transport, "producer", model_fingerprint(args.model), args.block_size)
+    engine = _engine(args.model, args.prefill_device, args, conn)
+    engine.generate([[1, 2, 3, 4] * 8], SamplingParams(max_new_tokens=1))  # warm-up
+    print(_MARK + "READY", flush=True)
+    import select
+
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.001)
+        if ready:
+            line = sys.stdin.readline()
+            if not line.strip():
+                break
+            prompt = json.loads(line)
+            t0 = time.perf_counter()
+            done = engine.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))[0]
+            if engine.runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            out = {
+                "first": done.token_ids[0],
+                "params": done.kv_transfer_params,
+                "prefill_s": time.perf_counter() - t0,
+            }
+            print(_MARK + json.dumps(out), flush=True)
+        engine.step()  # polls the connector: serves pulls' completions, frees their blocks
+    conn.close()
+
+
+def _read(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the prefill process exited ({proc.wait()})")
+        if line.startswith(_MARK):
+            return line[len(_MARK) :].strip()
+
+
+def _decode(engine: Any, rid: str, prompt: list[int], n: int, params: Any = None) -> dict[str, Any]:
+    """Run one request to completion: its tokens, time to its first token here, and how long it
+    waited for KV (``transfer_s``) before its first step."""
+    from kvstack.engine.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    engine.add_request(
+        rid, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), kv_transfer_params=params
+    )
+    transfer = first = None
+    tokens: list[int] = []
+    while engine.has_unfinished:
+        events = engine.step()
+        now = time.perf_counter()
+        if transfer is None and rid not in engine.scheduler.loading:
+            transfer = now - t0
+        for ev in events:
+            if first is None:
+                if engine.runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+            tokens.append(ev.token_id)
+    total = time.perf_counter() - t0
+    engine.completion(rid)
+    assert first is not None and transfer is not None
+    return {
+        "tokens": tokens,
+        "ttft_s": first,
+        "transfer_s": transfer if params is not None else 0.0,
+        "decode_tok_s": (len(tokens) - 1) / (total - first) if total > first else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model and prompts (CPU, CI)")
+    ap.add_argument("--transport", choices=("p2p", "nixl"), default="p2p")
+    ap.add_argument("--prefill-device", default="cpu")
+    ap.add_argument("--decode-device", default="cpu")
+    ap.add_argument("--prompt-tokens", type=int, default=8192)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--max-len", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.quick:
+        args.prompt_tokens, args.decode_tokens, args.requests = 100, 8, 2
+        args.hidden, args.layers, args.heads = 64, 2, 4
+    if not args.max_len:
+        bs = args.block_size
+        args.max_len = -(-(args.prompt_tokens + args.decode_tokens + 1) // bs) * bs
+    if args.child:
+        _child(args)
+        return
+    from kvstack.demo import write_random_checkpoint
+    from kvstack.engine.connector_driver import model_fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, 1024, (args.prompt_tokens,), generator=g).tolist()
+        for _ in range(args.requests)
+    ]
+    with tempfile.TemporaryDirectory(prefix="kvstack-disagg-") as tmp:
+        model_dir = write_random_checkpoint(Path(tmp) / "llama", _config(args))
+        colocated = _engine(model_dir, args.decode_device, args, None)
+        colocated.generate([prompts[0][:32]])  # warm-up
+        base = [_decode(colocated, f"c{i}", p, args.decode_tokens) for i, p in enumerate(prompts)]
+        del colocated
+        conn = _connector(args.transport, "consumer", model_fingerprint(model_dir), args.block_size)
+        decode = _engine(model_dir, args.decode_device, args, conn)
+        child_args = [a for a in sys.argv[1:] if a != "--quick"]
+        cmd = [sys.executable, __file__, *child_args, "--child", "--model", str(model_dir)]
+        cmd += ["--max-len", str(args.max_len), "--prompt-tokens", str(args.prompt_tokens)]
+        cmd += ["--decode-tokens", str(args.decode_tokens), "--hidden", str(args.hidden)]
+        cmd += ["--layers", str(args.layers), "--heads", str(args.heads)]
+        child = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True
+        )
+        rows = []
+        try:
+            assert _read(child) == "READY"
+            assert child.stdin is not None
+            for i, (p, b) in enumerate(zip(prompts, base, strict=True)):
+                child.stdin.write(json.dumps(p) + "\n")
+                child.stdin.flush()
+                msg = json.loads(_read(child))
+                first = int(msg["first"])
+                d = _decode(decode, f"d{i}", [*p, first], args.decode_tokens - 1, msg["params"])
+                rows.append(
+                    {
+                        "colocated_ttft_s": b["ttft_s"],
+                        "prefill_s": msg["prefill_s"],
+                        "transfer_s": d["transfer_s"],
+                        "decode_first_step_s": d["ttft_s"] - d["transfer_s"],
+                        "transfer_share_of_colocated_ttft": d["transfer_s"] / b["ttft_s"],
+                        "colocated_decode_tok_s": b["decode_tok_s"],
+                        "disagg_decode_tok_s": d["decode_tok_s"],
+                        "tokens_equal": [first, *d["tokens"]] == b["tokens"],
+                    }
+                )
+            stats = decode.stats().kv_connector
+        finally:
+            if child.stdin is not None:
+                child.stdin.close()
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            conn.close()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "tokens_equal"}
+    record = {
+        "benchmark": "disagg",
+        "devices": {"prefill": args.prefill_device, "decode": args.decode_device},
+        "device_name": (
+            torch.cuda.get_device_name(args.decode_device)
+            if args.decode_device.startswith("cuda")
+            else platform.processor() or "cpu"
+        ),
+        "note": "CPU runs are no performance claim; the issue's goal is measured on two GPUs",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "per_request": rows,
+        "median": med,
+        "all_tokens_equal": all(r["tokens_equal"] for r in rows),
+        "loaded_tokens": None if stats is None else stats.loaded_tokens,
+        "load_failures": None if stats is None else stats.num_load_failures,
+        **provenance("torch"),
+    }
+    text = json.dumps(record, indent=2)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"disagg_{args.transport}_{args.decode_device.split(':')[0]}.json"
+        path.write_text(text + "\n")
+        print(f"wrote {path}")
+    print(
+        f"{args.transport}: colocated TTFT {med['colocated_ttft_s'] * 1e3:.1f} ms; disaggregated "
+        f"prefill {med['prefill_s'] * 1e3:.1f} ms + transfer {med['transfer_s'] * 1e3:.1f} ms "
+        f"({med['transfer_share_of_colocated_ttft']:.0%} of colocated TTFT); tokens equal: "
+        f"{record['all_tokens_equal']}; loaded {record['loaded_tokens']} tokens"
+    )
+
+
+if __name__ == "__main__":
+    main()
