@@ -1,5 +1,7 @@
 """kv-kernels: the ops a paged KV cache needs — cache writes, paged attention, block copies and
-slot mapping — each with a readable torch reference (CPU) and a Triton kernel (NVIDIA GPUs).
+slot mapping — and the fused elementwise ops of the layers around it (RMSNorm with the residual
+add, SiLU/GELU-and-mul, RoPE), each with a readable torch reference (CPU) and a Triton kernel
+(NVIDIA GPUs).
 
 Every op takes ``impl="reference" | "triton" | "auto"`` (auto: Triton for CUDA tensors, the
 reference on the CPU) and never falls back silently. Caches are read through per-layer logical
@@ -18,6 +20,13 @@ from kv_kernels.cache import (
     layer_views,
     scale_plane_view,
 )
+from kv_kernels.fused import (
+    gelu_tanh_and_mul,
+    rms_norm,
+    rope_cos_sin_cache,
+    rotary_embedding,
+    silu_and_mul,
+)
 from kv_kernels.paged_attention import merge_attn_states, paged_attention
 from kv_kernels.reshape_and_cache import read_kv, reshape_and_cache
 from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
@@ -34,6 +43,7 @@ __all__ = [
     "copy_blocks",
     "expand_block_table",
     "gather_blocks",
+    "gelu_tanh_and_mul",
     "kernel_block_view",
     "layer_view",
     "layer_views",
@@ -41,6 +51,10 @@ __all__ = [
     "paged_attention",
     "read_kv",
     "reshape_and_cache",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
     "scale_plane_view",
     "scatter_blocks",
+    "silu_and_mul",
 ]

@@ -13,6 +13,10 @@ from kv_kernels.fused.api import (
     silu_and_mul,
 )
 
+# Last: registers torch.ops.kv_kernels.{rms_norm, act_and_mul, rotary_embedding} (it imports the
+# api above, never the reverse).
+from kv_kernels.fused import _ops  # noqa: F401  isort: skip
+
 __all__ = [
     "gelu_tanh_and_mul",
     "rms_norm",

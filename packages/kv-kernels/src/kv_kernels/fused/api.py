@@ -97,6 +97,18 @@ def rms_norm(
 
     Arithmetic is float32 throughout.
     """
+    if torch.compiler.is_compiling():
+        # one opaque, mutating node (torch.ops.kv_kernels.rms_norm, registered in
+        # kv_kernels.fused._ops); validation runs when the op executes
+        y_buf = out if out is not None else torch.empty_like(x)
+        h_buf = None
+        if residual is not None:
+            h_buf = residual_out if residual_out is not None else torch.empty_like(x)
+        torch.ops.kv_kernels.rms_norm(
+            x, weight, float(eps), residual, y_buf, h_buf, float(weight_offset),
+            bool(weight_first), impl,
+        )  # fmt: skip
+        return y_buf if h_buf is None else (y_buf, h_buf)
     x = _tensor("x", x, "[T, D] or [T, H, D]")
     weight = _tensor("weight", weight, "[D]")
     _float("x", x)
@@ -232,6 +244,10 @@ def gelu_tanh_and_mul(
 def _act_and_mul(
     op: str, act: str, x: torch.Tensor, out: torch.Tensor | None, impl: str
 ) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # (see rms_norm)
+        y_buf = out if out is not None else x.new_empty(x.shape[0], x.shape[-1] // 2)
+        torch.ops.kv_kernels.act_and_mul(x, y_buf, act, impl)
+        return y_buf
     x = _tensor("x", x, "[T, 2d]")
     _float("x", x)
     if x.dim() != 2 or x.shape[1] % 2:
@@ -331,6 +347,12 @@ def rotary_embedding(
     are not checked here (a read-back would synchronize): such rows are left unrotated and
     counted in ``error_flag``.
     """
+    if torch.compiler.is_compiling():  # (see rms_norm)
+        rd = cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim
+        torch.ops.kv_kernels.rotary_embedding(
+            positions, q, k, cos_sin_cache, bool(is_neox), rd, impl, error_flag
+        )
+        return
     positions = _tensor("positions", positions, "[T]")
     q = _tensor("q", q, "[T, Hq, D]")
     cos_sin_cache = _tensor("cos_sin_cache", cos_sin_cache, "[max_pos, rotary_dim]")
