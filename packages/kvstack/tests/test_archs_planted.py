@@ -248,3 +248,20 @@ def test_older_config_fields_are_read_as_transformers_reads_them() -> None:
     }
     with pytest.raises(ValueError, match="rope_theta=1000.0 without rope_parameters"):
         ArchConfig.from_hf({**cfg, "rope_theta": 1000.0})
+
+
+def test_fp8_block_quantized_weights_say_how_to_dequantize(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from kvstack.engine.loader import load_model
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "fp8"
+    shutil.copytree(checkpoints["deepseek_v3"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors["model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"weight_scale_inv.*FineGrainedFP8Config\(dequantize"):
+        load_model(dst)

@@ -90,6 +90,12 @@ def _unexpected_hint(names: list[str]) -> str:
             "unquantized weights; dequantize to bf16 first (transformers: "
             "Mxfp4Config(dequantize=True), then save_pretrained)."
         )
+    if any(n.endswith("weight_scale_inv") for n in names):
+        return (
+            " These look like block-quantized FP8 weights with their inverse scales (the "
+            "DeepSeek-V3 release): the engine reads unquantized weights; dequantize to bf16 first "
+            "(transformers: FineGrainedFP8Config(dequantize=True), then save_pretrained)."
+        )
     return ""
 
 
