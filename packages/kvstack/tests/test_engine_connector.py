@@ -310,6 +310,8 @@ def test_abort_of_a_loading_request_keeps_its_blocks_until_the_pull_ends(
 
 
 def test_connector_refusals_name_the_fix(llama_dir: Path, tmp_path: Path) -> None:
+    import json
+
     from kvstack.demo import DEMO_CONFIG, write_random_checkpoint
 
     with pytest.raises(TypeError, match="kv_connectors.KVConnector"):
@@ -321,6 +323,17 @@ def test_connector_refusals_name_the_fix(llama_dir: Path, tmp_path: Path) -> Non
     tier = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=16)
     with pytest.raises(ValueError, match="one KV-cache group"):
         LLMEngine(hybrid, kv_connector=tier, block_size=16, num_blocks=40, max_model_len=64)
+    mistral = write_random_checkpoint(
+        tmp_path / "mistral",
+        {
+            **json.loads((llama_dir / "config.json").read_text()),
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            "sliding_window": 16,
+        },
+    )
+    with pytest.raises(ValueError, match="SlidingWindowSpec"):  # one group, but it drops blocks
+        _engine(mistral, OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=BS))
     with pytest.raises(ValueError, match="no kv_connector"):
         _engine(llama_dir).add_request("x", [1, 2], kv_transfer_params={"a": 1})
 

@@ -17,8 +17,9 @@ step is redone from there; an asynchronous load: it joins the batch from there).
 :class:`KVConnectorStats` (``LLMEngine.stats().kv_connector``).
 
 The connector's blocks are the scheduler's: it is registered with the runner's cache and layout,
-whose ``block_size`` is the manager's. One KV-cache group only: the contract carries one block list
-per request, and a hybrid model's groups hold one block per group per position.
+whose ``block_size`` is the manager's. One full-attention KV-cache group only: the contract carries
+one block list per request (a hybrid model's groups hold one block per group per position), and a
+sliding-window or chunked-local group drops blocks (null entries a store must never save).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kv_connectors import ConnectorMetadata, KVConnector
+from kv_spec import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
 from kvstack.engine.scheduler import ScheduledChunk, Scheduler
 from kvstack.engine.scheduler import Sequence as Seq
@@ -119,6 +121,16 @@ class KVConnectorDriver:
                 f"kv_connector needs a model with one KV-cache group; {runner.arch.architecture} "
                 f"has {len(groups)} (e.g. full and sliding-window layers): the connector contract "
                 "carries one block list per request. Serve it without a connector"
+            )
+        spec = groups[0].spec
+        if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+            # Such a group frees the blocks no future query reads (their table entries become
+            # the null block): a store would save the null block's bytes under a real hash, and
+            # a load could land in it.
+            raise ValueError(
+                f"kv_connector needs full-attention KV; {runner.arch.architecture}'s layers keep "
+                f"a {type(spec).__name__} (blocks outside the window are dropped). Serve it "
+                "without a connector"
             )
         layout = runner.layouts[0]
         if connector.block_size != layout.block_size:
