@@ -303,6 +303,9 @@ def test_abort_of_a_loading_request_keeps_its_blocks_until_the_pull_ends(
         release.set()
         _drain(decode, prefill)
         assert decode.kv.num_free_blocks == free and not decode.has_unfinished
+        stats = decode.stats().kv_connector
+        # an aborted request's load is neither a failure nor loaded KV of a request
+        assert stats is not None and stats.num_load_failures == 0 and stats.loaded_tokens == 0
     finally:
         release.set()
         prod.close()

@@ -318,6 +318,11 @@ class KVConnectorDriver:
             load = self._async_loads.pop(rid, None)
             if load is None:
                 continue
+            if rid in sched.aborted_loading:  # dropped by the engine: nothing to count or keep
+                self._bad.difference_update(load.block_ids)
+                self._refused.pop(rid, None)
+                sched.kv_loaded(rid, load.hit)  # (frees its blocks: the transfer has ended)
+                continue
             good = self._settle(rid, load)
             sched.kv_loaded(rid, load.hit + good * self.block_size)
         if recving:
