@@ -36,7 +36,7 @@ EXTRA_MODULES = {
 # Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).
 TEST_GROUPS = {
     "kv-blocktable": ("xxhash",),
-    "kv-connectors": ("nixl",),
+    "kv-connectors": ("nixl", "blocktable"),
     "kvstack": ("nixl", "hf"),
 }
 
