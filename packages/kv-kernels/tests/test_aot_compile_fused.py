@@ -85,7 +85,7 @@ def _rope(name: str, dtype: str, hq: int, hk: int, rotary_dim: int, neox: bool,
     t = _T[dtype]
     half = rotary_dim // 2
     block_half = 1 << (half - 1).bit_length()
-    bq, bk = fz._rope_heads(hq, block_half), fz._rope_heads(hk, block_half)
+    bq, bk, num_warps = fz.rope_config(hq, hk, block_half, neox)
     pointers = {
         "pos_ptr": "*i64", "q_ptr": f"*{t}", "k_ptr": f"*{t}", "cs_ptr": f"*{_T[cache]}",
         "err_ptr": "*i32",
@@ -96,7 +96,7 @@ def _rope(name: str, dtype: str, hq: int, hk: int, rotary_dim: int, neox: bool,
     }  # fmt: skip
     return _case(
         f"rotary-{name}", fz._rotary_kernel, pointers, constexprs,
-        max(1, min(8, bq * block_half // 256)), ["q_st", "q_sh", "k_st", "k_sh", "cs_st"],
+        num_warps, ["q_st", "q_sh", "k_st", "k_sh", "cs_st"],
     )  # fmt: skip
 
 
@@ -162,9 +162,71 @@ def test_bandwidth_paths_move_16_byte_vectors(
     assert act["ld_v4"] >= 2 and act["st_v4"] >= 1, act
 
 
-@pytest.mark.parametrize("case", ["llama-bf16", "gptj-partial-fp16", "mla-rope-64-128-heads"])
-def test_rotary_moves_16_byte_vectors(case: str, aot_results: dict[str, dict[str, Any]]) -> None:
-    """Both pairings read and write rows in vectors: NeoX as two contiguous half-rows, GPT-J as
-    one contiguous row split into (even, odd) in registers (stride-2 loads were scalar)."""
+@pytest.mark.parametrize(
+    ("case", "stores"), [("llama-bf16", 4), ("gptj-partial-fp16", 1), ("mla-rope-64-128-heads", 1)]
+)
+def test_rotary_moves_16_byte_vectors(
+    case: str, stores: int, aot_results: dict[str, dict[str, Any]]
+) -> None:
+    """q's rows go out in 16-byte vectors with both pairings (NeoX: two contiguous half-rows;
+    GPT-J: one contiguous row split into even / odd in registers, where stride-2 loads were
+    scalar), and at Llama's 8 kv heads k's too (4 stores: q's and k's halves)."""
     r = aot_results[f"rotary-{case}-sm90"]
-    assert r["ld_v4"] >= 2 and r["st_v4"] >= 2, r
+    assert r["ld_v4"] >= 1 and r["st_v4"] >= stores, r
+
+
+def _rope_cache(name: str, dtype: str, hq: int, hk: int, head: int, head_v: int, rotary_dim: int,
+                neox: bool, check: bool = False) -> dict[str, Any]:  # fmt: skip
+    t = _T[dtype]
+    half = rotary_dim // 2
+    block_half = 1 << (half - 1).bit_length()
+    bq, block_hk, num_warps = fz.rope_config(hq, hk, block_half, neox, all_k=True)
+    block_tail = 1 << (max(1, head - rotary_dim) - 1).bit_length()
+    block_dv = 1 << (head_v - 1).bit_length()
+    pointers = {
+        "pos_ptr": "*i64", "slot_ptr": "*i64", "q_ptr": f"*{t}", "k_ptr": f"*{t}",
+        "v_ptr": f"*{t}", "cs_ptr": "*fp32", "cache_ptr": f"*{t}", "err_ptr": "*i32",
+    }  # fmt: skip
+    constexprs = {
+        "NUM_KV_HEADS": hk, "BLOCK_SIZE": 16, "HEAD_SIZE": head, "HEAD_SIZE_V": head_v,
+        "V_OFFSET": head, "HALF": half, "BLOCK_HALF": block_half, "BLOCK_HQ": bq,
+        "BLOCK_HK": block_hk, "BLOCK_TAIL": block_tail, "BLOCK_DV": block_dv, "IS_NEOX": neox,
+        "CHECK": check, "cache_sc": 1,
+    }  # fmt: skip
+    aligned = ["q_st", "q_sh", "k_st", "k_sh", "v_st", "v_sh", "cs_st"]
+    aligned += ["cache_sb", "cache_sh", "cache_sn"]
+    return _case(
+        f"rope_and_cache-{name}", fz._rope_and_cache_kernel, pointers, constexprs,
+        num_warps, aligned,
+    )  # fmt: skip
+
+
+ROPE_CACHE_CASES = [
+    _rope_cache("llama-bf16", "bfloat16", 32, 8, 128, 128, 128, True),
+    _rope_cache("llama-bf16-check", "bfloat16", 32, 8, 128, 128, 128, True, check=True),
+    _rope_cache("gptj-partial-fp16-odd", "float16", 12, 3, 80, 64, 32, False),
+    _rope_cache("diffkv-192-128-fp32", "float32", 16, 4, 192, 128, 64, True),
+]
+
+
+@pytest.fixture(scope="module")
+def rope_cache_results(aot_compile_checks) -> dict[str, dict[str, Any]]:
+    return aot_compile_checks(ROPE_CACHE_CASES)
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in ROPE_CACHE_CASES])
+def test_rope_and_cache_compiles_for_gpu(
+    case_id: str, rope_cache_results: dict[str, dict[str, Any]]
+) -> None:
+    result = rope_cache_results[case_id]
+    assert result["ok"], result.get("error")
+    assert result["cubin_bytes"] > 0
+
+
+def test_rope_and_cache_stores_16_byte_vectors(
+    rope_cache_results: dict[str, dict[str, Any]],
+) -> None:
+    """q, the rotated k, its cache row and V go out in 16-byte vectors (a first version rotated K
+    as whole rows with gathered partners and stored 8 bytes at a time)."""
+    r = rope_cache_results["rope_and_cache-llama-bf16-sm90"]
+    assert r["st_v4"] >= 6 and r["st_v2"] == 0, r

@@ -20,7 +20,7 @@ def _cache(d: int = 16, n: int = 32) -> torch.Tensor:
 
 
 def test_ops_are_registered() -> None:
-    for name in ("rms_norm", "act_and_mul", "rotary_embedding"):
+    for name in ("rms_norm", "act_and_mul", "rotary_embedding", "rope_and_cache"):
         assert hasattr(torch.ops.kv_kernels, name)
 
 
@@ -56,6 +56,24 @@ def test_opcheck_rotary_embedding() -> None:
         None,
     )
     torch.library.opcheck(torch.ops.kv_kernels.rotary_embedding.default, args)
+
+
+def test_opcheck_rope_and_cache() -> None:
+    from kv_kernels import allocate_kv_cache, layer_view
+    from kv_kernels._common import layout_json
+    from kv_spec import KVCacheLayout
+
+    layout = KVCacheLayout(
+        order="LBHNC", num_layers=2, num_blocks=4, num_kv_heads=2, block_size=4, head_size=16,
+        head_size_v=8, dtype="float32",
+    )  # fmt: skip
+    view = layer_view(allocate_kv_cache(layout), layout, 1)
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 8)
+    args = (
+        torch.tensor([1, 2, 3]), q, k, v, _cache(), view, torch.tensor([5, -1, 12]),
+        layout_json(layout), True, 16, "reference", None,
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.kv_kernels.rope_and_cache.default, args)
 
 
 def _layer(x, residual, w, qkv, positions, cache, gate_up):

@@ -23,6 +23,7 @@ from kv_kernels.cache import (
 from kv_kernels.fused import (
     gelu_tanh_and_mul,
     rms_norm,
+    rope_and_cache,
     rope_cos_sin_cache,
     rotary_embedding,
     silu_and_mul,
@@ -52,6 +53,7 @@ __all__ = [
     "read_kv",
     "reshape_and_cache",
     "rms_norm",
+    "rope_and_cache",
     "rope_cos_sin_cache",
     "rotary_embedding",
     "scale_plane_view",

@@ -1,5 +1,5 @@
 """The fused ops registered as torch custom ops, ``torch.ops.kv_kernels.{rms_norm,
-act_and_mul, rotary_embedding}``: what ``torch.compile`` traces (one opaque node each, its
+act_and_mul, rotary_embedding, rope_and_cache}``: what ``torch.compile`` traces (one opaque node each, its
 mutations declared) and what a CUDA graph captures. The public functions in
 :mod:`kv_kernels.fused.api` call these themselves under ``torch.compile`` (through
 ``torch.ops`` only: this module imports the api, never the reverse).
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from kv_kernels._common import layout_from_json
 from kv_kernels.fused.api import (
     gelu_tanh_and_mul,
     rms_norm,
+    rope_and_cache,
     rotary_embedding,
     silu_and_mul,
 )
@@ -82,4 +84,35 @@ def _rotary_embedding(
 
 @_rotary_embedding.register_fake
 def _(positions, q, k, cos_sin_cache, is_neox, rotary_dim, impl, error_flag) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "kv_kernels::rope_and_cache", mutates_args=("q", "key", "kv_cache", "error_flag")
+)
+def _rope_and_cache(
+    positions: Tensor,
+    q: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cos_sin_cache: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    layout: str,
+    is_neox: bool,
+    rotary_dim: int,
+    impl: str,
+    error_flag: Tensor | None,
+) -> None:
+    rope_and_cache(
+        positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping, layout_from_json(layout),
+        is_neox=is_neox, rotary_dim=rotary_dim, impl=impl, error_flag=error_flag,
+    )  # fmt: skip
+
+
+@_rope_and_cache.register_fake
+def _(
+    positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping, layout, is_neox, rotary_dim,
+    impl, error_flag,
+) -> None:  # fmt: skip
     return None

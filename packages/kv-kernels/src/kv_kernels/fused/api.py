@@ -1,6 +1,6 @@
 """The fused elementwise ops of a decoder layer: ``rms_norm`` (with the residual add),
-``silu_and_mul`` / ``gelu_tanh_and_mul`` and ``rotary_embedding``, plus
-``rope_cos_sin_cache`` (the table ``rotary_embedding`` reads).
+``silu_and_mul`` / ``gelu_tanh_and_mul``, ``rotary_embedding`` and ``rope_and_cache`` (RoPE
+fused into the cache write), plus ``rope_cos_sin_cache`` (the table the RoPE ops read).
 
 Each validates every input, then dispatches on an explicit ``impl``: ``"reference"`` (torch, any
 device), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for CUDA
@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 
 import torch
+from kv_spec import KVCacheLayout, KVQuantMode
 
-from kv_kernels._common import check_error_flag, resolve_impl
+from kv_kernels._common import check_error_flag, layout_json, resolve_impl
 
 __all__ = [
     "gelu_tanh_and_mul",
     "rms_norm",
+    "rope_and_cache",
     "rope_cos_sin_cache",
     "rotary_embedding",
     "silu_and_mul",
@@ -353,6 +355,33 @@ def rotary_embedding(
             positions, q, k, cos_sin_cache, bool(is_neox), rd, impl, error_flag
         )
         return
+    rotary_dim = _check_rope(positions, q, k, cos_sin_cache, rotary_dim)
+    device = q.device
+    check_error_flag(error_flag, device, op="rotary_embedding")
+    chosen = resolve_impl(impl, device, op="rotary_embedding")
+    if chosen == "reference":
+        from kv_kernels.fused.reference import rotary_embedding_reference
+
+        live = positions >= 0
+        if positions.device.type == "cpu" and bool(live.all()):
+            rotary_embedding_reference(positions, q, k, cos_sin_cache, is_neox, rotary_dim)
+            return
+        # padding (or, on CUDA, unchecked positions): rotate the live tokens only
+        _reference_masked(positions, q, k, cos_sin_cache, is_neox, rotary_dim)
+        return
+    from kv_kernels.fused.triton import rotary_embedding_triton
+
+    rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox, rotary_dim, error_flag)
+
+
+def _check_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int | None,
+) -> int:
+    """Check the RoPE inputs (:func:`rotary_embedding`'s rules); return ``rotary_dim``."""
     positions = _tensor("positions", positions, "[T]")
     q = _tensor("q", q, "[T, Hq, D]")
     cos_sin_cache = _tensor("cos_sin_cache", cos_sin_cache, "[max_pos, rotary_dim]")
@@ -413,21 +442,7 @@ def rotary_embedding(
                 f"positions holds {top}, past the cos_sin_cache's {max_pos} rows; build the table "
                 "for max_position_embeddings (or the longest context served)"
             )
-    check_error_flag(error_flag, device, op="rotary_embedding")
-    chosen = resolve_impl(impl, device, op="rotary_embedding")
-    if chosen == "reference":
-        from kv_kernels.fused.reference import rotary_embedding_reference
-
-        live = positions >= 0
-        if positions.device.type == "cpu" and bool(live.all()):
-            rotary_embedding_reference(positions, q, k, cos_sin_cache, is_neox, rotary_dim)
-            return
-        # padding (or, on CUDA, unchecked positions): rotate the live tokens only
-        _reference_masked(positions, q, k, cos_sin_cache, is_neox, rotary_dim)
-        return
-    from kv_kernels.fused.triton import rotary_embedding_triton
-
-    rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox, rotary_dim, error_flag)
+    return rotary_dim
 
 
 def _reference_masked(
@@ -452,3 +467,79 @@ def _reference_masked(
     q[:num_tokens] = torch.where(keep, q_new, q[:num_tokens])
     if k is not None and k_new is not None:
         k[:num_tokens] = torch.where(keep, k_new, k[:num_tokens])
+
+
+# ---- RoPE fused into the cache write ----------------------------------------------------------------
+
+
+def rope_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: KVCacheLayout,
+    *,
+    is_neox: bool = True,
+    rotary_dim: int | None = None,
+    impl: str = "auto",
+    error_flag: torch.Tensor | None = None,
+) -> None:
+    """``rotary_embedding(positions, q, key, ...)`` then ``reshape_and_cache(key, value,
+    kv_cache, slot_mapping, layout)`` in one launch: q and key are rotated in place, and the
+    rotated K (with V) goes to the cache at each token's slot without a second read of key.
+
+    Where the layout allows: an unquantized (``kv_quant="none"``), non-MLA cache (a quantized
+    cache needs the per-row scales ``reshape_and_cache`` computes, MLA's rope columns sit inside
+    the latent: call the two ops). The arguments are those of the two ops (``T =
+    positions.numel() = slot_mapping.numel()``; a negative position leaves its rows unrotated,
+    a negative slot writes nothing); ``error_flag`` counts both positions past the table and
+    slots past the cache, on CUDA, where neither is read back.
+    """
+    if torch.compiler.is_compiling():  # (see rms_norm)
+        rd = cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim
+        torch.ops.kv_kernels.rope_and_cache(
+            positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping,
+            layout_json(layout), bool(is_neox), rd, impl, error_flag,
+        )  # fmt: skip
+        return
+    from kv_kernels.reshape_and_cache.api import _validate as validate_cache_write
+
+    if not isinstance(layout, KVCacheLayout):
+        raise ValueError(f"layout must be a KVCacheLayout, got {type(layout).__name__}")
+    if layout.kv_quant is not KVQuantMode.NONE or layout.is_mla:
+        raise ValueError(
+            f"rope_and_cache: the fused write takes unquantized, non-MLA caches; this layout has "
+            f"kv_quant={layout.kv_quant.value!r}, is_mla={layout.is_mla}: call rotary_embedding "
+            "then reshape_and_cache"
+        )
+    rotary_dim = _check_rope(positions, q, key, cos_sin_cache, rotary_dim)
+    validate_cache_write(key, value, kv_cache, slot_mapping, layout, None, None)
+    if slot_mapping.numel() != positions.numel():
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.numel()} tokens but positions has "
+            f"{positions.numel()}; pass one slot and one position per token"
+        )
+    if kv_cache.device != q.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device} but q is on {q.device}; move it")
+    check_error_flag(error_flag, q.device, op="rope_and_cache")
+    chosen = resolve_impl(impl, q.device, op="rope_and_cache")
+    if chosen == "reference":
+        # the definition: the two ops, one after the other
+        from kv_kernels.reshape_and_cache.api import reshape_and_cache
+
+        rotary_embedding(
+            positions, q, key, cos_sin_cache, is_neox=is_neox, rotary_dim=rotary_dim,
+            impl="reference",
+        )  # fmt: skip
+        reshape_and_cache(key, value, kv_cache, slot_mapping, layout, impl="reference")
+        return
+    from kv_kernels.fused.triton import rope_and_cache_triton
+
+    v_offset = layout.v_range[0] if layout.v_range is not None else 0
+    rope_and_cache_triton(
+        positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping, v_offset, is_neox,
+        rotary_dim, error_flag,
+    )  # fmt: skip

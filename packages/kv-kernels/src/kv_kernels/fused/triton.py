@@ -24,6 +24,7 @@ __all__ = [
     "act_and_mul_triton",
     "norm_config",
     "rms_norm_triton",
+    "rope_and_cache_triton",
     "rotary_embedding_triton",
 ]
 
@@ -291,12 +292,38 @@ def _rotary_kernel(
         )  # fmt: skip
 
 
-#: Pair elements a rotary program holds per head tile (per half): 32 heads x 64 pairs at head 128.
+#: Most elements of one head tile of a rotary program (32 heads x 64 pairs at head 128).
 _ROPE_TILE = 2048
 
 
-def _rope_heads(num_heads: int, block_half: int) -> int:
-    return max(1, min(triton.next_power_of_2(num_heads), _ROPE_TILE // block_half))
+class RopeConfig(NamedTuple):
+    """Launch parameters of the rotary kernels (``rope_config`` picks them)."""
+
+    block_hq: int  # q heads per tile (the program loops over q's heads in tiles)
+    block_hk: int  # k heads per tile
+    num_warps: int
+
+
+def rope_config(
+    num_q_heads: int, num_k_heads: int, block_half: int, is_neox: bool, *, all_k: bool = False
+) -> RopeConfig:
+    """Tiles of q and k heads and the warps that give each thread one 16-byte vector (8 of 16
+    bits) of the smaller tile: a tile is ``[heads, block_half]`` (NeoX halves) or ``[heads, 2 *
+    block_half]`` (GPT-J rows). Sized by k, usually the smaller (8 kv heads against 32 q heads:
+    with warps for q's tile a thread held 2 of k's elements and k moved 4 bytes at a time), but
+    never under 512 elements; q then loops over tiles of that size. ``all_k``: every k head in one tile (the cache write).
+    """
+    width = block_half if is_neox else 2 * block_half
+    q_tile = triton.next_power_of_2(num_q_heads) * width
+    k_heads = triton.next_power_of_2(max(num_k_heads, 1))
+    k_tile = k_heads * width if num_k_heads else q_tile
+    # k's tile, but at least 512 elements: where k is tiny (MLA's one rope head, 2 kv heads) q
+    # is most of the bytes, and q keeps 16-byte vectors over two warps
+    tile = max(width, min(q_tile, max(k_tile, 512), _ROPE_TILE))
+    num_warps = max(1, min(8, tile // 256))
+    block_hq = max(1, tile // width)
+    block_hk = k_heads if all_k else max(1, min(k_heads, _ROPE_TILE // width))
+    return RopeConfig(block_hq, block_hk, num_warps)
 
 
 def rotary_embedding_triton(
@@ -315,9 +342,8 @@ def rotary_embedding_triton(
     half = rotary_dim // 2
     block_half = triton.next_power_of_2(half)
     k_arg = k if k is not None else q
-    block_hq = _rope_heads(q.shape[1], block_half)
-    block_hk = _rope_heads(k_arg.shape[1], block_half)
-    num_warps = max(1, min(8, block_hq * block_half // 256))
+    cfg = rope_config(q.shape[1], 0 if k is None else k.shape[1], block_half, is_neox)
+    block_hq, block_hk, num_warps = cfg
     _rotary_kernel[(num_tokens,)](
         positions, q, k_arg, cos_sin_cache,
         error_flag if error_flag is not None else positions,
@@ -331,4 +357,195 @@ def rotary_embedding_triton(
         HAS_K=k is not None,
         CHECK=error_flag is not None,
         num_warps=num_warps,
+    )  # fmt: skip
+
+
+# ---- RoPE fused into the cache write -------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_k_into_cache(
+    k_row,  # [BLOCK_HK, 1] pointers: this token's k heads
+    cache_row,  # [BLOCK_HK, 1] pointers: their cache rows at the token's slot
+    cos,  # [1, BLOCK_HALF] float32
+    sin,
+    ok,  # scalar: the position is inside the table (else K goes to the cache unrotated)
+    live,  # scalar: the slot is inside the cache (else nothing is written there)
+    head_ok,  # [BLOCK_HK, 1]
+    cache_sc,
+    IS_NEOX: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+):
+    """The rotated columns by the same halves / even-odd split as :func:`_rotate_heads` (so the
+    bits are those of ``rotary_embedding``), stored to k and to the cache row; then the
+    unrotated tail (partial rotary) to the cache. Every access is a contiguous run of a row."""
+    # (tl.where rather than `&`: the interpreter mistypes a scalar-bool & tensor-bool)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    if IS_NEOX:
+        mask = head_ok & (i < HALF)
+        x1 = tl.load(k_row + i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(k_row + i + HALF, mask=mask, other=0.0).to(tl.float32)
+        o1 = tl.where(ok, x1 * cos - x2 * sin, x1).to(k_row.dtype.element_ty)
+        o2 = tl.where(ok, x2 * cos + x1 * sin, x2).to(k_row.dtype.element_ty)
+        tl.store(k_row + i, o1, mask=tl.where(ok, mask, False))
+        tl.store(k_row + i + HALF, o2, mask=tl.where(ok, mask, False))
+        to_cache = tl.where(live, mask, False)
+        tl.store(
+            cache_row + i.to(tl.int64) * cache_sc, o1.to(cache_row.dtype.element_ty), mask=to_cache
+        )
+        tl.store(
+            cache_row + (i + HALF).to(tl.int64) * cache_sc,
+            o2.to(cache_row.dtype.element_ty),
+            mask=to_cache,
+        )
+    else:
+        c = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        mask = head_ok & (c < 2 * HALF)
+        x = tl.load(k_row + c, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_HK, BLOCK_HALF, 2)))
+        o = tl.reshape(
+            tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_HK, 2 * BLOCK_HALF)
+        )
+        o = tl.where(ok, o, x).to(k_row.dtype.element_ty)
+        tl.store(k_row + c, o, mask=tl.where(ok, mask, False))
+        tl.store(
+            cache_row + c.to(tl.int64) * cache_sc,
+            o.to(cache_row.dtype.element_ty),
+            mask=tl.where(live, mask, False),
+        )
+    if 2 * HALF < HEAD_SIZE:
+        t = 2 * HALF + tl.arange(0, BLOCK_TAIL)[None, :]
+        mask = head_ok & (t < HEAD_SIZE)
+        tail = tl.load(k_row + t, mask=mask, other=0.0)
+        tl.store(
+            cache_row + t.to(tl.int64) * cache_sc,
+            tail.to(cache_row.dtype.element_ty),
+            mask=tl.where(live, mask, False),
+        )
+
+
+@triton.jit
+def _rope_and_cache_kernel(
+    pos_ptr,
+    slot_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cs_ptr,
+    cache_ptr,
+    err_ptr,
+    num_q_heads,
+    max_pos,
+    num_slots,
+    q_st,
+    q_sh,
+    k_st,
+    k_sh,
+    v_st,
+    v_sh,
+    cs_st,
+    cache_sb,
+    cache_sh,
+    cache_sn,
+    cache_sc,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    V_OFFSET: tl.constexpr,  # first C element of V in a cache row
+    HALF: tl.constexpr,  # rotary_dim / 2
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,  # next power of two of NUM_KV_HEADS
+    BLOCK_TAIL: tl.constexpr,  # next power of two of HEAD_SIZE - rotary_dim (1 if none)
+    BLOCK_DV: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    CHECK: tl.constexpr,
+):
+    """One token: rotate its q heads in place; rotate its k heads (in place too) and write them
+    with its v heads into the cache at its slot."""
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    ok = (pos >= 0) & (pos < max_pos)
+    slot = tl.load(slot_ptr + tok)
+    live = (slot >= 0) & (slot < num_slots)
+    if CHECK:
+        tl.atomic_add(err_ptr, 1, mask=(pos >= max_pos) | (slot >= num_slots))
+    cs_row = cs_ptr + tl.where(ok, pos, 0) * cs_st
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cs_row + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr + tok * q_st, q_sh, num_q_heads, cos, sin, ok,
+        IS_NEOX, HALF, BLOCK_HQ, BLOCK_HALF,
+    )  # fmt: skip
+
+    heads = tl.arange(0, BLOCK_HK)[:, None]  # [BLOCK_HK, 1]
+    heads64 = heads.to(tl.int64)
+    head_ok = heads < NUM_KV_HEADS
+    k_row = k_ptr + tok * k_st + heads64 * k_sh
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    row = cache_ptr + block * cache_sb + offset * cache_sn + heads64 * cache_sh  # [BLOCK_HK, 1]
+    _rotate_k_into_cache(
+        k_row, row, cos, sin, ok, live, head_ok, cache_sc,
+        IS_NEOX, HALF, BLOCK_HALF, HEAD_SIZE, BLOCK_HK, BLOCK_TAIL,
+    )  # fmt: skip
+    cv = tl.arange(0, BLOCK_DV)[None, :]
+    v_mask = (heads < NUM_KV_HEADS) & (cv < HEAD_SIZE_V)
+    v = tl.load(v_ptr + tok * v_st + heads64 * v_sh + cv, mask=v_mask, other=0.0)
+    tl.store(
+        row + (V_OFFSET + cv).to(tl.int64) * cache_sc,
+        v.to(cache_ptr.dtype.element_ty),
+        mask=tl.where(live, v_mask, False),
+    )
+
+
+def rope_and_cache_triton(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T', Hq, D]
+    key: torch.Tensor,  # [T', Hk, D]
+    value: torch.Tensor,  # [T', Hk, Dv]
+    cos_sin_cache: torch.Tensor,  # [max_pos, rotary_dim]
+    kv_cache: torch.Tensor,  # [B, Hk, N, C] layer view, unquantized
+    slot_mapping: torch.Tensor,  # [T] int64
+    v_offset: int,
+    is_neox: bool,
+    rotary_dim: int,
+    error_flag: torch.Tensor | None,
+) -> None:
+    """One launch, one program per token (validated by the api)."""
+    num_tokens = positions.numel()
+    if num_tokens == 0:
+        return
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    half = rotary_dim // 2
+    block_half = triton.next_power_of_2(half)
+    cfg = rope_config(q.shape[1], num_kv_heads, block_half, is_neox, all_k=True)
+    block_tail = triton.next_power_of_2(max(1, key.shape[2] - rotary_dim))
+    block_dv = triton.next_power_of_2(value.shape[2])
+    _rope_and_cache_kernel[(num_tokens,)](
+        positions, slot_mapping, q, key, value, cos_sin_cache, kv_cache,
+        error_flag if error_flag is not None else slot_mapping,
+        q.shape[1], cos_sin_cache.shape[0], num_blocks * block_size,
+        q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cos_sin_cache.stride(0), *kv_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_SIZE=block_size,
+        HEAD_SIZE=key.shape[2],
+        HEAD_SIZE_V=value.shape[2],
+        V_OFFSET=v_offset,
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_HQ=cfg.block_hq,
+        BLOCK_HK=cfg.block_hk,
+        BLOCK_TAIL=block_tail,
+        BLOCK_DV=block_dv,
+        IS_NEOX=is_neox,
+        CHECK=error_flag is not None,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
