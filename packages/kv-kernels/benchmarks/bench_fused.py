@@ -14,6 +14,11 @@ Cases (``T`` tokens; ``b = 2`` bytes of bf16; every tensor counted once read, on
   projection's output: ``bytes = 2 * T * 40 * 128 * b + T * 128 * 4`` (q, k read and written;
   one float32 cos/sin row per token); unfused: the engine's ``RotaryEmbedding`` (cos/sin from the
   positions, ``x * cos + cat(x2, x1) * sin`` for q and for k, copied back into the qkv buffer).
+- ``rope+cache``: rope on q and k, then k and v into a bf16 LBNHC cache (block 16, shuffled
+  slots): ``bytes = T * (2 * 40 + 2 * 8) * 128 * b + T * 128 * 4 + T * 8`` (q, k read and
+  written, k and v written to the cache, v read, the cos/sin row and the slot); fused
+  ``rope_and_cache`` against ``rotary_embedding`` + ``reshape_and_cache`` (two Triton launches,
+  the baseline) and against the unfused torch rope + ``reshape_and_cache``.
 - ``layer``: one decoder layer's elementwise work (two add+norms, rope, silu_and_mul) as the four
   fused calls against the unfused sequence: what a decode step pays per layer outside the GEMMs
   and attention (issue 32's profile: ~0.4 ms a step of unfused kernels at 8 layers).
@@ -50,7 +55,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _records import BandwidthRecorder  # this folder's shared record writer
-from kv_kernels.fused import rms_norm, rope_cos_sin_cache, rotary_embedding, silu_and_mul
+from kv_kernels import allocate_kv_cache, layer_view, reshape_and_cache
+from kv_kernels.fused import (
+    rms_norm,
+    rope_and_cache,
+    rope_cos_sin_cache,
+    rotary_embedding,
+    silu_and_mul,
+)
+from kv_spec import KVCacheLayout
 
 HIDDEN, HQ, HK, HEAD, MLP = 4096, 32, 8, 128, 14336
 SMOKE_SHAPE = {"HIDDEN": 64, "HQ": 4, "HK": 2, "HEAD": 16, "MLP": 96}
@@ -208,6 +221,51 @@ def _bench_tokens(
         unfused_rope(positions, q, k)
         unfused_add_norm(x, res, w)
         unfused_silu_and_mul(gate_up)
+
+    # the cache write: k and v of this step into shuffled slots of a cache twice the batch's size
+    block = 16
+    num_blocks = 2 * (tokens + block - 1) // block + 2
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=num_blocks, num_kv_heads=hk, block_size=block,
+        head_size=head, head_size_v=head, dtype="float16" if dtype == torch.float16 else "bfloat16",
+    )  # fmt: skip
+    kv_view = layer_view(allocate_kv_cache(layout, device), layout, 0)
+    slots = torch.randperm(num_blocks * block, generator=g, device=device)[:tokens]
+    v = qkv[:, (hq + hk) * head :].view(tokens, hk, head)
+    rc_bytes = tokens * (2 * (hq + hk) + 2 * hk) * head * b + tokens * head * 4 + tokens * 8
+
+    q_a, k_a, q_b, k_b = q.clone(), k.clone(), q.clone(), k.clone()
+    rotary_embedding(positions, q_a, k_a, cache)
+    reshape_and_cache(k_a, v, kv_view, slots, layout)
+    written = kv_view.clone()
+    rope_and_cache(positions, q_b, k_b, v, cache, kv_view, slots, layout)
+    torch.testing.assert_close(kv_view, written, rtol=0, atol=2e-2)  # (FMA contraction may differ)
+    torch.testing.assert_close(q_b, q_a, rtol=0, atol=2e-2)
+
+    def rope_then_write() -> None:
+        rotary_embedding(positions, q, k, cache)
+        reshape_and_cache(k, v, kv_view, slots, layout)
+
+    def torch_rope_then_write() -> None:
+        unfused_rope(positions, q, k)
+        reshape_and_cache(k, v, kv_view, slots, layout)
+
+    def fused_write() -> None:
+        rope_and_cache(positions, q, k, v, cache, kv_view, slots, layout)
+
+    label = f"rope+cache T={tokens}"
+    pair = timed(rope_then_write)
+    record(label, "rotary_embedding + reshape_and_cache", pair["ms"], rc_bytes, None, None,
+           timing=pair["timing"], eager_ms=pair["eager_ms"], host_ms=pair["host_ms"],
+           of_copy=rc_bytes / pair["ms"] / 1e9 / copy)  # fmt: skip
+    base = timed(torch_rope_then_write)
+    record(label, "torch rope + reshape_and_cache", base["ms"], rc_bytes, None, None,
+           timing=base["timing"], eager_ms=base["eager_ms"], host_ms=base["host_ms"],
+           of_copy=rc_bytes / base["ms"] / 1e9 / copy)  # fmt: skip
+    t = timed(fused_write)
+    record(label, "triton rope_and_cache", t["ms"], rc_bytes,
+           "rotary_embedding + reshape_and_cache", pair["ms"], timing=t["timing"],
+           eager_ms=t["eager_ms"], host_ms=t["host_ms"], of_copy=rc_bytes / t["ms"] / 1e9 / copy)  # fmt: skip
 
     layer_bytes = 2 * cases["add+rms_norm"][0] + cases["rope"][0] + cases["silu_and_mul"][0]
     cases["layer"] = (layer_bytes, fused_layer, unfused_layer)
