@@ -274,7 +274,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
-        i = 0
+        i = self._schedule_decodes(budget, chunks)
+        budget -= i
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -319,6 +320,35 @@ class Scheduler:
         self.stats.num_steps += 1
         self.stats.max_usage = max(self.stats.max_usage, self.kv.usage)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _schedule_decodes(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """The leading run of running requests that each compute one token (a decode step's
+        whole batch) in one ``KVCacheManager.allocate_decode_slots`` call -- the same blocks as
+        an ``allocate_slots`` call per request, at a fraction of the host time; returns how many
+        it scheduled. It stops at the first request the pool cannot serve, which the per-request
+        loop then takes (preempting as it does)."""
+        run: list[Sequence] = []
+        for seq in self.running:
+            rid = seq.request_id
+            if (
+                len(run) == budget
+                or seq.num_tokens - seq.num_computed_tokens != 1
+                or rid in self._resync
+                or rid in self._new_row
+            ):
+                break
+            run.append(seq)
+        if len(run) < 2:
+            return 0
+        got = self.kv.allocate_decode_slots([s.kv for s in run])
+        fresh = dict(zip(got.rows, got.new_block_ids, strict=True))
+        groups = len(self.kv.kv_cache_config.groups)
+        for k in range(got.num_scheduled):
+            seq = run[k]
+            ids = fresh[k] if k in fresh else tuple([] for _ in range(groups))
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1, False, ids))
+            seq.num_computed_tokens += 1
+        return got.num_scheduled
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while (
