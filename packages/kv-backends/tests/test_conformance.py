@@ -10,6 +10,12 @@ float16. Marked ``gpu``: every backend, every declared dtype.
 Also here: negative tests (one planted wrong page, one dropped last page must fail the check,
 and the old fixed ``atol = rtol = 2e-2`` would have passed them) and batch invariance (bitwise)
 for each backend that declares it.
+
+MLA (``mla`` in the literal): :func:`kv_backends.conformance.mla_cases_for` over a latent cache
+(``make_latent_batch``) against the same oracle with K = the latent row and V its latent part; on
+the CPU TORCH_SDPA (kv-kernels' reference), marked ``gpu`` every MLA backend. Planted bugs the
+check must catch: the latent's rope part dropped (a write that stores ``kv_c`` without
+``k_pe``), a wrong page; bitwise batch invariance too.
 """
 
 from __future__ import annotations
@@ -21,11 +27,21 @@ import zlib
 import pytest
 import torch
 from kv_backends import CommonAttentionMetadata, Platform, get_backend
-from kv_backends.conformance import Case, cases_for, feature_kwargs, untestable_claims
+from kv_backends.conformance import (
+    MLA_LATENT,
+    Case,
+    cases_for,
+    feature_kwargs,
+    mla_cases_for,
+    serves_kv_layers,
+    untestable_claims,
+)
 from kv_backends.registry import BACKEND_CLASSES
 from kv_backends.testing import (
     PagedBatch,
     lowprec_reference,
+    make_batch_impl,
+    make_latent_batch,
     make_paged_batch,
     oracle_attention,
     run_backend,
@@ -85,8 +101,10 @@ def test_every_declared_capability_is_testable(name: str) -> None:
         f"{name} declares {untestable_claims(caps)}, which no conformance test exercises: "
         "test it or take it out of the literal"
     )
-    if not caps.mla:  # an MLA-only backend serves no K/V case (tested in test_triton_mla.py)
-        assert cases_for(name, gpu=True), f"{name}: no conformance case at all"
+    if caps.mla:
+        assert mla_cases_for(name, gpu=True), f"{name} declares MLA but has no MLA case"
+    # an MLA-only backend serves no K/V case; every other backend has some
+    assert cases_for(name, gpu=True) or caps.mla, f"{name}: no conformance case at all"
 
 
 @pytest.mark.parametrize("case", _cpu_cases())
@@ -171,11 +189,12 @@ def test_each_cpu_backend_sees_a_wrong_page(name: str, request: pytest.FixtureRe
 
 # -- batch invariance ------------------------------------------------------------------------------
 
-# MLA-only backends reject these K/V batches; TRITON_MLA's invariance is in test_triton_mla.py
+# MLA-only backends reject these K/V batches; MLA invariance is below (and TRITON_MLA's in
+# test_triton_mla.py)
 _INVARIANT = [
     n
     for n in BACKEND_CLASSES
-    if get_backend(n).CAPABILITIES.batch_invariant and not get_backend(n).CAPABILITIES.mla
+    if get_backend(n).CAPABILITIES.batch_invariant and serves_kv_layers(n)
 ]
 
 
@@ -253,3 +272,122 @@ def test_oracle_dtype_of_fp8_cache() -> None:
     stored = b.kv_cache[blk, :, off, : b.config.head_size].float() * b.k_scale
     assert torch.equal(stored, b.key.float())
     assert b.kv_cache.dtype == to_torch_dtype("fp8_e4m3")
+
+
+# -- MLA: absorbed attention over a latent cache ---------------------------------------------------
+
+_CPU_MLA = [n for n in CPU_BACKENDS if get_backend(n).CAPABILITIES.mla]
+
+
+def _latent_batch(case: Case, device: str, **kw) -> PagedBatch:
+    rank, rope = MLA_LATENT
+    b_kw = dict(
+        query_lens=GPU_QUERY_LENS if device == "cuda" else QUERY_LENS,
+        seq_lens=GPU_SEQ_LENS if device == "cuda" else SEQ_LENS,
+        num_layers=3 if case.order[0] == "B" else 1,
+        layer=1 if case.order[0] == "B" else 0,
+        pad_tokens=2,
+    )
+    b_kw.update(kw)
+    return make_latent_batch(
+        **b_kw, kv_lora_rank=rank, rope=rope, order=case.order, dtype=case.dtype,
+        block_size=case.block_size, kernel_block_size=case.kernel_block_size, device=device,
+        seed=zlib.crc32(case.id.encode()),
+    )  # fmt: skip
+
+
+def _run_mla_case(case: Case, device: str) -> None:
+    b = _latent_batch(case, device)
+    out = run_backend(case.backend, b)
+    t = b.common.num_actual_tokens
+    assert out.shape == (b.q.shape[0], b.q.shape[1], MLA_LATENT[0]), out.shape
+    low = lowprec_reference(b)[:t] if device == "cuda" and case.dtype != "float32" else None
+    res = check_close_to_oracle(out[:t], oracle_attention(b)[:t], lowprec_reference=low)
+    assert res.ok, f"{case.id}: {res.message}"
+    assert not out[t:].any(), f"{case.id}: padding rows are not zero"
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id) for n in _CPU_MLA for c in mla_cases_for(n)]
+)
+def test_mla_conformance_cpu(case: Case) -> None:
+    _run_mla_case(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, id=c.id) for n in BACKEND_CLASSES for c in mla_cases_for(n, gpu=True)],
+)
+def test_mla_conformance_gpu(case: Case) -> None:
+    b = _latent_batch(case, "cuda", query_lens=[1], seq_lens=[1])
+    reasons = get_backend(case.backend).validate(b.config, Platform.detect())
+    if reasons:
+        pytest.skip(f"{case.backend} cannot run here: {reasons}")
+    _run_mla_case(case, "cuda")
+
+
+def _mla_case(name: str, dtype: str = "float16") -> Case:
+    return Case(name, "mla", dtype, dtype, "LBNHC", 16, 16)
+
+
+@pytest.mark.parametrize("name", _CPU_MLA)
+def test_mla_planted_bugs_fail_the_check(name: str) -> None:
+    """The latent's rope part dropped (the write stored ``kv_c`` but not ``k_pe``) and one wrong
+    page must each fail the oracle check that the correct run passes."""
+    b = _latent_batch(_mla_case(name), "cpu", query_lens=[1, 4], seq_lens=[64, 40])
+    ref = oracle_attention(b)
+    t = b.common.num_actual_tokens
+    assert check_close_to_oracle(run_backend(name, b)[:t], ref[:t]).ok
+    rank = MLA_LATENT[0]
+    rope = b.kv_cache[..., rank:].clone()
+    b.kv_cache[..., rank:] = 0  # planted: the rope columns never written
+    res = check_close_to_oracle(run_backend(name, b)[:t], ref[:t])
+    assert not res.ok, "a latent without its rope part passed the check"
+    b.kv_cache[..., rank:] = rope
+    bt = plant_wrong_page(b.common.block_table, b.common.host_seq_lens(), 16, b.layout.num_blocks)
+    res = check_close_to_oracle(run_backend(name, _with(b, block_table=bt))[:t], ref[:t])
+    assert not res.ok, "a wrong latent page passed the check"
+
+
+@pytest.mark.parametrize("name", _CPU_MLA)
+def test_mla_write_path_and_contract(name: str) -> None:
+    """The backend's own latent write (``value=None``) stores exactly the rows the torch fill
+    did, and the MLA contract is enforced: a value tensor, a kv_lora_rank on a K/V layer or
+    outside the row are refused."""
+    b = _latent_batch(_mla_case(name, "float32"), "cpu")
+    backend = get_backend(name)
+    impl = make_batch_impl(backend, b)
+    assert impl.head_size_v == MLA_LATENT[0]
+    want = b.kv_cache.clone()
+    b.kv_cache.zero_()
+    impl.do_kv_cache_update(None, b.key, None, b.kv_cache, b.all_slots)
+    assert torch.equal(b.kv_cache, want)
+    with pytest.raises(ValueError, match="value=None"):
+        impl.do_kv_cache_update(None, b.key, b.key, b.kv_cache, b.all_slots)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        backend.make_impl(b.config, b.layout, kv_lora_rank=sum(MLA_LATENT))
+    plain = make_paged_batch(query_lens=[1], seq_lens=[4])
+    with pytest.raises(ValueError, match="only for MLA"):
+        backend.make_impl(plain.config, plain.layout, kv_lora_rank=16)
+    quant = dataclasses.replace(b.config, kv_cache_dtype="fp8_e4m3", kv_quant="fp8_per_tensor")
+    assert any("MLA latent" in r for r in backend.validate(quant))
+
+
+@pytest.mark.parametrize("name", _CPU_MLA)
+def test_mla_batch_invariance_bitwise(name: str) -> None:
+    qlens = [1, 6, 1, 2]
+    b = _latent_batch(
+        _mla_case(name), "cpu", query_lens=qlens, seq_lens=[33, 50, 17, 64], pad_tokens=0
+    )
+    full = run_backend(name, b)
+    qsl = b.common.host_query_start_loc().tolist()
+    for target in (0, 1):
+        want = full[qsl[target] : qsl[target + 1]]
+        for reqs in ([target], [3, target, 2]):
+            sub, _ = _sub_batch(b, reqs, qlens)
+            out = run_backend(name, sub)
+            sq = sub.common.host_query_start_loc().tolist()
+            j = reqs.index(target)
+            assert torch.equal(out[sq[j] : sq[j + 1]], want), (name, target, reqs)

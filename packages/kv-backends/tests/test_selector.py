@@ -86,7 +86,7 @@ EXPECTED = {
     },
     "DeepSeek-V3": {
         "mla": {
-            "cpu": (None, ["TORCH_SDPA: MLA not supported"]),
+            "cpu": ("TORCH_SDPA", []),
             **{
                 p: ("TRITON_MLA", ["FLASH_ATTN: head_size 576 not supported"])
                 for p in ("sm_80", "sm_90", "sm_100")

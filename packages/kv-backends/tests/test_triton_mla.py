@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kv_backends import CommonAttentionMetadata, NoBackendError, Platform, get_backend
+from kv_backends import CommonAttentionMetadata, Platform, get_backend
 from kv_backends.config import AttentionConfig, configs_for_model
 from kv_backends.selector import select_backend
 from kv_kernels.cache import allocate_kv_cache, layer_view
@@ -38,8 +38,12 @@ def test_deepseek_v3_selects_triton_mla_on_cuda() -> None:
 
 
 def test_mla_needs_a_gpu_and_only_mla_layers() -> None:
-    with pytest.raises(NoBackendError):
-        select_backend(_deepseek_config(), Platform.cpu())
+    # the CPU serves MLA through the reference (TORCH_SDPA); TRITON_MLA says why not there
+    sel = select_backend(_deepseek_config(), Platform.cpu())
+    assert sel.name == "TORCH_SDPA", str(sel)
+    assert "needs a CUDA GPU" in get_backend("TRITON_MLA").validate(
+        _deepseek_config(), Platform.cpu()
+    )
     plain = AttentionConfig(
         num_q_heads=8, num_kv_heads=1, head_size=192, head_size_v=192, dtype="bfloat16",
         kv_cache_dtype="bfloat16", block_size=16,

@@ -1,13 +1,15 @@
 """DeepSeek-V3's latent cache, model side: one ``kv_lora_rank + qk_rope_head_dim`` row per token
 (kv-spec's ``MLAAttentionSpec``), attended in the absorbed form, held to transformers.
 
-No kv-backends backend declares MLA on the CPU (TRITON_MLA needs a GPU), so the engine serves
-DeepSeek-V3 with decompressed per-head K/V there. These tests hold the absorbed form the latent
-cache needs: ``forward_dense(mla_latent=True)`` against transformers' forward, and a paged run
+On the CPU the engine caches the latent through TORCH_SDPA, whose MLA path is kv-kernels'
+``paged_attention(kv_lora_rank=)`` reference (TRITON_MLA serves it on a GPU). These tests hold
+the absorbed form the latent cache needs: ``forward_dense(mla_latent=True)`` against transformers' forward, and a paged run
 whose attention is kv-kernels' own ``paged_attention(kv_lora_rank=)`` reference over latent rows
 written by ``reshape_and_cache`` through shuffled block tables (two requests, chunked prefill,
 decodes sharing steps with a prefill) against transformers' greedy ``generate``. A planted bug
-(the output through ``W_UK`` instead of ``W_UV``) must be caught.
+(the output through ``W_UK`` instead of ``W_UV``) must be caught. Then the runner itself: the
+latent cache through TORCH_SDPA on the CPU, tokens and logits equal to transformers' greedy
+``generate``; a backend that declares no MLA gets decompressed K/V.
 """
 
 from __future__ import annotations
@@ -171,37 +173,36 @@ def test_paged_latent_cache_matches_transformers_greedy(
     assert bad > 100 * LOGIT_RTOL
 
 
-def test_runner_serves_the_latent_cache_through_an_mla_backend(
-    ckpt: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # TRITON_MLA needs a GPU; on the CPU it stands in with its kernels' torch reference (its
-    # impl="reference" option) and needs_gpu lifted, so the runner's latent path -- the MLA spec,
-    # the latent write (value=None), the absorbed attention and W_UV -- runs here as on a GPU.
-    import dataclasses
-
-    from kv_backends.backends.triton_mla import TritonMLABackend
+def test_runner_serves_the_latent_cache_on_the_cpu(ckpt: Path) -> None:
+    # TORCH_SDPA declares MLA (kv-kernels' paged_attention reference, absorbed), so the runner's
+    # latent path -- the MLA spec, the latent write (value=None), the absorbed attention and
+    # W_UV -- runs on the CPU as TRITON_MLA's does on a GPU.
     from kvstack.engine.runner import ModelRunner
     from kvstack.engine.testing import greedy_generate
 
-    plain = ModelRunner(ckpt, num_blocks=96, max_model_len=64)
-    assert not plain.mla_latent and "no backend serves an MLA latent cache" in plain.describe()
-    forced = ModelRunner(ckpt, num_blocks=96, max_model_len=64, backend="TORCH_SDPA")
-    assert not forced.mla_latent and "backend='TORCH_SDPA' serves no MLA" in forced.describe()
-    caps = dataclasses.replace(TritonMLABackend.CAPABILITIES, needs_gpu=False)
-    monkeypatch.setattr(TritonMLABackend, "CAPABILITIES", caps)
-    monkeypatch.setattr(
-        TritonMLABackend,
-        "engine_impl_options",
-        classmethod(lambda cls, **kw: {"impl": "reference"}),
-    )
-    runner = ModelRunner(ckpt, num_blocks=96, max_model_len=64, backend="TRITON_MLA")
-    assert runner.mla_latent and "one latent row of 48 per token" in runner.describe()
+    runner = ModelRunner(ckpt, num_blocks=96, max_model_len=64)
+    assert runner.mla_latent and runner.backends == {0: "TORCH_SDPA"}
+    assert "one latent row of 48 per token, attended absorbed (TORCH_SDPA)" in runner.describe()
     spec = runner.kv_cache_config.groups[0].spec
     assert isinstance(spec, MLAAttentionSpec) and spec.head_size == 48
     # a latent page is 48 floats a token; the decompressed one 4 heads x (32 + 16)
-    assert runner.kv_cache_config.page_size_bytes * 4 == plain.kv_cache_config.page_size_bytes
+    arch = runner.arch
+    decompressed = plan_kv_cache(
+        arch.kv_specs(block_size=spec.block_size, dtype="float32"), 1 << 22, max_model_len=64
+    )
+    assert runner.kv_cache_config.page_size_bytes * 4 == decompressed.page_size_bytes
     refs = [hf_greedy(ckpt, p, MAX_NEW) for p in PROMPTS]
     result = greedy_generate(runner, PROMPTS, MAX_NEW, chunk_sizes=[5, 100])
     for (want, ref), got, logits in zip(refs, result.tokens, result.logits, strict=True):
         assert got == want
         assert float((logits - ref).abs().max() / ref.abs().max()) <= LOGIT_RTOL
+
+
+def test_a_backend_without_mla_gets_decompressed_kv(ckpt: Path) -> None:
+    from kv_backends import get_backend
+    from kvstack.engine.runner import ModelRunner
+
+    assert not get_backend("FLEX_ATTENTION").CAPABILITIES.mla
+    forced = ModelRunner(ckpt, num_blocks=96, max_model_len=64, backend="FLEX_ATTENTION")
+    assert not forced.mla_latent
+    assert "backend='FLEX_ATTENTION' serves no MLA" in forced.describe()

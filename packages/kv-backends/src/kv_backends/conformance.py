@@ -6,8 +6,10 @@ Axes, all read from the literal (nothing per backend is written here):
 - feature: ``plain`` (GQA, causal) and one case per declared feature flag: ``sliding_window``,
   ``sinks``, ``softcap``, ``alibi``, ``non_causal`` (and ``non_causal_window`` when both are
   declared), ``head_size_v_diff``; a backend that requires ``head_size_v != head_size`` gets it
-  in every case. Declared flags this suite cannot exercise (``mla``) make
-  :func:`untestable_claims` non-empty, which fails a test: a claim nobody tests is not declared.
+  in every case. Declared flags this suite cannot exercise make :func:`untestable_claims`
+  non-empty, which fails a test: a claim nobody tests is not declared. ``mla`` has its own cases
+  (:func:`mla_cases_for`): a latent cache (:func:`kv_backends.testing.make_latent_batch`,
+  ``MLA_LATENT`` wide) attended absorbed, over the same dtype, order and block axes.
 - compute dtype: ``dtypes`` (on the CPU: float32 and float16 only; the Triton interpreter computes
   bf16 wrongly, see DESIGN.md).
 - KV-cache dtype: each float ``kv_cache_dtypes`` entry with the equal compute dtype (quant
@@ -41,10 +43,14 @@ from kv_backends.capabilities import BackendCapabilities
 
 __all__ = [
     "FEATURES",
+    "MLA_LATENT",
     "Case",
     "cases_for",
     "feature_kwargs",
     "full_product",
+    "mla_cases_for",
+    "mla_product",
+    "serves_kv_layers",
     "untestable_claims",
 ]
 
@@ -72,9 +78,9 @@ _TESTED_FLAGS = {
     "requires_head_size_v_diff",
     "batch_invariant",
     "needs_gpu",
-    # MLA has its own tests (kv-backends tests/test_triton_mla.py: the backend's latent write and
-    # absorbed attention against the oracle, wrong page caught); the feature cases above are for
-    # K/V layers, which an MLA-only backend rejects.
+    # MLA has its own cases (mla_cases_for: a latent cache attended absorbed, every dtype, order
+    # and block pair); the feature cases above are for K/V layers, which an MLA-only backend
+    # rejects.
     "mla",
 }
 _FLAG_FIELDS = (
@@ -90,6 +96,9 @@ _FLAG_FIELDS = (
 )
 
 _CPU_DTYPES = ("float32", "float16")
+#: ``(kv_lora_rank, rope)`` of the MLA cases' latent row: a power-of-two latent plus a 16-wide
+#: rope tail, the smallest row TRITON_MLA's kernel split takes (48; DeepSeek-V3 512 + 64).
+MLA_LATENT = (32, 16)
 _BLOCKS_CPU = ((16, 16), (32, 32), (64, 64), (64, 16))
 _BLOCKS_GPU = (*_BLOCKS_CPU, (128, 128), (256, 256))
 
@@ -222,6 +231,68 @@ def cases_for(name: str, *, gpu: bool = False) -> list[Case]:
         return product
     seed = os.environ.get("KVSTACK_CONFORMANCE_SEED", "0")
     rng = random.Random(f"{seed}:{name}")
+    shuffled = product[:]
+    rng.shuffle(shuffled)
+    covered: set[tuple[str, object, str, object]] = set()
+    picked = []
+    for c in shuffled:
+        new = _pairs(c) - covered
+        if new:
+            picked.append(c)
+            covered |= new
+    return picked
+
+
+def serves_kv_layers(name: str) -> bool:
+    """Whether backend ``name`` serves any K/V (non-MLA) case on a GPU (MLA-only backends don't)."""
+    return bool(full_product(name, gpu=True))
+
+
+def _valid_mla(case: Case) -> bool:
+    cfg = AttentionConfig(
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_size=sum(MLA_LATENT),
+        head_size_v=sum(MLA_LATENT),
+        dtype=case.dtype,
+        kv_cache_dtype=case.cache_dtype,
+        block_size=case.block_size,
+        kernel_block_size=case.kernel_block_size,
+        layout_order=case.order,
+        mla=True,
+    )
+    return not get_backend(case.backend).validate(cfg)
+
+
+def mla_product(name: str, *, gpu: bool) -> list[Case]:
+    """Every MLA case of backend ``name`` (none unless its literal declares ``mla``): feature
+    ``"mla"``, each declared compute dtype with the equal unquantized latent (MLA latents are
+    read unquantized), every order and block pair the literal and ``validate`` take."""
+    caps = get_backend(name).CAPABILITIES
+    if not caps.mla:
+        return []
+    dtypes = caps.dtypes if gpu else tuple(d for d in caps.dtypes if d in _CPU_DTYPES)
+    blocks = tuple(
+        b for b in (_BLOCKS_GPU if gpu else _BLOCKS_CPU) if caps.kernel_block_size_ok(b[1])
+    )
+    cases = [
+        Case(name, "mla", dt, dt, order, bs, kbs)
+        for dt, order, (bs, kbs) in itertools.product(
+            [d for d in dtypes if d in caps.kv_cache_dtypes], caps.supported_layouts, blocks
+        )
+    ]
+    return [c for c in cases if _valid_mla(c)]
+
+
+def mla_cases_for(name: str, *, gpu: bool = False) -> list[Case]:
+    """The MLA cases of backend ``name``, sampled by :func:`cases_for`'s rule (seeded shuffle,
+    keep a case while it covers a new (dtype, order) / (dtype, block) / ... pair;
+    ``KVSTACK_CONFORMANCE=full`` keeps them all)."""
+    product = mla_product(name, gpu=gpu)
+    if os.environ.get("KVSTACK_CONFORMANCE", "").lower() == "full":
+        return product
+    seed = os.environ.get("KVSTACK_CONFORMANCE_SEED", "0")
+    rng = random.Random(f"{seed}:{name}:mla")
     shuffled = product[:]
     rng.shuffle(shuffled)
     covered: set[tuple[str, object, str, object]] = set()

@@ -13,6 +13,7 @@ from kv_spec import (
     AttentionSpec,
     FullAttentionSpec,
     KVCacheLayout,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     to_torch_dtype,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "fresh_dynamo_for_gpu_test",
     "lowprec_reference",
     "make_batch_impl",
+    "make_latent_batch",
     "make_paged_batch",
     "oracle_attention",
     "run_backend",
@@ -215,6 +217,74 @@ def make_paged_batch(
         alibi_slopes=None if slopes is None else slopes.to(device),
         k_scale=scales[0],
         v_scale=scales[1],
+    )
+
+
+def make_latent_batch(
+    *,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    num_q_heads: int = 4,
+    kv_lora_rank: int = 32,
+    rope: int = 16,
+    block_size: int = 16,
+    kernel_block_size: int | None = None,
+    num_layers: int = 1,
+    layer: int = 0,
+    order: str = "LBNHC",
+    dtype: str = "float32",
+    pad_tokens: int = 0,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> PagedBatch:
+    """An MLA batch: a latent cache (``MLAAttentionSpec``, one ``kv_lora_rank + rope`` row per
+    token, shuffled blocks, written straight into the layer view by torch indexing) and absorbed
+    queries ``[T, Hq, kv_lora_rank + rope]``. ``key`` holds each context token's latent row
+    ``[T_ctx, 1, kv_lora_rank + rope]`` and ``value`` a view of its first ``kv_lora_rank``
+    columns, so :func:`oracle_attention` is the absorbed attention an MLA backend must return
+    (``[T, Hq, kv_lora_rank]``). The config's ``mla`` is set; backends take their default
+    ``kv_lora_rank`` (the row's largest power of two below it: pass ``rope`` accordingly)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = kv_lora_rank + rope
+    spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=width, dtype=dtype)
+    kbs = kernel_block_size or block_size
+    nb = sum(-(-s // block_size) for s in seq_lens) + 3
+    layout = KVCacheLayout.from_spec(spec, num_blocks=nb, num_layers=num_layers, order=order)
+    config = AttentionConfig.from_spec(
+        spec, num_q_heads=num_q_heads, dtype=dtype, layout_order=order, kernel_block_size=kbs
+    )
+    storage = allocate_kv_cache(layout, device)
+    kv_cache = layer_view(storage, layout, layer)
+    tdt = to_torch_dtype(dtype)
+    perm = torch.randperm(nb, generator=gen).tolist()
+    rows, slots, cols = _block_rows(seq_lens, perm, block_size, kbs)
+    all_slots = torch.tensor(slots, dtype=torch.int64)
+    latent = torch.randn(len(slots), 1, width, generator=gen).to(tdt)  # [T_ctx, 1, width]
+    dev = kv_cache.device
+    blk, off = (all_slots // block_size).to(dev), (all_slots % block_size).to(dev)
+    kv_cache[blk, :, off, :] = latent.to(dev)
+    common = CommonAttentionMetadata.from_lists(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_table=torch.tensor(rows, dtype=torch.int32).reshape(len(seq_lens), cols),
+        block_size=kbs,
+        device=device,
+        pad_tokens_to=sum(query_lens) + pad_tokens,
+    )
+    q = torch.randn(sum(query_lens) + pad_tokens, num_q_heads, width, generator=gen).to(tdt)
+    key = latent.to(device)
+    return PagedBatch(
+        config=config,
+        layout=layout,
+        storage=storage,
+        kv_cache=kv_cache,
+        common=common,
+        q=q.to(device),
+        key=key,
+        value=key[..., :kv_lora_rank],
+        all_slots=all_slots.to(device),
+        sinks=None,
+        alibi_slopes=None,
     )
 
 

@@ -39,9 +39,10 @@ from kv_backends.backends._torch_ops import (
 )
 from kv_backends.backends.torch_sdpa_decode import DecodeRun
 from kv_backends.backends.torch_sdpa_kept import KeptGather, cache_ledger, gather_kept
+from kv_backends.backends.torch_sdpa_mla import attend_latent, latent_rank
 from kv_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata, MetadataBuilder
 from kv_backends.capabilities import BackendCapabilities
-from kv_backends.config import AttentionConfig
+from kv_backends.config import AttentionConfig, Platform
 from kv_backends.metadata import CommonAttentionMetadata
 
 __all__ = [
@@ -335,6 +336,12 @@ class TorchSDPAImpl(AttentionImpl):
     layer keeps nothing). The caller must report cache writes that bypass torch's version
     counter (raw pointers, NIXL, numpy views) with ``torch.autograd.graph.increment_version``;
     :mod:`.torch_sdpa_kept` says why.
+
+    MLA layers (``config.mla`` over an ``MLAAttentionSpec`` layout) take ``kv_lora_rank``
+    (default :func:`~kv_backends.backends.triton_mla.default_kv_lora_rank`) and TRITON_MLA's
+    contract: the latent row written once (``value=None``), absorbed queries, output ``[T, Hq,
+    kv_lora_rank]`` (:mod:`.torch_sdpa_mla`). They keep no decode gather (the option is taken and
+    ignored, so an engine passes the same options to every layer).
     """
 
     def __init__(
@@ -343,16 +350,21 @@ class TorchSDPAImpl(AttentionImpl):
         layout: KVCacheLayout,
         *,
         keep_decode_gather_bytes: int = 0,
+        kv_lora_rank: int | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(config, layout, **kw)
+        #: MLA: the latent width V reads (the output width); ``None`` on K/V layers
+        self.kv_lora_rank = latent_rank(config, layout, kv_lora_rank)
+        if self.kv_lora_rank is not None:
+            self.head_size_v = self.kv_lora_rank
         limit = keep_decode_gather_bytes
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise TypeError(
                 f"TORCH_SDPA keep_decode_gather_bytes={limit!r} must be an int >= 0: the largest "
                 "decode gather (bytes) a layer keeps between steps on the CPU, 0 to keep none"
             )
-        self.keep_decode_gather_bytes = limit
+        self.keep_decode_gather_bytes = 0 if self.kv_lora_rank is not None else limit
         #: this layer's decode gather of its last step, when kept (:mod:`.torch_sdpa_kept`)
         self.kept_gather: KeptGather | None = None
 
@@ -419,8 +431,17 @@ class TorchSDPAImpl(AttentionImpl):
         in one ``index_copy_``, where the reference's checks and two index writes cost more than
         the copy on a decode step (kvstack's engine benchmark, 32 requests x 32 tokens, one
         thread: 19 ms of cache writes became 8). GPUs keep the reference: there it is the oracle
-        the Triton and Flex writes are held to."""
+        the Triton and Flex writes are held to. An MLA layer writes its latent rows ``key``
+        ``[T, 1, kv_lora_rank + rope]`` with ``value=None`` through the reference."""
         self.check_cache(kv_cache)
+        if self.kv_lora_rank is not None:
+            if value is not None:
+                raise ValueError(
+                    "TORCH_SDPA on an MLA layer stores one latent row per token: pass the latent "
+                    "as key and value=None (V is the latent's first kv_lora_rank columns)"
+                )
+            super().do_kv_cache_update(layer, key, None, kv_cache, slot_mapping)
+            return
         if kv_cache.device.type != "cpu":
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return
@@ -450,6 +471,12 @@ class TorchSDPAImpl(AttentionImpl):
         self.check_forward_inputs(q, kv_cache, metadata)
         cache, klayout = self.kernel_cache(kv_cache)  # [B*k, H, kbs, C]
         params = self.device_params(q.device)
+        if self.kv_lora_rank is not None:
+            return attend_latent(
+                q, cache, klayout, metadata, kv_lora_rank=self.kv_lora_rank, scale=self.scale,
+                causal=self.causal, sliding_window=self.sliding_window, softcap=self.softcap,
+                params=params, out=self.empty_output(q, out, zeroed=False),
+            )  # fmt: skip  # [T, Hq, kv_lora_rank]
         k_scale, v_scale = self.scales(layer, q.device)
         plan = _step_plan(metadata, cache.shape[0], klayout.block_size, q.device)
         # Every query row below plan.num_rows is written by its group, so only the rest is
@@ -555,15 +582,29 @@ class TorchSDPABackend(AttentionBackend):
         sliding_window=True,
         softcap=True,
         alibi=True,
-        mla=False,
+        mla=True,
         non_causal=True,
         batch_invariant=True,
         cudagraph_support="never",
         needs_gpu=False,
-        notes="Reference: gathers pages in padded per-request shapes (one gather and one attention call per shape group), float32 math; CPU default and test oracle.",
+        notes="Reference: gathers pages in padded per-request shapes (one gather and one attention call per shape group), float32 math; MLA absorbed over the latent cache through kv-kernels' paged_attention reference (unquantized latents); CPU default and test oracle.",
     )
     builder_cls = TorchSDPABuilder
     impl_cls = TorchSDPAImpl
+
+    @classmethod
+    def validate(
+        cls,
+        config: AttentionConfig,
+        platform: Platform | None = None,
+        *,
+        layout: KVCacheLayout | None = None,
+    ) -> list[str]:
+        reasons = super().validate(config, platform, layout=layout)
+        if config.mla and config.kv_quant != "none":
+            # kv-kernels' paged_attention reads MLA latents unquantized only
+            reasons.append(f"MLA latent with kv_quant {config.kv_quant} not supported (none only)")
+        return reasons
 
     @classmethod
     def engine_impl_options(
