@@ -47,7 +47,8 @@ def _case(
 
 
 def _norm(name: str, dtype: str, width: int, *, residual: bool, arch: int,
-          weight_first: bool = False, offset: float = 0.0) -> dict[str, Any]:  # fmt: skip
+          weight_first: bool = False, offset: float = 0.0,
+          per_head: bool = False) -> dict[str, Any]:  # fmt: skip
     cfg = fz.norm_config(width)
     t = _T[dtype]
     pointers = {
@@ -59,7 +60,7 @@ def _norm(name: str, dtype: str, width: int, *, residual: bool, arch: int,
     }
     constexprs = {
         "D": width, "BLOCK_D": cfg.block_d, "BLOCK_R": cfg.block_r, "HAS_RESIDUAL": residual,
-        "WEIGHT_FIRST": weight_first, "WEIGHT_OFFSET": offset,
+        "WEIGHT_FIRST": weight_first, "WEIGHT_OFFSET": offset, "PER_HEAD_WEIGHT": per_head,
     }  # fmt: skip
     strides = ["x_st", "res_st", "y_st", "h_st"] + (
         ["x_sh", "res_sh", "y_sh", "h_sh"] if width % 16 == 0 else []
@@ -115,7 +116,7 @@ def _cases() -> list[dict[str, Any]]:
                 weight_first=True,
                 offset=1.0,
             ),
-            _norm("qwen3-qk-bf16-128", "bfloat16", 128, residual=False, arch=arch),
+            _norm("qwen3-qk-bf16-128", "bfloat16", 128, residual=False, arch=arch, per_head=True),
             _norm("fp32-odd-1000", "float32", 1000, residual=True, arch=arch),
             _norm("bf16-32768", "bfloat16", 32768, residual=True, arch=arch),
             _act("silu-bf16-14336", "bfloat16", 14336, 0, arch),

@@ -117,6 +117,38 @@ def test_rms_norm_parity(impl, dtype, shape, with_residual, offset, weight_first
     _assert_parity(y.cpu(), lowprec, oracle)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_per_head_weight(impl, dtype, request) -> None:
+    """Qwen3's q/k norm as the engine calls it: the q and k heads of the qkv output ``[T, Hq +
+    Hk, D]`` (a strided view) with a ``[Hq + Hk, D]`` gain (q_norm's weight per q head, k_norm's
+    per k head), normalized in place; each head row is the bits of a call with its own gain."""
+    device = _device(impl, request)
+    g = torch.Generator().manual_seed(4)
+    hq, hk, d = 4, 2, 64
+    qkv = (torch.randn(5, (hq + 2 * hk) * d, generator=g) * 2).to(dtype)
+    qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    weight = torch.cat([qw.expand(hq, d), kw.expand(hk, d)])  # [Hq + Hk, D]
+    buf = qkv.clone().to(device)
+    qk = buf[:, : (hq + hk) * d].view(5, hq + hk, d)
+    rms_norm(qk, weight.to(device), 1e-6, out=qk, weight_offset=1.0, weight_first=True, impl=impl)
+    x = qkv[:, : (hq + hk) * d].view(5, hq + hk, d)
+    q_alone = rms_norm(x[:, :hq].to(device), qw.to(device), 1e-6, weight_offset=1.0,
+                       weight_first=True, impl=impl)  # fmt: skip
+    k_alone = rms_norm(x[:, hq:].to(device), kw.to(device), 1e-6, weight_offset=1.0,
+                       weight_first=True, impl=impl)  # fmt: skip
+    assert torch.equal(qk[:, :hq].cpu(), q_alone.cpu())
+    assert torch.equal(qk[:, hq:].cpu(), k_alone.cpu())
+    assert torch.equal(buf[:, (hq + hk) * d :].cpu(), qkv[:, (hq + hk) * d :])  # v untouched
+    oracle = torch.cat(
+        [_rms_oracle(x[:, :hq], qw, 1e-6, offset=1.0)[0], _rms_oracle(x[:, hq:], kw, 1e-6, offset=1.0)[0]], 1
+    )  # fmt: skip
+    lowprec = torch.cat(
+        [_rms_torch(x[:, :hq], qw, 1e-6, offset=1.0), _rms_torch(x[:, hq:], kw, 1e-6, offset=1.0)], 1
+    )  # fmt: skip
+    _assert_parity(qk.cpu(), lowprec, oracle)
+
+
 def test_rms_norm_planted_bugs_fail_the_tolerance(request) -> None:
     """What the parity rule must reject, produced by the kernel itself: the residual not added,
     Gemma's (1 + w) gain read as w, the wrong eps (1e-1 on rows of mean square ~1e-2)."""
@@ -400,6 +432,8 @@ def _rope_args():
     ("call", "error", "match"),
     [
         (lambda: rms_norm(torch.randn(2, 8), torch.ones(9)), ValueError, r"expected \[8\]"),
+        (lambda: rms_norm(torch.randn(2, 3, 8), torch.ones(2, 8)), ValueError, r"or \[3, 8\]"),
+        (lambda: rms_norm(torch.randn(2, 8), torch.ones(16)[::2]), ValueError, "weight.stride"),
         (lambda: rms_norm(torch.randn(2, 8).double(), torch.ones(8)), TypeError, "x dtype"),
         (lambda: rms_norm(torch.randn(8), torch.ones(8)), ValueError, r"\[T, D\] or \[T, H, D\]"),
         (lambda: rms_norm(torch.randn(2, 8), torch.ones(8), -1.0), ValueError, "eps=-1.0"),
@@ -446,6 +480,7 @@ def test_rms_norm_rejects_aliased_outputs() -> None:
         ({"positions": torch.tensor([0, 1, 32])}, ValueError, "past the cos_sin_cache's 32 rows"),
         ({"positions": torch.arange(3).float()}, ValueError, "int64"),
         ({"positions": torch.arange(5)}, ValueError, "never shorter"),
+        ({"positions": torch.arange(6)[::2]}, ValueError, "positions.stride"),
         ({"k": torch.randn(3, 1, 8)}, ValueError, r"\[T', H, 16\]"),
         ({"k": torch.randn(3, 1, 16).half()}, ValueError, "share dtype"),
         ({"rotary_dim": 7}, ValueError, "rotary_dim=7 must be even"),

@@ -84,7 +84,9 @@ def rms_norm(
         x: ``[T, D]`` or ``[T, H, D]`` (per-head norms: Qwen3's q/k norm over a slice of the
             fused qkv projection), float16 / bfloat16 / float32, unit last stride, any
             token/head strides; ``1 <= D <= 32768``.
-        weight: ``[D]`` gain, any float dtype (read as float32).
+        weight: ``[D]`` gain, or ``[H, D]`` with a 3-D ``x`` (a gain per head: Qwen3's q and k
+            norms as one call over the q and k heads of the qkv output), any float dtype
+            (read as float32; the result stays in ``x.dtype`` whatever the weight's).
         eps: added to the mean square, ``>= 0``.
         residual: like ``x`` (same shape and dtype).
         out: where ``y`` goes (shape and dtype of ``x``; may be ``x`` itself); a new tensor
@@ -127,12 +129,15 @@ def rms_norm(
             f"rms_norm: row width D={width} must be in [1, {_MAX_NORM_WIDTH}] (the kernel holds "
             "a row in registers); split wider rows"
         )
-    if weight.dim() != 1 or weight.shape[0] != width:
+    per_head = x.dim() == 3 and tuple(weight.shape) == tuple(x.shape[1:])
+    if not per_head and tuple(weight.shape) != (width,):
+        heads = f" or [{x.shape[1]}, {width}] (a gain per head)" if x.dim() == 3 else ""
         raise ValueError(
-            f"weight has shape {tuple(weight.shape)}; expected [{width}] (x's last dim)"
+            f"weight has shape {tuple(weight.shape)}; expected [{width}] (x's last dim){heads}"
         )
     device = x.device
     _same_device("weight", weight, device)
+    _unit_rows("weight", weight)
     _unit_rows("x", x)
     if (
         isinstance(eps, bool)
@@ -390,6 +395,11 @@ def _check_rope(
             f"positions is {positions.dtype} {tuple(positions.shape)}; pass an int64 (or int32) "
             "[T] tensor"
         )
+    if positions.numel() > 1 and positions.stride(0) != 1:
+        raise ValueError(
+            f"positions.stride(0)={positions.stride(0)}: the kernels read positions as one "
+            "contiguous run; pass positions.contiguous()"
+        )
     _float("q", q)
     if q.dim() != 3:
         raise ValueError(f"q has shape {tuple(q.shape)}; expected [T, Hq, D]")
@@ -517,6 +527,10 @@ def rope_and_cache(
         )
     rotary_dim = _check_rope(positions, q, key, cos_sin_cache, rotary_dim)
     validate_cache_write(key, value, kv_cache, slot_mapping, layout, None, None)
+    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError(
+            f"slot_mapping.stride(0)={slot_mapping.stride(0)}: pass slot_mapping.contiguous()"
+        )
     if slot_mapping.numel() != positions.numel():
         raise ValueError(
             f"slot_mapping has {slot_mapping.numel()} tokens but positions has "

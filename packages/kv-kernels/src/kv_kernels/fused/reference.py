@@ -30,7 +30,7 @@ __all__ = [
 
 def rms_norm_reference(
     x: torch.Tensor,  # [..., D]
-    weight: torch.Tensor,  # [D]
+    weight: torch.Tensor,  # [D], or [H, D] for x [T, H, D]
     eps: float,
     residual: torch.Tensor | None,  # [..., D] like x
     weight_offset: float,
@@ -42,7 +42,7 @@ def rms_norm_reference(
     h = x if residual is None else (x.float() + residual.float()).to(dtype)
     hf = h.float()
     normed = hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    gain = weight.float() + weight_offset  # [D]
+    gain = weight.float() + weight_offset  # [D] or [H, D]: broadcasts over the rows
     if weight_first:
         y = (normed * gain).to(dtype)
     else:

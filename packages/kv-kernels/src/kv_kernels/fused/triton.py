@@ -58,6 +58,7 @@ def _rms_norm_kernel(
     y_sh,
     h_st,
     h_sh,
+    w_sh,  # per-head gains [H, D]: the head stride (0 for one [D] gain)
     eps,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -65,6 +66,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr,  # multiply the gain in float32 before rounding (Gemma, gpt-oss)
     WEIGHT_OFFSET: tl.constexpr,  # Gemma's gain is 1 + weight
+    PER_HEAD_WEIGHT: tl.constexpr = False,  # weight [H, D]: Qwen3's q and k norms in one call
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R] int64
     tok = rows // rows_per_token
@@ -86,11 +88,15 @@ def _rms_norm_kernel(
     mean_sq = tl.sum(hf * hf, axis=1) / D  # [R]
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
     normed = hf * rstd[:, None]
-    gain = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) + WEIGHT_OFFSET
-    if WEIGHT_FIRST:
-        y = normed * gain[None, :]
+    if PER_HEAD_WEIGHT:
+        gain = tl.load(w_ptr + (head * w_sh)[:, None] + cols[None, :], mask=mask, other=0.0)
     else:
-        y = normed.to(y_ptr.dtype.element_ty).to(tl.float32) * gain[None, :]
+        gain = tl.load(w_ptr + cols, mask=cols < D, other=0.0)[None, :]
+    gain = gain.to(tl.float32) + WEIGHT_OFFSET
+    if WEIGHT_FIRST:
+        y = normed * gain
+    else:
+        y = normed.to(y_ptr.dtype.element_ty).to(tl.float32) * gain
     tl.store(
         y_ptr + (tok * y_st + head * y_sh)[:, None] + cols[None, :],
         y.to(y_ptr.dtype.element_ty),
@@ -125,7 +131,7 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int]:
 
 def rms_norm_triton(
     x: torch.Tensor,  # [T, D] or [T, H, D], unit last stride
-    weight: torch.Tensor,  # [D], contiguous
+    weight: torch.Tensor,  # [D], or [H, D] for 3-D x; unit last stride
     eps: float,
     residual: torch.Tensor | None,  # like x
     y: torch.Tensor,  # like x: the output
@@ -147,6 +153,7 @@ def rms_norm_triton(
         x, res, weight, y, hh,
         num_rows, rows_per_token,
         *_row_strides(x), *_row_strides(res), *_row_strides(y), *_row_strides(hh),
+        weight.stride(0) if weight.dim() == 2 else 0,
         float(eps),
         D=width,
         BLOCK_D=cfg.block_d,
@@ -154,6 +161,7 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         WEIGHT_FIRST=weight_first,
         WEIGHT_OFFSET=float(weight_offset),
+        PER_HEAD_WEIGHT=weight.dim() == 2,
         num_warps=cfg.num_warps,
     )  # fmt: skip
 
