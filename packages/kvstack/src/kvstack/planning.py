@@ -2,7 +2,11 @@
 
 A model is a catalogue name (``Llama-3-8B``) or a Hugging Face ``config.json`` (or the checkpoint
 directory holding one); either way it becomes a :class:`kv_spec.ModelConfig`, the KV-relevant part
-of the config, so planning and backend selection treat both alike.
+of the config, so planning and backend selection treat both alike. A ``config.json`` of an
+architecture the engine serves is read by the engine's own parser
+(:class:`kvstack.engine.hf_config.ArchConfig`, :func:`model_from_arch`), so ``kvstack plan`` and
+``kvstack backends`` describe the cache the engine allocates: MiMo-V2-Flash's sliding layers with
+their own KV heads and sinks, DeepSeek-V3's MLA latent; other configs by the generic reader.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kv_spec import (
     CATALOGUE,
@@ -28,12 +32,17 @@ from rich.table import Table
 
 from kvstack.units import format_bytes
 
+if TYPE_CHECKING:
+    from kvstack.engine.hf_config import ArchConfig
+
 __all__ = [
     "PlanReport",
     "check_tensor_parallel",
+    "model_from_arch",
     "model_from_hf_config",
     "plan_model",
     "plan_table",
+    "resolve_arch",
     "resolve_model",
 ]
 
@@ -45,13 +54,79 @@ _QUANT_DTYPE = {
 }
 
 
-def model_from_hf_config(config: dict[str, Any], *, name: str = "config.json") -> ModelConfig:
-    """The KV-relevant fields of a Hugging Face ``config.json`` (Llama, Qwen3, Mistral, gpt-oss).
+def model_from_arch(arch: ArchConfig, *, name: str, dtype: str = "bfloat16") -> ModelConfig:
+    """The :class:`ModelConfig` of the cache the engine allocates for ``arch``
+    (:meth:`ArchConfig.kv_specs`): per layer type its KV heads (``sliding_num_kv_heads``), the
+    window, the layers with sinks; an MLA model (``mla_kv_lora_rank > 0``) one latent of
+    ``kv_lora_rank + qk_rope_head_dim`` per token (DeepSeek-V3: 512 + 64 = 576), as the runner
+    caches it wherever a backend serves MLA (TORCH_SDPA on the CPU, TRITON_MLA on a GPU)."""
+    n = arch.num_layers
+    common: dict[str, Any] = dict(
+        name=name,
+        num_layers=n,
+        num_q_heads=arch.num_q_heads,
+        max_model_len=arch.max_position_embeddings,
+        dtype=dtype,
+        source=arch.model_type,
+    )
+    if arch.is_mla:
+        width = arch.mla_kv_lora_rank + arch.mla_qk_rope_head_dim
+        return ModelConfig(**common, num_kv_heads=1, head_size=width, mla=True)
+    sliding = tuple(i for i in range(n) if arch.layer_window(i) is not None)
+    sinks = {i for i in range(n) if arch.layer_has_sinks(i)}
+    sinks_on_sliding_only = bool(sinks) and sinks != set(range(n))
+    if sinks_on_sliding_only and sinks != set(sliding):
+        raise ValueError(
+            f"{name}: sinks on layers {sorted(sinks)} are neither every layer nor exactly the "
+            f"sliding ones {list(sliding)}; kv-spec's ModelConfig cannot describe that"
+        )
+    swa_heads = arch.sliding_num_kv_heads if sliding else None
+    return ModelConfig(
+        **common,
+        num_kv_heads=arch.num_kv_heads,
+        head_size=arch.head_dim,
+        head_size_v=arch.v_head_dim if arch.v_head_dim != arch.head_dim else None,
+        sliding_window=arch.sliding_window if sliding else None,
+        sliding_layers=(None if len(sliding) == n else sliding) if sliding else (),
+        swa_num_kv_heads=swa_heads if swa_heads != arch.num_kv_heads else None,
+        has_sinks=bool(sinks),
+        sinks_on_sliding_only=sinks_on_sliding_only,
+    )
 
-    Sliding layers follow transformers 5: ``layer_types`` when present; else gpt-oss alternates
-    (sliding first), Qwen slides from ``max_window_layers`` on only with ``use_sliding_window``,
-    and any other model with a ``sliding_window`` slides on every layer (Mistral).
+
+def _engine_arch(config: dict[str, Any], name: str) -> ArchConfig | None:
+    """The engine's reading of ``config`` when it names an architecture the engine serves
+    (importing the engine loads torch, so only then), else ``None``."""
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1:
+        return None
+    from kvstack.engine.archs import ARCHITECTURES
+    from kvstack.engine.hf_config import ArchConfig
+
+    if archs[0] not in ARCHITECTURES:
+        return None
+    try:
+        return ArchConfig.from_hf(config)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def model_from_hf_config(config: dict[str, Any], *, name: str = "config.json") -> ModelConfig:
+    """The KV-relevant fields of a Hugging Face ``config.json``.
+
+    An architecture the engine serves (``architectures`` names one of
+    :data:`kvstack.engine.archs.ARCHITECTURES`) is read by the engine's parser
+    (:func:`model_from_arch`): what the engine allocates, MiMo-V2-Flash's and DeepSeek-V3's
+    included. Anything else by the generic reader: sliding layers follow transformers 5,
+    ``layer_types`` when present; else gpt-oss alternates (sliding first), Qwen slides from
+    ``max_window_layers`` on only with ``use_sliding_window``, and any other model with a
+    ``sliding_window`` slides on every layer (Mistral).
     """
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    dtype = dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16"
+    arch = _engine_arch(config, name)
+    if arch is not None:
+        return model_from_arch(arch, name=name, dtype=dtype)
     try:
         layers = int(config["num_hidden_layers"])
         q_heads = int(config["num_attention_heads"])
@@ -77,7 +152,6 @@ def model_from_hf_config(config: dict[str, Any], *, name: str = "config.json") -
         sliding = None
     if sliding == ():
         window = None
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
     return ModelConfig(
         name=name,
         num_layers=layers,
@@ -86,12 +160,28 @@ def model_from_hf_config(config: dict[str, Any], *, name: str = "config.json") -
         head_size=head,
         head_size_v=int(head_v) if head_v else None,
         max_model_len=int(config.get("max_position_embeddings") or 4096),
-        dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16",
+        dtype=dtype,
         sliding_window=int(window) if window is not None else None,
         sliding_layers=sliding,
         has_sinks=config.get("model_type") == "gpt_oss",
         source=str(config.get("model_type", "")),
     )
+
+
+def resolve_arch(text: str) -> ArchConfig | None:
+    """The engine's :class:`ArchConfig` of ``text`` when it is a ``config.json`` (or checkpoint
+    directory) of an architecture the engine serves, else ``None`` (catalogue names, other
+    configs): the facts a :class:`ModelConfig` does not carry (``attn_softcap``)."""
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # resolve_model says why
+    return _engine_arch(config, str(path)) if isinstance(config, dict) else None
 
 
 def resolve_model(text: str) -> ModelConfig:

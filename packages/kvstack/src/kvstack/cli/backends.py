@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstack.cli._args import count_arg
-from kvstack.planning import check_tensor_parallel, resolve_model
+from kvstack.planning import check_tensor_parallel, resolve_arch, resolve_model
 
 if TYPE_CHECKING:
     from kv_backends import AttentionConfig, Platform
@@ -183,6 +184,13 @@ def cmd_backends(args: argparse.Namespace, console: Console) -> int:
                 report.append({"model": model.name, "skipped": str(e), "groups": []})
                 continue
         configs = configs_for_model(model, block_size=args.block_size, tensor_parallel_size=args.tp)
+        arch = resolve_arch(args.model) if named else None
+        if arch is not None and arch.attn_softcap:
+            # a ModelConfig has no softcap; the engine passes its checkpoint's (Gemma-2) to the
+            # selector, so a backend without it is rejected here as there
+            configs = {
+                k: dataclasses.replace(c, softcap=arch.attn_softcap) for k, c in configs.items()
+            }
         groups = []
         for key, config in configs.items():
             rows, chosen, kbs = _group_rows(config, platform)
