@@ -531,7 +531,10 @@ def _plot(path: Path, ratios: list[dict[str, Any]], dev: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--smoke", action="store_true", help="tiny CPU run (eager Flex) to check the script"
+        "--smoke",
+        "--quick",
+        action="store_true",
+        help="tiny CPU run (eager Flex) to check the script",
     )
     p.add_argument("--fa4", action="store_true", help="also try Flex's FlashAttention-4 backend")
     p.add_argument(

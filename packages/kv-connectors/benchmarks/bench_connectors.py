@@ -306,6 +306,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--smoke",
+        "--quick",
         action="store_true",
         help="tiny sizes on the CPU: checks the script, not performance",
     )

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-if "--smoke" in sys.argv:
+if {"--smoke", "--quick"} & set(sys.argv):
     # before the first import of the Triton kernels: the interpreter decides at definition time
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -286,7 +286,7 @@ def _bench_tokens(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for fused_ops.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter, CPU")
+    ap.add_argument("--smoke", "--quick", action="store_true", help="tiny shapes, interpreter, CPU")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if not args.smoke and not torch.cuda.is_available():

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-if "--smoke" in sys.argv:
+if {"--smoke", "--quick"} & set(sys.argv):
     # before the first import of the Triton kernels: the interpreter decides at definition time
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -257,7 +257,10 @@ def main() -> int:
         "--cases", default="*", help="comma-separated fnmatch patterns of case names to run"
     )
     ap.add_argument(
-        "--smoke", action="store_true", help="issue-12 cases, tiny, interpreted on the CPU"
+        "--smoke",
+        "--quick",
+        action="store_true",
+        help="issue-12 cases, tiny, interpreted on the CPU",
     )
     args = ap.parse_args()
     patterns = [p.strip() for p in args.cases.split(",") if p.strip()]
