@@ -63,7 +63,7 @@ from kv_kernels.fused import (
     rotary_embedding,
     silu_and_mul,
 )
-from kv_spec import KVCacheLayout
+from kv_spec import KVCacheLayout, LayoutOrder
 
 HIDDEN, HQ, HK, HEAD, MLP = 4096, 32, 8, 128, 14336
 SMOKE_SHAPE = {"HIDDEN": 64, "HQ": 4, "HK": 2, "HEAD": 16, "MLP": 96}
@@ -226,7 +226,7 @@ def _bench_tokens(
     block = 16
     num_blocks = 2 * (tokens + block - 1) // block + 2
     layout = KVCacheLayout(
-        order="LBNHC", num_layers=1, num_blocks=num_blocks, num_kv_heads=hk, block_size=block,
+        order=LayoutOrder.LBNHC, num_layers=1, num_blocks=num_blocks, num_kv_heads=hk, block_size=block,
         head_size=head, head_size_v=head, dtype="float16" if dtype == torch.float16 else "bfloat16",
     )  # fmt: skip
     kv_view = layer_view(allocate_kv_cache(layout, device), layout, 0)
