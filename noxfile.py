@@ -31,6 +31,7 @@ EXTRA_MODULES = {
         "kv_blocktable.attn_metadata",
         "kv_blocktable._block_ids",
         "kv_blocktable._table_exports",
+        "kv_blocktable._kernel_exports",
     )
 }
 # Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).
