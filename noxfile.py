@@ -32,6 +32,7 @@ EXTRA_MODULES = {
         "kv_blocktable._block_ids",
         "kv_blocktable._table_exports",
         "kv_blocktable._kernel_exports",
+        "kv_blocktable._table_commit",
     )
 }
 # Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).

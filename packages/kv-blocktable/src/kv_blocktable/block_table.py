@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
+from kv_kernels.slot_mapping import compute_slot_mapping
 from kv_spec._checks import check_bool
 
 from kv_blocktable import attn_metadata as _md
@@ -52,6 +52,7 @@ from kv_blocktable._block_ids import (
     plan_single_appends,
     positive_int,
 )
+from kv_blocktable._table_commit import TableCommit
 from kv_blocktable._table_exports import StepExports
 from kv_blocktable.attn_metadata import KeyWindow
 from kv_blocktable.pool import NULL_BLOCK_ID
@@ -67,7 +68,7 @@ _IMPLS = ("auto", "reference", "triton")
 _DecodeViews = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
 
-class BlockTables(StepExports):
+class BlockTables(TableCommit, StepExports):
     """The block tables of one model: one int32 table per KV group, persistent rows.
 
     Args:
@@ -452,70 +453,6 @@ class BlockTables(StepExports):
 
     # -- per step ----------------------------------------------------------------------------
 
-    def commit(self, num_reqs: int) -> None:
-        """Copy rows ``[0, num_reqs)`` of every group to the device (one copy) and expand them to
-        kernel blocks. Call after the step's row changes, before building its metadata."""
-        if (
-            isinstance(num_reqs, bool)
-            or not isinstance(num_reqs, int)
-            or not 0 <= num_reqs <= self.max_num_reqs
-        ):
-            raise ValueError(f"num_reqs={num_reqs!r} must be an int in [0, {self.max_num_reqs}]")
-        n = num_reqs
-        if self._track_rows:
-            self._commit_rows(n)
-        else:
-            self._dev[:n].copy_(self._host[:n], non_blocking=self._pinned)
-            if self._pinned:
-                self._copy_event = torch.cuda.Event()
-                self._copy_event.record()
-            self._expand(slice(0, n), self._dev[:n])
-        self._committed = n
-
-    def _commit_entries(self, n: int) -> None:
-        """Copy the appended host entries of rows ``[0, n)`` (the rest stay pending). Runs before
-        the dirty rows' copy: an entry of a row also marked dirty is copied again with its row,
-        so the host table is what the device gets either way."""
-        pending, limit = self._pending, n * self._col[-1]
-        if max(pending) < limit:
-            todo, self._pending = pending, []
-        else:
-            todo = [i for i in pending if i < limit]
-            self._pending = [i for i in pending if i >= limit]
-        if todo:
-            idx = int64_tensor(todo)
-            self._dev_flat.index_copy_(0, idx, self._host_flat.index_select(0, idx))
-
-    def _commit_rows(self, n: int) -> None:
-        # Host tables: rows outside ``_dirty`` already match the host, so copy only the changed
-        # rows below n (rows at or past n stay marked until a commit covers them).
-        if self._pending:
-            self._commit_entries(n)
-        rows = sorted(r for r in self._dirty if r < n)
-        if not rows:
-            return
-        self._dirty.difference_update(rows)
-        if len(rows) * 4 >= n:  # most of the batch: slices beat gathers
-            self._dev[:n].copy_(self._host[:n])
-            self._expand(slice(0, n), self._dev[:n])
-        else:
-            idx = torch.tensor(rows)
-            committed = self._host[idx]  # [len(rows), sum M_g]
-            self._dev[idx] = committed
-            self._expand(idx, committed)
-
-    def _expand(self, rows: slice | torch.Tensor, committed: torch.Tensor) -> None:
-        """Write the kernel tables' ``rows`` from their committed manager ids ``committed``."""
-        for g, k in enumerate(self.kernel_blocks_per_block):
-            if self._kernel[g] is self._dev:
-                continue  # aliases the committed table
-            manager = committed[:, self._col[g] : self._col[g + 1]]  # [rows, M_g]
-            if k > 1:
-                manager = expand_block_table(
-                    manager, self.block_sizes[g], self.kernel_block_sizes[g], impl=self.impl
-                )  # [rows, M_g * k]
-            self._kernel[g][rows] = manager
-
     def _decode_views(self, num_reqs: int, padded: int) -> _DecodeViews:
         """What a decode step of ``num_reqs`` requests padded to ``padded`` tokens reads and
         writes, made once per size (views of the persistent buffers stay valid): per group the
@@ -532,18 +469,6 @@ class BlockTables(StepExports):
                 tuple(out[:padded] for out in self._slots),
             )
         return got
-
-    def _require_committed(self, num_reqs: int, what: str) -> None:
-        if self._committed is None:
-            raise ValueError(
-                f"{what}: rows changed since the last commit (or none happened); call "
-                "commit(num_reqs) after the step's row changes"
-            )
-        if num_reqs > self._committed:
-            raise ValueError(
-                f"{what}: the batch has {num_reqs} requests but only {self._committed} rows were "
-                f"committed; call commit({num_reqs})"
-            )
 
     def compute_slot_mapping(
         self,

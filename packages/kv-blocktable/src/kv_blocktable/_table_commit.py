@@ -1,0 +1,123 @@
+"""Committing :class:`~kv_blocktable.block_table.BlockTables`' host rows to the device (the
+``torch`` extra): :meth:`~TableCommit.commit` copies rows ``[0, num_reqs)`` of every group in one
+staged copy — on a CPU device only the rows (or, with one unexpanded group, only the appended
+entries) written since the last commit — and expands manager blocks to kernel blocks into each
+group's kernel table; :meth:`~TableCommit._require_committed` is the check the step's metadata
+runs against it. A base class of ``BlockTables``, split out of ``block_table.py`` by job: rows
+are edited there, copied to the device here (a method of a base class costs a call what a method
+of ``BlockTables`` does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kv_kernels.slot_mapping import expand_block_table
+
+from kv_blocktable._block_ids import int64_tensor
+
+__all__ = ["TableCommit"]
+
+
+class TableCommit:
+    """The host → device commit of the tables :class:`BlockTables` keeps."""
+
+    # Set by BlockTables (declared here for the type checker).
+    max_num_reqs: int
+    block_sizes: tuple[int, ...]
+    kernel_block_sizes: tuple[int, ...]
+    impl: str
+    _col: tuple[int, ...]
+    _pinned: bool
+    _host: torch.Tensor
+    _dev: torch.Tensor
+    _host_flat: torch.Tensor
+    _dev_flat: torch.Tensor
+    _kernel: tuple[torch.Tensor, ...]
+    _track_rows: bool
+    _dirty: set[int]
+    _pending: list[int]
+    _copy_event: Any
+    _committed: int | None
+
+    if TYPE_CHECKING:  # BlockTables' own, which the commit reads
+
+        @property
+        def kernel_blocks_per_block(self) -> tuple[int, ...]: ...
+
+    def commit(self, num_reqs: int) -> None:
+        """Copy rows ``[0, num_reqs)`` of every group to the device (one copy) and expand them to
+        kernel blocks. Call after the step's row changes, before building its metadata."""
+        if (
+            isinstance(num_reqs, bool)
+            or not isinstance(num_reqs, int)
+            or not 0 <= num_reqs <= self.max_num_reqs
+        ):
+            raise ValueError(f"num_reqs={num_reqs!r} must be an int in [0, {self.max_num_reqs}]")
+        n = num_reqs
+        if self._track_rows:
+            self._commit_rows(n)
+        else:
+            self._dev[:n].copy_(self._host[:n], non_blocking=self._pinned)
+            if self._pinned:
+                self._copy_event = torch.cuda.Event()
+                self._copy_event.record()
+            self._expand(slice(0, n), self._dev[:n])
+        self._committed = n
+
+    def _commit_entries(self, n: int) -> None:
+        """Copy the appended host entries of rows ``[0, n)`` (the rest stay pending). Runs before
+        the dirty rows' copy: an entry of a row also marked dirty is copied again with its row,
+        so the host table is what the device gets either way."""
+        pending, limit = self._pending, n * self._col[-1]
+        if max(pending) < limit:
+            todo, self._pending = pending, []
+        else:
+            todo = [i for i in pending if i < limit]
+            self._pending = [i for i in pending if i >= limit]
+        if todo:
+            idx = int64_tensor(todo)
+            self._dev_flat.index_copy_(0, idx, self._host_flat.index_select(0, idx))
+
+    def _commit_rows(self, n: int) -> None:
+        # Host tables: rows outside ``_dirty`` already match the host, so copy only the changed
+        # rows below n (rows at or past n stay marked until a commit covers them).
+        if self._pending:
+            self._commit_entries(n)
+        rows = sorted(r for r in self._dirty if r < n)
+        if not rows:
+            return
+        self._dirty.difference_update(rows)
+        if len(rows) * 4 >= n:  # most of the batch: slices beat gathers
+            self._dev[:n].copy_(self._host[:n])
+            self._expand(slice(0, n), self._dev[:n])
+        else:
+            idx = torch.tensor(rows)
+            committed = self._host[idx]  # [len(rows), sum M_g]
+            self._dev[idx] = committed
+            self._expand(idx, committed)
+
+    def _expand(self, rows: slice | torch.Tensor, committed: torch.Tensor) -> None:
+        """Write the kernel tables' ``rows`` from their committed manager ids ``committed``."""
+        for g, k in enumerate(self.kernel_blocks_per_block):
+            if self._kernel[g] is self._dev:
+                continue  # aliases the committed table
+            manager = committed[:, self._col[g] : self._col[g + 1]]  # [rows, M_g]
+            if k > 1:
+                manager = expand_block_table(
+                    manager, self.block_sizes[g], self.kernel_block_sizes[g], impl=self.impl
+                )  # [rows, M_g * k]
+            self._kernel[g][rows] = manager
+
+    def _require_committed(self, num_reqs: int, what: str) -> None:
+        if self._committed is None:
+            raise ValueError(
+                f"{what}: rows changed since the last commit (or none happened); call "
+                "commit(num_reqs) after the step's row changes"
+            )
+        if num_reqs > self._committed:
+            raise ValueError(
+                f"{what}: the batch has {num_reqs} requests but only {self._committed} rows were "
+                f"committed; call commit({num_reqs})"
+            )
