@@ -129,7 +129,7 @@ def test_sdpa_whole_prompt_groups_use_sdpas_own_causal_mask(
     def forced(*args, **kw):  # type: ignore[no-untyped-def]
         return real_mask(*args, **{**kw, "whole_prompts": True})
 
-    monkeypatch.setattr("kv_backends.backends.torch_sdpa.padded_mask", forced)
+    monkeypatch.setattr("kv_backends.backends.torch_sdpa_plan.padded_mask", forced)
     b = _batch()
     with pytest.raises(AssertionError):
         _check(run_backend("TORCH_SDPA", b), b)

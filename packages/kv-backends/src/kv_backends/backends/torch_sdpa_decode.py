@@ -20,8 +20,8 @@ import torch
 
 if TYPE_CHECKING:
     from kv_backends.backends._torch_masks import PaddedMask
-    from kv_backends.backends.torch_sdpa import _StepPlan
     from kv_backends.backends.torch_sdpa_kept import KeptGather
+    from kv_backends.backends.torch_sdpa_plan import _StepPlan
 
 __all__ = ["DecodeRun"]
 

@@ -47,7 +47,7 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kv_backends.backends.torch_sdpa import _StepPlan
+    from kv_backends.backends.torch_sdpa_plan import _StepPlan
 
 __all__ = [
     "CacheLedger",
