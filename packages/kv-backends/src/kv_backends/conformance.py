@@ -226,11 +226,17 @@ def _pairs(c: Case) -> set[tuple[str, object, str, object]]:
 
 def cases_for(name: str, *, gpu: bool = False) -> list[Case]:
     """The cases of backend ``name`` (sampled unless ``KVSTACK_CONFORMANCE=full``)."""
-    product = full_product(name, gpu=gpu)
+    return _sampled(full_product(name, gpu=gpu), name)
+
+
+def _sampled(product: list[Case], tag: str) -> list[Case]:
+    """``product`` sampled: a seeded shuffle (``KVSTACK_CONFORMANCE_SEED``, ``tag``), keeping a
+    case while it covers a pair of options no kept case covers; all of it with
+    ``KVSTACK_CONFORMANCE=full``."""
     if os.environ.get("KVSTACK_CONFORMANCE", "").lower() == "full":
         return product
     seed = os.environ.get("KVSTACK_CONFORMANCE_SEED", "0")
-    rng = random.Random(f"{seed}:{name}")
+    rng = random.Random(f"{seed}:{tag}")
     shuffled = product[:]
     rng.shuffle(shuffled)
     covered: set[tuple[str, object, str, object]] = set()
@@ -288,18 +294,4 @@ def mla_cases_for(name: str, *, gpu: bool = False) -> list[Case]:
     """The MLA cases of backend ``name``, sampled by :func:`cases_for`'s rule (seeded shuffle,
     keep a case while it covers a new (dtype, order) / (dtype, block) / ... pair;
     ``KVSTACK_CONFORMANCE=full`` keeps them all)."""
-    product = mla_product(name, gpu=gpu)
-    if os.environ.get("KVSTACK_CONFORMANCE", "").lower() == "full":
-        return product
-    seed = os.environ.get("KVSTACK_CONFORMANCE_SEED", "0")
-    rng = random.Random(f"{seed}:{name}:mla")
-    shuffled = product[:]
-    rng.shuffle(shuffled)
-    covered: set[tuple[str, object, str, object]] = set()
-    picked = []
-    for c in shuffled:
-        new = _pairs(c) - covered
-        if new:
-            picked.append(c)
-            covered |= new
-    return picked
+    return _sampled(mla_product(name, gpu=gpu), f"{name}:mla")
