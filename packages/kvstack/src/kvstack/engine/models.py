@@ -233,14 +233,7 @@ class MLAAttention(nn.Module):
         ``q . row`` is the decompressed ``q . k`` (``q_nope . W_UK c + q_rope . k_rope``), so
         attention over the rows with V = the rows' first ``rank`` columns, followed by
         :meth:`absorb_out`, is the decompressed attention."""
-        t, heads = x.shape[0], self.num_q_heads
-        if self.q_proj is not None:
-            q = self.q_proj(x)
-        else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None
-            assert self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, heads, self.head_dim)
+        q = self._query(x)  # [T, H, nope + rope]
         latent = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
         c = self.kv_a_layernorm(latent[:, : self.rank])  # [T, rank]
         q_rot, k_rot = q[..., self.nope :], latent[:, None, self.rank :]
@@ -251,6 +244,17 @@ class MLAAttention(nn.Module):
         q_out = torch.cat([q_abs, rotary(q_rot, cos, sin)], dim=-1)
         row = torch.cat([c[:, None, :], rotary(k_rot, cos, sin)], dim=-1)  # [T, 1, rank + rope]
         return q_out, row
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> the per-head queries ``[T, H, nope + rope]``: one projection,
+        or with ``q_lora_rank`` the low-rank down-projection, its norm and the up-projection."""
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None
+            assert self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_q_heads, self.head_dim)
 
     def absorb_out(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention output over latent rows ``[T, H, rank]`` -> per-head values ``[T, H, v]``
@@ -263,13 +267,7 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[T, hidden]`` -> ``q``, ``k`` ``[T, H, nope + rope]``, ``v`` ``[T, H, Dv]``."""
         t, heads = x.shape[0], self.num_q_heads
-        if self.q_proj is not None:
-            q = self.q_proj(x)
-        else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None
-            assert self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, heads, self.head_dim)
+        q = self._query(x)  # [T, H, nope + rope]
         latent = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
         kv = self.kv_b_proj(self.kv_a_layernorm(latent[:, : self.rank]))
         kv = kv.view(t, heads, self.nope + self.v_head_dim)
