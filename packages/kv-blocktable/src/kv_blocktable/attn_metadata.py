@@ -180,19 +180,33 @@ def _decode_step(
     max_s = int(hi)
     if int(lo) < 1 or max_s > _INT32_MAX:  # query_len 1 needs seq_len >= 1
         return None
+    return _pure_decode_inputs(num_reqs, s, padded, max_s)
+
+
+def _pure_decode_inputs(
+    num_reqs: int,
+    seq_lens: torch.Tensor,
+    padded: int,
+    max_seq_len: int,
+    query_lens: torch.Tensor | None = None,
+) -> StepInputs:
+    """A pure-decode step's :class:`StepInputs` (every query length 1): token ``r`` is request
+    ``r``'s only new token, at ``seq_len - 1``, and ``query_start_loc`` is ``0..R``; those
+    ranges depend on ``R`` alone and are made once per ``R`` (read-only, as every StepInputs
+    tensor). ``query_lens``: the step's own ``[R]`` ones, else the shared ones."""
     token_reqs, qsl_i32, ones = _decode_ranges(num_reqs)
     return StepInputs(
         num_reqs=num_reqs,
-        query_lens=ones,
-        seq_lens=s,
+        query_lens=ones if query_lens is None else query_lens,
+        seq_lens=seq_lens,
         query_start_loc=qsl_i32,
-        seq_lens_i32=s.to(torch.int32),
-        positions=s - 1,
+        seq_lens_i32=seq_lens.to(torch.int32),
+        positions=seq_lens - 1,
         token_reqs=token_reqs,
         num_tokens=num_reqs,
         padded_tokens=padded,
         max_query_len=1,
-        max_seq_len=max_s,
+        max_seq_len=max_seq_len,
     )
 
 
@@ -259,24 +273,8 @@ class StepInputs:
                 "the token count; split the step or raise max_num_batched_tokens"
             )
         if max_q == 1 and num_tokens == num_reqs:
-            # Pure decode (every query_len is 1: none is above 1 and they sum to R): token r is
-            # request r's only new token, at seq_len - 1, and query_start_loc is 0..R. Those two
-            # ranges depend on R alone: made once per R (read-only, like every StepInputs
-            # tensor), three ops fewer each decode step.
-            token_reqs, qsl_i32, _ = _decode_ranges(num_reqs)
-            return cls(
-                num_reqs=num_reqs,
-                query_lens=q,
-                seq_lens=s,
-                query_start_loc=qsl_i32,
-                seq_lens_i32=s.to(torch.int32),
-                positions=s - 1,
-                token_reqs=token_reqs,
-                num_tokens=num_tokens,
-                padded_tokens=padded,
-                max_query_len=max_q,
-                max_seq_len=max_s,
-            )
+            # Pure decode (every query_len is 1: none is above 1 and they sum to R)
+            return _pure_decode_inputs(num_reqs, s, padded, max_s, q)
         qsl = int64_tensor(list(accumulate(ql, initial=0)))  # [R + 1]
         first_pos = int64_tensor(first)  # [R]
         token_reqs = torch.repeat_interleave(
