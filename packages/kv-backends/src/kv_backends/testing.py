@@ -192,14 +192,7 @@ def make_paged_batch(
     value = torch.randn(n_kv, num_kv_heads, hv, generator=gen).to(tdt)
     scales = (k_scale, v_scale) if quant == "fp8_per_tensor" else (None, None)
     key, value = _fill(kv_cache, all_slots, key, value, scales, block_size, fill=fill and n_kv > 0)
-    common = CommonAttentionMetadata.from_lists(
-        query_lens=query_lens,
-        seq_lens=seq_lens,
-        block_table=torch.tensor(rows, dtype=torch.int32).reshape(len(seq_lens), width),
-        block_size=kbs,
-        device=device,
-        pad_tokens_to=sum(query_lens) + pad_tokens,
-    )
+    common = _common(query_lens, seq_lens, rows, width, kbs, device, pad_tokens)
     q = torch.randn(sum(query_lens) + pad_tokens, num_q_heads, head_size, generator=gen).to(tdt)
     sinks = torch.randn(num_q_heads, generator=gen) if has_sinks else None
     slopes = torch.rand(num_q_heads, generator=gen) * 0.5 if use_alibi else None
@@ -263,14 +256,7 @@ def make_latent_batch(
     dev = kv_cache.device
     blk, off = (all_slots // block_size).to(dev), (all_slots % block_size).to(dev)
     kv_cache[blk, :, off, :] = latent.to(dev)
-    common = CommonAttentionMetadata.from_lists(
-        query_lens=query_lens,
-        seq_lens=seq_lens,
-        block_table=torch.tensor(rows, dtype=torch.int32).reshape(len(seq_lens), cols),
-        block_size=kbs,
-        device=device,
-        pad_tokens_to=sum(query_lens) + pad_tokens,
-    )
+    common = _common(query_lens, seq_lens, rows, cols, kbs, device, pad_tokens)
     q = torch.randn(sum(query_lens) + pad_tokens, num_q_heads, width, generator=gen).to(tdt)
     key = latent.to(device)
     return PagedBatch(
@@ -285,6 +271,26 @@ def make_latent_batch(
         all_slots=all_slots.to(device),
         sinks=None,
         alibi_slopes=None,
+    )
+
+
+def _common(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    rows: list[list[int]],
+    width: int,
+    kernel_block_size: int,
+    device: str | torch.device,
+    pad_tokens: int,
+) -> CommonAttentionMetadata:
+    """The batch's metadata: its block-table ``rows`` as ``[num_seqs, width]`` int32."""
+    return CommonAttentionMetadata.from_lists(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_table=torch.tensor(rows, dtype=torch.int32).reshape(len(seq_lens), width),
+        block_size=kernel_block_size,
+        device=device,
+        pad_tokens_to=sum(query_lens) + pad_tokens,
     )
 
 
