@@ -11,6 +11,11 @@ never depends on its neighbours and each op computes batch elements independentl
 bitwise batch invariant (``batch_invariant=True``; see ``_torch_ops`` for why decodes avoid SDPA).
 Off the CPU each request keeps its own call (same padded shapes): cuBLAS picks kernels by batch
 count too, and TORCH_SDPA is not the GPU's fast path.
+
+An impl keeps nothing between calls but facts of its own cache geometry: every forward gathers
+what it reads from the cache as it is at that call, so the reference needs no report of how the
+cache was written. An engine that wants more (kvstack's kept decode gathers) subclasses the impl
+and overrides :meth:`TorchSDPAImpl.decode_gather`.
 """
 
 from __future__ import annotations
@@ -28,8 +33,7 @@ from kv_backends.backends._torch_ops import (
     split_kv_rows,
     write_kv_slots,
 )
-from kv_backends.backends.torch_sdpa_decode import DecodeRun
-from kv_backends.backends.torch_sdpa_kept import KeptGather, cache_ledger, gather_kept
+from kv_backends.backends.torch_sdpa_decode import DecodeRun, KVViews
 from kv_backends.backends.torch_sdpa_mla import attend_latent, latent_rank
 from kv_backends.backends.torch_sdpa_plan import (
     TorchSDPAMetadata,
@@ -63,20 +67,13 @@ class TorchSDPABuilder(MetadataBuilder):
 
 
 class TorchSDPAImpl(AttentionImpl):
-    """Per-layer TORCH_SDPA attention (float32 math, output cast to the query dtype).
-
-    ``keep_decode_gather_bytes=N`` (0, off, by default): on the CPU, each layer keeps its decode
-    step's gathered K/V, when that buffer takes at most ``N`` bytes, and regathers only the rows
-    that changed by the next decode step (a larger step gathers into the shared buffer and the
-    layer keeps nothing). The caller must report cache writes that bypass torch's version
-    counter (raw pointers, NIXL, numpy views) with ``torch.autograd.graph.increment_version``;
-    :mod:`.torch_sdpa_kept` says why.
+    """Per-layer TORCH_SDPA attention (float32 math, output cast to the query dtype). Stateless
+    across calls: each forward reads the cache as it is (see the module docstring).
 
     MLA layers (``config.mla`` over an ``MLAAttentionSpec`` layout) take ``kv_lora_rank``
     (default :func:`~kv_backends.backends.triton_mla.default_kv_lora_rank`) and TRITON_MLA's
     contract: the latent row written once (``value=None``), absorbed queries, output ``[T, Hq,
-    kv_lora_rank]`` (:mod:`.torch_sdpa_mla`). They keep no decode gather (the option is taken and
-    ignored, so an engine passes the same options to every layer).
+    kv_lora_rank]`` (:mod:`.torch_sdpa_mla`).
     """
 
     def __init__(
@@ -84,7 +81,6 @@ class TorchSDPAImpl(AttentionImpl):
         config: AttentionConfig,
         layout: KVCacheLayout,
         *,
-        keep_decode_gather_bytes: int = 0,
         kv_lora_rank: int | None = None,
         **kw: Any,
     ) -> None:
@@ -93,15 +89,6 @@ class TorchSDPAImpl(AttentionImpl):
         self.kv_lora_rank = latent_rank(config, layout, kv_lora_rank)
         if self.kv_lora_rank is not None:
             self.head_size_v = self.kv_lora_rank
-        limit = keep_decode_gather_bytes
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise TypeError(
-                f"TORCH_SDPA keep_decode_gather_bytes={limit!r} must be an int >= 0: the largest "
-                "decode gather (bytes) a layer keeps between steps on the CPU, 0 to keep none"
-            )
-        self.keep_decode_gather_bytes = 0 if self.kv_lora_rank is not None else limit
-        #: this layer's decode gather of its last step, when kept (:mod:`.torch_sdpa_kept`)
-        self.kept_gather: KeptGather | None = None
 
     def _kv_row_offsets(
         self, cache: torch.Tensor, layout: KVCacheLayout
@@ -177,22 +164,34 @@ class TorchSDPAImpl(AttentionImpl):
                 )
             super().do_kv_cache_update(layer, key, None, kv_cache, slot_mapping)
             return
-        if kv_cache.device.type != "cpu":
-            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-            return
-        # With a kept decode gather the ledger sees the write, so the layer's next gather
-        # knows which slots it touched (see torch_sdpa_kept).
-        ledger = cache_ledger(kv_cache) if self.keep_decode_gather_bytes else None
-        if ledger is not None:
-            ledger.sync(kv_cache)
         if not (
-            value is not None
+            kv_cache.device.type == "cpu"
+            and value is not None
             and slot_mapping.numel()
             and write_kv_slots(key, value, kv_cache, slot_mapping, self.layout)
         ):
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if ledger is not None:
-            ledger.wrote(kv_cache, slot_mapping)
+
+    def decode_gather(
+        self,
+        kv_cache: torch.Tensor,
+        row_array: torch.Tensor,
+        plan: _StepPlan,
+        geometry: tuple[object, ...],
+        offsets: tuple[int, torch.Tensor],
+        metadata: AttentionMetadata,
+        run: DecodeRun,
+    ) -> tuple[torch.Tensor, KVViews | None]:
+        """A decode-only step's K/V rows: rows ``plan.kv_index[geometry]`` ``[rows]`` of
+        ``row_array`` (:func:`kv_row_array` of the layer's cache view ``kv_cache``, in kernel
+        blocks, whose :func:`kv_row_offsets` are ``offsets``) in a float32 ``[rows, D]`` buffer
+        of ``run``'s shape, and that buffer's :meth:`DecodeRun.views` where the caller keeps
+        them (``None``: ``run`` makes them). The reference gathers every row into the step's
+        shared buffer. The seam for a subclass that keeps state across steps (kvstack's
+        ``KeptGatherSDPAImpl``); ``plan`` and ``run`` are TORCH_SDPA's internal step types, so
+        such a subclass pins kv-backends' minor version."""
+        index = plan.kv_index[geometry]  # [rows]
+        return torch.index_select(row_array, 0, index, out=run.shared_buffer()), None
 
     def forward(
         self,
@@ -233,21 +232,11 @@ class TorchSDPAImpl(AttentionImpl):
                 )  # fmt: skip
             if out is not None:
                 self.empty_output(q, out)  # checks its shape and dtype
-            row_array = self._row_array(cache, klayout)
-            index = plan.kv_index[geometry]  # [rows]
-            if q.device.type == "cpu" and self.keep_decode_gather_bytes:
-                kept = None  # over the budget, or nothing provable: keep nothing
-                if index.numel() * self.head_size * 4 <= self.keep_decode_gather_bytes:
-                    assert offsets is not None
-                    kept = gather_kept(
-                        self.kept_gather, kv_cache, row_array, index, plan, geometry, offsets,
-                        metadata.slot_mapping, run.new_buffer,
-                    )  # fmt: skip
-                self.kept_gather = kept
-                if kept is not None:
-                    return run.attend(kept.buffer, q, self.scale, out, kept=kept)
-            buffer = torch.index_select(row_array, 0, index, out=run.shared_buffer())
-            return run.attend(buffer, q, self.scale, out)
+            assert offsets is not None  # (kv_rows is not None)
+            buffer, views = self.decode_gather(
+                kv_cache, self._row_array(cache, klayout), plan, geometry, offsets, metadata, run
+            )  # [rows, D]
+            return run.attend(buffer, q, self.scale, out, views)
         gathered, start = None, 0
         if kv_rows is not None:
             # Every group's K/V rows in one index_select (group after group, each group's K
@@ -340,15 +329,3 @@ class TorchSDPABackend(AttentionBackend):
             # kv-kernels' paged_attention reads MLA latents unquantized only
             reasons.append(f"MLA latent with kv_quant {config.kv_quant} not supported (none only)")
         return reasons
-
-    @classmethod
-    def engine_impl_options(
-        cls, *, device: torch.device, kv_cache_bytes: int, num_layers: int
-    ) -> dict[str, Any]:
-        """On the CPU, each layer keeps its decode gather between steps
-        (``keep_decode_gather_bytes``, :mod:`.torch_sdpa_kept`; safe because the engine reports
-        external writes), up to a quarter of the KV cache's bytes over all layers and at least
-        1 MiB a layer: the kept float32 copies must not double the memory the engine planned."""
-        if torch.device(device).type != "cpu":
-            return {}
-        return {"keep_decode_gather_bytes": max(kv_cache_bytes // (4 * max(num_layers, 1)), 2**20)}

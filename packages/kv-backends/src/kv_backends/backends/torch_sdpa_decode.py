@@ -20,10 +20,12 @@ import torch
 
 if TYPE_CHECKING:
     from kv_backends.backends._torch_masks import PaddedMask
-    from kv_backends.backends.torch_sdpa_kept import KeptGather
     from kv_backends.backends.torch_sdpa_plan import _StepPlan
 
-__all__ = ["DecodeRun"]
+__all__ = ["DecodeRun", "KVViews"]
+
+#: per group, the ``[G*H, D, Sb]`` K^T and ``[G*H, Sb, D]`` V views of a gather buffer
+KVViews = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecodeRun:
@@ -31,7 +33,8 @@ class DecodeRun:
     one mask rule (``masks``, one per group, from the plan's :meth:`masks_for`).
 
     A gather buffer ``[rows, D]`` holds each group's K rows then its V rows (the plan's flat row
-    index order): one shared by the step's layers, or a layer's own (``torch_sdpa_kept``);
+    index order): the one shared by the step's layers, or one a subclass's
+    :meth:`~.torch_sdpa.TorchSDPAImpl.decode_gather` returns;
     ``q_dec`` / ``o_dec`` ``[R, Hq, D]`` the queries and outputs in group order,
     ``logits`` one ``[G*H, rep, Sb]`` buffer per group; ``inverse`` ``[R]`` maps each query row
     to its place in group order (the inverse of the plan's ``decode_rows``)."""
@@ -74,9 +77,9 @@ class DecodeRun:
         if start != num_index_rows:
             raise AssertionError(f"decode run covers {start} index rows of {num_index_rows}")
         # per buffer (by id, the buffer kept beside its views): each group's (K^T, V)
-        self._views: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-        # what those views depend on besides the buffer (a layer that keeps its buffer between
-        # steps keeps the views too while this stays the same, see :meth:`views`)
+        self._views: dict[int, tuple[torch.Tensor, KVViews]] = {}
+        # what those views depend on besides the buffer: a caller that keeps a buffer of its own
+        # between steps may keep its views too while this stays the same
         self.view_key = (d, tuple((start, gh, sb) for *_, start, gh, sb in self.groups))
 
     def shared_buffer(self) -> torch.Tensor:
@@ -91,16 +94,9 @@ class DecodeRun:
             self.num_index_rows, self.head_size, dtype=torch.float32, device=self.device
         )
 
-    def views(
-        self, gathered: torch.Tensor, kept: KeptGather | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def views(self, gathered: torch.Tensor) -> KVViews:
         """Per group, the ``[G*H, D, Sb]`` K^T and ``[G*H, Sb, D]`` V views of ``gathered``
-        (made once per buffer per step; with ``kept``, a layer's kept gather of ``gathered``,
-        kept there across steps while :attr:`view_key` stays the same)."""
-        if kept is not None and kept.buffer is not gathered:
-            kept = None  # (views of another buffer)
-        if kept is not None and kept.views is not None and kept.views[0] == self.view_key:
-            return kept.views[1]
+        (made once per buffer per step; they depend on ``gathered`` and :attr:`view_key` only)."""
         made = self._views.get(id(gathered))
         if made is None or made[0] is not gathered:
             d = self.head_size
@@ -111,8 +107,6 @@ class DecodeRun:
                 v = gathered[start + n : start + 2 * n].view(gh, sb, d)
                 kv.append((k.transpose(1, 2), v))
             made = self._views[id(gathered)] = (gathered, kv)
-        if kept is not None:
-            kept.views = (self.view_key, made[1])
         return made[1]
 
     def attend(
@@ -121,15 +115,15 @@ class DecodeRun:
         q: torch.Tensor,
         scale: float,
         out: torch.Tensor | None,
-        kept: KeptGather | None = None,
+        views: KVViews | None = None,
     ) -> torch.Tensor:
         """Attention of ``q`` ``[R, Hq, D]`` (float32, every row a decode query) over the K/V
         rows in ``gathered`` ``[rows, D]`` (the plan's flat row index order, filled by the
         caller); returns ``[R, Hq, D]`` in query row order (``out`` when given, else a new
-        tensor). ``kept``: the layer's kept gather whose buffer ``gathered`` is (:meth:`views`)."""
+        tensor). ``views``: :meth:`views` of ``gathered`` where the caller kept them."""
         torch.index_select(q, 0, self.rows, out=self.q_dec)
         for (additive, qg, logits, o, *_), (kt, v) in zip(
-            self.groups, self.views(gathered, kept), strict=True
+            self.groups, self.views(gathered) if views is None else views, strict=True
         ):
             # scale * (q . k) + (0 or -inf), the softmax in place, then the weighted values:
             # the general path's _attend_explicit on the same shapes, without its temporaries.

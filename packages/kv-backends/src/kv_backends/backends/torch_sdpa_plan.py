@@ -163,8 +163,6 @@ class _StepPlan:
         # per (geometry, mask rule, head size): the decode-only step's buffers and views
         self.decode_runs: dict[tuple[object, ...], DecodeRun] = {}
         self.table_copy: torch.Tensor | None = None  # (an inference-tensor table's, see _step_plan)
-        # per (geometry, previous index, slots): torch_sdpa_kept.refresh_rows's answer
-        self.refreshes: dict[tuple[object, ...], tuple[object, ...]] = {}
 
     def placement(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group ``i``'s (a prefill group's) real padded query rows, as the request and query

@@ -48,6 +48,7 @@ from kv_spec import (
 
 from kvstack.engine.graphs import DecodeGraphs, reason_unsupported
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
+from kvstack.engine.kept_sdpa import EngineImpls
 from kvstack.engine.loader import load_model
 from kvstack.engine.models import CausalLM
 
@@ -355,6 +356,13 @@ class ModelRunner:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
             )
+        # TORCH_SDPA on the CPU keeps each layer's decode gather (kept_sdpa; safe because
+        # note_external_writes reports the writes torch's version counter misses)
+        impls = EngineImpls(
+            device=self.device,
+            kv_cache_bytes=self.kv_cache_config.total_bytes,
+            num_layers=self.arch.num_layers,
+        )
         for i in range(self.arch.num_layers):
             name = self.arch.layer_name(i)
             g = cfg.group_of(name)
@@ -367,16 +375,12 @@ class ModelRunner:
             mla: dict[str, Any] = (
                 {"kv_lora_rank": self.arch.mla_kv_lora_rank} if self.mla_latent else {}
             )
-            impl = sel.backend.make_impl(
+            impl = impls.make_impl(
+                sel.backend,
                 config,
                 layout,
                 scale=self.model.scale,
                 sinks=None if sinks is None else sinks.detach().float(),
-                **sel.backend.engine_impl_options(
-                    device=self.device,
-                    kv_cache_bytes=self.kv_cache_config.total_bytes,
-                    num_layers=self.arch.num_layers,
-                ),
                 **mla,
             )
             view = layer_view(self.kv_caches[g.group_id], layout, slot)
@@ -411,7 +415,8 @@ class ModelRunner:
     def note_external_writes(self) -> None:
         """Report KV written into the caches outside torch's in-place ops (a connector's load
         through NIXL or a socket) by moving their version counters, so no layer reuses a kept
-        gather of the old bytes. Call after such a write, before the next step."""
+        gather of the old bytes (:mod:`kvstack.engine.kept_sdpa`). Call after such a write,
+        before the next step."""
         for storage in self.kv_caches.values():
             for t in [storage] if isinstance(storage, torch.Tensor) else storage:
                 if not t.is_inference():  # (those keep no counter, and nothing is kept)

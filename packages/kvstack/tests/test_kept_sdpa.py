@@ -1,8 +1,9 @@
-"""TORCH_SDPA's kept decode gather (``keep_decode_gather_bytes``): each layer keeps its last decode
-step's gathered K/V and regathers only the rows that changed (new tokens, moved indices). Every
-step's output must equal, bit for bit, a fresh impl's full gather over the same cache; the steps
+"""The engine's kept decode gather (``KeptGatherSDPAImpl``, moved here from kv-backends' TORCH_SDPA,
+which keeps nothing): each layer keeps its last decode step's gathered K/V and regathers only the
+rows that changed (new tokens, moved indices). Every step's output must equal, bit for bit, the
+reference TORCH_SDPA impl's over the same cache, and the kept buffer the full gather; the steps
 below also check that the partial update was taken where it should be, and not taken after a
-write the backend did not make. A planted bug (written slots not refreshed) proves the equality
+write the impl did not make. A planted bug (written slots not refreshed) proves the equality
 check fails on stale rows.
 """
 
@@ -13,20 +14,31 @@ import random
 import pytest
 import torch
 from kv_backends import CommonAttentionMetadata, get_backend
-from kv_backends.backends import torch_sdpa_kept
 from kv_backends.backends.torch_sdpa import TorchSDPAImpl, TorchSDPAMetadata
 from kv_backends.registry import backend_names
 from kv_backends.testing import PagedBatch, make_paged_batch
 from kv_kernels import layer_view
+from kvstack.engine import kept_sdpa
+from kvstack.engine.kept_sdpa import (
+    EngineImpls,
+    KeptGatherSDPAImpl,
+    KeptGatherSteps,
+    kept_gather_budget,
+)
 
 BLOCK = 16
 NUM_BLOCKS = 96
 
 
+def kept_gather(impl: TorchSDPAImpl) -> kept_sdpa.KeptGather | None:
+    assert isinstance(impl, KeptGatherSDPAImpl)
+    return impl.kept_gather
+
+
 class _Run:
     """Two layers (layer views 0 and 1 of one storage, so one shared version counter) stepping
     decode batches: each step writes every layer's new K/V through the impl, then attends, and
-    compares with a fresh impl (no kept gather) on fresh metadata."""
+    compares with the reference impl (which keeps nothing) on fresh metadata."""
 
     def __init__(
         self, seq_lens: list[int], seed: int = 0, inference: bool = False, budget: int = 2**30
@@ -47,9 +59,10 @@ class _Run:
         self.inference = inference
         self.caches = [layer_view(storage, b.layout, i) for i in (0, 1)]  # type: ignore[arg-type]
         self.gen = torch.Generator().manual_seed(seed + 1)
+        self.steps = KeptGatherSteps()  # shared by the layers, as the engine's are
         with torch.inference_mode(inference):
             self.caches[1].copy_(torch.randn(self.caches[1].shape, generator=self.gen))
-        self.impls = [self._impl() for _ in range(2)]
+        self.impls: list[TorchSDPAImpl] = [self._impl() for _ in range(2)]
         bt = b.common.block_table
         self.tables = {
             r: bt[r, : -(-s // BLOCK)].tolist() for r, s in enumerate(seq_lens)
@@ -60,12 +73,10 @@ class _Run:
         random.Random(seed).shuffle(self.free)
         self.partial_steps = 0  # layer-steps that took the partial update
 
-    def _impl(self) -> TorchSDPAImpl:
-        impl = get_backend("TORCH_SDPA").make_impl(
-            self.b.config, self.b.layout, keep_decode_gather_bytes=self.budget
+    def _impl(self) -> KeptGatherSDPAImpl:
+        return KeptGatherSDPAImpl(
+            self.b.config, self.b.layout, keep_decode_gather_bytes=self.budget, steps=self.steps
         )
-        assert isinstance(impl, TorchSDPAImpl)
-        return impl
 
     def _build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         builder = get_backend("TORCH_SDPA").builder_cls(
@@ -104,14 +115,14 @@ class _Run:
             if callable(between):
                 between(cache)
             got = impl.forward(None, q, cache, md)
-            fresh = self._impl()  # nothing kept yet: a full gather
-            want = fresh.forward(None, q, cache, self._build(common))
+            reference = get_backend("TORCH_SDPA").make_impl(self.b.config, self.b.layout)
+            want = reference.forward(None, q, cache, self._build(common))
             assert torch.equal(got, want), f"step of {order}: kept gather differs"
-            kept = impl.kept_gather
-            if kept is not None:
-                assert torch.equal(kept.buffer, fresh.kept_gather.buffer)
+            kept = getattr(impl, "kept_gather", None)
+            if kept is not None:  # the full gather's rows, padding included
+                assert torch.equal(kept.buffer, kept.row_array.index_select(0, kept.index))
         (plan,) = md.plans.values()
-        self.partial_steps += sum(v[2] is not None for v in plan.refreshes.values())
+        self.partial_steps += sum(v[2] is not None for v in self.steps.refreshes(plan).values())
 
 
 def test_consecutive_decode_steps_match_the_full_gather() -> None:
@@ -164,47 +175,50 @@ def test_no_write_since_the_last_gather_regathers_nothing() -> None:
         block_table=[run.tables[r] + [0] * (width - len(run.tables[r])) for r in (0, 1)],
         block_size=BLOCK,
     )
-    impl: TorchSDPAImpl = run.impls[0]  # type: ignore[assignment]
+    impl = run.impls[0]
     q = torch.randn(2, impl.num_q_heads, run.b.config.head_size, generator=run.gen)
     md = run._build(common)
     got = impl.forward(None, q, run.caches[0], md)
-    fresh = run._impl()
-    assert torch.equal(got, fresh.forward(None, q, run.caches[0], run._build(common)))
+    reference = get_backend("TORCH_SDPA").make_impl(run.b.config, run.b.layout)
+    assert torch.equal(got, reference.forward(None, q, run.caches[0], run._build(common)))
     (plan,) = md.plans.values()
-    ((_, _, found),) = plan.refreshes.values()
-    assert found is not None and found[0].numel() == 0
+    ((_, _, found),) = run.steps.refreshes(plan).values()
+    assert isinstance(found, tuple) and found[0].numel() == 0
 
 
 def test_planted_bug_stale_written_rows_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted bug: the refresh ignores the slots this step wrote, so each layer's new tokens
     keep last step's values in the kept buffer. The bitwise check must fail."""
-    real = torch_sdpa_kept.refresh_rows
+    real = kept_sdpa.refresh_rows
 
-    def stale(plan, geometry, offsets, previous, slots):  # type: ignore[no-untyped-def]
-        return real(plan, geometry, offsets, previous, None)
+    def stale(plan, geometry, offsets, previous, slots, known):
+        return real(plan, geometry, offsets, previous, None, known)
 
-    monkeypatch.setattr(torch_sdpa_kept, "refresh_rows", stale)
+    monkeypatch.setattr(kept_sdpa, "refresh_rows", stale)
     run = _Run([14, 30, 40, 47])
     run.step([0, 1, 2, 3])
     with pytest.raises(AssertionError, match="kept gather differs"):
         run.step([0, 1, 2, 3])
 
 
-def test_off_by_default_and_checked() -> None:
-    """Without the option nothing is kept and no ledger is made; a bool or a negative size is a
-    TypeError that names the option."""
+def test_the_reference_keeps_nothing_and_the_budget_is_checked() -> None:
+    """kv-backends' TORCH_SDPA keeps no gather (and takes no option for one) beside a kept
+    layer over the same storage; the kept impl's budget must be an int > 0 (a TypeError that
+    names the option)."""
     run = _Run([14, 30])
     impl = get_backend("TORCH_SDPA").make_impl(run.b.config, run.b.layout)
-    run.impls = [impl, run._impl()]
+    assert isinstance(impl, TorchSDPAImpl)
+    kept = run._impl()
+    run.impls = [impl, kept]
     run.step([0, 1])
     run.step([0, 1])
-    assert impl.kept_gather is None
-    assert run.impls[1].kept_gather is not None
-    for bad in (True, -1, 2.0):
+    assert not hasattr(impl, "kept_gather")
+    assert kept.kept_gather is not None
+    with pytest.raises(TypeError, match="keep_decode_gather_bytes"):
+        get_backend("TORCH_SDPA").make_impl(run.b.config, run.b.layout, keep_decode_gather_bytes=1)
+    for bad in (True, -1, 0, 2.0):
         with pytest.raises(TypeError, match="keep_decode_gather_bytes"):
-            get_backend("TORCH_SDPA").make_impl(
-                run.b.config, run.b.layout, keep_decode_gather_bytes=bad
-            )
+            KeptGatherSDPAImpl(run.b.config, run.b.layout, keep_decode_gather_bytes=bad)  # type: ignore[arg-type]
 
 
 def test_a_gather_over_the_budget_is_not_kept() -> None:
@@ -214,15 +228,15 @@ def test_a_gather_over_the_budget_is_not_kept() -> None:
     # 4 requests take 128 KiB and 2 take 64 KiB, against an 80 KiB budget
     run = _Run([14, 30, 62, 47], budget=80 * 1024)
     run.step([0, 1, 2, 3])
-    assert all(impl.kept_gather is None for impl in run.impls)
+    assert all(kept_gather(impl) is None for impl in run.impls)
     small = _Run([14, 30], budget=80 * 1024)
     small.step([0, 1])
     small.step([0, 1])
-    assert all(impl.kept_gather is not None for impl in small.impls)
+    assert all(kept_gather(impl) is not None for impl in small.impls)
     assert small.partial_steps >= 1
     for _ in range(40):  # request 1 pads to 128 tokens: 96 KiB, over the budget
         small.step([0, 1])
-    assert all(impl.kept_gather is None for impl in small.impls)
+    assert all(kept_gather(impl) is None for impl in small.impls)
 
 
 def test_inference_tensor_cache_gathers_in_full() -> None:
@@ -232,7 +246,7 @@ def test_inference_tensor_cache_gathers_in_full() -> None:
     for _ in range(3):
         run.step([0, 1, 2])
     assert run.partial_steps == 0
-    assert all(impl.kept_gather is None for impl in run.impls)
+    assert all(kept_gather(impl) is None for impl in run.impls)
 
 
 def test_raw_writes_need_increment_version() -> None:
@@ -257,31 +271,35 @@ def test_raw_writes_need_increment_version() -> None:
         run.step([0, 1, 2, 3], between=unreported)
 
 
-def test_engine_options_budget_the_kept_gathers_on_the_cpu_only() -> None:
-    """What an engine that reports external writes passes: a quarter of the cache over the
-    layers, at least 1 MiB a layer, on the CPU; nothing on a GPU. Every registered backend's
-    options are accepted by its own ``make_impl`` (the hook's contract)."""
+def test_the_engine_keeps_gathers_for_torch_sdpa_on_the_cpu_only() -> None:
+    """``EngineImpls``: TORCH_SDPA on the CPU becomes ``KeptGatherSDPAImpl``, budgeted at a
+    quarter of the cache over the layers (at least 1 MiB a layer), all layers sharing one
+    ``KeptGatherSteps``; off the CPU the reference impl itself. Every other registered backend
+    gets its own impl with its own ``engine_impl_options`` (TORCH_SDPA's are none now)."""
+    assert kept_gather_budget(64 * 2**20, 4) == 4 * 2**20
+    assert kept_gather_budget(2**20, 4) == 2**20
+    b = make_paged_batch(query_lens=[1], seq_lens=[5], block_size=BLOCK, num_blocks=8)
     sdpa = get_backend("TORCH_SDPA")
-    cpu = torch.device("cpu")
-    assert sdpa.engine_impl_options(device=cpu, kv_cache_bytes=64 * 2**20, num_layers=4) == {
-        "keep_decode_gather_bytes": 4 * 2**20
-    }
-    assert sdpa.engine_impl_options(device=cpu, kv_cache_bytes=2**20, num_layers=4) == {
-        "keep_decode_gather_bytes": 2**20
-    }
+    cpu = EngineImpls(device="cpu", kv_cache_bytes=64 * 2**20, num_layers=4)
+    impls = [cpu.make_impl(sdpa, b.config, b.layout) for _ in range(2)]
+    assert all(isinstance(i, KeptGatherSDPAImpl) for i in impls)
+    assert [i.keep_decode_gather_bytes for i in impls] == [4 * 2**20] * 2  # type: ignore[attr-defined]
+    assert impls[0].steps is impls[1].steps is cpu.steps  # type: ignore[attr-defined]
+    gpu = EngineImpls(device="cuda", kv_cache_bytes=2**30, num_layers=4)
+    assert type(gpu.make_impl(sdpa, b.config, b.layout)) is TorchSDPAImpl
     assert (
-        sdpa.engine_impl_options(device=torch.device("cuda"), kv_cache_bytes=2**30, num_layers=4)
+        sdpa.engine_impl_options(device=torch.device("cpu"), kv_cache_bytes=2**30, num_layers=2)
         == {}
     )
-    b = make_paged_batch(query_lens=[1], seq_lens=[5], block_size=BLOCK, num_blocks=8)
     served = 0
     for name in backend_names():
         backend = get_backend(name)
-        opts = backend.engine_impl_options(device=cpu, kv_cache_bytes=2**30, num_layers=2)
         if backend.validate(b.config):
             continue  # (cannot serve this layer at all)
         served += 1
-        impl = backend.make_impl(b.config, b.layout, **opts)
+        impl = cpu.make_impl(backend, b.config, b.layout)
+        assert isinstance(impl, backend.impl_cls)
+        opts = backend.engine_impl_options(device=cpu.device, kv_cache_bytes=2**30, num_layers=4)
         for key, value in opts.items():
             assert getattr(impl, key) == value, (name, key)
-    assert served >= 2  # TORCH_SDPA and at least one other backend took their options
+    assert served >= 2  # TORCH_SDPA and at least one other backend
