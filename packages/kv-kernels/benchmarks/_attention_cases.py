@@ -45,6 +45,12 @@ class NewCase:
     nbytes: int
     run: Callable[..., Any]  # run(num_splits=None): None is the launcher's own choice
     flops: int = 0  # MLA: 2 * heads * (576 + 512) per token read (128 heads are compute-bound)
+    #: the tensor ``run()`` writes (MLA: [batch, heads, 512]), to compare a peer's output with
+    out: torch.Tensor | None = None
+    #: MLA at page 64 on a GPU: makes FlashMLA's call over the same cache, block table, lengths,
+    #: query and softmax scale (``flash_mla`` imported when called); its output is [batch, 1,
+    #: heads, 512], the first 512 dims of the latent being V
+    flashmla: Callable[[], Callable[[], Any]] | None = None
 
 
 def _paged(
@@ -159,10 +165,30 @@ def _mla(
             kv_lora_rank=rank, impl="triton", num_splits=num_splits,
         )  # fmt: skip
 
+    def flashmla() -> Callable[[], Any]:
+        """FlashMLA's dense decode over this cache: its paged layout is ``[blocks, 64, 1, 576]``,
+        which is our MLA page ``[blocks, 1, 64, 576]`` with the two unit-free axes swapped (no
+        copy); q ``[batch, 1, heads, 576]``; the same int32 block table and lengths."""
+        import flash_mla
+
+        k_cache = kv.permute(0, 2, 1, 3)
+        q4 = q.unsqueeze(1)
+        meta, _ = flash_mla.get_mla_metadata()
+
+        def fn() -> Any:
+            return flash_mla.flash_mla_with_kvcache(
+                q4, k_cache, table, seq_lens, rank, meta, None, softmax_scale=scale,
+                causal=False,
+            )[0]  # fmt: skip
+
+        return fn
+
     nbytes = batch * ctx * (rank + rope) * kv.element_size()
     flops = 2 * batch * ctx * heads * (2 * rank + rope)
     tag = "mla" if heads_tp == 128 else f"mla_h{heads}"
-    return NewCase(f"{tag}_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run, flops)
+    # FlashMLA serves page 64 only (and bf16 / fp16 on sm_90): the page-16 cases have no peer
+    peer = flashmla if device != "cpu" and block == 64 else None
+    return NewCase(f"{tag}_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run, flops, out, peer)
 
 
 def _diffkv(batch: int, ctx: int, block: int, device: str, gen: torch.Generator) -> NewCase:

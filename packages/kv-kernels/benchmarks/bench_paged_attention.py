@@ -20,10 +20,20 @@ Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block
   this process): per-token-head int8 / fp8 caches (bytes = data + inline scales), MLA absorbed
   decode (DeepSeek-V3: 128 heads over a 512 + 64 latent, page 64, 64 x 4k and 8 x 32k) and
   DiffKV 192/128 without padding.
+- FlashMLA (``deepseek-ai/FlashMLA``'s sm_90 dense decode, when ``flash_mla`` is importable: see
+  ``tools/flashmla/README.md`` for building it on the GPU machine) runs as a peer of the MLA cases
+  at page 64 (128 and 16 heads, 64 x 4k and 8 x 32k) over the same cache (its ``[blocks, 64, 1,
+  576]`` layout is ours with two unit axes swapped), block table, lengths, query and softmax
+  scale. Its output (V = the latent's first 512 dims) is compared with ours (``max_abs_diff``,
+  ``outputs_match``: ``allclose`` at atol = rtol = 1e-2); its records are impl ``flashmla`` (TB/s
+  vs the copy and TFLOP/s), and ours' TFLOP/s records then carry ``"baseline": "flashmla"`` with
+  the ratio and ``flashmla_commit``. Not importable: one line says so and the peer is skipped.
 
 ``--cases PATTERNS`` (comma-separated ``fnmatch`` patterns over case names, e.g. ``'mla*,pth*'``)
-picks cases; ``--smoke`` runs the issue-12 cases at tiny shapes under the Triton interpreter on
-the CPU (checks that the script works; no meaningful numbers). ``--tune`` also sweeps tile configs
+picks cases; ``--only mla`` is ``--cases 'mla*'`` (every MLA case), ``--only flashmla`` the four
+that FlashMLA serves (``'mla*_n64'``); ``--smoke`` (``--quick``) runs the issue-12 cases at tiny
+shapes under the Triton interpreter on the CPU (checks that the script works; no meaningful
+numbers; no FlashMLA). ``--tune`` also sweeps tile configs
 and split counts of our kernel (printing the best) before the main run. Writes
 ``DIR/paged_attention.json`` (list of records, see the repo's benchmark format), ``.md`` and
 ``.png``, and prints one JSON line per record. Times (``_timing.py``): ``ms`` is GPU time from a
@@ -93,31 +103,114 @@ def _measure(
         return None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def flashmla_commit() -> str | None:
+    """FlashMLA's commit when ``flash_mla`` (and its built extension) imports, else ``None`` after
+    one line saying why. The commit is read from the ``COMMIT`` file that
+    ``tools/flashmla/build_on_device.sh`` puts in the package (``"unknown"`` without it)."""
+    try:
+        import flash_mla
+        import flash_mla.cuda  # (the built extension, not only the Python wrapper)
+    except Exception as e:
+        print(
+            f"# flashmla: not importable ({type(e).__name__}: {str(e)[:120]}); skipping the "
+            "FlashMLA peer (tools/flashmla/README.md builds it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    path = os.path.join(os.path.dirname(flash_mla.__file__), "COMMIT")
+    commit = "unknown"
+    if os.path.exists(path):
+        with open(path) as f:
+            first = f.readline().split()
+        commit = first[-1] if first else commit
+    print(f"# flashmla: {flash_mla.__file__} at commit {commit}", file=sys.stderr, flush=True)
+    return commit
+
+
 def run_new_cases(
-    records: list[dict], limit: float, *, smoke: bool, keep: Callable[[str], bool]
+    records: list[dict],
+    limit: float,
+    *,
+    smoke: bool,
+    keep: Callable[[str], bool],
+    flashmla: str | None = None,
 ) -> None:
-    """The issue-12 decode cases, each as TB/s of its stored bytes against the copy limit."""
+    """The issue-12 decode cases, each as TB/s of its stored bytes against the copy limit;
+    ``flashmla`` (FlashMLA's commit, ``None``: not importable) adds FlashMLA beside the MLA cases
+    it serves."""
     device = "cpu" if smoke else "cuda"
     for make in new_cases(device=device, smoke=smoke, keep=keep):
         case = make()
         gluon = ""  # which sm_90 Gluon kernel serves the case, if one does
         if not smoke:
             gluon = next((k for k in ("decode", "mla") if _gluon_served(case.run, k)), "")
-        _run_new_case(records, limit, case, smoke, "triton", case.run, gluon)
+        peer = None
+        if flashmla and case.flashmla is not None and not smoke:
+            peer = _run_flashmla(records, limit, case, flashmla)
+        _run_new_case(records, limit, case, smoke, "triton", case.run, gluon, peer)
         if gluon:
             # the Triton kernel on the same case, in the same process (KV_KERNELS_SM90_*=0)
             _run_new_case(records, limit, case, smoke, "triton_kernel",
-                          triton_kernel_only(case.run), "")  # fmt: skip
+                          triton_kernel_only(case.run), "", peer)  # fmt: skip
         del case
         if not smoke:
             torch.cuda.empty_cache()
 
 
+def _run_flashmla(
+    records: list[dict], limit: float, case: Any, commit: str
+) -> dict[str, Any] | None:
+    """FlashMLA on ``case`` (after our kernel's output is compared with its): its TB/s record
+    against the copy and its TFLOP/s, or an error record. Returns the fields that ours' TFLOP/s
+    record takes as its FlashMLA baseline (``None`` when FlashMLA failed)."""
+    base = {"bench": "paged_attention", "case": case.name, "impl": "flashmla",
+            "flashmla_commit": commit, "bytes": case.nbytes, "smoke": False}  # fmt: skip
+    try:
+        case.run()  # ours, into case.out
+        torch.cuda.synchronize()
+        ours = case.out.clone()
+        fn = case.flashmla()
+        got = fn()  # [batch, 1, heads, 512]
+        torch.cuda.synchronize()
+        got = got.reshape(ours.shape).float()
+        ref = ours.float()
+        diff = (got - ref).abs().max().item()
+        match = bool(torch.allclose(got, ref, atol=1e-2, rtol=1e-2))
+        check = {"max_abs_diff": diff, "ref_abs_max": ref.abs().max().item(),
+                 "outputs_match": match}  # fmt: skip
+        if not match:
+            print(f"# {case.name} flashmla: OUTPUTS DIFFER from ours (max abs diff {diff:.3g})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        del got, ref, ours
+        times = timed(fn)
+    except Exception as e:  # recorded, not fatal
+        rec = {**base, "ms": None, "metric": "TB/s", "value": None, "baseline": "copy",
+               "baseline_value": limit, "ratio": None,
+               "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        return None
+    ms = times["ms"]
+    tbs = case.nbytes / ms / 1e9
+    rec = {**base, **times, "metric": "TB/s", "value": tbs, "baseline": "copy",
+           "baseline_value": limit, "ratio": tbs / limit, "copy_limit": limit, **check}  # fmt: skip
+    tflops = case.flops / ms / 1e9
+    flop_rec = {**rec, "metric": "TFLOP/s", "value": tflops, "baseline": None,
+                "baseline_value": None, "ratio": None}  # fmt: skip
+    for r in (rec, flop_rec):
+        records.append(r)
+        print(json.dumps(r), flush=True)
+    return {"baseline": "flashmla", "baseline_value": tflops, "flashmla_commit": commit,
+            "flashmla_ms": ms, **check}  # fmt: skip
+
+
 def _run_new_case(
     records: list[dict], limit: float, case: Any, smoke: bool, impl: str,
-    run: Callable[[], Any], gluon: str,
+    run: Callable[[], Any], gluon: str, peer: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
-    """One timed record of ``run`` (``case.run`` or its Triton-kernel twin) against the copy."""
+    """One timed record of ``run`` (``case.run`` or its Triton-kernel twin) against the copy;
+    with ``peer`` (``_run_flashmla``'s), its TFLOP/s record is read against FlashMLA's."""
     try:
         run()
         if smoke:
@@ -155,6 +248,8 @@ def _run_new_case(
         # MLA's compute rate beside its bandwidth: at 128 heads the MMA, not HBM, is the roof
         flop_rec = {**rec, "metric": "TFLOP/s", "value": case.flops / ms / 1e9,
                     "baseline": None, "baseline_value": None, "ratio": None}  # fmt: skip
+        if peer:  # FlashMLA on the same case, same process: ours / FlashMLA's TFLOP/s
+            flop_rec.update(peer, ratio=flop_rec["value"] / peer["baseline_value"])
         records.append(flop_rec)
         print(json.dumps(flop_rec), flush=True)
 
@@ -223,6 +318,14 @@ def write_report(records: list[dict], out: str, device: str) -> None:
 
 
 DECODE = [(64, 4096, 16), (64, 4096, 128), (8, 32768, 16), (8, 32768, 128)]
+#: ``--only NAME``: named ``--cases`` patterns
+ONLY = {"mla": "mla*", "flashmla": "mla*_n64"}
+#: the case names that FlashMLA serves (whether to look for it at all)
+_MLA_PEERED = [
+    f"{tag}_decode_b{b}_ctx{c}_n64"
+    for tag in ("mla", "mla_h16")
+    for b, c in ((64, 4096), (8, 32768))
+]
 PREFILL = [(4, 4096, 16), (4, 4096, 128)]
 #: (name suffix, dtype, q_lens of 4k-context sequences): prefill in fp16 as well as bf16, and a
 #: mixed step of 4 chunked prefills (1024 new tokens over 3072 cached) and 32 decodes
@@ -257,13 +360,20 @@ def main() -> int:
         "--cases", default="*", help="comma-separated fnmatch patterns of case names to run"
     )
     ap.add_argument(
+        "--only",
+        choices=sorted(ONLY),
+        help="a named set of cases instead of --cases: mla (every MLA case), flashmla (the MLA "
+        "cases FlashMLA serves: page 64)",
+    )
+    ap.add_argument(
         "--smoke",
         "--quick",
         action="store_true",
         help="issue-12 cases, tiny, interpreted on the CPU",
     )
     args = ap.parse_args()
-    patterns = [p.strip() for p in args.cases.split(",") if p.strip()]
+    cases = ONLY[args.only] if args.only else args.cases
+    patterns = [p.strip() for p in cases.split(",") if p.strip()]
 
     def keep(name: str) -> bool:
         return any(fnmatch.fnmatch(name, p) for p in patterns)
@@ -303,6 +413,8 @@ def main() -> int:
         have_fa4 = True
     except Exception:
         have_fa4 = False
+    # FlashMLA's commit, or None (said in one line): the MLA cases' peer
+    have_flashmla = flashmla_commit() if any(keep(n) for n in _MLA_PEERED) else None
 
     def emit(
         case: str,
@@ -408,7 +520,7 @@ def main() -> int:
                 r[f"{kind}_kernel"] = "gluon_sm90" if gluon else "triton"
         del case, ours, ref
         torch.cuda.empty_cache()
-    run_new_cases(records, limit, smoke=False, keep=keep)
+    run_new_cases(records, limit, smoke=False, keep=keep, flashmla=have_flashmla)
     write_report(records, args.out, torch.cuda.get_device_name())
     return 0
 
