@@ -13,6 +13,12 @@ how many requests' greedy tokens equal padded ``generate``'s (random models have
 padding changes the summation order, so a few may differ late).
 
     python packages/kvstack/benchmarks/bench_engine.py --out docs/benchmarks [--quick] [--device cuda]
+
+With ``--shape llama3-8b`` (a GPU) it measures the engine's step at that model's shape against
+the memory roofline instead (:mod:`_step_bench`; ``--layers N`` to shorten, ``--cases
+64x1024,256x1024``) and writes ``engine_gpu.json`` / ``.md`` (one entry per device)::
+
+    python packages/kvstack/benchmarks/bench_engine.py --out docs/benchmarks --device cuda --shape llama3-8b
 """
 
 from __future__ import annotations
@@ -303,7 +309,19 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=5, help="rounds of timed runs (each peer once a round)"
     )
+    ap.add_argument("--shape", help="a real model's shape (the step benchmark): llama3-8b")
+    ap.add_argument("--layers", type=int, help="with --shape: cut the model to N layers")
+    ap.add_argument(
+        "--cases", default="64x1024,256x1024,64x8192",
+        help="with --shape: BATCHxCONTEXT cases, comma-separated",
+    )  # fmt: skip
+    ap.add_argument("--no-mixed", action="store_true", help="with --shape: skip the mixed load")
     args = ap.parse_args()
+    if args.shape is not None:
+        from _step_report import main_shape
+
+        main_shape(args)
+        return
     global REPEATS
     REPEATS = args.repeats
     n, new = (8, 8) if args.quick else (args.requests, args.new_tokens)

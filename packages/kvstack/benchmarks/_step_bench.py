@@ -1,0 +1,352 @@
+"""The engine's step at a real model's shape against the memory roofline (``bench_engine.py
+--shape``; issue 32's benchmark).
+
+A random-weight checkpoint of the shape is written (weights drawn on the device, saved as
+safetensors under ``/dev/shm`` where it exists), served by :class:`~kvstack.engine.LLMEngine`,
+and measured per case (batch x context):
+
+- **decode**: after every prompt is prefilled, each decode step's wall time with CUDA graphs and
+  then without (the same requests, the same engine: the graphs are set aside for the eager
+  steps). ``roofline_ms`` = (weight bytes read + KV bytes read) / the device-to-device copy
+  bandwidth measured in this process; ``value`` (metric ``roofline_fraction``) = roofline_ms /
+  ms_per_step. A profile of a few steps gives ``gpu_busy_fraction``, ``host_ms_per_step`` and
+  ``syncs_per_step`` (:mod:`_step_trace`).
+- **mixed**: the same decode batch while new requests of the context length arrive (one every
+  ``ARRIVE_EVERY`` steps), their prompts prefilled in chunks beside the decodes. A step's own
+  roofline is max(bytes / copy bandwidth, FLOPs / the dense bf16 matmul peak measured here).
+- **prefill**: the prompts' steps, FLOPs over the measured peak.
+
+Weight bytes count every parameter once a step except the embedding table (only the batch's rows
+are read) and, in mixture-of-experts layers, experts no token picked (the expected number of
+distinct experts for the batch's tokens under uniform routing).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _step_trace import profile_steps
+
+#: Real shapes (transformers ``config.json`` fields; ``num_hidden_layers`` may be cut by
+#: ``--layers``).
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192 + 1024,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    },
+}
+#: A smoke-test shape (``--quick``, CI on the CPU): the code path of the real ones, in seconds.
+SHAPES["llama-tiny"] = {
+    **SHAPES["llama3-8b"],
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+}  # fmt: skip
+NEW_TOKENS = 64
+ARRIVE_EVERY = 4
+BLOCK = 16
+
+
+def random_checkpoint(config: dict[str, Any], path: Path, device: str, seed: int = 0) -> Path:
+    """``config.json`` plus random bf16 weights of the engine's own model for ``config``, drawn on
+    ``device`` (N(0, 0.02); norm gains in [0.5, 1.5])."""
+    import json
+
+    from kvstack.engine.hf_config import ArchConfig
+    from kvstack.engine.models import CausalLM
+    from safetensors.torch import save_file
+
+    arch = ArchConfig.from_hf(config)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in CausalLM(arch).named_parameters()}
+    g = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.rand(shape, generator=g, device=device).add_(0.5)
+        else:
+            t = torch.randn(shape, generator=g, device=device).mul_(0.02)
+        tensors[name] = t.to(torch.bfloat16).cpu()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int = 2**31) -> float:
+    """Device-to-device copy bandwidth, bytes/s counted read + write (the memory roofline)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync(device)
+    best = float("inf")
+    for _ in range(10):
+        t = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    del a, b
+    return 2 * nbytes / best
+
+
+def matmul_peak(device: str, n: int = 8192) -> float:
+    """Dense bf16 matmul FLOP/s measured here (the compute roofline of prefill-heavy steps)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+class Cost:
+    """Bytes and FLOPs of a step of the served model (module docstring's counting rules)."""
+
+    def __init__(self, engine: Any) -> None:
+        model = engine.runner.model
+        arch = model.arch
+        self.arch = arch
+        dense = expert = 0
+        self.embed_row = arch.hidden_size * 2
+        self.num_experts = arch.num_experts
+        self.top_k = arch.num_experts_per_tok
+        for name, p in model.named_parameters():
+            nbytes = p.numel() * p.element_size()
+            if name.endswith("embed_tokens.weight"):
+                if model.lm_head is None:  # tied: the logits read it whole
+                    dense += nbytes
+                continue
+            if ".experts." in name:
+                expert += nbytes
+            else:
+                dense += nbytes
+        self.dense_bytes = dense
+        self.expert_bytes = expert
+        # matmul FLOPs per token: 2 per weight element a token passes through
+        self.dense_flops_per_token = 2 * dense / 2  # bf16: 2 bytes an element
+        cfg = engine.runner.kv_cache_config
+        # per group: bytes a token's K/V takes over the group's layers
+        self.kv_bytes_per_token = [
+            g.spec.real_page_size_bytes // g.spec.block_size * len(g.layer_names)
+            for g in cfg.groups
+        ]
+        self.windows = [getattr(g.spec, "sliding_window", None) for g in cfg.groups]
+        self.attn_flops_per_pair = (
+            2 * arch.num_q_heads * (arch.head_dim + arch.v_head_dim) * arch.num_layers
+        )
+
+    def weights(self, tokens: int) -> float:
+        if not self.num_experts:
+            return self.dense_bytes + tokens * self.embed_row
+        picked = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens)
+        return (
+            self.dense_bytes
+            + self.expert_bytes * picked / self.num_experts
+            + tokens * self.embed_row
+        )
+
+    def step(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
+        """(bytes, FLOPs) of a step computing ``chunks`` = [(start, num_new_tokens)]."""
+        tokens = sum(n for _, n in chunks)
+        kv = 0.0
+        pairs = 0.0
+        for start, n in chunks:
+            end = start + n
+            for per_tok, win in zip(self.kv_bytes_per_token, self.windows, strict=True):
+                kv += per_tok * (min(end, win) if win else end)
+            pairs += n * start + n * (n + 1) / 2  # causal (query, key) pairs
+        flops = self.dense_flops_per_token * tokens + self.attn_flops_per_pair * pairs
+        return self.weights(tokens) + kv, flops
+
+
+def _record_chunks(engine: Any) -> list[list[tuple[int, int]]]:
+    """Wrap the scheduler so every step's chunks are recorded (start, num_new_tokens)."""
+    log: list[list[tuple[int, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def wrapped() -> Any:
+        out = schedule()
+        log.append([(c.start, c.num_new_tokens) for c in out.chunks])
+        return out
+
+    engine.scheduler.schedule = wrapped
+    return log
+
+
+def _timed_steps(engine: Any, n: int) -> list[float]:
+    device = str(engine.runner.device)
+    times = []
+    for _ in range(n):
+        sync(device)
+        t = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _fractions(
+    times: list[float], chunks: list[list[tuple[int, int]]], cost: Cost, bw: float, peak: float
+) -> dict[str, Any]:
+    roof = []
+    for ch in chunks:
+        nbytes, flops = cost.step(ch)
+        roof.append(max(nbytes / bw, flops / peak))
+    ms = statistics.median(times) * 1e3
+    return {
+        "ms_per_step": ms,
+        "roofline_ms": statistics.median(roof) * 1e3,
+        # the whole run's: sum of the steps' rooflines over the sum of their times
+        "value": sum(roof) / sum(times),
+        "steps": len(times),
+    }
+
+
+def run_case(
+    model_dir: Path, batch: int, context: int, device: str, bw: float, peak: float,
+    profile: int = 8, mixed: bool = True,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """decode (graphs, eager), mixed and prefill records for ``batch`` x ``context``."""
+    from kvstack.engine.engine import LLMEngine
+    from kvstack.engine.sampling import SamplingParams
+
+    arrivals = (NEW_TOKENS // ARRIVE_EVERY) if mixed else 0
+    seqs = batch + arrivals
+    max_len = context + 4 * NEW_TOKENS
+    blocks = seqs * math.ceil(max_len / BLOCK) + 64
+    t0 = time.perf_counter()
+    engine = LLMEngine(
+        model_dir, device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, block_size=BLOCK, num_blocks=blocks,
+        max_model_len=max_len, max_num_batched_tokens=8192, max_num_seqs=seqs,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    startup = {"total": time.perf_counter() - t0, **engine.runner.startup_seconds}
+    cost = Cost(engine)
+    log = _record_chunks(engine)
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.runner.arch.vocab_size
+    params = SamplingParams(max_new_tokens=4 * NEW_TOKENS, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(
+            f"r{i}", torch.randint(0, vocab, (context,), generator=g).tolist(), params
+        )
+    base = {"batch": batch, "context": context, "startup_s": startup}
+    out: list[dict[str, Any]] = []
+    # prefill: until every request decodes
+    pre_t: list[float] = []
+    while (
+        any(s.num_computed_tokens < context for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
+        pre_t += _timed_steps(engine, 1)
+    out.append(
+        {**base, "phase": "prefill", **_fractions(pre_t, log[-len(pre_t) :], cost, bw, peak)}
+    )
+    graphs = engine.runner.graphs
+    for phase, on in (("decode_graphs", True), ("decode_eager", False)):
+        if on and graphs is None:
+            continue
+        engine.runner.graphs = graphs if on else None
+        _timed_steps(engine, 2)  # capture / settle
+        t = _timed_steps(engine, NEW_TOKENS // 2)
+        rec = {**base, "phase": phase, **_fractions(t, log[-len(t) :], cost, bw, peak)}
+        rec.update(profile_steps(engine.step, profile, device))
+        rec["replays"] = graphs.num_replays if graphs is not None else 0
+        out.append(rec)
+    engine.runner.graphs = graphs
+    if mixed:
+        times: list[float] = []
+        mixed_chunks: list[list[tuple[int, int]]] = []
+        for j in range(NEW_TOKENS):
+            if j % ARRIVE_EVERY == 0:
+                ids = torch.randint(0, vocab, (context,), generator=g).tolist()
+                engine.add_request(f"a{j}", ids, params)
+            times += _timed_steps(engine, 1)
+            mixed_chunks.append(log[-1])
+        pick = [i for i, ch in enumerate(mixed_chunks) if any(n > 1 for _, n in ch)]
+        rec = {
+            **base,
+            "phase": "mixed",
+            "arrive_every": ARRIVE_EVERY,
+            **_fractions([times[i] for i in pick], [mixed_chunks[i] for i in pick], cost, bw, peak),
+            "all_steps": _fractions(times, mixed_chunks, cost, bw, peak),
+        }
+        out.append(rec)
+    del engine
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_shape(
+    shape: str, layers: int | None, cases: list[tuple[int, int]], device: str, mixed: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    config = dict(SHAPES[shape])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    small = not device.startswith("cuda")
+    bw = copy_bandwidth(device, 2**26 if small else 2**31)
+    peak = matmul_peak(device, 1024 if small else 8192)
+    info = {
+        "shape": shape,
+        "layers": config["num_hidden_layers"],
+        "copy_bytes_per_s": bw,
+        "matmul_flops_per_s": peak,
+    }
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir=shm) as tmp:
+        t = time.perf_counter()
+        model_dir = random_checkpoint(config, Path(tmp) / shape, device)
+        info["checkpoint_write_s"] = time.perf_counter() - t
+        for batch, context in cases:
+            for r in run_case(model_dir, batch, context, device, bw, peak, mixed=mixed):
+                r.update({"metric": "roofline_fraction", "shape": shape, "layers": info["layers"]})
+                print(
+                    {
+                        k: r[k]
+                        for k in (
+                            "phase",
+                            "batch",
+                            "context",
+                            "ms_per_step",
+                            "roofline_ms",
+                            "value",
+                        )
+                    },
+                    flush=True,
+                )
+                records.append(r)
+    return records, info
