@@ -36,7 +36,7 @@ def engine(llama_dir: Path) -> LLMEngine:
 
 def assert_empty(engine: LLMEngine) -> None:
     """No request left anywhere, every block back in the pool (block 0 is the null block)."""
-    assert engine._seqs == {} and engine._row_of == {}
+    assert engine._seqs == {} and engine._rows.row_of == {}
     assert not engine.scheduler.waiting and not engine.scheduler.running
     assert not engine.scheduler.held
     assert engine.kv.num_free_blocks == engine.runner.kv_cache_config.num_blocks - 1

@@ -32,14 +32,16 @@ from typing import Any, TypeAlias
 
 import torch
 from kv_blocktable import KVCacheManager, Request
-from kv_blocktable.block_table import BlockTables, int64_tensor
+from kv_blocktable.block_table import BlockTables
 
 from kvstack.engine._inputs import chat_prompts, check_engine_flags, check_token_ids
+from kvstack.engine._rows import BatchRows
+from kvstack.engine._staging import StepStager
 from kvstack.engine.connector_driver import KVConnectorDriver
 from kvstack.engine.outputs import Completion, EngineStats, TokenEvent
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams, check_keywords, make_generator, sample
-from kvstack.engine.scheduler import FinishReason, Scheduler, SchedulerOutput
+from kvstack.engine.scheduler import FinishReason, Scheduler
 from kvstack.engine.scheduler import Sequence as Seq
 from kvstack.engine.tokenizer import TextTokenizer, missing_tokenizer_reason
 
@@ -126,12 +128,14 @@ class LLMEngine:
             max_model_len=runner.max_model_len,
             max_num_batched_tokens=runner.max_num_batched_tokens,
             device=runner.device,
+            # pinned staging: the tables' copies are asynchronous (a pageable one syncs)
+            pin_memory=runner.device.type == "cuda",
         )
+        self._stager = StepStager(runner.device, runner.max_num_batched_tokens, max_num_seqs)
         if warmup:  # (the kernels a step launches, built now rather than in the first requests)
             runner.warm_kernels(self.tables.kernel_table)
         self.eos_token_ids = frozenset(runner.arch.eos_token_ids)
-        self._rows: list[str | None] = [None] * max_num_seqs  # row -> request id
-        self._row_of: dict[str, int] = {}
+        self._rows = BatchRows(self.tables, max_num_seqs)  # request id <-> block-table row
         self._seqs: dict[str, Seq] = {}
         self.keep_logits = keep_logits
         self.external_loader: Callable[[str, tuple[list[int], ...], int], None] | None = None
@@ -308,7 +312,7 @@ class LLMEngine:
         return dropped
 
     def _forget(self, rid: str) -> None:
-        self._release_row(rid)
+        self._rows.release(rid)
         self._seqs.pop(rid, None)
         self._logits.pop(rid, None)
         self._prompt_text.pop(rid, None)
@@ -326,51 +330,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    # -- rows ----------------------------------------------------------------------------------
-
-    def _release_row(self, rid: str) -> None:
-        row = self._row_of.pop(rid, None)
-        if row is not None:
-            self.tables.clear_row(row)
-            self._rows[row] = None
-
-    def _place(self, rid: str, i: int) -> None:
-        """Put request ``rid``'s row at index ``i`` (swapping out whoever is there)."""
-        cur = self._row_of.get(rid)
-        if cur == i:
-            return
-        other = self._rows[i]
-        if cur is None:  # a new request: free row i, moving its holder to an empty row
-            if other is not None:
-                j = self._rows.index(None)
-                self.tables.swap_rows(i, j)
-                self._rows[j], self._row_of[other] = other, j
-        else:
-            self.tables.swap_rows(cur, i)
-            self._rows[cur] = other
-            if other is not None:
-                self._row_of[other] = cur
-        self._rows[i], self._row_of[rid] = rid, i
-
-    def _prepare_rows(self, out: SchedulerOutput) -> None:
-        for rid in out.preempted:
-            self._release_row(rid)
-        append_rows: list[int] = []
-        append_ids: list[tuple[list[int], ...]] = []
-        row_of = self._row_of
-        for i, chunk in enumerate(out.chunks):
-            rid = chunk.seq.kv.request_id
-            if row_of.get(rid) != i:  # a decode step mostly keeps every request's row
-                self._place(rid, i)
-            if chunk.admitted:
-                self.tables.add_row(i, chunk.new_block_ids)
-            elif any(chunk.new_block_ids):
-                append_rows.append(i)
-                append_ids.append(chunk.new_block_ids)
-        if append_rows:  # the rows that crossed a block boundary, in one scatter
-            self.tables.append_rows(append_rows, append_ids)
-        self.tables.commit(len(out.chunks))
-
     # -- stepping ------------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
@@ -382,11 +341,11 @@ class LLMEngine:
             conn.start_step()
         if not out.chunks:
             for rid in out.preempted:
-                self._release_row(rid)
+                self._rows.release(rid)
             if conn is not None:
                 conn.idle_step()
             return []
-        self._prepare_rows(out)
+        self._rows.prepare(out)
         # One pass over the chunks builds every host list (no per-chunk tensors). The positions
         # come from the tables, which derive them from the same lengths for the metadata.
         qlens: list[int] = []
@@ -409,7 +368,6 @@ class LLMEngine:
                 sampled.append(c.seq)
         metadata = self.tables.build_common_metadata(len(qlens), qlens, seq_lens)
         positions = self.tables.positions  # [T]
-        rows = int64_tensor(sample_rows)
         for c in out.chunks:
             if c.admitted and c.seq.num_external_tokens and c.seq.num_preemptions == 0:
                 assert self.external_loader is not None
@@ -418,9 +376,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         # Trusted: the metadata comes from build_common_metadata (lengths and rows checked on
         # the host) and ids, positions and sample rows from the same chunks.
-        logits = self.runner.execute_trusted(
-            int64_tensor(ids), positions, metadata, rows
-        )  # [R_sampled, vocab]
+        ids_t, rows = self._stager.stage(ids, sample_rows)
+        logits = self.runner.execute_trusted(ids_t, positions, metadata, rows)  # [R_sampled, vocab]
         self._model_s += time.perf_counter() - t1
         if conn is not None and (failed := conn.end_forward()):  # an in-step load failed
             logits, sampled = conn.recompute(failed, out.chunks, logits, sampled)
@@ -433,7 +390,7 @@ class LLMEngine:
             if s.params.stop and s.request_id not in self._text_cut and self._stop_string(s):
                 finished.append(s)
         for s in finished:
-            self._release_row(s.request_id)
+            self._rows.release(s.request_id)
         if conn is not None:
             conn.poll(s.request_id for s in finished)
         self._generated += len(tokens)
