@@ -180,3 +180,20 @@ def test_doc_example_is_a_vector() -> None:
     assert first["token_ids"] == [1, 2, 3, 4]
     assert first["digest"] in doc
     assert "block_hash_vectors.json" in doc
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_decode_appends_hash_as_the_chain(algo: str) -> None:
+    """One token at a time (the decode path: Request -> BlockHasher._hash_next's one-struct
+    message) gives the chain hash_blocks computes, int64 extremes and odd block sizes included."""
+    for bs in (1, 3, 16):
+        h = BlockHasher(bs, algo)
+        tokens = [-(2**63), 2**63 - 1, 0, -1, 7, 2**31, -(2**31) - 1] * 9
+        req = Request("r", tokens[:bs], block_hasher=h)
+        for t in tokens[bs:]:
+            req.append_token_ids(t)
+        assert req.block_hashes == h.hash_blocks(tokens)
+        # A parent of another length (not this hasher's digest) takes the general encoding.
+        parent = b"\x01" * 5
+        want = h.hash_blocks(tokens[: 3 * bs], parent_hash=parent, start_block=2)[0]
+        assert h._hash_next(tokens, parent, 2) == want

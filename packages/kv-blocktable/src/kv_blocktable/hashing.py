@@ -26,7 +26,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from kv_blocktable.request import ExtraKeys
@@ -146,6 +146,17 @@ def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
     raise ValueError(f"hash algo={algo!r} is not supported; choose one of {list(HASH_ALGOS)}")
 
 
+def _hash_ctor(algo: str) -> Callable[[bytes], Any]:
+    """The hash object constructor of ``algo`` (``ctor(message).digest()`` is
+    ``_digest_fn(algo)(message)``); ``_digest_fn`` has already checked ``algo`` and the import."""
+    if algo == "sha256":
+        return hashlib.sha256
+    import xxhash
+
+    ctor: Callable[[bytes], Any] = xxhash.xxh3_128
+    return ctor
+
+
 def encode_block(
     parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: BlockExtraKeys | None = None
 ) -> bytes:
@@ -190,6 +201,13 @@ class BlockHasher:
             raise ValueError(f"BlockHasher.block_size={self.block_size} must be >= 1")
         object.__setattr__(self, "_digest", _digest_fn(self.algo))
         object.__setattr__(self, "_n_prefix", _U32.pack(self.block_size))
+        # _hash_next's message, a decode step's one block, packed by one struct call: the
+        # parent is this hasher's own digest (a fixed size), the tokens one block of int64.
+        # Every field little-endian ("<", no padding): the same bytes as encode_block.
+        size = len(self._digest(b""))  # type: ignore[attr-defined]
+        object.__setattr__(self, "_digest_size", size)
+        object.__setattr__(self, "_new", _hash_ctor(self.algo))
+        object.__setattr__(self, "_pack_next", struct.Struct(f"<B{size}sI{self.block_size}qI").pack)
 
     def hash_blocks(
         self,
@@ -229,19 +247,22 @@ class BlockHasher:
     def _hash_next(self, token_ids: Sequence[int], parent_hash: bytes, block: int) -> bytes:
         """The hash of block ``block >= 1`` alone, without extra keys: ``_hash_blocks``' loop
         body for the one block a decode step completes (a ``Request`` calls it every
-        ``block_size`` tokens; the encoding is the same, held by the request hashing tests)."""
+        ``block_size`` tokens; the encoding is the same, held by the request hashing tests).
+
+        ``parent_hash`` is this hasher's digest of block ``block - 1`` (its size is the
+        digest's, which the one-struct message assumes). Speed: one ``struct`` pack of the
+        whole message and the hash object's own ``digest`` — about half the time of packing the
+        tokens through ``array`` and joining five parts (the sha256 itself is most of the
+        rest)."""
         bs = self.block_size
-        return self._digest(  # type: ignore[attr-defined]
-            b"".join(
-                (
-                    _PARENT_LEN[len(parent_hash)],
-                    parent_hash,
-                    self._n_prefix,  # type: ignore[attr-defined]
-                    _pack_tokens(token_ids[block * bs : (block + 1) * bs]),
-                    _NO_EXTRA,
-                )
+        size = self._digest_size  # type: ignore[attr-defined]
+        if len(parent_hash) != size:  # not this hasher's chain: the general encoding
+            return self._hash_blocks(token_ids[: (block + 1) * bs], None, parent_hash, block)[0]
+        return self._new(  # type: ignore[attr-defined]
+            self._pack_next(  # type: ignore[attr-defined]
+                size, parent_hash, bs, *token_ids[block * bs : (block + 1) * bs], 0
             )
-        )
+        ).digest()
 
     def _hash_blocks(
         self,

@@ -31,7 +31,7 @@ from kv_blocktable._admission import check_count as _check_count
 from kv_blocktable.events import KVEvent
 from kv_blocktable.hashing import BlockHasher
 from kv_blocktable.managers import FullAttentionManager, GroupManager, make_group_manager
-from kv_blocktable.pool import BlockPool
+from kv_blocktable.pool import NULL_BLOCK_ID, BlockPool
 from kv_blocktable.request import Request
 
 __all__ = ["DecodeSlots", "KVCacheBlocks", "KVCacheManager"]
@@ -321,6 +321,12 @@ class KVCacheManager:
         bs, held, cached = m.block_size, m.blocks, m.num_cached
         pool, max_len, caching = self.pool, self._max_len, self.enable_prefix_caching
         count = counts.append
+        # cache_blocks' one-block case inline (what a decode step caches: the block its token
+        # filled), bound once: the two calls per block (cache_blocks, pool._cache_block) were
+        # most of its cost. Events on, or anything unusual, takes cache_blocks itself.
+        one_block = caching and not pool.enable_events
+        ratio, group = m.hash_ratio, m.group_id
+        prefix, block_hash, ref = pool._cache[group], pool._hash, pool._ref
         for i, req in enumerate(requests):
             try:
                 owned = req._kv_owner is self
@@ -361,11 +367,31 @@ class KVCacheManager:
             computed[rid] = done
             count(done)
             if caching:
-                known = len(req.token_ids)
-                if done < known:
-                    known = done
-                if known // bs > cached[rid]:
-                    m.cache_blocks(req, known)
+                # A block fills when both the computed and the known tokens reach its end:
+                # min(len(token_ids), done) // bs > cached, tested without the min and the
+                # division (most steps fill no block: one lookup and one comparison).
+                c = cached[rid]
+                at = (c + 1) * bs
+                if done >= at and len(req.token_ids) >= at:
+                    known = len(req.token_ids)
+                    if done < known:
+                        known = done
+                    full = known // bs
+                    b = blocks[c]
+                    if full == c + 1 and one_block and b != NULL_BLOCK_ID:
+                        h = req._block_hashes[full * ratio - 1]
+                        if h not in prefix and ref[b] and block_hash[b] is None:
+                            # pool._cache_block's success path; its refusals (a hash already
+                            # cached: no-op; a free or cached block: errors) run it.
+                            prefix[h] = b
+                            block_hash[b] = h
+                            pool._group[b] = group
+                            pool._num_cached += 1
+                        else:
+                            pool._cache_block(group, b, h)
+                        cached[rid] = full
+                    else:
+                        m.cache_blocks(req, known)
         return DecodeSlots(len(requests), rows, ids, counts)
 
     def _allocate(
