@@ -56,6 +56,36 @@ SHAPES: dict[str, dict[str, Any]] = {
         "eos_token_id": None,
     },
 }
+#: MiMo-V2-Flash (catalogue: 48 layers, 64 q heads, 4 KV heads on full layers and 8 on sliding
+#: ones, head 192 / V 128, window 128, sinks) with its MoE (256 experts, 8 a token).
+SHAPES["mimo-v2-flash"] = {
+    "architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash",
+    "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 48,
+    "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128,
+    "vocab_size": 152576, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5,
+    "sliding_window": 128, "attention_value_scale": 0.707, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 2048,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "tie_word_embeddings": False,
+    "bos_token_id": None, "eos_token_id": None,
+}  # fmt: skip
+#: DeepSeek-V3 (its config.json: MLA with q_lora 1536 / kv_lora 512 / rope 64, YaRN x40, 3 dense
+#: layers then MoE of 256 routed + 1 shared expert, 8 a token in 4 of 8 groups).
+SHAPES["deepseek-v3"] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "head_dim": 64,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
+    "topk_group": 4, "n_shared_experts": 1, "first_k_dense_replace": 3,
+    "moe_intermediate_size": 2048, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0,
+    },
+    "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,
+}  # fmt: skip
 #: A smoke-test shape (``--quick``, CI on the CPU): the code path of the real ones, in seconds.
 SHAPES["llama-tiny"] = {
     **SHAPES["llama3-8b"],
