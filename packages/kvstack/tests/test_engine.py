@@ -157,8 +157,8 @@ def test_external_loads_are_reported_to_the_kept_decode_gathers(
     """A decode engine serving handed-off requests: request B reuses the block finished request
     A decoded in, at the same row, and its K/V arrive by a raw write (as NIXL's would), which
     torch's version counter does not see. B's first step is decode-only over the same index as
-    A's last, so TORCH_SDPA's kept gather would reuse A's rows unless the engine reports the
-    load (``note_external_writes``). Planted bug: without the report the tokens go wrong."""
+    A's last, so the engine's kept gather (``kept_sdpa``) would reuse A's rows unless the engine
+    reports the load (``note_external_writes``). Planted bug: without the report the tokens go wrong."""
     small = dict(block_size=16, max_model_len=16, num_blocks=2, enable_prefix_caching=False)
     prompts = {"A": [3, 4, 5, 6, 7], "B": [50, 51, 52, 53, 54]}
     want, source_blocks = {}, {}

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kv_backends import CommonAttentionMetadata
 from kv_kernels.testing import plant_wrong_page
 from kvstack.engine import ModelRunner
+from kvstack.engine.kept_sdpa import KeptGatherSDPAImpl
 from kvstack.engine.testing import (
     AttentionCalls,
     GreedyResult,
@@ -203,13 +204,15 @@ def test_cache_sizing(gpt_oss: Path) -> None:
 
 
 def test_kept_decode_gathers_are_bounded_by_the_cache_size(gpt_oss: Path) -> None:
-    """On the CPU every TORCH_SDPA layer may keep a decode gather, and all the layers together
-    keep at most a quarter of the KV cache's bytes (or 1 MiB a layer, for tiny caches), so the
-    kept float32 copies never double the memory the plan promised; a larger cache allows more.
-    FLEX_ATTENTION layers get no such option."""
+    """On the CPU every TORCH_SDPA layer is the engine's ``KeptGatherSDPAImpl`` (kv-backends'
+    reference keeps nothing), and all the layers together keep at most a quarter of the KV
+    cache's bytes (or 1 MiB a layer, for tiny caches), so the kept float32 copies never double
+    the memory the plan promised; a larger cache allows more. FLEX_ATTENTION layers get no such
+    option."""
     budgets = {}
     for blocks in (96, 20_000):
         runner = make(gpt_oss, num_blocks=blocks)
+        assert all(isinstance(b.impl, KeptGatherSDPAImpl) for b in runner.layers)
         layers = runner.arch.num_layers
         limits = [b.impl.keep_decode_gather_bytes for b in runner.layers]  # type: ignore[attr-defined]
         assert len(limits) == layers and all(n > 0 for n in limits)
