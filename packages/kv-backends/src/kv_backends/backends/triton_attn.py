@@ -20,6 +20,8 @@ their inline float32 scales; the layer passes no ``k_scale`` / ``v_scale`` for t
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +37,37 @@ __all__ = ["TritonBackend", "TritonImpl"]
 def _compiles_ahead(device: torch.device) -> bool:
     """Whether kernels build ahead on ``device`` (CUDA; the interpreter compiles nothing)."""
     return device.type == "cuda"
+
+
+def _kernels() -> ModuleType:
+    """``kv_kernels.paged_attention``, imported on first use (importing this module stays
+    cheap) and then read from a module global: an import statement in ``forward`` costs a
+    module-table lookup per call. ``forward`` reads the function off the module each call, so a
+    test that patches ``kv_kernels.paged_attention.paged_attention`` is still what runs."""
+    global _PAGED_ATTENTION_MODULE
+    if _PAGED_ATTENTION_MODULE is None:
+        _PAGED_ATTENTION_MODULE = importlib.import_module("kv_kernels.paged_attention")
+    return _PAGED_ATTENTION_MODULE
+
+
+_PAGED_ATTENTION_MODULE: ModuleType | None = None
+
+#: paged_attention's keyword defaults that an impl's options often equal (None for the rest).
+_DEFAULT_TRUE = frozenset({"causal"})
+_DEFAULT_ZERO = frozenset({"softcap"})
+
+
+def _is_kernel_default(name: str, value: object) -> bool:
+    """Whether ``name=value`` is what ``paged_attention`` does without the argument (its
+    signature's default: ``causal=True``, ``softcap=0.0``, None for every other option
+    an impl passes; ``scale`` and ``impl`` are always given)."""
+    if name in ("scale", "impl"):
+        return False
+    if name in _DEFAULT_TRUE:
+        return value is True
+    if name in _DEFAULT_ZERO:
+        return type(value) is float and value == 0.0
+    return value is None
 
 
 class TritonImpl(AttentionImpl):
@@ -66,6 +99,10 @@ class TritonImpl(AttentionImpl):
             raise ValueError(f"TRITON backend impl={impl!r} must be 'triton' or 'reference'")
         self.num_splits = num_splits
         self.impl = impl
+        # forward's per-device launch arguments (see _launch_kwargs), made on first use.
+        self._launch: dict[torch.device, dict[str, Any]] = {}
+        # The cache is already in kernel blocks (no per-step view), as in most plans.
+        self._whole_blocks = config.kernel_block_size == layout.block_size
 
     def cache_write_impl(self) -> str:
         return self.impl
@@ -104,14 +141,38 @@ class TritonImpl(AttentionImpl):
         *,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        from kv_kernels.paged_attention import paged_attention
-
-        self.check_forward_inputs(q, kv_cache, metadata)
-        result = self.empty_output(q, out)
-        cache, klayout = self.kernel_cache(kv_cache)
-        # float32 on q's device, made once per device (no copies on the step path or in capture).
-        params = self.device_params(q.device)
-        paged_attention(
+        # The host path of every layer's every step, written for it (issue 32: <= 5 us over the
+        # direct kernel call). The checks are check_forward_inputs' and empty_output's, each
+        # tensor attribute read once (q.shape makes a new Size per read); any failing test runs
+        # those methods, which raise the named errors. The kernel's arguments that depend on
+        # the layer and the device alone are one dict per device (_launch_kwargs), not
+        # rebuilt per call.
+        shape = q.shape
+        if (
+            len(shape) != 3
+            or shape[1] != self.num_q_heads
+            or shape[2] != self.head_size
+            or shape[0] < metadata.num_actual_tokens
+            or q.dtype != self._q_dtype
+            or kv_cache.shape != self._cache_shape
+            or kv_cache.dtype != self._cache_dtype
+        ):
+            self.check_forward_inputs(q, kv_cache, metadata)
+        if (
+            out is None
+            or out.shape != (shape[0], self.num_q_heads, self.head_size_v)
+            or out.dtype != q.dtype
+        ):
+            out = self.empty_output(q, out)
+        if self._whole_blocks:
+            cache, klayout = kv_cache, self.layout
+        else:
+            cache, klayout = self.kernel_cache(kv_cache)
+        device = q.device
+        kw = self._launch.get(device) if layer is None else None
+        if kw is None:
+            kw = self._launch_kwargs(layer, q, device)
+        _kernels().paged_attention(
             q,
             cache,
             klayout,
@@ -120,15 +181,34 @@ class TritonImpl(AttentionImpl):
             metadata.query_start_loc,
             metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
-            scale=self.scale,
-            causal=self.causal,
-            num_splits=self.num_splits,
-            out=result,
-            impl=self.impl,
-            error_flag=self._error_flag(q.device),
-            **self._kernel_features(layer, q, params),
+            out=out,
+            **kw,
         )
-        return result
+        return out
+
+    def _launch_kwargs(
+        self, layer: object, q: torch.Tensor, device: torch.device
+    ) -> dict[str, Any]:
+        """The kernel's keyword arguments besides the batch's: the impl's options, the error
+        counter and the layer's features (:meth:`_kernel_features`: float32 tensors on
+        ``device``, made once by :meth:`device_params`). Kept per device for ``layer=None``
+        (what engines pass; the impl's own scales); a layer object may carry its own
+        ``k_scale`` / ``v_scale`` (dynamic quantization), so its dict is made per call."""
+        params = self.device_params(device)
+        every = {
+            "scale": self.scale,
+            "causal": self.causal,
+            "num_splits": self.num_splits,
+            "impl": self.impl,
+            "error_flag": self._error_flag(device),
+            **self._kernel_features(layer, q, params),
+        }
+        # Arguments at paged_attention's defaults are left out (the same call): binding
+        # a dozen keywords costs more than the rest of forward's host work together.
+        kw = {k: v for k, v in every.items() if not _is_kernel_default(k, v)}
+        if layer is None:
+            self._launch[device] = kw
+        return kw
 
     def warmup(
         self,

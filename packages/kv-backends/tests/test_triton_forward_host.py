@@ -1,0 +1,94 @@
+"""TRITON's ``forward`` host path (issue 32: <= 5 us over the direct kernel call): what it hands
+the kernel, checked on the CPU with ``paged_attention`` replaced by a recorder — the same
+arguments as before the fast path (defaults left out mean the same call), a layer's own scales
+still win, and bad inputs still raise check_forward_inputs' / empty_output's named errors."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+from kv_backends import get_backend
+from kv_backends.testing import make_paged_batch
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    import kv_kernels.paged_attention  # noqa: F401  (the package, not its function)
+
+    got: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def record(*args: Any, **kw: Any) -> None:
+        got.append((args, kw))
+
+    monkeypatch.setattr(sys.modules["kv_kernels.paged_attention"], "paged_attention", record)
+    return got
+
+
+def _impl_and_batch(**impl_kw: Any) -> tuple[Any, Any, Any]:
+    b = make_paged_batch(
+        query_lens=[1, 1, 1], seq_lens=[5, 17, 33], num_q_heads=4, num_kv_heads=2, head_size=16
+    )
+    backend = get_backend("TRITON")
+    md = backend.make_builder(b.config, b.layout, device="cpu").build(b.common)
+    return backend.make_impl(b.config, b.layout, device="cpu", **impl_kw), b, md
+
+
+def test_forward_passes_the_batch_and_only_non_default_options(calls: list[Any]) -> None:
+    impl, b, md = _impl_and_batch()
+    out = torch.empty(3, 4, 16, dtype=b.q.dtype)
+    assert impl.forward(None, b.q, b.kv_cache, md, out=out) is out
+    impl.forward(None, b.q, b.kv_cache, md, out=out)  # the per-device dict, reused
+    assert len(calls) == 2
+    args, kw = calls[1]
+    assert args[0] is b.q and args[1] is b.kv_cache and args[2] is b.layout
+    assert args[3] is md.block_table and args[4] is md.seq_lens and args[5] is md.query_start_loc
+    assert args[6] == md.max_query_len
+    assert kw == {"max_seq_len": md.max_seq_len, "out": out, "scale": impl.scale, "impl": "triton"}
+    # Without out: a zeroed [T, Hq, Dv] output of q's dtype, as empty_output makes.
+    res = impl.forward(None, b.q, b.kv_cache, md)
+    assert res.shape == (3, 4, 16) and res.dtype == b.q.dtype and not res.any()
+
+
+def test_options_off_their_defaults_are_passed(calls: list[Any]) -> None:
+    impl, b, md = _impl_and_batch(num_splits=2, check_metadata=True)
+    impl.forward(None, b.q, b.kv_cache, md)
+    _, kw = calls[-1]
+    assert kw["num_splits"] == 2
+    assert kw["error_flag"] is impl.metadata_errors("cpu")
+
+
+def test_a_layer_with_its_own_scales_is_not_cached(calls: list[Any]) -> None:
+    impl, b, md = _impl_and_batch()
+
+    class Layer:
+        k_scale = torch.tensor(0.5)
+        v_scale = torch.tensor(0.25)
+
+    impl.forward(Layer(), b.q, b.kv_cache, md)
+    _, kw = calls[-1]
+    assert float(kw["k_scale"]) == 0.5 and float(kw["v_scale"]) == 0.25
+    impl.forward(None, b.q, b.kv_cache, md)
+    assert "k_scale" not in calls[-1][1] and "v_scale" not in calls[-1][1]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda b, md: (b.q[:, :2], b.kv_cache, md, None), "expected \\[num_tokens, 4, 16\\]"),
+        (lambda b, md: (b.q[:2], b.kv_cache, md, None), "num_actual_tokens=3"),
+        (lambda b, md: (b.q.double(), b.kv_cache, md, None), "this layer computes in"),
+        (lambda b, md: (b.q, b.kv_cache[:1], md, None), "kv_cache has shape"),
+        (lambda b, md: (b.q, b.kv_cache.double(), md, None), "kv_cache has dtype"),
+        (lambda b, md: (b.q, b.kv_cache, md, torch.empty(3, 4, 8)), "out has shape"),
+        (lambda b, md: (b.q, b.kv_cache, md, torch.empty(3, 4, 16).double()), "out has shape"),
+    ],
+)
+def test_bad_inputs_still_name_the_field(calls: list[Any], change: Any, message: str) -> None:
+    impl, b, md = _impl_and_batch()
+    q, kv, md2, out = change(b, md)
+    with pytest.raises(ValueError, match=message):
+        impl.forward(None, q, kv, md2, out=out)
+    assert not calls
