@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kv_kernels._launch import FastLauncher, align_bits, int_class
+
 __all__ = [
     "act_and_mul_triton",
     "norm_config",
@@ -149,12 +151,14 @@ def rms_norm_triton(
     res = residual if residual is not None else x
     hh = h if h is not None else y
     grid = (triton.cdiv(num_rows, cfg.block_r),)
-    _rms_norm_kernel[grid](
+    args = (
         x, res, weight, y, hh,
         num_rows, rows_per_token,
         *_row_strides(x), *_row_strides(res), *_row_strides(y), *_row_strides(hh),
         weight.stride(0) if weight.dim() == 2 else 0,
         float(eps),
+    )  # fmt: skip
+    kwargs = dict(
         D=width,
         BLOCK_D=cfg.block_d,
         BLOCK_R=cfg.block_r,
@@ -163,7 +167,14 @@ def rms_norm_triton(
         WEIGHT_OFFSET=float(weight_offset),
         PER_HEAD_WEIGHT=weight.dim() == 2,
         num_warps=cfg.num_warps,
+    )
+    # (kv_kernels._launch: constexprs, dtypes and alignment, the row count's class, the strides)
+    tensors = (x, res, weight, y, hh)
+    key = (
+        tuple(kwargs.values()), tuple(t.dtype for t in tensors), align_bits(*tensors),
+        int_class(num_rows), args[6:16],
     )  # fmt: skip
+    _NORM(key, grid, args, kwargs)
 
 
 # ---- SiLU / GELU-tanh and mul --------------------------------------------------------------------
@@ -205,10 +216,10 @@ def act_and_mul_triton(x: torch.Tensor, out: torch.Tensor, act: str) -> None:
     # 4 warps for a full 1024-column block of gate + up: 8 elements of each per thread
     num_warps = max(1, min(4, block // 256))
     grid = (num_tokens, triton.cdiv(d, block))
-    _act_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0),
-        D=d, BLOCK=block, ACT=0 if act == "silu" else 1, num_warps=num_warps,
-    )  # fmt: skip
+    args = (x, out, x.stride(0), out.stride(0))
+    kwargs = dict(D=d, BLOCK=block, ACT=0 if act == "silu" else 1, num_warps=num_warps)
+    key = (d, block, kwargs["ACT"], num_warps, x.dtype, out.dtype, align_bits(x, out), args[2:])
+    _ACT(key, grid, args, kwargs)
 
 
 # ---- rotary embedding ----------------------------------------------------------------------------
@@ -352,11 +363,13 @@ def rotary_embedding_triton(
     k_arg = k if k is not None else q
     cfg = rope_config(q.shape[1], 0 if k is None else k.shape[1], block_half, is_neox)
     block_hq, block_hk, num_warps = cfg
-    _rotary_kernel[(num_tokens,)](
+    args = (
         positions, q, k_arg, cos_sin_cache,
         error_flag if error_flag is not None else positions,
         q.shape[1], k_arg.shape[1], cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), k_arg.stride(0), k_arg.stride(1), cos_sin_cache.stride(0),
+    )  # fmt: skip
+    kwargs = dict(
         HALF=half,
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,
@@ -365,7 +378,12 @@ def rotary_embedding_triton(
         HAS_K=k is not None,
         CHECK=error_flag is not None,
         num_warps=num_warps,
+    )
+    tensors = (positions, q, k_arg, cos_sin_cache, args[4])
+    key = (
+        tuple(kwargs.values()), tuple(t.dtype for t in tensors), align_bits(*tensors), args[5:],
     )  # fmt: skip
+    _ROPE(key, (num_tokens,), args, kwargs)
 
 
 # ---- RoPE fused into the cache write -------------------------------------------------------------
@@ -536,12 +554,14 @@ def rope_and_cache_triton(
     cfg = rope_config(q.shape[1], num_kv_heads, block_half, is_neox, all_k=True)
     block_tail = triton.next_power_of_2(max(1, key.shape[2] - rotary_dim))
     block_dv = triton.next_power_of_2(value.shape[2])
-    _rope_and_cache_kernel[(num_tokens,)](
+    args = (
         positions, slot_mapping, q, key, value, cos_sin_cache, kv_cache,
         error_flag if error_flag is not None else slot_mapping,
         q.shape[1], cos_sin_cache.shape[0], num_blocks * block_size,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos_sin_cache.stride(0), *kv_cache.stride(),
+    )  # fmt: skip
+    kwargs = dict(
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_SIZE=block_size,
         HEAD_SIZE=key.shape[2],
@@ -556,4 +576,17 @@ def rope_and_cache_triton(
         IS_NEOX=is_neox,
         CHECK=error_flag is not None,
         num_warps=cfg.num_warps,
+    )
+    err = error_flag if error_flag is not None else slot_mapping
+    tensors = (positions, slot_mapping, q, key, value, cos_sin_cache, kv_cache, err)
+    launch_key = (
+        tuple(kwargs.values()), tuple(t.dtype for t in tensors), align_bits(*tensors), args[8:],
     )  # fmt: skip
+    _ROPE_CACHE(launch_key, (num_tokens,), args, kwargs)
+
+
+#: bound launches of the four kernels (kv_kernels._launch)
+_NORM = FastLauncher(_rms_norm_kernel)
+_ACT = FastLauncher(_act_and_mul_kernel)
+_ROPE = FastLauncher(_rotary_kernel)
+_ROPE_CACHE = FastLauncher(_rope_and_cache_kernel)

@@ -66,6 +66,7 @@ from kv_spec import KVCacheLayout, KVQuantMode
 from triton.language.extra import libdevice
 
 from kv_kernels._common import row_align, triton_interpreting
+from kv_kernels._launch import FastLauncher, align_bits
 from kv_kernels.cache import scale_geometry
 
 __all__ = ["WriteConfig", "launch_config", "reshape_and_cache_triton"]
@@ -448,7 +449,8 @@ def reshape_and_cache_triton(
     v_offset = layout.v_range[0] if layout.v_range is not None else 0
     geometry = scale_geometry(kv_cache, layout)  # (start, head, token stride) bytes, or None
     grid = (triton.cdiv(num_tokens, cfg.block_t), triton.cdiv(num_heads, cfg.block_h))
-    _reshape_and_cache_kernel[grid](
+    err = error_flag if error_flag is not None else slot_mapping
+    args = (
         key,
         value_arg,
         kv_cache,
@@ -464,7 +466,9 @@ def reshape_and_cache_triton(
         0 if k_scale is None or k_scale.numel() == 1 else 1,
         0 if v_scale is None or v_scale.numel() == 1 else 1,
         *(geometry[1:] if geometry is not None else (0, 0)),  # (read with a plane only)
-        error_flag if error_flag is not None else slot_mapping,
+        err,
+    )
+    kwargs = dict(
         NUM_HEADS=num_heads,
         BLOCK_SIZE=block_size,
         HEAD_SIZE=layout.head_size,
@@ -487,3 +491,16 @@ def reshape_and_cache_triton(
         SCALE_PLANE=layout.scale_plane,
         num_warps=cfg.num_warps,
     )
+    # Triton specializes on these (kv_kernels._launch): the constexprs and options, dtypes and
+    # 16-byte alignment of the tensors, the strides and scale strides by value; the token and
+    # slot counts only by width (do_not_specialize: i32 or i64)
+    tensors = (key, value_arg, kv_cache, cache_bytes, slot_mapping, k_scale_arg, v_scale_arg, err)
+    launch_key = (
+        tuple(kwargs.values()), tuple(t.dtype for t in tensors), align_bits(*tensors),
+        args[9:23], num_tokens >> 31, args[8] >> 31,
+    )  # fmt: skip
+    _WRITE(launch_key, grid, args, kwargs)
+
+
+#: the write's bound launches (kv_kernels._launch)
+_WRITE = FastLauncher(_reshape_and_cache_kernel)

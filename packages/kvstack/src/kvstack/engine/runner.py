@@ -28,10 +28,8 @@ from kv_backends import (
     AttentionImpl,
     CommonAttentionMetadata,
     MetadataBuilder,
-    NoBackendError,
     Platform,
     Selection,
-    get_backend,
     prepare_kernel_block_sizes,
     select_backend,
 )
@@ -49,6 +47,7 @@ from kv_spec import (
 from kvstack.engine.graphs import DecodeGraphs, reason_unsupported
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.kept_sdpa import EngineImpls
+from kvstack.engine.kv_format import KVCacheDtype, mla_cache_choice, parse_kv_cache_dtype
 from kvstack.engine.loader import load_model
 from kvstack.engine.models import CausalLM
 
@@ -122,6 +121,9 @@ class ModelRunner:
       ``None`` (default): on where they can run (CUDA, every group's backend capturable, no
       host-synced layer), else off with :attr:`cuda_graphs_reason` saying why; ``True``: on,
       or a ``ValueError`` with the reason; ``False``: off.
+    - ``kv_cache_dtype``: ``"auto"`` (the model dtype), ``"fp8"`` (= ``"fp8_e4m3"``) or
+      ``"fp8_e5m2"``: K/V stored in fp8 with per-tensor scales of 1.0, as vLLM's option
+      (:mod:`kvstack.engine.kv_format`); only backends that declare ``fp8_per_tensor`` serve it.
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class ModelRunner:
         layout_order: LayoutOrder | str = "LBNHC",
         cuda_graphs: bool | None = None,
         allow_long_max_model_len: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} must be None, True or False")
@@ -172,6 +175,8 @@ class ModelRunner:
             raise ValueError(
                 f"give kv_cache_memory={kv_cache_memory} or num_blocks={num_blocks}, not both"
             )
+        #: What the cache holds (``kv_cache_dtype`` resolved)
+        self.kv_cache_dtype: KVCacheDtype = parse_kv_cache_dtype(kv_cache_dtype)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # Tensors report "cuda:N"; compare devices against the same spelling.
@@ -206,7 +211,10 @@ class ModelRunner:
         self.platform = Platform.detect(self.device)
         #: MLA models (DeepSeek-V3): cache one latent row per token, attended absorbed, where a
         #: backend serves MLA here (``mla_cache_reason`` says which, or why K/V are decompressed).
-        self.mla_latent, self.mla_cache_reason = self._mla_cache(block_size, layout_order, backend)
+        self.mla_latent, self.mla_cache_reason = mla_cache_choice(
+            self.arch, self.platform, self.kv_cache_dtype, block_size=block_size,
+            dtype=_TORCH_TO_NAME[self.dtype], layout_order=layout_order, backend=backend,
+        )  # fmt: skip
         self.kv_cache_config: KVCacheConfig = self._plan(
             block_size, kv_cache_memory, num_blocks, layout_order
         )
@@ -264,9 +272,11 @@ class ModelRunner:
         num_blocks: int | None,
         layout_order: LayoutOrder | str,
     ) -> KVCacheConfig:
-        specs = self.arch.kv_specs(
-            block_size=block_size, dtype=_TORCH_TO_NAME[self.dtype], mla_latent=self.mla_latent
-        )
+        specs = self.kv_cache_dtype.specs(
+            self.arch.kv_specs(
+                block_size=block_size, dtype=_TORCH_TO_NAME[self.dtype], mla_latent=self.mla_latent
+            )
+        )  # fp8: one byte an element, scales outside the pages
         kw: dict[str, Any] = dict(
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -288,41 +298,6 @@ class ModelRunner:
                 "give more blocks or a smaller max_model_len"
             )
         return plan_kv_cache(specs, num_blocks * per_block, **kw)
-
-    def _mla_cache(
-        self, block_size: int, layout_order: LayoutOrder | str, backend: str | None
-    ) -> tuple[bool, str | None]:
-        """Whether an MLA model caches its latent (a backend here serves an ``MLAAttentionSpec``
-        group), and why. An explicit ``backend`` that declares no MLA asks for decompressed K/V;
-        one that declares MLA but cannot serve it here raises its reasons."""
-        if not self.arch.is_mla:
-            return False, None
-        if backend is not None and not get_backend(backend).CAPABILITIES.mla:
-            return False, f"K/V decompressed per head (backend={backend!r} serves no MLA)"
-        spec = next(
-            iter(
-                self.arch.kv_specs(
-                    block_size=block_size, dtype=_TORCH_TO_NAME[self.dtype], mla_latent=True
-                ).values()
-            )
-        )
-        config = AttentionConfig.from_spec(
-            spec,
-            num_q_heads=self.arch.num_q_heads,
-            dtype=_TORCH_TO_NAME[self.dtype],
-            layout_order=layout_order,
-        )
-        try:
-            sel = select_backend(config, self.platform, prefer=backend)
-        except NoBackendError as e:
-            if backend is not None:
-                raise
-            first = str(e).splitlines()[1:]
-            return False, (
-                "K/V decompressed per head (no backend serves an MLA latent cache on "
-                f"{self.platform.label}: {'; '.join(x.strip() for x in first)})"
-            )
-        return True, f"one latent row of {spec.head_size} per token, attended absorbed ({sel.name})"
 
     def _attention_config(self, group_id: int, layout_order: LayoutOrder | str) -> AttentionConfig:
         group = self.kv_cache_config.groups[group_id]
@@ -382,6 +357,7 @@ class ModelRunner:
                 scale=self.model.scale,
                 sinks=None if sinks is None else sinks.detach().float(),
                 **mla,
+                **self.kv_cache_dtype.layer_scales(self.device),  # fp8: this layer's K/V scales
             )
             view = layer_view(self.kv_caches[g.group_id], layout, slot)
             self.layers.append(LayerBinding(name, g.group_id, slot, view, impl))
