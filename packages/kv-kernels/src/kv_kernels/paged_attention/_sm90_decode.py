@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
+from kv_kernels._launch import FastLauncher
 from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._sm90_decode_kernel import HEAD, ROWS, TILE_N, sm90_decode_kernel
 from kv_kernels.paged_attention._tiles import pick_num_splits
@@ -162,6 +163,7 @@ def launch_sm90_decode(
     part_out: torch.Tensor,  # [T, Hq, S, 128] f32 (``out`` when S = 1)
     part_lse: torch.Tensor,  # [T, Hq, S] f32
     num_splits: int,
+    key: Any = None,  # the launch's key (paged_attention_triton): a bound launch
 ) -> None:
     """The decode class of a launch over a 1-byte cache on sm_90 (inputs validated by the api;
     eligibility by :func:`sm90_decode_eligible`; the caller merges the splits)."""
@@ -173,7 +175,7 @@ def launch_sm90_decode(
     )
     lse_t = lse if lse is not None else out
     grid = (block_table.shape[0], num_kv_heads, num_splits)
-    sm90_decode_kernel[grid](
+    args = (
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         *(scale_rows[1:] if scale_rows else (kv_cache.stride(1), kv_cache.stride(2))),
@@ -183,11 +185,17 @@ def launch_sm90_decode(
         lse_t, lse_t.stride(0), lse_t.stride(1),
         part_out, part_lse,
         num_q_heads, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
+    )  # fmt: skip
+    kwargs = dict(
         K_START=k_start, V_START=v_start, SCALE_START=scale_rows[0] if scale_rows else 0,
         BLOCK_SIZE=block_size, ROW_ALIGN=row_align,
         GROUP=num_q_heads // num_kv_heads, KV_SCALE=kv_scale_mode, CAUSAL=causal,
         SPLIT=num_splits > 1, WRITE_LSE=lse is not None, NBUF_=NBUF, num_warps=1,
     )  # fmt: skip
+    if key is not None:
+        _FAST(key, grid, args, kwargs)
+    else:
+        sm90_decode_kernel[grid](*args, **kwargs)
 
 
 def aot_case(
@@ -227,3 +235,7 @@ def aot_case(
         pointers=pointers, floats=("qk_scale_log2", "k_scale_val", "v_scale_val"),
         constexprs=constexprs, aligned_strides=aligned,
     )  # fmt: skip
+
+
+#: bound launches (kv_kernels._launch)
+_FAST = FastLauncher(sm90_decode_kernel)

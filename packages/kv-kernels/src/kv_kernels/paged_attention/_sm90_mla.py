@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
+from kv_kernels._launch import FastLauncher
 from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._gluon_compat import barrier
 from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
@@ -332,6 +333,7 @@ def launch_sm90_mla(
     part_out: torch.Tensor,  # [T, Hq, S, 512] f32 (``out`` when S = 1)
     part_lse: torch.Tensor,  # [T, Hq, S] f32
     num_splits: int,
+    key: Any = None,  # the launch's key (paged_attention_triton): a bound launch
 ) -> None:
     """The decode class of an MLA launch on sm_90 (inputs validated by the api; eligibility by
     :func:`sm90_mla_eligible`; the caller merges the splits)."""
@@ -342,7 +344,7 @@ def launch_sm90_mla(
     )
     lse_t = lse if lse is not None else out
     grid = (num_q_heads // ROWS.value, block_table.shape[0], num_splits)
-    sm90_mla_kernel[grid](
+    args = (
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(2),
         block_table, block_table.stride(0), seq_lens, query_start_loc,
@@ -350,9 +352,15 @@ def launch_sm90_mla(
         lse_t, lse_t.stride(0), lse_t.stride(1),
         part_out, part_lse,
         num_q_heads, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
+    )  # fmt: skip
+    kwargs = dict(
         BLOCK_SIZE=block_size, SPLIT=num_splits > 1, WRITE_LSE=lse is not None, NBUF_=NBUF,
         P_WARPS=4, P_REGS_=P_REGS, num_warps=8,
     )  # fmt: skip
+    if key is not None:
+        _FAST(key, grid, args, kwargs)
+    else:
+        sm90_mla_kernel[grid](*args, **kwargs)
 
 
 def aot_case(
@@ -376,3 +384,7 @@ def aot_case(
         sm90_mla_kernel, module=__name__, pointers=pointers, floats=("qk_scale_log2",),
         constexprs=constexprs, aligned_strides=[n for n in strides if n != "stride_lh"],
     )  # fmt: skip
+
+
+#: bound launches (kv_kernels._launch)
+_FAST = FastLauncher(sm90_mla_kernel)

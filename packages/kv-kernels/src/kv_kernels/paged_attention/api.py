@@ -29,6 +29,7 @@ from kv_kernels._common import (
 )
 from kv_kernels._op_calls import paged_attention_op
 from kv_kernels.cache import scale_geometry
+from kv_kernels.paged_attention._fast import Entry, call_key, lookup, remember
 
 __all__ = ["merge_attn_states", "paged_attention"]
 
@@ -317,6 +318,31 @@ def paged_attention(
             alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
             return_lse=return_lse, out=out, impl=impl, error_flag=error_flag,
         )  # fmt: skip
+    fast_key = None
+    if (validate is False or (validate is None and not host_validation_requested())) and (
+        isinstance(q, torch.Tensor) and q.is_cuda and _seq_len_ok(max_seq_len)
+    ):
+        options = (
+            scale, type(scale), causal, type(causal), sliding_window, type(sliding_window),
+            softcap, type(softcap), num_splits, type(num_splits), return_lse, type(return_lse),
+            impl, kv_lora_rank, type(kv_lora_rank), validate,
+        )  # fmt: skip
+        fast_key = call_key(
+            q, kv_cache, layout, block_table, seq_lens, query_start_loc, max_query_len, options,
+            sinks, alibi_slopes, k_scale, v_scale, out, error_flag,
+        )  # fmt: skip
+        entry = lookup(fast_key) if fast_key is not None else None
+        if entry is not None:
+            # validated before with inputs alike in all the checks read (see ._fast)
+            if out is None:
+                shape = (q.shape[0], q.shape[1], entry.head_size_v)
+                out = torch.empty(shape, dtype=q.dtype, device=q.device)
+            return _triton_launcher()(
+                q, kv_cache, block_table=block_table, seq_lens=seq_lens,
+                query_start_loc=query_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
+                k_scale=_as_checked(k_scale), v_scale=_as_checked(v_scale), out=out,
+                max_seq_len=max_seq_len, error_flag=error_flag, plan_slot=entry, **entry.static,
+            )  # fmt: skip
     v_range = _check_layout(layout, kv_lora_rank)
     quantized = _check_tensors(q, kv_cache, layout, block_table, seq_lens, query_start_loc)
     device = q.device
@@ -379,13 +405,48 @@ def paged_attention(
 
         return paged_attention_reference(q, kv_cache, **common)
     _check_triton_heads(head_size, head_size_v, layout.is_mla)
-    from kv_kernels.paged_attention.triton import paged_attention_triton
-
-    return paged_attention_triton(
-        q, kv_cache, **common, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        block_size=block_size, num_splits=num_splits, error_flag=error_flag,
-        v_from_k=layout.is_mla,
+    static = dict(
+        k_range=common["k_range"], v_range=v_range, scale_rows=common["scale_rows"],
+        scale=common["scale"], causal=causal, sliding_window=sliding_window,
+        softcap=common["softcap"], return_lse=return_lse, max_query_len=max_query_len,
+        block_size=block_size, num_splits=num_splits, v_from_k=layout.is_mla,
     )  # fmt: skip
+    entry = Entry(layout, static, head_size_v) if fast_key is not None else None
+    result = _triton_launcher()(
+        q, kv_cache, block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc,
+        sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, out=out,
+        max_seq_len=max_seq_len, error_flag=error_flag, plan_slot=entry, **static,
+    )  # fmt: skip
+    if fast_key is not None and entry is not None:
+        remember(fast_key, entry)
+    return result
+
+
+def _seq_len_ok(max_seq_len: object) -> bool:
+    """``max_seq_len`` as the full path accepts it (the fast path does not check it else)."""
+    return max_seq_len is None or (type(max_seq_len) is int and 0 <= max_seq_len <= _MAX_INT32)
+
+
+def _as_checked(value: ScaleArg) -> ScaleArg:
+    """A dequant scale as :func:`kv_kernels._common.check_scale` returns it (the fast path's
+    key already holds the value or the tensor's shape, dtype and device it checked)."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).to(torch.float32).contiguous()
+    return None if value is None else float(value)
+
+
+_TRITON: Any = None
+
+
+def _triton_launcher() -> Any:
+    """:func:`.triton.paged_attention_triton` (imported on first use: Triton stays unimported
+    for reference-only callers)."""
+    global _TRITON
+    if _TRITON is None:
+        from kv_kernels.paged_attention.triton import paged_attention_triton
+
+        _TRITON = paged_attention_triton
+    return _TRITON
 
 
 def _check_triton_heads(head_size: int, head_size_v: int, mla: bool) -> None:

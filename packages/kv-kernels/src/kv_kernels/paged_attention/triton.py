@@ -18,9 +18,17 @@ from typing import Any
 
 import torch
 
-from kv_kernels._common import row_align, tma_addressable
+from kv_kernels._common import row_align
+from kv_kernels._launch import FastLauncher
 from kv_kernels.paged_attention._aot import AotSpec, aot_specs
 from kv_kernels.paged_attention._kernels import paged_attention_kernel
+from kv_kernels.paged_attention._launch_args import (
+    _inline_scale_args,
+    _reg_cap,
+    _scale_args,
+    _split_buffers,
+    _tma_descriptors,
+)
 from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
 from kv_kernels.paged_attention._tiles import (
     AttentionConfig,
@@ -49,25 +57,6 @@ def _check_runnable(device: torch.device) -> None:
             "kv_kernels.paged_attention.triton was imported without TRITON_INTERPRET=1, so its kernels "
             "cannot run on CPU tensors; set TRITON_INTERPRET=1 before the first import"
         )
-
-
-def _scale_args(
-    k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None, q: torch.Tensor
-) -> tuple[int, tuple[Any, ...]]:
-    """fp8 dequant scales as kernel arguments: ``(mode, (k_ptr, v_ptr, k_stride, v_stride, k_val,
-    v_val))``. Two floats ride as scalars (mode 1); if either is a tensor (per tensor or per kv
-    head) both are read from memory (mode 2; a float partner becomes a 1-element tensor)."""
-    if k_scale is None:
-        return 0, (q, q, 0, 0, 1.0, 1.0)
-    if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
-        ks, vs = (
-            x
-            if isinstance(x, torch.Tensor)
-            else torch.full((1,), float(x), dtype=torch.float32, device=q.device)  # type: ignore[arg-type]
-            for x in (k_scale, v_scale)
-        )
-        return 2, (ks, vs, 0 if ks.numel() == 1 else 1, 0 if vs.numel() == 1 else 1, 1.0, 1.0)
-    return 1, (q, q, 0, 0, float(k_scale), float(v_scale))  # type: ignore[arg-type]
 
 
 def _configs(
@@ -120,31 +109,183 @@ def _constexprs(cfg: AttentionConfig, kind: str, **features: Any) -> dict[str, A
     return kept
 
 
-def _inline_scale_args(
-    kv_cache: torch.Tensor, rows: tuple[int, int, int] | None
-) -> tuple[torch.Tensor, int, int, bool]:
-    """``(kvs, k_idx, v_idx, words)``: the cache seen as float32 words when every stride and the
-    scale offset allow it (one 4-byte load per scale), else as bytes (the scale assembled from
-    its 4 bytes: it may sit at any byte offset). Per-token-head caches are 1-byte dtypes, so
-    element offsets are byte offsets. ``rows``: ``KVCacheLayout.scale_geometry``."""
-    if rows is None:
-        return kv_cache, 0, 0, False
-    scale_start, head_stride, token_stride = rows
-    raw = kv_cache.view(torch.uint8)
-    # the whole storage as bytes, so a float32 view of it covers every layer slot the view spans
-    flat = torch.empty(0, dtype=torch.uint8, device=raw.device).set_(raw.untyped_storage())
-    aligned = (
-        raw.stride(3) == 1
-        and all(st % 4 == 0 for st in (raw.stride(0), head_stride, token_stride))
-        and scale_start % 4 == 0
-        and raw.storage_offset() % 4 == 0
-        and flat.numel() % 4 == 0
+class _Plan:
+    """What a launch decides from its inputs' shapes, strides, dtypes, options and alignments
+    (everything but the tensors' addresses and ``max_seq_len``): configs, the kernels each
+    query-length class runs, constexprs. Kept per validated api call (:mod:`._fast`)."""
+
+    cfg_dec: AttentionConfig
+    cfg_pre: AttentionConfig
+    num_sms: int
+    grid_y_dec: int  # programs along the heads: kv heads x head chunks
+    grid_y_pre: int
+    run_prefill: bool
+    kv_scale_mode: int
+    features: dict[str, Any]  # kernel_constexprs' features, split / scale_words per launch
+    gluon_decode: bool
+    gluon_mla: bool
+    gluon_prefill: bool
+    splits: Any  # the caller's split count, or the heuristic's inputs (see _num_splits)
+
+    def __init__(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+        #: launch keyword arguments by (kind, split, scale words, tma)
+        self.constexprs: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _make_plan(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_range: tuple[int, int],
+    v_range: tuple[int, int],
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+    return_lse: bool,
+    max_query_len: int,
+    block_size: int,
+    num_splits: int | None,
+    error_flag: torch.Tensor | None,
+    scale_rows: tuple[int, int, int] | None,
+    v_from_k: bool,
+) -> _Plan:
+    num_q_heads, head_size = q.shape[1], q.shape[2]
+    num_seqs, num_kv_heads = block_table.shape[0], kv_cache.shape[1]
+    head_size_v = v_range[1] - v_range[0]
+    cfg_dec, cfg_pre, num_sms = _configs(
+        q, kv_cache, head_size_v, block_size, v_from_k, inline_scales=scale_rows is not None
     )
-    if aligned:
-        # word offsets are the byte offsets / 4 (the kernel divides; all are multiples of 4)
-        words = flat.view(torch.float32)[raw.storage_offset() // 4 :]
-        return words, scale_start // 4, scale_start // 4 + 1, True
-    return raw, scale_start, scale_start + 4, False
+    group = num_q_heads // num_kv_heads
+    # (a hand-made config may leave heads_per_program at 0: the whole group, as kernel_constexprs)
+    chunks_dec = -(-group // (cfg_dec.heads_per_program or group))
+    chunks_pre = -(-group // (cfg_pre.heads_per_program or group))
+    run_prefill = max_query_len > cfg_dec.block_q
+    kv_scale_mode = _scale_args(k_scale, v_scale, q)[0] if k_scale is not None else 0
+    if scale_rows is not None:
+        kv_scale_mode = 3
+    features = dict(
+        head_size=head_size,
+        head_size_v=head_size_v,
+        block_size=block_size,
+        group=group,
+        causal=causal,
+        sliding_window=sliding_window is not None,
+        sinks=sinks is not None,
+        softcap=softcap > 0,
+        alibi=alibi_slopes is not None,
+        kv_scale_mode=kv_scale_mode,
+        split=False,  # (set per launch, once the split count is known)
+        write_lse=return_lse,
+        dot_ieee=q.dtype == torch.float32,
+        check=error_flag is not None,
+        v_from_k=v_from_k,
+        scale_words=False,  # (set per launch: see _inline_scale_args)
+        # (scales off the rows' own strides: in each page's plane)
+        scale_plane=scale_rows is not None
+        and scale_rows[1:] != (kv_cache.stride(1), kv_cache.stride(2)),
+        row_align=row_align(kv_cache.stride()[:3]),
+        kv_bytes=kv_cache.element_size(),
+        ptx=type(paged_attention_kernel).__name__ != "InterpretedFunction",
+        k_start=k_range[0],
+        v_start=v_range[0],
+    )
+    if scale_rows is not None:
+        # (whether the scales can be read as words is a property of the cache's storage)
+        features["scale_words"] = _inline_scale_args(kv_cache, scale_rows)[3]
+    # sm_90, fp8 pages, no special features: the decode class runs the Gluon decode kernel (see
+    # _sm90_decode; with KV_KERNELS_SM90_DECODE=0 the Triton kernel does)
+    gluon_decode = _gluon_serves(
+        "decode", q, kv_cache, head_size_v, scale, features, (out, block_table),
+        block_q=cfg_dec.block_q,
+    )  # fmt: skip
+    # sm_90, MLA's 16-bit latent at 64 / 128 heads: the decode class runs the Gluon MLA kernel
+    # (see _sm90_mla; with KV_KERNELS_SM90_MLA=0 the Triton kernel does)
+    gluon_mla = v_from_k and _gluon_serves(
+        "mla", q, kv_cache, head_size_v, scale, features, (out, block_table),
+        block_q=cfg_dec.block_q,
+    )  # fmt: skip
+    # prefill tiles fill the GPU on their own; decode splits KV to fill it (by max_seq_len, per
+    # launch: see _num_splits)
+    splits: Any = num_splits
+    if splits is None:
+        if run_prefill:
+            splits = 1
+        elif gluon_decode:
+            splits = ("decode", num_seqs, num_kv_heads, num_sms)
+        elif gluon_mla:
+            from kv_kernels.paged_attention._sm90_mla import ROWS
+
+            splits = ("mla", num_seqs, num_q_heads // ROWS.value, num_sms)
+        else:
+            splits = ("triton", num_seqs, num_kv_heads * chunks_dec, num_sms, cfg_dec)
+    # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
+    # Gluon kernel (see _sm90_prefill; with KV_KERNELS_SM90_PREFILL=0 the Triton kernel does).
+    # (Its rule reads features["split"]: a prefill launch never splits on its own.)
+    gluon_prefill = (
+        run_prefill
+        and not (isinstance(splits, int) and splits > 1)
+        and _gluon_serves("prefill", q, kv_cache, head_size_v, scale, features, (out, block_table))
+    )
+    return _Plan(
+        cfg_dec=cfg_dec, cfg_pre=cfg_pre, num_sms=num_sms, grid_y_dec=num_kv_heads * chunks_dec,
+        grid_y_pre=num_kv_heads * chunks_pre, run_prefill=run_prefill,
+        kv_scale_mode=kv_scale_mode, features=features, gluon_decode=gluon_decode,
+        gluon_mla=gluon_mla, gluon_prefill=gluon_prefill, splits=splits,
+    )  # fmt: skip
+
+
+def _num_splits(
+    splits: Any, block_table: torch.Tensor, block_size: int, max_seq_len: int | None
+) -> int:
+    """The KV split count of a launch: the caller's, or the heuristic of the decode kernel that
+    serves it over ``max_seq_len`` (the only input a plan does not fix)."""
+    if isinstance(splits, int):
+        return splits
+    bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
+    kind, num_seqs, heads, num_sms = splits[:4]
+    if kind == "decode":
+        from kv_kernels.paged_attention._sm90_decode import pick_decode_splits
+
+        return pick_decode_splits(
+            num_seqs=num_seqs, num_kv_heads=heads, max_seq_len=bound, num_sms=num_sms
+        )
+    if kind == "mla":
+        from kv_kernels.paged_attention._sm90_mla import pick_mla_splits
+
+        return pick_mla_splits(
+            num_seqs=num_seqs, head_blocks=heads, max_seq_len=bound, num_sms=num_sms
+        )
+    cfg = splits[4]
+    return pick_num_splits(
+        num_seqs=num_seqs, num_kv_heads=heads, max_seq_len=bound, tile_n=cfg.tile_n,
+        num_sms=num_sms, waves=cfg.waves, programs_per_sm=cfg.programs_per_sm,
+    )  # fmt: skip
+
+
+def _plan_constexprs(plan: _Plan, kind: str, split: bool, words: bool, tma: bool) -> dict[str, Any]:
+    """The keyword arguments (constexprs and options) of one Triton launch of ``plan``."""
+    key = (kind, split, words, tma)
+    kept = plan.constexprs.get(key)
+    if kept is None:
+        cfg = plan.cfg_dec if kind == "decode" else plan.cfg_pre
+        features = dict(plan.features, split=split, scale_words=words)
+        extra = {"tma": tma} if kind == "prefill" else {}
+        kept = dict(
+            _constexprs(cfg, kind, **extra, **features),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **_reg_cap(cfg),
+        )
+        plan.constexprs[key] = kept
+    return kept
 
 
 def paged_attention_triton(
@@ -174,178 +315,114 @@ def paged_attention_triton(
     # per-token-head scales, inline or in a plane: KVCacheLayout.scale_geometry (bytes)
     scale_rows: tuple[int, int, int] | None = None,
     v_from_k: bool = False,  # MLA: V is the first head_size_v columns of K (one latent)
+    plan_slot: Any = None,  # the api's validated call (._fast.Entry): keeps the plan, binds launches
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the unified kernel (and the split merge); inputs validated by the api."""
     _check_runnable(q.device)
-    num_tokens, num_q_heads, head_size = q.shape
-    num_blocks, num_kv_heads = kv_cache.shape[0], kv_cache.shape[1]
-    head_size_v = v_range[1] - v_range[0]
+    num_tokens, num_q_heads = q.shape[0], q.shape[1]
     lse: torch.Tensor | None = None
     if return_lse:
         lse = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
     num_seqs = block_table.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return (out, lse) if lse is not None else out
-    cfg_dec, cfg_pre, num_sms = _configs(
-        q,
-        kv_cache,
-        head_size_v,
-        block_size,
-        v_from_k,
-        inline_scales=scale_rows is not None,
-    )
-    group = num_q_heads // num_kv_heads
-    # (a hand-made config may leave heads_per_program at 0: the whole group, as kernel_constexprs)
-    chunks_dec = -(-group // (cfg_dec.heads_per_program or group))
-    chunks_pre = -(-group // (cfg_pre.heads_per_program or group))
-    run_prefill = max_query_len > cfg_dec.block_q
-    kv_scale_mode, scale_args = _scale_args(k_scale, v_scale, q)
-    kvs, ks_idx, vs_idx, scale_words = _inline_scale_args(kv_cache, scale_rows)
-    if scale_rows is not None:
-        kv_scale_mode = 3
+    plan = plan_slot.plan if plan_slot is not None else None
+    if plan is None:
+        plan = _make_plan(
+            q, kv_cache, k_range, v_range, block_table, out, scale, causal, sliding_window,
+            sinks, softcap, alibi_slopes, k_scale, v_scale, return_lse, max_query_len, block_size,
+            num_splits, error_flag, scale_rows, v_from_k,
+        )  # fmt: skip
+        if plan_slot is not None:
+            plan_slot.plan = plan
+    splits = _num_splits(plan.splits, block_table, block_size, max_seq_len)
+    split = splits > 1
+    part_out, part_lse = _split_buffers(out, splits, pow2(v_range[1] - v_range[0]))
+    _, scale_args = _scale_args(k_scale, v_scale, q)
+    kvs, ks_idx, vs_idx, words = _inline_scale_args(kv_cache, scale_rows)
     lse_t = lse if lse is not None else out
-    features = dict(
-        head_size=head_size,
-        head_size_v=head_size_v,
-        block_size=block_size,
-        group=num_q_heads // num_kv_heads,
-        causal=causal,
-        sliding_window=sliding_window is not None,
-        sinks=sinks is not None,
-        softcap=softcap > 0,
-        alibi=alibi_slopes is not None,
-        kv_scale_mode=kv_scale_mode,
-        split=False,  # (set below, once the split count is known)
-        write_lse=return_lse,
-        dot_ieee=q.dtype == torch.float32,
-        check=error_flag is not None,
-        v_from_k=v_from_k,
-        scale_words=scale_words,
-        # (scales off the rows' own strides: in each page's plane)
-        scale_plane=scale_rows is not None
-        and scale_rows[1:] != (kv_cache.stride(1), kv_cache.stride(2)),
-        row_align=row_align(kv_cache.stride()[:3]),
-        kv_bytes=kv_cache.element_size(),
-        ptx=type(paged_attention_kernel).__name__ != "InterpretedFunction",
-        k_start=k_range[0],
-        v_start=v_range[0],
+    # the launch key: the plan's, the split count and the scale view (its address too)
+    launch_key = (
+        None if plan_slot is None else (plan_slot.serial, splits, words, kvs.data_ptr() & 15)
     )
-    # sm_90, fp8 pages, no special features: the decode class runs the Gluon decode kernel (see
-    # _sm90_decode; with KV_KERNELS_SM90_DECODE=0 the Triton kernel does)
-    gluon_decode = _gluon_serves(
-        "decode", q, kv_cache, head_size_v, scale, features, (out, block_table),
-        block_q=cfg_dec.block_q,
-    )  # fmt: skip
-    # sm_90, MLA's 16-bit latent at 64 / 128 heads: the decode class runs the Gluon MLA kernel
-    # (see _sm90_mla; with KV_KERNELS_SM90_MLA=0 the Triton kernel does)
-    gluon_mla = v_from_k and _gluon_serves(
-        "mla", q, kv_cache, head_size_v, scale, features, (out, block_table),
-        block_q=cfg_dec.block_q,
-    )  # fmt: skip
-    if num_splits is None:
-        # prefill tiles fill the GPU on their own; decode splits KV to fill it
-        bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
-        if run_prefill:
-            num_splits = 1
-        elif gluon_decode:
-            from kv_kernels.paged_attention._sm90_decode import pick_decode_splits
+    if plan.gluon_decode:
+        from kv_kernels.paged_attention._sm90_decode import launch_sm90_decode
 
-            num_splits = pick_decode_splits(
-                num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_seq_len=bound, num_sms=num_sms
-            )
-        elif gluon_mla:
-            from kv_kernels.paged_attention._sm90_mla import ROWS, pick_mla_splits
+        launch_sm90_decode(
+            q, kv_cache, k_start=k_range[0], v_start=v_range[0], block_table=block_table,
+            seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale, causal=causal,
+            block_size=block_size, kv_scale_mode=plan.kv_scale_mode, scale_args=scale_args,
+            scale_rows=scale_rows, row_align=plan.features["row_align"], out=out, lse=lse,
+            part_out=part_out, part_lse=part_lse, num_splits=splits, key=launch_key,
+        )  # fmt: skip
+    elif plan.gluon_mla:
+        from kv_kernels.paged_attention._sm90_mla import launch_sm90_mla
 
-            num_splits = pick_mla_splits(
-                num_seqs=num_seqs,
-                head_blocks=num_q_heads // ROWS.value,
-                max_seq_len=bound,
-                num_sms=num_sms,
-            )
-        else:
-            num_splits = pick_num_splits(
-                num_seqs=num_seqs, num_kv_heads=num_kv_heads * chunks_dec, max_seq_len=bound,
-                tile_n=cfg_dec.tile_n, num_sms=num_sms, waves=cfg_dec.waves,
-                programs_per_sm=cfg_dec.programs_per_sm,
-            )  # fmt: skip
-    split = num_splits > 1
-    features["split"] = split
-    dv_pad = pow2(head_size_v)
-    part_out, part_lse = _split_buffers(out, num_splits, dv_pad)
-    # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
-    # Gluon kernel (see _sm90_prefill; with KV_KERNELS_SM90_PREFILL=0 the Triton kernel does)
-    gluon_prefill = run_prefill and _gluon_serves(
-        "prefill", q, kv_cache, head_size_v, scale, features, (out, block_table)
-    )
+        launch_sm90_mla(
+            q, kv_cache, block_table=block_table, seq_lens=seq_lens,
+            query_start_loc=query_start_loc, scale=scale, block_size=block_size, out=out,
+            lse=lse, part_out=part_out, part_lse=part_lse, num_splits=splits, key=launch_key,
+        )  # fmt: skip
     descs = None
-    if run_prefill and not gluon_prefill:
-        descs = _tma_descriptors(kv_cache, k_range, v_range, cfg_pre)
+    if plan.run_prefill and not plan.gluon_prefill:
+        descs = _tma_descriptors(kv_cache, k_range, v_range, plan.cfg_pre)
     head_args = (q, *q.stride(), kv_cache, *kv_cache.stride(), kvs)
     args = (
         block_table, *block_table.stride(), seq_lens, query_start_loc,
         sinks if sinks is not None else q, alibi_slopes if alibi_slopes is not None else q,
         *scale_args, out, *out.stride(), lse_t, lse_t.stride(0), lse_t.stride(1),
         part_out, part_lse, error_flag if error_flag is not None else seq_lens,
-        num_seqs, num_q_heads, num_blocks, block_table.shape[1],
+        num_seqs, num_q_heads, kv_cache.shape[0], block_table.shape[1],
         ks_idx, vs_idx, *(scale_rows[1:] if scale_rows else (0, 0)),
         scale, float(softcap), int(sliding_window or 0),
     )  # fmt: skip
-    # decode class: q_len in [1, block_q(decode)], one program per sequence
-    if gluon_decode:
-        from kv_kernels.paged_attention._sm90_decode import launch_sm90_decode
-
-        launch_sm90_decode(
-            q, kv_cache, k_start=k_range[0], v_start=v_range[0], block_table=block_table,
-            seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale, causal=causal,
-            block_size=block_size, kv_scale_mode=kv_scale_mode, scale_args=scale_args,
-            scale_rows=scale_rows, row_align=features["row_align"], out=out, lse=lse,
-            part_out=part_out, part_lse=part_lse, num_splits=num_splits,
-        )  # fmt: skip
-    elif gluon_mla:
-        from kv_kernels.paged_attention._sm90_mla import launch_sm90_mla
-
-        launch_sm90_mla(
-            q, kv_cache, block_table=block_table, seq_lens=seq_lens,
-            query_start_loc=query_start_loc, scale=scale, block_size=block_size, out=out,
-            lse=lse, part_out=part_out, part_lse=part_lse, num_splits=num_splits,
-        )  # fmt: skip
-    else:
-        paged_attention_kernel[(num_seqs, num_kv_heads * chunks_dec, num_splits)](
-            *head_args,
-            q,  # no TMA descriptors in decode: its tiles are gathered
-            q,
-            *args,
-            1,
-            cfg_dec.block_q,
-            **_constexprs(cfg_dec, "decode", **features),
-            num_warps=cfg_dec.num_warps,
-            num_stages=cfg_dec.num_stages,
-            **_reg_cap(cfg_dec),
+    if not (plan.gluon_decode or plan.gluon_mla):
+        # decode class: q_len in [1, block_q(decode)], one program per sequence
+        # (no TMA descriptors in decode: its tiles are gathered)
+        _launch_attention(
+            launch_key and ("decode", launch_key),
+            (num_seqs, plan.grid_y_dec, splits),
+            (*head_args, q, q, *args, 1, plan.cfg_dec.block_q),
+            _plan_constexprs(plan, "decode", split, words, False),
         )
-    if gluon_prefill:
+    if plan.gluon_prefill:
         from kv_kernels.paged_attention._sm90_prefill import launch_sm90_prefill
 
         launch_sm90_prefill(
             q, kv_cache, k_start=k_range[0], v_start=v_range[0], block_table=block_table,
             seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale, causal=causal,
-            block_size=block_size, out=out, lse=lse, q_len_min=cfg_dec.block_q + 1,
+            block_size=block_size, out=out, lse=lse, q_len_min=plan.cfg_dec.block_q + 1,
         )  # fmt: skip
-    elif run_prefill:
-        grid_q = num_tokens // cfg_pre.block_q + num_seqs
-        paged_attention_kernel[(grid_q, num_kv_heads * chunks_pre, num_splits)](
-            *head_args,
-            *(descs or (q, q)),
-            *args,
-            cfg_dec.block_q + 1,
-            2**31 - 1,
-            **_constexprs(cfg_pre, "prefill", tma=descs is not None, **features),
-            num_warps=cfg_pre.num_warps,
-            num_stages=cfg_pre.num_stages,
-            **_reg_cap(cfg_pre),
+    elif plan.run_prefill:
+        grid_q = num_tokens // plan.cfg_pre.block_q + num_seqs
+        _launch_attention(
+            # (TMA descriptors: the plain launch, which specializes on them)
+            launch_key and descs is None and ("prefill", launch_key),
+            (grid_q, plan.grid_y_pre, splits),
+            (*head_args, *(descs or (q, q)), *args, plan.cfg_dec.block_q + 1, 2**31 - 1),
+            _plan_constexprs(plan, "prefill", split, words, descs is not None),
         )
     if split:
-        _merge_splits(part_out, part_lse, out, lse_t, sinks, query_start_loc, return_lse)
+        _merge_splits(
+            part_out, part_lse, out, lse_t, sinks, query_start_loc, return_lse,
+            key=launch_key,
+        )  # fmt: skip
     return (out, lse) if lse is not None else out
+
+
+#: the unified kernel's and the merge's bound launches (kv_kernels._launch)
+_ATTENTION = FastLauncher(paged_attention_kernel)
+_MERGE = FastLauncher(merge_splits_kernel)
+
+
+def _launch_attention(
+    key: Any, grid: tuple[int, int, int], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """One launch of the unified kernel: bound under ``key``, else the plain way."""
+    if key:
+        _ATTENTION(key, grid, args, kwargs)
+    else:
+        paged_attention_kernel[grid](*args, **kwargs)
 
 
 def _gluon_serves(
@@ -395,49 +472,6 @@ def _gluon_serves(
     )
 
 
-def _tma_descriptors(
-    kv_cache: torch.Tensor, k_range: tuple[int, int], v_range: tuple[int, int], cfg: AttentionConfig
-) -> tuple[Any, Any] | None:
-    """TMA descriptors of K and V over the layer viewed as ``[B, N, H, C]`` (boxes of one tile of
-    one head) when ``cfg.tma`` and the copy engine can address the cache: unit column stride,
-    16-byte aligned strides and bases. ``None`` otherwise: the kernel gathers by pointers (same
-    results, bit for bit; only the copy mechanism differs)."""
-    if not cfg.tma:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bnhc = kv_cache.permute(0, 2, 1, 3)
-    descs = []
-    for lo, hi in (k_range, v_range):
-        part = bnhc[..., lo:hi]
-        if not tma_addressable(part):
-            return None
-        descs.append(
-            TensorDescriptor(
-                part, list(part.shape), list(part.stride()), [1, cfg.tile_n, 1, hi - lo]
-            )
-        )
-    return descs[0], descs[1]
-
-
-def _reg_cap(cfg: AttentionConfig) -> dict[str, int]:
-    """``maxnreg`` for a config that caps registers (a launch option Triton passes to ptxas)."""
-    return {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
-
-
-def _split_buffers(
-    out: torch.Tensor, num_splits: int, dv_pad: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial outputs ``[T, Hq, S, DV_PAD]`` and LSEs ``[T, Hq, S]`` (f32) of a split launch;
-    without splits the kernel never touches them and ``out`` stands in for both."""
-    if num_splits == 1:
-        return out, out
-    t, hq = out.shape[0], out.shape[1]
-    part_out = torch.empty((t, hq, num_splits, dv_pad), dtype=torch.float32, device=out.device)
-    part_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=out.device)
-    return part_out, part_lse
-
-
 def _merge_splits(
     part_out: torch.Tensor,  # [T, Hq, S, DV_PAD] f32
     part_lse: torch.Tensor,  # [T, Hq, S] f32
@@ -446,9 +480,10 @@ def _merge_splits(
     sinks: torch.Tensor | None,
     query_start_loc: torch.Tensor,
     write_lse: bool,
+    key: Any = None,  # the launch's key (paged_attention_triton): a bound launch
 ) -> None:
     num_tokens, num_q_heads, num_splits, dv_pad = part_out.shape
-    merge_splits_kernel[(num_tokens, num_q_heads)](
+    args = (
         part_out,
         part_lse,
         out,
@@ -461,6 +496,8 @@ def _merge_splits(
         query_start_loc.shape[0] - 1,
         num_q_heads,
         num_splits,
+    )
+    kwargs = dict(
         HEAD_SIZE_V=out.shape[2],
         DV_PAD=dv_pad,
         S_PAD=pow2(num_splits),
@@ -468,6 +505,10 @@ def _merge_splits(
         WRITE_LSE=write_lse,
         num_warps=4 if dv_pad * pow2(num_splits) >= 2048 else 2,
     )
+    if key is not None:
+        _MERGE(key, (num_tokens, num_q_heads), args, kwargs)
+    else:
+        merge_splits_kernel[(num_tokens, num_q_heads)](*args, **kwargs)
 
 
 def merge_attn_states_triton(
