@@ -1,0 +1,194 @@
+"""The bound-launcher path on a CUDA GPU, bit for bit against the plain ``kernel[grid]`` launch:
+paged attention (the Triton decode kernel, split merge, and the sm_90 Gluon decode where the card
+has it), the cache write and the fused ops, over several shapes and pointer alignments, with a
+call of another specialization between the bound ones. Check mode is on: each bound launch also
+runs Triton's binder and raises if the launch site's key let two specializations share a variant.
+
+    export PYTHONPATH=$(ls -d $PWD/packages/*/src | paste -sd: -)
+    python3 -m pytest -q -m gpu packages/kv-kernels/tests/test_fast_launch_gpu.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from kv_kernels import _launch, reshape_and_cache
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.fused import rms_norm, rope_and_cache, rotary_embedding, silu_and_mul
+from kv_kernels.paged_attention import paged_attention
+from kv_spec import KVCacheLayout
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def check_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(_launch, "CHECK", True)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    _launch.reset_all()
+    yield
+    _launch.reset_all()
+
+
+def _hits() -> int:
+    return sum(launcher.hits for launcher in _launch._ALL)
+
+
+def _plain_then_fast(run: Callable[[], torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` (which returns what it wrote) with the fast path off, then twice with it on (the
+    first binds, the second goes through the bound launcher): equal bits each time."""
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    want = run().clone()
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    first = run().clone()
+    hits = _hits()
+    second = run().clone()
+    assert _hits() > hits, "the second call did not go through a bound launcher"
+    torch.testing.assert_close(first, want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(second, want, rtol=0, atol=0, equal_nan=True)
+
+
+def _offset(t: torch.Tensor, elems: int) -> torch.Tensor:
+    """A copy of ``t`` starting ``elems`` elements into a fresh buffer (2-byte elements: 1 gives
+    an address that is not 16-byte aligned, 8 one that is)."""
+    buf = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    view = buf[elems : elems + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _attention_case(batch: int, seq: int, dtype: str, seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    n, h, group, d = 16, 8, 4, 128
+    pages = -(-seq // n)
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=batch * pages + 2, num_kv_heads=h,
+        block_size=n, head_size=d, head_size_v=d, dtype=dtype,
+        kv_quant="fp8_per_tensor" if dtype.startswith("fp8") else "none",
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
+    kv.copy_((torch.randn(kv.shape, device="cuda") * 0.7).to(kv.dtype))
+    table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+    q = torch.randn(batch, h * group, d, dtype=torch.bfloat16, device="cuda")
+    return dict(
+        q=q, kv_cache=kv, layout=layout, block_table=table,
+        seq_lens=torch.full((batch,), seq, dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        max_query_len=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 3, 64])
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("q_offset", [0, 8, 1])
+def test_paged_attention_bound_equals_plain(
+    batch: int, dtype: str, q_offset: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = _attention_case(batch, 700, dtype)
+    c["q"] = _offset(c["q"], q_offset)
+    kw: dict[str, Any] = {"k_scale": 0.5, "v_scale": 0.25} if dtype.startswith("fp8") else {}
+    out = torch.empty_like(c["q"])
+
+    def run() -> torch.Tensor:
+        return paged_attention(**c, max_seq_len=700, out=out, **kw)  # type: ignore[return-value]
+
+    _plain_then_fast(run, monkeypatch)
+    # another specialization (q off by one element, or back to aligned), then this one again
+    other = dict(c, q=_offset(c["q"], 1 if q_offset != 1 else 0))
+    paged_attention(**other, max_seq_len=700, out=torch.empty_like(out), **kw)
+    want = run().clone()
+    torch.testing.assert_close(run(), want, rtol=0, atol=0)
+
+
+def test_paged_attention_split_count_follows_max_seq_len(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One plan, decode steps of growing length: the split count (and so the variant) moves."""
+    c = _attention_case(4, 4096, "bfloat16")
+    for max_seq_len in (64, 4096, 64, 4096):
+        lens = torch.full((4,), max_seq_len, dtype=torch.int32, device="cuda")
+        case = dict(c, seq_lens=lens)
+
+        def run(case: dict[str, Any] = case, m: int = max_seq_len) -> torch.Tensor:
+            return paged_attention(**case, max_seq_len=m)  # type: ignore[return-value]
+
+        _plain_then_fast(run, monkeypatch)
+
+
+@pytest.mark.parametrize("offset", [0, 8, 1])
+@pytest.mark.parametrize("kv_quant", ["none", "int8_per_token_head"])
+def test_reshape_and_cache_bound_equals_plain(
+    offset: int, kv_quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(1)
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=32, num_kv_heads=8, block_size=16,
+        head_size=128, head_size_v=128, dtype="int8" if kv_quant != "none" else "bfloat16",
+        kv_quant=kv_quant,
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, "cuda", zero=True), layout, 0)
+    for tokens in (1, 37, 64):
+        key = _offset(torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device="cuda"), offset)
+        value = _offset(torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device="cuda"), offset)
+        slots = torch.randperm(32 * 16, device="cuda")[:tokens]
+
+        def run(key=key, value=value, slots=slots) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            kv.zero_()
+            reshape_and_cache(key, value, kv, slots, layout)
+            return kv.view(torch.uint8)
+
+        _plain_then_fast(run, monkeypatch)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 37])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_fused_ops_bound_equal_plain(
+    tokens: int, offset: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(2)
+    dev, bf = "cuda", torch.bfloat16
+    x = _offset(torch.randn(tokens, 4096, dtype=bf, device=dev), offset)
+    res0 = torch.randn(tokens, 4096, dtype=bf, device=dev)
+    w = torch.randn(4096, dtype=bf, device=dev)
+
+    def norm() -> torch.Tensor:
+        res = res0.clone()
+        y, h = rms_norm(x, w, 1e-6, residual=res)  # type: ignore[misc]
+        return torch.cat([y, h])
+
+    _plain_then_fast(norm, monkeypatch)
+    gate_up = _offset(torch.randn(tokens, 2 * 1024, dtype=bf, device=dev), offset)
+    _plain_then_fast(lambda: silu_and_mul(gate_up), monkeypatch)
+
+    qkv0 = torch.randn(tokens, 48 * 128, dtype=bf, device=dev)
+    positions = torch.randint(0, 4096, (tokens,), device=dev)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=dev).float() / 128))
+    t = torch.arange(4096, device=dev).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([t.cos(), t.sin()], dim=-1)
+
+    def rope() -> torch.Tensor:
+        qkv = _offset(qkv0, offset)
+        q = qkv[:, : 32 * 128].view(tokens, 32, 128)
+        k = qkv[:, 32 * 128 : 40 * 128].view(tokens, 8, 128)
+        rotary_embedding(positions, q, k, cos_sin)
+        return qkv.clone()
+
+    _plain_then_fast(rope, monkeypatch)
+    layout = KVCacheLayout(
+        order="LBNHC", num_layers=1, num_blocks=8, num_kv_heads=8, block_size=16,
+        head_size=128, head_size_v=128, dtype="bfloat16",
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, dev, zero=True), layout, 0)
+    slots = torch.randperm(8 * 16, device=dev)[:tokens]
+
+    def rope_cache() -> torch.Tensor:
+        qkv = _offset(qkv0, offset)
+        q = qkv[:, : 32 * 128].view(tokens, 32, 128)
+        k = qkv[:, 32 * 128 : 40 * 128].view(tokens, 8, 128)
+        v = qkv[:, 40 * 128 :].view(tokens, 8, 128)
+        kv.zero_()
+        rope_and_cache(positions, q, k, v, cos_sin, kv, slots, layout)
+        return torch.cat([qkv.flatten(), kv.flatten()])
+
+    _plain_then_fast(rope_cache, monkeypatch)
