@@ -1,0 +1,143 @@
+"""Host time of one call of each hot kernel (issue 32: a Triton launch <= 20 us of host time),
+with the bound-launcher fast path (``kv_kernels._launch``, the paged-attention call cache of
+``paged_attention._fast``) against the plain path (``kernel[grid]`` and the full checks every
+call), in the same process, at Llama-3-8B's decode shape (32 q / 8 kv heads of 128, bf16, block
+16, context 1024; hidden 4096, MLP 14336) for batches of 1, 64 and 256 tokens:
+
+- ``paged_attention``: the public call with ``impl="triton"``, ``out=`` given (what
+  kv-backends' ``bench_host.py`` times as the direct kernel call); batch 1 splits KV, so it is
+  two launches (attention + merge);
+- ``reshape_and_cache``, ``rms_norm`` (with the residual), ``silu_and_mul``,
+  ``rotary_embedding``, ``rope_and_cache``: one launch each.
+
+``host_us``: median ``perf_counter`` time of one call over ``--iters`` back-to-back calls (the
+device drained before; the GPU does not bound it: every call here takes well under the host
+time on the device, except attention at batch 256, whose queue the host never waits on).
+``plain_us``: the same with ``KV_KERNELS_FAST_LAUNCH`` off and the call cache bypassed;
+``bound``: whether the fast calls went through a bound launcher. Writes ``DIR/launch.json``
+(records with provenance) and prints one JSON line per record::
+
+    export PYTHONPATH=$(ls -d $PWD/packages/*/src | paste -sd: -)
+    python3 packages/kv-kernels/benchmarks/bench_launch.py --out /tmp/bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _provenance import provenance  # this folder's provenance helper
+from kv_kernels import _launch, reshape_and_cache
+from kv_kernels.cache import allocate_kv_cache, layer_view
+from kv_kernels.fused import rms_norm, rope_and_cache, rotary_embedding, silu_and_mul
+from kv_kernels.paged_attention import paged_attention
+from kv_spec import KVCacheLayout, LayoutOrder
+
+HQ, HKV, D, BLOCK, CONTEXT, HIDDEN, MLP = 32, 8, 128, 16, 1024, 4096, 14336
+_fast = importlib.import_module("kv_kernels.paged_attention._fast")
+_api = importlib.import_module("kv_kernels.paged_attention.api")
+
+
+def _host_us(fn: Callable[[], Any], iters: int) -> float:
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _cases(batch: int) -> dict[str, Callable[[], Any]]:
+    dev, bf = "cuda", torch.bfloat16
+    pages = CONTEXT // BLOCK
+    layout = KVCacheLayout(
+        order=LayoutOrder.LBNHC, num_layers=1, num_blocks=batch * pages + 1, num_kv_heads=HKV,
+        block_size=BLOCK, head_size=D, head_size_v=D, dtype="bfloat16",
+    )  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, dev, zero=True), layout, 0)
+    table = torch.randperm(batch * pages, device=dev).to(torch.int32).view(batch, pages)
+    seq_lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device=dev)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    qkv = torch.randn(batch, (HQ + 2 * HKV) * D, dtype=bf, device=dev)
+    q = qkv[:, : HQ * D].view(batch, HQ, D)
+    k = qkv[:, HQ * D : (HQ + HKV) * D].view(batch, HKV, D)
+    v = qkv[:, (HQ + HKV) * D :].view(batch, HKV, D)
+    q_dense = q.contiguous()
+    out = torch.empty_like(q_dense)
+    slots = torch.randperm(batch * pages * BLOCK, device=dev)[:batch]
+    positions = torch.randint(0, 4096, (batch,), device=dev)
+    cos_sin = torch.randn(4096, D, device=dev)
+    x = torch.randn(batch, HIDDEN, dtype=bf, device=dev)
+    res = torch.randn(batch, HIDDEN, dtype=bf, device=dev)
+    w = torch.randn(HIDDEN, dtype=bf, device=dev)
+    gate_up = torch.randn(batch, 2 * MLP, dtype=bf, device=dev)
+    return {
+        "paged_attention": lambda: paged_attention(
+            q_dense, kv, layout, table, seq_lens, qsl, 1, max_seq_len=CONTEXT, out=out
+        ),
+        "reshape_and_cache": lambda: reshape_and_cache(k, v, kv, slots, layout),
+        "rms_norm": lambda: rms_norm(x, w, 1e-6, residual=res),
+        "silu_and_mul": lambda: silu_and_mul(gate_up),
+        "rotary_embedding": lambda: rotary_embedding(positions, q, k, cos_sin),
+        "rope_and_cache": lambda: rope_and_cache(positions, q, k, v, cos_sin, kv, slots, layout),
+    }
+
+
+def _measure(op: str, fn: Callable[[], Any], iters: int) -> dict[str, Any]:
+    launchers = _launch.reset_all()
+    fn()
+    fn()  # (the first binds)
+    fast_us = _host_us(fn, iters)
+    bound = sum(launcher.hits for launcher in launchers) > 0
+    # plain: Triton's kernel[grid] and, for attention, the full checks and plan every call
+    _launch.ENABLED, _api.lookup = False, lambda key: None  # type: ignore[attr-defined]
+    try:
+        fn()
+        plain_us = _host_us(fn, iters)
+    finally:
+        _launch.ENABLED, _api.lookup = True, _fast.lookup  # type: ignore[attr-defined]
+    return {"fast_us": fast_us, "plain_us": plain_us, "speedup": plain_us / fast_us, "bound": bound}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="directory for launch.json")
+    ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
+    ap.add_argument("--iters", type=int, default=2000)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_launch.py measures CUDA launches: run it on a GPU machine")
+    iters = 200 if args.quick else args.iters
+    meta = {
+        **provenance("torch", "triton"),
+        "device": torch.cuda.get_device_name(),
+        "iters": iters,
+        "shape": {"hq": HQ, "hkv": HKV, "head": D, "block": BLOCK, "context": CONTEXT},
+    }
+    records = []
+    for batch in (1, 64, 256):
+        for op, fn in _cases(batch).items():
+            rec = {"op": op, "batch": batch, "metric": "host_us", **_measure(op, fn, iters)}
+            rec["value"] = rec["fast_us"]
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "launch.json"), "w") as f:
+            json.dump({**meta, "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
