@@ -82,8 +82,11 @@ def _attention_case(batch: int, seq: int, dtype: str, seed: int = 0) -> dict[str
 
 
 @pytest.mark.parametrize("batch", [1, 3, 64])
-@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
-@pytest.mark.parametrize("q_offset", [0, 8, 1])
+@pytest.mark.parametrize(
+    ("dtype", "q_offset"),
+    # (fp8 pages on sm_90 run the Gluon decode, whose rule asks for 16-byte rows: aligned q only)
+    [("bfloat16", 0), ("bfloat16", 8), ("bfloat16", 1), ("fp8_e4m3", 0), ("fp8_e4m3", 8)],
+)
 def test_paged_attention_bound_equals_plain(
     batch: int, dtype: str, q_offset: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,9 +99,13 @@ def test_paged_attention_bound_equals_plain(
         return paged_attention(**c, max_seq_len=700, out=out, **kw)  # type: ignore[return-value]
 
     _plain_then_fast(run, monkeypatch)
-    # another specialization (q off by one element, or back to aligned), then this one again
-    other = dict(c, q=_offset(c["q"], 1 if q_offset != 1 else 0))
-    paged_attention(**other, max_seq_len=700, out=torch.empty_like(out), **kw)
+    # other specializations (another batch; for bf16 also q off by one element or back to
+    # aligned), then this one again: the same bits
+    other = _attention_case(batch + 16, 700, dtype, seed=1)
+    paged_attention(**other, max_seq_len=700, **kw)
+    if dtype == "bfloat16":
+        shifted = dict(c, q=_offset(c["q"], 1 if q_offset != 1 else 0))
+        paged_attention(**shifted, max_seq_len=700, out=torch.empty_like(out))
     want = run().clone()
     torch.testing.assert_close(run(), want, rtol=0, atol=0)
 
