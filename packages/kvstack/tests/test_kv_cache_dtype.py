@@ -19,6 +19,8 @@ measures, so each is known to see a wrong dequantization.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,8 +29,9 @@ from typing import Any
 import pytest
 import torch
 from kv_spec import to_torch_dtype
+from kvstack.cli.generate import KV_CACHE_DTYPES as CLI_CHOICES
 from kvstack.engine.engine import LLMEngine
-from kvstack.engine.kv_format import parse_kv_cache_dtype
+from kvstack.engine.kv_format import KV_CACHE_DTYPES, parse_kv_cache_dtype
 from kvstack.engine.models import CausalLM, dense_attention
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
@@ -130,6 +133,7 @@ def generate(engine: LLMEngine, prompts: Sequence[Sequence[int]], n: int) -> lis
 
 
 def test_choices_resolve_as_vllm_spells_them() -> None:
+    assert CLI_CHOICES == KV_CACHE_DTYPES  # the CLI spells them out to start without torch
     assert parse_kv_cache_dtype("auto").storage is None
     assert not parse_kv_cache_dtype("auto").quantized
     assert parse_kv_cache_dtype("fp8").storage == "fp8_e4m3"  # vLLM's alias
@@ -245,6 +249,25 @@ def test_deepseek_v3_fp8_is_refused_where_no_backend_serves_an_fp8_latent(
     with pytest.raises(ValueError, match="kv_quant fp8_per_tensor not supported"):
         ModelRunner(path, kv_cache_dtype="fp8", backend="FLEX_ATTENTION", **kw)
     assert ModelRunner(path, **kw).mla_latent  # auto keeps the latent
+
+
+def _kvstack(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstack.cli", *argv],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+
+
+def test_cli_generate_takes_kv_cache_dtype(llama_dir: Path) -> None:
+    gen = ("generate", str(llama_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
+    res = _kvstack(*gen, "--kv-cache-dtype", "fp8")
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.split()) == 4
+    assert "kv cache: fp8_e4m3 (fp8_per_tensor, K/V scales 1)" in res.stderr
+    res = _kvstack(*gen, "--kv-cache-dtype", "int4")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--kv-cache-dtype" in res.stderr and "'int4'" in res.stderr
+    assert "'fp8_e5m2'" in res.stderr
 
 
 # -- the same on a GPU -------------------------------------------------------------------------

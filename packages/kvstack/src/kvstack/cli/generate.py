@@ -14,13 +14,23 @@ from rich.console import Console
 from kvstack._hints import install_hint
 from kvstack.cli._args import bytes_arg, count_arg
 
-__all__ = ["add_parser", "choose_dtype", "cmd_generate", "load_tokenizer", "tokenizer_files"]
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "add_parser",
+    "choose_dtype",
+    "cmd_generate",
+    "load_tokenizer",
+    "tokenizer_files",
+]
 
 #: Files a Hugging Face tokenizer is read from.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: torch.Generator seeds are unsigned 64-bit.
 MAX_SEED = 2**64 - 1
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: ``kvstack.engine.kv_format.KV_CACHE_DTYPES``, spelt out so the CLI starts without torch
+#: (a test holds them equal).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _temperature(text: str) -> float:
@@ -109,6 +119,14 @@ def add_parser(sub: Any) -> None:
         "(as vLLM); the choice is printed",
     )
     p.add_argument("--kv-cache-memory", type=bytes_arg, default="64MiB", help="KV pool bytes")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores: auto (the model dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, "
+        "per-tensor scales of 1.0 as vLLM's; fp8 halves a 16-bit cache, served by backends "
+        "that declare fp8_per_tensor (TORCH_SDPA on the CPU, TRITON on a GPU)",
+    )
     p.add_argument(
         "--block-size", type=count_arg("--block-size"), default=16, help="tokens per KV block"
     )
@@ -288,7 +306,10 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=max(1, len(prompts)),
         allow_long_max_model_len=args.allow_long_max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
+    if engine.runner.kv_cache_dtype.quantized:
+        sys.stderr.write(f"kv cache: {engine.runner.kv_cache_dtype}\n")
     out = sys.stdout
     several = len(prompts) > 1
     outputs: dict[str, list[int]] = {}
