@@ -38,6 +38,8 @@ cd "$work"
 # 4 translation units (bf16.cu is the long one): one ninja job each; nvcc --threads only helps
 # with several -gencode targets, so keep it small.
 export MAX_JOBS=${MAX_JOBS:-4} NVCC_THREADS=${NVCC_THREADS:-2}
+# (setup_sm90.py passes its own -gencode, which torch then leaves alone; this only backs it up)
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 t0=$(date +%s)
 python3 setup.py build_ext --inplace
 t1=$(date +%s)
