@@ -150,7 +150,7 @@ def rms_norm_triton(
     cfg = norm_config(width)
     res = residual if residual is not None else x
     hh = h if h is not None else y
-    grid = (triton.cdiv(num_rows, cfg.block_r),)
+    grid = (-(-num_rows // cfg.block_r),)  # (triton.cdiv is a jit function: ~1 us on the host)
     args = (
         x, res, weight, y, hh,
         num_rows, rows_per_token,
@@ -215,7 +215,7 @@ def act_and_mul_triton(x: torch.Tensor, out: torch.Tensor, act: str) -> None:
     block = min(_ACT_BLOCK, triton.next_power_of_2(d))
     # 4 warps for a full 1024-column block of gate + up: 8 elements of each per thread
     num_warps = max(1, min(4, block // 256))
-    grid = (num_tokens, triton.cdiv(d, block))
+    grid = (num_tokens, -(-d // block))
     args = (x, out, x.stride(0), out.stride(0))
     kwargs = dict(D=d, BLOCK=block, ACT=0 if act == "silu" else 1, num_warps=num_warps)
     key = (d, block, kwargs["ACT"], num_warps, x.dtype, out.dtype, align_bits(x, out), args[2:])
