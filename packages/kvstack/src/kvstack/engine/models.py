@@ -36,6 +36,7 @@ from kvstack.engine.layers import (
     linear,
     transposed,
 )
+from kvstack.engine.rotary import rotate_partial
 
 __all__ = [
     "AttendFn",
@@ -86,16 +87,6 @@ def dense_attention(
     else:
         probs = torch.softmax(logits, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
-
-
-def rotate_partial(
-    rotary: RotaryEmbedding, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int
-) -> torch.Tensor:
-    """RoPE over the first ``dim`` of each head of ``x`` ``[T, H, D]`` (the rest passes through,
-    transformers' partial rotary); all of it when ``dim == D``."""
-    if dim == x.shape[-1]:
-        return rotary(x, cos, sin)
-    return torch.cat([rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
 
 
 class Attention(nn.Module):
