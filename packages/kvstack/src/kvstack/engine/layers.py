@@ -3,11 +3,17 @@ gpt-oss's mixture of experts. Plain torch, written to be read beside transformer
 
 Parameter names match the Hugging Face checkpoints (``weight``, ``gate_proj``, ``experts.
 gate_up_proj``, ...), so the loader maps tensor names one to one.
+
+:class:`RMSNorm` and :class:`GatedMLP` can instead run through kv-kernels' fused ops
+(``use_fused``: one launch for the residual add and the norm, one for the activation and the
+product), chosen once when the model is built for its device (:meth:`~kvstack.engine.models.
+CausalLM.use_fused_ops`): the torch code stays what the CPU runs and the parity tests hold.
 """
 
 from __future__ import annotations
 
 import torch
+from kv_kernels.fused import gelu_tanh_and_mul, rms_norm, silu_and_mul
 from torch import nn
 
 # (rotary embeddings live in their own module; re-exported here, where they used to be)
@@ -73,6 +79,58 @@ class RMSNorm(nn.Module):
         if self.weight_first:
             return _as_dtype(_mul_weight(h, w), dtype)
         return _mul_weight(_as_dtype(h, dtype), w)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)`` for ``x``, ``residual`` ``[T, size]``: a
+        sublayer's output joins the residual stream, which is then normed for the next sublayer
+        (vLLM's ``norm(x, residual)``). The sum is written over ``residual``, and the fused
+        version writes the normed rows over ``x``: the caller hands both over."""
+        residual.add_(x)  # the stream's own tensor: one allocation fewer per sublayer
+        return self(residual), residual
+
+    def use_fused(self, impl: str | None) -> None:
+        """Run :meth:`forward` and :meth:`add_norm` through kv-kernels' ``rms_norm`` (``impl``:
+        its ``"auto"``, ``"triton"`` or ``"reference"``; ``None``: back to the torch code).
+
+        The instance's methods are rebound, so a call costs no branch on the choice. The fused
+        op adds in float32 and rounds the sum once to the input dtype (what ``add_`` gives), and
+        rounds the normed row where this module does (before the gain, or after it with
+        ``weight_first``); only its float32 sum of squares may differ in order, so bf16 results
+        agree to a rounding and float32 ones to a few ulps."""
+        for name in ("forward", "add_norm"):
+            self.__dict__.pop(name, None)
+        if impl is None:
+            return
+        self._impl = impl
+        self.forward = self._fused_forward  # type: ignore[method-assign]
+        self.add_norm = self._fused_add_norm  # type: ignore[method-assign]
+
+    def _fused_forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        # x [T, size], or [T, H, size] with a per-head weight [H, size] (Qwen3's q/k norms)
+        w = self._parameters["weight"] if weight is None else weight
+        assert w is not None
+        out = rms_norm(
+            x, w, self.eps, weight_offset=self.offset, weight_first=self.weight_first,
+            impl=self._impl,
+        )  # fmt: skip
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def _fused_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # One launch that reads x and residual once and writes h over residual and y over x;
+        # torch's add_ and bf16 norm are 9 launches (cast, pow, mean, add, rsqrt, mul, cast,
+        # gain), each a pass over the rows.
+        w = self._parameters["weight"]
+        assert w is not None
+        y, h = rms_norm(
+            x, w, self.eps, residual=residual, out=x, residual_out=residual,
+            weight_offset=self.offset, weight_first=self.weight_first, impl=self._impl,
+        )  # fmt: skip
+        return y, h
 
 
 def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -250,6 +308,26 @@ class GatedMLP(nn.Module):
             return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
         # silu(gate) * up, the product written into silu's fresh output: one allocation fewer.
         return self.down_proj(nn.functional.silu(gate).mul_(up))
+
+    def use_fused(self, impl: str | None) -> None:
+        """Run the activation and the product through kv-kernels' ``silu_and_mul`` /
+        ``gelu_tanh_and_mul`` over the stacked gate/up output (``impl`` as
+        :meth:`RMSNorm.use_fused`; ``None``: the torch code). One launch, float32 inside and one
+        rounding, where torch takes two launches and rounds the activation before the product
+        (so bf16 results differ by a rounding). Unstacked projections keep the torch code."""
+        self.__dict__.pop("forward", None)
+        if impl is None:
+            return
+        self._impl = impl
+        self._act_and_mul = silu_and_mul if self.act == "silu" else gelu_tanh_and_mul
+        self.forward = self._fused_forward  # type: ignore[method-assign]
+
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        stack = self.gate_up
+        both = stack.fused(x) if stack is not None else None  # [T, 2 * intermediate]
+        if both is None or both.dim() != 2:  # not stacked, or a parameter left the stack
+            return GatedMLP.forward(self, x)
+        return self.down_proj(self._act_and_mul(both, impl=self._impl))
 
 
 class Router(nn.Module):

@@ -9,6 +9,13 @@ scaling (MiMo-V2-Flash), ``v_head_dim != head_dim``, the MLP or mixture of exper
 (gpt-oss, Mixtral, Qwen3-MoE, DeepSeek-V3, MiMo-V2-Flash), and DeepSeek-V3's multi-head latent
 attention (:class:`MLAAttention`). Parameter names are the checkpoint's.
 
+On CUDA the runner switches the elementwise ops to kv-kernels' fused Triton ops once, at build
+(:meth:`CausalLM.use_fused_ops`): the residual add with the next RMSNorm, the activation with the
+up projection's product, RoPE in place on the q/k heads. The residual stream flows vLLM's way for
+both: each norm takes the sublayer's output and the stream (``norm.add_norm(x, residual) ->
+(normed, residual)``), so the add can ride in the norm's launch; on the CPU the torch ops run in
+the same order as before, bit for bit.
+
 Attention itself is not in here: each layer hands its rotated ``q``, ``k``, ``v`` to an
 ``attend(layer, q, k, v)`` callback. The :class:`kvstack.engine.ModelRunner` passes one that writes
 K/V into the paged cache and runs a kv-backends impl; :meth:`CausalLM.forward_dense` passes
@@ -36,14 +43,16 @@ from kvstack.engine.layers import (
     linear,
     transposed,
 )
-from kvstack.engine.rotary import rotate_partial
+from kvstack.engine.rotary import FusedRope, Rope, TorchRope, rotate_partial
 
 __all__ = [
     "AttendFn",
     "Attention",
     "CausalLM",
     "DecoderLayer",
+    "FusedRope",
     "MLAAttention",
+    "TorchRope",
     "dense_attention",
     "rotate_partial",
 ]
@@ -125,6 +134,12 @@ class Attention(nn.Module):
     def qkv(
         self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`project` with torch's RoPE (``cos``, ``sin`` from ``rotary.cos_sin``)."""
+        return self.project(x, TorchRope(rotary, cos, sin))
+
+    def project(
+        self, x: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[T, hidden]`` -> rotated ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v``
         ``[T, Hkv, Dv]``; q and k are head slices of one rotated tensor, v a column slice of the
         projection (none of the three is contiguous: attention reads them through strides)."""
@@ -142,7 +157,7 @@ class Attention(nn.Module):
             # Qwen3: RMSNorm over each head's dims, before RoPE (q heads take q_norm's weight,
             # k heads k_norm's; the two norms share eps).
             qk = self.q_norm(qk, self._qk_norm_weight(self.q_norm.weight, self.k_norm.weight))
-        qk = rotate_partial(rotary, qk, cos, sin, self.rotary_dim)
+        qk = rope(qk, self.rotary_dim, hq)
         if self.v_scale != 1.0:
             v = v * self.v_scale  # MiMo-V2-Flash: values scaled before attention
         return qk[:, :hq], qk[:, hq:], v
@@ -253,6 +268,13 @@ class MLAAttention(nn.Module):
         _, w_uv = self._w_uk_uv()
         return torch.einsum("thr,hvr->thv", o_latent, w_uv)
 
+    def project(
+        self, x: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`qkv` (RoPE through torch: :meth:`CausalLM.use_fused_ops` leaves MLA's)."""
+        assert isinstance(rope, TorchRope), "MLA rotates its interleaved pairs with torch ops"
+        return self.qkv(x, *rope)
+
     def qkv(
         self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -360,6 +382,11 @@ class CausalLM(nn.Module):
         )
         self.scale = arch.scale
         self._logits_weight_t: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: The fused ops' ``impl`` when :meth:`use_fused_ops` switched them on, else ``None``;
+        #: :attr:`fused_rope` likewise for RoPE (off for MLA), with :attr:`rope_table_rows`.
+        self.fused_ops: str | None = None
+        self.fused_rope: str | None = None
+        self.rope_table_rows = 0
         self.reset_rotaries()
 
     def reset_rotaries(self, device: torch.device | str | None = None) -> None:
@@ -380,6 +407,57 @@ class CausalLM(nn.Module):
         if device is not None:
             self.rotaries.to(device)
         self.rotary = cast(RotaryEmbedding, self.rotaries[self.rotary_keys[0]])
+        if self.fused_rope is not None:  # the fused RoPE's tables, for the new rotaries
+            self._build_rope_tables()
+
+    def use_fused_ops(self, impl: str | None = "auto", *, max_positions: int = 0) -> None:
+        """Run the elementwise ops through kv-kernels' fused ops from now on (``impl``: their
+        ``"auto"``, ``"triton"`` or ``"reference"``), or the torch code again (``None``).
+
+        Fused: every RMSNorm (one launch with the residual add before it), the gated MLP's
+        activation and product (SiLU, or Gemma's tanh GELU, over the stacked gate/up output) and
+        RoPE (in place over the q/k heads, partial rotary included; one table of ``max(
+        max_positions, max_position_embeddings)`` rows per RoPE, in the weights' dtype). Kept
+        in torch: MLA's interleaved RoPE, the mixtures of experts' expert MLPs, projections
+        that left their stack. Each module's methods are rebound here, once, so a step costs no
+        branch on the choice; the fused ops launch without host syncs, so a decode step still
+        captures into a CUDA graph.
+
+        The runner calls this at build on CUDA (``ModelRunner(fused_ops=...)``); the CPU keeps
+        the torch code, whose bits the transformers parity tests hold (the ops' CPU references
+        gave the same float32 bits on every tiny family, but a step costs more host time)."""
+        if impl is not None and not isinstance(impl, str):
+            raise TypeError(
+                f"use_fused_ops: impl={impl!r} must be 'auto', 'triton', 'reference' or None"
+            )
+        for m in self.modules():
+            if isinstance(m, RMSNorm | GatedMLP):
+                m.use_fused(impl)
+        self.fused_ops = impl
+        self.fused_rope = None if self.arch.is_mla else impl
+        self.rope_table_rows = max(max_positions, self.arch.max_position_embeddings)
+        if self.fused_rope is not None:
+            self._build_rope_tables()
+
+    def _build_rope_tables(self) -> None:
+        dtype = self.model.embed_tokens.weight.dtype  # the activations' dtype
+        for rot in self.rotaries.values():
+            cast(RotaryEmbedding, rot).build_cos_sin_cache(self.rope_table_rows, dtype)
+
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
+        """Each RoPE table's rotation for this step's ``positions`` (one per table, not per
+        layer: torch's cos/sin are computed once a step)."""
+        fused = self.fused_rope
+        if fused is not None:
+            return {
+                key: FusedRope(positions, cast(torch.Tensor, rot.cos_sin_cache), fused)
+                for key, rot in self.rotaries.items()
+            }
+        return {
+            key: TorchRope(rot, *rot.cos_sin(positions, dtype))
+            for key, rot in self.rotaries.items()
+            if isinstance(rot, RotaryEmbedding)
+        }
 
     def forward(
         self,
@@ -399,32 +477,38 @@ class CausalLM(nn.Module):
         if self.arch.embed_scale is not None:
             # Gemma: the scale as a tensor of the activation dtype, as transformers rounds it.
             x.mul_(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
-        tables = {
-            key: (rot, *rot.cos_sin(positions, x.dtype))
-            for key, rot in self.rotaries.items()
-            if isinstance(rot, RotaryEmbedding)
-        }
+        ropes = self._ropes(positions, x.dtype)
         # The residual stream is added to in place: x is this call's own tensor (the
-        # embedding's output) and nothing else holds it, so each add saves an allocation.
+        # embedding's output) and nothing else holds it, so each add saves an allocation. Each
+        # sublayer's output is handed to the next norm, which adds it to the stream first
+        # (add_norm): with the fused ops, the add and the norm are one launch.
+        residual = x  # [T, hidden]
+        pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
         for i, layer in enumerate(self.decoder_layers()):
             attn = layer.self_attn
-            rot, cos, sin = tables[self.rotary_keys[i]]
-            h = layer.input_layernorm(x)
+            rope = ropes[self.rotary_keys[i]]
+            if pending is None:
+                h = layer.input_layernorm(residual)
+            else:
+                h, residual = layer.input_layernorm.add_norm(pending, residual)
             if mla_latent and isinstance(attn, MLAAttention):
-                q, row = attn.latent_qkv(h, rot, cos, sin)
+                assert isinstance(rope, TorchRope)
+                q, row = attn.latent_qkv(h, *rope)
                 o = attn.absorb_out(attend(i, q, row, row[..., : attn.rank]))
             else:
-                q, k, v = attn.qkv(h, rot, cos, sin)
+                q, k, v = attn.project(h, rope)
                 o = attend(i, q, k, v)  # [T, Hq, Dv]
             out = attn.o_proj(o.reshape(o.shape[0], -1))
-            if layer.sandwich:
-                x.add_(layer.post_attention_layernorm(out))
-                ffn = layer.ffn(layer.pre_feedforward_layernorm(x))
-                x.add_(layer.post_feedforward_layernorm(ffn))
+            if layer.sandwich:  # Gemma: the sublayers' outputs are normed before the add
+                out = layer.post_attention_layernorm(out)
+                h, residual = layer.pre_feedforward_layernorm.add_norm(out, residual)
+                pending = layer.post_feedforward_layernorm(layer.ffn(h))
             else:
-                x.add_(out)
-                x.add_(layer.ffn(layer.post_attention_layernorm(x)))
-        return self.model.norm(x)
+                h, residual = layer.post_attention_layernorm.add_norm(out, residual)
+                pending = layer.ffn(h)
+        if pending is None:  # (no layers)
+            return self.model.norm(residual)
+        return self.model.norm.add_norm(pending, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[R, vocab]`` of hidden states ``[R, hidden]``."""

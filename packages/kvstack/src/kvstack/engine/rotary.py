@@ -1,19 +1,30 @@
 """Rotary position embeddings: the inverse frequencies of each RoPE type (default, linear,
-Llama 3.1, YaRN), :class:`RotaryEmbedding`, which rotates heads with torch ops from per-step
-cos/sin, and :func:`rotate_partial`. Split from :mod:`kvstack.engine.layers` and
-:mod:`kvstack.engine.models` (which re-export their old names) by job.
+Llama 3.1, YaRN); :class:`RotaryEmbedding`, which rotates heads with torch ops from per-step
+cos/sin or keeps the ``[max_positions, dim]`` table that kv-kernels' fused ``rotary_embedding``
+reads; and one step's rotation either way (:class:`TorchRope`, :class:`FusedRope`), which the
+attention layers call. Split from :mod:`kvstack.engine.layers` and :mod:`kvstack.engine.models`
+(which re-export their old names) by job.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+from kv_kernels.fused import rope_cos_sin_cache, rotary_embedding
 from torch import nn
 
 from kvstack.engine.hf_config import RopeConfig
 
-__all__ = ["RotaryEmbedding", "rope_inv_freq", "rotate_partial"]
+__all__ = [
+    "FusedRope",
+    "Rope",
+    "RotaryEmbedding",
+    "TorchRope",
+    "rope_inv_freq",
+    "rotate_partial",
+]
 
 
 def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,6 +95,7 @@ class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor
     head_freq: torch.Tensor
     sin_scale: torch.Tensor
+    cos_sin_cache: torch.Tensor | None  # built by build_cos_sin_cache (the fused RoPE's table)
 
     def __init__(self, rope: RopeConfig, dim: int) -> None:
         super().__init__()
@@ -98,6 +110,7 @@ class RotaryEmbedding(nn.Module):
         sin_scale = torch.full((dim,), self.scaling, dtype=torch.float32)
         sin_scale[: dim // 2] *= -1
         self.register_buffer("sin_scale", sin_scale, persistent=False)
+        self.register_buffer("cos_sin_cache", None, persistent=False)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -113,6 +126,16 @@ class RotaryEmbedding(nn.Module):
         # A sign flip is exact, so the first half is -(sin * scaling) bit for bit.
         sin = _cast(freqs.sin() * sin_scale, dtype)
         return cos[:, None, :], sin[:, None, :]
+
+    def build_cos_sin_cache(self, max_positions: int, dtype: torch.dtype) -> None:
+        """Keep :attr:`cos_sin_cache` ``[max_positions, dim]`` in ``dtype`` on this module's
+        device (a non-persistent buffer): row ``p`` is ``cos(p * inv_freq)`` then ``sin(p *
+        inv_freq)``, times YaRN's scaling, the table kv-kernels' ``rotary_embedding`` reads. The
+        same float32 products as :meth:`cos_sin`, rounded to the model's dtype as transformers
+        rounds its cos/sin (``dtype`` float32 keeps them as they are)."""
+        self.cos_sin_cache = rope_cos_sin_cache(
+            self.inv_freq, max_positions, scaling=self.scaling, dtype=dtype
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` of the halves ``x1``, ``x2`` (``cos``,
@@ -132,3 +155,43 @@ def rotate_partial(
     if dim == x.shape[-1]:
         return rotary(x, cos, sin)
     return torch.cat([rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
+
+
+class TorchRope(NamedTuple):
+    """One step's RoPE through torch ops: a table's :class:`RotaryEmbedding` and the step's
+    ``cos``/``sin`` ``[T, 1, dim]`` (from :meth:`RotaryEmbedding.cos_sin`)."""
+
+    rotary: RotaryEmbedding
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(self, x: torch.Tensor, dim: int, num_q_heads: int) -> torch.Tensor:
+        """``x`` ``[T, H, D]`` with the first ``dim`` of each head rotated (a new tensor; q and
+        k heads alike, so ``num_q_heads`` does not matter)."""
+        return rotate_partial(self.rotary, x, self.cos, self.sin, dim)
+
+
+class FusedRope(NamedTuple):
+    """One step's RoPE through kv-kernels' ``rotary_embedding``: the step's ``positions`` ``[T]``
+    and the table's ``cos_sin_cache`` ``[max_positions, dim]``
+    (:meth:`RotaryEmbedding.build_cos_sin_cache`). Rotate-half pairs (``is_neox``), as every
+    family served here (MLA's interleaved pairs keep :class:`TorchRope`)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    impl: str
+
+    def __call__(self, x: torch.Tensor, dim: int, num_q_heads: int) -> torch.Tensor:
+        """``x`` ``[T, Hq + Hk, D]`` (unit last stride, any token/head strides) rotated in place
+        over the first ``dim`` of each head, one launch for all; returns ``x``. q and k go in as
+        the op's two tensors: its head tiles are sized for k's few heads."""
+        rotary_embedding(
+            self.positions, x[:, :num_q_heads], x[:, num_q_heads:], self.cos_sin_cache,
+            is_neox=True, rotary_dim=dim, impl=self.impl,
+        )  # fmt: skip
+        return x
+
+
+#: What rotates a step's heads: ``rope(qk [T, Hq + Hk, D], dim, Hq)`` -> ``qk`` rotated over the
+#: first ``dim`` of each head (q heads first, then k heads).
+Rope = TorchRope | FusedRope

@@ -121,6 +121,10 @@ class ModelRunner:
       ``None`` (default): on where they can run (CUDA, every group's backend capturable, no
       host-synced layer), else off with :attr:`cuda_graphs_reason` saying why; ``True``: on,
       or a ``ValueError`` with the reason; ``False``: off.
+    - ``fused_ops``: run RMSNorm (with the residual add), SiLU/GELU-and-mul and RoPE through
+      kv-kernels' fused ops (:meth:`~kvstack.engine.models.CausalLM.use_fused_ops`). ``None``
+      (default): on CUDA (Triton), off on the CPU (the torch code the parity tests hold);
+      ``True`` on the CPU runs the ops' torch references (tests).
     - ``kv_cache_dtype``: ``"auto"`` (the model dtype), ``"fp8"`` (= ``"fp8_e4m3"``) or
       ``"fp8_e5m2"``: K/V stored in fp8 with per-tensor scales of 1.0, as vLLM's option
       (:mod:`kvstack.engine.kv_format`); only backends that declare ``fp8_per_tensor`` serve it.
@@ -142,10 +146,13 @@ class ModelRunner:
         layout_order: LayoutOrder | str = "LBNHC",
         cuda_graphs: bool | None = None,
         allow_long_max_model_len: bool = False,
+        fused_ops: bool | None = None,
         kv_cache_dtype: str = "auto",
     ) -> None:
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} must be None, True or False")
+        if fused_ops is not None and not isinstance(fused_ops, bool):
+            raise TypeError(f"fused_ops={fused_ops!r} must be None, True or False")
         for name, v, optional in (
             ("block_size", block_size, False),
             ("kv_cache_memory", kv_cache_memory, True),
@@ -207,6 +214,9 @@ class ModelRunner:
         self.model: CausalLM = load_model(
             model_dir, dtype=dtype, device=self.device, arch=self.arch
         )
+        self.fused_ops = self.device.type == "cuda" if fused_ops is None else fused_ops
+        if self.fused_ops:  # (the RoPE table covers every position this runner serves)
+            self.model.use_fused_ops("auto", max_positions=self.max_model_len)
         t1 = time.perf_counter()
         self.platform = Platform.detect(self.device)
         #: MLA models (DeepSeek-V3): cache one latent row per token, attended absorbed, where a
