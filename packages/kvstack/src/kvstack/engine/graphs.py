@@ -63,8 +63,11 @@ def reason_unsupported(runner: ModelRunner) -> str | None:
     for gid, name in runner.backends.items():
         if get_backend(name).CAPABILITIES.cudagraph_support == CUDAGRAPH_NEVER:
             return f"group {gid}'s backend {name} declares no CUDA-graph support"
-    if runner.arch.is_moe:
-        return "the mixture-of-experts layer picks its experts on the host (a sync per step)"
+    if runner.model.host_synced_moe:
+        return (
+            "a mixture-of-experts layer picks its experts on the host (a sync per step; the "
+            "grouped, sync-free experts need torch._grouped_mm: CUDA sm_90+, bf16 / fp16)"
+        )
     return None
 
 

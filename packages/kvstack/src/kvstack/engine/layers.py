@@ -17,6 +17,7 @@ from kv_kernels.fused import gelu_tanh_and_mul, rms_norm, silu_and_mul
 from torch import nn
 
 # (rotary embeddings live in their own module; re-exported here, where they used to be)
+from kvstack.engine.moe_grouped import GroupedExperts
 from kvstack.engine.rotary import RotaryEmbedding, rope_inv_freq
 
 __all__ = [
@@ -405,6 +406,15 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob or kind == "mixtral"
         self.n_group, self.topk_group = n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        #: The experts stacked for one grouped matmul (:meth:`stack_experts`), or None: the loop.
+        self.grouped: GroupedExperts | None = None
+
+    def stack_experts(self) -> None:
+        """Run the experts as grouped matmuls with no host sync from now on
+        (:class:`~kvstack.engine.moe_grouped.GroupedExperts`; call once the weights are in).
+        The loader does so where ``torch._grouped_mm`` serves the weights (CUDA, bf16 / fp16);
+        parameters keep their names, shapes and values."""
+        self.grouped = GroupedExperts(self.experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] float32, expert ids [T, k])`` of tokens ``x`` ``[T, hidden]``."""
@@ -434,6 +444,12 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
         weights, ids = self.route(x)
+        grouped = self.grouped
+        if grouped is not None and grouped.intact():
+            out = grouped(x, weights, ids)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
+            return out
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, slot = torch.where(ids == e)  # tokens routed to expert e, and which of k

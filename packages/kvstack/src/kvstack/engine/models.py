@@ -43,6 +43,7 @@ from kvstack.engine.layers import (
     linear,
     transposed,
 )
+from kvstack.engine.moe_grouped import grouped_mm_available
 from kvstack.engine.rotary import FusedRope, Rope, TorchRope, rotate_partial
 
 __all__ = [
@@ -526,10 +527,24 @@ class CausalLM(nn.Module):
         """Run each layer's q/k/v (and a gated MLP's gate/up) projections as one matmul, once the
         weights are in (the loader calls it). Names, shapes and values of every parameter stay
         as the checkpoint gave them (see :class:`~kvstack.engine.layers.StackedLinear`)."""
+        w = self.model.embed_tokens.weight
+        grouped = grouped_mm_available(w.device, w.dtype)
         for layer in self.decoder_layers():
             layer.self_attn.stack_projections()
             if isinstance(layer.ffn, GatedMLP):
                 layer.ffn.stack_projections()
+            elif grouped and isinstance(layer.ffn, SparseMoE):  # experts without a host sync
+                layer.ffn.stack_experts()
+
+    @property
+    def host_synced_moe(self) -> bool:
+        """Whether a mixture-of-experts layer picks its experts on the host (the expert loop:
+        a device sync a layer, so no CUDA graph)."""
+        return any(
+            isinstance(layer.ffn, GptOssMoE)
+            or (isinstance(layer.ffn, SparseMoE) and layer.ffn.grouped is None)
+            for layer in self.decoder_layers()
+        )
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return cast(list[DecoderLayer], list(self.model.layers))
