@@ -54,16 +54,15 @@ def _run(engine: LLMEngine, corrupt: bool = False) -> list[list[int]]:
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, params)
-    while any(s.num_computed_tokens < len(s.token_ids) for s in engine.scheduler.running) or (
-        engine.scheduler.waiting
-    ):
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.prompt_len for s in sched.running):
         engine.step()  # prefill (in chunks of 64 tokens)
     if corrupt:  # the planted bug: every page the prompts wrote, gone
         for storage in engine.runner.kv_caches.values():
             for t in [storage] if isinstance(storage, torch.Tensor) else storage:
                 t.zero_()
         engine.runner.note_external_writes()
-    while engine.has_unfinished():
+    while engine.has_unfinished:
         engine.step()
     return [list(engine.completion(str(i)).token_ids) for i in range(len(PROMPTS))]
 
