@@ -24,6 +24,7 @@ distinct experts for the batch's tokens under uniform routing).
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import statistics
@@ -100,8 +101,6 @@ BLOCK = 16
 def random_checkpoint(config: dict[str, Any], path: Path, device: str, seed: int = 0) -> Path:
     """``config.json`` plus random bf16 weights of the engine's own model for ``config``, drawn on
     ``device`` (N(0, 0.02); norm gains in [0.5, 1.5])."""
-    import json
-
     from kvstack.engine.hf_config import ArchConfig
     from kvstack.engine.models import CausalLM
     from safetensors.torch import save_file
@@ -216,7 +215,11 @@ class Cost:
             for per_tok, win in zip(self.kv_bytes_per_token, self.windows, strict=True):
                 kv += per_tok * (min(end, win) if win else end)
             pairs += n * start + n * (n + 1) / 2  # causal (query, key) pairs
-        flops = self.dense_flops_per_token * tokens + self.attn_flops_per_pair * pairs
+        # a token passes through top_k experts of each MoE layer (2 FLOPs a weight element)
+        expert_flops = self.expert_bytes / 2 * 2 * self.top_k / max(self.num_experts, 1)
+        flops = (
+            self.dense_flops_per_token + expert_flops
+        ) * tokens + self.attn_flops_per_pair * pairs
         return self.weights(tokens) + kv, flops
 
 
@@ -274,7 +277,9 @@ def run_case(
     arrivals = (NEW_TOKENS // ARRIVE_EVERY) if mixed else 0
     seqs = batch + arrivals
     max_len = context + 4 * NEW_TOKENS
-    blocks = seqs * math.ceil(max_len / BLOCK) + 64
+    # (a hybrid model's sliding group takes blocks from the same pool: twice the full need)
+    hybrid = "sliding_window" in json.loads((model_dir / "config.json").read_text())
+    blocks = (2 if hybrid else 1) * seqs * math.ceil(max_len / BLOCK) + 64
     t0 = time.perf_counter()
     engine = LLMEngine(
         model_dir, device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, block_size=BLOCK, num_blocks=blocks,
@@ -333,7 +338,9 @@ def run_case(
             "all_steps": _fractions(times, mixed_chunks, cost, bw, peak),
         }
         out.append(rec)
-    del engine
+    # the runner and its graphs refer to each other: free the cycle before the next case allocates
+    engine.runner.graphs = None
+    del engine, graphs, cost, log
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -363,7 +370,10 @@ def bench_shape(
         info["checkpoint_write_s"] = time.perf_counter() - t
         for batch, context in cases:
             for r in run_case(model_dir, batch, context, device, bw, peak, mixed=mixed):
-                r.update({"metric": "roofline_fraction", "shape": shape, "layers": info["layers"]})
+                r.update(
+                    metric="roofline_fraction", shape=shape, layers=info["layers"],
+                    copy_bytes_per_s=bw, matmul_flops_per_s=peak,
+                )  # fmt: skip
                 print(
                     {
                         k: r[k]

@@ -57,6 +57,14 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
     if path.is_file():
         runs = json.loads(path.read_text()).get("runs", {})
     key = f"{meta['device']} / {meta['shape']} / {meta['layers']} layers"
+    # a run of other cases adds to the entry (cases measured again are replaced)
+    new = {(r["batch"], r["context"], r["phase"]) for r in records}
+    kept = [
+        r
+        for r in runs.get(key, {}).get("records", [])
+        if (r["batch"], r["context"], r["phase"]) not in new
+    ]
+    records = sorted(kept + records, key=lambda r: (r["batch"], r["context"]))
     runs[key] = {"meta": meta, "records": records}
     path.write_text(json.dumps({"runs": runs}, indent=2))
     lines = [
@@ -114,3 +122,29 @@ def _plot(path: Path, runs: dict[str, Any]) -> None:
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def merge(paths: list[Path], out_dir: Path) -> None:
+    """Fold the runs of ``engine_gpu.json`` files written on several machines (each device
+    machine writes its own) into ``out_dir``'s, through :func:`write`; a record without its
+    own bandwidth and peak takes its run's."""
+    for path in paths:
+        for run in json.loads(path.read_text())["runs"].values():
+            meta = run["meta"]
+            recs = [
+                {
+                    "copy_bytes_per_s": meta["copy_bytes_per_s"],
+                    "matmul_flops_per_s": meta["matmul_flops_per_s"],
+                    **r,
+                }
+                for r in run["records"]
+            ]
+            write(out_dir, recs, meta)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="merge engine_gpu.json files into --out's")
+    ap.add_argument("files", type=Path, nargs="+")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    merge(args.files, args.out)

@@ -43,9 +43,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {n: make_hf_checkpoint(n, root / n, seed=1) for n in ("mimo_v2_flash", "deepseek_v3")}
 
 
-def _engine(path: Path, backend: str | None) -> LLMEngine:
+def _engine(path: Path, backend: str | None, dtype: torch.dtype = torch.bfloat16) -> LLMEngine:
     return LLMEngine(
-        path, device="cuda", dtype=torch.bfloat16, block_size=16, num_blocks=64,
+        path, device="cuda", dtype=dtype, block_size=16, num_blocks=64,
         max_model_len=128, max_num_batched_tokens=64, backend=backend,
     )  # fmt: skip
 
@@ -67,38 +67,51 @@ def _run(engine: LLMEngine, corrupt: bool = False) -> list[list[int]]:
     return [list(engine.completion(str(i)).token_ids) for i in range(len(PROMPTS))]
 
 
-def _failures(engine: LLMEngine, outs: list[list[int]]) -> list[int]:
+def _failures(
+    engine: LLMEngine, outs: list[list[int]], atol: float = ATOL
+) -> list[tuple[int, float]]:
+    """(prompt, largest logit gap of a chosen token below the best) of every prompt whose tokens
+    the dense forward does not pick within ``ATOL``. The dense forward takes the absorbed MLA
+    form where the engine caches latents (the same arithmetic, so only rounding differs)."""
     model = engine.runner.model
     bad = []
     for i, (prompt, toks) in enumerate(zip(PROMPTS, outs, strict=True)):
         seq = torch.tensor(prompt + toks[:-1], device="cuda")
-        ref = model.forward_dense(seq)[len(prompt) - 1 :].float().cpu()
-        if not check_greedy(ref, toks, atol=ATOL).ok:
-            bad.append(i)
+        ref = model.forward_dense(seq, mla_latent=engine.runner.mla_latent)
+        ref = ref[len(prompt) - 1 :].float().cpu()
+        if not check_greedy(ref, toks, atol=atol).ok:
+            gap = ref.max(dim=-1).values - ref.gather(1, torch.tensor(toks)[:, None])[:, 0]
+            bad.append((i, round(float(gap.max()), 4)))
     return bad
 
 
+# DeepSeek-V3 runs in float32: in bf16 the tiny random model's routing flips between the engine
+# and its dense forward on rounding alone (measured on an H100 and an H200: logit gaps up to 2.0
+# on 2 of 4 prompts with TRITON_MLA, different prompts with the fused ops off, one prompt through
+# TRITON's decompressed K/V too), while TRITON_MLA's per-call conformance cases pass in bf16.
 BACKENDS = [
-    ("mimo_v2_flash", "TRITON"),
+    ("mimo_v2_flash", "TRITON", torch.bfloat16, ATOL),
     pytest.param(
-        "mimo_v2_flash", "FLASH_ATTN_DIFFKV",
+        "mimo_v2_flash", "FLASH_ATTN_DIFFKV", torch.bfloat16, ATOL,
         marks=pytest.mark.skipif(not _fa4(), reason="FlashAttention-4 is not installed"),
     ),
-    ("deepseek_v3", "TRITON_MLA"),
+    ("deepseek_v3", "TRITON_MLA", torch.float32, 1e-3),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "backend"), BACKENDS)
+@pytest.mark.parametrize(("name", "backend", "dtype", "atol"), BACKENDS)
 def test_seed_model_decodes_like_its_dense_forward(
-    ckpts: dict[str, Path], name: str, backend: str
+    ckpts: dict[str, Path], name: str, backend: str, dtype: torch.dtype, atol: float
 ) -> None:
-    engine = _engine(ckpts[name], backend)
+    engine = _engine(ckpts[name], backend, dtype)
     assert set(engine.runner.backends.values()) == {backend}, engine.runner.describe()
     if name == "deepseek_v3":
         assert engine.runner.mla_latent, engine.runner.describe()  # one latent row a token
+    if dtype != torch.float32:  # grouped experts (bf16 / fp16): MoE steps without host syncs
+        assert engine.runner.graphs is not None, engine.runner.describe()
     outs = _run(engine)
     assert all(len(o) == NEW for o in outs)
-    assert _failures(engine, outs) == [], engine.runner.describe()
+    assert _failures(engine, outs, atol) == [], engine.runner.describe()
 
 
 @pytest.mark.parametrize(

@@ -159,3 +159,24 @@ def test_provenance_falls_back_to_the_module_version(tmp_path: Path) -> None:
         env={"PYTHONPATH": str(tmp_path)}, timeout=120,
     )  # fmt: skip
     assert res.stdout.strip() == "9.9.9"
+
+
+def test_bench_engine_shape_smoke_runs_on_the_cpu(tmp_path: Path) -> None:
+    """``bench_engine.py --shape``'s code path (random checkpoint, prefill / decode / mixed
+    records, the profile summary, the report) on the CPU's smoke shape."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    subprocess.run(
+        [sys.executable, "bench_engine.py", "--shape", "llama-tiny", "--device", "cpu", "--quick",
+         "--out", str(tmp_path)],
+        cwd=bench, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    runs = json.loads((tmp_path / "engine_gpu.json").read_text())["runs"]
+    (run,) = runs.values()
+    phases = [r["phase"] for r in run["records"]]
+    assert phases == ["prefill", "decode_eager", "mixed"], phases
+    for r in run["records"]:
+        assert r["metric"] == "roofline_fraction" and 0 < r["value"] < 1.5, r
+        assert r["roofline_ms"] > 0 and r["ms_per_step"] > 0
+    eager = run["records"][1]
+    assert eager["profiled_steps"] == 8 and eager["host_ms_per_step"] > 0
+    assert (tmp_path / "engine_gpu.md").read_text().count("| 8 x 256 |") == 3
