@@ -24,6 +24,7 @@ distinct experts for the batch's tokens under uniform routing).
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import os
@@ -228,8 +229,8 @@ def _record_chunks(engine: Any) -> list[list[tuple[int, int]]]:
     log: list[list[tuple[int, int]]] = []
     schedule = engine.scheduler.schedule
 
-    def wrapped() -> Any:
-        out = schedule()
+    def wrapped(**kw: Any) -> Any:  # (ahead=: the engine one step ahead)
+        out = schedule(**kw)
         log.append([(c.start, c.num_new_tokens) for c in out.chunks])
         return out
 
@@ -237,15 +238,23 @@ def _record_chunks(engine: Any) -> list[list[tuple[int, int]]]:
     return log
 
 
-def _timed_steps(engine: Any, n: int) -> list[float]:
+def _timed_steps(engine: Any, n: int, before: Any = None) -> list[float]:
+    """Seconds of ``n`` steps run back to back (the device drained before and after; the drain
+    is added to the last step): the sum is the run's wall time. A step the engine leaves in
+    flight (``async_scheduling``) finishes inside the next call, so with ``async_scheduling=True``
+    each step's share is the next call's (the callers shift where it matters). ``before(k)``
+    runs before step k (requests arriving)."""
     device = str(engine.runner.device)
-    times = []
-    for _ in range(n):
-        sync(device)
-        t = time.perf_counter()
+    sync(device)
+    stamps = [time.perf_counter()]
+    for k in range(n):
+        if before is not None:
+            before(k)
         engine.step()
-        sync(device)
-        times.append(time.perf_counter() - t)
+        stamps.append(time.perf_counter())
+    sync(device)
+    times = [b - a for a, b in itertools.pairwise(stamps)]
+    times[-1] += time.perf_counter() - stamps[-1]
     return times
 
 
@@ -263,6 +272,35 @@ def _fractions(
         # the whole run's: sum of the steps' rooflines over the sum of their times
         "value": sum(roof) / sum(times),
         "steps": len(times),
+    }
+
+
+def _mixed_load(
+    engine: Any, log: list[list[tuple[int, int]]], base: dict[str, Any], g: torch.Generator,
+    params: Any, roof: tuple[Cost, float, float],
+) -> dict[str, Any]:  # fmt: skip
+    """The decode batch while a request of the context length arrives every ``ARRIVE_EVERY``
+    steps: the steps that prefill beside the decodes, and the whole run."""
+    cost, bw, peak = roof
+    vocab, context = engine.runner.arch.vocab_size, base["context"]
+
+    def arrive(j: int) -> None:
+        if j % ARRIVE_EVERY == 0:
+            ids = torch.randint(0, vocab, (context,), generator=g).tolist()
+            engine.add_request(f"a{j}", ids, params)
+
+    times = _timed_steps(engine, NEW_TOKENS, arrive)
+    chunks = log[-NEW_TOKENS:]
+    shift = 1 if engine.async_scheduling is True else 0  # (eager steps in flight, see above)
+    pick = [i for i, ch in enumerate(chunks[: NEW_TOKENS - shift]) if any(n > 1 for _, n in ch)]
+    picked_times = [times[i + shift] for i in pick]
+    return {
+        **base,
+        "phase": "mixed",
+        "arrive_every": ARRIVE_EVERY,
+        "async_scheduling": engine.async_scheduling,
+        **_fractions(picked_times, [chunks[i] for i in pick], cost, bw, peak),
+        "all_steps": _fractions(times, chunks, cost, bw, peak),
     }
 
 
@@ -309,35 +347,26 @@ def run_case(
         {**base, "phase": "prefill", **_fractions(pre_t, log[-len(pre_t) :], cost, bw, peak)}
     )
     graphs = engine.runner.graphs
-    for phase, on in (("decode_graphs", True), ("decode_eager", False)):
+    ahead = engine.async_scheduling
+    phases = [("decode_graphs", True, ahead), ("decode_eager", False, ahead)]
+    if ahead:  # the same steps in lockstep: what running one step ahead buys
+        phases.insert(1, ("decode_graphs_lockstep", True, False))
+    for phase, on, asynchronous in phases:
         if on and graphs is None:
             continue
         engine.runner.graphs = graphs if on else None
+        engine.async_scheduling = asynchronous
         _timed_steps(engine, 2)  # capture / settle
         t = _timed_steps(engine, NEW_TOKENS // 2)
         rec = {**base, "phase": phase, **_fractions(t, log[-len(t) :], cost, bw, peak)}
         rec.update(profile_steps(engine.step, profile, device))
         rec["replays"] = graphs.num_replays if graphs is not None else 0
+        rec["async_scheduling"] = asynchronous
         out.append(rec)
     engine.runner.graphs = graphs
+    engine.async_scheduling = ahead
     if mixed:
-        times: list[float] = []
-        mixed_chunks: list[list[tuple[int, int]]] = []
-        for j in range(NEW_TOKENS):
-            if j % ARRIVE_EVERY == 0:
-                ids = torch.randint(0, vocab, (context,), generator=g).tolist()
-                engine.add_request(f"a{j}", ids, params)
-            times += _timed_steps(engine, 1)
-            mixed_chunks.append(log[-1])
-        pick = [i for i, ch in enumerate(mixed_chunks) if any(n > 1 for _, n in ch)]
-        rec = {
-            **base,
-            "phase": "mixed",
-            "arrive_every": ARRIVE_EVERY,
-            **_fractions([times[i] for i in pick], [mixed_chunks[i] for i in pick], cost, bw, peak),
-            "all_steps": _fractions(times, mixed_chunks, cost, bw, peak),
-        }
-        out.append(rec)
+        out.append(_mixed_load(engine, log, base, g, params, (cost, bw, peak)))
     # the runner and its graphs refer to each other: free the cycle before the next case allocates
     engine.runner.graphs = None
     del engine, graphs, cost, log

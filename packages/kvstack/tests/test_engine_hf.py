@@ -97,9 +97,9 @@ def _serve(engine: LLMEngine, workload: list[tuple[int, list[int]]]) -> bool:
     chunked = False
     schedule = engine.scheduler.schedule
 
-    def spy() -> SchedulerOutput:
+    def spy(**kw: bool) -> SchedulerOutput:  # (ahead=, one step ahead)
         nonlocal chunked
-        out = schedule()
+        out = schedule(**kw)
         chunked |= any(c.end < c.seq.prompt_len for c in out.chunks)
         return out
 

@@ -17,12 +17,14 @@ __all__ = ["StepStager"]
 
 
 class StepStager:
-    """Stage ``ids`` (``[T]``) and ``rows`` (``[R]``) int64 lists on ``device``."""
+    """Stage a step's int64 lists on ``device``: ``ids`` (``[T]``), ``rows`` (``[R]``) and, one
+    step ahead (:mod:`kvstack.engine._async`), the positions of pending tokens in ``ids`` and
+    their rows in the previous step's tokens."""
 
     def __init__(self, device: torch.device, max_tokens: int, max_rows: int) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.size = max_tokens + max_rows
+        self.size = max_tokens + 3 * max_rows
         if self.cuda:
             self._host = [
                 torch.empty(self.size, dtype=torch.int64, pin_memory=True) for _ in range(2)
@@ -31,16 +33,16 @@ class StepStager:
             self._done: list[torch.cuda.Event | None] = [None, None]
             self._turn = 0
 
-    def stage(self, ids: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device tensors of ``ids`` and ``rows`` (views of a staging buffer: valid until the
-        step after next stages; on the CPU, fresh tensors)."""
+    def stage(self, *lists: list[int]) -> list[torch.Tensor]:
+        """Device tensors of ``lists`` (views of a staging buffer: valid until the step after
+        next stages; on the CPU, fresh tensors)."""
         if not self.cuda:
-            return int64_tensor(ids), int64_tensor(rows)
-        t, r = len(ids), len(rows)
-        if t + r > self.size:
+            return [int64_tensor(x) for x in lists]
+        total = sum(len(x) for x in lists)
+        if total > self.size:
             raise ValueError(
-                f"a step of {t} tokens and {r} sampled rows exceeds the staging buffer of "
-                f"{self.size} entries (max_num_batched_tokens + max_num_seqs)"
+                f"a step's {total} staged ids (tokens, sampled rows, pending tokens) exceed the "
+                f"staging buffer of {self.size} entries (max_num_batched_tokens + 3 x max_num_seqs)"
             )
         i = self._turn
         self._turn ^= 1
@@ -48,10 +50,14 @@ class StepStager:
         if done is not None:
             done.synchronize()  # (the copy two steps back: long since run in practice)
         host, dev = self._host[i], self._dev[i]
-        host[:t] = int64_tensor(ids)
-        host[t : t + r] = int64_tensor(rows)
-        dev[: t + r].copy_(host[: t + r], non_blocking=True)
+        views, at = [], 0
+        for x in lists:
+            if x:
+                host[at : at + len(x)] = int64_tensor(x)
+            views.append(dev[at : at + len(x)])
+            at += len(x)
+        dev[:at].copy_(host[:at], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
         self._done[i] = ev
-        return dev[:t], dev[t : t + r]
+        return views

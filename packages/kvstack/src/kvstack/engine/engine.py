@@ -34,16 +34,18 @@ import torch
 from kv_blocktable import KVCacheManager, Request
 from kv_blocktable.block_table import BlockTables
 
+from kvstack.engine._async import InFlight, TokenReader
 from kvstack.engine._inputs import chat_prompts, check_engine_flags, check_token_ids
 from kvstack.engine._rows import BatchRows
 from kvstack.engine._staging import StepStager
+from kvstack.engine._text import TextSide
 from kvstack.engine.connector_driver import KVConnectorDriver
 from kvstack.engine.outputs import Completion, EngineStats, TokenEvent
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams, check_keywords, make_generator, sample
-from kvstack.engine.scheduler import FinishReason, Scheduler
+from kvstack.engine.scheduler import Scheduler, Status
 from kvstack.engine.scheduler import Sequence as Seq
-from kvstack.engine.tokenizer import TextTokenizer, missing_tokenizer_reason
+from kvstack.engine.tokenizer import TextTokenizer
 
 __all__ = ["Completion", "EngineStats", "LLMEngine", "Prompt", "TokenEvent"]
 
@@ -54,7 +56,7 @@ Message: TypeAlias = Mapping[str, Any]
 #: The engine's own options (the rest go to :class:`ModelRunner`).
 _ENGINE_OPTIONS = (
     "runner", "max_num_seqs", "enable_prefix_caching", "keep_logits", "tokenizer", "warmup",
-    "kv_connector",
+    "kv_connector", "async_scheduling",
 )  # fmt: skip
 #: ModelRunner's options an engine passes on (``max_num_seqs`` is the engine's own).
 _RUNNER_OPTIONS = tuple(
@@ -64,7 +66,7 @@ _RUNNER_OPTIONS = tuple(
 )
 
 
-class LLMEngine:
+class LLMEngine(TextSide):
     """Continuous batching over one :class:`ModelRunner` (see the module docstring).
 
     ``runner`` may be given instead of ``model_dir`` (tests share one runner between engines
@@ -96,6 +98,7 @@ class LLMEngine:
         tokenizer: str | Path | Any | None = None,
         warmup: bool = True,
         kv_connector: Any = None,
+        async_scheduling: bool | str | None = None,
         **runner_kwargs: Any,
     ) -> None:
         check_keywords("LLMEngine", runner_kwargs, _ENGINE_OPTIONS + _RUNNER_OPTIONS)
@@ -132,6 +135,27 @@ class LLMEngine:
             pin_memory=runner.device.type == "cuda",
         )
         self._stager = StepStager(runner.device, runner.max_num_batched_tokens, max_num_seqs)
+        if not (
+            async_scheduling is None
+            or isinstance(async_scheduling, bool)
+            or (isinstance(async_scheduling, str) and async_scheduling == "graphs")
+        ):
+            raise TypeError(
+                f"async_scheduling={async_scheduling!r} must be None, True, False or 'graphs'"
+            )
+        #: One step ahead (:mod:`kvstack.engine._async`): ``"graphs"`` (the default on CUDA)
+        #: after steps replayed from a CUDA graph, ``True`` after every step, ``False`` never.
+        self.async_scheduling: bool | str = (
+            ("graphs" if runner.device.type == "cuda" else False)
+            if async_scheduling is None
+            else async_scheduling
+        )
+        self._reader = TokenReader(runner.device, max_num_seqs)
+        self._inflight: InFlight | None = None
+        #: Live requests whose tokens the host needs between steps (sampling, stop strings).
+        self._needs_sync: set[str] = set()
+        self._dropped = 0  # tokens of steps run past a request's stop token (or abort)
+        self._ahead = 0  # steps scheduled one ahead
         if warmup:  # (the kernels a step launches, built now rather than in the first requests)
             runner.warm_kernels(self.tables.kernel_table)
         self.eos_token_ids = frozenset(runner.arch.eos_token_ids)
@@ -156,39 +180,6 @@ class LLMEngine:
         self._computed = 0
         self._model_s = 0.0
         self._wall_s = 0.0
-
-    # -- text ----------------------------------------------------------------------------------
-
-    @property
-    def tokenizer(self) -> TextTokenizer | None:
-        """The engine's tokenizer (read on first use; None when there is none)."""
-        if not self._tokenizer_read:
-            arg = self._tokenizer_arg
-            if arg is None:
-                self._tokenizer = TextTokenizer.from_dir(self.runner.model_dir)
-            elif isinstance(arg, (str, Path)):
-                self._tokenizer = TextTokenizer.from_dir(arg)
-                if self._tokenizer is None:
-                    raise ValueError(
-                        f"LLMEngine(tokenizer={str(arg)!r}): {missing_tokenizer_reason(arg)}"
-                    )
-            else:
-                self._tokenizer = (
-                    arg
-                    if isinstance(arg, TextTokenizer)
-                    else TextTokenizer(arg, self.runner.model_dir)  # its chat template
-                )
-            self._tokenizer_read = True
-        return self._tokenizer
-
-    def _require_tokenizer(self, what: str) -> TextTokenizer:
-        tok = self.tokenizer
-        if tok is None:
-            raise ValueError(
-                f"{what} needs a tokenizer: {missing_tokenizer_reason(self.runner.model_dir)}; "
-                "or give prompts as token ids"
-            )
-        return tok
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -274,6 +265,8 @@ class LLMEngine:
             raise ValueError(f"request {rid!r} has external tokens but no external_loader is set")
         self.scheduler.add(seq)
         self._seqs[rid] = seq
+        if not params.greedy or params.stop:  # its tokens are needed on the host each step
+            self._needs_sync.add(rid)
         if isinstance(prompt, str):
             self._prompt_text[rid] = prompt
         return rid
@@ -312,6 +305,7 @@ class LLMEngine:
         return dropped
 
     def _forget(self, rid: str) -> None:
+        self._needs_sync.discard(rid)
         self._rows.release(rid)
         self._seqs.pop(rid, None)
         self._logits.pop(rid, None)
@@ -328,14 +322,31 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # -- stepping ------------------------------------------------------------------------------
 
+    def _ahead_ok(self) -> bool:
+        """Whether a step may be left in flight (:mod:`kvstack.engine._async`)."""
+        return bool(
+            self.async_scheduling
+            and not self._needs_sync
+            and not self.keep_logits
+            and self.connector is None
+            and self.external_loader is None
+        )
+
     def step(self) -> list[TokenEvent]:
-        """Schedule, run the model once, sample; the tokens generated this step."""
+        """Schedule, run the model once, sample; the tokens generated this step. One step ahead
+        (``async_scheduling``) the step is launched and left in flight, and the tokens returned
+        are the previous step's (:mod:`kvstack.engine._async`)."""
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
+        events: list[TokenEvent] = []
+        if prev is not None and not self._ahead_ok():
+            events, prev = self._resolve(prev), None
+        out = self.scheduler.schedule(ahead=prev is not None)
+        self._ahead += prev is not None
         conn = self.connector
         if conn is not None:
             conn.start_step()
@@ -344,7 +355,7 @@ class LLMEngine:
                 self._rows.release(rid)
             if conn is not None:
                 conn.idle_step()
-            return []
+            return events + (self._resolve(prev) if prev is not None else [])
         self._rows.prepare(out)
         # One pass over the chunks builds every host list (no per-chunk tensors). The positions
         # come from the tables, which derive them from the same lengths for the metadata.
@@ -353,6 +364,8 @@ class LLMEngine:
         ids: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Seq] = []
+        pending_at: list[int] = []  # rows of ids whose token is still on the device (ahead)
+        pending_src: list[int] = []  # ... and its row among the previous step's tokens
         for c in out.chunks:
             start, n = c.start, c.num_new_tokens
             end = start + n
@@ -360,10 +373,16 @@ class LLMEngine:
             seq_lens.append(end)
             tokens = c.seq.kv.token_ids
             if n == 1:  # a decode
-                ids.append(tokens[start])
+                if start < len(tokens):
+                    ids.append(tokens[start])
+                else:  # the previous step's token, not read yet: filled in on the device
+                    assert prev is not None
+                    pending_at.append(len(ids))
+                    pending_src.append(prev.row_of[id(c.seq)])
+                    ids.append(0)
             else:
                 ids += tokens[start:end]
-            if end == len(tokens):  # fed its last known token: sample a new one
+            if end >= len(tokens):  # fed its last known (or pending) token: sample a new one
                 sample_rows.append(len(ids) - 1)
                 sampled.append(c.seq)
         metadata = self.tables.build_common_metadata(len(qlens), qlens, seq_lens)
@@ -376,9 +395,29 @@ class LLMEngine:
         t1 = time.perf_counter()
         # Trusted: the metadata comes from build_common_metadata (lengths and rows checked on
         # the host) and ids, positions and sample rows from the same chunks.
-        ids_t, rows = self._stager.stage(ids, sample_rows)
+        ids_t, rows, at_t, src_t = self._stager.stage(ids, sample_rows, pending_at, pending_src)
+        if pending_at:
+            assert prev is not None
+            ids_t.index_copy_(0, at_t, prev.tokens.index_select(0, src_t))
+        graphs = self.runner.graphs
+        replays = graphs.num_replays if graphs is not None else 0
         logits = self.runner.execute_trusted(ids_t, positions, metadata, rows)  # [R_sampled, vocab]
         self._model_s += time.perf_counter() - t1
+        self._computed += len(ids)
+        replayed = graphs is not None and graphs.num_replays != replays
+        if self._ahead_ok() and (replayed or self.async_scheduling is True):
+            # leave it in flight; read the previous step's tokens meanwhile
+            dev, host, event = self._reader.launch(logits)
+            for s in sampled:
+                s.num_pending += 1
+            row_of = {id(s): r for r, s in enumerate(sampled)}
+            self._inflight = InFlight(out, sampled, dev, host, event, row_of)
+            if prev is not None:
+                events += self._resolve(prev)
+            self._wall_s += time.perf_counter() - t0
+            return events
+        if prev is not None:  # (a request that needs its tokens on the host joined this step)
+            events += self._resolve(prev)
         if conn is not None and (failed := conn.end_forward()):  # an in-step load failed
             logits, sampled = conn.recompute(failed, out.chunks, logits, sampled)
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
@@ -389,14 +428,34 @@ class LLMEngine:
         for s in sampled:
             if s.params.stop and s.request_id not in self._text_cut and self._stop_string(s):
                 finished.append(s)
-        for s in finished:
-            self._rows.release(s.request_id)
+        self._finished(finished)
         if conn is not None:
             conn.poll(s.request_id for s in finished)
-        self._generated += len(tokens)
-        self._computed += len(ids)
         self._wall_s += time.perf_counter() - t0
-        return [
+        return events + self._events(zip(sampled, tokens, strict=True))
+
+    def _resolve(self, step: InFlight) -> list[TokenEvent]:
+        """Read an in-flight step's tokens and apply them (the scheduler's update). A request
+        that finished, or was aborted, while the step ran gets no token from it."""
+        tokens = TokenReader.read(step)
+        live: list[tuple[Seq, int]] = []
+        seqs = self._seqs
+        for s, t in zip(step.sampled, tokens, strict=True):
+            s.num_pending -= 1
+            if s.status is Status.RUNNING and seqs.get(s.request_id) is s:
+                live.append((s, t))
+            else:  # finished (a stop token the step before) or aborted while it ran
+                self._dropped += 1
+        self._finished(self.scheduler.update(step.out, live))
+        return self._events(live)
+
+    def _finished(self, finished: list[Seq]) -> None:
+        for s in finished:
+            self._rows.release(s.request_id)
+            self._needs_sync.discard(s.request_id)
+
+    def _events(self, pairs: Iterable[tuple[Seq, int]]) -> list[TokenEvent]:
+        events = [
             TokenEvent(
                 s.request_id,
                 s.num_tokens - s.prompt_len - 1,
@@ -404,24 +463,10 @@ class LLMEngine:
                 s.finish_reason is not None,
                 s.finish_reason,
             )
-            for s, t in zip(sampled, tokens, strict=True)
+            for s, t in pairs
         ]
-
-    def _stop_string(self, seq: Seq) -> bool:
-        """Whether ``seq``'s decoded output now holds one of its stop strings; if so it finishes
-        (reason STOP, also when it just finished by length, as in vLLM) and its text's cut is
-        kept: before the earliest stop string, or after it with ``include_stop_str_in_output``."""
-        tok = self.tokenizer
-        assert tok is not None  # add_request required one for stop strings
-        text = tok.decode(seq.output_token_ids)
-        hits = [(i, len(s)) for s in seq.params.stop if (i := text.find(s)) >= 0]
-        if not hits:
-            return False
-        at, n = min(hits)
-        self._text_cut[seq.request_id] = at + n if seq.params.include_stop_str_in_output else at
-        was_running = seq.finish_reason is None
-        self.scheduler.finish(seq, FinishReason.STOP)
-        return was_running
+        self._generated += len(events)
+        return events
 
     def completion(self, request_id: str) -> Completion:
         """The finished request ``request_id`` (forgotten by the engine once read)."""

@@ -94,6 +94,9 @@ class Sequence:
     num_external_hit_tokens: int = 0
     #: What the connector's ``request_finished`` returned for it (a producer's transfer params).
     kv_transfer_params_out: dict[str, Any] | None = None
+    #: Tokens sampled on the device whose ids the host has not read yet (an engine one step
+    #: ahead, :mod:`kvstack.engine._async`): scheduled as if known.
+    num_pending: int = 0
     _admitted_once: bool = field(default=False, repr=False)
 
     @property
@@ -270,15 +273,29 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, ahead: bool = False) -> SchedulerOutput:
+        """The next step's chunks. ``ahead``: the previous step's tokens are still on the device
+        (``Sequence.num_pending``; :mod:`kvstack.engine._async`): requests those tokens finish by
+        their budget are left out, and nothing is preempted (the step stops at the first request
+        the pool cannot serve, and admits no one; the engine then reads the tokens and schedules
+        again)."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
-        i = self._schedule_decodes(budget, chunks)
+        seqs = self.running
+        if ahead:
+            seqs = [
+                s
+                for s in seqs
+                if not s.num_pending
+                or s.num_tokens + s.num_pending - s.prompt_len < s.params.max_new_tokens
+            ]
+        i = self._schedule_decodes(budget, chunks, seqs)
         budget -= i
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        stalled = False
+        while i < len(seqs) and budget > 0:
+            seq = seqs[i]
+            n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             rid = seq.request_id
             while True:
                 if rid in self._resync:
@@ -287,14 +304,15 @@ class Scheduler:
                     )
                 else:
                     new = self.kv.allocate_slots(seq.kv, n)
-                if new is not None:
+                if new is not None or ahead:
                     break
                 victim = self.running.pop()  # the most recently admitted goes first
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
                     break
-            if new is None:  # seq preempted itself: nothing left to free
+            if new is None:  # seq preempted itself (or, ahead, the pool is full)
+                stalled = True
                 break
             self._resync.discard(rid)
             if rid in self._new_row:  # joins after an asynchronous load: its whole row
@@ -308,7 +326,7 @@ class Scheduler:
             seq.num_computed_tokens += n
             budget -= n
             i += 1
-        if not preempted:
+        if not preempted and not stalled:
             budget = self._admit(budget, chunks)
         if not chunks and self.has_unfinished and not self.running and not self.has_pending_kv:
             seq = self.waiting[0]
@@ -321,18 +339,20 @@ class Scheduler:
         self.stats.max_usage = max(self.stats.max_usage, self.kv.usage)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
-    def _schedule_decodes(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+    def _schedule_decodes(
+        self, budget: int, chunks: list[ScheduledChunk], seqs: list[Sequence]
+    ) -> int:
         """The leading run of running requests that each compute one token (a decode step's
         whole batch) in one ``KVCacheManager.allocate_decode_slots`` call -- the same blocks as
         an ``allocate_slots`` call per request, at a fraction of the host time; returns how many
         it scheduled. It stops at the first request the pool cannot serve, which the per-request
         loop then takes (preempting as it does)."""
         run: list[Sequence] = []
-        for seq in self.running:
+        for seq in seqs:
             rid = seq.request_id
             if (
                 len(run) == budget
-                or seq.num_tokens - seq.num_computed_tokens != 1
+                or seq.num_tokens + seq.num_pending - seq.num_computed_tokens != 1
                 or rid in self._resync
                 or rid in self._new_row
             ):
