@@ -13,7 +13,7 @@ call), in the same process, at Llama-3-8B's decode shape (32 q / 8 kv heads of 1
 ``host_us``: median ``perf_counter`` time of one call over ``--iters`` back-to-back calls (the
 device drained before; the GPU does not bound it: every call here takes well under the host
 time on the device, except attention at batch 256, whose queue the host never waits on).
-``plain_us``: the same with ``KV_KERNELS_FAST_LAUNCH`` off and the call cache bypassed;
+``plain_us``: the same with ``KV_KERNELS_FAST_LAUNCH`` off and the call caches bypassed;
 ``bound``: whether the fast calls went through a bound launcher. Writes ``DIR/launch.json``
 (records with provenance) and prints one JSON line per record::
 
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _provenance import provenance  # this folder's provenance helper
-from kv_kernels import _launch, reshape_and_cache
+from kv_kernels import _call_cache, _launch, reshape_and_cache
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.fused import rms_norm, rope_and_cache, rotary_embedding, silu_and_mul
 from kv_kernels.paged_attention import paged_attention
@@ -48,19 +48,25 @@ _fast = importlib.import_module("kv_kernels.paged_attention._fast")
 _api = importlib.import_module("kv_kernels.paged_attention.api")
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _host_us(fn: Callable[[], Any], iters: int) -> float:
-    torch.cuda.synchronize()
+    _sync()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
+    _sync()
     return statistics.median(times)
 
 
-def _cases(batch: int) -> dict[str, Callable[[], Any]]:
-    dev, bf = "cuda", torch.bfloat16
+def _cases(batch: int, stub: bool = False) -> dict[str, Callable[[], Any]]:
+    """The calls at ``batch``; ``stub``: CPU tensors seen as ``cuda:0`` (``_stub_cuda``)."""
+    dev, bf = ("cpu" if stub else "cuda"), torch.bfloat16
     pages = CONTEXT // BLOCK
     layout = KVCacheLayout(
         order=LayoutOrder.LBNHC, num_layers=1, num_blocks=batch * pages + 1, num_kv_heads=HKV,
@@ -83,6 +89,13 @@ def _cases(batch: int) -> dict[str, Callable[[], Any]]:
     res = torch.randn(batch, HIDDEN, dtype=bf, device=dev)
     w = torch.randn(HIDDEN, dtype=bf, device=dev)
     gate_up = torch.randn(batch, 2 * MLP, dtype=bf, device=dev)
+    if stub:
+        from kv_kernels.testing_launch import fake_cuda
+
+        kv, table, seq_lens, qsl, q, k, v, q_dense, out, slots, positions, cos_sin = map(
+            fake_cuda, (kv, table, seq_lens, qsl, q, k, v, q_dense, out, slots, positions, cos_sin)
+        )
+        x, res, w, gate_up = map(fake_cuda, (x, res, w, gate_up))
     return {
         "paged_attention": lambda: paged_attention(
             q_dense, kv, layout, table, seq_lens, qsl, 1, max_seq_len=CONTEXT, out=out
@@ -103,11 +116,13 @@ def _measure(op: str, fn: Callable[[], Any], iters: int) -> dict[str, Any]:
     bound = sum(launcher.hits for launcher in launchers) > 0
     # plain: Triton's kernel[grid] and, for attention, the full checks and plan every call
     _launch.ENABLED, _api.lookup = False, lambda key: None  # type: ignore[attr-defined]
+    _call_cache.ENABLED = False
     try:
         fn()
         plain_us = _host_us(fn, iters)
     finally:
         _launch.ENABLED, _api.lookup = True, _fast.lookup  # type: ignore[attr-defined]
+        _call_cache.ENABLED = True
     return {"fast_us": fast_us, "plain_us": plain_us, "speedup": plain_us / fast_us, "bound": bound}
 
 
@@ -140,7 +155,14 @@ def main() -> None:
     ap.add_argument("--render", default=None, help="only write FILE.json's table as FILE.md")
     ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument(
+        "--stub-cuda", action="store_true",
+        help="no GPU: CPU tensors seen as cuda:0, launches stubbed (_stub_cuda.py); fast path only",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.stub_cuda:
+        _stub_main(200 if args.quick else args.iters)
+        return
     if args.render:
         with open(args.render) as f:
             write_md(args.render.removesuffix(".json") + ".md", json.load(f))
@@ -166,6 +188,23 @@ def main() -> None:
         with open(os.path.join(args.out, "launch.json"), "w") as f:
             json.dump({**meta, "records": records}, f, indent=1)
         write_md(os.path.join(args.out, "launch.md"), {**meta, "records": records})
+
+
+def _stub_main(iters: int) -> None:
+    """Host us per call of the CUDA path on this machine, the launches stubbed (one JSON line
+    per op and batch): to compare two versions of the host path where no GPU is at hand."""
+    from kv_kernels.testing_launch import stubbed_cuda
+
+    with stubbed_cuda():
+        for batch in (1, 64, 256):
+            for op, fn in _cases(batch, stub=True).items():
+                launchers = _launch.reset_all()
+                fn()
+                fn()  # (the first binds)
+                us = min(_host_us(fn, iters) for _ in range(3))
+                bound = sum(launcher.hits for launcher in launchers) > 0
+                rec = {"op": op, "batch": batch, "stub_us": round(us, 2), "bound": bound}
+                print(json.dumps(rec), flush=True)
 
 
 if __name__ == "__main__":

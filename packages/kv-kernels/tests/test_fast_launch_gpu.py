@@ -3,6 +3,8 @@ paged attention (the Triton decode kernel, split merge, and the sm_90 Gluon deco
 has it), the cache write and the fused ops, over several shapes and pointer alignments, with a
 call of another specialization between the bound ones. Check mode is on: each bound launch also
 runs Triton's binder and raises if the launch site's key let two specializations share a variant.
+The cache write and the fused ops' second calls are call-cache hits (kv_kernels._call_cache):
+their checks skipped, their launch plan reused, and still the bits of the uncached path.
 
     export PYTHONPATH=$(ls -d $PWD/packages/*/src | paste -sd: -)
     python3 -m pytest -q -m gpu packages/kv-kernels/tests/test_fast_launch_gpu.py
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from kv_kernels import _launch, reshape_and_cache
+from kv_kernels import _call_cache, _launch, reshape_and_cache
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.fused import rms_norm, rope_and_cache, rotary_embedding, silu_and_mul
 from kv_kernels.paged_attention import paged_attention
@@ -38,10 +40,13 @@ def _hits() -> int:
 
 
 def _plain_then_fast(run: Callable[[], torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
-    """``run`` (which returns what it wrote) with the fast path off, then twice with it on (the
-    first binds, the second goes through the bound launcher): equal bits each time."""
+    """``run`` (which returns what it wrote) with the fast path and the call caches off, then
+    twice with them on (the first validates, keeps its plan and binds, the second is a call-cache
+    hit through the bound launcher): equal bits each time."""
     monkeypatch.setattr(_launch, "ENABLED", False)
+    monkeypatch.setattr(_call_cache, "ENABLED", False)
     want = run().clone()
+    monkeypatch.setattr(_call_cache, "ENABLED", True)
     monkeypatch.setattr(_launch, "ENABLED", True)
     first = run().clone()
     hits = _hits()

@@ -14,7 +14,11 @@ import math
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode
 
+from kv_kernels._call_cache import Entry
 from kv_kernels._common import check_error_flag, layout_json, resolve_impl
+from kv_kernels.fused import _fast
+from kv_kernels.fused._fast import check_norm_overlaps
+from kv_kernels.fused._fast import overlap as _overlap
 
 __all__ = [
     "gelu_tanh_and_mul",
@@ -113,6 +117,16 @@ def rms_norm(
             bool(weight_first), impl,
         )  # fmt: skip
         return y_buf if h_buf is None else (y_buf, h_buf)
+    key = _fast.norm_key(
+        x, weight, eps, residual, out, residual_out, weight_offset, weight_first, impl
+    )
+    entry = _fast.NORM.get(key)
+    if entry is not None:  # validated before, alike in all the checks read (fused._fast)
+        if out is not None or residual_out is not None:
+            check_norm_overlaps(x, residual, out, residual_out)
+        return _fast.launch_norm(
+            x, weight, eps, residual, out, residual_out, weight_offset, weight_first, entry
+        )
     x = _tensor("x", x, "[T, D] or [T, H, D]")
     weight = _tensor("weight", weight, "[D]")
     _float("x", x)
@@ -166,19 +180,7 @@ def rms_norm(
             )
         _same_device(name, t, device)
         _unit_rows(name, t)
-    if out is not None and residual_out is not None and _overlap(out, residual_out):
-        raise ValueError(
-            "out and residual_out share memory: y would overwrite h; give them separate buffers"
-        )
-    for name, t in (("out", out), ("residual_out", residual_out)):
-        if t is None:
-            continue
-        for src_name, src in (("x", x), ("residual", residual)):
-            if src is not None and _overlap(t, src) and not _same_view(t, src):
-                raise ValueError(
-                    f"{name} partly overlaps {src_name}; it may be {src_name} itself (in place) "
-                    "or separate memory, nothing in between"
-                )
+    check_norm_overlaps(x, residual, out, residual_out)
     chosen = resolve_impl(impl, device, op="rms_norm")
     if chosen == "reference":
         from kv_kernels.fused.reference import rms_norm_reference
@@ -189,43 +191,13 @@ def rms_norm(
         if residual is not None and residual_out is not None:
             h = residual_out.copy_(h)
     else:
-        from kv_kernels.fused.triton import rms_norm_triton
-
-        y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-        h = x
-        if residual is not None:
-            h = (
-                residual_out
-                if residual_out is not None
-                else torch.empty_like(x, memory_format=torch.contiguous_format)
-            )
-        rms_norm_triton(
-            x, weight, float(eps), residual, y, h if residual is not None else None,
-            float(weight_offset), bool(weight_first),
-        )  # fmt: skip
+        entry = _fast.NORM.put(key, Entry()) if key is not None else None
+        return _fast.launch_norm(
+            x, weight, eps, residual, out, residual_out, weight_offset, weight_first, entry
+        )
     if residual is None:
         return y
     return y, h
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte spans of ``a`` and ``b`` intersect (a conservative span test)."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
-        start = t.data_ptr()
-        return start, start + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
 # ---- silu_and_mul / gelu_tanh_and_mul -------------------------------------------------------------
@@ -255,6 +227,12 @@ def _act_and_mul(
         y_buf = out if out is not None else x.new_empty(x.shape[0], x.shape[-1] // 2)
         torch.ops.kv_kernels.act_and_mul(x, y_buf, act, impl)
         return y_buf
+    key = _fast.act_key(op, x, out, impl)
+    entry = _fast.ACT.get(key)
+    if entry is not None:  # validated before, alike in all the checks read (fused._fast)
+        if out is not None and _overlap(out, x):
+            raise ValueError(f"{op}: out overlaps x; the kernel reads x while writing out")
+        return _fast.launch_act(x, out, act, entry)
     x = _tensor("x", x, "[T, 2d]")
     _float("x", x)
     if x.dim() != 2 or x.shape[1] % 2:
@@ -286,11 +264,7 @@ def _act_and_mul(
         )
         y = fn(x)
         return out.copy_(y) if out is not None else y
-    from kv_kernels.fused.triton import act_and_mul_triton
-
-    y = out if out is not None else torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
-    act_and_mul_triton(x, y, act)
-    return y
+    return _fast.launch_act(x, out, act, _fast.ACT.put(key, Entry()) if key is not None else None)
 
 
 # ---- rotary embedding ------------------------------------------------------------------------------
@@ -360,6 +334,11 @@ def rotary_embedding(
             positions, q, k, cos_sin_cache, bool(is_neox), rd, impl, error_flag
         )
         return
+    key = _fast.rope_key(positions, q, k, cos_sin_cache, is_neox, rotary_dim, impl, error_flag)
+    entry = _fast.ROPE.get(key)
+    if entry is not None:  # validated before, alike in all the checks read (fused._fast)
+        _fast.launch_rope(positions, q, k, cos_sin_cache, is_neox, entry.static, error_flag, entry)
+        return
     rotary_dim = _check_rope(positions, q, k, cos_sin_cache, rotary_dim)
     device = q.device
     check_error_flag(error_flag, device, op="rotary_embedding")
@@ -374,9 +353,8 @@ def rotary_embedding(
         # padding (or, on CUDA, unchecked positions): rotate the live tokens only
         _reference_masked(positions, q, k, cos_sin_cache, is_neox, rotary_dim)
         return
-    from kv_kernels.fused.triton import rotary_embedding_triton
-
-    rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox, rotary_dim, error_flag)
+    entry = _fast.ROPE.put(key, Entry(rotary_dim)) if key is not None else None
+    _fast.launch_rope(positions, q, k, cos_sin_cache, is_neox, rotary_dim, error_flag, entry)
 
 
 def _check_rope(
@@ -515,6 +493,17 @@ def rope_and_cache(
             layout_json(layout), bool(is_neox), rd, impl, error_flag,
         )  # fmt: skip
         return
+    key_ = _fast.rope_cache_key(
+        positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping, layout, is_neox,
+        rotary_dim, impl, error_flag,
+    )  # fmt: skip
+    entry = _fast.ROPE_CACHE.get(key_)
+    if entry is not None:  # validated before, alike in all the checks read (fused._fast)
+        _fast.launch_rope_cache(
+            positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping, layout, is_neox,
+            entry.static[0], error_flag, entry,
+        )  # fmt: skip
+        return
     from kv_kernels.reshape_and_cache.api import _validate as validate_cache_write
 
     if not isinstance(layout, KVCacheLayout):
@@ -550,10 +539,9 @@ def rope_and_cache(
         )  # fmt: skip
         reshape_and_cache(key, value, kv_cache, slot_mapping, layout, impl="reference")
         return
-    from kv_kernels.fused.triton import rope_and_cache_triton
-
-    v_offset = layout.v_range[0] if layout.v_range is not None else 0
-    rope_and_cache_triton(
-        positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping, v_offset, is_neox,
-        rotary_dim, error_flag,
+    # (the entry holds the layout in static: its id is in the key)
+    entry = _fast.ROPE_CACHE.put(key_, Entry((rotary_dim, layout))) if key_ is not None else None
+    _fast.launch_rope_cache(
+        positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping, layout, is_neox,
+        rotary_dim, error_flag, entry,
     )  # fmt: skip

@@ -14,28 +14,35 @@ launches per tensor. Each fused kernel reads its inputs once and writes its outp
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from kv_kernels._launch import FastLauncher, align_bits, int_class
+from kv_kernels.fused._configs import (
+    NormConfig,
+    RopeConfig,
+    _row_strides,
+    norm_config,
+    rope_config,
+)
 
 __all__ = [
+    "NormConfig",
+    "RopeConfig",
     "act_and_mul_triton",
     "norm_config",
     "rms_norm_triton",
     "rope_and_cache_triton",
+    "rope_config",
     "rotary_embedding_triton",
 ]
 
 #: Largest row the norm kernel holds in registers at once (elements): 32768 (a 16-warp program
 #: keeps 64 float32 per thread per live value). Wider rows raise in the api.
 MAX_NORM_WIDTH = 32768
-#: Elements a norm program covers when rows are narrow (q/k norms: 128-wide rows, many of them):
-#: several rows per program, so a program still moves a few KiB.
-_NORM_TILE = 4096
 #: Columns of one activation program (a row of the MLP's intermediate is split over programs).
 _ACT_BLOCK = 1024
 
@@ -106,31 +113,6 @@ def _rms_norm_kernel(
     )
 
 
-class NormConfig(NamedTuple):
-    """Launch parameters of the norm kernel (``norm_config`` picks them)."""
-
-    block_d: int  # next power of two of the row width
-    block_r: int  # rows per program
-    num_warps: int
-
-
-def norm_config(width: int) -> NormConfig:
-    """Whole rows per program: one row when it is at least :data:`_NORM_TILE` elements wide,
-    else as many as fill that tile; warps give each thread about 8 elements (one 16-byte vector
-    of a 16-bit row), 1 to 16."""
-    block_d = triton.next_power_of_2(width)
-    block_r = max(1, _NORM_TILE // block_d)
-    num_warps = max(1, min(16, block_d * block_r // 256))
-    return NormConfig(block_d, block_r, num_warps)
-
-
-def _row_strides(t: torch.Tensor) -> tuple[int, int]:
-    """(token stride, head stride) of a 2-D ``[T, D]`` or 3-D ``[T, H, D]`` tensor."""
-    if t.dim() == 2:
-        return t.stride(0), 0
-    return t.stride(0), t.stride(1)
-
-
 def rms_norm_triton(
     x: torch.Tensor,  # [T, D] or [T, H, D], unit last stride
     weight: torch.Tensor,  # [D], or [H, D] for 3-D x; unit last stride
@@ -140,8 +122,15 @@ def rms_norm_triton(
     h: torch.Tensor | None,  # like x: x + residual (with a residual)
     weight_offset: float,
     weight_first: bool,
+    plan_slot: Any = None,  # the api's validated call (kv_kernels._call_cache.Entry)
 ) -> None:
-    """Launch the norm; inputs are assumed validated by the api (one launch, no host sync)."""
+    """Launch the norm; inputs are assumed validated by the api (one launch, no host sync).
+    ``plan_slot``: keeps the launch plan of calls alike in everything but addresses."""
+    plan = plan_slot.plan if plan_slot is not None else None
+    if plan is not None:
+        res, hh = residual if residual is not None else x, h if h is not None else y
+        _NORM(plan.key, plan.grid, (x, res, weight, y, hh, *plan.scalars), plan.kwargs)
+        return
     width = x.shape[-1]
     rows_per_token = x.shape[1] if x.dim() == 3 else 1
     num_rows = x.shape[0] * rows_per_token
@@ -174,6 +163,7 @@ def rms_norm_triton(
         tuple(kwargs.values()), tuple(t.dtype for t in tensors), align_bits(*tensors),
         int_class(num_rows), args[6:16],
     )  # fmt: skip
+    _keep(plan_slot, grid, args[5:], kwargs, key)
     _NORM(key, grid, args, kwargs)
 
 
@@ -206,9 +196,13 @@ def _act_and_mul_kernel(
     tl.store(out_ptr + tok * out_st + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def act_and_mul_triton(x: torch.Tensor, out: torch.Tensor, act: str) -> None:
+def act_and_mul_triton(x: torch.Tensor, out: torch.Tensor, act: str, plan_slot: Any = None) -> None:
     """``out[t] = act(x[t, :d]) * x[t, d:]`` for 2-D ``x`` ``[T, 2d]`` and ``out`` ``[T, d]`` (unit
-    last strides); ``act`` is ``"silu"`` or ``"gelu_tanh"``."""
+    last strides); ``act`` is ``"silu"`` or ``"gelu_tanh"``. ``plan_slot``: as the norm's."""
+    plan = plan_slot.plan if plan_slot is not None else None
+    if plan is not None:
+        _ACT(plan.key, plan.grid, (x, out, *plan.scalars), plan.kwargs)
+        return
     num_tokens, d = out.shape
     if num_tokens == 0 or d == 0:
         return
@@ -219,6 +213,7 @@ def act_and_mul_triton(x: torch.Tensor, out: torch.Tensor, act: str) -> None:
     args = (x, out, x.stride(0), out.stride(0))
     kwargs = dict(D=d, BLOCK=block, ACT=0 if act == "silu" else 1, num_warps=num_warps)
     key = (d, block, kwargs["ACT"], num_warps, x.dtype, out.dtype, align_bits(x, out), args[2:])
+    _keep(plan_slot, grid, args[2:], kwargs, key)
     _ACT(key, grid, args, kwargs)
 
 
@@ -311,40 +306,6 @@ def _rotary_kernel(
         )  # fmt: skip
 
 
-#: Most elements of one head tile of a rotary program (32 heads x 64 pairs at head 128).
-_ROPE_TILE = 2048
-
-
-class RopeConfig(NamedTuple):
-    """Launch parameters of the rotary kernels (``rope_config`` picks them)."""
-
-    block_hq: int  # q heads per tile (the program loops over q's heads in tiles)
-    block_hk: int  # k heads per tile
-    num_warps: int
-
-
-def rope_config(
-    num_q_heads: int, num_k_heads: int, block_half: int, is_neox: bool, *, all_k: bool = False
-) -> RopeConfig:
-    """Tiles of q and k heads and the warps that give each thread one 16-byte vector (8 of 16
-    bits) of the smaller tile: a tile is ``[heads, block_half]`` (NeoX halves) or ``[heads, 2 *
-    block_half]`` (GPT-J rows). Sized by k, usually the smaller (8 kv heads against 32 q heads:
-    with warps for q's tile a thread held 2 of k's elements and k moved 4 bytes at a time), but
-    never under 512 elements; q then loops over tiles of that size. ``all_k``: every k head in one tile (the cache write).
-    """
-    width = block_half if is_neox else 2 * block_half
-    q_tile = triton.next_power_of_2(num_q_heads) * width
-    k_heads = triton.next_power_of_2(max(num_k_heads, 1))
-    k_tile = k_heads * width if num_k_heads else q_tile
-    # k's tile, but at least 512 elements: where k is tiny (MLA's one rope head, 2 kv heads) q
-    # is most of the bytes, and q keeps 16-byte vectors over two warps
-    tile = max(width, min(q_tile, max(k_tile, 512), _ROPE_TILE))
-    num_warps = max(1, min(8, tile // 256))
-    block_hq = max(1, tile // width)
-    block_hk = k_heads if all_k else max(1, min(k_heads, _ROPE_TILE // width))
-    return RopeConfig(block_hq, block_hk, num_warps)
-
-
 def rotary_embedding_triton(
     positions: torch.Tensor,  # [T] int32 / int64
     q: torch.Tensor,  # [T', Hq, D], unit last stride
@@ -353,8 +314,15 @@ def rotary_embedding_triton(
     is_neox: bool,
     rotary_dim: int,
     error_flag: torch.Tensor | None,
+    plan_slot: Any = None,  # (as the norm's)
 ) -> None:
     """One launch, one program per token rotating all its q heads, then its k heads."""
+    plan = plan_slot.plan if plan_slot is not None else None
+    if plan is not None:
+        err = error_flag if error_flag is not None else positions
+        tensors = (positions, q, k if k is not None else q, cos_sin_cache, err)
+        _ROPE(plan.key, plan.grid, (*tensors, *plan.scalars), plan.kwargs)
+        return
     num_tokens = positions.numel()
     if num_tokens == 0:
         return
@@ -383,6 +351,7 @@ def rotary_embedding_triton(
     key = (
         tuple(kwargs.values()), tuple(t.dtype for t in tensors), align_bits(*tensors), args[5:],
     )  # fmt: skip
+    _keep(plan_slot, (num_tokens,), args[5:], kwargs, key)
     _ROPE(key, (num_tokens,), args, kwargs)
 
 
@@ -543,8 +512,15 @@ def rope_and_cache_triton(
     is_neox: bool,
     rotary_dim: int,
     error_flag: torch.Tensor | None,
+    plan_slot: Any = None,  # (as the norm's)
 ) -> None:
     """One launch, one program per token (validated by the api)."""
+    plan = plan_slot.plan if plan_slot is not None else None
+    if plan is not None:
+        err = error_flag if error_flag is not None else slot_mapping
+        tensors = (positions, slot_mapping, q, key, value, cos_sin_cache, kv_cache, err)
+        _ROPE_CACHE(plan.key, plan.grid, (*tensors, *plan.scalars), plan.kwargs)
+        return
     num_tokens = positions.numel()
     if num_tokens == 0:
         return
@@ -582,7 +558,25 @@ def rope_and_cache_triton(
     launch_key = (
         tuple(kwargs.values()), tuple(t.dtype for t in tensors), align_bits(*tensors), args[8:],
     )  # fmt: skip
+    _keep(plan_slot, (num_tokens,), args[8:], kwargs, launch_key)
     _ROPE_CACHE(launch_key, (num_tokens,), args, kwargs)
+
+
+class _Plan(NamedTuple):
+    """A launch's decisions from shapes, strides, dtypes, alignments and options (not from
+    addresses): kept per validated api call (kv_kernels._call_cache), which keys on all of them."""
+
+    grid: tuple[int, ...]
+    scalars: tuple[Any, ...]  # the arguments after the tensors
+    kwargs: dict[str, Any]
+    key: Any  # the FastLauncher key
+
+
+def _keep(
+    slot: Any, grid: tuple[int, ...], scalars: tuple[Any, ...], kwargs: Any, key: Any
+) -> None:
+    if slot is not None:
+        slot.plan = _Plan(grid, scalars, kwargs, key)
 
 
 #: bound launches of the four kernels (kv_kernels._launch)

@@ -7,10 +7,13 @@ reference for CPU ones). Nothing falls back silently: an impl that cannot run ra
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode, to_torch_dtype
 
-from kv_kernels import _op_calls
+from kv_kernels import _call_cache, _op_calls
+from kv_kernels._call_cache import CallCache, Entry, scalar_key, tensor_key
 from kv_kernels._common import check_error_flag, check_scale, resolve_impl, scale_tensor
 
 __all__ = ["reshape_and_cache"]
@@ -64,6 +67,24 @@ def reshape_and_cache(
             error_flag=error_flag,
         )  # fmt: skip
         return
+    call_key = None
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.is_cuda:  # (only CUDA calls are kept)
+        call_key = _call_key(
+            key, value, kv_cache, slot_mapping, layout, k_scale, v_scale, impl, error_flag
+        )
+        entry = _CALLS.get(call_key) if call_key is not None else None
+        if entry is not None:
+            # validated before with inputs alike in all the checks read (kv_kernels._call_cache)
+            k_scale_t = v_scale_t = None
+            if k_scale is not None:
+                k_scale_t = scale_tensor(_rescale(k_scale), kv_cache.device)
+            if v_scale is not None:
+                v_scale_t = scale_tensor(_rescale(v_scale), kv_cache.device)
+            _triton_write()(
+                key, value, kv_cache, slot_mapping, layout, k_scale_t, v_scale_t, error_flag,
+                plan_slot=entry,
+            )  # fmt: skip
+            return
     k_scale_t, v_scale_t = _validate(key, value, kv_cache, slot_mapping, layout, k_scale, v_scale)
     chosen = _resolve_impl(impl, kv_cache)
     check_error_flag(error_flag, kv_cache.device, op="reshape_and_cache")
@@ -74,11 +95,66 @@ def reshape_and_cache(
             key, value, kv_cache, slot_mapping, layout, k_scale_t, v_scale_t
         )
     else:
+        entry = None
+        if call_key is not None:
+            entry = _CALLS.put(call_key, Entry(layout))  # (holds the layout: its id is in the key)
+        _triton_write()(
+            key, value, kv_cache, slot_mapping, layout, k_scale_t, v_scale_t, error_flag,
+            plan_slot=entry,
+        )  # fmt: skip
+
+
+#: validated CUDA calls (kv_kernels._call_cache)
+_CALLS = CallCache("reshape_and_cache")
+_TRITON: list[Any] = []
+
+
+def _triton_write() -> Any:
+    """:func:`.triton.reshape_and_cache_triton` (imported on first use)."""
+    if not _TRITON:
         from kv_kernels.reshape_and_cache.triton import reshape_and_cache_triton
 
-        reshape_and_cache_triton(
-            key, value, kv_cache, slot_mapping, layout, k_scale_t, v_scale_t, error_flag
-        )
+        _TRITON.append(reshape_and_cache_triton)
+    return _TRITON[0]
+
+
+def _call_key(
+    key: object,
+    value: object,
+    kv_cache: torch.Tensor,
+    slot_mapping: object,
+    layout: object,
+    k_scale: object,
+    v_scale: object,
+    impl: object,
+    error_flag: object,
+) -> tuple[Any, ...] | None:
+    """The call's key (kv_kernels._call_cache), or None when the cache cannot describe an input
+    (then the full path runs and raises its own error). Slot values are not in it: on CUDA no
+    check reads them (the kernel skips slots < 0 and never writes past the cache)."""
+    if not _call_cache.fast_path_allowed():
+        return None
+    try:
+        return (
+            id(layout), tensor_key(key), tensor_key(value), tensor_key(kv_cache),
+            tensor_key(slot_mapping), _scale_key(k_scale), _scale_key(v_scale),
+            scalar_key(impl), tensor_key(error_flag),
+        )  # fmt: skip
+    except (AttributeError, TypeError):
+        return None
+
+
+def _scale_key(x: object) -> Any:
+    # a tensor scale by its tensor key; a float by type and value (its check reads the value)
+    return tensor_key(x) if isinstance(x, torch.Tensor) else scalar_key(x)
+
+
+def _rescale(value: float | torch.Tensor) -> float | torch.Tensor:
+    """A checked scale as :func:`kv_kernels._common.check_scale` returns it (on CUDA it reads
+    only what the key holds: the float, or the tensor's shape, dtype and device)."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).to(torch.float32).contiguous()
+    return float(value)
 
 
 def _resolve_impl(impl: str, kv_cache: torch.Tensor) -> str:
