@@ -3,7 +3,8 @@
 The scheduler side imports without torch (stdlib + kv-spec), so a scheduler or a prefix-aware
 router gets it without a GPU stack:
 
-- :class:`Request` (+ :class:`ExtraKeys`, :class:`MultiModalHash`): id, token ids, cache scope.
+- :class:`Request` (+ :class:`ExtraKeys`, :class:`MultiModalHash`): id, token ids, cache scope;
+  :func:`append_decode_tokens` appends a decode step's sampled tokens to many requests at once.
 - :func:`hash_block_tokens`, :class:`BlockHasher`: chained block hashes, sha256 over a canonical
   encoding (default) or xxhash-128 (``docs/block_hash.md``).
 - :class:`BlockPool`: ref counts, LRU free queue, null block 0, the hash map, eviction, events.
@@ -44,7 +45,7 @@ from kv_blocktable.managers import (
     SlidingWindowManager,
 )
 from kv_blocktable.pool import NULL_BLOCK_ID, BlockPool, PrefixCacheBusyError
-from kv_blocktable.request import ExtraKeys, MultiModalHash, Request
+from kv_blocktable.request import ExtraKeys, MultiModalHash, Request, append_decode_tokens
 
 __version__ = "0.3.0"
 
@@ -71,6 +72,7 @@ __all__ = [
     "Request",
     "SlidingWindowManager",
     "__version__",
+    "append_decode_tokens",
     "encode_block",
     "event_from_dict",
     "events_from_json",

@@ -6,12 +6,12 @@ No engine types: a scheduler, a router or a test builds a :class:`Request` from 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kv_blocktable.hashing import BlockExtraKeys, BlockHasher
 
-__all__ = ["ExtraKeys", "MultiModalHash", "Request"]
+__all__ = ["ExtraKeys", "MultiModalHash", "Request", "append_decode_tokens"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,63 @@ class Request:
 
 
 _I64 = 2**63
+
+
+def append_decode_tokens(requests: Sequence[Request], token_ids: Sequence[int]) -> None:
+    """``requests[i].append_token_ids(token_ids[i])`` for every ``i`` in order — one sampled
+    token per request, a decode step's update — with the same tokens, block hashes and errors.
+
+    One loop, no call per request: each id gets ``append_token_ids``' own fast-path test (an
+    ``int``, not a bool, in the int64 range), is appended, and only a request whose token
+    completes a hash block hashes it (that block alone, inline). Anything else — an id the test
+    refuses, a request that is not exactly a :class:`Request` — runs that request's own
+    ``append_token_ids``, so a bad id raises its error, naming the request, after the requests
+    before it got their tokens, as the loop of calls would.
+
+    Speed (256 requests, 2-core EPYC): the checks inline cost less than checking the ids in
+    bulk first (a pass over their types plus an ``array('q')`` build is ~9 us; the inline test
+    ~5 us); the loop itself is about what the calls cost (~25 us), the saving is the hashing's
+    calls (16 blocks a step at block size 16).
+    """
+    # (the exact-type test first: an ABC check costs about a microsecond)
+    seqs = (list, tuple)
+    if not (type(requests) in seqs or isinstance(requests, Sequence)) or not (
+        type(token_ids) in seqs
+        or (isinstance(token_ids, Sequence) and not isinstance(token_ids, (str, bytes)))
+    ):
+        raise TypeError(
+            f"append_decode_tokens: requests ({type(requests).__name__}) and token_ids "
+            f"({type(token_ids).__name__}) must be sequences, one int token id per request"
+        )
+    if len(requests) != len(token_ids):
+        raise ValueError(
+            f"append_decode_tokens: got {len(requests)} requests but {len(token_ids)} token "
+            "ids; pass one sampled token id per request"
+        )
+    cls = Request
+    for req, t in zip(requests, token_ids, strict=True):
+        # (the int64 bounds as literals, as in append_token_ids: constants load faster)
+        if (
+            type(req) is not cls
+            or type(t) is not int
+            or not -0x8000000000000000 <= t <= 0x7FFFFFFFFFFFFFFF
+        ):
+            req.append_token_ids(t)  # its own method: a subclass's, or the error of a bad id
+            continue
+        tokens = req.token_ids
+        tokens.append(t)
+        due = req._next_hash_at
+        if len(tokens) >= due:
+            hashes = req._block_hashes
+            if len(tokens) == due and hashes and req.extra_keys is None:
+                # _extend_hashes' one-block case inline (the block this token completes,
+                # chained on the last hash): a call less for each of a step's completed blocks.
+                h = req.block_hasher
+                assert h is not None  # a due hash means a bound hasher
+                hashes.append(h._hash_next(tokens, hashes[-1], len(hashes)))
+                req._next_hash_at = due + h.block_size
+            else:
+                req._extend_hashes()
 
 
 def _iterable(token_ids: int | Iterable[int]) -> Iterable[int]:
