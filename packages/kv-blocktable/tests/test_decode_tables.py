@@ -249,3 +249,42 @@ def test_commit_copies_appended_entries_and_leaves_rows_past_n_pending() -> None
     t.commit(4)
     assert t.device_table(0)[:, :2].tolist() == [[10, 20], [11, -1], [12, -1], [13, 23]]
     assert not t._pending
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 12, 16, 24, 64])
+def test_decode_slots_for_any_block_size_equal_the_general_path(block_size: int) -> None:
+    """The decode lookup divides by shifts and masks for a power-of-two block size and by
+    ``//`` and ``%`` otherwise: both give the general path's slots and positions."""
+    gen = torch.Generator().manual_seed(block_size)
+    rows, width = 5, 6
+    tables = [
+        BlockTables(
+            [block_size],
+            [block_size],
+            rows,
+            [width],
+            max_num_batched_tokens=8,
+            num_blocks=NUM_BLOCKS,
+        )
+        for _ in range(2)
+    ]
+    ids = torch.randperm(NUM_BLOCKS - 1, generator=gen)[: rows * width].add(1).view(rows, width)
+    for t in tables:
+        for r in range(rows):
+            t.add_row(r, (ids[r].tolist(),))
+        t.commit(rows)
+    slens = torch.randint(1, width * block_size + 1, (rows,), generator=gen).tolist()
+    got = snapshot(
+        tables[0], tables[0].build_common_metadata(rows, [1] * rows, slens, pad_tokens_to=7)
+    )
+    with general_paths():
+        want = snapshot(
+            tables[1], tables[1].build_common_metadata(rows, [1] * rows, slens, pad_tokens_to=7)
+        )
+    assert got == want
+    (md,) = tables[0].build_common_metadata(rows, [1] * rows, slens)
+    by_hand = [
+        int(ids[r, (s - 1) // block_size]) * block_size + (s - 1) % block_size
+        for r, s in enumerate(slens)
+    ]
+    assert md.slot_mapping.tolist() == by_hand

@@ -131,6 +131,23 @@ def _check_integer_lengths(name: str, values: object) -> None:
 
 
 _DECODE_RANGES: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_POW2_OPERANDS: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+
+def _pow2_operands(block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(log2(block_size), block_size - 1)`` as 0-d int64 tensors for a power-of-two block
+    size, else ``None``. On the non-negative positions of a step, ``>>`` and ``&`` with these give
+    exactly ``// block_size`` and ``% block_size``, and a tensor operand skips the Python
+    scalar's wrapping: ~1 us less per op on the CPU, two ops per group of a decode step."""
+    got = _POW2_OPERANDS.get(block_size, ())
+    if got == ():
+        pow2 = block_size > 0 and block_size & (block_size - 1) == 0
+        got = _POW2_OPERANDS[block_size] = (
+            (torch.tensor(block_size.bit_length() - 1), torch.tensor(block_size - 1))
+            if pow2
+            else None
+        )
+    return got  # type: ignore[return-value]
 
 
 def _decode_ranges(num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,8 +217,10 @@ def _pure_decode_inputs(
         query_lens=ones if query_lens is None else query_lens,
         seq_lens=seq_lens,
         query_start_loc=qsl_i32,
-        seq_lens_i32=seq_lens.to(torch.int32),
-        positions=seq_lens - 1,
+        # (.int() and a tensor operand: the same values as .to(torch.int32) and `- 1`, each
+        # about half a microsecond less of torch's dispatch on a batch of a few hundred)
+        seq_lens_i32=seq_lens.int(),
+        positions=seq_lens - ones,
         token_reqs=token_reqs,
         num_tokens=num_reqs,
         padded_tokens=padded,
@@ -435,7 +454,13 @@ def decode_blocks(
     for g, bs in enumerate(block_sizes):
         if step.max_seq_len > max_blocks[g] * bs:
             return None
-        idx = torch.div(step.positions, bs, rounding_mode="floor").add_(bases[g])  # [R]
+        ops = _pow2_operands(bs)
+        col = (
+            step.positions.bitwise_right_shift(ops[0])  # positions >= 0: floor division
+            if ops is not None
+            else torch.div(step.positions, bs, rounding_mode="floor")
+        )
+        idx = col.add_(bases[g])  # [R]
         blocks = flat_table.index_select(0, idx)  # [R] int32
         if int(blocks.min()) < floor:
             return None
@@ -457,7 +482,9 @@ def decode_slot_mappings(
     for g, bs in enumerate(block_sizes):
         out = outs[g]
         # int64 arithmetic (the add promotes before it multiplies): slots overflow int32.
-        torch.add(step.positions % bs, blocks[g], alpha=bs, out=out[:n] if padded > n else out)
+        ops = _pow2_operands(bs)
+        within = step.positions.bitwise_and(ops[1]) if ops is not None else step.positions % bs
+        torch.add(within, blocks[g], alpha=bs, out=out[:n] if padded > n else out)
         if padded > n:
             out[n:] = -1
     return tuple(outs)

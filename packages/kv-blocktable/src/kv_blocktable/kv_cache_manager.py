@@ -327,12 +327,18 @@ class KVCacheManager:
         one_block = caching and not pool.enable_events
         ratio, group = m.hash_ratio, m.group_id
         prefix, block_hash, ref = pool._cache[group], pool._hash, pool._ref
-        for i, req in enumerate(requests):
+        # One new token (a decode step) fits the request's blocks without looking them up when
+        # its computed count is inside a block: a full-attention row never shrinks and holds
+        # slots for at least its computed tokens, a whole number of blocks, so it holds the rest
+        # of that block. Only a count on a block boundary needs the row's length.
+        one = n == 1
+        for req in requests:
             try:
                 owned = req._kv_owner is self
             except AttributeError:  # not a Request: allocate_slots names it
                 owned = False
             if not owned:
+                i = len(counts)  # the request's index: every request before it was counted
                 got = self.allocate_slots(req, n)
                 if got is None:
                     return DecodeSlots(i, rows, ids, counts)
@@ -342,14 +348,16 @@ class KVCacheManager:
                 counts.append(computed[req.request_id])
                 continue
             rid = req.request_id
-            done = computed[rid] + n
+            before = computed[rid]
+            done = before + n
             if done > max_len:
-                self._raise_too_long(rid, done - n, n, 0)
-            blocks = held[rid]
-            if done > len(blocks) * bs:  # past its last block's slots: new blocks
+                self._raise_too_long(rid, before, n, 0)
+            if one and before % bs:
+                pass  # inside a block: its slot is held
+            elif done > len(blocks := held[rid]) * bs:  # past its last block's slots: new blocks
                 need = -(-done // bs) - len(blocks)
                 if need > pool._num_free:
-                    return DecodeSlots(i, rows, ids, counts)
+                    return DecodeSlots(len(counts), rows, ids, counts)
                 front = pool._front
                 if need == 1 and front and not pool._num_stale:
                     # BlockPool.allocate(1)'s common case inline (the top of the stack of
@@ -362,22 +370,22 @@ class KVCacheManager:
                 else:
                     new = pool.allocate(need)
                     blocks.extend(new)
-                rows.append(i)
+                rows.append(len(counts))
                 ids.append((new,))
             computed[rid] = done
             count(done)
-            if caching:
-                # A block fills when both the computed and the known tokens reach its end:
-                # min(len(token_ids), done) // bs > cached, tested without the min and the
-                # division (most steps fill no block: one lookup and one comparison).
+            # A block fills when both the computed and the known tokens reach its end:
+            # min(len(token_ids), done) // bs > cached, tested without the min and the division
+            # (most steps fill no block: one lookup and one comparison, no locals).
+            if caching and done >= (cached[rid] + 1) * bs:
                 c = cached[rid]
                 at = (c + 1) * bs
-                if done >= at and len(req.token_ids) >= at:
+                if len(req.token_ids) >= at:
                     known = len(req.token_ids)
                     if done < known:
                         known = done
                     full = known // bs
-                    b = blocks[c]
+                    b = held[rid][c]
                     if full == c + 1 and one_block and b != NULL_BLOCK_ID:
                         h = req._block_hashes[full * ratio - 1]
                         if h not in prefix and ref[b] and block_hash[b] is None:
