@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kv_blocktable import KVCacheManager, Request
+from kv_blocktable import KVCacheManager, Request, append_decode_tokens
 
 if TYPE_CHECKING:
     from kvstack.engine.sampling import SamplingParams
@@ -567,10 +567,27 @@ class Scheduler:
         self, output: SchedulerOutput, sampled: Iterable[tuple[Sequence, int]]
     ) -> list[Sequence]:
         """Append each sampled token; finish requests that hit a stop token or their length.
-        Returns the requests that finished (their blocks are freed)."""
+        Returns the requests that finished (their blocks are freed). One batched append, then
+        the finish rules (per sequence); on an error, the pairs before it were both, as before."""
+        pairs: list[tuple[Sequence, int]] = []
+        try:
+            pairs.extend(sampled)
+        finally:  # (a strict zip that runs short gives its pairs before it raises)
+            try:  # the same tokens, hashes and errors as an append_token_ids call per sequence
+                append_decode_tokens([s.kv for s, _ in pairs], [t for _, t in pairs])
+            except Exception:  # it stopped at the first id append_token_ids refuses
+                ok = (type(t) is int and -(2**63) <= t < 2**63 for _, t in pairs)
+                self._finish_sampled(pairs[: next((i for i, g in enumerate(ok) if not g), 0)])
+                raise
+            finished = self._finish_sampled(pairs)
+        if finished:
+            done = {id(s) for s in finished}
+            self.running = [s for s in self.running if id(s) not in done]
+        return finished
+
+    def _finish_sampled(self, pairs: list[tuple[Sequence, int]]) -> list[Sequence]:
         finished: list[Sequence] = []
-        for seq, token in sampled:
-            seq.kv.append_token_ids(token)
+        for seq, token in pairs:
             if token in seq.stop_ids:
                 seq.finish_reason = FinishReason.STOP
             elif seq.kv.num_tokens - seq.prompt_len >= seq.params.max_new_tokens:
@@ -580,7 +597,4 @@ class Scheduler:
             seq.status = Status.FINISHED
             self._release(seq)
             finished.append(seq)
-        if finished:
-            done = {id(s) for s in finished}
-            self.running = [s for s in self.running if id(s) not in done]
         return finished
