@@ -169,3 +169,19 @@ def test_decode_slots_bad_input() -> None:
         mgr.allocate_decode_slots([a], 5)
     with pytest.raises(ValueError, match="another request with id 'a' is running"):
         mgr.allocate_decode_slots([Request("a", [1])])
+
+
+@pytest.mark.parametrize("max_model_len", [6, 7, 8])
+def test_decode_slots_refuse_a_token_past_max_model_len_inside_a_block(max_model_len: int) -> None:
+    """A count inside a block skips the row lookup; the length check must still run where
+    max_model_len is not a multiple of the block size (6, 7 with 4-token blocks: the request
+    sits at max_model_len mid-block), and at the boundary where it is (8)."""
+    mgr = KVCacheManager(plan({"l0": full(bs=4)}, 8, max_model_len=max_model_len))
+    a, b = Request("a", [1] * 3), Request("b", list(range(max_model_len)))
+    assert _admit(mgr, a) and _admit(mgr, b)
+    for r in (a, b):
+        r.append_token_ids(5)
+    with pytest.raises(ValueError, match=f"exceeds max_model_len={max_model_len}"):
+        mgr.allocate_decode_slots([a, b])
+    assert mgr.num_computed_tokens("a") == 4  # the request before it got its slot, as the loop
+    assert mgr.num_computed_tokens("b") == max_model_len

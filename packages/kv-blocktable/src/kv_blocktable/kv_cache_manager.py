@@ -330,8 +330,10 @@ class KVCacheManager:
         # One new token (a decode step) fits the request's blocks without looking them up when
         # its computed count is inside a block: a full-attention row never shrinks and holds
         # slots for at least its computed tokens, a whole number of blocks, so it holds the rest
-        # of that block. Only a count on a block boundary needs the row's length.
-        one = n == 1
+        # of that block. Nor can it pass max_len when that is a multiple of the block size (a
+        # running count is at most max_len, and not on a block boundary). Only a count on a
+        # boundary needs the row's length and the length check.
+        fold = n == 1 and (max_len % bs == 0 or max_len == sys.maxsize)
         for req in requests:
             try:
                 owned = req._kv_owner is self
@@ -350,10 +352,10 @@ class KVCacheManager:
             rid = req.request_id
             before = computed[rid]
             done = before + n
-            if done > max_len:
+            if fold and before % bs:
+                pass  # inside a block: its slot is held, and max_len is not passed
+            elif done > max_len:
                 self._raise_too_long(rid, before, n, 0)
-            if one and before % bs:
-                pass  # inside a block: its slot is held
             elif done > len(blocks := held[rid]) * bs:  # past its last block's slots: new blocks
                 need = -(-done // bs) - len(blocks)
                 if need > pool._num_free:
