@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -76,6 +76,25 @@ class DecodeSlots(NamedTuple):
     rows: list[int]
     new_block_ids: list[tuple[list[int], ...]]
     num_computed_tokens: list[int]
+
+
+class _ComputedCounts(Mapping[str, int]):
+    """request id -> tokens computed, read from the running requests (a read-only view)."""
+
+    def __init__(self, requests: dict[str, Request]) -> None:
+        self._requests = requests
+
+    def __getitem__(self, request_id: str) -> int:
+        return self._requests[request_id]._kv_computed
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._requests)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
 
 
 class KVCacheManager:
@@ -156,10 +175,10 @@ class KVCacheManager:
         self._single_full = len(self.managers) == 1 and type(self.managers[0]) is (
             FullAttentionManager
         )
-        #: request id -> tokens computed (or scheduled) so far.
-        self._computed: dict[str, int] = {}
         #: request id -> the running Request (its ``_kv_owner`` is this manager).
         self._requests: dict[str, Request] = {}
+        #: request id -> tokens computed (or scheduled) so far (each Request's ``_kv_computed``).
+        self._computed: Mapping[str, int] = _ComputedCounts(self._requests)
         self._empty = KVCacheBlocks(tuple(() for _ in self.managers))
 
     # -- properties ----------------------------------------------------------------------------
@@ -175,11 +194,11 @@ class KVCacheManager:
 
     @property
     def num_running_requests(self) -> int:
-        return len(self._computed)
+        return len(self._requests)
 
     def num_computed_tokens(self, request_id: str) -> int:
         rid = self._check_known(request_id, "num_computed_tokens")
-        return self._computed[rid]
+        return self._requests[rid]._kv_computed
 
     # -- prefix hits ---------------------------------------------------------------------------
 
@@ -252,7 +271,7 @@ class KVCacheManager:
             and num_new_tokens >= 0
         ):
             rid = request.request_id
-            computed = self._computed[rid]
+            computed = request._kv_computed
             done = computed + num_new_tokens
             if done > self._max_len:
                 self._raise_too_long(rid, computed, num_new_tokens, 0)
@@ -265,7 +284,7 @@ class KVCacheManager:
                     return None
                 new = self.pool.allocate(end - len(blocks))
                 blocks.extend(new)
-            self._computed[rid] = done
+            request._kv_computed = done
             if self.enable_prefix_caching:
                 known = len(request.token_ids)
                 if done < known:
@@ -350,7 +369,7 @@ class KVCacheManager:
                 counts.append(computed[req.request_id])
                 continue
             rid = req.request_id
-            before = computed[rid]
+            before = req._kv_computed
             done = before + n
             if fold and before % bs:
                 pass  # inside a block: its slot is held, and max_len is not passed
@@ -374,7 +393,7 @@ class KVCacheManager:
                     blocks.extend(new)
                 rows.append(len(counts))
                 ids.append((new,))
-            computed[rid] = done
+            req._kv_computed = done
             count(done)
             # A block fills when both the computed and the known tokens reach its end:
             # min(len(token_ids), done) // bs > cached, tested without the min and the division
@@ -431,7 +450,7 @@ class KVCacheManager:
                     "any tokens a connector loads, at most the prompt)"
                 )
         else:
-            computed = self._computed[rid]
+            computed = request._kv_computed
         if not admitting and (num_new_computed_tokens or new_computed_blocks is not None):
             raise ValueError(
                 f"request {rid!r} is running; num_new_computed_tokens={num_new_computed_tokens} "
@@ -483,7 +502,7 @@ class KVCacheManager:
                 m.remove_skipped_blocks(rid, computed)
         new = tuple(tuple(m.allocate(rid, total, computed)) for m in self.managers)
         done = computed + num_new_tokens
-        self._computed[rid] = done
+        request._kv_computed = done
         if admitting:
             self._requests[rid] = request
             request._kv_owner = self
@@ -534,7 +553,6 @@ class KVCacheManager:
         """Release every block the request holds (finished or preempted). Its cached blocks stay
         in the prefix cache until evicted, so a re-admitted request hits them."""
         rid = self._check_known(request, "free")
-        del self._computed[rid]
         self._requests.pop(rid)._kv_owner = None
         for m in self.managers:
             m.free(rid)

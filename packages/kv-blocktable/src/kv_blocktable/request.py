@@ -103,6 +103,9 @@ class Request:
     # The KVCacheManager this request is running in (None: not admitted). A manager's decode
     # fast path checks it by identity: another Request object with the same id is not this one.
     _kv_owner: object = field(default=None, init=False, repr=False)
+    # Its tokens computed (or scheduled) in that manager: the manager's count, kept here so a
+    # decode step reads and writes it as an attribute rather than by id in a dict.
+    _kv_computed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
