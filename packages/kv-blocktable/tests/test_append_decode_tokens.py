@@ -69,7 +69,7 @@ def scenario(draw: st.DrawFn) -> dict[str, Any]:
     num = draw(st.integers(1, 7))
     token = st.one_of(
         st.integers(0, 50),
-        st.sampled_from([I64_MIN, I64_MAX, I64_MIN + 1, I64_MAX - 1, -1, 0]),
+        st.sampled_from([I64_MIN, I64_MAX, I64_MIN + 1, I64_MAX - 1, -1, 0, 2**30 - 1, 2**30]),
     )
     reqs = [
         (
