@@ -18,8 +18,9 @@ through ``_vllm_side.py`` because it is installed outside this workspace — see
    that got a block, ``commit`` and ``build_common_metadata`` (slot mapping, positions, lengths: the
    metadata every attention backend takes; ``kv_blocktable.block_table``, torch, on
    ``--device`` — host time, CUDA work is async), after the step's sampled tokens are appended
-   (timed apart, and reported with them too). ``full step, per-request calls``: the same
-   with the manager called per request (the engine's scheduler today), run interleaved with it.
+   (``append_decode_tokens``, the engine's update; timed apart, and reported with them too).
+   ``full step, per-request calls``: the same with ``append_token_ids`` and the manager called
+   per request, run interleaved with it.
 
 The two sides alternate run by run (vLLM's interpreter stays up and runs one workload per
 request), so load on the shared machine falls on both alike. Throughputs are the best of
@@ -49,7 +50,7 @@ from typing import Any
 import kv_blocktable
 import kv_spec
 from _provenance import provenance
-from kv_blocktable import BlockHasher, BlockPool, KVCacheManager, Request
+from kv_blocktable import BlockHasher, BlockPool, KVCacheManager, Request, append_decode_tokens
 
 NAME = "blocktable"  # <out>/blocktable.json, .md, .png
 VLLM_SIDE = Path(__file__).with_name("_vllm_side.py")
@@ -178,9 +179,13 @@ class OursDecode:
         for _ in range(self.p["decode_chunk"]):
             tok = self.step % 100
             self.step += 1
+            toks = [tok] * n  # the last step's sampled tokens, as the engine's update has them
             t0 = time.perf_counter()
-            for req in reqs:  # the last step's sampled tokens (hashing the blocks they fill)
-                req.append_token_ids(tok)
+            if kind == "full":  # the engine's update: one batched call (hashing filled blocks)
+                append_decode_tokens(reqs, toks)
+            else:
+                for req in reqs:  # one call per request (hashing the blocks they fill)
+                    req.append_token_ids(tok)
             t1 = time.perf_counter()
             if kind == "full":
                 got = mgr.allocate_decode_slots(reqs)
@@ -388,8 +393,10 @@ def measure(
         d["full_step_steps"] = len(f_t)
         d["full_step_device"] = device
         d["full_step_how"] = (
-            "then (separately, after the manager-only steps) per step: append_token_ids(tok) "
-            "for every request (timed apart: the '_with_token_appends' figures include it); "
+            "then (separately, after the manager-only steps) per step: "
+            "append_decode_tokens(requests, tokens), the engine's batched append (the "
+            "per-request variant: append_token_ids(tok) per request), timed apart: the "
+            "'_with_token_appends' figures include it; "
             "then, timed: got = allocate_decode_slots(requests); "
             "BlockTables.append_rows(got.rows, got.new_block_ids); commit(256); "
             "build_common_metadata(256, [1] * 256, got.num_computed_tokens) — alternating "
@@ -455,7 +462,7 @@ def summarize(ours: dict[str, Any], vllm: dict[str, Any]) -> list[dict[str, Any]
             ),
             (
                 "decode_full_step_with_tokens",
-                "the 256 token appends + allocate_decode_slots",
+                "the 256 token appends (append_decode_tokens) + allocate_decode_slots",
                 d["full_step_with_token_appends_median_us"],
             ),
         ):
@@ -523,8 +530,9 @@ def write_md(path: Path, record: dict[str, Any]) -> None:
             f"{d['full_step_steps']} steps; with per-request manager calls, interleaved: median "
             f"{d['full_step_per_request_median_us']:.0f} us, min "
             f"{d['full_step_per_request_min_us']:.0f} us. With the step's 256 token appends "
-            "(append_token_ids, which hashes the blocks the tokens fill) before it: median "
-            f"{d['full_step_with_token_appends_median_us']:.0f} us (per-request manager calls: "
+            "(append_decode_tokens, which hashes the blocks the tokens fill) before it: median "
+            f"{d['full_step_with_token_appends_median_us']:.0f} us (per-request appends and "
+            "manager calls: "
             f"{d['full_step_per_request_with_token_appends_median_us']:.0f} us).",
         ]
     if "error" in record["vllm"]:
