@@ -104,7 +104,11 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
 
 
 def _plot(path: Path, runs: dict[str, Any]) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print(f"matplotlib is not installed: no {path.name} (the JSON and the table are written)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
