@@ -25,13 +25,17 @@ from kvstack._hints import install_hint
 
 __all__ = ["NEEDS", "SUITES", "add_parser", "cmd_bench", "find_root", "unmet_needs"]
 
-#: Suite name -> package folder whose ``benchmarks/bench_*.py`` it runs.
+#: Suite name -> package folder whose ``benchmarks/bench_*.py`` it runs, or ``folder:script``
+#: for one script of it (kvstack's engine, disaggregated prefill and multi-turn benchmarks are
+#: suites of their own).
 SUITES = {
     "kernels": "kv-kernels",
     "backends": "kv-backends",
     "blocktable": "kv-blocktable",
     "connectors": "kv-connectors",
-    "engine": "kvstack",
+    "engine": "kvstack:bench_engine",
+    "disagg": "kvstack:bench_disagg",
+    "multiturn": "kvstack:bench_multiturn",
 }
 
 #: What a suite needs beyond the default environment: ``"cuda"`` (a CUDA GPU), or a module
@@ -134,8 +138,9 @@ def cmd_bench(
     for suite in suites:
         if suite in reasons:
             continue
-        folder = root / "packages" / SUITES[suite] / "benchmarks"
-        found = sorted(folder.glob("bench_*.py"))
+        package, _, script = SUITES[suite].partition(":")
+        folder = root / "packages" / package / "benchmarks"
+        found = sorted(folder.glob(f"{script}.py" if script else "bench_*.py"))
         if not found:
             raise ValueError(f"suite {suite!r} has no benchmarks: no bench_*.py in {folder}")
         scripts += found
