@@ -138,9 +138,9 @@ def cmd_bench(
     for suite in suites:
         if suite in reasons:
             continue
-        package, _, script = SUITES[suite].partition(":")
+        package, _, only = SUITES[suite].partition(":")
         folder = root / "packages" / package / "benchmarks"
-        found = sorted(folder.glob(f"{script}.py" if script else "bench_*.py"))
+        found = sorted(folder.glob(f"{only}.py" if only else "bench_*.py"))
         if not found:
             raise ValueError(f"suite {suite!r} has no benchmarks: no bench_*.py in {folder}")
         scripts += found
