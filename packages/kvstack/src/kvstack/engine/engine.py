@@ -40,7 +40,7 @@ from kvstack.engine._rows import BatchRows
 from kvstack.engine._staging import StepStager
 from kvstack.engine._text import TextSide
 from kvstack.engine.connector_driver import KVConnectorDriver
-from kvstack.engine.outputs import Completion, EngineStats, TokenEvent
+from kvstack.engine.outputs import Completion, EngineStats, TokenEvent, token_events
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams, check_keywords, make_generator, sample
 from kvstack.engine.scheduler import Scheduler, Status
@@ -455,16 +455,7 @@ class LLMEngine(TextSide):
             self._needs_sync.discard(s.request_id)
 
     def _events(self, pairs: Iterable[tuple[Seq, int]]) -> list[TokenEvent]:
-        events = [
-            TokenEvent(
-                s.request_id,
-                s.num_tokens - s.prompt_len - 1,
-                t,
-                s.finish_reason is not None,
-                s.finish_reason,
-            )
-            for s, t in pairs
-        ]
+        events = token_events(pairs)
         self._generated += len(events)
         return events
 

@@ -3,15 +3,16 @@ token, one :class:`Completion` per finished request, and :class:`EngineStats` fo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvstack.engine.connector_driver import KVConnectorStats
-from kvstack.engine.scheduler import FinishReason, SchedulerStats
+from kvstack.engine.scheduler import FinishReason, SchedulerStats, Sequence
 
-__all__ = ["Completion", "EngineStats", "TokenEvent"]
+__all__ = ["Completion", "EngineStats", "TokenEvent", "token_events"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +68,17 @@ class EngineStats:
     @property
     def tokens_per_second(self) -> float:
         return self.num_generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+
+def token_events(pairs: Iterable[tuple[Sequence, int]]) -> list[TokenEvent]:
+    """One event per (request, its token just appended): the token's index among its outputs."""
+    return [
+        TokenEvent(
+            s.request_id,
+            s.num_tokens - s.prompt_len - 1,
+            t,
+            s.finish_reason is not None,
+            s.finish_reason,
+        )
+        for s, t in pairs
+    ]
