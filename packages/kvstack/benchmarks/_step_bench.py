@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _step_trace import profile_steps
+from _step_trace import host_hotspots, profile_steps
 
 #: Real shapes (transformers ``config.json`` fields; ``num_hidden_layers`` may be cut by
 #: ``--layers``).
@@ -360,6 +360,8 @@ def run_case(
         t = _timed_steps(engine, NEW_TOKENS // 2)
         rec = {**base, "phase": phase, **_fractions(t, log[-len(t) :], cost, bw, peak)}
         rec.update(profile_steps(engine.step, profile, device))
+        if not on:  # an eager step: where its host time goes
+            rec["host_hotspots"] = host_hotspots(engine.step, 3)
         rec["replays"] = graphs.num_replays if graphs is not None else 0
         rec["async_scheduling"] = asynchronous
         out.append(rec)
