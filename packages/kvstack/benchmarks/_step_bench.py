@@ -306,7 +306,7 @@ def _mixed_load(
 
 def run_case(
     model_dir: Path, batch: int, context: int, device: str, bw: float, peak: float,
-    profile: int = 8, mixed: bool = True,
+    profile: int = 8, mixed: bool = True, backend: str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """decode (graphs, eager), mixed and prefill records for ``batch`` x ``context``."""
     from kvstack.engine.engine import LLMEngine
@@ -322,7 +322,7 @@ def run_case(
     engine = LLMEngine(
         model_dir, device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, block_size=BLOCK, num_blocks=blocks,
         max_model_len=max_len, max_num_batched_tokens=8192, max_num_seqs=seqs,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, backend=backend,
     )  # fmt: skip
     startup = {"total": time.perf_counter() - t0, **engine.runner.startup_seconds}
     cost = Cost(engine)
@@ -334,7 +334,10 @@ def run_case(
         engine.add_request(
             f"r{i}", torch.randint(0, vocab, (context,), generator=g).tolist(), params
         )
-    base = {"batch": batch, "context": context, "startup_s": startup}
+    base = {
+        "batch": batch, "context": context, "startup_s": startup,
+        "backends": sorted(set(engine.runner.backends.values())),
+    }  # fmt: skip
     out: list[dict[str, Any]] = []
     # prefill: until every request decodes
     pre_t: list[float] = []
@@ -378,9 +381,19 @@ def run_case(
     return out
 
 
+def default_backend(shape: str) -> str:
+    """The backend a shape's step is measured on: TRITON_MLA for an MLA latent, else TRITON
+    (named, so that an installed FlashAttention-4 is not picked behind the figure's back)."""
+    return "TRITON_MLA" if "kv_lora_rank" in SHAPES[shape] else "TRITON"
+
+
 def bench_shape(
-    shape: str, layers: int | None, cases: list[tuple[int, int]], device: str, mixed: bool
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    shape: str, layers: int | None, cases: list[tuple[int, int]], device: str, mixed: bool,
+    backend: str | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """``backend``: ``None`` for :func:`default_backend` (on the CPU: the engine's pick)."""
+    if backend is None and device.startswith("cuda"):
+        backend = default_backend(shape)
     config = dict(SHAPES[shape])
     if layers is not None:
         config["num_hidden_layers"] = layers
@@ -393,6 +406,7 @@ def bench_shape(
         "layers": config["num_hidden_layers"],
         "copy_bytes_per_s": bw,
         "matmul_flops_per_s": peak,
+        "backend": backend,
     }
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=shm) as tmp:
@@ -400,7 +414,9 @@ def bench_shape(
         model_dir = random_checkpoint(config, Path(tmp) / shape, device)
         info["checkpoint_write_s"] = time.perf_counter() - t
         for batch, context in cases:
-            for r in run_case(model_dir, batch, context, device, bw, peak, mixed=mixed):
+            for r in run_case(
+                model_dir, batch, context, device, bw, peak, mixed=mixed, backend=backend
+            ):
                 r.update(
                     metric="roofline_fraction", shape=shape, layers=info["layers"],
                     copy_bytes_per_s=bw, matmul_flops_per_s=peak,

@@ -38,7 +38,9 @@ def main_shape(args: argparse.Namespace) -> None:
             "only the smoke test runs: --shape llama-tiny --quick)"
         )
     cases = [(8, 256)] if args.quick else _cases(args.cases)
-    records, info = bench_shape(args.shape, args.layers, cases, args.device, not args.no_mixed)
+    records, info = bench_shape(
+        args.shape, args.layers, cases, args.device, not args.no_mixed, args.backend
+    )
     meta = {
         "device": torch.cuda.get_device_name() if cuda else "CPU",
         "host": platform.processor() or platform.machine(),
@@ -71,7 +73,8 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
         "# The engine's step against the memory roofline",
         "",
         "Written by `packages/kvstack/benchmarks/bench_engine.py --shape` (random weights, "
-        "bf16, TRITON backend, 64 new tokens a request). roofline = (weight bytes + KV bytes "
+        "bf16, the backend each run names: TRITON, or TRITON_MLA for MLA shapes, unless `--backend` "
+        "said otherwise; 64 new tokens a request). roofline = (weight bytes + KV bytes "
         "read) / device-to-device copy bandwidth, or FLOPs / the dense bf16 matmul peak where "
         "larger (prefill, mixed), both measured in the same process; fraction = roofline / step "
         "time (the run's sum of rooflines over its sum of step times). GPU busy, host ms and "
@@ -83,7 +86,7 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
         lines += [
             f"## {key}",
             "",
-            f"torch {m['torch']}, copy {m['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
+            f"backend {m.get('backend') or 'picked by the engine'}, torch {m['torch']}, copy {m['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
             f"{m['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, commit {m.get('git_commit', '?')}"
             + (" (quick run)" if m.get("quick") else ""),
             "",

@@ -316,6 +316,10 @@ def main() -> None:
         help="with --shape: BATCHxCONTEXT cases, comma-separated",
     )  # fmt: skip
     ap.add_argument("--no-mixed", action="store_true", help="with --shape: skip the mixed load")
+    ap.add_argument(
+        "--backend", default=None,
+        help="with --shape: the attention backend (default TRITON, TRITON_MLA for MLA shapes)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.shape is not None:
         from _step_report import main_shape
