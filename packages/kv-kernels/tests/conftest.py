@@ -65,7 +65,7 @@ _AOT_SCRIPT = textwrap.dedent(
         try:
             compiled = aot_compile(
                 kernel, case["signature"], case["constexprs"], arch=case["arch"],
-                num_warps=case.get("num_warps", 4),
+                num_warps=case.get("num_warps", 4), num_stages=case.get("num_stages", 3),
                 divisible_by_16=tuple(case.get("divisible_by_16", ())),
             )
             ptx = compiled.asm["ptx"]
@@ -91,7 +91,7 @@ def aot_compile_checks() -> Callable[[list[dict[str, Any]]], dict[str, dict[str,
     """Compile cases for real GPU targets in one subprocess with the interpreter off.
 
     Each case: ``{"id", "module", "kernel", "signature", "constexprs", "arch", "num_warps"?,
-    "divisible_by_16"?, "count"?}``; returns ``{id: {"ok": bool, "error"?: str, "ptx_bytes"?,
+    "num_stages"? (3 if absent), "divisible_by_16"?, "count"?}``; returns ``{id: {"ok": bool, "error"?: str, "ptx_bytes"?,
     "cubin_bytes"?, "ld_v4"?, "st_v4"?, "st_v2"?, "shared"?, "counts"?}}`` (``ld_v4`` / ``st_v4``
     count 16-byte vector loads / stores in the PTX, ``shared`` is the kernel's shared memory in
     bytes, ``counts`` the matches of each ``count`` regex in the PTX).

@@ -294,8 +294,21 @@ def _mixed_load(
     shift = 1 if engine.async_scheduling is True else 0  # (eager steps in flight, see above)
     pick = [i for i, ch in enumerate(chunks[: NEW_TOKENS - shift]) if any(n > 1 for _, n in ch)]
     picked_times = [times[i + shift] for i in pick]
+    state = {"k": NEW_TOKENS}  # (request ids past the timed run's)
+
+    def step_with_arrivals() -> None:
+        arrive(state["k"])
+        state["k"] += 1
+        engine.step()
+
+    # where a mixed step's time goes: 8 more steps of the same load (2 arrivals) under the
+    # profiler, and the host's hot spots over 4 (1 arrival)
+    profiled = profile_steps(step_with_arrivals, 2 * ARRIVE_EVERY, str(engine.runner.device))
+    hot = host_hotspots(step_with_arrivals, ARRIVE_EVERY)
     return {
         **base,
+        **profiled,
+        "host_hotspots": hot,
         "phase": "mixed",
         "arrive_every": ARRIVE_EVERY,
         "async_scheduling": engine.async_scheduling,
@@ -312,7 +325,8 @@ def run_case(
     from kvstack.engine.engine import LLMEngine
     from kvstack.engine.sampling import SamplingParams
 
-    arrivals = (NEW_TOKENS // ARRIVE_EVERY) if mixed else 0
+    # the timed mixed run's arrivals, and the 3 of its profile (see _mixed_load)
+    arrivals = (NEW_TOKENS // ARRIVE_EVERY + 3) if mixed else 0
     seqs = batch + arrivals
     max_len = context + 4 * NEW_TOKENS
     # (a hybrid model's sliding group takes blocks from the same pool: twice the full need)

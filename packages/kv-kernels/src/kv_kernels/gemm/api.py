@@ -126,8 +126,8 @@ def skinny_linear(
                 f"out has stride {out.stride()} with a 0 over a dim of size > 1 (an expanded "
                 "tensor: several results at one address); pass a dense out"
             )
-        for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-            if t is not None and _overlaps(out, t):
+        for name, src in (("x", x), ("weight", weight), ("bias", bias)):
+            if src is not None and _overlaps(out, src):
                 raise ValueError(f"out overlaps {name} in memory; pass a separate out buffer")
     elem = x.element_size()
     cfg = check_config(config, elem_bytes=elem) if config is not None else None
