@@ -243,3 +243,47 @@ def test_out_overlapping_an_input_raises() -> None:
     _, w, _ = _operands(4, 6, 10, torch.float32, "cpu")
     with pytest.raises(ValueError, match="overlaps x"):
         skinny_linear(x, w, out=buf[:, 10:])
+
+
+# ---- the call cache (CUDA calls; here forced on for the interpreter's CPU tensors) ---------
+
+
+def test_call_cache_skips_checks_but_not_overlaps(monkeypatch, triton_device) -> None:
+    """A call alike a validated one skips the checks (a spy on them fails if they run) and
+    launches the stored config; the address check of ``out`` still runs per call."""
+    from kv_kernels.gemm import api
+
+    monkeypatch.setattr(api, "_call_key", api._key_of)
+    monkeypatch.setattr(api, "_CALLS", api.CallCache("test"))
+    x0, w, b = _operands(5, 33, 77, torch.float16, triton_device)
+    # x and out as column windows of one [5, 110] buffer: the overlap call below has the same key
+    buf = torch.zeros(5, 110, dtype=torch.float16, device=triton_device)
+    other = torch.zeros_like(buf)
+    buf[:, :77] = x0
+    x, out = buf[:, :77], other[:, 77:]
+    cfg = GemmConfig(16, 16, 16, 2, 4, 2)
+    first = skinny_linear(x, w, b, config=cfg, impl="triton", out=out).clone()
+    assert len(api._CALLS) == 1
+
+    def no_checks(*args: object) -> None:
+        raise AssertionError("the checks ran on a cached call")
+
+    monkeypatch.setattr(api, "unsupported_reason", no_checks)
+    out.zero_()
+    assert torch.equal(skinny_linear(x, w, b, config=cfg, impl="triton", out=out), first)
+    with pytest.raises(ValueError, match="overlaps x"):
+        skinny_linear(
+            x, w, b, config=cfg, impl="triton", out=buf[:, 77:]
+        )  # (interleaved spans: refused)
+    assert len(api._CALLS) == 1
+
+
+def test_call_key_separates_int_and_float_configs() -> None:
+    from kv_kernels.gemm import api
+
+    x, w, _ = _operands(2, 8, 16, torch.float32, "cpu")
+    a = api._key_of(x, w, None, None, GemmConfig(16, 16, 16), "auto")
+    b = api._key_of(x, w, None, None, GemmConfig(16.0, 16, 16), "auto")  # type: ignore[arg-type]
+    assert a is not None and b is not None and a != b
+    with pytest.raises(ValueError, match="block_m=16.0"):
+        skinny_linear(x, w, config=GemmConfig(16.0, 16, 16))  # type: ignore[arg-type]

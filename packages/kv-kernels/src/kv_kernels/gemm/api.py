@@ -8,12 +8,46 @@ from __future__ import annotations
 
 import torch
 
+from kv_kernels._call_cache import CallCache, Entry, fast_path_allowed, scalar_key, tensor_key
 from kv_kernels._common import resolve_impl
 from kv_kernels.gemm.configs import MAX_M, GemmConfig, check_config, pick_config
 
 __all__ = ["skinny_linear", "supports", "unsupported_reason"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+#: validated CUDA calls by what the checks and the launch read (kv_kernels._call_cache): a
+#: decode step calls each projection alike layer after layer, so the checks run once per shape
+_CALLS = CallCache("skinny_linear")
+
+
+def _call_key(x: object, weight: object, bias: object, out: object, config: object,
+              impl: object) -> tuple[object, ...] | None:  # fmt: skip
+    """The call cache's key (None: not a CUDA call, the cache off, or an input no key covers)."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and fast_path_allowed()):
+        return None
+    return _key_of(x, weight, bias, out, config, impl)
+
+
+def _key_of(x: object, weight: object, bias: object, out: object, config: object,
+            impl: object) -> tuple[object, ...] | None:  # fmt: skip
+    """Every tensor's :func:`tensor_key`, the config by its type and each field's type and
+    value (16 and 16.0 are not one config), the impl; None for what no key describes."""
+    try:
+        cfg = None if config is None else (type(config), *map(scalar_key, config))  # type: ignore[call-overload]
+        return (
+            tensor_key(x), tensor_key(weight), tensor_key(bias), tensor_key(out), cfg,
+            scalar_key(impl),
+        )  # fmt: skip
+    except (AttributeError, TypeError):
+        return None
+
+
+def _check_out_overlaps(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> None:  # fmt: skip
+    """Addresses, so run per call (never part of a cached decision)."""
+    for name, src in (("x", x), ("weight", weight), ("bias", bias)):
+        if src is not None and _overlaps(out, src):
+            raise ValueError(f"out overlaps {name} in memory; pass a separate out buffer")
 
 
 def unsupported_reason(m: int, n: int, k: int, dtype: torch.dtype) -> str | None:
@@ -77,6 +111,18 @@ def skinny_linear(
     Returns ``out``: ``[M, N]`` in ``x``'s dtype. Deterministic: with ``split_k > 1`` the K
     slices' float32 partials are summed in a fixed order by a second kernel.
     """
+    key = _call_key(x, weight, bias, out, config, impl)
+    entry = _CALLS.get(key)
+    if entry is not None:  # alike a validated call in everything the checks read
+        if out is None:
+            out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        else:
+            _check_out_overlaps(out, x, weight, bias)
+        if entry.static is None:  # (M = 0)
+            return out
+        from kv_kernels.gemm.triton import launch_skinny_linear
+
+        return launch_skinny_linear(x, weight, bias, out, entry.static)
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -126,9 +172,7 @@ def skinny_linear(
                 f"out has stride {out.stride()} with a 0 over a dim of size > 1 (an expanded "
                 "tensor: several results at one address); pass a dense out"
             )
-        for name, src in (("x", x), ("weight", weight), ("bias", bias)):
-            if src is not None and _overlaps(out, src):
-                raise ValueError(f"out overlaps {name} in memory; pass a separate out buffer")
+        _check_out_overlaps(out, x, weight, bias)
     elem = x.element_size()
     cfg = check_config(config, elem_bytes=elem) if config is not None else None
     chosen = resolve_impl(impl, device, op="skinny_linear")
@@ -140,9 +184,13 @@ def skinny_linear(
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=device)
     if m == 0:
+        if key is not None:
+            _CALLS.put(key, Entry(None))
         return out
     if cfg is None:
         cfg = pick_config(m, n, k, elem)
+    if key is not None:
+        _CALLS.put(key, Entry(cfg))
     from kv_kernels.gemm.triton import launch_skinny_linear
 
     return launch_skinny_linear(x, weight, bias, out, cfg)

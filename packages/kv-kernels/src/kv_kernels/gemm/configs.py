@@ -78,13 +78,13 @@ def check_config(cfg: object, *, elem_bytes: int = 2) -> GemmConfig:
         ("block_k", cfg.block_k, (16, 32, 64, 128, 256)),
         ("num_warps", cfg.num_warps, (1, 2, 4, 8)),
     ):
-        if isinstance(value, bool) or value not in allowed:
+        if type(value) is not int or value not in allowed:
             raise ValueError(
                 f"GemmConfig.{field}={value!r} must be one of {list(allowed)} (tl.dot takes "
                 "power-of-2 tiles of at least 16)"
             )
     for field, value, hi in (("split_k", cfg.split_k, 64), ("num_stages", cfg.num_stages, 8)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        if type(value) is not int or not 1 <= value <= hi:
             raise ValueError(f"GemmConfig.{field}={value!r} must be an int in [1, {hi}]")
     smem = shared_bytes(cfg, elem_bytes)
     if smem > SHARED_MEMORY_BUDGET:
