@@ -99,7 +99,9 @@ def compile_keys(m: int, k: int, cfg: Any) -> list[tuple[Any, ...]]:
     from kv_kernels.gemm.triton import split_geometry
 
     bm, bn, bk, split, warps, stages = cfg
-    keys = [("gemm", m == 1, bm, bn, bk, split > 1, warps, stages, split_geometry(k, cfg)[1])]
+    keys: list[tuple[Any, ...]] = [
+        ("gemm", m == 1, bm, bn, bk, split > 1, warps, stages, split_geometry(k, cfg)[1])
+    ]
     if split > 1:
         keys.append(("reduce", m == 1, split))
     return keys

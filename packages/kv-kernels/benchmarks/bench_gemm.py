@@ -40,6 +40,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 if {"--smoke", "--quick"} & set(sys.argv):
@@ -119,7 +120,7 @@ class Bench:
         def check(y: torch.Tensor, what: str) -> tuple[bool, float]:
             err = (y.float() - oracle).abs().max().item()
             ok = err <= 2 * err_blas + 1e-3
-            if not ok:
+            if not ok and what != "cublaslt":  # (cublasLt's own error is reported, not ours)
                 self.failures.append(
                     f"{case} {what}: max error {err:.3g} > 2 * cuBLAS's {err_blas:.3g} + 1e-3"
                 )
@@ -141,23 +142,21 @@ class Bench:
             err_blas = (y_blas.float() - oracle).abs().max().item()
 
             check = self._checker(f"{shape.name} M={m}", oracle, err_blas)
-            blas_us = self.time_us([lambda w=w, x=x: F.linear(x, w) for w in ws], wbytes)
+            blas_us = self.time_us([partial(F.linear, x, w) for w in ws], wbytes)
             self.record(shape, m, "cublas", blas_us, None, err=err_blas)
             if dev == "cuda":
                 prev = torch.backends.cuda.preferred_blas_library()
                 try:
                     torch.backends.cuda.preferred_blas_library("cublaslt")
                     ok, err = check(F.linear(x, w0), "cublaslt")
-                    lt_us = self.time_us([lambda w=w, x=x: F.linear(x, w) for w in ws], wbytes)
+                    lt_us = self.time_us([partial(F.linear, x, w) for w in ws], wbytes)
                 finally:
                     torch.backends.cuda.preferred_blas_library(prev)
                 self.record(shape, m, "cublaslt", lt_us, blas_us, err=err, parity=ok)
             cfg = pick_config(m, shape.n, shape.k, dt.itemsize)
             out = torch.empty(m, shape.n, dtype=dt, device=dev)
             ok, err = check(skinny_linear(x, w0), f"skinny {tuple(cfg)}")
-            sk_us = self.time_us(
-                [lambda w=w, x=x, out=out: skinny_linear(x, w, out=out) for w in ws], wbytes
-            )
+            sk_us = self.time_us([partial(skinny_linear, x, w, out=out) for w in ws], wbytes)
             self.record(shape, m, "skinny", sk_us, blas_us, err=err, parity=ok, config=list(cfg))
             if sweep:
                 self.sweep_case(shape, m, x, ws, out, check, blas_us)
@@ -174,7 +173,7 @@ class Bench:
             try:
                 ok, err = check(skinny_linear(x, ws[0], config=cfg), f"sweep {tuple(cfg)}")
                 us = self.time_us(
-                    [lambda w=w, c=cfg: skinny_linear(x, w, out=out, config=c) for w in ws], wbytes,
+                    [partial(skinny_linear, x, w, out=out, config=cfg) for w in ws], wbytes,
                     replays=3,
                 )  # fmt: skip
             except Exception as e:  # (a config that does not build: skipped, reported)
@@ -186,18 +185,18 @@ class Bench:
                 "parity": ok, "err": err,
             })  # fmt: skip
 
-    def best_table(self) -> dict[tuple[int, int, int], tuple[GemmConfig, float, float]]:
-        """Per (M bucket, N, K): the config of least summed time over the bucket's M values
-        (only configs that passed parity at every M), with its time sum and the default's."""
+    def best_table(self) -> dict[tuple[int, int, int], tuple[GemmConfig, float, int]]:
+        """Per (M bucket, N, K): ``(config, summed us, number of M values)`` of the config of
+        least summed time over the bucket's M values (a parity failure counts as infinite)."""
         sums: dict[tuple[int, int, int], dict[tuple[int, ...], list[float]]] = {}
         for r in self.sweep:
             key = (m_bucket(r["M"]), r["N"], r["K"])
-            per = sums.setdefault(key, {}).setdefault(tuple(r["config"]), [])
-            per.append(r["us"] if r["parity"] else float("inf"))
+            times = sums.setdefault(key, {}).setdefault(tuple(r["config"]), [])
+            times.append(r["us"] if r["parity"] else float("inf"))
         best = {}
-        for key, per in sums.items():
-            n_ms = max(len(v) for v in per.values())
-            full = {c: sum(v) for c, v in per.items() if len(v) == n_ms}
+        for key, by_cfg in sums.items():
+            n_ms = max(len(v) for v in by_cfg.values())
+            full = {c: sum(v) for c, v in by_cfg.items() if len(v) == n_ms}
             cfg, us = min(full.items(), key=lambda kv: kv[1])
             best[key] = (GemmConfig(*cfg), us, n_ms)
         return best
