@@ -243,13 +243,16 @@ def _timed_steps(engine: Any, n: int, before: Any = None) -> list[float]:
     is added to the last step): the sum is the run's wall time. A step the engine leaves in
     flight (``async_scheduling``) finishes inside the next call, so with ``async_scheduling=True``
     each step's share is the next call's (the callers shift where it matters). ``before(k)``
-    runs before step k (requests arriving)."""
+    runs before step k (requests arriving); when it returns true, the device is drained first
+    and the wait counted to step k - 1, so that step k's time is its own and not the finish of a
+    step left in flight before it."""
     device = str(engine.runner.device)
     sync(device)
     stamps = [time.perf_counter()]
     for k in range(n):
-        if before is not None:
-            before(k)
+        if before is not None and before(k):
+            sync(device)
+            stamps[-1] = time.perf_counter()
         engine.step()
         stamps.append(time.perf_counter())
     sync(device)
@@ -284,10 +287,12 @@ def _mixed_load(
     cost, bw, peak = roof
     vocab, context = engine.runner.arch.vocab_size, base["context"]
 
-    def arrive(j: int) -> None:
-        if j % ARRIVE_EVERY == 0:
-            ids = torch.randint(0, vocab, (context,), generator=g).tolist()
-            engine.add_request(f"a{j}", ids, params)
+    def arrive(j: int) -> bool:
+        if j % ARRIVE_EVERY:
+            return False
+        ids = torch.randint(0, vocab, (context,), generator=g).tolist()
+        engine.add_request(f"a{j}", ids, params)
+        return True
 
     times = _timed_steps(engine, NEW_TOKENS, arrive)
     chunks = log[-NEW_TOKENS:]
