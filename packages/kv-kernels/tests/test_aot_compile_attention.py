@@ -3,7 +3,7 @@
 The variants and tile configs come from ``kv_kernels.paged_attention.triton.aot_specs``, the same
 ``select_config`` the launcher uses, so CI compiles what a GPU would run (bf16 and fp8 caches,
 head sizes 64 / 128 / 192-128 / 256, kernel blocks 16 / 128 (TMA prefill tiles at 128); int8 / fp8 per-token-head caches and
-the MLA latent since issue 12), through ptxas, and checks that each
+the MLA latent since issue 12, its fp8 latent since issue 31), through ptxas, and checks that each
 fits the arch's shared memory. Compiles run in subprocesses without the interpreter (an
 interpreted kernel object cannot be compiled), two at a time.
 
@@ -54,10 +54,11 @@ _SCRIPT = textwrap.dedent(
         arch, q, cache, d, dv, bs, *variant = case
         variant = variant[0] if variant else ""
         key = f"sm{arch}-{cache}-d{d}-{dv}-n{bs}" + (f"-{variant}" if variant else "")
-        mla = variant == "mla"
+        mla = variant.startswith("mla")  # "mla": 128 heads; "mla_h16": tensor-parallel 8
         try:
             specs = aot_specs(q_dtype=DT[q], cache_dtype=DT[cache], head_size=d, head_size_v=dv,
-                              num_q_heads=128 if mla else 32, num_kv_heads=1 if mla else 8,
+                              num_q_heads=(16 if variant == "mla_h16" else 128) if mla else 32,
+                              num_kv_heads=1 if mla else 8,
                               block_size=bs, arch=arch, mla=mla,
                               scale_plane=variant.endswith("_plane"),
                               kv_quant=(variant.removesuffix("_plane")
@@ -87,6 +88,8 @@ _SCRIPT = textwrap.dedent(
                 # 1-byte pages: byte-wise shared loads (an 8-bit MMA operand read element by
                 # element) and the packed upcasts of KV_UPCAST
                 byte_lds = len(re.findall(r"ld\.shared(?:\.\w+)*\.[bsu]8\b", ptx))
+                # byte-wise global loads (a K/V tile read element by element)
+                byte_gld = len(re.findall(r"ld\.global(?:\.\w+)*\.[bsu]8\b", ptx))
                 # the KV loop's shared stores (bytes a thread) and transposed ldmatrix reads:
                 # an fp16 copy of K / V is 128 bytes a thread each per 64-token tile, and V's is
                 # read back by ldmatrix .trans
@@ -102,7 +105,7 @@ _SCRIPT = textwrap.dedent(
                                 "want_maxnreg": sp.max_registers, "tma": tma,
                                 "want_tma": bool(sp.constexprs.get("TMA")),
                                 "kv_upcast": bool(sp.constexprs.get("KV_UPCAST")),
-                                "byte_lds": byte_lds, "loop_st": loop_st,
+                                "byte_lds": byte_lds, "byte_gld": byte_gld, "loop_st": loop_st,
                                 "loop_trans": loop_trans,
                                 "k_direct": bool(sp.constexprs.get("K_DIRECT")),
                                 "v_direct": bool(sp.constexprs.get("V_DIRECT")), **upcasts}
@@ -145,6 +148,9 @@ DEFAULT = [
     # tiles upcast by PTX; e5m2's upcast is a byte permute)
     (90, "bf16", "fp8e4", 128, 128, 16),
     (90, "fp16", "fp8e5", 128, 128, 128),
+    # issue 31: DeepSeek-V3's fp8 latent at tensor-parallel 8 (16 heads: the Triton kernel's
+    # bandwidth-bound decode; the sm_90 Gluon MLA kernel serves 16-bit latents only)
+    (90, "bf16", "fp8e4", 576, 512, 64, "mla_h16"),
     # a token row of 80 + 72 bf16 (304 bytes) is 16-byte aligned only every other token: Triton
     # does not specialize its stride, so the kernel is told the 8-element alignment (ROW_ALIGN)
     (90, "bf16", "bf16", 80, 72, 16),
@@ -156,6 +162,10 @@ FULL += [
     (90, "bf16", "bf16", 576, 512, 64, "mla"),
     (80, "bf16", "bf16", 576, 512, 64, "mla"),
     (90, "fp16", "fp16", 576, 512, 16, "mla"),
+    # fp8 latents at 128 heads (no register cap: capped at 128, ptxas refused the sm_90 build)
+    (90, "bf16", "fp8e4", 576, 512, 64, "mla"),
+    (80, "bf16", "fp8e5", 576, 512, 64, "mla"),
+    (80, "bf16", "fp8e5", 576, 512, 64, "mla_h16"),
 ]
 
 
@@ -219,7 +229,15 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
             # K/V tiles read in >= 8-byte vectors: a per-token-head row (2 * 128 + 8 bytes) whose
             # alignment the kernel is not told reads byte by byte, at 0.17 of the copy (H200),
             # leaving only the q tile's 2-9 vector loads
-            assert r["wide"] >= 16, f"{_key(case)} {name}: K/V read without vector loads"
+            # (an fp8 latent's prefill tile, 16 tokens x 576 bytes over 8 warps, is 36 bytes a
+            # thread: read in vectors, but fewer 8-byte units; and no byte-wise loads)
+            fp8_latent = (
+                case[2] not in ("bf16", "fp16") and len(case) > 6 and case[6].startswith("mla")
+            )
+            min_wide = 8 if fp8_latent else 16
+            assert r["wide"] >= min_wide, f"{_key(case)} {name}: K/V read without vector loads"
+            if fp8_latent:
+                assert r["byte_gld"] == 0, f"{_key(case)} {name}: {r['byte_gld']} byte loads"
             # a register cap the launcher asks for reaches ptxas (1-byte pages: 128)
             assert r["maxnreg"] == r["want_maxnreg"], (_key(case), name, r)
             # TMA where the launcher's config asks for it (sm_90 prefill over whole-tile pages),
@@ -231,7 +249,9 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
             one_byte = case[2] not in ("bf16", "fp16")
             decode_1b = one_byte and name.startswith("attn_decode")
             assert r["kv_upcast"] == decode_1b, (name, r)
-            assert r["k_direct"] == decode_1b, (name, r)
+            # (an MLA latent keeps K's fp16 copy: V is K's own tile, read from it)
+            mla = len(case) > 6 and case[6].startswith("mla")
+            assert r["k_direct"] == (decode_1b and not mla), (name, r)
             # (V as bytes where the warps split its width in 32-column groups: head 128 over 4
             # warps; the DiffKV and head-64 configs keep V's fp16 copy)
             # per-token-head pages keep it too: their bf16 P.V has no packed byte conversion

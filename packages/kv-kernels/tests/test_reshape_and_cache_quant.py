@@ -164,6 +164,34 @@ def test_fp8_per_tensor_reference(fp8: str, per_head: bool) -> None:
     torch.testing.assert_close(stored, (key[keep] / ks).to(view.dtype).float())
 
 
+@pytest.mark.parametrize("fp8", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("scale", [0.25, "tensor1"])
+def test_fp8_per_tensor_mla_latent_reference(fp8: str, scale: float | str) -> None:
+    """An MLA latent into an fp8 per-tensor cache (issue 31): each written row is ``latent /
+    k_scale`` cast to fp8 (the one scale K and V are read with), padded slots and every other
+    byte untouched; ``v_scale`` is refused (the latent has one scale)."""
+    layout = small_layout(
+        "LBNHC", dtype=fp8, kv_quant="fp8_per_tensor", is_mla=True, heads=1, head_size=24
+    )
+    k_scale = 0.25 if scale == 0.25 else torch.tensor([0.25])
+    storage = random_storage(layout, seed=4)
+    before = raw_bytes(storage)[0]
+    view = layer_view(storage, layout, 1)
+    latent = torch.randn(9, 1, 24, generator=torch.Generator().manual_seed(2)) * 20
+    slots = make_slots(9, layout, seed=5, pad_every=4)
+    reshape_and_cache(latent, None, view, slots, layout, k_scale)
+    keep = slots >= 0
+    rows = view[slots[keep] // 4, :, slots[keep] % 4]  # [T, 1, 24] fp8
+    want = (latent[keep] / 0.25).to(view.dtype)
+    assert torch.equal(rows.view(torch.uint8), want.view(torch.uint8))
+    k, v = read_kv(view, layout, slots[keep], k_scale)
+    assert v is None and torch.equal(k, want.float() * 0.25)
+    after = raw_bytes(storage)[0]
+    assert int((after != before).sum()) <= int(keep.sum()) * 24  # nothing but those rows moved
+    with pytest.raises(ValueError, match="v_scale must be None for an MLA layout"):
+        reshape_and_cache(latent, None, view, slots, layout, k_scale, k_scale)
+
+
 def test_fp8_per_token_head_reference_and_mla() -> None:
     layout = small_layout(
         "LBHNC", dtype="fp8_e4m3", kv_quant="fp8_per_token_head", is_mla=True, heads=1, head_size=24
@@ -226,6 +254,27 @@ def test_gpu_parity_quantized(order: str, dtype: str, kv_quant: str, scales: str
         torch.testing.assert_close(
             v, v_in, rtol=rel, atol=0.05 if kv_quant == "fp8_per_tensor" else 1e-2
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("scale", ["float", "tensor1"])
+def test_gpu_parity_fp8_per_tensor_mla_latent(dtype: str, scale: str) -> None:
+    """DeepSeek-V3's 512 + 64 latent (bf16, page 64) into an fp8 per-tensor cache: the Triton
+    write bitwise against the reference, hard values included (issue 31)."""
+    layout = small_layout(
+        "LBNHC", num_layers=2, num_blocks=40, heads=1, block_size=64, head_size=576,
+        dtype=dtype, kv_quant="fp8_per_tensor", is_mla=True,
+    )  # fmt: skip
+    n = 700
+    latent = torch.randn(n, 1, 576, generator=torch.Generator().manual_seed(8)) * 30
+    latent[::7] = hard_rows(n, 1, 576, seed=8)[::7]  # every 7th row: many binades, -0.0, ...
+    latent = latent.bfloat16()
+    k_scale = 0.05 if scale == "float" else torch.tensor([0.05], device="cuda")
+    slots = make_slots(n, layout, seed=9, pad_every=11).cuda()
+    ref, tri = write_with_both_impls(layout, latent.cuda(), None, slots, k_scale)
+    for a, b in zip(raw_bytes(ref), raw_bytes(tri), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -276,25 +276,49 @@ def make_mla_batch(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     device: str = "cpu",
+    cache_dtype: str | None = None,
+    k_scale: float | torch.Tensor | None = None,
 ) -> PagedBatch:
     """An MLA decode batch: one latent row (``rank + rope`` columns) per token in a nan-poisoned
     paged cache (one KV head) written through a shuffled block table, ``num_heads`` query heads;
     the latents the test drew are kept (``latents``, float64) for :func:`mla_oracle`, and
-    ``rank`` is the ``kv_lora_rank`` to pass."""
+    ``rank`` is the ``kv_lora_rank`` to pass.
+
+    ``cache_dtype`` ``"fp8_e4m3"`` / ``"fp8_e5m2"``: an fp8 per-tensor latent cache written by
+    the reference ``reshape_and_cache`` with ``k_scale`` (kept as ``k_scale``, the one scale to
+    read it with) from float32 latents of ~4x spread; ``latents`` are then the rows as the cache
+    gives them back (``read_kv``: stored fp8 times ``k_scale``), so the oracle attends over
+    exactly what a reader must see."""
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(pages) + 3
+    fp8 = cache_dtype is not None and cache_dtype.startswith("fp8")
+    if fp8 != (k_scale is not None):
+        raise ValueError(
+            f"make_mla_batch: cache_dtype={cache_dtype!r} with k_scale={k_scale!r}; an fp8 latent "
+            "needs its k_scale and an unquantized one takes none"
+        )
     layout = KVCacheLayout(
         order=LayoutOrder.LBNHC, num_layers=1, num_blocks=num_blocks, num_kv_heads=1,
         block_size=block_size, head_size=rank + rope, head_size_v=0,
-        dtype=str(dtype).removeprefix("torch."), is_mla=True,
+        dtype=cache_dtype or str(dtype).removeprefix("torch."), is_mla=True,
+        kv_quant=KVQuantMode.FP8_PER_TENSOR if fp8 else KVQuantMode.NONE,
     )  # fmt: skip
     kv = layer_view(allocate_kv_cache(layout, device), layout, 0)
     kv.fill_(float("nan"))  # a read outside the sequence's rows shows up as nan
     table, slots_of = shuffled_pages(seq_lens, block_size, num_blocks, gen, spare_columns=2)
     latents = []
     for n, slots in zip(seq_lens, slots_of, strict=True):
-        latent = torch.randn(n, 1, rank + rope, generator=gen).to(dtype)  # [n, 1, rank + rope]
+        latent = torch.randn(n, 1, rank + rope, generator=gen)  # [n, 1, rank + rope]
+        if fp8:
+            latent = latent * 4
+            reshape_and_cache(
+                latent.to(device), None, kv, slots.to(device), layout, k_scale, impl="reference"
+            )
+            back, _ = read_kv(kv, layout, slots.to(device), k_scale)  # [n, 1, rank + rope]
+            latents.append(back.cpu().double())
+            continue
+        latent = latent.to(dtype)
         reshape_and_cache(latent.to(device), None, kv, slots.to(device), layout, impl="reference")
         latents.append(latent.double())
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -302,7 +326,7 @@ def make_mla_batch(
     return dict(
         q=q.to(device), kv=kv, layout=layout, block_table=table.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl=qsl.to(device),
-        max_query_len=max(q_lens), latents=latents, q_lens=q_lens, rank=rank,
+        max_query_len=max(q_lens), latents=latents, q_lens=q_lens, rank=rank, k_scale=k_scale,
     )  # fmt: skip
 
 

@@ -205,6 +205,22 @@ def select_config(
                 # 32 rows x 512 values over two warpgroups (64 accumulator registers a thread),
                 # 32-token tiles of the 1152-byte latent rows
                 block_m, tile_n, num_warps = max_rows, 32, 8
+        if v_from_k and elem_bytes == 1:
+            # An fp8 latent (issue 31): no register cap (MLA's programs hold a 512-wide
+            # accumulator; the cap is for 1-byte K/V pages, whose programs fit 4 an SM), and K
+            # is not read as bytes in the MMA operand's layout (``k_direct``, set below: V is
+            # K's own tile, which then reaches the P.V operand a byte at a time). Compile-time
+            # proxies, no GPU timings yet (sm_90 builds of the decode kernel, triton 3.9, bf16
+            # queries, page 64): at 16 heads the shared-memory budget gives 32-token tiles at 2
+            # stages; capped at 128 registers with K as bytes: 548 bytes a thread spilled, 256
+            # byte-wise shared loads and 1172 SASS instructions a tile in the KV loop; uncapped
+            # with K's fp16 copy (what runs): 241 registers, no spills, no byte loads, 612
+            # instructions (0.033 a KV byte; the bf16 latent's 64-token tiles: 897, 0.024), 72
+            # KiB of shared memory, so two programs an SM as the split rule assumes. At 128
+            # heads the cap made ptxas fail ("Insufficient registers (128)"); uncapped: 255
+            # registers and 352 bytes spilled, like the bf16 latent's 380. sm_80 (e5m2, 128
+            # heads): 255 registers, 812 bytes spilled (K as bytes: none, but 64 byte loads).
+            max_registers = 0
     elif kind == "prefill":
         block_m = 128 if max(d_pad, dv_pad) <= 128 else 64
         block_m = max(block_m, pow2(group))
@@ -254,7 +270,9 @@ def select_config(
         and dv_pad == head_size_v
         and block_size % tile_n == 0
     )
-    k_direct = kv_upcast  # (decode over 1-byte pages, see there)
+    # (decode over 1-byte pages, see there; not an MLA latent, whose V is K's tile: see the fp8
+    # latent above)
+    k_direct = kv_upcast and not v_from_k
     v_direct = kv_upcast and not inline_scales
     return AttentionConfig(
         block_m,

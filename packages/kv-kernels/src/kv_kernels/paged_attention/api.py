@@ -56,10 +56,11 @@ def _check_layout(layout: KVCacheLayout, kv_lora_rank: object) -> tuple[int, int
             )
         assert layout.v_range is not None
         return layout.v_range
-    if layout.kv_quant is not KVQuantMode.NONE:
+    if layout.kv_quant not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
         raise ValueError(
-            f"paged_attention over an MLA latent supports kv_quant='none' only, got "
-            f"{layout.kv_quant.value!r}; store the latent unquantized"
+            f"paged_attention over an MLA latent supports kv_quant 'none' and 'fp8_per_tensor', "
+            f"got {layout.kv_quant.value!r}; store the latent unquantized or in fp8 with one "
+            "per-tensor scale (k_scale)"
         )
     if kv_lora_rank is None:
         raise ValueError(
@@ -266,7 +267,8 @@ def paged_attention(
     - ``softcap > 0``: ``logit = softcap * tanh(logit / softcap)``, applied before ALiBi.
     - ``alibi_slopes``: ``logit += slope * (key_pos - query_pos)``.
     - fp8 caches (``kv_quant='fp8_per_tensor'``): ``k_scale`` / ``v_scale`` (float, 1-element or
-      per-kv-head ``[H]`` tensor), dequant ``stored * scale``.
+      per-kv-head ``[H]`` tensor), dequant ``stored * scale``. An fp8 MLA latent has one scale,
+      ``k_scale`` (K and V are the same stored row); ``v_scale`` must be ``None`` there.
     - per-token-head caches (``int8_per_token_head`` / ``fp8_per_token_head``): each token's K
       and V row of each head is ``stored * s`` with its float32 ``s`` read from the page
       (``layout.scale_range``, or the page's scale plane with ``layout.scale_plane``, as
@@ -275,6 +277,7 @@ def paged_attention(
       row per token (``head_size = kv_lora_rank + rope``, DeepSeek-V3: 512 + 64); K is the whole
       row, V its first ``kv_lora_rank`` columns of the same storage (no second copy), and the
       output is ``[T, Hq, kv_lora_rank]``. ``kv_lora_rank`` is required exactly for MLA layouts.
+      The latent may be unquantized or fp8 per tensor (vLLM's ``fp8_e4m3`` latent cache).
     - ``num_splits``: ``None`` lets the Triton kernel pick a KV split count (flash-decoding) for the
       batch; an int fixes it, which makes every sequence's result bit-identical whatever else is in
       the batch (batch invariance). The reference computes the exact softmax and ignores it.
@@ -299,7 +302,7 @@ def paged_attention(
     Returns ``out`` ``[T, Hq, head_size_v]`` in ``q.dtype`` and, with ``return_lse``, the float32
     log-sum-exp ``[T, Hq]`` (natural log, sinks included). A row that sees no key gets zeros and
     ``lse = -inf`` (or its sink). Rows past ``query_start_loc[-1]`` (CUDA-graph padding) are not
-    written. Unsupported: quantized MLA latents (``ValueError``).
+    written. Unsupported: per-token-head quantized MLA latents (``ValueError``).
     """
     if torch.compiler.is_compiling() and kv_lora_rank is not None:
         raise ValueError(
@@ -377,7 +380,10 @@ def paged_attention(
                     f"inline in the page (one per token and head); pass {name}=None"
                 )
     k_scale = _check_scale("k_scale", k_scale, quantized, layout.num_kv_heads, device)
-    v_scale = _check_scale("v_scale", v_scale, quantized, layout.num_kv_heads, device)
+    if quantized and layout.is_mla:
+        v_scale = _latent_v_scale(v_scale, k_scale)
+    else:
+        v_scale = _check_scale("v_scale", v_scale, quantized, layout.num_kv_heads, device)
     out = _prepare_out(out, q, head_size_v)
     impl = resolve_impl(impl, device, op="paged_attention")
     check_error_flag(error_flag, device, op="paged_attention")
@@ -420,6 +426,21 @@ def paged_attention(
     if fast_key is not None and entry is not None:
         remember(fast_key, entry)
     return result
+
+
+def _latent_v_scale(v_scale: ScaleArg, k_scale: ScaleArg) -> ScaleArg:
+    """V's dequant scale over an fp8 MLA latent: ``k_scale`` itself. The latent row is stored
+    once, as ``x / k_scale`` (``reshape_and_cache`` takes ``k_scale`` only for MLA), and K (the
+    whole row) and V (its first ``kv_lora_rank`` columns) are read from those same bytes, so
+    one scale dequantizes both; a second one could only disagree with the write."""
+    if v_scale is not None:
+        got = f"a {type(v_scale).__name__}" if isinstance(v_scale, torch.Tensor) else repr(v_scale)
+        raise ValueError(
+            f"v_scale={got} was given for an fp8 MLA latent (kv_quant='fp8_per_tensor', "
+            "is_mla=True): the latent row is stored once as x / k_scale and K and V both read "
+            "it, so its one scale is k_scale; pass v_scale=None"
+        )
+    return k_scale
 
 
 def _seq_len_ok(max_seq_len: object) -> bool:

@@ -319,6 +319,10 @@ def paged_attention_triton(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the unified kernel (and the split merge); inputs validated by the api."""
     _check_runnable(q.device)
+    if v_from_k and v_scale is None:
+        # an fp8 MLA latent: V is the row stored as x / k_scale (api._latent_v_scale; the api's
+        # fast path hands the caller's v_scale=None through)
+        v_scale = k_scale
     num_tokens, num_q_heads = q.shape[0], q.shape[1]
     lse: torch.Tensor | None = None
     if return_lse:
