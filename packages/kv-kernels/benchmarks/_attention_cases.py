@@ -13,7 +13,8 @@ Bytes counted (the query, output and block table are < 0.1% and not counted):
   (``2 * heads * (576 + 512)`` per token): at 128 heads a latent byte feeds 242 FLOPs, so 80% of
   an H200's 4.3 TB/s copy would need ~830 TFLOP/s of bf16 MMA -- compute-bound, as FlashMLA's
   own 128-head figure is. ``mla_h16`` is DeepSeek-V3 at tensor-parallel 8 (16 heads per GPU),
-  where decode is bandwidth-bound.
+  where decode is bandwidth-bound. ``mla8_*``: the same over an fp8 (e4m3) per-tensor latent,
+  ``batch * ctx * (512 + 64)`` bytes (issue 31's goal: >= 0.9 of the copy at 16 heads).
 - ``diffkv``: ``batch * ctx * H * (192 + 128) * 2``.
 - ``fp8pt``: ``batch * ctx * H * (D + Dv)`` -- fp8 per-tensor, one byte per element (the goal:
   >= 90% of the copy counted in these bytes, ~2x bf16's tokens/s).
@@ -145,16 +146,28 @@ def _fill_fp8(kv: torch.Tensor) -> None:
 
 
 def _mla(
-    batch: int, ctx: int, block: int, device: str, gen: torch.Generator, heads_tp: int = 128
+    batch: int,
+    ctx: int,
+    block: int,
+    device: str,
+    gen: torch.Generator,
+    heads_tp: int = 128,
+    fp8: bool = False,
 ) -> NewCase:
-    """``heads_tp``: DeepSeek-V3's 128 heads (one GPU) or a tensor-parallel share (16 at TP 8)."""
+    """``heads_tp``: DeepSeek-V3's 128 heads (one GPU) or a tensor-parallel share (16 at TP 8);
+    ``fp8``: the latent in fp8 e4m3 per tensor (one scale, ``k_scale``)."""
     heads, rank, rope = (8, 64, 16) if device == "cpu" else (heads_tp, 512, 64)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
+    quant = dict(dtype="fp8_e4m3", kv_quant="fp8_per_tensor") if fp8 else {}
     layout, kv, table, seq_lens, qsl = _paged(
         batch=batch, ctx=ctx, block=block, device=device, gen=gen, num_kv_heads=1,
-        head_size=rank + rope, head_size_v=0, dtype=str(dt).removeprefix("torch."), is_mla=True,
+        head_size=rank + rope, head_size_v=0, is_mla=True,
+        **{"dtype": str(dt).removeprefix("torch."), **quant},
     )  # fmt: skip
-    kv.normal_(generator=gen) if device == "cpu" else kv.normal_()
+    if fp8:
+        _fill_fp8(kv)
+    else:
+        kv.normal_(generator=gen) if device == "cpu" else kv.normal_()
     q = torch.randn(batch, heads, rank + rope, generator=gen).to(device=device, dtype=dt)
     out = torch.empty(batch, heads, rank, device=device, dtype=dt)
     scale = 1.0 / (192**0.5)  # DeepSeek-V3's softmax scale (qk_nope 128 + rope 64)
@@ -163,6 +176,7 @@ def _mla(
         return paged_attention(
             q, kv, layout, table, seq_lens, qsl, 1, out=out, max_seq_len=ctx, scale=scale,
             kv_lora_rank=rank, impl="triton", num_splits=num_splits,
+            k_scale=0.02 if fp8 else None,
         )  # fmt: skip
 
     def flashmla() -> Callable[[], Any]:
@@ -185,10 +199,16 @@ def _mla(
 
     nbytes = batch * ctx * (rank + rope) * kv.element_size()
     flops = 2 * batch * ctx * heads * (2 * rank + rope)
-    tag = "mla" if heads_tp == 128 else f"mla_h{heads}"
-    # FlashMLA serves page 64 only (and bf16 / fp16 on sm_90): the page-16 cases have no peer
-    peer = flashmla if device != "cpu" and block == 64 else None
+    tag = _mla_tag(heads_tp, fp8)
+    # FlashMLA serves page 64 only (and bf16 / fp16 on sm_90): the page-16 and fp8 cases have
+    # no peer
+    peer = flashmla if device != "cpu" and block == 64 and not fp8 else None
     return NewCase(f"{tag}_decode_b{batch}_ctx{ctx}_n{block}", nbytes, run, flops, out, peer)
+
+
+def _mla_tag(heads_tp: int, fp8: bool) -> str:
+    """``mla`` (128 heads), ``mla_h16`` (16), ``mla8`` / ``mla8_h16`` (an fp8 latent)."""
+    return ("mla8" if fp8 else "mla") + ("" if heads_tp == 128 else f"_h{heads_tp}")
 
 
 def _diffkv(batch: int, ctx: int, block: int, device: str, gen: torch.Generator) -> NewCase:
@@ -232,6 +252,10 @@ _GPU: _Table = [
     # page 16: DeepSeek-V3's spec default (kvstack backends picks TRITON_MLA at kernel block 16)
     (_mla, (64, 4096, 16)),
     (_mla, (64, 4096, 16, 16)),
+    # issue 31: an fp8 e4m3 latent at TP 8 (the goal: >= 0.9 of the copy) and on one GPU
+    (_mla, (64, 4096, 64, 16, "fp8")),
+    (_mla, (8, 32768, 64, 16, "fp8")),
+    (_mla, (64, 4096, 64, 128, "fp8")),
     (_diffkv, (64, 4096, 16)),
     (_diffkv, (8, 32768, 16)),
 ]
@@ -241,6 +265,7 @@ _SMOKE: _Table = [
     (_pth, ("int8_plane", 2, 40, 16)),
     (_fp8, (2, 40, 16)),
     (_mla, (2, 70, 64)),
+    (_mla, (2, 70, 64, 128, "fp8")),
     (_diffkv, (2, 40, 16)),
 ]
 
@@ -261,8 +286,8 @@ def new_cases(
 
 
 def _make(build: Callable[..., NewCase], args: tuple, device: str, gen: torch.Generator) -> NewCase:
-    if build is _mla and len(args) == 4:
-        return _mla(*args[:3], device, gen, heads_tp=args[3])
+    if build is _mla and len(args) >= 4:
+        return _mla(*args[:3], device, gen, heads_tp=args[3], fp8=args[4:] == ("fp8",))
     return build(*args, device, gen)
 
 
@@ -275,7 +300,7 @@ def _name_of(build: Callable[..., NewCase], args: tuple) -> str:
         return f"fp8pt_decode_b{batch}_ctx{ctx}_n{block}"
     if build is _mla:
         batch, ctx, block, *tp = args
-        tag = "mla" if not tp or tp[0] == 128 else f"mla_h{tp[0]}"
+        tag = _mla_tag(tp[0] if tp else 128, tp[1:] == ["fp8"])
         return f"{tag}_decode_b{batch}_ctx{ctx}_n{block}"
     batch, ctx, block = args
     return f"diffkv_decode_b{batch}_ctx{ctx}_n{block}"

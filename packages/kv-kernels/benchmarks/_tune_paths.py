@@ -35,6 +35,14 @@ SWEEP: dict[str, list[tuple[int, ...]]] = {
         (16, 16, 4, 4, 128), (16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 3),
         (16, 16, 4, 4),
     ],
+    # issue 31: the fp8 latent at 16 heads. select_config's pick (32-token tiles, 2 stages, no
+    # register cap, K's fp16 copy) beside deeper pipelines, 64-token tiles (one program an SM by
+    # shared memory), 8 warps, K read as bytes, the plain upcast and the 1-byte pages' cap
+    "mla8_h16_*": [
+        (16, 32, 4, 2, 0, 1, 0, 0), (16, 32, 4, 3, 0, 1, 0, 0), (16, 16, 4, 4, 0, 1, 0, 0),
+        (16, 64, 4, 1, 0, 1, 0, 0), (16, 64, 4, 2, 0, 1, 0, 0), (16, 64, 8, 2, 0, 1, 0, 0),
+        (16, 32, 4, 2, 0, 1, 1, 0), (16, 32, 4, 2, 0, 0), (16, 32, 4, 2, 128, 1, 0, 0),
+    ],
     "mla_*": [
         (32, 32, 8, 3), (64, 16, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1),
         (64, 64, 8, 2),
