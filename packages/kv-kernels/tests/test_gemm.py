@@ -124,17 +124,25 @@ def test_reference_path_matches_torch() -> None:
 # ---- planted bugs: the tolerance above must catch them -------------------------------------
 
 
-def test_planted_dropped_k_column_is_caught(monkeypatch, triton_device) -> None:
-    """A kernel that stops one column short of K (a dropped tail) fails the parity bound."""
+@pytest.mark.parametrize("k", [77, 256], ids=["ragged-k", "even-k"])
+def test_planted_dropped_k_column_is_caught(monkeypatch, triton_device, k) -> None:
+    """A kernel that stops one column short of K (a dropped tail) fails the parity bound.
+
+    The plant passes K - 1 *and* ``EVEN_K=False``: with even slices the kernel never reads K
+    (its loop runs over K_PER_SPLIT unmasked), so K - 1 alone changes nothing there (the
+    even-K case; on the H200 the GPU test's 4096 was such a K and the plant was a no-op)."""
     real = gemm_triton._GEMM
+    calls: list[object] = []
 
     def short_k(key, grid, args, kwargs):
+        calls.append(key)
         args = (*args[:7], args[7] - 1, *args[8:])  # K -> K - 1
-        return real(("planted", key), grid, args, kwargs)
+        return real(("planted", key), grid, args, {**kwargs, "EVEN_K": False})
 
     monkeypatch.setattr(gemm_triton, "_GEMM", short_k)
-    x, w, b = _operands(5, 33, 77, torch.float16, triton_device)
+    x, w, b = _operands(5, 33, k, torch.float16, triton_device)
     y = skinny_linear(x, w, b, config=GemmConfig(16, 16, 16, 1, 4, 2), impl="triton")
+    assert len(calls) == 1, "the planted launcher did not run"
     with pytest.raises(AssertionError, match="kernel error"):
         _assert_parity(y, x, w, b)
 
@@ -142,13 +150,16 @@ def test_planted_dropped_k_column_is_caught(monkeypatch, triton_device) -> None:
 def test_planted_wrong_split_reduction_is_caught(monkeypatch, triton_device) -> None:
     """A reduction that sums one slice too few fails the parity bound."""
     real = gemm_triton._REDUCE
+    calls: list[object] = []
 
     def drop_slice(key, grid, args, kwargs):
+        calls.append(key)
         return real(("planted", key), grid, args, {**kwargs, "SPLIT_K": kwargs["SPLIT_K"] - 1})
 
     monkeypatch.setattr(gemm_triton, "_REDUCE", drop_slice)
     x, w, b = _operands(17, 50, 300, torch.float16, triton_device)
     y = skinny_linear(x, w, b, config=GemmConfig(32, 32, 64, 3, 4, 2), impl="triton")
+    assert len(calls) == 1, "the planted reduction did not run"
     with pytest.raises(AssertionError, match="kernel error"):
         _assert_parity(y, x, w, b)
 

@@ -1,7 +1,7 @@
 """``skinny_linear`` on a CUDA GPU (marked ``gpu``; skipped without one): bf16 parity at
 Llama-3-8B's projections and every M bucket (each picked config, split and unsplit), a planted
-dropped K column the same bound catches, bitwise determinism, CUDA-graph replay, and a weight of
-more than 2^31 elements (64-bit offsets).
+dropped K column the same bound catches (on the cached call path too), bitwise determinism,
+CUDA-graph replay, and a weight of more than 2^31 elements (64-bit offsets).
 
 Tolerance: ``err_kernel <= 2 * err_cublas + 1e-3`` against a float32 oracle; both round a
 float32 sum to bf16 once, so the kernel sits within a small multiple of cuBLAS's error."""
@@ -45,15 +45,24 @@ def test_bf16_parity_llama_shapes(shape: str, m: int) -> None:
 
 
 def test_planted_dropped_k_column_is_caught(monkeypatch) -> None:
+    """K - 1 with ``EVEN_K=False``: at K 4096 every slice is full, the kernel's loop never reads
+    K, and K - 1 alone ran the right product (the H200's "DID NOT RAISE"); the masked path
+    stops one column short. Through the call cache too: a second, cached call runs the plant."""
     real = gemm_triton._GEMM
+    calls: list[object] = []
 
     def short_k(key, grid, args, kwargs):
-        return real(("planted", key), grid, (*args[:7], args[7] - 1, *args[8:]), kwargs)
+        calls.append(key)
+        args = (*args[:7], args[7] - 1, *args[8:])  # K -> K - 1
+        return real(("planted", key), grid, args, {**kwargs, "EVEN_K": False})
 
     monkeypatch.setattr(gemm_triton, "_GEMM", short_k)
     x, w = _operands(64, 4096, 4096)
-    with pytest.raises(AssertionError, match="kernel error"):
-        _check(skinny_linear(x, w, config=GemmConfig(64, 64, 128, 1, 4, 4)), x, w)
+    cfg = GemmConfig(64, 64, 128, 1, 4, 4)
+    for _ in range(2):  # the first call validates and caches, the second takes the cached path
+        with pytest.raises(AssertionError, match="kernel error"):
+            _check(skinny_linear(x, w, config=cfg), x, w)
+    assert len(calls) == 2, "the planted launcher did not run on every call"
 
 
 def test_split_k_is_bitwise_deterministic_and_graph_safe() -> None:
