@@ -6,12 +6,14 @@ CONFIG_JSON: {"transport": "p2p"|"nixl", "timeout_s": float, "fault": null|"die"
 "mode": "read"|"write" and "push_to": "host:port" (P2P push), "buffer_bytes" (P2P chunk bound),
 "port" (side-channel port, default any),
 "device": "cpu" | "cuda:N" (default cpu), "producers": [{"name", "layout" (layout JSON), "seed",
-"block_ids", "tp": [rank, size]}]}.
+"block_ids", "tp": [rank, size], "stream": bool}]}.
 For each producer it builds a cache filled from ``seed``, registers a connector, finishes one
 request holding ``block_ids`` and prints ``PARAMS <name> <params JSON>``; then ``READY``. It serves
 until its stdin closes (or 120 s pass). Faults: ``die`` prints ``CHUNK`` once a transfer is under
 way (P2P: the first chunk sent; NIXL: the pull received) and waits to be killed; ``stall`` never
-sends (never answers).
+sends (never answers). ``stream``: the request is served with ``stream_request`` while its
+layers are "computed": every layer but the last is saved at once, the last when a ``SAVE_LAST``
+line arrives on stdin (then ``SAVED`` is printed).
 """
 
 from __future__ import annotations
@@ -72,14 +74,16 @@ def _inject(conn: Any, fault: str | None) -> None:
     if fault == "stall":
         conn._send_blocks = lambda *a, **k: time.sleep(3600)
         return
-    original = conn._wait
+    from kv_connectors._p2p_wire import Wire
 
-    def wait_then_die(work: Any) -> None:
-        original(work)
+    original = Wire.wait
+
+    def wait_then_die(wire: Any, work: Any) -> None:
+        original(wire, work)
         print("CHUNK", flush=True)
         time.sleep(3600)  # the test kills this process now, mid-transfer
 
-    conn._wait = wait_then_die
+    Wire.wait = wait_then_die  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -92,6 +96,7 @@ def main() -> None:
     from kv_spec import KVCacheLayout
 
     conns = []
+    streaming: list[Any] = []
     for prod in cfg["producers"]:
         layout = KVCacheLayout.from_json(prod["layout"])
         conn = _connector(cfg, prod)
@@ -100,6 +105,16 @@ def main() -> None:
         _inject(conn, cfg.get("fault"))
         ids = prod["block_ids"]
         req = _Req(f"req-{prod['name']}", [bytes([i]) * 32 for i in range(len(ids))])
+        if prod.get("stream"):
+            params = conn.stream_request(req, ids)
+            meta = conn.build_connector_meta()
+            conn.start_load_kv(meta)
+            print("PARAMS", prod["name"], json.dumps(params), flush=True)
+            for layer in range(layout.num_layers - 1):
+                conn.save_kv_layer(layer, meta)
+            streaming.append((conn, meta, layout.num_layers - 1, req, ids))
+            conns.append(conn)
+            continue
         delay, params = conn.request_finished(req, ids)
         assert delay and params is not None
         print("PARAMS", prod["name"], json.dumps(params), flush=True)
@@ -111,8 +126,15 @@ def main() -> None:
 
     while time.monotonic() < deadline:
         ready, _, _ = select.select([sys.stdin], [], [], 0.05)
-        if ready and not sys.stdin.readline():
+        line = sys.stdin.readline() if ready else None
+        if line == "":
             break
+        if line is not None and line.strip() == "SAVE_LAST":
+            for conn, meta, last, req, ids in streaming:
+                conn.save_kv_layer(last, meta)
+                conn.wait_for_save()
+                conn.request_finished(req, ids)
+            print("SAVED", flush=True)
         for conn in conns:
             for rid in conn.get_finished()[0]:
                 print("SENT", rid, flush=True)

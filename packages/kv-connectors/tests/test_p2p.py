@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from kv_connectors import KVTransferParams, P2pConfig, P2pConnector
+from kv_connectors._p2p_wire import Wire
 from kv_connectors.testing import block_bytes, make_layout, random_cache
 from kv_spec import KVCacheLayout
 
@@ -331,7 +332,7 @@ def test_restarted_producer_on_the_same_address_gets_a_fresh_session(
 
 
 def test_pull_outliving_abandon_keeps_blocks_pinned_until_it_ends(
-    make_request: Callable[..., Any], remote_load: Any
+    make_request: Callable[..., Any], remote_load: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 28: the abandon timer fires while a pull is mid-transfer. Forced: the producer's
     sends stop after the first chunks (an event), its clock jumps past abandon_after_s, and its
@@ -354,15 +355,15 @@ def test_pull_outliving_abandon_keeps_blocks_pinned_until_it_ends(
     cache = random_cache(layout, seed=2)
     cons.register_kv_caches(cache, layout)
     mid, resume = threading.Event(), threading.Event()
-    original = prod._wait
+    original = Wire.wait
 
-    def stall_once(work: Any) -> None:  # the first wait comes after two chunks were sent
-        if not mid.is_set():
+    def stall_once(wire: Wire, work: Any) -> None:  # the producer's first wait: 2 chunks sent
+        if wire.kv is prod.kv and not mid.is_set():
             mid.set()
             assert resume.wait(30)
-        original(work)
+        original(wire, work)
 
-    prod._wait = stall_once  # type: ignore[method-assign]
+    monkeypatch.setattr(Wire, "wait", stall_once)
     _delay, params = prod.request_finished(make_request("p", 4, prod.block_size), [3, 9, 1, 6])
     assert params is not None
     want = [block_bytes(src, layout, b) for b in (3, 9, 1, 6)]

@@ -32,6 +32,9 @@ class Held:
     # pull token -> its lease's end (inf: the pull ends only when the transport says so)
     pulls: dict[int, float] = dataclasses.field(default_factory=dict)
     sent: bool = False  # a consumer confirmed a complete pull
+    # streamed (P2P stream_request): the engine has not finished the request, so its blocks are
+    # still its own; never released before request_finished, whatever a consumer said
+    open: bool = False
 
 
 class ProducerHolds:
@@ -69,7 +72,7 @@ class ProducerHolds:
 
     def _release_locked(self, request_id: str, held: Held, now: float) -> None:
         """Report ``request_id`` sent once nothing reads its blocks and it is done or abandoned."""
-        if held.pulls or not (held.sent or held.deadline < now):
+        if held.pulls or held.open or not (held.sent or held.deadline < now):
             return
         del self._sendable[request_id]
         self._worker.done_sending.add(request_id)

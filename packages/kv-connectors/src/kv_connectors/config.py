@@ -286,6 +286,10 @@ class P2pConfig:
     then is given up on (a started pull keeps its blocks until it ends). ``model_fingerprint``:
     the model whose KV this worker serves or loads (a digest of its config and weights); a
     consumer refuses a producer whose fingerprint differs (``None`` matches only ``None``).
+    ``layerwise``: a consumer's pulls between identical layouts load *inside* the forward pass
+    (``load_async=False``), segment by segment: ``wait_for_layer_load(i)`` waits for layer ``i``
+    only, while a streaming producer (``P2pConnector.stream_request``) is still computing the
+    later layers. Converting pulls stay asynchronous (whole requests).
     """
 
     host: str = DEFAULT_HOST
@@ -300,9 +304,15 @@ class P2pConfig:
     timeout_s: float = 30.0
     abandon_after_s: float = 120.0
     model_fingerprint: str | None = None
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         owner = "P2pConfig"
+        if not isinstance(self.layerwise, bool):
+            raise TypeError(
+                f"{owner}.layerwise={self.layerwise!r} is a {type(self.layerwise).__name__}; "
+                "give True or False"
+            )
         _check_endpoint(self, owner)
         if not isinstance(self.backend, str) or self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"{owner}.backend={self.backend!r} must be 'auto', 'gloo' or 'nccl'")

@@ -8,12 +8,20 @@ several peers and a session that broke (a peer died) is simply dropped and made 
 
 A pull (``READ``, the default): the consumer sends ``hello`` (its layouts; the producer answers
 with its live layouts and the store port, and both build the group), then ``pull`` (request id,
-producer block ids, rows per chunk). The producer gathers the blocks chunk by chunk into two
-staging buffers (double-buffered, ``buffer_bytes`` in all) and sends each; the consumer receives
-each chunk into one of its own two buffers while it scatters the previous one, converts it if the layouts differ and scatters it into its blocks, then says
-``done`` (the producer reports the request in ``done_sending``). Every socket read and every
-send/receive has ``timeout_s``; a peer that dies breaks the socket or the group, which ends the
+producer block ids, rows per chunk): one side-channel round trip a request, then bulk messages
+of up to ``buffer_bytes / 2`` (:mod:`kv_connectors._p2p_wire`: double-buffered gathers and
+scatters, stream-ordered on CUDA, consecutive blocks sent from and received into the cache
+directly). The consumer converts the rows if the layouts differ, scatters them into its blocks,
+then says ``done`` (the producer reports the request in ``done_sending``). Every socket read and
+every transfer has ``timeout_s``; a peer that dies breaks the socket or the group, which ends the
 load with an error (its blocks reported) well within the timeout.
+
+Layer-wise streaming (READ, identical layouts): the producer calls :meth:`P2pConnector.stream_request`
+when it schedules a request's last prompt tokens and hands its params to the consumer at once;
+its worker serves each segment as soon as ``save_kv_layer`` reports it computed. A consumer with
+``P2pConfig(layerwise=True)`` loads such a request inside its forward pass
+(``load_async=False``): ``wait_for_layer_load(i)`` waits for layer ``i`` only (see
+:mod:`kv_connectors._streaming`, and there why a cross-layer layout streams as one piece).
 
 A push (``WRITE``): the producer connects to the consumer's side channel (``push_to``) and, in
 ``wait_for_save``, sends each finished request's blocks (``push``); the consumer keeps them in a
@@ -38,7 +46,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kv_connectors._p2p_wire import Chunk, Wire, plan_chunks
 from kv_connectors._sidechannel import recv_msg, send_msg
+from kv_connectors._streaming import Arriving, LayerStreaming, Produced
 from kv_connectors.base import LoadSpec, log
 from kv_connectors.config import P2pConfig, TransferMode, parse_address
 from kv_connectors.handshake import HandshakeRefused
@@ -46,8 +56,6 @@ from kv_connectors.transfer import RemotePlan, TransferConnector
 from kv_connectors.views import RegisteredKV
 
 __all__ = ["P2pConnector"]
-
-_TAG = 7  # one transfer at a time per session: a fixed tag suffices
 
 
 @dataclass
@@ -66,10 +74,11 @@ class _Session:
     pg: Any
     hashes: tuple[str, ...]  # the producer's live compatibility hashes
     lock: threading.Lock
+    wire: Wire
     identity: tuple[Any, ...] = ()  # (engine id, hashes, model fingerprint), set by the handshake
 
 
-class P2pConnector(TransferConnector):
+class P2pConnector(LayerStreaming, TransferConnector):
     """Producer and consumer of KV over torch.distributed point-to-point; see the module docstring."""
 
     transport = "p2p"
@@ -91,6 +100,14 @@ class P2pConnector(TransferConnector):
         self._staged: dict[str, _Staged | str] = {}
         self._staged_bytes = 0
         self._staged_cv = threading.Condition()
+        # layer-wise streaming: producer requests streamed (request id -> computed segments) and
+        # those whose SaveSpec a step's metadata carried (their segments are marked in that step)
+        self._streams: dict[str, Produced] = {}
+        self._stream_step: set[str] = set()
+        # consumer loads inside the step: request id -> landed segments (this step's, and all
+        # whose pull has not ended)
+        self._arriving: dict[str, Arriving] = {}
+        self._step_arriving: dict[str, tuple[LoadSpec, Arriving]] = {}
 
     def _setup_transport(self, kv: RegisteredKV) -> None:
         backend = self.config.backend
@@ -130,12 +147,6 @@ class P2pConnector(TransferConnector):
         pin = self.kv.device.type == "cuda"  # the Triton block copies read/write pinned host rows
         return torch.empty(rows, row_bytes, dtype=torch.uint8, pin_memory=pin)
 
-    def _wait(self, work: Any) -> None:
-        """Wait for a send/recv: gloo blocks the host (bounded by the timeout); NCCL only makes the
-        current stream wait, so the host later polls an event (:meth:`_drain`) instead."""
-        if work.wait(self._timedelta()) is False:
-            raise TimeoutError(f"p2p transfer exceeded timeout_s={self.config.timeout_s}")
-
     def _drain(self, deadline: float) -> None:
         """Wait for the current CUDA stream by polling an event, never past ``deadline``."""
         if self.kv.device.type != "cuda":
@@ -158,6 +169,7 @@ class P2pConnector(TransferConnector):
             )
             sock.settimeout(self.config.timeout_s)
             pg = self._group(self._store, session, 0)
+            wire = Wire(self.kv, pg, self._backend, self.config.timeout_s)
             peer_hashes = tuple(str(h) for h in hello.get("hashes", ()))
             sock.settimeout(None)  # idle between requests is fine; transfers are bounded below
             while True:
@@ -167,55 +179,64 @@ class P2pConnector(TransferConnector):
                     return  # the peer went away
                 sock.settimeout(self.config.timeout_s)
                 if msg.get("op") == "pull":
-                    self._send_blocks(sock, pg, msg)
+                    self._send_blocks(sock, wire, msg)
                 elif msg.get("op") == "push":
-                    self._receive_push(sock, pg, msg, peer_hashes)
+                    self._receive_push(sock, wire, msg, peer_hashes)
                 elif msg.get("op") == "done":
                     self._mark_sent(str(msg["request_id"]))
                 sock.settimeout(None)
         except Exception as exc:  # a broken session must never take the worker down
             log.warning("p2p session ended: %s: %s", type(exc).__name__, exc)
 
-    def _send_blocks(self, sock: socket.socket, pg: Any, msg: dict[str, Any]) -> None:
+    def _send_blocks(self, sock: socket.socket, wire: Wire, msg: dict[str, Any]) -> None:
         rid = str(msg["request_id"])
-        ids, chunk = msg.get("block_ids"), msg.get("chunk_rows")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            send_msg(sock, {"ok": False, "error": f"chunk_rows={chunk!r} must be an int >= 1"})
+        ids = msg.get("block_ids")
+        try:
+            chunks = self._wire_chunks(msg, len(ids) if isinstance(ids, list) else 0)
+        except ValueError as exc:
+            send_msg(sock, {"ok": False, "error": str(exc)})
             return
         token = self._accept_pull(sock, rid, ids)
         if token is None:
             return
         assert isinstance(ids, list)  # checked by _accept_pull
         try:  # the blocks stay pinned until the last chunk is gathered and sent (or it failed)
-            self._send_rows(pg, 1, ids, chunk)
+            wire.send(1, ids, chunks, ready=self._ready_fn(rid))
         finally:
             self._end_pull(rid, token)
 
-    def _send_rows(self, pg: Any, dst: int, ids: list[int], chunk: int) -> None:
-        """Gather blocks ``ids`` chunk by chunk and send each to ``dst``, double-buffered: the
-        gather of chunk ``i`` overlaps the send of chunk ``i - 1`` (two buffers of ``chunk`` rows,
-        which the chunk size keeps within ``buffer_bytes``)."""
-        kv = self.kv
+    def _wire_chunks(self, msg: dict[str, Any], n: int) -> list[Chunk]:
+        """The messages a ``pull`` asks for: whole rows (``chunk_rows``) or segment by segment
+        (``layers: true``, ``chunk_bytes``); fields off the wire are checked, never converted."""
+        layers = msg.get("layers", False)
+        if not isinstance(layers, bool):
+            raise ValueError(f"pull layers={layers!r} must be true or false")
+        if layers:
+            cb = msg.get("chunk_bytes")
+            if isinstance(cb, bool) or not isinstance(cb, int) or cb < 1:
+                raise ValueError(f"chunk_bytes={cb!r} must be an int >= 1")
+            widths = [seg.row_bytes for seg in self.kv.segments]
+            return plan_chunks(n, segment_widths=widths, chunk_bytes=cb)
+        chunk = msg.get("chunk_rows")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk_rows={chunk!r} must be an int >= 1")
+        return plan_chunks(n, chunk_rows=chunk)
+
+    def _ready_fn(self, rid: str) -> Any:
+        """For a streamed request: a wait (bounded by the timeout) for each segment to be computed
+        before the wire reads it; ``None`` for a finished request (every segment is)."""
+        with self._lock:
+            produced = self._streams.get(rid)
+        if produced is None:
+            return None
         deadline = time.monotonic() + self.config.timeout_s
-        bufs = [self._buffer(min(chunk, len(ids)), kv.row_bytes) for _ in range(2)]
-        stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        works: list[Any] = []
-        with ctx:
-            for i, start in enumerate(range(0, len(ids), chunk)):
-                if i >= 2:
-                    self._wait(works[i - 2])  # its buffer is free once that send completed
-                part = ids[start : start + chunk]
-                rows = bufs[i % 2][: len(part)]
-                # NCCL orders the send after this stream's gather; gloo reads host memory from its
-                # own threads, so the gather must be complete first.
-                kv.gather(kv.ids_tensor(part), rows)
-                if self._backend == "gloo":
-                    self._drain(deadline)
-                works.append(pg.send([rows], dst, _TAG))
-            for work in works[-2:]:
-                self._wait(work)
-            self._drain(deadline)
+        every = range(produced.num_segments)
+
+        def ready(segment: int | None) -> list[Any]:
+            want = every if segment is None else [segment]
+            return produced.wait(want, deadline, f"streamed request {rid}")
+
+        return ready
 
     # -- consumer ------------------------------------------------------------------------------
 
@@ -228,7 +249,8 @@ class P2pConnector(TransferConnector):
             host, int(reply["store_port"]), is_master=False, timeout=self._timedelta()
         )
         pg = self._group(store, str(reply["session"]), 1)
-        return _Session(sock, pg, tuple(reply["hashes"]), threading.Lock())
+        wire = Wire(self.kv, pg, self._backend, self.config.timeout_s)
+        return _Session(sock, pg, tuple(reply["hashes"]), threading.Lock(), wire)
 
     def _release_peer(self, sess: _Session) -> None:
         abort = getattr(sess.pg, "abort", None)  # NCCL: free a communicator that may be stuck
@@ -237,42 +259,81 @@ class P2pConnector(TransferConnector):
                 abort()
 
     def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
-        if self.config.mode is TransferMode.WRITE:
-            self._load_pushed(spec, plan)
-            return
-        super()._pull(spec, plan)
+        arriving = self._arriving.get(spec.request_id)
+        try:
+            if self.config.mode is TransferMode.WRITE:
+                self._load_pushed(spec, plan)
+                return
+            super()._pull(spec, plan)
+        except BaseException as exc:
+            if arriving is not None:  # wait_for_layer_load returns now, the blocks reported
+                arriving.fail(f"{type(exc).__name__}: {exc}")
+            raise
 
     def _pull_in(self, sess: _Session, spec: LoadSpec, plan: RemotePlan) -> None:
         params = plan.params
-        src_row = self.producer_row_bytes(plan)
-        # two buffers on each side (double buffering) within buffer_bytes
-        per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, self.kv.row_bytes)))
-        chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
-        ids, _reply = self._ask_pull(sess.sock, params, chunk_rows=chunk)
-        deadline = time.monotonic() + self.config.timeout_s
-        # Double-buffered: chunk i+1 arrives in one buffer while chunk i is scattered from the other.
-        bufs = [self._buffer(min(chunk, len(ids)), src_row) for _ in range(2)]
-        starts = list(range(0, len(ids), chunk))
+        kv, wire, local = self.kv, sess.wire, list(spec.block_ids)
+        arriving = self._arriving.get(spec.request_id)
+        if arriving is not None:  # layer-wise: identical layouts, segment by segment
+            cb = max(1, self.config.buffer_bytes // 2)
+            widths = [seg.row_bytes for seg in kv.segments]
+            chunks = plan_chunks(len(local), segment_widths=widths, chunk_bytes=cb)
+            self._ask_pull(sess.sock, params, layers=True, chunk_bytes=cb)
 
-        def post(i: int) -> Any:
-            n = min(chunk, len(ids) - starts[i])
-            return sess.pg.recv([bufs[i % 2][:n]], 0, _TAG)
+            def direct(ch: Chunk) -> torch.Tensor | None:
+                return kv.contiguous_rows(local[ch.start : ch.start + ch.count], ch.segment)
 
-        works = {0: post(0)}
-        local = list(spec.block_ids)
-        done = 0
-        for i, start in enumerate(starts):
-            if i + 1 < len(starts):
-                if self._backend == "gloo":
-                    self._drain(deadline)  # gloo fills the other buffer from the host: idle it
-                works[i + 1] = post(i + 1)  # NCCL: ordered after the scatter that read it
-            self._wait(works.pop(i))
-            n = min(chunk, len(ids) - start)
-            m = plan.convs[0].num_dst_blocks(n)
-            self._apply_rows(bufs[i % 2][:n], plan, local[done : done + m])
-            done += m
-        self._drain(deadline)  # the blocks are in place before the engine hears "done"
+            def land(ch: Chunk, rows: torch.Tensor) -> None:
+                assert ch.segment is not None
+                ids = kv.ids_tensor(local[ch.start : ch.start + ch.count])
+                kv.scatter(rows, ids, segments=range(ch.segment, ch.segment + 1), cols=False)
+
+            def landed(segment: int | None) -> None:
+                assert segment is not None and arriving is not None
+                arriving.mark(segment, self._event(wire.stream))
+
+            wire.recv(
+                0,
+                chunks,
+                lambda ch: widths[ch.segment or 0],
+                direct=direct,
+                land=land,
+                segment_done=landed,
+                deadline=arriving.deadline,
+            )
+        else:
+            src_row = self.producer_row_bytes(plan)
+            # two buffers on each side (double buffering) within buffer_bytes
+            per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, kv.row_bytes)))
+            chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
+            chunks = plan_chunks(len(params.block_ids), chunk_rows=chunk)
+            self._ask_pull(sess.sock, params, chunk_rows=chunk)
+            conv = plan.convs[0]
+
+            def dst(ch: Chunk) -> list[int]:  # local blocks of a chunk (chunks are whole merges)
+                first = conv.num_dst_blocks(ch.start)
+                return local[first : first + conv.num_dst_blocks(ch.count)]
+
+            def direct_rows(ch: Chunk) -> torch.Tensor | None:
+                return kv.contiguous_rows(dst(ch)) if plan.identity else None
+
+            wire.recv(
+                0,
+                chunks,
+                lambda ch: src_row,
+                direct=direct_rows,
+                land=lambda ch, rows: self._apply_rows(rows, plan, dst(ch)),
+            )
         send_msg(sess.sock, {"op": "done", "request_id": params.request_id})
+
+    def _event(self, stream: Any) -> Any:
+        """A CUDA event recorded on ``stream`` (``None``: the current stream), or ``None`` on
+        the CPU (copies there are synchronous)."""
+        if self.kv.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.kv.device))
+        return event
 
     # -- push (WRITE) ---------------------------------------------------------------------------
 
@@ -292,8 +353,10 @@ class P2pConnector(TransferConnector):
         super()._abort(request_id)
 
     def wait_for_save(self) -> None:
-        """Push mode: start pushing the requests finished since the last call (in the background;
-        each is reported in ``done_sending`` when its push ended)."""
+        """Streamed requests: every segment of this step is computed. Push mode: start pushing
+        the requests finished since the last call (in the background; each is reported in
+        ``done_sending`` when its push ended)."""
+        super().wait_for_save()  # streamed requests: every segment is computed now
         todo, self._to_push = self._to_push, []
         for rid, ids in todo:
             fut = self._executor.submit(self._push_bound, rid, list(ids))
@@ -314,7 +377,7 @@ class P2pConnector(TransferConnector):
                 reply = recv_msg(sess.sock)
                 if not reply.get("ok"):
                     raise KeyError(f"consumer refused the push: {reply.get('error')}")
-                self._send_rows(sess.pg, 0, ids, chunk)
+                sess.wire.send(0, ids, plan_chunks(len(ids), chunk_rows=chunk))
         except Exception:
             self._drop_peer(host, port)
             raise
@@ -322,7 +385,7 @@ class P2pConnector(TransferConnector):
             self._end_pull(rid, token)
 
     def _receive_push(
-        self, sock: socket.socket, pg: Any, msg: dict[str, Any], hashes: tuple[str, ...]
+        self, sock: socket.socket, wire: Wire, msg: dict[str, Any], hashes: tuple[str, ...]
     ) -> None:
         rid = str(msg["request_id"])
         ids = [int(b) for b in msg["block_ids"]]
@@ -346,9 +409,13 @@ class P2pConnector(TransferConnector):
         rows = self._buffer(len(ids), row)  # [n, producer row bytes], counted in receive_bytes
         entry: _Staged | str
         try:
-            for start in range(0, len(ids), chunk):
-                self._wait(pg.recv([rows[start : start + chunk]], 1, _TAG))
-            self._drain(time.monotonic() + self.config.timeout_s)
+            wire.recv(  # straight into the receive buffer, chunk by chunk
+                1,
+                plan_chunks(len(ids), chunk_rows=chunk),
+                lambda ch: row,
+                direct=lambda ch: rows[ch.start : ch.start + ch.count],
+                land=lambda ch, r: None,
+            )
             expires = time.monotonic() + self.config.abandon_after_s
             entry = _Staged(ids, rows, hashes, expires)
         except Exception as exc:
@@ -410,3 +477,4 @@ class P2pConnector(TransferConnector):
                 assert isinstance(entry, _Staged)
                 self._staged_bytes -= entry.rows.numel()
         super()._poll()
+        self._forget_streams()

@@ -143,6 +143,7 @@ class TransferConnector(ProducerHolds, KVConnector):
         self._plans: dict[str, tuple[RemotePlan, int]] = {}  # id -> (plan, first local block)
         self._load_plans: dict[str, RemotePlan] = {}
         self._consumed: set[str] = set()  # requests loaded from a producer (never served on)
+        self._in_step: set[str] = set()  # loads inside the forward pass: no done_recving
         self._futures: dict[Future[None], LoadSpec] = {}
         self._executor = ThreadPoolExecutor(
             max_workers=4, thread_name_prefix=f"kv-{self.transport}"
@@ -524,17 +525,20 @@ class TransferConnector(ProducerHolds, KVConnector):
                 del self._futures[f]
             self._expire_locked()
         for f, spec in done:
+            is_async = spec.request_id not in self._in_step
+            self._in_step.discard(spec.request_id)
             if f.cancelled():  # abort_request: never loaded, so never reported as loaded
                 self._fail_load(
-                    spec, "the request was aborted before its pull started", async_load=True
+                    spec, "the request was aborted before its pull started", async_load=is_async
                 )
                 continue
             exc = f.exception()
             if exc is None:
-                with self._lock:
-                    self._worker.done_recving.add(spec.request_id)
+                if is_async:
+                    with self._lock:
+                        self._worker.done_recving.add(spec.request_id)
             else:
-                self._fail_load(spec, f"{type(exc).__name__}: {exc}", async_load=True)
+                self._fail_load(spec, f"{type(exc).__name__}: {exc}", async_load=is_async)
 
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         self._poll()

@@ -212,6 +212,43 @@ class RegisteredKV:
         out = self.new_rows(len(idx), pin=True, width=rows.shape[1])
         return torch.index_select(rows, 0, idx, out=out)
 
+    def contiguous_rows(
+        self, block_ids: Sequence[int], segment: int | None = None
+    ) -> torch.Tensor | None:
+        """The cache's own memory as the rows of ``block_ids`` (``uint8 [n, width]``), or ``None``.
+
+        Rows are what :meth:`gather` writes: all segments (``segment=None``) or one segment's
+        columns. They already lie back to back in the cache when the ids are consecutive
+        (``b0, b0 + 1, ...``), the segment's pages are contiguous (no head-outer order, no scale
+        plane) and a block's pages fill its stride (cross-layer: layer pages one after the other);
+        with several segments, whole rows never do. A transport then sends from (or receives
+        into) this view directly: no gather, no staging copy.
+        """
+        n = len(block_ids)
+        if n == 0:
+            return None
+        if segment is None:
+            if len(self.segments) != 1:
+                return None
+            segment = 0
+        b0 = block_ids[0]
+        if list(block_ids) != list(range(b0, b0 + n)):
+            return None
+        seg = self.segments[segment]
+        lay = seg.layout
+        if (
+            not lay.order.page_contiguous
+            or lay.scale_plane
+            or lay.block_stride_bytes != seg.row_bytes
+            or (seg.num_layers > 1 and lay.byte_strides[0] != lay.page_bytes)
+        ):
+            return None
+        t = seg.tensor
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+        start = t.storage_offset() * t.element_size() + b0 * seg.row_bytes
+        raw.set_(t.untyped_storage(), start, (n, seg.row_bytes), (seg.row_bytes, 1))
+        return raw
+
     def host_sync(self) -> None:
         """Wait for the caches' device (CUDA) before host memory read by a copy may be reused."""
         if self.device.type == "cuda":

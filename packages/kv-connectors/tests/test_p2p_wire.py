@@ -1,0 +1,135 @@
+"""The P2P data path (``kv_connectors._p2p_wire``): chunk plans both sides agree on, cache views
+that are the rows a gather would write (sent and received without staging), and pulls between
+two in-process connectors over gloo that take the direct path and stay byte-exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from kv_connectors import P2pConfig, P2pConnector
+from kv_connectors._p2p_wire import plan_chunks
+from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
+from kv_connectors.views import RegisteredKV
+
+TIMEOUT = 5.0
+
+
+def test_plan_chunks_cover_every_block_once_per_segment() -> None:
+    rows = plan_chunks(10, chunk_rows=4)
+    assert [(c.segment, c.start, c.count) for c in rows] == [
+        (None, 0, 4),
+        (None, 4, 4),
+        (None, 8, 2),
+    ]
+    segs = plan_chunks(5, segment_widths=[100, 300], chunk_bytes=250)  # 2 rows, then 1 row
+    assert [(c.segment, c.start, c.count) for c in segs] == [
+        (0, 0, 2), (0, 2, 2), (0, 4, 1), (1, 0, 1), (1, 1, 1), (1, 2, 1), (1, 3, 1), (1, 4, 1)
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="chunk_rows=0 must be an int >= 1"):
+        plan_chunks(3, chunk_rows=0)
+    with pytest.raises(ValueError, match="chunk_bytes=None"):
+        plan_chunks(3, segment_widths=[8])
+
+
+def _gathered(kv: RegisteredKV, ids: list[int], segment: int | None) -> torch.Tensor:
+    width = kv.row_bytes if segment is None else kv.segments[segment].row_bytes
+    out = torch.empty(len(ids), width, dtype=torch.uint8)
+    if segment is None:
+        kv.gather(ids, out)
+    else:
+        kv.gather(ids, out, segments=range(segment, segment + 1), cols=False)
+    return out
+
+
+@pytest.mark.parametrize("name", list(standard_layouts()))
+def test_contiguous_rows_are_exactly_what_a_gather_writes(name: str) -> None:
+    layout = standard_layouts()[name]
+    kv = RegisteredKV(random_cache(layout, seed=3), layout)
+    ids = [3, 4, 5]
+    segments: list[int | None] = [None, *range(len(kv.segments))]
+    views = {seg: kv.contiguous_rows(ids, seg) for seg in segments}
+    for seg, view in views.items():
+        if view is not None:
+            assert torch.equal(view, _gathered(kv, ids, seg)), (name, seg)
+    # which layouts take the direct path: page-contiguous pages that fill the block stride
+    direct = layout.order.page_contiguous and not layout.scale_plane
+    if direct and layout.block_stride_bytes == layout.num_layers * layout.page_bytes:
+        assert views[None] is not None  # cross-layer: whole rows are the slab itself
+    if direct and layout.order.layer_outer and layout.block_stride_bytes == layout.page_bytes:
+        assert all(views[s] is not None for s in range(len(kv.segments)))
+    if not layout.order.page_contiguous:  # head-outer pages are H pieces: never one view
+        assert all(v is None for v in views.values())
+    assert kv.contiguous_rows([3, 5, 6], 0) is None  # not consecutive
+    assert kv.contiguous_rows([5, 4], 0) is None  # consecutive, but descending
+    assert kv.contiguous_rows([], 0) is None
+
+
+def test_contiguous_rows_check_can_fail() -> None:
+    """Planted bug: a view one block off (what an offset without the block index gives) differs
+    from the gather, so the comparison above would catch it."""
+    layout = make_layout("BLNHC")
+    kv = RegisteredKV(random_cache(layout, seed=3), layout)
+    off_by_one = kv.contiguous_rows([4, 5, 6])
+    assert off_by_one is not None
+    assert not torch.equal(off_by_one, _gathered(kv, [3, 4, 5], None))
+
+
+def _in_process_pair(layout: Any, buffer_bytes: int) -> tuple[P2pConnector, P2pConnector, Any, Any]:
+    prod = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, buffer_bytes=buffer_bytes), block_size=layout.block_size
+    )
+    src = random_cache(layout, seed=1)
+    prod.register_kv_caches(src, layout)
+    cons = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, role="consumer", buffer_bytes=buffer_bytes),
+        block_size=layout.block_size,
+    )
+    dst = random_cache(layout, seed=2)
+    cons.register_kv_caches(dst, layout)
+    return prod, cons, src, dst
+
+
+@pytest.mark.parametrize("order", ["BLNHC", "LBNHC"])
+def test_consecutive_blocks_move_without_staging_and_byte_exact(
+    order: str,
+    make_request: Callable[..., Any],
+    remote_load: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Consecutive producer blocks into consecutive local blocks: a cross-layer cache sends and
+    receives straight from and into the slab (no gather, no scatter); a per-layer cache gathers
+    whole rows (one view per layer would be a message per layer) but still lands byte-exact.
+    Non-consecutive blocks go through staging."""
+    layout = make_layout(order, num_blocks=16)
+    row = layout.num_layers * layout.page_bytes
+    prod, cons, src, dst = _in_process_pair(layout, buffer_bytes=6 * row)  # 3 rows a chunk
+    calls = {"gather": 0, "scatter": 0}
+    for name in calls:
+        original = getattr(RegisteredKV, name)
+
+        def counted(
+            self: RegisteredKV, *a: Any, _o: Any = original, _n: str = name, **k: Any
+        ) -> None:
+            calls[_n] += 1
+            _o(self, *a, **k)
+
+        monkeypatch.setattr(RegisteredKV, name, counted)
+    cases = [([2, 3, 4, 5, 6, 7, 8], [8, 9, 10, 11, 12, 13, 14]), ([9, 1, 6], [3, 0, 15])]
+    for i, (theirs, mine) in enumerate(cases):
+        for k in calls:
+            calls[k] = 0
+        _delay, params = prod.request_finished(make_request(f"p{i}", len(theirs), 4), theirs)
+        assert params is not None
+        want = [block_bytes(src, layout, b) for b in theirs]
+        assert remote_load.start(cons, params, mine, f"c{i}") == len(theirs) * 4
+        _t, errors = remote_load.finish(cons, f"c{i}", 3 * TIMEOUT + 10, poll_s=0.01)
+        assert errors == set(), cons.load_error_reasons
+        for b, w in zip(mine, want, strict=True):
+            assert torch.equal(block_bytes(dst, layout, b), w)
+        direct = order == "BLNHC" and i == 0
+        assert (calls["gather"] == 0) is direct and (calls["scatter"] == 0) is direct, calls
+    prod.close()
+    cons.close()
