@@ -43,6 +43,7 @@ from kvstack.engine.layers import (
     linear,
     transposed,
 )
+from kvstack.engine.mla import MLAAttention, MLASplitFn
 from kvstack.engine.moe_grouped import grouped_mm_available
 from kvstack.engine.rotary import FusedRope, Rope, TorchRope, rotate_partial
 
@@ -180,118 +181,6 @@ class Attention(nn.Module):
         if key is not None and not torch.is_grad_enabled():
             self._qk_weight = (qw, kw, key, weight)
         return weight
-
-
-def _evens_then_odds(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s last dim reordered ``x0, x2, ..., x1, x3, ...``: interleaved RoPE pairs become
-    rotate-half halves (slices, so no index tensor to keep on the right device)."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-
-
-class MLAAttention(nn.Module):
-    """DeepSeek-V3's multi-head latent attention, with K and V decompressed per head.
-
-    ``x`` -> ``q`` ``[T, H, nope + rope]`` (through ``q_a_proj`` -> RMSNorm -> ``q_b_proj``, or one
-    ``q_proj``); the latent ``kv_a_proj_with_mqa(x)`` = ``kv_lora_rank`` compressed K/V (RMSNorm'd)
-    plus one ``rope``-wide rotary key shared by all heads; ``kv_b_proj`` decompresses the latent to
-    each head's ``nope`` key and ``v_head_dim`` value. RoPE turns the rope parts only; with
-    ``rope_interleave`` they are pairs ``(x0, x1), (x2, x3), ...``, which is rotate-half over the
-    dims reordered evens-then-odds (transformers' output order too).
-    """
-
-    def __init__(self, arch: ArchConfig, layer: int = 0) -> None:
-        super().__init__()
-        h, heads = arch.hidden_size, arch.num_q_heads
-        self.num_q_heads = self.num_kv_heads = heads
-        self.nope, self.rope = arch.mla_qk_nope_head_dim, arch.mla_qk_rope_head_dim
-        self.rank, self.v_head_dim = arch.mla_kv_lora_rank, arch.v_head_dim
-        self.head_dim = self.nope + self.rope
-        self.rotary_dim = self.rope
-        self.interleave = arch.mla_rope_interleave
-        q_rank = arch.mla_q_lora_rank
-        bias = arch.attention_bias
-        qk = heads * self.head_dim
-        self.q_proj = Linear(h, qk, bias=False) if q_rank is None else None
-        self.q_a_proj = Linear(h, q_rank, bias=bias) if q_rank is not None else None
-        # transformers builds both latent norms with its RMSNorm's default eps (1e-6).
-        self.q_a_layernorm = RMSNorm(q_rank, 1e-6) if q_rank is not None else None
-        self.q_b_proj = Linear(q_rank, qk, bias=False) if q_rank is not None else None
-        self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
-        self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_head_dim), bias=False)
-        self.o_proj = Linear(heads * self.v_head_dim, h, bias=arch.o_proj_bias)
-        self.sinks = None
-
-    def stack_projections(self) -> None:
-        pass  # (latent projections are chained, not side by side)
-
-    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv_b_proj``'s weight split per head: ``W_UK`` ``[H, nope, rank]`` (latent -> key)
-        and ``W_UV`` ``[H, v, rank]`` (latent -> value), views."""
-        w = self.kv_b_proj.weight.view(self.num_q_heads, self.nope + self.v_head_dim, self.rank)
-        return w[:, : self.nope], w[:, self.nope :]
-
-    def latent_qkv(
-        self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The absorbed form: ``q`` ``[T, H, rank + rope]`` (each head's nope query times its
-        ``W_UK``, then its rotated rope query) and the latent row ``[T, 1, rank + rope]`` (the
-        normed compressed K/V, then the rotated shared rope key) that MLA caches once per token.
-        ``q . row`` is the decompressed ``q . k`` (``q_nope . W_UK c + q_rope . k_rope``), so
-        attention over the rows with V = the rows' first ``rank`` columns, followed by
-        :meth:`absorb_out`, is the decompressed attention."""
-        q = self._query(x)  # [T, H, nope + rope]
-        latent = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
-        c = self.kv_a_layernorm(latent[:, : self.rank])  # [T, rank]
-        q_rot, k_rot = q[..., self.nope :], latent[:, None, self.rank :]
-        if self.interleave:
-            q_rot, k_rot = _evens_then_odds(q_rot), _evens_then_odds(k_rot)
-        w_uk, _ = self._w_uk_uv()
-        q_abs = torch.einsum("thn,hnr->thr", q[..., : self.nope], w_uk)  # [T, H, rank]
-        q_out = torch.cat([q_abs, rotary(q_rot, cos, sin)], dim=-1)
-        row = torch.cat([c[:, None, :], rotary(k_rot, cos, sin)], dim=-1)  # [T, 1, rank + rope]
-        return q_out, row
-
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` -> the per-head queries ``[T, H, nope + rope]``: one projection,
-        or with ``q_lora_rank`` the low-rank down-projection, its norm and the up-projection."""
-        if self.q_proj is not None:
-            q = self.q_proj(x)
-        else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None
-            assert self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.num_q_heads, self.head_dim)
-
-    def absorb_out(self, o_latent: torch.Tensor) -> torch.Tensor:
-        """Attention output over latent rows ``[T, H, rank]`` -> per-head values ``[T, H, v]``
-        (times each head's ``W_UV``)."""
-        _, w_uv = self._w_uk_uv()
-        return torch.einsum("thr,hvr->thv", o_latent, w_uv)
-
-    def project(
-        self, x: torch.Tensor, rope: Rope
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`qkv` (RoPE through torch: :meth:`CausalLM.use_fused_ops` leaves MLA's)."""
-        assert isinstance(rope, TorchRope), "MLA rotates its interleaved pairs with torch ops"
-        return self.qkv(x, *rope)
-
-    def qkv(
-        self, x: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` ``[T, hidden]`` -> ``q``, ``k`` ``[T, H, nope + rope]``, ``v`` ``[T, H, Dv]``."""
-        t, heads = x.shape[0], self.num_q_heads
-        q = self._query(x)  # [T, H, nope + rope]
-        latent = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent[:, : self.rank]))
-        kv = kv.view(t, heads, self.nope + self.v_head_dim)
-        q_rot, k_rot = q[..., self.nope :], latent[:, None, self.rank :]  # [T, H|1, rope]
-        if self.interleave:
-            q_rot, k_rot = _evens_then_odds(q_rot), _evens_then_odds(k_rot)
-        q_rot, k_rot = rotary(q_rot, cos, sin), rotary(k_rot, cos, sin)
-        q = torch.cat([q[..., : self.nope], q_rot], dim=-1)
-        k = torch.cat([kv[..., : self.nope], k_rot.expand(t, heads, self.rope)], dim=-1)
-        return q, k, kv[..., self.nope :]
 
 
 class DecoderLayer(nn.Module):
@@ -467,13 +356,17 @@ class CausalLM(nn.Module):
         attend: AttendFn,
         *,
         mla_latent: bool = False,
+        mla_split: MLASplitFn | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm.
 
         ``mla_latent``: MLA layers hand ``attend`` the absorbed form (:meth:`MLAAttention.
         latent_qkv`): ``q`` ``[T, H, rank + rope]``, ``k`` the latent rows ``[T, 1, rank +
         rope]`` and ``v`` their first ``rank`` columns (a view of ``k``: a latent cache stores the
-        row once), and take back ``[T, H, rank]``; without it, decompressed per-head K/V."""
+        row once), and take back ``[T, H, rank]``; without it, decompressed per-head K/V.
+        ``mla_split`` (with ``mla_latent``): MLA layers hand it their latent parts instead and
+        take back ``[T, H, v]`` (the runner's mixed and prefill steps: decode rows absorbed,
+        prefill rows decompressed, :mod:`kvstack.engine.mla_prefill`)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.arch.embed_scale is not None:
             # Gemma: the scale as a tensor of the activation dtype, as transformers rounds it.
@@ -493,9 +386,7 @@ class CausalLM(nn.Module):
             else:
                 h, residual = layer.input_layernorm.add_norm(pending, residual)
             if mla_latent and isinstance(attn, MLAAttention):
-                assert isinstance(rope, TorchRope)
-                q, row = attn.latent_qkv(h, *rope)
-                o = attn.absorb_out(attend(i, q, row, row[..., : attn.rank]))
+                o = attn.attend_latent(i, h, rope, attend, mla_split)  # [T, H, v]
             else:
                 q, k, v = attn.project(h, rope)
                 o = attend(i, q, k, v)  # [T, Hq, Dv]
