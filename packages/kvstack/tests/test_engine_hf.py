@@ -4,7 +4,10 @@ For each architecture of the registry (:data:`kvstack.engine.archs.FAMILIES`) a 
 transformers itself and saved as safetensors; the kvstack engine serves it with requests that
 arrive at different steps, share prompt prefixes (prefix-cache hits), are prefilled in chunks
 under a small token budget, and outgrow a tiny pool (at least one preemption, resumed from a
-prefix hit). Every request's greedy tokens must equal transformers' ``generate`` (no EOS), and
+prefix hit). DeepSeek-V3 caches its MLA latent and attends the prefill rows of a step over
+decompressed K/V (prefix hits and earlier chunks read back from the latent cache), its decode
+rows absorbed (:mod:`kvstack.engine.mla_prefill`). Every request's greedy tokens must equal
+transformers' ``generate`` (no EOS), and
 every step's logits must agree within ``LOGIT_ATOL`` (float32 on the CPU: the paged, chunked
 computation sums in a different order than transformers' dense one).
 """
@@ -126,6 +129,10 @@ def test_engine_matches_transformers_greedy(arch: str, tmp_path: Path) -> None:
     assert stats.num_preemptions >= 1 and stats.num_resumes >= 1
     assert stats.prefix_hit_tokens >= 12  # the shared 12-token prefix, hit by a later request
     assert chunked
+    mla = engine.runner.mla_prefill
+    if mla is not None:  # DeepSeek-V3's latent cache: prefill rows over decompressed K/V, read
+        # from the cache (prefix hits, earlier chunks), beside absorbed decodes in mixed steps
+        assert mla.stats.rows and mla.stats.cached_keys and mla.stats.decode_rows, mla.stats
     reference = _hf_reference(model_dir, [p for _, p in workload])
     for i, (want_tokens, want_logits) in enumerate(reference):
         got = engine.completion(str(i))

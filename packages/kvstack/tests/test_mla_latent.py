@@ -8,8 +8,10 @@ whose attention is kv-kernels' own ``paged_attention(kv_lora_rank=)`` reference 
 written by ``reshape_and_cache`` through shuffled block tables (two requests, chunked prefill,
 decodes sharing steps with a prefill) against transformers' greedy ``generate``. A planted bug
 (the output through ``W_UK`` instead of ``W_UV``) must be caught. Then the runner itself: the
-latent cache through TORCH_SDPA on the CPU, tokens and logits equal to transformers' greedy
-``generate``; a backend that declares no MLA gets decompressed K/V.
+latent cache through TORCH_SDPA on the CPU -- decode rows absorbed, prefill rows (chunks, whose
+context is read back from the cache) over decompressed K/V (:mod:`kvstack.engine.mla_prefill`,
+held to the absorbed form in ``test_mla_prefill.py``) -- tokens and logits equal to
+transformers' greedy ``generate``; a backend that declares no MLA gets decompressed K/V.
 """
 
 from __future__ import annotations
@@ -196,6 +198,9 @@ def test_runner_serves_the_latent_cache_on_the_cpu(ckpt: Path) -> None:
     for (want, ref), got, logits in zip(refs, result.tokens, result.logits, strict=True):
         assert got == want
         assert float((logits - ref).abs().max() / ref.abs().max()) <= LOGIT_RTOL
+    # every prompt token was a prefill row over decompressed K/V, the chunks' context read back
+    stats = runner.mla_prefill.stats if runner.mla_prefill is not None else None
+    assert stats is not None and stats.rows == sum(map(len, PROMPTS)) and stats.cached_keys > 0
 
 
 def test_a_backend_without_mla_gets_decompressed_kv(ckpt: Path) -> None:

@@ -49,6 +49,7 @@ from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.kept_sdpa import EngineImpls
 from kvstack.engine.kv_format import KVCacheDtype, mla_cache_choice, parse_kv_cache_dtype
 from kvstack.engine.loader import load_model
+from kvstack.engine.mla_prefill import MLAPrefill
 from kvstack.engine.models import CausalLM
 
 __all__ = ["DEFAULT_CACHE_REQUESTS", "KVLayerHooks", "LayerBinding", "ModelRunner"]
@@ -250,6 +251,11 @@ class ModelRunner:
         self.builders: dict[int, MetadataBuilder] = {}
         self.layers: list[LayerBinding] = []
         self._bind(layout_order, max_num_seqs)
+        #: MLA latent: steps with prefill rows attend them over decompressed K/V (decode rows
+        #: absorbed, :mod:`kvstack.engine.mla_prefill`); ``None`` attends every row absorbed.
+        self.mla_prefill = (
+            MLAPrefill(max_query_len=max_num_batched_tokens) if self.mla_latent else None
+        )
         #: Seconds each stage of the start took (``load``, ``plan``; ``graphs``, ``compile``
         #: where they ran): :attr:`EngineStats.startup_seconds`.
         self.startup_seconds: dict[str, float] = {
@@ -422,6 +428,8 @@ class ModelRunner:
             )
         if self.mla_cache_reason is not None:
             lines.append(f"MLA: {self.mla_cache_reason}")
+        if self.mla_prefill is not None:
+            lines.append(f"MLA prefill: {self.mla_prefill.describe()}")
         lines.append(f"CUDA graphs {self.cuda_graphs_reason}")
         return "\n".join(lines)
 
@@ -561,6 +569,12 @@ class ModelRunner:
                 hooks.after_attention(b.layer_slot)
             return out
 
+        # A step with prefill rows (never a captured decode step) splits MLA layers' rows.
+        mla = self.mla_prefill
+        split = None
+        if mla is not None and any(md.max_query_len > 1 for md in metadata):
+            split = mla.step(self, metadata)
         return self.model(
-            input_ids.to(self.device), positions.to(self.device), attend, mla_latent=latent
-        )
+            input_ids.to(self.device), positions.to(self.device), attend, mla_latent=latent,
+            mla_split=split,
+        )  # fmt: skip

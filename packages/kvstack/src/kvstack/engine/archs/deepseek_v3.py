@@ -18,7 +18,8 @@ The engine's model computes the decompressed K/V per head, so the cache-free ref
 backend serving ``head_size_v != head_size`` can run it; the latent cache (one
 ``kv_lora_rank + qk_rope_head_dim`` row per token, kv-spec's ``MLAAttentionSpec``) with absorbed
 decode runs where a backend declares MLA: TORCH_SDPA on the CPU, TRITON_MLA on a GPU (the
-runner picks the latent cache then, decompressed K/V otherwise).
+runner picks the latent cache then, decompressed K/V otherwise). Over the latent cache, prefill
+rows attend K/V decompressed from it per step (:mod:`kvstack.engine.mla_prefill`).
 """
 
 from __future__ import annotations
