@@ -192,6 +192,9 @@ class Cost:
             for g in cfg.groups
         ]
         self.windows = [getattr(g.spec, "sliding_window", None) for g in cfg.groups]
+        # MLA (DeepSeek-V3): head_dim is qk_nope + qk_rope (192) and v_head_dim 128, the
+        # decompressed count the engine's prefill does (kvstack.engine.mla_prefill); absorbed
+        # decode does 512 + 64 + 512 a head, but decode is held to the memory roofline.
         self.attn_flops_per_pair = (
             2 * arch.num_q_heads * (arch.head_dim + arch.v_head_dim) * arch.num_layers
         )
