@@ -3,7 +3,9 @@
 the heuristic's for Llama-3-8B's projections (qkv, o_proj, gate_up, down, lm_head) at each M
 bucket, M = 1 (Triton specializes it as a constant), ragged K slices, fp16 and IEEE fp32, and the
 split-K reduce at each split count those use. Each build must fit sm_90's shared memory, and
-the 16-bit builds must use the warpgroup MMA (``wgmma``) fed by ``cp.async`` pipelines."""
+the 16-bit builds must use the warpgroup MMA (``wgmma``) fed by ``cp.async`` pipelines, except
+where the tile's MMA M side (``block_n``, the weight rows) is under a warpgroup's 64 rows:
+Triton then emits ``mma.sync`` (the table's o_proj config at M <= 16 has ``block_n`` 32)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ from kv_kernels.gemm.configs import M_BUCKETS, TABLE, GemmConfig, pick_config
 _T = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 LLAMA = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
          "down": (4096, 14336), "lm_head": (128256, 4096)}  # fmt: skip
+
+
+def _mma(cfg: GemmConfig) -> str:
+    """The MMA a 16-bit build of ``cfg`` uses on sm_90: Triton's wgmma takes an M side (here the
+    ``block_n`` weight rows) of a multiple of 64 and whole warpgroups; else ``mma.sync``."""
+    return "wgmma" if cfg.block_n % 64 == 0 and cfg.num_warps % 4 == 0 else "mma_sync"
 
 
 def _gemm_case(m: int, n: int, k: int, cfg: GemmConfig, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -47,7 +55,12 @@ def _gemm_case(m: int, n: int, k: int, cfg: GemmConfig, dtype: str = "bfloat16")
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         "divisible_by_16": [*pointers, *(a for a, v in ints.items() if v % 16 == 0 and v != 1)],
-        "count": {"wgmma": r"wgmma\.mma_async", "cp_async": r"cp\.async"},
+        "count": {
+            "wgmma": r"wgmma\.mma_async",
+            "mma_sync": r"mma\.sync\.aligned",
+            "cp_async": r"cp\.async",
+        },
+        "wants": () if dtype == "float32" else (_mma(cfg), "cp_async"),
     }
 
 
@@ -116,11 +129,9 @@ def slow_results(aot_compile_checks) -> dict[str, dict[str, Any]]:
 
 
 def _problems(case: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[str]:
-    """Builds, fits shared memory; the 16-bit GEMMs use wgmma and cp.async (fp32 IEEE dots
-    are FMA loops, no MMA)."""
-    gemm16 = case["id"].startswith("gemm") and "float32" not in case["id"]
-    wants = ("wgmma", "cp_async") if gemm16 else ()
-    return build_problems(results[case["id"]], arch=90, present=wants)
+    """Builds, fits shared memory; the 16-bit GEMMs use their MMA (:func:`_mma`) and cp.async
+    (fp32 IEEE dots are FMA loops, no MMA)."""
+    return build_problems(results[case["id"]], arch=90, present=tuple(case.get("wants", ())))
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=[c["id"] for c in CI_CASES])

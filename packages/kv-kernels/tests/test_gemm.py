@@ -15,7 +15,14 @@ import pytest
 import torch
 from kv_kernels.gemm import GemmConfig, skinny_linear, supports, unsupported_reason
 from kv_kernels.gemm import triton as gemm_triton
-from kv_kernels.gemm.configs import check_config, default_config, m_bucket, pick_config
+from kv_kernels.gemm.configs import (
+    M_BUCKETS,
+    TABLE,
+    check_config,
+    default_config,
+    m_bucket,
+    pick_config,
+)
 
 RTOL = 2.0
 #: fp16: half an fp16 ulp at |y| ~ 2 is ~1e-3; fp32: IEEE dots in another order, ~1e-6
@@ -179,6 +186,18 @@ def test_m_buckets_and_default_configs() -> None:
         for n, k in ((6144, 4096), (4096, 14336), (128256, 4096)):
             for elem in (2, 4):
                 check_config(default_config(m, n, k, elem), elem_bytes=elem)
+
+
+def test_table_configs_are_valid_and_picked() -> None:
+    """The measured table (H200 sweep): keyed by an M bucket, every config passes the checks
+    and is what pick_config returns for each M of its bucket."""
+    assert TABLE
+    for (bucket, n, k), cfg in TABLE.items():
+        assert bucket in M_BUCKETS
+        check_config(cfg)
+        lo = max((b for b in M_BUCKETS if b < bucket), default=0) + 1
+        assert pick_config(lo, n, k) == cfg == pick_config(bucket, n, k)
+        assert pick_config(bucket, n, k, elem_bytes=4) == default_config(bucket, n, k, 4)
 
 
 @pytest.mark.parametrize(

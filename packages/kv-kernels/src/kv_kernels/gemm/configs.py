@@ -103,10 +103,34 @@ def m_bucket(m: int) -> int:
     raise ValueError(f"M={m} > {MAX_M}: the skinny GEMM takes at most {MAX_M} tokens")
 
 
-#: Measured configs keyed by (M bucket, N, K) for 16-bit weights. Filled from
-#: ``benchmarks/bench_gemm.py --sweep`` on an H200 (it prints a dict literal to paste here);
-#: until then every shape takes :func:`default_config`.
-TABLE: dict[tuple[int, int, int], GemmConfig] = {}
+#: Measured configs keyed by (M bucket, N, K) for 16-bit weights: pasted unchanged from
+#: ``benchmarks/bench_gemm.py --sweep`` on an NVIDIA H200 (triton 3.6, torch 2.11, bf16; the
+#: record is docs/benchmarks/gemm_sweep_h200.{json,md}). Llama-3-8B's projections, each bucket
+#: timed at its top M only (16, 64, 128, 256; bucket 32 is not in it); each comment is that
+#: M's per-call time back to back in a CUDA graph, weights L2-cold. A shape not in it takes
+#: :func:`default_config`.
+TABLE: dict[tuple[int, int, int], GemmConfig] = {
+    (16, 4096, 4096): GemmConfig(16, 32, 256, 1, 4, 5),  # 11.6 us avg over 1 M
+    (16, 4096, 14336): GemmConfig(16, 64, 256, 1, 4, 5),  # 31.5 us avg over 1 M
+    (16, 6144, 4096): GemmConfig(16, 64, 128, 1, 4, 5),  # 14.9 us avg over 1 M
+    (16, 28672, 4096): GemmConfig(16, 128, 128, 1, 4, 3),  # 57.5 us avg over 1 M
+    (16, 128256, 4096): GemmConfig(16, 128, 128, 1, 4, 3),  # 241.7 us avg over 1 M
+    (64, 4096, 4096): GemmConfig(64, 64, 128, 1, 4, 5),  # 12.6 us avg over 1 M
+    (64, 4096, 14336): GemmConfig(64, 64, 128, 2, 4, 5),  # 34.0 us avg over 1 M
+    (64, 6144, 4096): GemmConfig(64, 64, 128, 1, 4, 5),  # 16.1 us avg over 1 M
+    (64, 28672, 4096): GemmConfig(64, 128, 64, 1, 8, 3),  # 59.5 us avg over 1 M
+    (64, 128256, 4096): GemmConfig(64, 128, 64, 1, 8, 3),  # 256.6 us avg over 1 M
+    (128, 4096, 4096): GemmConfig(64, 64, 128, 1, 4, 5),  # 12.8 us avg over 1 M
+    (128, 4096, 14336): GemmConfig(64, 64, 128, 1, 4, 5),  # 37.2 us avg over 1 M
+    (128, 6144, 4096): GemmConfig(64, 64, 64, 1, 4, 5),  # 20.9 us avg over 1 M
+    (128, 28672, 4096): GemmConfig(128, 128, 64, 1, 8, 3),  # 66.0 us avg over 1 M
+    (128, 128256, 4096): GemmConfig(128, 128, 64, 1, 8, 3),  # 273.4 us avg over 1 M
+    (256, 4096, 4096): GemmConfig(128, 64, 64, 1, 8, 5),  # 18.7 us avg over 1 M
+    (256, 4096, 14336): GemmConfig(128, 64, 64, 1, 8, 5),  # 60.3 us avg over 1 M
+    (256, 6144, 4096): GemmConfig(128, 128, 64, 1, 8, 5),  # 24.8 us avg over 1 M
+    (256, 28672, 4096): GemmConfig(128, 128, 64, 1, 8, 3),  # 99.2 us avg over 1 M
+    (256, 128256, 4096): GemmConfig(128, 128, 64, 1, 8, 3),  # 438.7 us avg over 1 M
+}
 
 
 def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> GemmConfig:
