@@ -14,9 +14,11 @@ Sections (each one independent; a failure is recorded in the JSON, the rest stil
    compute alone and the save alone: ``overlap = (t_compute + t_save - t_both) / min(...)``.
 3. gather: GPU -> GPU ``kv_kernels.gather_blocks`` of ``n`` blocks (per-layer and cross-layer)
    against ``torch.index_select`` of the same bytes.
-4. p2p / nixl: two processes (two GPUs when there are two; gloo / DRAM on the CPU smoke run): a pull
-   of ``n`` blocks through ``P2pConnector`` (NCCL) and ``NixlConnector`` (VRAM), against a raw
-   ``torch.distributed`` send/recv of the same bytes.
+4. p2p / nixl: two processes (two GPUs when there are two; gloo / DRAM on the CPU smoke run), see
+   ``_two_process.py``: P2P pull (consecutive and shuffled block ids, cross-layer and per-layer),
+   push and layer-wise streaming of ``n``-block requests (8k tokens on the GPU), NIXL READ (VRAM),
+   each against a raw ``torch.distributed`` send/recv of the same bytes in the same process pair
+   (one message, and messages of the connector's chunk size).
 
 Throughput is bytes / wall time with the device synchronized (the connector's host work counts:
 that is what an engine pays). Medians over ``--iters`` after warm-up.
@@ -50,12 +52,21 @@ def bench_offload(
     res: Results, device: torch.device, shape: dict[str, Any], n: int, iters: int
 ) -> None:
     for order in ORDERS:
-        _offload_order(res, device, shape, n, iters, order)
+        for kind in ("shuffled", "consecutive"):
+            _offload_order(res, device, shape, n, iters, order, kind)
 
 
 def _offload_order(
-    res: Results, device: torch.device, shape: dict[str, Any], n: int, iters: int, order: str
+    res: Results,
+    device: torch.device,
+    shape: dict[str, Any],
+    n: int,
+    iters: int,
+    order: str,
+    kind: str,
 ) -> None:
+    """``kind``: block ids ``shuffled`` (gathered through staging, pipelined with the host
+    copies) or ``consecutive`` (rows that are the cache's own memory: copied directly)."""
     from kv_connectors import OffloadingConfig, OffloadingConnector
 
     layout, storage, row = make_cache(order, shape, device)
@@ -63,6 +74,8 @@ def _offload_order(
     conn.register_kv_caches(storage, layout)
     gen = torch.Generator().manual_seed(0)
     src_ids = torch.randperm(layout.num_blocks, generator=gen)[: 2 * n].tolist()
+    if kind == "consecutive":
+        src_ids = list(range(2 * n))
     save_ids, load_ids = src_ids[:n], src_ids[n:]
     counter = iter(range(10**9))
     last: list[Req] = []
@@ -95,10 +108,22 @@ def _offload_order(
     block = layout.block_bytes  # contiguous bytes of one block in its allocation
     extra = {"order": order, "physical_block_bytes": block, "blocks": n, "row_bytes": row}
     res.add(
-        "offload", f"save GPU->CPU {order}", n * row, t_save, "pinned copy_ D2H", t_d2h, **extra
+        "offload",
+        f"save GPU->CPU {order} {kind} ids",
+        n * row,
+        t_save,
+        "pinned copy_ D2H",
+        t_d2h,
+        **extra,
     )
     res.add(
-        "offload", f"load CPU->GPU {order}", n * row, t_load, "pinned copy_ H2D", t_h2d, **extra
+        "offload",
+        f"load CPU->GPU {order} {kind} ids",
+        n * row,
+        t_load,
+        "pinned copy_ H2D",
+        t_h2d,
+        **extra,
     )
     conn.close()
 
@@ -261,6 +286,20 @@ def write(res: Results, out_dir: Path, meta: dict[str, Any]) -> None:
                 f"\nOverlap: compute {r['compute_ms']:.2f} ms, save {r['save_ms']:.2f} ms, both {r['ms']:.2f} ms -> overlap {r['overlap']:.2f} of the shorter."
             )
     for r in res.records:
+        if "ratio_to_chunked" in r:
+            lines.append(
+                f"\n{r['case']}: {r['ratio_to_chunked']:.2f}x of raw send/recv in messages of "
+                f"{r['chunk_bytes'] / 2**20:.1f} MiB (the connector's chunk), {r['raw_chunked_ms']:.3f} ms."
+            )
+        if "tail_ms" in r:
+            lines.append(
+                f"\n{r['case']}: the consumer has every layer {r['tail_ms']:.3f} ms after the "
+                f"producer's last layer was computed (producer compute {r['compute_ms']:.2f} ms, "
+                f"{r['message_bytes'] / 2**20:.1f} MiB messages; raw send/recv of all layers' messages "
+                f"{r['raw_layer_messages_ms']:.3f} ms); without streaming the whole pull starts "
+                "only then (see the pull LBNHC row)."
+            )
+    for r in res.records:
         if "wall_ms" in r:
             lines.append(
                 f"\n{r['case']}: one synced call takes {r['wall_ms']:.3f} ms of wall time (host "
@@ -347,6 +386,7 @@ def main() -> None:
             "dtype": "bfloat16",
         }
         n, iters = 256, args.iters or 10
+        tn = 512  # transfers: 8k-token requests (512 blocks of 16 tokens, 1 GiB)
     else:
         shape = {
             "num_layers": 4,
@@ -358,6 +398,7 @@ def main() -> None:
             "dtype": "float16",
         }
         n, iters = 16, args.iters or 3
+        tn = n
     res = Results()
     sections: dict[str, Callable[[], None]] = {
         "offload": lambda: bench_offload(res, device, shape, n, iters),
@@ -366,13 +407,13 @@ def main() -> None:
     }
     two = (torch.cuda.device_count() >= 2) if cuda else True
     if two:
-        sections["p2p"] = lambda: bench_two_process(res, "p2p", shape, n, iters)
+        sections["p2p"] = lambda: bench_two_process(res, "p2p", shape, tn, iters, args.smoke)
         try:
             import nixl._api  # noqa: F401
 
-            sections["nixl"] = lambda: bench_two_process(res, "nixl", shape, n, iters)
-        except ImportError:
-            res.notes.append("NIXL is not installed on this machine: no NIXL numbers.")
+            sections["nixl"] = lambda: bench_two_process(res, "nixl", shape, tn, iters, args.smoke)
+        except ImportError as exc:
+            res.notes.append(f"NIXL does not import here ({exc}): no NIXL numbers.")
     else:
         res.notes.append("Fewer than 2 GPUs: no P2P/NIXL numbers.")
     for name, fn in sections.items():

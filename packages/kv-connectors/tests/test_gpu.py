@@ -35,7 +35,14 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     ],
     ids=["LBNHC", "BLNHC", "fp8_pth", "diffkv"],
 )
-def test_offload_round_trip_on_cuda(layout: Any, make_request: Callable[..., Any]) -> None:
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [([5, 17, 3, 40], [60, 61, 0, 9]), ([4, 5, 6, 7], [20, 21, 22, 23])],
+    ids=["staged", "consecutive"],  # consecutive: rows copied straight from and into the cache
+)
+def test_offload_round_trip_on_cuda(
+    layout: Any, src: list[int], dst: list[int], make_request: Callable[..., Any]
+) -> None:
     cache = random_cache(layout, seed=1, device="cuda")
     row = layout.num_layers * layout.page_bytes
     # a staging buffer of two block rows: the four-block transfers move in pieces
@@ -43,7 +50,6 @@ def test_offload_round_trip_on_cuda(layout: Any, make_request: Callable[..., Any
     conn = OffloadingConnector(config, block_size=layout.block_size)
     conn.register_kv_caches(cache, layout)
     assert conn.tier.is_pinned()
-    src = [5, 17, 3, 40]
     want = [block_bytes(cache, layout, b) for b in src]
     req = make_request("a", 4, layout.block_size, seed=2)
     conn.request_finished(req, src)
@@ -55,13 +61,13 @@ def test_offload_round_trip_on_cuda(layout: Any, make_request: Callable[..., Any
     assert conn.get_finished()[0] == {"a"}
     b = make_request("b", 4, layout.block_size, seed=2)
     tokens, _ = conn.get_num_new_matched_tokens(b, 0)
-    conn.update_state_after_alloc(b, [60, 61, 0, 9], tokens)
+    conn.update_state_after_alloc(b, dst, tokens)
     conn.start_load_kv(conn.build_connector_meta())
     for layer in range(layout.num_layers):
         conn.wait_for_layer_load(layer)
     torch.cuda.synchronize()
-    for dst, w in zip([60, 61, 0, 9], want, strict=True):
-        assert torch.equal(block_bytes(cache, layout, dst), w)
+    for d, w in zip(dst, want, strict=True):
+        assert torch.equal(block_bytes(cache, layout, d), w)
 
 
 def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[..., Any]) -> None:
@@ -86,22 +92,40 @@ def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[
 
 
 def _pull_from_gpu_peer(
-    transport: str, spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+    transport: str,
+    spawn_peer: Callable[..., Any],
+    make_request: Callable[..., Any],
+    *,
+    order: str = "BLNHC",
+    theirs: list[int] | None = None,
+    mine: list[int] | None = None,
+    stream: bool = False,
 ) -> None:
-    layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
+    """A pull from a producer on cuda:0 into cuda:1, byte-exact. ``stream``: the producer streams
+    (its last layer saved on ``SAVE_LAST``) and this consumer loads layer by layer."""
+    theirs, mine = theirs or [3, 9, 1, 6], mine or [7, 2, 11, 5]
+    layout = make_layout(order, num_blocks=32, dtype="bfloat16")
     peer = spawn_peer(
         {
             "transport": transport,
             "timeout_s": 30,
             "device": "cuda:0",
             "producers": [
-                {"name": "x", "layout": layout.to_json(), "seed": 5, "block_ids": [3, 9, 1, 6]}
+                {
+                    "name": "x",
+                    "layout": layout.to_json(),
+                    "seed": 5,
+                    "block_ids": theirs,
+                    "stream": stream,
+                }
             ],
         }
     )
     torch.cuda.set_device(1)
     if transport == "p2p":
-        conn: Any = P2pConnector(P2pConfig(timeout_s=30), block_size=layout.block_size)
+        conn: Any = P2pConnector(
+            P2pConfig(timeout_s=30, layerwise=stream), block_size=layout.block_size
+        )
     else:
         from kv_connectors import NixlConfig
         from kv_connectors.nixl import NixlConnector
@@ -112,16 +136,29 @@ def _pull_from_gpu_peer(
     req = make_request("c", 4, layout.block_size)
     conn.add_remote_request("c", peer.params["x"])
     tokens, _ = conn.get_num_new_matched_tokens(req, 0)
-    conn.update_state_after_alloc(req, [7, 2, 11, 5], tokens)
+    conn.update_state_after_alloc(req, mine, tokens)
     conn.start_load_kv(conn.build_connector_meta())
-    deadline = time.monotonic() + 60
-    done: set[str] = set()
-    while "c" not in done and time.monotonic() < deadline:
-        done |= conn.get_finished()[1]
-        time.sleep(0.01)
-    assert "c" in done and conn.get_block_ids_with_load_errors() == set(), conn.load_error_reasons
     src = random_cache(layout, seed=5)  # the producer's bytes, rebuilt on the CPU
-    for b, p in zip([7, 2, 11, 5], [3, 9, 1, 6], strict=True):
+    if stream:
+        conn.wait_for_layer_load(0)
+        torch.cuda.synchronize()
+        for b, p in zip(mine, theirs, strict=True):  # layer 0 landed before the last is computed
+            assert torch.equal(block_bytes(cache, layout, b)[0], block_bytes(src, layout, p)[0])
+        assert peer.proc.stdin is not None
+        peer.proc.stdin.write("SAVE_LAST\n")
+        peer.proc.stdin.flush()
+        for layer in range(1, layout.num_layers):
+            conn.wait_for_layer_load(layer)
+    else:
+        deadline = time.monotonic() + 60
+        done: set[str] = set()
+        while "c" not in done and time.monotonic() < deadline:
+            done |= conn.get_finished()[1]
+            time.sleep(0.01)
+        assert "c" in done
+    torch.cuda.synchronize()
+    assert conn.get_block_ids_with_load_errors() == set(), conn.load_error_reasons
+    for b, p in zip(mine, theirs, strict=True):
         assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
     conn.close()
 
@@ -131,6 +168,18 @@ def test_p2p_nccl_between_two_gpus(
     spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
 ) -> None:
     _pull_from_gpu_peer("p2p", spawn_peer, make_request)
+    # consecutive ids: sent from and received into the slab directly
+    _pull_from_gpu_peer("p2p", spawn_peer, make_request, theirs=[4, 5, 6, 7], mine=[20, 21, 22, 23])
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_p2p_nccl_layerwise_stream_between_two_gpus(
+    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    _pull_from_gpu_peer("p2p", spawn_peer, make_request, order="LBNHC", stream=True)
+    _pull_from_gpu_peer(
+        "p2p", spawn_peer, make_request, order="LBNHC", stream=True, theirs=[4, 5], mine=[8, 9]
+    )
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
