@@ -21,6 +21,7 @@ Raw baselines: one message of the request's bytes, and messages of the connector
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import statistics
 import time
@@ -294,6 +295,8 @@ def _peer(rank: int, cfg: dict[str, Any], port: int, queues: Any, out: Any, barr
 def bench_two_process(
     res: Results, transport: str, shape: dict[str, Any], n: int, iters: int, smoke: bool = False
 ) -> None:
+    # NVLink SHARP (multicast) off: it is not available on every host and is not what P2P uses
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited by the spawned peers
     ctx = mp.get_context("spawn")
     queues = (ctx.Queue(), ctx.Queue())
     out = ctx.Queue()
