@@ -12,16 +12,18 @@ and the old fixed ``atol = rtol = 2e-2`` would have passed them) and batch invar
 for each backend that declares it.
 
 MLA (``mla`` in the literal): :func:`kv_backends.conformance.mla_cases_for` over a latent cache
-(``make_latent_batch``) against the same oracle with K = the latent row and V its latent part; on
-the CPU TORCH_SDPA (kv-kernels' reference), marked ``gpu`` every MLA backend. Planted bugs the
-check must catch: the latent's rope part dropped (a write that stores ``kv_c`` without
-``k_pe``), a wrong page; bitwise batch invariance too.
+(``make_latent_batch``; fp8 per-tensor latents with their one ``k_scale`` where the literal
+declares them) against the same oracle with K = the latent row and V its latent part; on the CPU
+TORCH_SDPA (kv-kernels' reference), marked ``gpu`` every MLA backend. Planted bugs the check
+must catch: the latent's rope part dropped (a write that stores ``kv_c`` without ``k_pe``), a
+wrong page, an fp8 latent read with a 25% wrong scale; bitwise batch invariance too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import types
 import zlib
 
 import pytest
@@ -291,7 +293,8 @@ def _latent_batch(case: Case, device: str, **kw) -> PagedBatch:
     b_kw.update(kw)
     return make_latent_batch(
         **b_kw, kv_lora_rank=rank, rope=rope, order=case.order, dtype=case.dtype,
-        block_size=case.block_size, kernel_block_size=case.kernel_block_size, device=device,
+        kv_cache_dtype=case.cache_dtype, block_size=case.block_size,
+        kernel_block_size=case.kernel_block_size, device=device,
         seed=zlib.crc32(case.id.encode()),
     )  # fmt: skip
 
@@ -328,18 +331,25 @@ def test_mla_conformance_gpu(case: Case) -> None:
     _run_mla_case(case, "cuda")
 
 
-def _mla_case(name: str, dtype: str = "float16") -> Case:
-    return Case(name, "mla", dtype, dtype, "LBNHC", 16, 16)
+def _mla_case(name: str, dtype: str = "float16", cache: str | None = None) -> Case:
+    return Case(name, "mla", dtype, cache or dtype, "LBNHC", 16, 16)
 
 
+@pytest.mark.parametrize("cache", [None, "fp8_e4m3"])
 @pytest.mark.parametrize("name", _CPU_MLA)
-def test_mla_planted_bugs_fail_the_check(name: str) -> None:
+def test_mla_planted_bugs_fail_the_check(name: str, cache: str | None) -> None:
     """The latent's rope part dropped (the write stored ``kv_c`` but not ``k_pe``) and one wrong
-    page must each fail the oracle check that the correct run passes."""
-    b = _latent_batch(_mla_case(name), "cpu", query_lens=[1, 4], seq_lens=[64, 40])
+    page must each fail the oracle check that the correct run passes; an fp8 latent read with
+    a scale 25% off as well."""
+    b = _latent_batch(_mla_case(name, cache=cache), "cpu", query_lens=[1, 4], seq_lens=[64, 40])
     ref = oracle_attention(b)
     t = b.common.num_actual_tokens
     assert check_close_to_oracle(run_backend(name, b)[:t], ref[:t]).ok
+    if cache is not None:
+        assert b.k_scale is not None and b.kv_cache.element_size() == 1
+        wrong = dataclasses.replace(b, k_scale=b.k_scale * 1.25)
+        res = check_close_to_oracle(run_backend(name, wrong)[:t], ref[:t])
+        assert not res.ok, "an fp8 latent read with a wrong scale passed the check"
     rank = MLA_LATENT[0]
     rope = b.kv_cache[..., rank:].clone()
     b.kv_cache[..., rank:] = 0  # planted: the rope columns never written
@@ -371,8 +381,40 @@ def test_mla_write_path_and_contract(name: str) -> None:
     plain = make_paged_batch(query_lens=[1], seq_lens=[4])
     with pytest.raises(ValueError, match="only for MLA"):
         backend.make_impl(plain.config, plain.layout, kv_lora_rank=16)
-    quant = dataclasses.replace(b.config, kv_cache_dtype="fp8_e4m3", kv_quant="fp8_per_tensor")
-    assert any("MLA latent" in r for r in backend.validate(quant))
+    # per-token-head latents stay refused (paged_attention reads none and fp8 per tensor)
+    per_token = dataclasses.replace(
+        b.config, kv_cache_dtype="fp8_e4m3", kv_quant="fp8_per_token_head"
+    )
+    assert any("MLA latent" in r for r in backend.validate(per_token)), name
+
+
+@pytest.mark.parametrize("name", _CPU_MLA)
+def test_mla_fp8_latent_write_and_its_one_scale(name: str) -> None:
+    """An fp8 latent: the backend's own write (``value=None``) stores exactly the bytes the torch
+    fill did (``latent / k_scale`` in fp8), the impl takes ``k_scale`` alone or with an equal
+    ``v_scale`` (an engine hands every layer both), and refuses a missing ``k_scale``, a
+    different ``v_scale`` and a layer object whose ``v_scale`` is not its ``k_scale``."""
+    b = _latent_batch(_mla_case(name, "float32", "fp8_e4m3"), "cpu")
+    backend = get_backend(name)
+    assert not backend.validate(b.config), backend.validate(b.config)
+    assert b.config.kv_quant == "fp8_per_tensor" and b.v_scale is None
+    impl = make_batch_impl(backend, b)
+    want = b.kv_cache.clone()
+    b.kv_cache.zero_()
+    impl.do_kv_cache_update(None, b.key, None, b.kv_cache, b.all_slots)
+    assert torch.equal(b.kv_cache.view(torch.uint8), want.view(torch.uint8))
+    k = torch.tensor(b.k_scale)
+    backend.make_impl(b.config, b.layout, k_scale=k, v_scale=k.clone())  # equal: accepted
+    with pytest.raises(ValueError, match="on an MLA layer needs k_scale"):
+        backend.make_impl(b.config, b.layout)
+    with pytest.raises(ValueError, match=r"v_scale=\[0.25\] differs from k_scale=\[0.5\]"):
+        backend.make_impl(b.config, b.layout, k_scale=k, v_scale=0.25)
+    layer = types.SimpleNamespace(k_scale=k, v_scale=k.clone())
+    with pytest.raises(ValueError, match="layer.v_scale=.* is not its k_scale"):
+        impl.do_kv_cache_update(layer, b.key, None, b.kv_cache, b.all_slots)
+    layer.v_scale = k  # the same object: one scale
+    impl.do_kv_cache_update(layer, b.key, None, b.kv_cache, b.all_slots)
+    assert torch.equal(b.kv_cache.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", _CPU_MLA)

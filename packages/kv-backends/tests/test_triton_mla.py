@@ -13,6 +13,7 @@ from kv_backends.config import AttentionConfig, configs_for_model
 from kv_backends.selector import select_backend
 from kv_kernels.cache import allocate_kv_cache, layer_view
 from kv_kernels.paged_attention import paged_attention
+from kv_kernels.reshape_and_cache import read_kv
 from kv_kernels.testing import (
     assert_close_to_oracle,
     attention_oracle,
@@ -160,3 +161,52 @@ def test_batch_invariance_bitwise(triton_interpreter: None) -> None:
     out_full = impl.forward(None, q, cache, builder.build(full))
     out_alone = impl.forward(None, q[1:2], cache, builder.build(alone))
     assert torch.equal(out_full[1:2], out_alone)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_backend_attends_an_fp8_latent(fmt: str, dtype: str, triton_interpreter: None) -> None:
+    """An fp8 latent (issue 31): declared, written through the impl's own write path with its one
+    scale (``k_scale``; the engine's equal ``v_scale`` accepted), read back by the Triton
+    forward; the oracle attends over what ``read_kv`` dequantizes from the cache. A 25% wrong
+    scale fails the same check. (On the CPU the write runs the reference: the interpreter casts
+    float32 to fp8 wrongly; the Triton write is held to it bitwise on the GPU.)"""
+    caps = get_backend("TRITON_MLA").CAPABILITIES
+    assert "fp8_per_tensor" in caps.kv_quant_modes and fmt in caps.kv_cache_dtypes
+    gen = torch.Generator().manual_seed(3)
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=RANK + ROPE, dtype=fmt,
+                            kv_quant="fp8_per_tensor")  # fmt: skip
+    cfg = AttentionConfig.from_spec(spec, num_q_heads=HEADS, dtype=dtype)
+    backend = get_backend("TRITON_MLA")
+    assert not backend.validate(cfg, Platform.cuda((9, 0)))
+    seq_lens, query_lens = [40, 70, 9], [1, 1, 3]
+    layout = KVCacheLayout.from_spec(spec, num_blocks=sum(-(-n // BLOCK) for n in seq_lens) + 2)
+    cache = layer_view(allocate_kv_cache(layout, DEVICE), layout, 0)
+    width = max(-(-n // BLOCK) for n in seq_lens)
+    ids = torch.randperm(layout.num_blocks, generator=gen)
+    bt, used = torch.full((3, width), -1, dtype=torch.int32), 0
+    for r, n in enumerate(seq_lens):
+        bt[r, : -(-n // BLOCK)] = ids[used : used + -(-n // BLOCK)]
+        used += -(-n // BLOCK)
+    ctx = CommonAttentionMetadata.from_lists(
+        query_lens=seq_lens, seq_lens=seq_lens, block_table=bt, block_size=BLOCK, device=DEVICE
+    )
+    latent = torch.randn(sum(seq_lens), 1, RANK + ROPE, generator=gen) * 4
+    k = torch.full((), 0.125, device=DEVICE)
+    writer = backend.make_impl(cfg, layout, k_scale=k, v_scale=k.clone(), impl="reference")
+    writer.do_kv_cache_update(None, latent.to(DEVICE), None, cache, ctx.slot_mapping)
+    back, _ = read_kv(cache, layout, ctx.slot_mapping, k)  # [T, 1, RANK + ROPE]
+    latents = list(back.cpu().split(seq_lens))
+    assert torch.equal(((back / 0.125).to(cache.dtype).float() * 0.125), back)
+    td = getattr(torch, dtype)
+    q = torch.randn(sum(query_lens), HEADS, RANK + ROPE, generator=gen).to(DEVICE, td)
+    common = CommonAttentionMetadata.from_lists(
+        query_lens=query_lens, seq_lens=seq_lens, block_table=bt, block_size=BLOCK, device=DEVICE
+    )
+    md = backend.make_builder(cfg, layout).build(common)
+    want = _oracle(q, latents, query_lens, 0.08)
+    impl = backend.make_impl(cfg, layout, scale=0.08, k_scale=k)
+    out = impl.forward(None, q, cache, md)
+    assert_close_to_oracle(out.cpu(), want, dtype=td)
+    wrong = backend.make_impl(cfg, layout, scale=0.08, k_scale=0.125 * 1.25)
+    assert not check_close_to_oracle(wrong.forward(None, q, cache, md).cpu(), want, dtype=td).ok

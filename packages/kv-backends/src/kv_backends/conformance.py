@@ -9,7 +9,8 @@ Axes, all read from the literal (nothing per backend is written here):
   in every case. Declared flags this suite cannot exercise make :func:`untestable_claims`
   non-empty, which fails a test: a claim nobody tests is not declared. ``mla`` has its own cases
   (:func:`mla_cases_for`): a latent cache (:func:`kv_backends.testing.make_latent_batch`,
-  ``MLA_LATENT`` wide) attended absorbed, over the same dtype, order and block axes.
+  ``MLA_LATENT`` wide) attended absorbed, over the same dtype, KV-cache dtype (fp8 latents
+  with one ``k_scale`` where ``fp8_per_tensor`` is declared), order and block axes.
 - compute dtype: ``dtypes`` (on the CPU: float32 and float16 only; the Triton interpreter computes
   bf16 wrongly, see DESIGN.md).
 - KV-cache dtype: each float ``kv_cache_dtypes`` entry with the equal compute dtype (quant
@@ -262,6 +263,7 @@ def _valid_mla(case: Case) -> bool:
         head_size_v=sum(MLA_LATENT),
         dtype=case.dtype,
         kv_cache_dtype=case.cache_dtype,
+        kv_quant="fp8_per_tensor" if case.cache_dtype.startswith("fp8") else "none",
         block_size=case.block_size,
         kernel_block_size=case.kernel_block_size,
         layout_order=case.order,
@@ -272,8 +274,9 @@ def _valid_mla(case: Case) -> bool:
 
 def mla_product(name: str, *, gpu: bool) -> list[Case]:
     """Every MLA case of backend ``name`` (none unless its literal declares ``mla``): feature
-    ``"mla"``, each declared compute dtype with the equal unquantized latent (MLA latents are
-    read unquantized), every order and block pair the literal and ``validate`` take."""
+    ``"mla"``, each declared compute dtype with the equal unquantized latent and, where the
+    literal declares ``fp8_per_tensor``, with each fp8 latent dtype (as :func:`full_product`
+    pairs them), every order and block pair the literal and ``validate`` take."""
     caps = get_backend(name).CAPABILITIES
     if not caps.mla:
         return []
@@ -282,9 +285,9 @@ def mla_product(name: str, *, gpu: bool) -> list[Case]:
         b for b in (_BLOCKS_GPU if gpu else _BLOCKS_CPU) if caps.kernel_block_size_ok(b[1])
     )
     cases = [
-        Case(name, "mla", dt, dt, order, bs, kbs)
-        for dt, order, (bs, kbs) in itertools.product(
-            [d for d in dtypes if d in caps.kv_cache_dtypes], caps.supported_layouts, blocks
+        Case(name, "mla", dt, cache, order, bs, kbs)
+        for (dt, cache), order, (bs, kbs) in itertools.product(
+            _caches(caps, dtypes), caps.supported_layouts, blocks
         )
     ]
     return [c for c in cases if _valid_mla(c)]

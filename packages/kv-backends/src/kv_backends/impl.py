@@ -159,8 +159,11 @@ class AttentionImpl:
         self.v_scale = _as_scale(v_scale, field="v_scale")
         _check_finite("k_scale", self.k_scale, positive=True)
         _check_finite("v_scale", self.v_scale, positive=True)
-        if config.kv_quant == "fp8_per_tensor" and (self.k_scale is None or self.v_scale is None):
-            raise ValueError("kv_quant=fp8_per_tensor needs k_scale and v_scale")
+        if config.kv_quant == "fp8_per_tensor":
+            if config.mla:
+                _check_latent_scales(self.k_scale, self.v_scale)
+            elif self.k_scale is None or self.v_scale is None:
+                raise ValueError("kv_quant=fp8_per_tensor needs k_scale and v_scale")
         self._params: dict[torch.device, LayerParams] = {}
         # Per-step checks compare against these (no dtype-name parsing on the hot path).
         self._q_dtype = to_torch_dtype(config.dtype)
@@ -198,9 +201,22 @@ class AttentionImpl:
         self, layer: object, device: torch.device | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """K/V scales: the layer's (dynamic quant) when it has them, else the impl's; on
-        ``device`` (from the per-device cache) when given."""
+        ``device`` (from the per-device cache) when given.
+
+        An MLA layer's latent has one scale: ``(k_scale, None)``, which is what its kernels take
+        (the latent written as ``x / k_scale``, K and V read back with it); a layer object that
+        carries a ``v_scale`` must carry its ``k_scale`` tensor itself there."""
         k = getattr(layer, "k_scale", None) if layer is not None else None
         v = getattr(layer, "v_scale", None) if layer is not None else None
+        if self.config.mla:
+            if v is not None and v is not k:
+                raise ValueError(
+                    f"layer.v_scale={v!r} on an MLA layer is not its k_scale: the latent row is "
+                    "stored once, as x / k_scale, and V is read from it; give the layer no "
+                    "v_scale (or its k_scale object itself)"
+                )
+            own_k = self.k_scale if device is None else self.device_params(device).k_scale
+            return (_as_scale(k, device, field="layer.k_scale") if k is not None else own_k), None
         if device is None:
             own_k, own_v = self.k_scale, self.v_scale
         else:
@@ -332,6 +348,31 @@ class AttentionImpl:
     ) -> torch.Tensor:
         """Attention of ``q`` ``[T, Hq, D]`` over the cache; returns ``[T, Hq, Dv]`` (padding rows 0)."""
         raise NotImplementedError
+
+
+def _check_latent_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An fp8 MLA latent's scales (construction only, on the host): ``k_scale`` is the latent
+    row's one scale; ``v_scale`` is ``None`` or the same value (an engine may hand every layer a
+    K and a V scale), never another one: V is the same stored row."""
+    if k_scale is None:
+        raise ValueError(
+            "kv_quant=fp8_per_tensor on an MLA layer needs k_scale, the latent row's one scale "
+            "(the cache stores latent / k_scale; K and V are read back with it); v_scale may be "
+            "None or the same value"
+        )
+    if v_scale is None or v_scale.device.type == "meta":
+        return
+    k, v = k_scale.detach().float().cpu(), v_scale.detach().float().cpu()
+    try:
+        same = bool(torch.equal(*torch.broadcast_tensors(k, v)))
+    except RuntimeError:
+        same = False
+    if not same:
+        raise ValueError(
+            f"v_scale={v.flatten()[:8].tolist()} differs from k_scale={k.flatten()[:8].tolist()} "
+            "on an MLA layer: its latent row is stored once, as x / k_scale, and V is its first "
+            "kv_lora_rank columns; pass v_scale=None (or k_scale's value)"
+        )
 
 
 def _check_scale(scale: object, head_size: int) -> float:

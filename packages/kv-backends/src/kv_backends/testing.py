@@ -13,6 +13,7 @@ from kv_spec import (
     AttentionSpec,
     FullAttentionSpec,
     KVCacheLayout,
+    KVQuantMode,
     MLAAttentionSpec,
     SlidingWindowSpec,
     to_torch_dtype,
@@ -226,6 +227,8 @@ def make_latent_batch(
     layer: int = 0,
     order: str = "LBNHC",
     dtype: str = "float32",
+    kv_cache_dtype: str | None = None,
+    k_scale: float = 0.5,
     pad_tokens: int = 0,
     device: str | torch.device = "cpu",
     seed: int = 0,
@@ -236,10 +239,19 @@ def make_latent_batch(
     ``[T_ctx, 1, kv_lora_rank + rope]`` and ``value`` a view of its first ``kv_lora_rank``
     columns, so :func:`oracle_attention` is the absorbed attention an MLA backend must return
     (``[T, Hq, kv_lora_rank]``). The config's ``mla`` is set; backends take their default
-    ``kv_lora_rank`` (the row's largest power of two below it: pass ``rope`` accordingly)."""
+    ``kv_lora_rank`` (the row's largest power of two below it: pass ``rope`` accordingly).
+
+    ``kv_cache_dtype`` (default ``dtype``) may be an fp8 dtype: an ``fp8_per_tensor`` latent
+    stored as ``latent / k_scale``, ``k_scale`` its one scale (``v_scale`` stays ``None``), and
+    ``key`` what a reader gets back (``stored * k_scale``, float32)."""
     gen = torch.Generator().manual_seed(seed)
     width = kv_lora_rank + rope
-    spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=width, dtype=dtype)
+    cache_dtype = kv_cache_dtype or dtype
+    fp8 = cache_dtype.startswith("fp8")
+    spec = MLAAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=width, dtype=cache_dtype,
+        kv_quant=KVQuantMode.FP8_PER_TENSOR if fp8 else KVQuantMode.NONE,
+    )  # fmt: skip
     kbs = kernel_block_size or block_size
     nb = sum(-(-s // block_size) for s in seq_lens) + 3
     layout = KVCacheLayout.from_spec(spec, num_blocks=nb, num_layers=num_layers, order=order)
@@ -253,9 +265,13 @@ def make_latent_batch(
     rows, slots, cols = _block_rows(seq_lens, perm, block_size, kbs)
     all_slots = torch.tensor(slots, dtype=torch.int64)
     latent = torch.randn(len(slots), 1, width, generator=gen).to(tdt)  # [T_ctx, 1, width]
+    stored = latent
+    if fp8:  # what the cache holds (x / k_scale in fp8) and what a reader gets back from it
+        stored = (latent.float() / k_scale).to(kv_cache.dtype)
+        latent = stored.float() * k_scale
     dev = kv_cache.device
     blk, off = (all_slots // block_size).to(dev), (all_slots % block_size).to(dev)
-    kv_cache[blk, :, off, :] = latent.to(dev)
+    kv_cache[blk, :, off, :] = stored.to(dev)
     common = _common(query_lens, seq_lens, rows, cols, kbs, device, pad_tokens)
     q = torch.randn(sum(query_lens) + pad_tokens, num_q_heads, width, generator=gen).to(tdt)
     key = latent.to(device)
@@ -271,6 +287,7 @@ def make_latent_batch(
         all_slots=all_slots.to(device),
         sinks=None,
         alibi_slopes=None,
+        k_scale=k_scale if fp8 else None,
     )
 
 

@@ -210,6 +210,7 @@ class TorchSDPAImpl(AttentionImpl):
                 q, cache, klayout, metadata, kv_lora_rank=self.kv_lora_rank, scale=self.scale,
                 causal=self.causal, sliding_window=self.sliding_window, softcap=self.softcap,
                 params=params, out=self.empty_output(q, out, zeroed=False),
+                k_scale=self.scales(layer, q.device)[0],
             )  # fmt: skip  # [T, Hq, kv_lora_rank]
         k_scale, v_scale = self.scales(layer, q.device)
         plan = _step_plan(metadata, cache.shape[0], klayout.block_size, q.device)
@@ -311,7 +312,7 @@ class TorchSDPABackend(AttentionBackend):
         batch_invariant=True,
         cudagraph_support="never",
         needs_gpu=False,
-        notes="Reference: gathers pages in padded per-request shapes (one gather and one attention call per shape group), float32 math; MLA absorbed over the latent cache through kv-kernels' paged_attention reference (unquantized latents); CPU default and test oracle.",
+        notes="Reference: gathers pages in padded per-request shapes (one gather and one attention call per shape group), float32 math; MLA absorbed over the latent cache through kv-kernels' paged_attention reference (unquantized or fp8 per-tensor latents, one k_scale); CPU default and test oracle.",
     )
     builder_cls = TorchSDPABuilder
     impl_cls = TorchSDPAImpl
@@ -325,7 +326,9 @@ class TorchSDPABackend(AttentionBackend):
         layout: KVCacheLayout | None = None,
     ) -> list[str]:
         reasons = super().validate(config, platform, layout=layout)
-        if config.mla and config.kv_quant != "none":
-            # kv-kernels' paged_attention reads MLA latents unquantized only
-            reasons.append(f"MLA latent with kv_quant {config.kv_quant} not supported (none only)")
+        if config.mla and config.kv_quant not in ("none", "fp8_per_tensor"):
+            # kv-kernels' paged_attention reads MLA latents unquantized or fp8 per tensor
+            reasons.append(
+                f"MLA latent with kv_quant {config.kv_quant} not supported (none or fp8_per_tensor)"
+            )
         return reasons

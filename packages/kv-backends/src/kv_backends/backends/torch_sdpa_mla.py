@@ -6,7 +6,8 @@ The contract is TRITON_MLA's (:mod:`.triton_mla`): the cache holds one latent ro
 512 + 64); the layer has absorbed ``W_UK`` into its queries, so ``q`` is ``[T, Hq, kv_lora_rank +
 rope]``; K is the whole latent row and V its first ``kv_lora_rank`` columns of the same storage;
 the output is ``[T, Hq, kv_lora_rank]``, which the layer multiplies by ``W_UV``. The write stores
-the latent once: ``do_kv_cache_update(layer, latent, None, cache, slots)``.
+the latent once: ``do_kv_cache_update(layer, latent, None, cache, slots)``. An fp8 latent
+(``fp8_per_tensor``) has one scale, ``k_scale``, for the write and for K and V alike.
 
 Attention is ``kv_kernels.paged_attention(..., kv_lora_rank=, impl="reference")``: a per-request
 gather of the latent pages and a float32 softmax, nothing shared with the Triton kernel. It is
@@ -70,11 +71,12 @@ def attend_latent(
     softcap: float,
     params: LayerParams,
     out: torch.Tensor,  # [T, Hq, kv_lora_rank], written
+    k_scale: torch.Tensor | None = None,  # an fp8 latent's one scale ([] or [1])
 ) -> torch.Tensor:
     """Absorbed attention of ``q`` over the latent rows into ``out``; rows past the batch's
     tokens (CUDA-graph style padding) are zeroed. Window, sinks, softcap and ALiBi are the
     reference's, as on K/V layers (an MLA model has none today, but a declared feature is
-    honoured, never dropped)."""
+    honoured, never dropped). ``k_scale``: an fp8 latent's scale (K and V are read with it)."""
     from kv_kernels.paged_attention import paged_attention
 
     paged_attention(
@@ -95,6 +97,7 @@ def attend_latent(
         out=out,
         impl="reference",
         kv_lora_rank=kv_lora_rank,
+        k_scale=k_scale,
     )
     tail = metadata.num_actual_tokens
     if q.shape[0] > tail:

@@ -13,6 +13,11 @@ non-absorbed form).
 The cache write stores the latent row: ``do_kv_cache_update(layer, latent, None, cache, slots)``
 with ``latent`` ``[T, 1, kv_lora_rank + rope]`` (``kv_c_normed`` then ``k_pe``), through
 ``reshape_and_cache``'s MLA path.
+
+fp8 latents (``kv_quant="fp8_per_tensor"``, e4m3 or e5m2: vLLM's ``fp8`` cache for DeepSeek) have
+one scale, ``k_scale``: the write stores ``latent / k_scale`` and attention reads K and V back
+from those bytes with it. ``make_impl(k_scale=...)`` (``v_scale`` ``None`` or the same value).
+The sm_90 Gluon MLA kernel serves 16-bit latents only; an fp8 latent runs the Triton kernel.
 """
 
 from __future__ import annotations
@@ -87,16 +92,17 @@ class TritonMLAImpl(TritonImpl):
     def _kernel_features(self, layer: object, q: torch.Tensor, params: Any) -> dict[str, Any]:
         """Absorbed attention of ``q`` ``[T, Hq, head_size]`` over the latent cache: the kernel
         returns ``[T, Hq, kv_lora_rank]`` (padding rows zero); MLA layers have no window, sinks,
-        softcap, ALiBi or KV scales."""
-        return {"kv_lora_rank": self.kv_lora_rank}
+        softcap or ALiBi; an fp8 latent its one scale, ``k_scale``."""
+        k_scale, _ = self.scales(layer, q.device)
+        return {"kv_lora_rank": self.kv_lora_rank, "k_scale": k_scale}
 
 
 class TritonMLABackend(AttentionBackend):
     NAME: ClassVar[str] = "TRITON_MLA"
     CAPABILITIES: ClassVar[BackendCapabilities] = BackendCapabilities(
         dtypes=("float32", "float16", "bfloat16"),
-        kv_cache_dtypes=("float32", "float16", "bfloat16"),
-        kv_quant_modes=("none",),
+        kv_cache_dtypes=("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
+        kv_quant_modes=("none", "fp8_per_tensor"),
         # a power-of-two latent <= 512 plus a power-of-two rope tail >= 16 (the kernel's split)
         head_sizes=(48, 80, 144, 192, 288, 320, 576),
         kernel_block_size_multiple_of=1,
@@ -109,7 +115,8 @@ class TritonMLABackend(AttentionBackend):
         notes=(
             "MLA absorbed decode on kv-kernels' unified Triton kernel: one latent row per token "
             "(power-of-two kv_lora_rank + rope tail), V read from the same page tile; serves MLA "
-            "layers only. On sm_90 the decode of a 16-bit 512 + 64 latent at 64 or 128 query "
+            "layers only. fp8 latents (e4m3 / e5m2 per tensor) have one scale, k_scale, for K "
+            "and V alike. On sm_90 the decode of a 16-bit 512 + 64 latent at 64 or 128 query "
             "heads (DeepSeek-V3 on one GPU) runs kv-kernels' warp-specialized Gluon MLA kernel "
             "instead (KV_KERNELS_SM90_MLA=0 turns it off)."
         ),
