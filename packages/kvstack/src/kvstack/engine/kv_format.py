@@ -14,6 +14,12 @@ keeps only backends whose ``CAPABILITIES`` declare the mode (its rejections name
 layer's impl is made with its own scale tensors (``make_impl(k_scale=, v_scale=)``, the
 backend contract's per-layer scales), which the impl's cache write and its attention both read:
 the runner's ``attend`` passes ``layer=None``, so the impl's scales are the ones used.
+
+MLA models (DeepSeek-V3) keep one latent row per token (:func:`mla_cache_choice`); in fp8 it is
+stored as ``latent / k_scale`` and K and V are both read back from it with that one scale, as
+vLLM's fp8 latent cache is (issue 31). Each layer's impl still gets a ``k_scale`` and an equal
+``v_scale`` (kv-backends' MLA impls take ``v_scale`` ``None`` or equal to ``k_scale``) and uses
+``k_scale`` alone: ``impl.scales(None, device)`` gives ``(k_scale, None)`` for such a layer.
 """
 
 from __future__ import annotations
@@ -117,7 +123,9 @@ def mla_cache_choice(
     """Whether an MLA model caches its latent (a backend here serves an ``MLAAttentionSpec``
     group of ``kv``'s dtype), and why. An explicit ``backend`` that declares no MLA asks for
     decompressed K/V; one that declares MLA but cannot serve it here raises its reasons. An fp8
-    cache that no backend serves as a latent is refused, never decompressed unasked: per-head
+    cache is an fp8 latent where a backend declares ``fp8_per_tensor`` for MLA layers
+    (TRITON_MLA on a GPU, TORCH_SDPA on the CPU); one that no backend serves as a latent (a
+    named backend that declares no fp8, say) is refused, never decompressed unasked: per-head
     K/V take more bytes a token in fp8 than the latent does in 16 bits."""
     if not arch.is_mla:
         return False, None
@@ -147,4 +155,7 @@ def mla_cache_choice(
         if kv.quantized:  # the named backend's reasons, with the option that caused them
             raise ValueError(f"kv_cache_dtype={kv.option!r}: {e}") from None
         raise
-    return True, f"one latent row of {spec.head_size} per token, attended absorbed ({sel.name})"
+    stored = f" in {kv.storage} (one per-tensor scale)" if kv.quantized else ""
+    return True, (
+        f"one latent row of {spec.head_size} per token{stored}, attended absorbed ({sel.name})"
+    )
