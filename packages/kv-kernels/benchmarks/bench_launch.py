@@ -1,7 +1,8 @@
 """Host time of one call of each hot kernel (issue 32: a Triton launch <= 20 us of host time),
-with the bound-launcher fast path (``kv_kernels._launch``, the paged-attention call cache of
-``paged_attention._fast``) against the plain path (``kernel[grid]`` and the full checks every
-call), in the same process, at Llama-3-8B's decode shape (32 q / 8 kv heads of 128, bf16, block
+with the bound-launcher fast path (``kv_kernels._launch``; the call caches of
+``kv_kernels._call_cache`` and, for attention, ``paged_attention._fast`` with its calls bound per
+shape class, ``paged_attention._bound``) against the plain path (``kernel[grid]`` and the full
+checks every call), in the same process, at Llama-3-8B's decode shape (32 q / 8 kv heads of 128, bf16, block
 16, context 1024; hidden 4096, MLP 14336) for batches of 1, 64 and 256 tokens:
 
 - ``paged_attention``: the public call with ``impl="triton"``, ``out=`` given (what
@@ -19,12 +20,16 @@ time on the device, except attention at batch 256, whose queue the host never wa
 
     export PYTHONPATH=$(ls -d $PWD/packages/*/src | paste -sd: -)
     python3 packages/kv-kernels/benchmarks/bench_launch.py --out /tmp/bench [--quick]
+
+Without a GPU, ``--stub-cuda [--out DIR] [--baseline OLD/launch_stub.json]`` times the same calls
+with fake-cuda tensors and no-op launchers (``kv_kernels.testing_launch``): two versions of the
+host path compared on one CPU (run it once with the old sources on ``PYTHONPATH``, then with
+``--baseline`` on the new), never a GPU host's time.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -44,8 +49,6 @@ from kv_kernels.paged_attention import paged_attention
 from kv_spec import KVCacheLayout, LayoutOrder
 
 HQ, HKV, D, BLOCK, CONTEXT, HIDDEN, MLP = 32, 8, 128, 16, 1024, 4096, 14336
-_fast = importlib.import_module("kv_kernels.paged_attention._fast")
-_api = importlib.import_module("kv_kernels.paged_attention.api")
 
 
 def _sync() -> None:
@@ -114,15 +117,13 @@ def _measure(op: str, fn: Callable[[], Any], iters: int) -> dict[str, Any]:
     fn()  # (the first binds)
     fast_us = _host_us(fn, iters)
     bound = sum(launcher.hits for launcher in launchers) > 0
-    # plain: Triton's kernel[grid] and, for attention, the full checks and plan every call
-    _launch.ENABLED, _api.lookup = False, lambda key: None  # type: ignore[attr-defined]
-    _call_cache.ENABLED = False
+    # plain: Triton's kernel[grid], the full checks and plan every call (the call caches off)
+    _launch.ENABLED = _call_cache.ENABLED = False
     try:
         fn()
         plain_us = _host_us(fn, iters)
     finally:
-        _launch.ENABLED, _api.lookup = True, _fast.lookup  # type: ignore[attr-defined]
-        _call_cache.ENABLED = True
+        _launch.ENABLED = _call_cache.ENABLED = True
     return {"fast_us": fast_us, "plain_us": plain_us, "speedup": plain_us / fast_us, "bound": bound}
 
 
@@ -157,11 +158,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument(
         "--stub-cuda", action="store_true",
-        help="no GPU: CPU tensors seen as cuda:0, launches stubbed (_stub_cuda.py); fast path only",
+        help="no GPU: CPU tensors seen as cuda:0, launches stubbed (kv_kernels.testing_launch); "
+        "fast path only; with --out, DIR/launch_stub.json and .md",
     )  # fmt: skip
+    ap.add_argument("--baseline", default=None, help="--stub-cuda: an earlier launch_stub.json")
     args = ap.parse_args()
     if args.stub_cuda:
-        _stub_main(200 if args.quick else args.iters)
+        _stub_main(200 if args.quick else args.iters, args.out, args.baseline)
         return
     if args.render:
         with open(args.render) as f:
@@ -190,11 +193,21 @@ def main() -> None:
         write_md(os.path.join(args.out, "launch.md"), {**meta, "records": records})
 
 
-def _stub_main(iters: int) -> None:
+def _stub_main(iters: int, out_dir: str | None, baseline: str | None) -> None:
     """Host us per call of the CUDA path on this machine, the launches stubbed (one JSON line
-    per op and batch): to compare two versions of the host path where no GPU is at hand."""
+    per op and batch; with ``out_dir``, ``launch_stub.json`` and ``.md`` there): to compare two
+    versions of the host path where no GPU is at hand. ``baseline``: an earlier
+    ``launch_stub.json`` (e.g. of another checkout's sources on ``PYTHONPATH``), shown beside."""
+    import platform
+
+    import kv_kernels
     from kv_kernels.testing_launch import stubbed_cuda
 
+    before = {}
+    if baseline:
+        with open(baseline) as f:
+            before = {(r["op"], r["batch"]): r["value"] for r in json.load(f)["records"]}
+    records = []
     with stubbed_cuda():
         for batch in (1, 64, 256):
             for op, fn in _cases(batch, stub=True).items():
@@ -203,8 +216,53 @@ def _stub_main(iters: int) -> None:
                 fn()  # (the first binds)
                 us = min(_host_us(fn, iters) for _ in range(3))
                 bound = sum(launcher.hits for launcher in launchers) > 0
-                rec = {"op": op, "batch": batch, "stub_us": round(us, 2), "bound": bound}
+                rec = {"op": op, "batch": batch, "metric": "stub_host_us", "value": round(us, 2),
+                       "bound": bound}  # fmt: skip
+                if (op, batch) in before:
+                    rec["baseline_us"] = before[(op, batch)]
+                records.append(rec)
                 print(json.dumps(rec), flush=True)
+    if out_dir:
+        meta = {
+            **provenance("torch", "triton"),
+            "benchmark": "kv-kernels launch host cost, CUDA path stubbed on the CPU",
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "sources": os.path.dirname(kv_kernels.__file__),
+            "baseline": baseline,
+            "iters": iters,
+        }
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "launch_stub.json"), "w") as f:
+            json.dump({**meta, "records": records}, f, indent=1)
+        _write_stub_md(os.path.join(out_dir, "launch_stub.md"), {**meta, "records": records})
+
+
+def _write_stub_md(path: str, data: dict[str, Any]) -> None:
+    """The table of a ``launch_stub.json`` (``data``) as markdown at ``path``."""
+    has_base = any("baseline_us" in r for r in data["records"])
+    lines = [
+        "# Triton launch host cost, CUDA path stubbed on the CPU (kv-kernels)",
+        "",
+        f"Written by `packages/kv-kernels/benchmarks/bench_launch.py --stub-cuda` on "
+        f"{data['cpu_count']} CPU cores ({data['cpu']}, torch {data['torch']}, triton "
+        f"{data['triton']}), sources `{data['sources']}`: µs of host time per call, the best of "
+        f"3 medians of {data['iters']} back-to-back calls, fake-cuda tensors and no-op launchers "
+        "(kv_kernels.testing_launch: no driver, no allocator, no C launcher; a fake-cuda "
+        "tensor's attribute reads cost more than a real one's). A comparison of two versions "
+        "of the host path on one machine, not a GPU host's time (`launch_h200.md`)."
+        + (f" Baseline: `{data['baseline']}`." if has_base else ""),
+        "",
+        "| op | batch | " + ("baseline µs | " if has_base else "") + "µs | bound |",
+        "|---|---|" + ("---|" if has_base else "") + "---|---|",
+    ]
+    for r in data["records"]:
+        base = (
+            f"{r['baseline_us']:.1f} | " if "baseline_us" in r else ("n/a | " if has_base else "")
+        )
+        lines.append(f"| {r['op']} | {r['batch']} | {base}{r['value']:.1f} | {r['bound']} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

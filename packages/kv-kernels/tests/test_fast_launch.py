@@ -189,7 +189,7 @@ def test_align_bits_follow_the_pointer_specialization() -> None:
 def test_paged_attention_call_keys_separate_alignment_option_types_and_shapes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kv_kernels.paged_attention._fast import call_key
+    from kv_kernels.paged_attention._fast import cached_call
 
     q = torch.empty(64 * 32 * 128 + 8, dtype=torch.bfloat16)
     kv = torch.empty(8, 2, 16, 256, dtype=torch.bfloat16)
@@ -202,7 +202,10 @@ def test_paged_attention_call_keys_separate_alignment_option_types_and_shapes(
             sinks=None, alibi_slopes=None, k_scale=None, v_scale=None, out=None, error_flag=None
         )
         args.update(kw)
-        return call_key(qv, kv, layout, bt, sl, qsl, 1, options, **args)
+        # (no entry holds this layout: the call's key comes back with no result)
+        result, k = cached_call(qv, kv, layout, bt, sl, qsl, 1, options, **args, max_seq_len=None)
+        assert result is None
+        return k
 
     aligned = q[: 4 * 32 * 128].view(4, 32, 128)
     shifted = q[8 : 8 + 4 * 32 * 128].view(4, 32, 128)  # 16 bytes on: still aligned

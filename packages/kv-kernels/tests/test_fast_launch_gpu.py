@@ -5,6 +5,9 @@ call of another specialization between the bound ones. Check mode is on: each bo
 runs Triton's binder and raises if the launch site's key let two specializations share a variant.
 The cache write and the fused ops' second calls are call-cache hits (kv_kernels._call_cache):
 their checks skipped, their launch plan reused, and still the bits of the uncached path.
+Paged attention's second calls are bound calls (paged_attention._bound: every launch's arguments
+fixed per shape class, pointers passed as ints), which in check mode also describe the call the
+uncached way and raise unless each launch's arguments are the same, pointer by pointer.
 
     export PYTHONPATH=$(ls -d $PWD/packages/*/src | paste -sd: -)
     python3 -m pytest -q -m gpu packages/kv-kernels/tests/test_fast_launch_gpu.py
@@ -12,6 +15,7 @@ their checks skipped, their launch plan reused, and still the bits of the uncach
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +28,7 @@ from kv_kernels.paged_attention import paged_attention
 from kv_spec import KVCacheLayout
 
 pytestmark = pytest.mark.gpu
+_fast = importlib.import_module("kv_kernels.paged_attention._fast")
 
 
 @pytest.fixture(autouse=True)
@@ -65,14 +70,16 @@ def _offset(t: torch.Tensor, elems: int) -> torch.Tensor:
     return view
 
 
-def _attention_case(batch: int, seq: int, dtype: str, seed: int = 0) -> dict[str, Any]:
+def _attention_case(
+    batch: int, seq: int, dtype: str, seed: int = 0, kv_quant: str | None = None
+) -> dict[str, Any]:
     torch.manual_seed(seed)
     n, h, group, d = 16, 8, 4, 128
     pages = -(-seq // n)
     layout = KVCacheLayout(
         order="LBNHC", num_layers=1, num_blocks=batch * pages + 2, num_kv_heads=h,
         block_size=n, head_size=d, head_size_v=d, dtype=dtype,
-        kv_quant="fp8_per_tensor" if dtype.startswith("fp8") else "none",
+        kv_quant=kv_quant or ("fp8_per_tensor" if dtype.startswith("fp8") else "none"),
     )  # fmt: skip
     kv = layer_view(allocate_kv_cache(layout, "cuda", zero=False), layout, 0)
     kv.copy_((torch.randn(kv.shape, device="cuda") * 0.7).to(kv.dtype))
@@ -204,3 +211,81 @@ def test_fused_ops_bound_equal_plain(
         return torch.cat([qkv.flatten(), kv.flatten()])
 
     _plain_then_fast(rope_cache, monkeypatch)
+
+
+def _bound_calls() -> int:
+    """Bound paged-attention calls built so far (paged_attention._bound), over every entry."""
+    return sum(1 for e in _fast._ENTRIES.values() for b in e.bound.values() if b)
+
+
+def _flat(result: Any, *extra: torch.Tensor) -> torch.Tensor:
+    """An attention result (``out`` or ``(out, lse)``) and ``extra`` as one float tensor (bf16
+    and small int32 counts convert exactly)."""
+    parts = result if isinstance(result, tuple) else (result,)
+    return torch.cat([p.flatten().float() for p in (*parts, *extra)])
+
+
+def _heads(n: int) -> torch.Tensor:
+    return torch.rand(n, device="cuda") - 0.5
+
+
+# each: (batch, cache dtype, kv_quant, the call's extra keywords)
+_BOUND_CASES: dict[str, Any] = {
+    "lse-split4": (3, "bfloat16", None, lambda: dict(num_splits=4, return_lse=True)),
+    "batch1-heuristic-split": (1, "bfloat16", None, lambda: dict(max_seq_len=700)),
+    "features": (3, "bfloat16", None, lambda: dict(
+        num_splits=2, sinks=_heads(32), alibi_slopes=_heads(32) * 0.01, softcap=20.0,
+        sliding_window=300, error_flag=torch.zeros(1, dtype=torch.int32, device="cuda"),
+    )),
+    "fp8-tensor-scales": (3, "fp8_e4m3", None, lambda: dict(
+        k_scale=torch.full((8,), 0.5, device="cuda"),
+        v_scale=torch.full((1,), 0.25, device="cuda"), max_seq_len=700,
+    )),
+    "int8-per-token-head": (3, "int8", "int8_per_token_head", lambda: dict(max_seq_len=700)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_BOUND_CASES))
+def test_paged_attention_bound_calls_equal_plain(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call bound per shape class (its second call) gives the uncached path's bits, with
+    check mode comparing its launches with the described path's; a third call too."""
+    batch, dtype, kv_quant, extra = _BOUND_CASES[name]
+    c = _attention_case(batch, 700, dtype, kv_quant=kv_quant)
+    kw = extra()
+    flag = kw.get("error_flag")
+
+    def run() -> torch.Tensor:
+        if flag is not None:
+            flag.zero_()
+        return _flat(paged_attention(**c, **kw), *(() if flag is None else (flag,)))
+
+    before = _bound_calls()
+    _plain_then_fast(run, monkeypatch)
+    assert _bound_calls() > before, "no bound call was built for this class"
+    want = run().clone()
+    torch.testing.assert_close(run(), want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_paged_attention_bound_mla_equals_plain(
+    cache: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLA decode, 512 + 64 at 128 heads: a bf16 latent (the sm_90 Gluon MLA kernel on an H100 /
+    H200) and an fp8 per-tensor one (the Triton kernel, V read with k_scale)."""
+    from kv_kernels.testing_attention import make_mla_batch
+
+    fp8 = dict(cache_dtype="fp8_e4m3", k_scale=0.5)
+    b = make_mla_batch(
+        q_lens=[1] * 4, seq_lens=[3000, 700, 1, 129], num_heads=128, rank=512, rope=64,
+        block_size=64, dtype=torch.bfloat16, device="cuda", **(fp8 if cache == "fp8" else {}),
+    )  # fmt: skip
+    args = dict(
+        q=b["q"], kv_cache=b["kv"], layout=b["layout"], block_table=b["block_table"],
+        seq_lens=b["seq_lens"], query_start_loc=b["qsl"], max_query_len=b["max_query_len"],
+        kv_lora_rank=512, max_seq_len=3000, return_lse=True, k_scale=b["k_scale"],
+    )  # fmt: skip
+    before = _bound_calls()
+    _plain_then_fast(lambda: _flat(paged_attention(**args)), monkeypatch)
+    assert _bound_calls() > before

@@ -14,7 +14,10 @@ directly, as ``JITFunction.run`` does at its end (the same call in triton 3.6 an
 
 ``every_argument``: all parameters in signature order, constexprs included (the launcher skips
 them). ``launch_metadata`` and the hooks are ``None``: the fast path runs only while Triton's
-launch hooks are empty (a profiler that adds one gets the plain path, and its metadata).
+launch hooks are empty (a profiler that adds one gets the plain path, and its metadata). A
+pointer may be passed as an int (its ``data_ptr()``): the launcher takes an int as the address
+and skips the ``data_ptr()`` call and the driver's pointer query it makes for a tensor
+(``paged_attention/_bound.py`` launches that way, from :meth:`FastLauncher.bound`).
 
 The contract of ``key``: equal keys (on the same device) give Triton the same specialization
 (argument types, alignments, integer classes) and the same keyword arguments (constexprs and
@@ -39,6 +42,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "CHECK",
     "ENABLED",
+    "EPOCH",
     "FastLauncher",
     "LaunchMismatch",
     "align_bits",
@@ -48,6 +52,9 @@ __all__ = [
 
 ENABLED = os.environ.get("KV_KERNELS_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "off")
 CHECK = os.environ.get("KV_KERNELS_CHECK_LAUNCH", "0").strip().lower() in ("1", "true", "on", "yes")
+#: bumped by every :meth:`FastLauncher.reset`: what holds a bound launch of its own (a paged
+#: attention call bound per shape class) compares it per call and forgets its binding on a change
+EPOCH = 0
 
 #: the launcher's leading parameters, as both supported triton versions name them
 _LAUNCHER_HEAD = ("gridX", "gridY", "gridZ", "stream", "function")
@@ -115,11 +122,12 @@ class FastLauncher:
 
     def __call__(
         self, key: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        """``kernel[grid](*args, **kwargs)``, through the bound launcher when ``key`` was seen."""
+    ) -> bool:
+        """``kernel[grid](*args, **kwargs)``, through the bound launcher when ``key`` was seen;
+        returns whether it went that way."""
         if self.plain or not ENABLED:
             self.kernel[grid](*args, **kwargs)
-            return
+            return False
         device = self._device() if self._device is not None else _current_device()
         slot = (key, device)
         bound = self._bound.get(slot, _MISSING)
@@ -134,7 +142,7 @@ class FastLauncher:
                     *args, *bound.tail,
                 )  # fmt: skip
                 self.hits += 1
-                return
+                return True
             except TypeError:
                 # the launcher parses its arguments before launching: a TypeError means this
                 # triton's launcher takes another call; use the plain path from now on
@@ -144,9 +152,24 @@ class FastLauncher:
             if len(self._bound) >= 1024:  # (a sweep of shapes; a serving process has a few)
                 self._bound.clear()
             self._bound[slot] = self._bind(compiled, args, kwargs, device)
+        return False
+
+    def bound(self, key: Any, device: int) -> _Bound | None:
+        """The bound launch of ``key`` on ``device`` (None before its first launch, or where it
+        cannot be bound): what a caller that binds a whole call at once reads (its run,
+        function, packed metadata, constexpr tail and stream getter)."""
+        got = self._bound.get((key, device))
+        return got if isinstance(got, _Bound) and not self.plain else None
+
+    def current_device(self) -> int:
+        """The device a launch goes to now (Triton's driver's current device, as ``__call__``
+        reads it)."""
+        return self._device() if self._device is not None else _current_device()
 
     def reset(self) -> None:
         """Forget every bound launch (the next call of each key launches the plain way)."""
+        global EPOCH
+        EPOCH += 1
         self._bound.clear()
         self.hits = 0
 
@@ -177,6 +200,13 @@ class FastLauncher:
         except Exception:
             return None
         return _Bound(run, function, packed, tuple(tail), stream, spec)
+
+    def check(
+        self, bound: _Bound, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: int
+    ) -> None:
+        """Raise :class:`LaunchMismatch` when Triton's binder specializes ``args`` / ``kwargs``
+        otherwise than the launch ``bound`` was bound with (check mode)."""
+        self._check(bound, key, args, kwargs, device)
 
     def _check(
         self, bound: _Bound, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: int

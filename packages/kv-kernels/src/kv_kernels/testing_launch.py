@@ -5,9 +5,15 @@ What it measures: the api's checks, its call cache, the launcher's arguments and
 :class:`kv_kernels._launch.FastLauncher`'s bound path, down to the compiled kernel's launcher
 (here a Python no-op, on a GPU Triton's C launcher, a few us). What it does not: Triton's C
 launcher, CUDA allocations (``torch.empty`` on ``cuda`` allocates on the CPU here), device
-properties (an sm_90 card with 132 SMs is assumed). Use it to compare two versions of the host
-path on the same machine (GPU numbers come from ``bench_launch.py`` on a GPU), and in CPU tests
-of the call caches: :data:`LAUNCHES` records every stubbed launch's arguments.
+properties (an sm_90 card with 132 SMs is assumed). Each attribute read of a :class:`FakeCuda`
+tensor (``shape``, ``stride()``, ``dtype``, ``data_ptr()``) costs ~0.1 us more than a plain
+tensor's (torch checks the subclass for ``__torch_function__``), so the path reads as slower here
+than its share of a GPU host's time. Use it to compare two versions of the host path on the same
+machine (GPU numbers come from ``bench_launch.py`` on a GPU), and in CPU tests of the call
+caches: :data:`LAUNCHES` records every stubbed launch's arguments, :data:`ALLOCATIONS` every
+``torch.empty`` / ``torch.full`` result, and the stub kernels' binder (check mode,
+:data:`kv_kernels._launch.CHECK`) specializes arguments as Triton does in kind (dtypes,
+16-byte alignment, integer classes).
 
     python3 packages/kv-kernels/benchmarks/bench_launch.py --stub-cuda [--iters N]
 
@@ -25,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LAUNCHES", "FakeCuda", "fake_cuda", "stubbed_cuda"]
+__all__ = ["ALLOCATIONS", "LAUNCHES", "FakeCuda", "fake_cuda", "stubbed_cuda"]
 
 _CUDA0 = torch.device("cuda", 0)
 
@@ -55,6 +61,8 @@ def fake_cuda(t: torch.Tensor) -> torch.Tensor:
 
 #: ``(kernel name, grid, arguments)`` of the stubbed launches, when set to a list (tests)
 LAUNCHES: list[tuple[str, tuple[int, ...], tuple[Any, ...]]] | None = None
+#: the tensors ``torch.empty`` / ``torch.full`` made for a ``cuda`` device, when set to a list
+ALLOCATIONS: list[torch.Tensor] | None = None
 
 
 class _NoOpLauncher:
@@ -86,7 +94,8 @@ class _StubKernel:
     def __init__(self, real: Any) -> None:
         self.params = real.params if hasattr(real, "params") else _params(real.fn)
         self.pre_run_hooks: list[Any] = []
-        self.device_caches: dict[int, Any] = {}
+        # (device 0's binder at index 4, as JITFunction.device_caches holds it: check mode)
+        self.device_caches: dict[int, Any] = {0: (None, None, None, None, _binder)}
         self.__name__ = getattr(real, "__name__", "stub")
         self._compiled = SimpleNamespace(
             run=_NoOpLauncher(self.__name__), function=1, packed_metadata=(0, 0, 0, 0)
@@ -107,11 +116,32 @@ class _StubKernel:
         return launch
 
 
+def _binder(*args: Any, **kwargs: Any) -> tuple[Any, list[Any], dict[str, Any]]:
+    """A stand-in of Triton's binder: ``(None, specialization, options)`` with a tensor as its
+    dtype and 16-byte alignment, an int as :func:`kv_kernels._launch.int_class`, anything else
+    as its type and value (constexprs, floats)."""
+    from kv_kernels._launch import int_class
+
+    spec: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            spec.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif type(a) is int:
+            spec.append(("int", int_class(a)))
+        else:
+            spec.append((type(a).__name__, a if type(a) is not float else "fp32"))
+    return None, spec, dict(kwargs)
+
+
 def _empty_on_cpu(real: Any) -> Any:
     def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") is not None:
+        on_device = kwargs.get("device") is not None
+        if on_device:
             kwargs["device"] = "cpu"
-        return real(*args, **kwargs)
+        t = real(*args, **kwargs)
+        if on_device and ALLOCATIONS is not None:
+            ALLOCATIONS.append(t)
+        return t
 
     return empty
 

@@ -89,14 +89,40 @@ def _reg_cap(cfg: AttentionConfig) -> dict[str, int]:
     return {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
 
 
+def split_scratch(
+    num_tokens: int, num_q_heads: int, num_splits: int, dv_pad: int
+) -> tuple[int, int]:
+    """``(float32 elements, offset of the LSEs)`` of a split launch's one scratch buffer: the
+    partial outputs ``[T, Hq, S, DV_PAD]`` from element 0, the partial LSEs ``[T, Hq, S]`` from
+    the offset (rounded up to 32 elements: 128 bytes, so both start 16-byte aligned, as Triton's
+    pointer specialization and two separate allocations would have them)."""
+    n_out = num_tokens * num_q_heads * num_splits * dv_pad
+    offset = -(-n_out // 32) * 32
+    return offset + num_tokens * num_q_heads * num_splits, offset
+
+
+def split_views(
+    buf: torch.Tensor, num_tokens: int, num_q_heads: int, num_splits: int, dv_pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial outputs and LSEs inside ``buf`` (:func:`split_scratch`'s layout)."""
+    _, offset = split_scratch(num_tokens, num_q_heads, num_splits, dv_pad)
+    part_out = buf[: num_tokens * num_q_heads * num_splits * dv_pad]
+    part_lse = buf[offset : offset + num_tokens * num_q_heads * num_splits]
+    return (
+        part_out.view(num_tokens, num_q_heads, num_splits, dv_pad),
+        part_lse.view(num_tokens, num_q_heads, num_splits),
+    )
+
+
 def _split_buffers(
     out: torch.Tensor, num_splits: int, dv_pad: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial outputs ``[T, Hq, S, DV_PAD]`` and LSEs ``[T, Hq, S]`` (f32) of a split launch;
+    """Partial outputs ``[T, Hq, S, DV_PAD]`` and LSEs ``[T, Hq, S]`` (f32) of a split launch, in
+    one allocation (:func:`split_scratch`: one trip through the caching allocator, not two);
     without splits the kernel never touches them and ``out`` stands in for both."""
     if num_splits == 1:
         return out, out
     t, hq = out.shape[0], out.shape[1]
-    part_out = torch.empty((t, hq, num_splits, dv_pad), dtype=torch.float32, device=out.device)
-    part_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=out.device)
-    return part_out, part_lse
+    size, _ = split_scratch(t, hq, num_splits, dv_pad)
+    buf = torch.empty((size,), dtype=torch.float32, device=out.device)
+    return split_views(buf, t, hq, num_splits, dv_pad)

@@ -164,6 +164,7 @@ def launch_sm90_decode(
     part_lse: torch.Tensor,  # [T, Hq, S] f32
     num_splits: int,
     key: Any = None,  # the launch's key (paged_attention_triton): a bound launch
+    launches: list[Any] | None = None,  # given: append the launch (._bound.Launch), run nothing
 ) -> None:
     """The decode class of a launch over a 1-byte cache on sm_90 (inputs validated by the api;
     eligibility by :func:`sm90_decode_eligible`; the caller merges the splits)."""
@@ -192,7 +193,11 @@ def launch_sm90_decode(
         GROUP=num_q_heads // num_kv_heads, KV_SCALE=kv_scale_mode, CAUSAL=causal,
         SPLIT=num_splits > 1, WRITE_LSE=lse is not None, NBUF_=NBUF, num_warps=1,
     )  # fmt: skip
-    if key is not None:
+    if launches is not None:
+        from kv_kernels.paged_attention._bound import Launch
+
+        launches.append(Launch(_FAST, key, grid, args, kwargs))
+    elif key is not None:
         _FAST(key, grid, args, kwargs)
     else:
         sm90_decode_kernel[grid](*args, **kwargs)

@@ -334,6 +334,7 @@ def launch_sm90_mla(
     part_lse: torch.Tensor,  # [T, Hq, S] f32
     num_splits: int,
     key: Any = None,  # the launch's key (paged_attention_triton): a bound launch
+    launches: list[Any] | None = None,  # given: append the launch (._bound.Launch), run nothing
 ) -> None:
     """The decode class of an MLA launch on sm_90 (inputs validated by the api; eligibility by
     :func:`sm90_mla_eligible`; the caller merges the splits)."""
@@ -357,7 +358,11 @@ def launch_sm90_mla(
         BLOCK_SIZE=block_size, SPLIT=num_splits > 1, WRITE_LSE=lse is not None, NBUF_=NBUF,
         P_WARPS=4, P_REGS_=P_REGS, num_warps=8,
     )  # fmt: skip
-    if key is not None:
+    if launches is not None:
+        from kv_kernels.paged_attention._bound import Launch
+
+        launches.append(Launch(_FAST, key, grid, args, kwargs))
+    elif key is not None:
         _FAST(key, grid, args, kwargs)
     else:
         sm90_mla_kernel[grid](*args, **kwargs)

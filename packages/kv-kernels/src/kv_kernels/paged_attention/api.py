@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from kv_spec import KVCacheLayout, KVQuantMode, to_torch_dtype
 
+from kv_kernels import _call_cache
+from kv_kernels._call_cache import fast_path_allowed
 from kv_kernels._common import (
     ScaleArg,
     check_error_flag,
@@ -29,7 +31,13 @@ from kv_kernels._common import (
 )
 from kv_kernels._op_calls import paged_attention_op
 from kv_kernels.cache import scale_geometry
-from kv_kernels.paged_attention._fast import Entry, call_key, lookup, remember
+from kv_kernels.paged_attention._fast import (
+    Entry,
+    cached_call,
+    direct_scales,
+    remember,
+    triton_launcher,
+)
 
 __all__ = ["merge_attn_states", "paged_attention"]
 
@@ -304,12 +312,12 @@ def paged_attention(
     ``lse = -inf`` (or its sink). Rows past ``query_start_loc[-1]`` (CUDA-graph padding) are not
     written. Unsupported: per-token-head quantized MLA latents (``ValueError``).
     """
-    if torch.compiler.is_compiling() and kv_lora_rank is not None:
-        raise ValueError(
-            "paged_attention with kv_lora_rank (MLA) has no custom op yet, so it cannot run "
-            "inside torch.compile; call it outside the compiled region"
-        )
     if torch.compiler.is_compiling():
+        if kv_lora_rank is not None:
+            raise ValueError(
+                "paged_attention with kv_lora_rank (MLA) has no custom op yet, so it cannot run "
+                "inside torch.compile; call it outside the compiled region"
+            )
         # One opaque node for torch.compile; the op runs this function again, eagerly, and
         # validates there (validation itself is not traceable).
         if out is None:
@@ -322,30 +330,26 @@ def paged_attention(
             return_lse=return_lse, out=out, impl=impl, error_flag=error_flag,
         )  # fmt: skip
     fast_key = None
-    if (validate is False or (validate is None and not host_validation_requested())) and (
-        isinstance(q, torch.Tensor) and q.is_cuda and _seq_len_ok(max_seq_len)
+    if (
+        (validate is None and fast_path_allowed()) or (validate is False and _call_cache.ENABLED)
+    ) and (
+        isinstance(q, torch.Tensor)
+        and q.is_cuda
+        # (max_seq_len as the full path accepts it: the fast path does not check it else)
+        and (max_seq_len is None or (type(max_seq_len) is int and 0 <= max_seq_len <= _MAX_INT32))
     ):
         options = (
             scale, type(scale), causal, type(causal), sliding_window, type(sliding_window),
             softcap, type(softcap), num_splits, type(num_splits), return_lse, type(return_lse),
             impl, kv_lora_rank, type(kv_lora_rank), validate,
         )  # fmt: skip
-        fast_key = call_key(
+        result, fast_key = cached_call(
             q, kv_cache, layout, block_table, seq_lens, query_start_loc, max_query_len, options,
-            sinks, alibi_slopes, k_scale, v_scale, out, error_flag,
+            sinks, alibi_slopes, k_scale, v_scale, out, error_flag, max_seq_len,
         )  # fmt: skip
-        entry = lookup(fast_key) if fast_key is not None else None
-        if entry is not None:
-            # validated before with inputs alike in all the checks read (see ._fast)
-            if out is None:
-                shape = (q.shape[0], q.shape[1], entry.head_size_v)
-                out = torch.empty(shape, dtype=q.dtype, device=q.device)
-            return _triton_launcher()(
-                q, kv_cache, block_table=block_table, seq_lens=seq_lens,
-                query_start_loc=query_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
-                k_scale=_as_checked(k_scale), v_scale=_as_checked(v_scale), out=out,
-                max_seq_len=max_seq_len, error_flag=error_flag, plan_slot=entry, **entry.static,
-            )  # fmt: skip
+        if result is not None:
+            return result
+    scales_given = (k_scale, v_scale)
     v_range = _check_layout(layout, kv_lora_rank)
     quantized = _check_tensors(q, kv_cache, layout, block_table, seq_lens, query_start_loc)
     device = q.device
@@ -417,8 +421,10 @@ def paged_attention(
         softcap=common["softcap"], return_lse=return_lse, max_query_len=max_query_len,
         block_size=block_size, num_splits=num_splits, v_from_k=layout.is_mla,
     )  # fmt: skip
-    entry = Entry(layout, static, head_size_v) if fast_key is not None else None
-    result = _triton_launcher()(
+    entry = None
+    if fast_key is not None:
+        entry = Entry(layout, static, head_size_v, direct_scales(*scales_given))
+    result = triton_launcher()(
         q, kv_cache, block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc,
         sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, out=out,
         max_seq_len=max_seq_len, error_flag=error_flag, plan_slot=entry, **static,
@@ -441,33 +447,6 @@ def _latent_v_scale(v_scale: ScaleArg, k_scale: ScaleArg) -> ScaleArg:
             "it, so its one scale is k_scale; pass v_scale=None"
         )
     return k_scale
-
-
-def _seq_len_ok(max_seq_len: object) -> bool:
-    """``max_seq_len`` as the full path accepts it (the fast path does not check it else)."""
-    return max_seq_len is None or (type(max_seq_len) is int and 0 <= max_seq_len <= _MAX_INT32)
-
-
-def _as_checked(value: ScaleArg) -> ScaleArg:
-    """A dequant scale as :func:`kv_kernels._common.check_scale` returns it (the fast path's
-    key already holds the value or the tensor's shape, dtype and device it checked)."""
-    if isinstance(value, torch.Tensor):
-        return value.reshape(-1).to(torch.float32).contiguous()
-    return None if value is None else float(value)
-
-
-_TRITON: Any = None
-
-
-def _triton_launcher() -> Any:
-    """:func:`.triton.paged_attention_triton` (imported on first use: Triton stays unimported
-    for reference-only callers)."""
-    global _TRITON
-    if _TRITON is None:
-        from kv_kernels.paged_attention.triton import paged_attention_triton
-
-        _TRITON = paged_attention_triton
-    return _TRITON
 
 
 def _check_triton_heads(head_size: int, head_size_v: int, mla: bool) -> None:

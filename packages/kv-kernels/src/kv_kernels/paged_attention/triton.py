@@ -14,6 +14,7 @@ sequence is computed by the same tile shapes whatever else is in the batch.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from kv_kernels._common import row_align
 from kv_kernels._launch import FastLauncher
 from kv_kernels.paged_attention._aot import AotSpec, aot_specs
+from kv_kernels.paged_attention._bound import Launch
 from kv_kernels.paged_attention._kernels import paged_attention_kernel
 from kv_kernels.paged_attention._launch_args import (
     _inline_scale_args,
@@ -340,8 +342,61 @@ def paged_attention_triton(
         if plan_slot is not None:
             plan_slot.plan = plan
     splits = _num_splits(plan.splits, block_table, block_size, max_seq_len)
-    split = splits > 1
     part_out, part_lse = _split_buffers(out, splits, pow2(v_range[1] - v_range[0]))
+    launches = describe_launches(
+        plan, splits, plan_slot, q, kv_cache, k_range=k_range, v_range=v_range,
+        block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale,
+        causal=causal, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
+        alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+        part_out=part_out, part_lse=part_lse, block_size=block_size, error_flag=error_flag,
+        scale_rows=scale_rows,
+    )  # fmt: skip
+    for launch in launches:
+        launch.run()
+    if plan_slot is not None:  # bind the call per shape class (an MLA latent's v_scale is k_scale)
+        plan_slot.learn(
+            splits, launches, (q, kv_cache, block_table, seq_lens, query_start_loc, sinks,
+            alibi_slopes, k_scale, None if v_from_k else v_scale, error_flag, out, lse,
+            part_out, part_lse),
+            lambda m: _num_splits(plan.splits, block_table, block_size, m),
+        )  # fmt: skip
+    return (out, lse) if lse is not None else out
+
+
+def describe_launches(
+    plan: _Plan,
+    splits: int,
+    plan_slot: Any,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    k_range: tuple[int, int],
+    v_range: tuple[int, int],
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    block_size: int,
+    error_flag: torch.Tensor | None,
+    scale_rows: tuple[int, int, int] | None,
+    **_rest: Any,  # (the rest of paged_attention_triton's keywords: the plan holds them)
+) -> list[Launch]:
+    """The launches of one call of ``plan`` at ``splits`` KV splits, in order (nothing runs):
+    the decode class (sm_90 Gluon decode / MLA, or the Triton kernel), the prefill class, the
+    split merge. ``plan_slot``: the api's validated call, whose serial keys bound launches."""
+    num_tokens, num_q_heads, num_seqs = q.shape[0], q.shape[1], block_table.shape[0]
+    split = splits > 1
     _, scale_args = _scale_args(k_scale, v_scale, q)
     kvs, ks_idx, vs_idx, words = _inline_scale_args(kv_cache, scale_rows)
     lse_t = lse if lse is not None else out
@@ -349,6 +404,7 @@ def paged_attention_triton(
     launch_key = (
         None if plan_slot is None else (plan_slot.serial, splits, words, kvs.data_ptr() & 15)
     )
+    launches: list[Launch] = []
     if plan.gluon_decode:
         from kv_kernels.paged_attention._sm90_decode import launch_sm90_decode
 
@@ -358,6 +414,7 @@ def paged_attention_triton(
             block_size=block_size, kv_scale_mode=plan.kv_scale_mode, scale_args=scale_args,
             scale_rows=scale_rows, row_align=plan.features["row_align"], out=out, lse=lse,
             part_out=part_out, part_lse=part_lse, num_splits=splits, key=launch_key,
+            launches=launches,
         )  # fmt: skip
     elif plan.gluon_mla:
         from kv_kernels.paged_attention._sm90_mla import launch_sm90_mla
@@ -366,6 +423,7 @@ def paged_attention_triton(
             q, kv_cache, block_table=block_table, seq_lens=seq_lens,
             query_start_loc=query_start_loc, scale=scale, block_size=block_size, out=out,
             lse=lse, part_out=part_out, part_lse=part_lse, num_splits=splits, key=launch_key,
+            launches=launches,
         )  # fmt: skip
     descs = None
     if plan.run_prefill and not plan.gluon_prefill:
@@ -383,50 +441,49 @@ def paged_attention_triton(
     if not (plan.gluon_decode or plan.gluon_mla):
         # decode class: q_len in [1, block_q(decode)], one program per sequence
         # (no TMA descriptors in decode: its tiles are gathered)
-        _launch_attention(
-            launch_key and ("decode", launch_key),
-            (num_seqs, plan.grid_y_dec, splits),
-            (*head_args, q, q, *args, 1, plan.cfg_dec.block_q),
-            _plan_constexprs(plan, "decode", split, words, False),
+        launches.append(
+            Launch(
+                _ATTENTION,
+                launch_key and ("decode", launch_key),
+                (num_seqs, plan.grid_y_dec, splits),
+                (*head_args, q, q, *args, 1, plan.cfg_dec.block_q),
+                _plan_constexprs(plan, "decode", split, words, False),
+            )
         )
     if plan.gluon_prefill:
         from kv_kernels.paged_attention._sm90_prefill import launch_sm90_prefill
 
-        launch_sm90_prefill(
-            q, kv_cache, k_start=k_range[0], v_start=v_range[0], block_table=block_table,
-            seq_lens=seq_lens, query_start_loc=query_start_loc, scale=scale, causal=causal,
-            block_size=block_size, out=out, lse=lse, q_len_min=plan.cfg_dec.block_q + 1,
+        prefill = functools.partial(
+            launch_sm90_prefill, q, kv_cache, k_start=k_range[0], v_start=v_range[0],
+            block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc,
+            scale=scale, causal=causal, block_size=block_size, out=out, lse=lse,
+            q_len_min=plan.cfg_dec.block_q + 1,
         )  # fmt: skip
+        launches.append(Launch(None, None, (), (), {}, prefill))
     elif plan.run_prefill:
         grid_q = num_tokens // plan.cfg_pre.block_q + num_seqs
-        _launch_attention(
-            # (TMA descriptors: the plain launch, which specializes on them)
-            launch_key and descs is None and ("prefill", launch_key),
-            (grid_q, plan.grid_y_pre, splits),
-            (*head_args, *(descs or (q, q)), *args, plan.cfg_dec.block_q + 1, 2**31 - 1),
-            _plan_constexprs(plan, "prefill", split, words, descs is not None),
+        launches.append(
+            Launch(
+                # (TMA descriptors: the plain launch, which specializes on them)
+                _ATTENTION,
+                launch_key and descs is None and ("prefill", launch_key),
+                (grid_q, plan.grid_y_pre, splits),
+                (*head_args, *(descs or (q, q)), *args, plan.cfg_dec.block_q + 1, 2**31 - 1),
+                _plan_constexprs(plan, "prefill", split, words, descs is not None),
+            )
         )
     if split:
-        _merge_splits(
-            part_out, part_lse, out, lse_t, sinks, query_start_loc, return_lse,
-            key=launch_key,
-        )  # fmt: skip
-    return (out, lse) if lse is not None else out
+        launches.append(
+            _merge_splits(
+                part_out, part_lse, out, lse_t, sinks, query_start_loc, lse is not None, launch_key
+            )
+        )
+    return launches
 
 
 #: the unified kernel's and the merge's bound launches (kv_kernels._launch)
 _ATTENTION = FastLauncher(paged_attention_kernel)
 _MERGE = FastLauncher(merge_splits_kernel)
-
-
-def _launch_attention(
-    key: Any, grid: tuple[int, int, int], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-    """One launch of the unified kernel: bound under ``key``, else the plain way."""
-    if key:
-        _ATTENTION(key, grid, args, kwargs)
-    else:
-        paged_attention_kernel[grid](*args, **kwargs)
 
 
 def _gluon_serves(
@@ -485,34 +542,20 @@ def _merge_splits(
     query_start_loc: torch.Tensor,
     write_lse: bool,
     key: Any = None,  # the launch's key (paged_attention_triton): a bound launch
-) -> None:
+) -> Launch:
+    """The launch that merges a split launch's partial states into ``out`` (and its LSE)."""
     num_tokens, num_q_heads, num_splits, dv_pad = part_out.shape
     args = (
-        part_out,
-        part_lse,
-        out,
-        *out.stride(),
-        lse_t,
-        lse_t.stride(0),
-        lse_t.stride(1),
-        sinks if sinks is not None else part_lse,
-        query_start_loc,
-        query_start_loc.shape[0] - 1,
-        num_q_heads,
-        num_splits,
-    )
+        part_out, part_lse, out, *out.stride(), lse_t, lse_t.stride(0), lse_t.stride(1),
+        sinks if sinks is not None else part_lse, query_start_loc,
+        query_start_loc.shape[0] - 1, num_q_heads, num_splits,
+    )  # fmt: skip
     kwargs = dict(
-        HEAD_SIZE_V=out.shape[2],
-        DV_PAD=dv_pad,
-        S_PAD=pow2(num_splits),
-        USE_SINKS=sinks is not None,
-        WRITE_LSE=write_lse,
+        HEAD_SIZE_V=out.shape[2], DV_PAD=dv_pad, S_PAD=pow2(num_splits),
+        USE_SINKS=sinks is not None, WRITE_LSE=write_lse,
         num_warps=4 if dv_pad * pow2(num_splits) >= 2048 else 2,
-    )
-    if key is not None:
-        _MERGE(key, (num_tokens, num_q_heads), args, kwargs)
-    else:
-        merge_splits_kernel[(num_tokens, num_q_heads)](*args, **kwargs)
+    )  # fmt: skip
+    return Launch(_MERGE, key, (num_tokens, num_q_heads), args, kwargs)
 
 
 def merge_attn_states_triton(
