@@ -102,6 +102,31 @@ def test_cpu_builds_nothing() -> None:
     assert warm_paged_ops(torch.zeros(1), _layout(), num_q_heads=8) == {}
 
 
+@pytest.mark.parametrize("k_scale", [None, 0.5], ids=["stand-in", "layer's"])
+def test_every_call_runs_over_an_fp8_mla_latent(k_scale: float | None) -> None:
+    """Each warmup call's arguments over an fp8 latent (issue 31), run through the torch
+    references on the CPU: the write and attention take the latent's one ``k_scale`` (the
+    layer's, else a stand-in) and no ``v_scale``, which both ops refuse for an MLA latent;
+    K/V caches keep both (the planted case: a stand-in ``v_scale`` on the latent is refused)."""
+    from kv_kernels.cache import allocate_kv_cache, layer_view
+
+    layout = _layout(num_layers=1, num_blocks=40, num_kv_heads=1, head_size=80, head_size_v=0,
+                     dtype="fp8_e4m3", kv_quant="fp8_per_tensor", is_mla=True)  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout), layout, 0)
+    kw: dict = {"kv_lora_rank": 64, **({} if k_scale is None else {"k_scale": k_scale})}
+    calls = warmup_calls(layout, max_seq_len=96, block_table_width=8)
+    assert {c.op for c in calls} >= {"write"} and len(calls) > 2
+    for call in calls:
+        warmup._run(call, kv, layout, num_q_heads=4, q_dtype=torch.float32, scratch_block=0,
+                    attention_kwargs=dict(kw))  # fmt: skip
+    assert warmup._scales(_layout(dtype="fp8_e4m3", kv_quant="fp8_per_tensor")) == {
+        "k_scale": 1.0, "v_scale": 1.0,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="pass v_scale=None"):
+        warmup._run(calls[-1], kv, layout, num_q_heads=4, q_dtype=torch.float32, scratch_block=0,
+                    attention_kwargs={**kw, "v_scale": 1.0})  # fmt: skip
+
+
 # ---- on an sm_90 GPU ---------------------------------------------------------------------------
 
 _ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -206,3 +231,38 @@ def test_gpu_a_warmup_without_decode_is_caught(builds: list[str], monkeypatch, t
     builds.clear()
     _serving_step(kv, layout, 16)
     assert builds, "a decode-only step built nothing although its variants were never warmed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_SM90, reason="the builds warmed are sm_90's")
+def test_gpu_no_build_after_warming_an_fp8_mla_latent(
+    builds: list[str], monkeypatch, tmp_path
+) -> None:
+    """DeepSeek-V3 at tensor-parallel 8 over an fp8 latent (issue 31): warmed with the layer's
+    own ``k_scale`` tensor (what TRITON_MLA's warmup passes), a serving step of latent writes
+    and MLA decode / prefill batches builds nothing more."""
+    from kv_kernels import paged_attention, reshape_and_cache
+    from kv_kernels.cache import allocate_kv_cache, layer_view
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    layout = _layout(num_layers=1, num_blocks=512, num_kv_heads=1, block_size=64, head_size=576,
+                     head_size_v=0, dtype="fp8_e4m3", kv_quant="fp8_per_tensor", is_mla=True)  # fmt: skip
+    kv = layer_view(allocate_kv_cache(layout, "cuda"), layout, 0)
+    hq, k_scale = 16, torch.full((), 0.05, device="cuda")
+    kw = dict(kv_lora_rank=512, k_scale=k_scale)
+    warm_paged_ops(kv, layout, num_q_heads=hq, max_seq_len=8192, block_table_width=WIDTH, **kw)
+    builds.clear()
+    for n in (40, 1):
+        latent = torch.randn(n, 1, 576, device="cuda", dtype=torch.bfloat16)
+        reshape_and_cache(latent, None, kv, torch.arange(64, 64 + n, device="cuda"), layout,
+                          k_scale)  # fmt: skip
+    for q_lens, seq_lens in (([200, 1, 1], [700, 90, 33]), ([1] * 5, [5000, 17] + [900] * 3),
+                             ([1], [6000]), ([1] * 16, [3000] * 16)):  # fmt: skip
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        table = torch.randint(1, layout.num_blocks, (len(q_lens), WIDTH),
+                              dtype=torch.int32, device="cuda")  # fmt: skip
+        q = torch.randn(sum(q_lens), hq, 576, device="cuda", dtype=torch.bfloat16)
+        paged_attention(q, kv, layout, table, torch.tensor(seq_lens, dtype=torch.int32,
+                        device="cuda"), qsl.cuda(), max(q_lens), **kw)  # fmt: skip
+    torch.cuda.synchronize()
+    assert builds == [], f"built after the warmup: {builds}"

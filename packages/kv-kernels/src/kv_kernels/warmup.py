@@ -155,13 +155,13 @@ def _run(
     n, h = layout.block_size, layout.num_kv_heads
     if call.op == "write":
         slots = scratch_block * n + torch.arange(call.tokens, device=dev) % n
+        scales = {k: attention_kwargs.get(k, v) for k, v in _scales(layout).items()}
         if layout.is_mla:
             key = torch.zeros(call.tokens, 1, layout.head_size, dtype=q_dtype, device=dev)
-            reshape_and_cache(key, None, kv_cache, slots, layout)
+            reshape_and_cache(key, None, kv_cache, slots, layout, **scales)
         else:
             key = torch.zeros(call.tokens, h, layout.head_size, dtype=q_dtype, device=dev)
             value = torch.zeros(call.tokens, h, layout.head_size_v, dtype=q_dtype, device=dev)
-            scales = {k: attention_kwargs.get(k, v) for k, v in _scales(layout).items()}
             reshape_and_cache(key, value, kv_cache, slots, layout, **scales)
         return
     q_lens = [q for q, _ in call.seqs]
@@ -179,7 +179,11 @@ def _run(
 
 
 def _scales(layout: KVCacheLayout) -> dict:
-    return {"k_scale": 1.0, "v_scale": 1.0} if layout.kv_quant.value == "fp8_per_tensor" else {}
+    """Stand-in fp8 per-tensor scales (the layer's own win, as keyword arguments): K's and V's,
+    or an fp8 MLA latent's one ``k_scale`` (its write and attention take no ``v_scale``)."""
+    if layout.kv_quant.value != "fp8_per_tensor":
+        return {}
+    return {"k_scale": 1.0} if layout.is_mla else {"k_scale": 1.0, "v_scale": 1.0}
 
 
 def warm_paged_ops(
