@@ -162,9 +162,10 @@ def main() -> None:
         "fast path only; with --out, DIR/launch_stub.json and .md",
     )  # fmt: skip
     ap.add_argument("--baseline", default=None, help="--stub-cuda: an earlier launch_stub.json")
+    ap.add_argument("--label", default=None, help="--stub-cuda: what sources these are (recorded)")
     args = ap.parse_args()
     if args.stub_cuda:
-        _stub_main(200 if args.quick else args.iters, args.out, args.baseline)
+        _stub_main(200 if args.quick else args.iters, args.out, args.baseline, args.label)
         return
     if args.render:
         with open(args.render) as f:
@@ -193,7 +194,9 @@ def main() -> None:
         write_md(os.path.join(args.out, "launch.md"), {**meta, "records": records})
 
 
-def _stub_main(iters: int, out_dir: str | None, baseline: str | None) -> None:
+def _stub_main(
+    iters: int, out_dir: str | None, baseline: str | None, label: str | None = None
+) -> None:
     """Host us per call of the CUDA path on this machine, the launches stubbed (one JSON line
     per op and batch; with ``out_dir``, ``launch_stub.json`` and ``.md`` there): to compare two
     versions of the host path where no GPU is at hand. ``baseline``: an earlier
@@ -229,6 +232,7 @@ def _stub_main(iters: int, out_dir: str | None, baseline: str | None) -> None:
             "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
             "sources": os.path.dirname(kv_kernels.__file__),
+            "label": label,
             "baseline": baseline,
             "iters": iters,
         }
@@ -246,7 +250,9 @@ def _write_stub_md(path: str, data: dict[str, Any]) -> None:
         "",
         f"Written by `packages/kv-kernels/benchmarks/bench_launch.py --stub-cuda` on "
         f"{data['cpu_count']} CPU cores ({data['cpu']}, torch {data['torch']}, triton "
-        f"{data['triton']}), sources `{data['sources']}`: µs of host time per call, the best of "
+        f"{data['triton']}), sources `{data['sources']}`"
+        + (f" ({data['label']})" if data.get("label") else "")
+        + ": µs of host time per call, the best of "
         f"3 medians of {data['iters']} back-to-back calls, fake-cuda tensors and no-op launchers "
         "(kv_kernels.testing_launch: no driver, no allocator, no C launcher; a fake-cuda "
         "tensor's attribute reads cost more than a real one's). A comparison of two versions "
