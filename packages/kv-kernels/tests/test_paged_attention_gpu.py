@@ -27,12 +27,13 @@ _SEMANTICS = ("scale", "causal", "sliding_window", "sinks", "softcap", "alibi_sl
 
 
 def _batch(
-    *, q_lens, seq_lens, h=8, group=4, d=128, dv=None, n=16, dtype="bfloat16", order="LBNHC", seed=0
+    *, q_lens, seq_lens, h=8, group=4, d=128, dv=None, n=16, dtype="bfloat16", order="LBNHC", seed=0,
+    spare=4,
 ):
     torch.manual_seed(seed)
     dv = d if dv is None else dv
     pages = [-(-L // n) for L in seq_lens]
-    nb = sum(pages) + 4
+    nb = sum(pages) + spare
     layout = KVCacheLayout(
         order=order,
         num_layers=1,
@@ -50,7 +51,9 @@ def _batch(
     else:
         kv.normal_()
     perm = torch.randperm(nb, device="cuda").to(torch.int32)
-    table = torch.full((len(seq_lens), max(pages) + 3), -1, dtype=torch.int32, device="cuda")
+    table = torch.full(
+        (len(seq_lens), max(pages) + min(spare, 3)), -1, dtype=torch.int32, device="cuda"
+    )
     used = 0
     for s, p in enumerate(pages):
         table[s, :p] = perm[used : used + p]
@@ -110,6 +113,25 @@ def test_gpu_bf16_matches_reference(d: int, dv: int, n: int, group: int) -> None
     fin = torch.isfinite(ref_lse)
     assert torch.equal(fin, torch.isfinite(lse))
     torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("q_len", "d", "dv", "n", "dtype"),
+    [
+        (1, 128, 128, 16, "bfloat16"),  # the Triton decode
+        (1, 128, 128, 16, "fp8_e4m3"),  # the sm_90 Gluon decode
+        (9, 128, 128, 16, "bfloat16"),  # the sm_90 Gluon prefill
+        (9, 192, 128, 128, "bfloat16"),  # DiffKV 192 / 128 in 128-token pages (MLA's workspace)
+    ],
+)
+def test_gpu_one_block_cache(q_len: int, d: int, dv: int, n: int, dtype: str) -> None:
+    """A cache of exactly one block (an MLA prefill's workspace for a short context): Triton
+    specializes an integer argument equal to 1 into a constant, which the kernels' unsigned
+    block clamp cannot cast -- every kernel takes ``num_blocks`` unspecialized."""
+    b = _batch(q_lens=[q_len], seq_lens=[9], d=d, dv=dv, n=n, dtype=dtype, spare=0)
+    assert b["kv"].shape[0] == 1 and b["block_table"].shape[1] == 1
+    kw = {"k_scale": 1.0, "v_scale": 1.0} if dtype.startswith("fp8") else {}
+    _check_against_oracle(b, **kw)
 
 
 @pytest.mark.parametrize(

@@ -331,7 +331,9 @@ def _add_sink(o, lse, sinks_ptr, head):
     return o * tl.exp(lse - lse_tot)[:, None], lse_tot
 
 
-@triton.jit
+# (num_blocks is a bound, never a constexpr: Triton specializes an int equal to 1 into one,
+# and the kernel casts it; a one-block cache -- a small workspace -- failed to compile)
+@triton.jit(do_not_specialize=["num_blocks"])
 def paged_attention_kernel(
     q_ptr, stride_qt, stride_qh, stride_qd,  # [T, Hq, D]
     kv_ptr, stride_kb, stride_kh, stride_kn, stride_kc,  # [B, H, N, C] layer view

@@ -314,7 +314,9 @@ def _tiles(q_op, acc, m_i, l_i, r_i, ring, lo, hi, s_lo, s_hi, head_ptr, s_head_
     return acc, m_i, l_i, r_i
 
 
-@gluon.jit
+# (num_blocks is a bound, never a constexpr: Triton specializes an int equal to 1 into one,
+# and the kernel casts it; a one-block cache -- a small workspace -- failed to compile)
+@gluon.jit(do_not_specialize=["num_blocks"])
 def sm90_decode_kernel(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, stride_kb, stride_kh, stride_kn,

@@ -174,7 +174,9 @@ def _consumer(qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_t
     return acc, m_i, gl.sum(l_part, 1)
 
 
-@gluon.jit
+# (num_blocks is a bound, never a constexpr: Triton specializes an int equal to 1 into one,
+# and the kernel casts it; a one-block cache -- a small workspace -- failed to compile)
+@gluon.jit(do_not_specialize=["num_blocks"])
 def sm90_mla_kernel(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, stride_kb, stride_kn,

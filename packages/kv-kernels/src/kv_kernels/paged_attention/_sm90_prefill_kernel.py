@@ -324,7 +324,9 @@ def _stage_q(q_smem, q_ptr, stride_qt, stride_qh, q_start, q_tile, q_len, kvh,
         q_smem.index(h).store(gl.load(ptrs, mask=ok, other=0.0))
 
 
-@gluon.jit
+# (num_blocks is a bound, never a constexpr: Triton specializes an int equal to 1 into one,
+# and the kernel casts it; a one-block cache -- a small workspace -- failed to compile)
+@gluon.jit(do_not_specialize=["num_blocks"])
 def sm90_prefill_kernel(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, stride_kb, stride_kh, stride_kn,
