@@ -327,6 +327,9 @@ def _bad(args: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
         ("max_query_len", {"max_query_len": 1.0}, "max_query_len=1.0"),
         ("sinks", {"sinks": fake_cuda(torch.zeros(3))}, "sinks must be"),
         ("flag", {"error_flag": fake_cuda(torch.zeros(2, dtype=torch.int32))}, "error_flag"),
+        ("seq_lens stride", {"seq_lens": fake_cuda(sl.repeat_interleave(2)[::2])}, "stride 2"),
+        ("qsl stride", {"query_start_loc": fake_cuda(qsl.repeat_interleave(2)[::2])}, "stride 2"),
+        ("sinks stride", {"sinks": fake_cuda(torch.zeros(8)[::2])}, "stride 2"),
     ]
 
 

@@ -415,6 +415,9 @@ def paged_attention(
 
         return paged_attention_reference(q, kv_cache, **common)
     _check_triton_heads(head_size, head_size_v, layout.is_mla)
+    _check_unit_stride(
+        seq_lens=seq_lens, query_start_loc=query_start_loc, sinks=sinks, alibi_slopes=alibi_slopes
+    )
     static = dict(
         k_range=common["k_range"], v_range=v_range, scale_rows=common["scale_rows"],
         scale=common["scale"], causal=causal, sliding_window=sliding_window,
@@ -447,6 +450,17 @@ def _latent_v_scale(v_scale: ScaleArg, k_scale: ScaleArg) -> ScaleArg:
             "it, so its one scale is k_scale; pass v_scale=None"
         )
     return k_scale
+
+
+def _check_unit_stride(**vectors: torch.Tensor | None) -> None:
+    """The Triton kernels read these 1-D tensors as arrays (``ptr + i``): a strided view (e.g.
+    ``seq_lens[::2]``) would be read as the wrong values, so it is an input error."""
+    for name, t in vectors.items():
+        if t is not None and t.numel() > 1 and t.stride(0) != 1:
+            raise ValueError(
+                f"{name} has stride {t.stride(0)} but impl='triton' reads it as a contiguous "
+                f"array (stride 1); pass {name}.contiguous()"
+            )
 
 
 def _check_triton_heads(head_size: int, head_size_v: int, mla: bool) -> None:
