@@ -313,25 +313,34 @@ def test_deepseek_v3_planted_wrong_latent_scale_fails_both_measures(
     assert agreement < PLANTED_CEILING and parity < PLANTED_CEILING
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="engine/mla_prefill.attend_split hands kv_b_proj the fp8 latent rows as stored; "
-    "they need dequantizing (rows.float() * k_scale, the layer impl's scales(None, device)[0]) "
-    "first (issue 31 handoff)",
-)
 @pytest.mark.usefixtures("one_thread")
 def test_deepseek_v3_decompressed_prefill_reads_an_fp8_latent(
     seed_ckpts: dict[str, Path],
 ) -> None:
     """The engine's default MLA prefill (decompressed K/V over the cached latent) over an fp8
-    latent: the same measures as the absorbed run. Fails today (strict: it must be unmarked when
-    the prefill dequantizes)."""
+    latent (dequantized with its one scale before ``kv_b_proj``): the same measures as the
+    absorbed run."""
     engine = _deepseek(seed_ckpts["deepseek_v3"], kv_cache_dtype="fp8")
-    assert engine.runner.mla_prefill is not None
+    prefill = engine.runner.mla_prefill
+    assert prefill is not None
     outs = generate(engine, MIMO_PROMPTS, 12)
+    # the prompts' rows went this way (a one-row chunk is a decode row: absorbed)
+    assert prefill.stats.rows >= sum(map(len, MIMO_PROMPTS)) - len(MIMO_PROMPTS)
     agreement, parity = score(engine, MIMO_PROMPTS, outs, atol=1e-4)
     assert parity == 1.0 and agreement >= DS_FLOOR["fp8_e4m3"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_deepseek_v3_decompressed_prefill_planted_wrong_latent_scale_fails(
+    seed_ckpts: dict[str, Path],
+) -> None:
+    """The planted 10x scale on the decompressed prefill's path: both measures drop, so the
+    check above sees a latent read back without (or with the wrong) scale."""
+    engine = _deepseek(seed_ckpts["deepseek_v3"], kv_cache_dtype="fp8")
+    plant_scale_bug(engine.runner)
+    outs = generate(engine, MIMO_PROMPTS, 12)
+    agreement, parity = score(engine, MIMO_PROMPTS, outs, atol=1e-4)
+    assert agreement < PLANTED_CEILING and parity < PLANTED_CEILING
 
 
 def test_fp8_is_refused_where_the_named_backend_serves_none(seed_ckpts: dict[str, Path]) -> None:

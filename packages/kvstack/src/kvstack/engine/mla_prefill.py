@@ -425,8 +425,13 @@ def attend_split(
     if plan.merged:  # (a row no pass has reached yet weighs nothing in the merge)
         lse = torch.full(shape[:2], float("-inf"), dtype=torch.float32, device=q_pe.device)
     latent = b.kv_cache[:, 0]  # [B, N, rank + rope]: the one latent "head"
+    # an fp8 latent is stored as x / k_scale (its one per-tensor scale): read back as x
+    k_scale = b.impl.scales(None, q_pe.device)[0] if latent.dtype != q_pe.dtype else None
     for p in plan.passes:
         rows = latent[p.blk, p.off]  # [n, rank + rope] the pieces' context, new tokens included
+        if latent.dtype != q_pe.dtype:
+            rows = rows.float() * (k_scale if k_scale is not None else 1.0)
+            rows = rows.to(q_pe.dtype)
         k_nope, v = attn.decompress(rows[:, : attn.rank])  # [n, H, nope], [n, H, v]
         fill_workspace(plan.workspace, p.dst, k_nope, rows[:, None, attn.rank :], v)
         if p.q_rows is None:
