@@ -265,10 +265,9 @@ def _deepseek(path: Path, **kw: Any) -> LLMEngine:
 
 def _absorbed_prefill(engine: LLMEngine) -> None:
     """Every MLA row attended absorbed through the layer's backend (``runner.mla_prefill =
-    None``, the runner's documented mode): the engine's decompressed prefill
-    (``engine/mla_prefill.py``) gathers latent rows from the cache and hands them to
-    ``kv_b_proj`` as stored, not yet dequantized from fp8 (see
-    ``test_deepseek_v3_decompressed_prefill_reads_an_fp8_latent``)."""
+    None``, the runner's documented mode), prefill rows included: the backend's fp8 latent path
+    alone. The default decompressed prefill (``engine/mla_prefill.py``, which dequantizes the
+    gathered rows) is held by ``test_deepseek_v3_decompressed_prefill_reads_an_fp8_latent``."""
     engine.runner.mla_prefill = None
 
 
@@ -433,9 +432,8 @@ def test_fp8_cache_on_a_gpu(
     runner = engine.runner
     assert set(runner.backends.values()) == {backend}, runner.describe()
     assert runner.layers[0].kv_cache.dtype == to_torch_dtype(kv)
+    # (TRITON_MLA: the fp8 latent, prefill rows over decompressed K/V as served by default)
     assert runner.mla_latent == (backend == "TRITON_MLA")
-    if runner.mla_latent:
-        _absorbed_prefill(engine)  # (the decompressed prefill reads fp8 rows undequantized)
     if planted:
         plant_scale_bug(runner)
     elif name == "llama":
