@@ -217,6 +217,7 @@ def _check(case: tuple, results: dict[str, dict]) -> None:
         "attn_decode_split",
         "attn_prefill",
         "merge_splits",
+        "merge_splits_decode_only",
         "merge_two",
     } <= names, names
     for name, r in res.items():

@@ -26,7 +26,7 @@ def _layout(**over) -> KVCacheLayout:
 def test_calls_cover_write_prefill_decode_and_split_decode() -> None:
     calls = warmup_calls(_layout(), max_seq_len=4096, block_table_width=300)
     ops = [c.op for c in calls]
-    assert ops.count("write") == 1 and ops.count("attention") == 6
+    assert ops.count("write") == 1 and ops.count("attention") == 7
     assert {c.width for c in calls if c.op == "attention"} == {300}
     q_lens = [q for c in calls for q, _ in c.seqs]
     assert max(q_lens) > 16 and 1 in q_lens  # both launch classes
@@ -35,6 +35,10 @@ def test_calls_cover_write_prefill_decode_and_split_decode() -> None:
     # sequence counts of 1, neither, and a multiple of 16, in decode and in mixed steps
     assert {len(c.seqs) for c in calls if c.op == "attention"} >= {1, 2, 4, 16}
     assert any(len(c.seqs) == 16 and max(q for q, _ in c.seqs) > 16 for c in calls)
+    # a mixed step whose decodes are long: the split decode beside a prompt (decode-only merge)
+    assert any(
+        max(q for q, _ in c.seqs) > 16 and (1, 4096) in c.seqs for c in calls if c.op != "write"
+    )
 
 
 def test_both_kinds_of_table_width_without_a_width() -> None:

@@ -63,7 +63,8 @@ def warmup_calls(
     """The launches a serving step makes over ``layout``, one per compiled variant: the cache
     write, a mixed prefill + decode step (attention's prefill and decode classes), a whole-prompt
     prefill, decode-only batches of 1, 4 and 16 requests over contexts up to ``max_seq_len`` (the
-    split-KV decode and its merge), and a mixed step of 16 sequences: the kernels specialize a
+    split-KV decode and its merge), a mixed step whose decodes split KV (the merge of decode rows
+    only), and a mixed step of 16 sequences: the kernels specialize a
     count of sequences that is 1 or a multiple of 16 (batches of 16, 32, 64, ...).
 
     The attention kernels specialize the block table's width (a multiple of 16 or not), so the
@@ -122,6 +123,16 @@ def warmup_calls(
                 "decode, batch 16" + tag,
                 "attention",
                 ((1, long),) * 15 + ((1, short),),
+                0,
+                w,
+                stride,
+            ),
+            # (the decode class of a mixed step splits KV over long contexts: the split decode
+            # beside an unsplit prefill, and the merge of decode rows only)
+            WarmupCall(
+                "mixed, long decodes" + tag,
+                "attention",
+                ((mixed, mixed),) + ((1, long),) * 3,
                 0,
                 w,
                 stride,

@@ -170,11 +170,14 @@ def _merge_specs(qt: str, head_size_v: int) -> list[AotSpec]:
         "out_ptr": f"*{qt}", "stride_ot": i32, "stride_oh": i32, "stride_od": i32,
         "lse_ptr": "*fp32", "stride_lt": i32, "stride_lh": i32,
         "sinks_ptr": "*fp32", "qsl_ptr": "*i32", "num_seqs": i32, "num_q_heads": i32,
-        "num_splits": i32,
+        "num_splits": i32, "q_len_max": i32,
     }  # fmt: skip
     merge_consts = dict(
-        HEAD_SIZE_V=head_size_v, DV_PAD=dv_pad, S_PAD=16, USE_SINKS=True, WRITE_LSE=True
-    )
+        HEAD_SIZE_V=head_size_v, DV_PAD=dv_pad, S_PAD=16, USE_SINKS=True, WRITE_LSE=True,
+        DECODE_ONLY=False,
+    )  # fmt: skip
+    # a mixed batch's merge: decode-class rows only (a binary search over query_start_loc)
+    decode_only = dict(merge_consts, DECODE_ONLY=True, USE_SINKS=False, WRITE_LSE=False)
     two_sig = {
         "a_ptr": f"*{qt}", "stride_at": i32, "stride_ah": i32, "stride_ad": i32,
         "lse_a_ptr": "*fp32", "stride_lat": i32, "stride_lah": i32,
@@ -195,6 +198,15 @@ def _merge_specs(qt: str, head_size_v: int) -> list[AotSpec]:
             {**merge_sig, **dict.fromkeys(merge_consts, "constexpr")},
             merge_consts,
             4,
+            1,
+            pointers(merge_sig),
+        ),
+        AotSpec(
+            "merge_splits_decode_only",
+            merge_splits_kernel,
+            {**merge_sig, **dict.fromkeys(decode_only, "constexpr")},
+            decode_only,
+            2,
             1,
             pointers(merge_sig),
         ),

@@ -10,9 +10,27 @@ import triton.language as tl
 __all__ = ["merge_splits_kernel", "merge_two_kernel"]
 
 
+@triton.jit
+def _token_seq(qsl_ptr, num_seqs, tok):
+    """Largest ``s < num_seqs`` with ``qsl[s] <= tok``: the sequence of query row ``tok`` (for
+    ``tok < qsl[num_seqs]``; an empty sequence before it shares its start and loses the tie).
+    (:func:`._kernels._find_seq` searches q tiles, ``qsl[s] // BLOCK_Q + s``, not rows.)"""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go_right = tl.load(qsl_ptr + mid).to(tl.int64) <= tok
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
 # Counts are not specialized: a count of 1 or a multiple of 16 would otherwise build its own
 # variant (a decode batch of 1, 16 splits), which a warmup cannot foresee; they only bound loops.
-@triton.jit(do_not_specialize=["num_seqs", "num_q_heads", "num_splits"])
+# DECODE_ONLY (a mixed batch whose decode class split KV and whose prefill class did not): only
+# rows of sequences with q_len <= q_len_max are merged; longer sequences' rows were written to
+# ``out`` by their own unsplit launch and have no partials, so their programs return.
+@triton.jit(do_not_specialize=["num_seqs", "num_q_heads", "num_splits", "q_len_max"])
 def merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,  # [T, Hq, S, DV_PAD] / [T, Hq, S] f32, contiguous
@@ -28,16 +46,23 @@ def merge_splits_kernel(
     num_seqs,
     num_q_heads,
     num_splits,
+    q_len_max,  # DECODE_ONLY: the longest query of the split (decode) class
     HEAD_SIZE_V: tl.constexpr,
     DV_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
     USE_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if tok >= tl.load(qsl_ptr + num_seqs):
         return  # CUDA-graph padding rows: nothing wrote their partials
+    if DECODE_ONLY:
+        seq = _token_seq(qsl_ptr, num_seqs, tok)
+        q_len = tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq)
+        if q_len > q_len_max:
+            return  # a prefill-class row: its unsplit launch wrote out (and lse)
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, DV_PAD)
     s_ok = offs_s < num_splits

@@ -9,7 +9,10 @@ Two launches, one per query-length class. Sequences with ``q_len <= BLOCK_Q(deco
 short speculative steps) run with a small-M "decode" config, one program per sequence (no search);
 longer ones run with a large-M "prefill" config whose programs find their sequence by a binary
 search over ``query_start_loc``. The class of a sequence depends only on its own ``q_len``, so a
-sequence is computed by the same tile shapes whatever else is in the batch.
+sequence is computed by the same tile shapes whatever else is in the batch. Under the split
+heuristic (``num_splits=None``) only the decode class splits KV, in a mixed batch too (its
+prefill tiles fill the GPU on their own), and the merge then merges decode-class rows only; a
+caller's ``num_splits`` splits both classes and the merge takes every row.
 """
 
 from __future__ import annotations
@@ -214,13 +217,11 @@ def _make_plan(
         "mla", q, kv_cache, head_size_v, scale, features, (out, block_table),
         block_q=cfg_dec.block_q,
     )  # fmt: skip
-    # prefill tiles fill the GPU on their own; decode splits KV to fill it (by max_seq_len, per
-    # launch: see _num_splits)
+    # decode splits KV to fill the GPU (by max_seq_len, per launch: see _num_splits), in a mixed
+    # batch too; the prefill class then runs unsplit (describe_launches: a tuple, not the caller's)
     splits: Any = num_splits
     if splits is None:
-        if run_prefill:
-            splits = 1
-        elif gluon_decode:
+        if gluon_decode:
             splits = ("decode", num_seqs, num_kv_heads, num_sms)
         elif gluon_mla:
             from kv_kernels.paged_attention._sm90_mla import ROWS
@@ -397,6 +398,8 @@ def describe_launches(
     split merge. ``plan_slot``: the api's validated call, whose serial keys bound launches."""
     num_tokens, num_q_heads, num_seqs = q.shape[0], q.shape[1], block_table.shape[0]
     split = splits > 1
+    # the prefill class splits only at the caller's count (the heuristic's is the decode class's)
+    split_pre = split and isinstance(plan.splits, int)
     _, scale_args = _scale_args(k_scale, v_scale, q)
     kvs, ks_idx, vs_idx, words = _inline_scale_args(kv_cache, scale_rows)
     lse_t = lse if lse is not None else out
@@ -467,17 +470,18 @@ def describe_launches(
                 # (TMA descriptors: the plain launch, which specializes on them)
                 _ATTENTION,
                 launch_key and descs is None and ("prefill", launch_key),
-                (grid_q, plan.grid_y_pre, splits),
+                (grid_q, plan.grid_y_pre, splits if split_pre else 1),
                 (*head_args, *(descs or (q, q)), *args, plan.cfg_dec.block_q + 1, 2**31 - 1),
-                _plan_constexprs(plan, "prefill", split, words, descs is not None),
+                _plan_constexprs(plan, "prefill", split_pre, words, descs is not None),
             )
         )
-    if split:
-        launches.append(
-            _merge_splits(
-                part_out, part_lse, out, lse_t, sinks, query_start_loc, lse is not None, launch_key
-            )
-        )
+    if split:  # (an unsplit prefill class wrote its rows: the merge leaves them alone)
+        q_len_max = plan.cfg_dec.block_q if plan.run_prefill and not split_pre else None
+        merge = _merge_splits(
+            part_out, part_lse, out, lse_t, sinks, query_start_loc, lse is not None, launch_key,
+            q_len_max,
+        )  # fmt: skip
+        launches.append(merge)
     return launches
 
 
@@ -542,17 +546,18 @@ def _merge_splits(
     query_start_loc: torch.Tensor,
     write_lse: bool,
     key: Any = None,  # the launch's key (paged_attention_triton): a bound launch
+    q_len_max: int | None = None,  # merge only sequences with q_len <= q_len_max (None: all)
 ) -> Launch:
     """The launch that merges a split launch's partial states into ``out`` (and its LSE)."""
     num_tokens, num_q_heads, num_splits, dv_pad = part_out.shape
     args = (
         part_out, part_lse, out, *out.stride(), lse_t, lse_t.stride(0), lse_t.stride(1),
         sinks if sinks is not None else part_lse, query_start_loc,
-        query_start_loc.shape[0] - 1, num_q_heads, num_splits,
+        query_start_loc.shape[0] - 1, num_q_heads, num_splits, q_len_max or 0,
     )  # fmt: skip
     kwargs = dict(
         HEAD_SIZE_V=out.shape[2], DV_PAD=dv_pad, S_PAD=pow2(num_splits),
-        USE_SINKS=sinks is not None, WRITE_LSE=write_lse,
+        USE_SINKS=sinks is not None, WRITE_LSE=write_lse, DECODE_ONLY=q_len_max is not None,
         num_warps=4 if dv_pad * pow2(num_splits) >= 2048 else 2,
     )  # fmt: skip
     return Launch(_MERGE, key, (num_tokens, num_q_heads), args, kwargs)
