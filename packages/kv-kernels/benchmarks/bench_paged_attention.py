@@ -31,7 +31,8 @@ Cases (bf16, 32 q heads / 8 kv heads, head size 128, LBNHC cache, shuffled block
 
 ``--cases PATTERNS`` (comma-separated ``fnmatch`` patterns over case names, e.g. ``'mla*,pth*'``)
 picks cases; ``--only mla`` is ``--cases 'mla*'`` (every MLA case), ``--only flashmla`` the four
-that FlashMLA serves (``'mla*_n64'``); ``--smoke`` (``--quick``) runs the issue-12 cases at tiny
+that FlashMLA serves (``'mla*_n64'``), ``--only mixed`` the mixed-step cases of
+``_mixed_split.py`` (64 / 256 decodes of 1k beside a 1k prompt: one call vs two); ``--smoke`` (``--quick``) runs the issue-12 cases at tiny
 shapes under the Triton interpreter on the CPU (checks that the script works; no meaningful
 numbers; no FlashMLA). ``--tune`` also sweeps tile configs
 and split counts of our kernel (printing the best) before the main run. Writes
@@ -63,6 +64,7 @@ from kv_kernels.testing_attention import counting_gluon_launches
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _attention_cases import new_cases
+from _mixed_split import run_mixed_split
 from _paged_case import DTYPE, Case, D, triton_kernel_only
 from _records import _versions  # this folder's record fields
 from _timing import copy_limit, gpu_ms, timed
@@ -319,7 +321,7 @@ def write_report(records: list[dict], out: str, device: str) -> None:
 
 DECODE = [(64, 4096, 16), (64, 4096, 128), (8, 32768, 16), (8, 32768, 128)]
 #: ``--only NAME``: named ``--cases`` patterns
-ONLY = {"mla": "mla*", "flashmla": "mla*_n64"}
+ONLY = {"mla": "mla*", "flashmla": "mla*_n64", "mixed": "mixed_split*"}
 #: the case names that FlashMLA serves (whether to look for it at all)
 _MLA_PEERED = [
     f"{tag}_decode_b{b}_ctx{c}_n64"
@@ -363,7 +365,8 @@ def main() -> int:
         "--only",
         choices=sorted(ONLY),
         help="a named set of cases instead of --cases: mla (every MLA case), flashmla (the MLA "
-        "cases FlashMLA serves: page 64)",
+        "cases FlashMLA serves: page 64), mixed (decodes beside a prompt in one call vs two: "
+        "_mixed_split.py)",
     )
     ap.add_argument(
         "--smoke",
@@ -521,6 +524,7 @@ def main() -> int:
         del case, ours, ref
         torch.cuda.empty_cache()
     run_new_cases(records, limit, smoke=False, keep=keep, flashmla=have_flashmla)
+    run_mixed_split(records, limit, keep)
     write_report(records, args.out, torch.cuda.get_device_name())
     return 0
 

@@ -27,7 +27,17 @@ _SEMANTICS = ("scale", "causal", "sliding_window", "sinks", "softcap", "alibi_sl
 
 
 def _batch(
-    *, q_lens, seq_lens, h=8, group=4, d=128, dv=None, n=16, dtype="bfloat16", order="LBNHC", seed=0,
+    *,
+    q_lens,
+    seq_lens,
+    h=8,
+    group=4,
+    d=128,
+    dv=None,
+    n=16,
+    dtype="bfloat16",
+    order="LBNHC",
+    seed=0,
     spare=4,
 ):
     torch.manual_seed(seed)
@@ -265,3 +275,68 @@ def test_gpu_error_flag_without_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(flag) > 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "sinks", "decode_kernel", "prefill_kernel"),
+    [
+        ("bfloat16", False, "triton", "gluon_sm90"),  # the Gluon prefill beside a split decode
+        ("bfloat16", True, "triton", "triton"),  # sinks: the Triton kernel serves both classes
+        ("fp8_e4m3", False, "gluon_sm90", "triton"),  # fp8 pages: the Gluon decode splits
+    ],
+)
+def test_mixed_batch_splits_the_decode_class_gpu(
+    dtype: str, sinks: bool, decode_kernel: str, prefill_kernel: str
+) -> None:
+    """A mixed batch (issue 32) under the split heuristic: the decode class (rows over 5k-9k
+    keys, one between two prefill requests) splits KV, the prefill class runs unsplit, and the
+    merge takes decode rows only; against the float64 oracle, with the LSE, CUDA-graph padding
+    rows and (with sinks) an error flag. CPU half: tests/test_paged_attention_mixed_split.py."""
+    import importlib
+
+    from kv_kernels.testing_attention import counting_gluon_launches
+
+    tri = importlib.import_module("kv_kernels.paged_attention.triton")
+    b = _batch(
+        q_lens=[1, 300, 1, 64, 0, 1, 3], seq_lens=[9000, 300, 5000, 2100, 0, 7000, 6000],
+        dtype=dtype,
+    )  # fmt: skip
+    kw: dict = {"k_scale": 1.0, "v_scale": 1.0} if dtype.startswith("fp8") else {}
+    if sinks:
+        kw["sinks"] = torch.randn(32, device="cuda") * 3
+    seen: list = []
+    real = tri.describe_launches
+
+    def recording(plan, splits, *a, **k):
+        got = real(plan, splits, *a, **k)
+        seen.append((splits, got))
+        return got
+
+    t = b["q"].shape[0]
+    q = torch.cat([b["q"], torch.ones(4, *b["q"].shape[1:], dtype=b["q"].dtype, device="cuda")])
+    out = torch.full((t + 4, 32, 128), 5.0, dtype=torch.bfloat16, device="cuda")
+    # (an error flag turns the Gluon kernels off: only the Triton-only case takes one)
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda") if sinks else None
+    tri.describe_launches = recording
+    try:
+        with counting_gluon_launches("decode") as dec, counting_gluon_launches("prefill") as pre:
+            _, lse = run_batch(dict(b, q=q), "triton", out=out, return_lse=True, error_flag=flag,
+                               **kw)  # fmt: skip
+    finally:
+        tri.describe_launches = real
+    splits, launches = seen[0]
+    assert splits > 1 and launches[-1].kwargs["DECODE_ONLY"]
+    assert bool(dec) == (decode_kernel == "gluon_sm90") and bool(pre) == (
+        prefill_kernel != "triton"
+    )
+    attention = [x for x in launches if x.fast is None or len(x.grid) == 3]
+    assert [x.grid[2] if x.grid else 1 for x in attention] == [splits, 1]  # decode, prefill
+    assert torch.all(out[t:] == 5.0) and (flag is None or int(flag) == 0)
+    low = run_batch(b, "reference", **kw)
+    oracle, oracle_lse = attention_oracle_paged(
+        b["q"], b["kv"], b["layout"], b["block_table"], b["seq_lens"], b["qsl"], **kw
+    )
+    assert_close_to_oracle(out[:t], oracle, lowprec_reference=low, dtype=torch.bfloat16)
+    fin = torch.isfinite(oracle_lse)
+    assert torch.equal(fin, torch.isfinite(lse[:t].cpu()))
+    torch.testing.assert_close(lse[:t].cpu()[fin].double(), oracle_lse[fin], atol=2e-2, rtol=1e-3)
