@@ -233,6 +233,42 @@ def test_runners_without_a_latent_cache_have_no_split(llama_dir: Path, ckpt: Pat
     assert not forced.mla_latent and forced.mla_prefill is None  # K/V decompressed in the cache
 
 
+def test_startup_warms_the_workspace_attention(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_kernels`` builds the workspace attention's kernels too (its variants compiled in
+    the first mixed steps of a GPU run otherwise), with the options :func:`attend_split` uses;
+    each warmup launch runs here through the reference (on the CPU nothing compiles), so the
+    one-page layout and the keywords are ones ``paged_attention`` takes."""
+    from kv_kernels.cache import allocate_kv_cache, layer_view
+    from kv_kernels.warmup import _run, warmup_calls
+
+    runner = ModelRunner(ckpt, num_blocks=96, max_model_len=64)
+    prefill = runner.mla_prefill
+    assert prefill is not None
+    seen: list[tuple[Any, ...]] = []
+
+    def record(attn: MLAAttention, dtype: torch.dtype, device: Any, max_len: int, scale: float):
+        seen.append((attn, dtype, max_len, scale))
+        return {}
+
+    monkeypatch.setattr(prefill, "warmup", record)
+    done = runner.warm_kernels(lambda g: torch.zeros(1, 8, dtype=torch.int32))
+    assert "mla prefill workspace" in done
+    ((attn, dtype, max_len, scale),) = seen
+    assert isinstance(attn, MLAAttention) and dtype == runner.dtype
+    assert (max_len, scale) == (64, runner.model.scale)
+    layout, kw = MLAPrefill.warmup_args(prefill, attn, dtype, max_len, scale)
+    assert layout.num_blocks == 1 and (layout.head_size, layout.head_size_v) == (
+        attn.head_dim, attn.v_head_dim,
+    )  # fmt: skip
+    view = layer_view(allocate_kv_cache(layout, "cpu"), layout, 0)
+    heads = kw.pop("num_q_heads")
+    calls = warmup_calls(layout, max_seq_len=kw.pop("max_seq_len"))
+    assert {c.op for c in calls} == {"write", "attention"}
+    for call in calls:
+        _run(call, view, layout, num_q_heads=heads, q_dtype=dtype, scratch_block=0,
+             attention_kwargs=dict(kw))  # fmt: skip
+
+
 # -- the workspace's kernels compile for sm_90 --------------------------------------------------
 
 _AOT = textwrap.dedent(

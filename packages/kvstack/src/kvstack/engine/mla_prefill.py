@@ -215,6 +215,33 @@ class MLAPrefill:
         """The MLA layers' split for one step of ``runner`` over ``metadata`` (one per group)."""
         return MLAStep(self, runner, metadata)
 
+    def warmup(self, attn: MLAAttention, dtype: torch.dtype, device: torch.device,
+               max_seq_len: int, scale: float) -> dict[str, float]:  # fmt: skip
+        """Build the workspace attention's kernels before the first request: the prefill and
+        decode classes (a chunk of a few tokens), one and several pieces, and both kinds of
+        block-table width, over contexts up to ``max_seq_len`` (``kv_kernels.warmup``; every
+        call reads one scratch page, and ``num_blocks`` is no specialization, so one page
+        serves). Seconds per launch; ``{}`` off CUDA (nothing compiles there)."""
+        if device.type != "cuda":
+            return {}
+        from kv_kernels.cache import allocate_kv_cache, layer_view
+        from kv_kernels.warmup import warm_paged_ops
+
+        layout, kwargs = self.warmup_args(attn, dtype, max_seq_len, scale)
+        view = layer_view(allocate_kv_cache(layout, device), layout, 0)
+        return warm_paged_ops(view, layout, q_dtype=dtype, **kwargs)
+
+    def warmup_args(
+        self, attn: MLAAttention, dtype: torch.dtype, max_seq_len: int, scale: float
+    ) -> tuple[KVCacheLayout, dict[str, Any]]:
+        """The one-page workspace layout and ``warm_paged_ops``' keywords of :meth:`warmup`:
+        the workspace attention's own options (:func:`attend_split`'s call)."""
+        kwargs = dict(
+            num_q_heads=attn.num_q_heads, max_seq_len=min(max_seq_len, self.workspace_tokens),
+            scale=scale, causal=True,
+        )  # fmt: skip
+        return self.layout(1, attn, dtype), kwargs
+
     def layout(self, blocks: int, attn: MLAAttention, dtype: torch.dtype) -> KVCacheLayout:
         """The workspace layout of ``blocks`` pages (kept per shape: a step's host work else)."""
         key = (blocks, attn.num_q_heads, attn.head_dim, attn.v_head_dim, dtype)

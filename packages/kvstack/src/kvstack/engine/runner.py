@@ -49,6 +49,7 @@ from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.kept_sdpa import EngineImpls
 from kvstack.engine.kv_format import KVCacheDtype, mla_cache_choice, parse_kv_cache_dtype
 from kvstack.engine.loader import load_model
+from kvstack.engine.mla import MLAAttention
 from kvstack.engine.mla_prefill import MLAPrefill
 from kvstack.engine.models import CausalLM
 
@@ -395,6 +396,13 @@ class ModelRunner:
                 b.kv_cache, block_table_width=table.shape[1], block_table_stride=table.stride(0)
             )
             done[key] = time.perf_counter() - t0
+        mla = self.mla_prefill
+        attns = (lay.self_attn for lay in self.model.decoder_layers())
+        attn = next((a for a in attns if isinstance(a, MLAAttention)), None)
+        if mla is not None and attn is not None:  # the decompressed prefill's workspace kernels
+            t0 = time.perf_counter()
+            mla.warmup(attn, self.dtype, self.device, self.max_model_len, self.model.scale)
+            done["mla prefill workspace"] = time.perf_counter() - t0
         self.startup_seconds["compile"] = sum(done.values())
         return done
 
