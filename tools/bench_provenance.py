@@ -14,18 +14,25 @@ A package's version is ``importlib.metadata``'s (what is installed, editable wor
 included), else the module's ``__version__`` (a source tree on ``PYTHONPATH``), else
 ``"not installed"``. ``git_dirty`` says whether tracked files differed from the commit (the
 numbers may come from uncommitted code); both git fields are ``None`` outside a git checkout.
+
+``source_sha1`` is a digest of the code that ran, read from disk: every ``packages/*/src`` and
+``packages/*/benchmarks`` Python file, by path and content. It names the code where git cannot:
+a copy whose git metadata is older than its files (the GPU machine's copy of a working tree
+keeps the session's first commit, marked dirty). ``python tools/bench_provenance.py`` prints it
+for the checkout here, so a record can be matched to a commit.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import importlib.metadata as md
 import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["WORKSPACE_PACKAGES", "git_state", "package_version", "provenance"]
+__all__ = ["WORKSPACE_PACKAGES", "git_state", "package_version", "provenance", "source_sha1"]
 
 #: distribution name -> import name of the workspace's packages, bottom layer first.
 WORKSPACE_PACKAGES = {
@@ -69,6 +76,23 @@ def git_state() -> dict[str, str | bool | None]:
     return {"git_commit": commit, "git_dirty": bool(status.strip())}
 
 
+def source_sha1(root: Path | None = None) -> str:
+    """sha1 over the workspace's source and benchmark Python files (sorted paths relative to
+    ``root``, then each file's bytes): see the module docstring."""
+    root = root or Path(__file__).resolve().parent.parent
+    h = hashlib.sha1()
+    files = sorted(
+        p
+        for pattern in ("packages/*/src/**/*.py", "packages/*/benchmarks/*.py")
+        for p in root.glob(pattern)
+        if "__pycache__" not in p.parts
+    )
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 @functools.cache
 def _provenance(others: tuple[str, ...]) -> dict[str, str | bool | None]:
     out: dict[str, str | bool | None] = {"python": platform.python_version()}
@@ -77,6 +101,7 @@ def _provenance(others: tuple[str, ...]) -> dict[str, str | bool | None]:
     for dist in others:
         out[dist] = package_version(dist)
     out.update(git_state())
+    out["source_sha1"] = source_sha1()
     return out
 
 
@@ -84,3 +109,7 @@ def provenance(*others: str) -> dict[str, str | bool | None]:
     """Python, the workspace packages' and ``others``' versions, and the git state (a fresh
     dict each call; computed once per process)."""
     return dict(_provenance(tuple(others)))
+
+
+if __name__ == "__main__":
+    print(source_sha1())

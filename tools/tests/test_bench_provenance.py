@@ -1,0 +1,40 @@
+"""``tools/bench_provenance.source_sha1``: the digest of the code a benchmark ran."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[1] / "bench_provenance.py"
+_spec = importlib.util.spec_from_file_location("bench_provenance", _PATH)
+assert _spec is not None and _spec.loader is not None
+prov = importlib.util.module_from_spec(_spec)
+sys.modules["bench_provenance"] = prov
+_spec.loader.exec_module(prov)
+
+
+def _tree(root: Path, body: str) -> Path:
+    for rel in ("packages/a/src/a/x.py", "packages/a/benchmarks/bench.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(body)
+    (root / "packages/a/src/a/__pycache__").mkdir()
+    (root / "packages/a/src/a/__pycache__/x.py").write_text("ignored")
+    (root / "packages/a/README.py").write_text("outside src and benchmarks: ignored")
+    return root
+
+
+def test_source_sha1_names_the_files_and_their_bytes(tmp_path: Path) -> None:
+    one = _tree(tmp_path / "one", "x = 1\n")
+    two = _tree(tmp_path / "two", "x = 1\n")
+    assert prov.source_sha1(one) == prov.source_sha1(two)  # (the root's path is no part)
+    (two / "packages/a/src/a/x.py").write_text("x = 2\n")
+    assert prov.source_sha1(two) != prov.source_sha1(one)
+    before = prov.source_sha1(one)
+    (one / "packages/a/README.py").write_text("changed")
+    (one / "packages/a/src/a/__pycache__/x.py").write_text("changed")
+    assert prov.source_sha1(one) == before
+
+
+def test_provenance_carries_it() -> None:
+    assert prov.provenance()["source_sha1"] == prov.source_sha1()
