@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.tokenizer import TextTokenizer
 
-__all__ = ["chat_prompts", "check_engine_flags", "check_token_ids"]
+__all__ = ["chat_prompts", "check_engine_flags", "check_token_ids", "prompts_and_params"]
 
 
 def check_token_ids(rid: str, prompt: object, vocab: int) -> list[int]:
@@ -112,3 +113,19 @@ def chat_prompts(
         texts.append(text)
         prompts.append(tok.encode(text, add_special_tokens=False))
     return texts, prompts
+
+
+def prompts_and_params(
+    prompts: Sequence[Any] | str,
+    params: SamplingParams | Sequence[SamplingParams] | None,
+) -> tuple[list[Any], list[SamplingParams]]:
+    """``generate`` / ``stream``'s prompts as a list (one string is one prompt) and one
+    ``SamplingParams`` per prompt (one given, or ``None``: shared by all)."""
+    plist_prompts: list[Any] = [prompts] if isinstance(prompts, str) else list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        plist = [params or SamplingParams()] * len(plist_prompts)
+    else:
+        plist = list(params)
+    if len(plist) != len(plist_prompts):
+        raise ValueError(f"got {len(plist)} SamplingParams for {len(plist_prompts)} prompts")
+    return plist_prompts, plist

@@ -11,6 +11,14 @@ One :class:`KVConnectorDriver` per engine plays both of the contract's callers:
   (:class:`~kvstack.engine.runner.KVLayerHooks`), ``wait_for_save`` after the forward, and
   ``get_finished`` / ``get_block_ids_with_load_errors`` / ``get_request_ids_with_save_errors``.
 
+Layer-wise disaggregated prefill (P2P): a producer engine's :meth:`KVConnectorDriver.stream`
+(``LLMEngine.stream_kv``) calls the connector's ``stream_request`` in the step that schedules the
+request's last prompt tokens, before ``build_connector_meta`` (so that step's ``save_kv_layer``
+tells a pull which layers are computed), and hands the params to the caller before the forward
+pass runs. A consumer engine needs nothing new: a ``P2pConfig(layerwise=True)`` connector answers
+``load_async=False``, so the scheduler admits the request with the loaded tokens counted computed
+and ``before_attention`` waits for each layer.
+
 Failures never lose a request and never pass wrong KV as loaded: a request whose load failed
 recomputes from its first failed block (an in-step load: its token of this step is dropped and the
 step is redone from there; an asynchronous load: it joins the batch from there). Counters are in
@@ -29,7 +37,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from kv_connectors import ConnectorMetadata, KVConnector
 from kv_spec import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
-from kvstack.engine.scheduler import ScheduledChunk, Scheduler
+from kvstack.engine.scheduler import ScheduledChunk, Scheduler, Status
 from kvstack.engine.scheduler import Sequence as Seq
 
 if TYPE_CHECKING:
@@ -85,6 +93,8 @@ class KVConnectorStats:
     failed_blocks: int = 0
     #: Requests whose KV a connector could not store (reported by the contract; nothing to undo).
     num_save_errors: int = 0
+    #: Requests a producer streamed layer by layer (``LLMEngine.stream_kv``).
+    num_streamed: int = 0
     #: Request id -> why its last load or save failed (the connector's reasons, newest kept).
     reasons: dict[str, str] = field(default_factory=dict)
 
@@ -151,6 +161,8 @@ class KVConnectorDriver:
         self._bad: set[int] = set()  # blocks with load errors not yet matched to a request
         self._held_back = False  # request_finished kept blocks this step
         self._refused: dict[str, str] = {}  # loads the connector refused at allocation: why
+        #: requests to stream once their last prompt tokens are scheduled -> who gets the params
+        self._streams: dict[str, Callable[[str, dict[str, Any]], None]] = {}
 
     def _view(self, seq: Seq, with_params: bool) -> _RequestView:
         params = seq.kv_transfer_params if with_params else None
@@ -205,12 +217,72 @@ class KVConnectorDriver:
     def abort(self, request_id: str) -> None:
         """The engine dropped ``request_id``: end its transfers (its blocks stay with the
         scheduler until the connector reports them)."""
+        self._streams.pop(request_id, None)
         self.connector.abort_request(request_id)
+
+    # -- layer-wise streaming (producer) -------------------------------------------------------
+
+    def stream(self, seq: Seq, on_params: Callable[[str, dict[str, Any]], None]) -> None:
+        """Serve waiting ``seq``'s prompt KV while it is computed (``LLMEngine.stream_kv``): in
+        the step that schedules its last prompt tokens, ``stream_request(request, block_ids)``
+        (every full prompt block: all of them are computed by the end of that step) and then
+        ``on_params(request_id, params)``, before the forward pass. The request must finish after
+        its prefill (``max_new_tokens=1``, as vLLM's prefill workers run it); the connector keeps
+        its blocks until the engine's ``request_finished`` and the consumer's pull both ended."""
+        rid = seq.request_id
+        if not callable(getattr(self.connector, "stream_request", None)):
+            raise TypeError(
+                f"stream_kv({rid!r}): the engine's {type(self.connector).__name__} cannot stream "
+                "layer by layer; give the engine a P2pConnector (mode='read', role 'producer' or "
+                "'both')"
+            )
+        if not callable(on_params):
+            raise TypeError(
+                f"stream_kv({rid!r}): on_params={on_params!r} is not callable; give a function "
+                "(request_id, params) that hands the params to the decode engine"
+            )
+        why = None
+        if seq.params.max_new_tokens != 1:
+            why = (
+                f"its SamplingParams.max_new_tokens={seq.params.max_new_tokens}; a streamed "
+                "prefill finishes after its first token: give max_new_tokens=1"
+            )
+        elif seq.prompt_len < self.block_size:
+            why = (
+                f"its prompt of {seq.prompt_len} tokens has no full block of {self.block_size} "
+                "to stream; compute it on the decode engine"
+            )
+        elif seq.status is not Status.WAITING or seq._admitted_once:
+            why = "it was already scheduled; call stream_kv right after add_request"
+        elif seq.kv_transfer_params is not None:
+            why = "it loads KV from a producer itself (kv_transfer_params); stream from a producer"
+        elif rid in self._streams:
+            why = "it is already streamed"
+        if why is not None:
+            raise ValueError(f"stream_kv({rid!r}): {why}")
+        self._streams[rid] = on_params
+
+    def _stream_scheduled(self, chunks: Sequence[ScheduledChunk]) -> None:
+        for c in chunks:
+            rid = c.seq.request_id
+            if rid not in self._streams or c.end < c.seq.prompt_len:
+                continue
+            on_params = self._streams.pop(rid)
+            assert self.scheduler is not None
+            block_ids = list(self.scheduler.kv.get_block_ids(c.seq.kv)[0])
+            view = _RequestView(rid, c.seq.kv.block_hashes[: c.seq.prompt_len // self.block_size])
+            params = self.connector.stream_request(view, block_ids)  # type: ignore[attr-defined]
+            self.stats.num_streamed += 1
+            on_params(rid, params)
 
     # -- worker side ---------------------------------------------------------------------------
 
-    def start_step(self) -> None:
-        """This step's metadata to the worker side; loads start (in-step ones finish by layer)."""
+    def start_step(self, chunks: Sequence[ScheduledChunk] = ()) -> None:
+        """This step's metadata to the worker side; loads start (in-step ones finish by layer).
+        Requests of ``chunks`` (this step's) to stream whose last prompt tokens are scheduled are
+        streamed first, so their saves are in this step's metadata."""
+        if self._streams:
+            self._stream_scheduled(chunks)
         self._meta = self.connector.build_connector_meta()
         self.connector.start_load_kv(self._meta)
         if self._meta.loads:  # (NIXL and sockets write past torch's version counters)
@@ -232,7 +304,7 @@ class KVConnectorDriver:
         the requests whose in-step load failed, each with the tokens it keeps (before its first
         failed block)."""
         self.connector.wait_for_save()
-        self._bad |= self.connector.get_block_ids_with_load_errors()
+        self._take_load_errors()
         loads, self._step_loads = self._step_loads, {}
         failed: dict[str, int] = {}
         for rid, load in loads.items():
@@ -240,6 +312,14 @@ class KVConnectorDriver:
             if good < len(load.block_ids):
                 failed[rid] = load.hit + good * self.block_size
         return failed
+
+    def _take_load_errors(self) -> None:
+        """The connector's failed blocks, kept where a load not yet settled holds them: a report
+        of a load already settled (a layer-wise pull reports at the failed layer, then again when
+        its thread ends) would fail a later load into the same, reused, blocks."""
+        errors = self.connector.get_block_ids_with_load_errors()
+        loads = [*self._step_loads.values(), *self._async_loads.values()]
+        self._bad |= errors & {b for load in loads for b in load.block_ids}
 
     def recompute(
         self,
@@ -311,7 +391,7 @@ class KVConnectorDriver:
         sched = self.scheduler
         assert sched is not None
         sending, recving = self.connector.get_finished(finished_req_ids)
-        self._bad |= self.connector.get_block_ids_with_load_errors()
+        self._take_load_errors()
         # (an asynchronous load refused at allocation never reaches done_recving: it ends here)
         recving |= {rid for rid in self._refused if rid in self._async_loads}
         for rid in recving:

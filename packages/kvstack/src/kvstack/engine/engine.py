@@ -35,7 +35,12 @@ from kv_blocktable import KVCacheManager, Request
 from kv_blocktable.block_table import BlockTables
 
 from kvstack.engine._async import InFlight, TokenReader
-from kvstack.engine._inputs import chat_prompts, check_engine_flags, check_token_ids
+from kvstack.engine._inputs import (
+    chat_prompts,
+    check_engine_flags,
+    check_token_ids,
+    prompts_and_params,
+)
 from kvstack.engine._rows import BatchRows
 from kvstack.engine._staging import StepStager
 from kvstack.engine._text import TextSide
@@ -312,6 +317,17 @@ class LLMEngine(TextSide):
         self._prompt_text.pop(rid, None)
         self._text_cut.pop(rid, None)
 
+    def stream_kv(self, request_id: str, on_params: Callable[[str, dict[str, Any]], None]) -> None:
+        """Disaggregated prefill, layer by layer: in the step that schedules waiting request
+        ``request_id``'s last prompt tokens, ``on_params(request_id, params)`` runs before the
+        forward pass; hand ``params`` to the decode engine at once (it loads layer by layer inside
+        its step while this one computes). Details: ``KVConnectorDriver.stream``."""
+        seq = self._seqs.get(request_id) if isinstance(request_id, str) else None
+        if self.connector is None or seq is None:
+            why = "the engine has no kv_connector" if self.connector is None else "no such request"
+            raise ValueError(f"stream_kv({request_id!r}): {why}; add it to a producer engine")
+        self.connector.stream(seq, on_params)
+
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids per KV group of a running or held request (0 where a window dropped one)."""
         return self.kv.get_block_ids(request_id)
@@ -349,7 +365,7 @@ class LLMEngine(TextSide):
         self._ahead += prev is not None
         conn = self.connector
         if conn is not None:
-            conn.start_step()
+            conn.start_step(out.chunks)  # (a streamed prefill hands its params over here)
         if not out.chunks:
             for rid in out.preempted:
                 self._rows.release(rid)
@@ -484,20 +500,6 @@ class LLMEngine(TextSide):
             seq.kv_transfer_params_out,
         )
 
-    def _params_for(
-        self,
-        prompts: Sequence[Prompt] | str,
-        params: SamplingParams | Sequence[SamplingParams] | None,
-    ) -> tuple[list[Prompt], list[SamplingParams]]:
-        plist_prompts: list[Prompt] = [prompts] if isinstance(prompts, str) else list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            plist = [params or SamplingParams()] * len(plist_prompts)
-        else:
-            plist = list(params)
-        if len(plist) != len(plist_prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(plist_prompts)} prompts")
-        return plist_prompts, plist
-
     def _run(
         self,
         prompts: Sequence[Prompt] | str,
@@ -508,7 +510,7 @@ class LLMEngine(TextSide):
         holds an earlier ``"0"``'s blocks; ids go to ``added`` as they are added) and step until
         each has finished; yield their tokens. Other requests in the engine run along; their
         events are not yielded (read them with :meth:`completion`)."""
-        plist_prompts, plist = self._params_for(prompts, params)
+        plist_prompts, plist = prompts_and_params(prompts, params)
         for i, (p, sp) in enumerate(zip(plist_prompts, plist, strict=True)):
             rid = f"{i}-{next(self._ids)}" if str(i) in self.scheduler.sending else str(i)
             added.append(self.add_request(rid, p, sp))
