@@ -287,7 +287,8 @@ def new_cases(
 
 def _make(build: Callable[..., NewCase], args: tuple, device: str, gen: torch.Generator) -> NewCase:
     if build is _mla and len(args) >= 4:
-        return _mla(*args[:3], device, gen, heads_tp=args[3], fp8=args[4:] == ("fp8",))
+        batch, ctx, block = args[:3]
+        return _mla(batch, ctx, block, device, gen, heads_tp=args[3], fp8=args[4:] == ("fp8",))
     return build(*args, device, gen)
 
 

@@ -36,7 +36,7 @@ MIXED = [(64, 1024, 16), (256, 1024, 16)]
 def _splits(fn: Callable[[], Any]) -> list[int]:
     """The KV split count (grid axis 2) of each attention launch one call of ``fn`` makes
     (merge launches left out; Gluon launches, which take no grid here, as 0)."""
-    tri = importlib.import_module("kv_kernels.paged_attention.triton")
+    tri: Any = importlib.import_module("kv_kernels.paged_attention.triton")
     seen: list[int] = []
     real = tri.describe_launches
 
