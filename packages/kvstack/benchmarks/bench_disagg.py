@@ -17,6 +17,14 @@ both sides; whether every token equals the colocated run's. JSON with provenance
     python packages/kvstack/benchmarks/bench_disagg.py --prefill-device cuda:0 \\
         --decode-device cuda:1 --prompt-tokens 8192 --transport nixl --out docs/benchmarks
 
+``--layerwise`` (P2P) adds layer-wise streaming: the child adds each prompt with
+``LLMEngine.stream_kv`` and sends its params the moment the prompt is scheduled, before the
+prefill's forward pass; a second decode engine (``P2pConfig(layerwise=True)``) adds the bare
+prompt with them at once and loads it inside its step, layer by layer, while the child computes.
+For both disaggregated modes ``ttft_at_decode_s`` is the time from sending the prompt to the
+child until the decode engine sampled its first token (whole-request: the token after the
+prefill's; layer-wise: the first token), beside the colocated TTFT.
+
 CPU numbers are no performance claim. NIXL needs the ``nixl`` package on both sides.
 """
 
@@ -50,7 +58,9 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _connector(transport: str, role: str, fingerprint: str, block_size: int) -> Any:
+def _connector(
+    transport: str, role: str, fingerprint: str, block_size: int, layerwise: bool = False
+) -> Any:
     from kv_connectors import P2pConfig, P2pConnector
 
     if transport == "nixl":
@@ -59,18 +69,20 @@ def _connector(transport: str, role: str, fingerprint: str, block_size: int) -> 
 
         cfg = NixlConfig(role=role, model_fingerprint=fingerprint, timeout_s=120.0)
         return NixlConnector(cfg, block_size=block_size)
-    p2p = P2pConfig(role=role, model_fingerprint=fingerprint, timeout_s=120.0)
+    p2p = P2pConfig(role=role, model_fingerprint=fingerprint, timeout_s=120.0, layerwise=layerwise)
     return P2pConnector(p2p, block_size=block_size)
 
 
-def _engine(model_dir: Path, device: str, args: argparse.Namespace, connector: Any) -> Any:
+def _engine(
+    model_dir: Path, device: str, args: argparse.Namespace, connector: Any, **more: Any
+) -> Any:
     from kvstack.engine.engine import LLMEngine
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     return LLMEngine(
         model_dir, device=device, dtype=dtype, block_size=args.block_size,
         max_model_len=args.max_len, max_num_batched_tokens=args.max_len, max_num_seqs=4,
-        num_blocks=4 * (args.max_len // args.block_size) + 1, kv_connector=connector,
+        num_blocks=4 * (args.max_len // args.block_size) + 1, kv_connector=connector, **more,
     )  # fmt: skip
 
 
@@ -80,7 +92,8 @@ def _child(args: argparse.Namespace) -> None:
     from kvstack.engine.sampling import SamplingParams
 
     conn = _connector(args.transport, "producer", model_fingerprint(args.model), args.block_size)
-    engine = _engine(args.model, args.prefill_device, args, conn)
+    # no prefix cache: each mode prefills the same prompts, and a hit would skip the compute
+    engine = _engine(args.model, args.prefill_device, args, conn, enable_prefix_caching=False)
     engine.generate([[1, 2, 3, 4] * 8], SamplingParams(max_new_tokens=1))  # warm-up
     print(_MARK + "READY", flush=True)
     import select
@@ -91,9 +104,21 @@ def _child(args: argparse.Namespace) -> None:
             line = sys.stdin.readline()
             if not line.strip():
                 break
-            prompt = json.loads(line)
+            msg = json.loads(line)
+            stream = isinstance(msg, dict) and msg["stream"]
+            prompt = msg["prompt"] if isinstance(msg, dict) else msg
+            one = SamplingParams(max_new_tokens=1, ignore_eos=True)
             t0 = time.perf_counter()
-            done = engine.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))[0]
+            if stream:  # the params leave before the forward pass; the consumer starts at once
+                rid = engine.add_request(None, prompt, one)
+                engine.stream_kv(
+                    rid, lambda r, p: print(_MARK + json.dumps({"params": p}), flush=True)
+                )
+                while not any(e.request_id == rid for e in engine.step()):
+                    pass
+                done = engine.completion(rid)
+            else:
+                done = engine.generate([prompt], one)[0]
             if engine.runner.device.type == "cuda":
                 torch.cuda.synchronize()
             out = {
@@ -116,12 +141,21 @@ def _read(proc: subprocess.Popen[str]) -> str:
             return line[len(_MARK) :].strip()
 
 
-def _decode(engine: Any, rid: str, prompt: list[int], n: int, params: Any = None) -> dict[str, Any]:
+def _decode(
+    engine: Any,
+    rid: str,
+    prompt: list[int],
+    n: int,
+    params: Any = None,
+    sent: float | None = None,
+) -> dict[str, Any]:
     """Run one request to completion: its tokens, time to its first token here, and how long it
-    waited for KV (``transfer_s``) before its first step."""
+    waited for KV (``transfer_s``) before its first step; ``at_decode_s``: from ``sent`` (when
+    the prompt went to the prefill process) to the first token here."""
     from kvstack.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
+    sent = t0 if sent is None else sent
     engine.add_request(
         rid, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), kv_transfer_params=params
     )
@@ -144,6 +178,7 @@ def _decode(engine: Any, rid: str, prompt: list[int], n: int, params: Any = None
     return {
         "tokens": tokens,
         "ttft_s": first,
+        "at_decode_s": first + (t0 - sent),
         "transfer_s": transfer if params is not None else 0.0,
         "decode_tok_s": (len(tokens) - 1) / (total - first) if total > first else None,
     }
@@ -153,6 +188,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model and prompts (CPU, CI)")
     ap.add_argument("--transport", choices=("p2p", "nixl"), default="p2p")
+    ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="also stream layer by layer (P2P): stream_kv on the prefill side, a layerwise consumer",
+    )
     ap.add_argument("--prefill-device", default="cpu")
     ap.add_argument("--decode-device", default="cpu")
     ap.add_argument("--prompt-tokens", type=int, default=8192)
@@ -176,6 +216,10 @@ def main() -> None:
     if args.child:
         _child(args)
         return
+    if args.layerwise and args.transport != "p2p":
+        ap.error(
+            f"--layerwise streams over P2P only; --transport={args.transport} moves whole requests"
+        )
     from kvstack.demo import write_random_checkpoint
     from kvstack.engine.connector_driver import model_fingerprint
 
@@ -192,7 +236,12 @@ def main() -> None:
         del colocated
         conn = _connector(args.transport, "consumer", model_fingerprint(model_dir), args.block_size)
         decode = _engine(model_dir, args.decode_device, args, conn)
-        child_args = [a for a in sys.argv[1:] if a != "--quick"]
+        lw_conn = lw = None
+        if args.layerwise:
+            fp = model_fingerprint(model_dir)
+            lw_conn = _connector("p2p", "consumer", fp, args.block_size, layerwise=True)
+            lw = _engine(model_dir, args.decode_device, args, lw_conn)
+        child_args = [a for a in sys.argv[1:] if a not in ("--quick", "--layerwise")]
         cmd = [sys.executable, __file__, *child_args, "--child", "--model", str(model_dir)]
         cmd += ["--max-len", str(args.max_len), "--prompt-tokens", str(args.prompt_tokens)]
         cmd += ["--decode-tokens", str(args.decode_tokens), "--hidden", str(args.hidden)]
@@ -204,25 +253,44 @@ def main() -> None:
         try:
             assert _read(child) == "READY"
             assert child.stdin is not None
-            for i, (p, b) in enumerate(zip(prompts, base, strict=True)):
+            # the first round warms each side's session (an NCCL communicator takes long to
+            # make) and is not reported
+            pairs = list(enumerate(zip(prompts, base, strict=True)))
+            for i, (p, b) in [(-1, (prompts[0][::-1], base[0])), *pairs]:
+                sent = time.perf_counter()
                 child.stdin.write(json.dumps(p) + "\n")
                 child.stdin.flush()
                 msg = json.loads(_read(child))
                 first = int(msg["first"])
-                d = _decode(decode, f"d{i}", [*p, first], args.decode_tokens - 1, msg["params"])
-                rows.append(
-                    {
-                        "colocated_ttft_s": b["ttft_s"],
-                        "prefill_s": msg["prefill_s"],
-                        "transfer_s": d["transfer_s"],
-                        "decode_first_step_s": d["ttft_s"] - d["transfer_s"],
-                        "transfer_share_of_colocated_ttft": d["transfer_s"] / b["ttft_s"],
-                        "colocated_decode_tok_s": b["decode_tok_s"],
-                        "disagg_decode_tok_s": d["decode_tok_s"],
-                        "tokens_equal": [first, *d["tokens"]] == b["tokens"],
-                    }
+                d = _decode(
+                    decode, f"d{i}", [*p, first], args.decode_tokens - 1, msg["params"], sent
                 )
+                row = {
+                    "colocated_ttft_s": b["ttft_s"],
+                    "prefill_s": msg["prefill_s"],
+                    "transfer_s": d["transfer_s"],
+                    "decode_first_step_s": d["ttft_s"] - d["transfer_s"],
+                    "transfer_share_of_colocated_ttft": d["transfer_s"] / b["ttft_s"],
+                    "ttft_at_decode_s": d["at_decode_s"],
+                    "colocated_decode_tok_s": b["decode_tok_s"],
+                    "disagg_decode_tok_s": d["decode_tok_s"],
+                    "tokens_equal": [first, *d["tokens"]] == b["tokens"],
+                }
+                if lw is not None:  # the same prompt streamed layer by layer
+                    sent = time.perf_counter()
+                    child.stdin.write(json.dumps({"prompt": p, "stream": True}) + "\n")
+                    child.stdin.flush()
+                    params = json.loads(_read(child))["params"]  # before the child's forward
+                    ls = _decode(lw, f"s{i}", p, args.decode_tokens, params, sent)
+                    done = json.loads(_read(child))
+                    row["layerwise_ttft_at_decode_s"] = ls["at_decode_s"]
+                    row["layerwise_prefill_s"] = done["prefill_s"]
+                    row["layerwise_decode_tok_s"] = ls["decode_tok_s"]
+                    row["tokens_equal"] = row["tokens_equal"] and ls["tokens"] == b["tokens"]
+                if i >= 0:
+                    rows.append(row)
             stats = decode.stats().kv_connector
+            lw_stats = None if lw is None else lw.stats().kv_connector
         finally:
             if child.stdin is not None:
                 child.stdin.close()
@@ -231,6 +299,8 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 child.kill()
             conn.close()
+            if lw_conn is not None:
+                lw_conn.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "tokens_equal"}
     record = {
         "benchmark": "disagg",
@@ -247,6 +317,14 @@ def main() -> None:
         "all_tokens_equal": all(r["tokens_equal"] for r in rows),
         "loaded_tokens": None if stats is None else stats.loaded_tokens,
         "load_failures": None if stats is None else stats.num_load_failures,
+        "layerwise": None
+        if lw_stats is None
+        else {
+            "loaded_tokens": lw_stats.loaded_tokens,
+            "load_failures": lw_stats.num_load_failures,
+            "note": "ttft_at_decode_s: prompt sent to the prefill process -> the decode engine's "
+            "first sampled token; whole-request vs layer-wise streaming vs colocated TTFT",
+        },
         **provenance("torch"),
     }
     text = json.dumps(record, indent=2)
@@ -261,6 +339,14 @@ def main() -> None:
         f"({med['transfer_share_of_colocated_ttft']:.0%} of colocated TTFT); tokens equal: "
         f"{record['all_tokens_equal']}; loaded {record['loaded_tokens']} tokens"
     )
+    if lw_stats is not None:
+        print(
+            f"time to the decode engine's first token: whole-request "
+            f"{med['ttft_at_decode_s'] * 1e3:.1f} ms, layer-wise "
+            f"{med['layerwise_ttft_at_decode_s'] * 1e3:.1f} ms; colocated TTFT "
+            f"{med['colocated_ttft_s'] * 1e3:.1f} ms; layer-wise loaded "
+            f"{lw_stats.loaded_tokens} tokens, {lw_stats.num_load_failures} load failures"
+        )
 
 
 if __name__ == "__main__":
