@@ -56,7 +56,7 @@ def main() -> None:
             say("LAST", repr(time.time()))
         real_before(slot)
 
-    driver.before_attention = before_attention  # type: ignore[method-assign]
+    driver.before_attention = before_attention  # type: ignore[method-assign,assignment]
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     for rid, prompt in cfg["prompts"].items():
         engine.add_request(rid, prompt, one)

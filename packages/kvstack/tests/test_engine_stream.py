@@ -179,7 +179,7 @@ def _at_layer_0(engine: LLMEngine, then: Callable[[], None], bug: str | None = N
             when.append(time.time())
             then()
 
-    driver.before_attention = before_attention  # type: ignore[method-assign]
+    driver.before_attention = before_attention  # type: ignore[method-assign,assignment]
     return when
 
 
@@ -273,7 +273,7 @@ def test_planted_bugs_are_caught(
                 return real_end()
 
             released: list[bool] = []
-            driver.end_forward = end_forward  # type: ignore[method-assign]
+            driver.end_forward = end_forward  # type: ignore[method-assign,assignment]
         else:
             _at_layer_0(decode, lambda: p.send("GO"), bug)
         got = _run_decode(decode, p, first, total=len(prompts))
@@ -317,7 +317,7 @@ def test_producer_killed_mid_stream_is_recomputed(
                 killer.start()
             real(slot)
 
-        driver.before_attention = before_attention  # type: ignore[method-assign]
+        driver.before_attention = before_attention  # type: ignore[method-assign,assignment]
         start = time.monotonic()
         got: dict[str, tuple[int, ...]] = {}
         for rid, params in first.items():
@@ -330,7 +330,8 @@ def test_producer_killed_mid_stream_is_recomputed(
         assert p.proc.wait(timeout=10) != 0
         assert got == {r: want[r] for r in prompts}
         stats = decode.stats().kv_connector
-        assert stats is not None and stats.num_load_failures == 3, stats.reasons
+        assert stats is not None
+        assert stats.num_load_failures == 3, stats.reasons
         assert stats.loaded_tokens == 0  # nothing counted as loaded
     finally:
         conn.close()
@@ -396,7 +397,7 @@ def test_params_come_before_the_forward_pass_and_blocks_stay_until_pulled(
             events.append(f"layer {slot}")
             real(slot)
 
-        driver.before_attention = before_attention  # type: ignore[method-assign]
+        driver.before_attention = before_attention  # type: ignore[method-assign,assignment]
         got: dict[str, Any] = {}
 
         def on_params(rid: str, params: dict[str, Any]) -> None:
@@ -438,9 +439,9 @@ def test_a_late_error_report_of_a_settled_load_fails_no_later_load(llama_dir: Pa
         for k in (5, 9):  # other conversations: the pool evicts the history's blocks
             engine.generate([[(11 * i + k) % 120 + 1 for i in range(36)]], one)
         real = tier.get_block_ids_with_load_errors
-        tier.get_block_ids_with_load_errors = lambda: set(range(20))  # type: ignore[method-assign]
+        tier.get_block_ids_with_load_errors = lambda: set(range(20))  # type: ignore[method-assign,assignment]
         engine.step()  # (idle: collects the stale report)
-        tier.get_block_ids_with_load_errors = real  # type: ignore[method-assign]
+        tier.get_block_ids_with_load_errors = real  # type: ignore[method-assign,assignment]
         prompt = [*history, 3, 2]
         got = engine.generate([prompt], DECODE)[0]
         stats = engine.stats().kv_connector
