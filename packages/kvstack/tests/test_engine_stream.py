@@ -273,7 +273,7 @@ def test_planted_bugs_are_caught(
                 return real_end()
 
             released: list[bool] = []
-            driver.end_forward = end_forward  # type: ignore[method-assign,assignment]
+            driver.end_forward = end_forward  # type: ignore[method-assign]
         else:
             _at_layer_0(decode, lambda: p.send("GO"), bug)
         got = _run_decode(decode, p, first, total=len(prompts))
@@ -439,9 +439,9 @@ def test_a_late_error_report_of_a_settled_load_fails_no_later_load(llama_dir: Pa
         for k in (5, 9):  # other conversations: the pool evicts the history's blocks
             engine.generate([[(11 * i + k) % 120 + 1 for i in range(36)]], one)
         real = tier.get_block_ids_with_load_errors
-        tier.get_block_ids_with_load_errors = lambda: set(range(20))  # type: ignore[method-assign,assignment]
+        tier.get_block_ids_with_load_errors = lambda: set(range(20))  # type: ignore[method-assign]
         engine.step()  # (idle: collects the stale report)
-        tier.get_block_ids_with_load_errors = real  # type: ignore[method-assign,assignment]
+        tier.get_block_ids_with_load_errors = real  # type: ignore[method-assign]
         prompt = [*history, 3, 2]
         got = engine.generate([prompt], DECODE)[0]
         stats = engine.stats().kv_connector
