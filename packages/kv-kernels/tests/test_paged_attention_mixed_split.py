@@ -93,6 +93,27 @@ def test_mixed_batch_splits_the_decode_class_only(
     assert int(flag.item()) == 0
 
 
+@pytest.mark.parametrize("cap_bytes", [1, None], ids=["no_room", "room_for_two"])
+def test_the_split_scratch_of_a_mixed_batch_is_bounded(
+    cap_bytes: int | None, launches: Any, triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The split scratch holds every token row, prefill rows too: a mixed batch splits its
+    decode class only as far as ``MIXED_SPLIT_SCRATCH`` bytes allow (a long chunk beside a few
+    long decodes would take gigabytes), and unsplit it still matches the oracle."""
+    q_lens, seq_lens = ORDERS["decodes_first"]
+    b = make_paged_batch(q_lens=q_lens, seq_lens=seq_lens, head_size=16, group=2)
+    rows, heads = b["q"].shape[0], b["q"].shape[1]
+    per_split = rows * heads * (16 + 1) * 4
+    monkeypatch.setattr(tri, "MIXED_SPLIT_SCRATCH", cap_bytes or 2 * per_split)
+    out = run_batch(b, "triton")
+    splits, got = launches[-1]
+    if cap_bytes == 1:
+        assert splits == 1 and len(got) == 2 and not got[0].kwargs["SPLIT"]
+    else:
+        assert splits == 2 and got[0].kwargs["SPLIT"]
+    assert_rows_close(out, batch_oracle(b)[0], torch.float32)
+
+
 def test_padding_rows_stay_untouched_and_lse_without_sinks(
     launches: Any, triton_device: str
 ) -> None:

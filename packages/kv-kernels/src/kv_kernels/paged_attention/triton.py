@@ -229,6 +229,13 @@ def _make_plan(
             splits = ("mla", num_seqs, num_q_heads // ROWS.value, num_sms)
         else:
             splits = ("triton", num_seqs, num_kv_heads * chunks_dec, num_sms, cfg_dec)
+        if run_prefill:
+            # the split scratch holds every token row of the batch, prefill rows too: a decode
+            # split beside a long chunk would take it to gigabytes (8k rows x 32 heads x 16
+            # splits x 128 x 4 bytes is 2 GiB), so a mixed batch splits only as far as
+            # MIXED_SPLIT_SCRATCH bytes allow (q's shape is part of the plan's class)
+            per_split = q.shape[0] * num_q_heads * (pow2(head_size_v) + 1) * 4
+            splits = ("capped", max(1, MIXED_SPLIT_SCRATCH // per_split), splits)
     # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
     # Gluon kernel (see _sm90_prefill; with KV_KERNELS_SM90_PREFILL=0 the Triton kernel does).
     # (Its rule reads features["split"]: a prefill launch never splits on its own.)
@@ -245,6 +252,11 @@ def _make_plan(
     )  # fmt: skip
 
 
+#: bytes of split scratch (partial outputs and LSEs of every token row) a mixed batch's decode
+#: split may take: past it the decode class runs unsplit, as every mixed batch once did
+MIXED_SPLIT_SCRATCH = 64 << 20
+
+
 def _num_splits(
     splits: Any, block_table: torch.Tensor, block_size: int, max_seq_len: int | None
 ) -> int:
@@ -252,6 +264,11 @@ def _num_splits(
     serves it over ``max_seq_len`` (the only input a plan does not fix)."""
     if isinstance(splits, int):
         return splits
+    if splits[0] == "capped":  # (a mixed batch: the largest power of two within the cap)
+        cap, inner = splits[1], splits[2]
+        return min(
+            _num_splits(inner, block_table, block_size, max_seq_len), 1 << (cap.bit_length() - 1)
+        )
     bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
     kind, num_seqs, heads, num_sms = splits[:4]
     if kind == "decode":
