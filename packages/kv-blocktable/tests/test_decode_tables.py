@@ -1,8 +1,9 @@
 """The decode fast paths of ``BlockTables`` against the general paths they skip (issue 32).
 
 A pure-decode ``build_common_metadata`` (one lookup per group for the slots, the coverage check
-and the null check), decode-shaped ``append_rows`` (one checked loop) and a commit that copies
-appended entries instead of rows must give exactly what the general code gives: the same
+and the null check; on host tables ``HostDecode``, which writes the step's buffers in place),
+decode-shaped ``append_rows`` (one checked loop, the ids written one by one) and a commit that
+copies appended entries instead of rows must give exactly what the general code gives: the same
 tables, slots, positions and lengths — and for bad input the same error, type and message. Two
 tables run the same random operations, one with the fast paths switched off.
 """
@@ -20,6 +21,8 @@ torch = pytest.importorskip("torch")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from kv_blocktable import _host_decode as hd_mod  # noqa: E402
+from kv_blocktable import _table_commit as commit_mod  # noqa: E402
 from kv_blocktable import attn_metadata as md_mod  # noqa: E402
 from kv_blocktable import block_table as bt_mod  # noqa: E402
 from kv_blocktable.block_table import BlockTables  # noqa: E402
@@ -36,7 +39,11 @@ def general_paths() -> Iterator[None]:
     with (
         mock.patch.object(md_mod, "_decode_step", return_value=None),
         mock.patch.object(md_mod, "decode_blocks", return_value=None),
+        mock.patch.object(hd_mod.HostDecode, "build", return_value=None),
         mock.patch.object(bt_mod, "plan_single_appends", return_value=None),
+        # appended ids and committed entries through index_copy_, never one by one
+        mock.patch.object(bt_mod, "_ENTRY_WRITES", -1),
+        mock.patch.object(commit_mod, "_ENTRY_COPIES", -1),
     ):
         yield
 
@@ -213,6 +220,31 @@ def test_a_decode_step_takes_the_fast_path_and_matches_by_hand() -> None:
     assert t.positions.tolist() == [19, 15, 32, 16]
     assert md.seq_lens.tolist() == [20, 16, 33, 17] and md.max_seq_len == 33
     assert md.query_start_loc_cpu.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_host_tables_build_a_decode_in_place_and_a_refused_one_changes_nothing() -> None:
+    """On host tables a decode step takes ``HostDecode`` (not the general decode path), its
+    metadata of one batch size reuses the same buffers, and a step its checks refuse (then
+    refused by the general path too) leaves the last built step as it was: its lengths,
+    positions, slots and exports."""
+    t = _decode_tables()
+    with mock.patch.object(md_mod, "_decode_step", side_effect=AssertionError("general path")):
+        (a,) = t.build_common_metadata(4, [1, 1, 1, 1], [20, 16, 33, 17])
+        (b,) = t.build_common_metadata(4, [1, 1, 1, 1], [21, 16, 34, 17])
+    assert a.slot_mapping.data_ptr() == b.slot_mapping.data_ptr()
+    assert b.max_seq_len == 34 and a.max_seq_len == 33  # a copy per step, not one object
+    assert b.slot_mapping.tolist() == [2 * 16 + 4, 3 * 16 + 15, 6 * 16 + 1, 7 * 16 + 0]
+    before = snapshot(t, (b,))
+    for bad in ([21, 16, 34, 49], [21, 0, 34, 17], [21, 16, 34, 2**40]):
+        with pytest.raises(ValueError):
+            t.build_common_metadata(4, [1, 1, 1, 1], bad)
+        assert snapshot(t, (b,)) == before, bad
+    # A step that fills more slots and another query_start_loc, then a decode padded by one:
+    # the padding slot is -1 again and query_start_loc 0..R again.
+    t.build_common_metadata(2, [3, 4], [20, 16])
+    (c,) = t.build_common_metadata(4, [1, 1, 1, 1], [21, 16, 34, 17], pad_tokens_to=5)
+    assert c.slot_mapping.tolist() == [*b.slot_mapping.tolist()[:4], -1]
+    assert c.query_start_loc.tolist() == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ checked before any row is written."""
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ __all__ = [
     "check_index_tensor",
     "check_kernel_block_split",
     "check_num_blocks",
+    "int32_memoryview",
     "int32_tensor",
     "int64_tensor",
     "plan_appends",
@@ -45,6 +47,20 @@ def int32_tensor(values: list[int]) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.int32)
     return torch.frombuffer(array("i", values), dtype=torch.int32)
+
+
+def int32_memoryview(t: torch.Tensor) -> memoryview:
+    """A flat int32 ``memoryview`` of ``t``'s memory (a contiguous int32 CPU tensor, pinned or
+    not), for reading and writing single entries: ``view[i] = v`` costs ~40 ns, a torch scalar
+    write or a one-element ``index_copy_`` a microsecond or more. The view does not keep ``t``
+    alive: the caller holds both, and ``t`` must never be resized (a persistent buffer)."""
+    if t.dtype != torch.int32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"int32_memoryview needs a contiguous int32 CPU tensor; got {t.dtype} on {t.device}"
+            f"{'' if t.is_contiguous() else ', not contiguous'}"
+        )
+    raw = (ctypes.c_int32 * t.numel()).from_address(t.data_ptr())
+    return memoryview(raw).cast("B").cast("i")
 
 
 def check_index_tensor(owner: str, name: str, value: object) -> None:

@@ -503,6 +503,9 @@ class StepBuffers:
         self.pos = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         # On the CPU the "device" buffers are host memory already: no staging copy.
         self.direct = device.type == "cpu"
+        # R when qsl[: R + 1] holds 0..R as a decode step of R requests left it (HostDecode
+        # skips rewriting it); -1 once anything else is staged.
+        self.decode_qsl = -1
         self._decode_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if self.direct:
             self.host_qsl, self.host_seq, self.host_pos = self.qsl, self.seq, self.pos
@@ -516,6 +519,7 @@ class StepBuffers:
         ``positions [T]`` of the persistent buffers. The caller waits for the previous copies
         before calling (the host buffers are reused)."""
         r, t = step.num_reqs, step.num_tokens
+        self.decode_qsl = -1
         if self.direct:  # the buffers are the host copies: one view each, no staging
             views = self._decode_views.get(r) if r == t else None
             if views is None:

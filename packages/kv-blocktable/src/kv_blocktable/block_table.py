@@ -46,12 +46,14 @@ from kv_blocktable._block_ids import (
     check_index_tensor,
     check_kernel_block_split,
     check_num_blocks,
+    int32_memoryview,
     int32_tensor,
     int64_tensor,
     plan_appends,
     plan_single_appends,
     positive_int,
 )
+from kv_blocktable._host_decode import HostDecode
 from kv_blocktable._table_commit import TableCommit
 from kv_blocktable._table_exports import StepExports
 from kv_blocktable.attn_metadata import KeyWindow
@@ -64,6 +66,9 @@ if TYPE_CHECKING:
 __all__ = ["BlockTables", "KeyWindow", "check_kernel_block_split", "int64_tensor"]
 
 _IMPLS = ("auto", "reference", "triton")
+# Up to this many appended entries are written through the memoryview one by one (~40 ns each);
+# more take one index_copy_ (a few us to build its index and value tensors, ~15 ns an entry).
+_ENTRY_WRITES = 128
 # Per group: flat table index of each row's column 0, kernel table rows, slot buffer entries.
 _DecodeViews = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
@@ -192,10 +197,14 @@ class BlockTables(TableCommit, StepExports):
         self._copy_event: Any = None
         self._step_event: Any = None
         self._views: dict[tuple[int, int], _DecodeViews] = {}  # see _decode_views
-        # Flat views of the tables, for the decode lookup and the entry commit.
+        # Flat views of the tables, for the decode lookup and the entry commit; memoryviews
+        # write (and on a CPU device commit) a decode step's few appended entries one by one.
         self._host_flat = self._host.view(-1)
         self._dev_flat = self._dev.view(-1)
+        self._host_mv = int32_memoryview(self._host_flat)
+        self._dev_mv = int32_memoryview(self._dev_flat) if self.device.type == "cpu" else None
         self._committed: int | None = None  # num_reqs of the last commit; None = stale
+        self._host_decode = HostDecode.of(self)  # a decode on host tables, built in place
         self._last_step: _md.StepInputs | None = None
         self._positions: torch.Tensor | None = None
 
@@ -410,7 +419,11 @@ class BlockTables(TableCommit, StepExports):
                     self._host[row, c1 - len(ids) : c1] = torch.tensor(ids, dtype=torch.int32)
             self._row_blocks[row] = end
         else:
-            if flat:
+            if len(flat) <= _ENTRY_WRITES:  # a decode step's few ids: one by one
+                mv = self._host_mv
+                for i, b in zip(flat, vals, strict=True):
+                    mv[i] = b
+            else:
                 # int64_tensor: torch.tensor(list) costs ~0.1 us per element; ids fit in int32
                 # (BlockIdCheck), so the cast is exact.
                 # (the indices are distinct: each append advances its row's end)
@@ -530,6 +543,12 @@ class BlockTables(TableCommit, StepExports):
         if type(num_reqs) is not int or num_reqs < 0:
             raise ValueError(f"build_common_metadata: num_reqs={num_reqs!r} must be an int >= 0")
         self._require_committed(num_reqs, "build_common_metadata")
+        if self._host_decode is not None:
+            built = self._host_decode.build(num_reqs, query_lens, seq_lens, pad_tokens_to)
+            if built is not None:
+                self._last_step, mds = built
+                self._positions = self._last_step.positions
+                return mds
         step = _md.StepInputs.from_lengths(
             num_reqs,
             query_lens,
