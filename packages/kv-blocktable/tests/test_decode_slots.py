@@ -115,7 +115,8 @@ def test_batched_decode_allocation_equals_the_loop(case: dict[str, object]) -> N
             for m, rs in zip(mgrs, reqs, strict=True):
                 for i in set(picks):
                     if rs[i].request_id in m._computed:
-                        m.free(rs[i])
+                        # by id: an odd step may have admitted a stranger under a freed id
+                        m.free(rs[i].request_id)
             continue
         batches = []
         for rs in reqs:
@@ -185,3 +186,68 @@ def test_decode_slots_refuse_a_token_past_max_model_len_inside_a_block(max_model
         mgr.allocate_decode_slots([a, b])
     assert mgr.num_computed_tokens("a") == 4  # the request before it got its slot, as the loop
     assert mgr.num_computed_tokens("b") == max_model_len
+
+
+@pytest.mark.parametrize("tokens_first", [True, False])
+def test_decode_marks_step_by_step_equal_the_loop(tokens_first: bool) -> None:
+    """Many one-token steps of a few requests, the prefix cache on: the batched call skips the
+    checks of a request under its mark (``_kv_due``), and every step must still hand out and
+    cache what the loop does — on the step the loop does it. ``tokens_first=False`` allocates
+    before the sampled token is appended (the known tokens lag the computed ones, so a block is
+    cached a step after it is computed)."""
+    cfg = plan({"l0": full(bs=4)}, 64, max_model_len=64)
+    mgrs = [KVCacheManager(cfg) for _ in range(2)]
+    prompts = [[1, 2, 3], [1, 2, 3, 4, 5], [7] * 8]
+    reqs = [[Request(f"r{i}", p) for i, p in enumerate(prompts)] for _ in mgrs]
+    for m, rs in zip(mgrs, reqs, strict=True):
+        assert all(_admit(m, r) for r in rs)
+    names = [r.request_id for r in reqs[0]]
+    for step in range(40):
+        if tokens_first:
+            for rs in reqs:
+                for r in rs:
+                    r.append_token_ids(step % 3)
+        want = loop(mgrs[0], reqs[0], 1)
+        got = batched(mgrs[1], reqs[1], 1)
+        assert got == want, step
+        assert state(mgrs[0], names) == state(mgrs[1], names), step
+        if not tokens_first:
+            for rs in reqs:
+                for r in rs:
+                    r.append_token_ids(step % 3)
+
+
+def test_a_readmitted_request_starts_without_a_mark() -> None:
+    """A request that ran long (its mark far ahead), freed and admitted again with a shorter
+    row (a chunk of its tokens), must get a block where the new row ends, not where the old
+    one did."""
+    mgr = KVCacheManager(
+        plan({"l0": full(bs=4)}, 32, max_model_len=64), enable_prefix_caching=False
+    )
+    a = Request("a", [1] * 16)
+    assert _admit(mgr, a)
+    for _ in range(6):
+        a.append_token_ids(2)
+        assert mgr.allocate_decode_slots([a]).num_scheduled == 1
+    assert a._kv_due > 8
+    mgr.free(a)
+    assert mgr.allocate_slots(a, 4) is not None  # the first block's tokens only
+    got = mgr.allocate_decode_slots([a])
+    assert got.rows == [0] and len(mgr.get_block_ids(a)[0]) == 2
+    assert got.num_computed_tokens == [5]
+
+
+@pytest.mark.parametrize("max_model_len", [6, 7])
+def test_decode_marks_stop_at_max_model_len(max_model_len: int) -> None:
+    """Steps under the mark skip the length check, so the mark must not pass max_model_len:
+    one token at a time up to it, then the error, as the loop gives it."""
+    mgr = KVCacheManager(plan({"l0": full(bs=4)}, 8, max_model_len=max_model_len))
+    a = Request("a", [1] * 4)
+    assert _admit(mgr, a)
+    for count in range(5, max_model_len + 1):
+        a.append_token_ids(3)
+        assert mgr.allocate_decode_slots([a]).num_computed_tokens == [count]
+    a.append_token_ids(3)
+    with pytest.raises(ValueError, match=f"exceeds max_model_len={max_model_len}"):
+        mgr.allocate_decode_slots([a])
+    assert mgr.num_computed_tokens("a") == max_model_len

@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from kv_spec import NULL_BLOCKS, KVCacheConfig
 from kv_spec._checks import check_bool
 
 from kv_blocktable._admission import admission_need, check_admissible, check_hit_blocks
 from kv_blocktable._admission import check_count as _check_count
+from kv_blocktable._decode_slots import DecodeSlots, allocate_decode_slots
 from kv_blocktable.events import KVEvent
 from kv_blocktable.hashing import BlockHasher
 from kv_blocktable.managers import FullAttentionManager, GroupManager, make_group_manager
-from kv_blocktable.pool import NULL_BLOCK_ID, BlockPool
+from kv_blocktable.pool import BlockPool
 from kv_blocktable.request import Request
 
 __all__ = ["DecodeSlots", "KVCacheBlocks", "KVCacheManager"]
@@ -56,26 +56,6 @@ class KVCacheBlocks:
 
     def __bool__(self) -> bool:
         return any(self.blocks)
-
-
-class DecodeSlots(NamedTuple):
-    """What :meth:`KVCacheManager.allocate_decode_slots` did, in the form a block table and a
-    step's metadata take.
-
-    - ``num_scheduled``: requests ``[0, num_scheduled)`` got their slots. Fewer than were passed:
-      the pool could not serve request ``num_scheduled`` (it and the ones after it are
-      unchanged); preempt and call again with the rest.
-    - ``rows`` / ``new_block_ids``: the indices (into the requests passed) of the requests that
-      got new blocks, and those blocks per group (``KVCacheBlocks.get_block_ids``' form): what
-      ``BlockTables.append_rows(rows, new_block_ids)`` takes when request ``i`` is row ``i``.
-    - ``num_computed_tokens``: per scheduled request, its tokens with slots after the call —
-      for a decode step, the request's ``seq_len``.
-    """
-
-    num_scheduled: int
-    rows: list[int]
-    new_block_ids: list[tuple[list[int], ...]]
-    num_computed_tokens: list[int]
 
 
 class _ComputedCounts(Mapping[str, int]):
@@ -301,127 +281,8 @@ class KVCacheManager:
             num_computed_tokens,
         )
 
-    def allocate_decode_slots(
-        self, requests: Sequence[Request], num_new_tokens: int = 1
-    ) -> DecodeSlots:
-        """``allocate_slots(req, num_new_tokens)`` for each request in order, stopping at the
-        first the pool cannot serve — the same blocks, counts and errors as that loop — in one
-        call: a decode step of a few hundred running requests costs one Python loop here
-        instead of a call per request (about 2.5x less host time with one full-attention
-        group; other configurations run the loop of ``allocate_slots`` calls).
-
-        A request this manager does not run takes ``allocate_slots``' own path (admission
-        without a prefix hit, or its error). An error for request ``i`` leaves requests before
-        it with their slots, as the loop would.
-        """
-        if not isinstance(requests, (list, tuple)):
-            raise TypeError(
-                f"allocate_decode_slots: requests is a {type(requests).__name__}; pass a list "
-                "of the running Requests"
-            )
-        _check_count("num_new_tokens", num_new_tokens)
-        n = num_new_tokens
-        rows: list[int] = []
-        ids: list[tuple[list[int], ...]] = []
-        counts: list[int] = []
-        computed = self._computed
-        if not self._single_full:
-            for i, req in enumerate(requests):
-                got = self.allocate_slots(req, n)
-                if got is None:
-                    return DecodeSlots(i, rows, ids, counts)
-                if got:
-                    rows.append(i)
-                    ids.append(got.get_block_ids())
-                counts.append(computed[req.request_id])
-            return DecodeSlots(len(requests), rows, ids, counts)
-        # allocate_slots' decode fast path, its locals bound once for the whole batch.
-        m = self.managers[0]
-        bs, held, cached = m.block_size, m.blocks, m.num_cached
-        pool, max_len, caching = self.pool, self._max_len, self.enable_prefix_caching
-        count = counts.append
-        # cache_blocks' one-block case inline (what a decode step caches: the block its token
-        # filled), bound once: the two calls per block (cache_blocks, pool._cache_block) were
-        # most of its cost. Events on, or anything unusual, takes cache_blocks itself.
-        one_block = caching and not pool.enable_events
-        ratio, group = m.hash_ratio, m.group_id
-        prefix, block_hash, ref = pool._cache[group], pool._hash, pool._ref
-        # One new token (a decode step) fits the request's blocks without looking them up when
-        # its computed count is inside a block: a full-attention row never shrinks and holds
-        # slots for at least its computed tokens, a whole number of blocks, so it holds the rest
-        # of that block. Nor can it pass max_len when that is a multiple of the block size (a
-        # running count is at most max_len, and not on a block boundary). Only a count on a
-        # boundary needs the row's length and the length check.
-        fold = n == 1 and (max_len % bs == 0 or max_len == sys.maxsize)
-        for req in requests:
-            try:
-                owned = req._kv_owner is self
-            except AttributeError:  # not a Request: allocate_slots names it
-                owned = False
-            if not owned:
-                i = len(counts)  # the request's index: every request before it was counted
-                got = self.allocate_slots(req, n)
-                if got is None:
-                    return DecodeSlots(i, rows, ids, counts)
-                if got:
-                    rows.append(i)
-                    ids.append(got.get_block_ids())
-                counts.append(computed[req.request_id])
-                continue
-            rid = req.request_id
-            before = req._kv_computed
-            done = before + n
-            if fold and before % bs:
-                pass  # inside a block: its slot is held, and max_len is not passed
-            elif done > max_len:
-                self._raise_too_long(rid, before, n, 0)
-            elif done > len(blocks := held[rid]) * bs:  # past its last block's slots: new blocks
-                need = -(-done // bs) - len(blocks)
-                if need > pool._num_free:
-                    return DecodeSlots(len(counts), rows, ids, counts)
-                front = pool._front
-                if need == 1 and front and not pool._num_stale:
-                    # BlockPool.allocate(1)'s common case inline (the top of the stack of
-                    # uncached free blocks: nothing to evict), the call being most of its cost.
-                    b = front.pop()
-                    pool._ref[b] = 1
-                    pool._num_free -= 1
-                    blocks.append(b)
-                    new = [b]
-                else:
-                    new = pool.allocate(need)
-                    blocks.extend(new)
-                rows.append(len(counts))
-                ids.append((new,))
-            req._kv_computed = done
-            count(done)
-            # A block fills when both the computed and the known tokens reach its end:
-            # min(len(token_ids), done) // bs > cached, tested without the min and the division
-            # (most steps fill no block: one lookup and one comparison, no locals).
-            if caching and done >= (cached[rid] + 1) * bs:
-                c = cached[rid]
-                at = (c + 1) * bs
-                if len(req.token_ids) >= at:
-                    known = len(req.token_ids)
-                    if done < known:
-                        known = done
-                    full = known // bs
-                    b = held[rid][c]
-                    if full == c + 1 and one_block and b != NULL_BLOCK_ID:
-                        h = req._block_hashes[full * ratio - 1]
-                        if h not in prefix and ref[b] and block_hash[b] is None:
-                            # pool._cache_block's success path; its refusals (a hash already
-                            # cached: no-op; a free or cached block: errors) run it.
-                            prefix[h] = b
-                            block_hash[b] = h
-                            pool._group[b] = group
-                            pool._num_cached += 1
-                        else:
-                            pool._cache_block(group, b, h)
-                        cached[rid] = full
-                    else:
-                        m.cache_blocks(req, known)
-        return DecodeSlots(len(requests), rows, ids, counts)
+    # The batched decode step (kv_blocktable._decode_slots): a method by assignment.
+    allocate_decode_slots = allocate_decode_slots
 
     def _allocate(
         self,
@@ -506,6 +367,7 @@ class KVCacheManager:
         if admitting:
             self._requests[rid] = request
             request._kv_owner = self
+            request._kv_due = 0  # allocate_decode_slots checks it until it sets a mark
         if self.enable_prefix_caching:
             known = min(done, request.num_tokens)
             for m in self.managers:

@@ -106,6 +106,9 @@ class Request:
     # Its tokens computed (or scheduled) in that manager: the manager's count, kept here so a
     # decode step reads and writes it as an attribute rather than by id in a dict.
     _kv_computed: int = field(default=0, init=False, repr=False)
+    # The computed count below which that manager's allocate_decode_slots has nothing to check
+    # for it (see kv_blocktable._decode_slots); 0 (always check) until it sets one.
+    _kv_due: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
