@@ -6,14 +6,16 @@ CONFIG_JSON: {"transport": "p2p"|"nixl", "timeout_s": float, "fault": null|"die"
 "mode": "read"|"write" and "push_to": "host:port" (P2P push), "buffer_bytes" (P2P chunk bound),
 "port" (side-channel port, default any),
 "device": "cpu" | "cuda:N" (default cpu), "producers": [{"name", "layout" (layout JSON), "seed",
-"block_ids", "tp": [rank, size], "stream": bool}]}.
+"block_ids", "tp": [rank, size], "stream": bool, "requests": [block ids, ...]}]}.
 For each producer it builds a cache filled from ``seed``, registers a connector, finishes one
 request holding ``block_ids`` and prints ``PARAMS <name> <params JSON>``; then ``READY``. It serves
 until its stdin closes (or 120 s pass). Faults: ``die`` prints ``CHUNK`` once a transfer is under
 way (P2P: the first chunk sent; NIXL: the pull received) and waits to be killed; ``stall`` never
 sends (never answers). ``stream``: the request is served with ``stream_request`` while its
 layers are "computed": every layer but the last is saved at once, the last when a ``SAVE_LAST``
-line arrives on stdin (then ``SAVED`` is printed).
+line arrives on stdin (then ``SAVED`` is printed). ``requests`` (with ``stream``): several
+requests streamed by the one connector in one step, ``req-<name>-<k>`` holding
+``requests[k]``, their params printed as ``PARAMS <name>-<k>``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from typing import Any
 class _Req:
     request_id: str
     block_hashes: list[bytes] = field(default_factory=list)
+
+
+def _hashed(request_id: str, ids: list[int]) -> _Req:
+    return _Req(request_id, [bytes([i]) * 32 for i in range(len(ids))])
 
 
 def _connector(cfg: dict[str, Any], prod: dict[str, Any]) -> Any:
@@ -78,12 +84,12 @@ def _inject(conn: Any, fault: str | None) -> None:
 
     original = Wire.wait
 
-    def wait_then_die(wire: Any, work: Any) -> None:
-        original(wire, work)
+    def wait_then_die(wire: Any, work: Any, deadline: float | None = None) -> None:
+        original(wire, work, deadline)
         print("CHUNK", flush=True)
         time.sleep(3600)  # the test kills this process now, mid-transfer
 
-    Wire.wait = wait_then_die  # type: ignore[method-assign]
+    Wire.wait = wait_then_die  # type: ignore[method-assign,assignment]
 
 
 def main() -> None:
@@ -104,15 +110,23 @@ def main() -> None:
         conn.register_kv_caches(random_cache(layout, seed=prod["seed"], device=device), layout)
         _inject(conn, cfg.get("fault"))
         ids = prod["block_ids"]
-        req = _Req(f"req-{prod['name']}", [bytes([i]) * 32 for i in range(len(ids))])
+        req = _hashed(f"req-{prod['name']}", ids)
         if prod.get("stream"):
-            params = conn.stream_request(req, ids)
+            named = [(prod["name"], req, ids)]
+            if "requests" in prod:  # several requests in the one step
+                named = [
+                    (f"{prod['name']}-{k}", _hashed(f"req-{prod['name']}-{k}", b), b)
+                    for k, b in enumerate(prod["requests"])
+                ]
+            said = [(name, conn.stream_request(r, b)) for name, r, b in named]
             meta = conn.build_connector_meta()
             conn.start_load_kv(meta)
-            print("PARAMS", prod["name"], json.dumps(params), flush=True)
+            for name, params in said:
+                print("PARAMS", name, json.dumps(params), flush=True)
             for layer in range(layout.num_layers - 1):
                 conn.save_kv_layer(layer, meta)
-            streaming.append((conn, meta, layout.num_layers - 1, req, ids))
+            reqs = [(r, b) for _name, r, b in named]
+            streaming.append((conn, meta, layout.num_layers - 1, reqs))
             conns.append(conn)
             continue
         delay, params = conn.request_finished(req, ids)
@@ -130,10 +144,11 @@ def main() -> None:
         if line == "":
             break
         if line is not None and line.strip() == "SAVE_LAST":
-            for conn, meta, last, req, ids in streaming:
+            for conn, meta, last, reqs in streaming:
                 conn.save_kv_layer(last, meta)
                 conn.wait_for_save()
-                conn.request_finished(req, ids)
+                for req, ids in reqs:
+                    conn.request_finished(req, ids)
             print("SAVED", flush=True)
         for conn in conns:
             for rid in conn.get_finished()[0]:

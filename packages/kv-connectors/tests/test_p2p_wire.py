@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from kv_connectors import P2pConfig, P2pConnector
-from kv_connectors._p2p_wire import plan_chunks
+from kv_connectors._p2p_wire import plan_chunks, plan_layers
 from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
 from kv_connectors.views import RegisteredKV
 
@@ -32,6 +32,18 @@ def test_plan_chunks_cover_every_block_once_per_segment() -> None:
         plan_chunks(3, chunk_rows=0)
     with pytest.raises(ValueError, match="chunk_bytes=None"):
         plan_chunks(3, segment_widths=[8])
+
+
+def test_plan_layers_is_segment_major_over_the_requests() -> None:
+    """Segment 0 of every request (in order), then segment 1 ...; a chunk never spans two
+    requests; starts index the requests' concatenated block lists."""
+    got = plan_layers([3, 1], segment_widths=[100, 300], chunk_bytes=250)
+    assert [(c.segment, c.part, c.start, c.count) for c in got] == [
+        (0, 0, 0, 2), (0, 0, 2, 1), (0, 1, 3, 1),
+        (1, 0, 0, 1), (1, 0, 1, 1), (1, 0, 2, 1), (1, 1, 3, 1),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="chunk_bytes=0"):
+        plan_layers([1], segment_widths=[8], chunk_bytes=0)
 
 
 def _gathered(kv: RegisteredKV, ids: list[int], segment: int | None) -> torch.Tensor:

@@ -5,9 +5,11 @@ sizes agree without exchanging them. Two shapes:
 
 - *whole rows* (``segment=None``): ``chunk_rows`` blocks' complete rows a message (every layer,
   every registered cache): the fewest, largest messages; the consumer converts layouts on them.
-- *per segment* (layer-wise streaming): segment by segment (a per-layer tensor, or a cross-layer
-  slab), each segment's columns of ``chunk_bytes // width`` blocks a message, so the consumer can
-  use layer ``i`` before the producer has computed layer ``i + 1``. Only between identical layouts.
+- *per segment* (layer-wise streaming, :func:`plan_layers`): segment-major over the requests of
+  one consumer step (a segment is a per-layer tensor or a cross-layer slab): segment 0 of every
+  request, then segment 1 of every request, ..., each request's columns of a segment in messages
+  of ``chunk_bytes // width`` blocks, so the consumer can use layer ``i`` of *every* request
+  before the producer has computed layer ``i + 1``. Only between identical layouts.
 
 Why it is fast (issue 30: the old path ran at 0.29x of a raw NCCL send/recv):
 
@@ -21,7 +23,8 @@ Why it is fast (issue 30: the old path ran at 0.29x of a raw NCCL send/recv):
   of chunk ``i + 1`` overlaps the scatter of chunk ``i``; ordered on the device, not the host.
 - A chunk whose blocks are consecutive and whose rows are the cache's own memory
   (:meth:`~kv_connectors.views.RegisteredKV.contiguous_rows`) is sent from, or received into, the
-  cache directly: no gather, no staging copy, no scatter.
+  cache directly: no gather, no staging copy, no scatter. (Layer-wise receives always stage: a
+  landing must be refusable once its load failed, see :mod:`kv_connectors._streaming`.)
 
 gloo (CPU processes) reads and writes host memory from its own threads, so there every copy is
 finished before a send is posted and every receive waited for on the host (bounded by the timeout).
@@ -40,7 +43,7 @@ import torch
 
 from kv_connectors.views import RegisteredKV
 
-__all__ = ["Chunk", "Wire", "plan_chunks"]
+__all__ = ["Chunk", "Wire", "plan_chunks", "plan_layers"]
 
 _TAG = 7  # one transfer at a time per session: a fixed tag suffices
 
@@ -48,11 +51,13 @@ _TAG = 7  # one transfer at a time per session: a fixed tag suffices
 @dataclass(frozen=True)
 class Chunk:
     """One message: blocks ``[start, start + count)`` of the transfer's block list, whole rows
-    (``segment=None``) or one segment's columns."""
+    (``segment=None``) or one segment's columns; ``part``: which request of a layer-wise batch
+    the blocks belong to (a message never spans two)."""
 
     segment: int | None
     start: int
     count: int
+    part: int = 0
 
 
 def plan_chunks(
@@ -78,6 +83,24 @@ def plan_chunks(
     for seg, width in enumerate(segment_widths):
         rows = max(1, chunk_bytes // width)
         out += [Chunk(seg, s, min(rows, num_blocks - s)) for s in range(0, num_blocks, rows)]
+    return out
+
+
+def plan_layers(
+    counts: Sequence[int], *, segment_widths: Sequence[int], chunk_bytes: int
+) -> list[Chunk]:
+    """The messages of a layer-wise batch: requests of ``counts[k]`` blocks each (their block
+    lists concatenated, request ``k``'s chunks tagged ``part=k``), segment-major -- for each
+    segment in order, that segment of every request in order, ``max(1, chunk_bytes // width)``
+    blocks a message. Both sides call it with the same arguments."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes!r} must be an int >= 1")
+    firsts = [sum(counts[:k]) for k in range(len(counts))]
+    out: list[Chunk] = []
+    for seg, width in enumerate(segment_widths):
+        rows = max(1, chunk_bytes // width)
+        for part, (first, n) in enumerate(zip(firsts, counts, strict=True)):
+            out += [Chunk(seg, first + s, min(rows, n - s), part) for s in range(0, n, rows)]
     return out
 
 
@@ -110,13 +133,16 @@ class Wire:
             self._staging[slot] = buf
         return buf[:need].view(rows, width)
 
-    def wait(self, work: Any) -> None:
+    def wait(self, work: Any, deadline: float | None = None) -> None:
         """NCCL: the current stream waits for ``work`` (the host goes on); gloo: the host waits,
-        bounded by the timeout."""
+        bounded by the timeout (and by ``deadline`` when given)."""
         if self.backend == "nccl":
             work.wait()
             return
-        if work.wait(datetime.timedelta(seconds=self.timeout_s)) is False:
+        left = self.timeout_s
+        if deadline is not None:  # (at least 1 ms: gloo reads a zero timeout as its default)
+            left = max(1e-3, min(left, deadline - time.monotonic()))
+        if work.wait(datetime.timedelta(seconds=left)) is False:
             raise TimeoutError(f"p2p transfer exceeded timeout_s={self.timeout_s}")
 
     def drain(self, deadline: float) -> None:
@@ -143,23 +169,23 @@ class Wire:
         block_ids: Sequence[int],
         chunks: Sequence[Chunk],
         *,
-        ready: Callable[[int | None], Sequence[Any]] | None = None,
+        ready: Callable[[Chunk], Sequence[Any]] | None = None,
     ) -> None:
         """Send ``chunks`` of blocks ``block_ids`` to rank ``dst`` and wait (bounded) until sent.
 
-        ``ready(segment)`` is called before the first chunk of each segment (whole rows:
-        ``None``); it blocks the host until that segment may be read and returns the CUDA events
-        the copies must wait for (none on the CPU)."""
+        ``ready(chunk)`` is called before the first chunk of each ``(part, segment)`` (whole
+        rows: segment ``None``); it blocks the host until those blocks' segment may be read and
+        returns the CUDA events the copies must wait for (none on the CPU)."""
         kv = self.kv
         deadline = time.monotonic() + self.timeout_s
         busy: list[Any] = [None, None]  # the send still reading each staging slot
         works: list[Any] = []  # sends not waited for yet (gloo counts waits: one per send)
-        seen: set[int | None] = set()
+        seen: set[tuple[int, int | None]] = set()
         with self._ctx():
             for i, ch in enumerate(chunks):
-                if ready is not None and ch.segment not in seen:
-                    seen.add(ch.segment)
-                    for event in ready(ch.segment):
+                if ready is not None and (ch.part, ch.segment) not in seen:
+                    seen.add((ch.part, ch.segment))
+                    for event in ready(ch):
                         if self.stream is not None:
                             self.stream.wait_event(event)  # the kernels that wrote it ran first
                 part = list(block_ids[ch.start : ch.start + ch.count])
@@ -200,14 +226,16 @@ class Wire:
         *,
         direct: Callable[[Chunk], torch.Tensor | None],
         land: Callable[[Chunk, torch.Tensor], None],
-        segment_done: Callable[[int | None], None] | None = None,
+        segment_done: Callable[[Chunk], None] | None = None,
         deadline: float | None = None,
     ) -> None:
         """Receive ``chunks`` from rank ``src``: each into ``direct(chunk)`` (a view of the cache,
         nothing more to do) or into staging, then ``land(chunk, rows)`` (convert and scatter),
-        double-buffered. ``segment_done(segment)`` after a segment's last chunk is landed
-        (enqueued on this wire's stream on CUDA: record an event there). Returns once every byte is
-        in place (bounded by ``deadline``, default now + the timeout)."""
+        double-buffered. ``segment_done(chunk)`` after the last chunk of each ``(part,
+        segment)`` is landed (enqueued on this wire's stream on CUDA: record an event there).
+        Returns once every byte is in place, bounded by ``deadline`` (given: every gloo wait is
+        bounded by it too; default now + the timeout, each wait by the timeout)."""
+        bound = deadline
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         posted: dict[int, tuple[Any, torch.Tensor, bool]] = {}
@@ -229,10 +257,14 @@ class Wire:
                         self.drain(deadline)  # gloo fills the other buffer from the host: idle it
                     post(i + 1)  # NCCL: ordered after the landing that last read its buffer
                 work, rows, is_direct = posted.pop(i)
-                self.wait(work)
+                if bound is None:
+                    self.wait(work)
+                else:
+                    self.wait(work, bound)
                 if not is_direct:
                     land(ch, rows)
-                last = i + 1 == len(chunks) or chunks[i + 1].segment != ch.segment
+                nxt = chunks[i + 1] if i + 1 < len(chunks) else None
+                last = nxt is None or (nxt.part, nxt.segment) != (ch.part, ch.segment)
                 if last and segment_done is not None:
-                    segment_done(ch.segment)
+                    segment_done(ch)
             self.drain(deadline)  # the blocks are in place before anyone hears "done"

@@ -15,20 +15,38 @@ the compute stream: the sender's copies wait for it on the device, never reading
 the kernel that writes it ran) and every segment in ``wait_for_save``. The session thread serving
 a pull waits (bounded) for each segment before it sends it.
 
-Consumer: :class:`Arriving` per load inside the step. The pull thread marks a segment landed once
-its last chunk is scattered (on CUDA: an event on the wire's stream);
+Consumer: :class:`Arriving` per load inside the step. A step's loads from one producer are one
+pull (one thread, one side-channel message naming every request, then one transfer):
+segment-major (:func:`~kv_connectors._p2p_wire.plan_layers`), segment ``i`` of every request
+before segment ``i + 1`` of any, so ``wait_for_layer_load(i)`` returns once layer ``i`` of
+every request landed, while the producer computes later layers. The pull thread marks a segment
+landed once its last chunk is scattered (on CUDA: an event on the wire's stream);
 ``wait_for_layer_load(i)`` waits for it on the host (bounded) and makes the compute stream wait
-for the event. A failed pull marks every segment failed at once (the waits return, the blocks
-are reported as load errors).
+for the event. A failed pull fails every load it carries at once (the waits return, the blocks
+are reported as load errors, once each); a segment that landed before the failure stays landed.
+
+Never a late write into reported blocks: every write into a load's blocks goes through
+:meth:`Arriving.land` (bytes are received into staging, never straight into the cache), which
+runs it only while the load has not failed, under the lock :meth:`Arriving.fail` takes. So once
+a failure is recorded (a timeout in ``wait_for_layer_load``, the producer gone, an abort) no
+byte more reaches those blocks on the CPU, whatever the pull thread or gloo's threads do later;
+on CUDA every landing copy was enqueued on the wire's stream before the *fence* event
+:meth:`Arriving.fail` records there, and the compute stream waits for the fence before the
+blocks are reported (the wire stream of a later load waits for the compute stream at its
+``start_load_kv``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kv_connectors._p2p_wire import Chunk, Wire, plan_layers
+from kv_connectors._sidechannel import request, send_msg
 from kv_connectors.base import ConnectorMetadata, LoadSpec, RequestLike, SaveSpec
 from kv_connectors.config import KVRole, TransferMode
 
@@ -37,6 +55,9 @@ __all__ = ["Arriving", "LayerStreaming", "Produced"]
 
 class _Segments:
     """Per-segment flags with an optional CUDA event each, a failure and one condition."""
+
+    #: a segment marked before a failure may still be waited for (Arriving: its bytes landed)
+    marks_outlive_failure = False
 
     def __init__(self, num_segments: int) -> None:
         self.num_segments = num_segments
@@ -61,9 +82,10 @@ class _Segments:
         want = list(segments)
         with self.cv:
             while True:
-                if self.failed is not None:
+                done = all(s in self.events for s in want)
+                if self.failed is not None and not (done and self.marks_outlive_failure):
                     raise ConnectionError(self.failed)
-                if all(s in self.events for s in want):
+                if done:
                     return [self.events[s] for s in want if self.events[s] is not None]
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -80,11 +102,56 @@ class Produced(_Segments):
 
 
 class Arriving(_Segments):
-    """A consumer's load inside the step: which segments have landed in the local blocks."""
+    """A consumer's load inside the step: which segments have landed in the local blocks, and
+    the gate every write into them passes (see the module docstring)."""
 
-    def __init__(self, num_segments: int, deadline: float) -> None:
+    marks_outlive_failure = True
+
+    def __init__(self, num_segments: int, deadline: float, start: Any = None) -> None:
         super().__init__(num_segments)
         self.deadline = deadline
+        self.start = start  # CUDA: the compute stream at start_load_kv (landings wait for it)
+        self.stream: Any = None  # CUDA: the wire stream the landing copies run on
+        self.fence: Any = None  # CUDA: recorded on it at the failure, after every landing
+        self.reported = False  # its blocks went to the load errors (at most once)
+
+    def attach(self, stream: Any) -> None:
+        with self.cv:
+            self.stream = stream
+
+    def land(self, write: Callable[[], None]) -> bool:
+        """Run ``write`` (a copy into this load's blocks) unless the load failed: ``False``."""
+        with self.cv:
+            if self.failed is not None:
+                return False
+            write()
+            return True
+
+    def mark(self, segment: int, event: Any = None) -> None:
+        with self.cv:
+            if self.failed is None:  # (a chunk of it may have been refused by the gate)
+                super().mark(segment, event)
+
+    def fail(self, reason: str) -> None:
+        with self.cv:
+            if self.failed is None and self.stream is not None:
+                import torch
+
+                self.fence = torch.cuda.Event()
+                self.fence.record(self.stream)  # after every landing copy enqueued so far
+            super().fail(reason)
+
+    def complete(self) -> bool:
+        with self.cv:
+            return len(self.events) == self.num_segments
+
+    def claim_report(self) -> bool:
+        """``True`` once: the caller reports the blocks (never a load whose bytes all landed)."""
+        with self.cv:
+            if self.reported or len(self.events) == self.num_segments:
+                return False
+            self.reported = True
+            return True
 
 
 class LayerStreaming:
@@ -103,6 +170,14 @@ class LayerStreaming:
     _clock: Any
     _release_locked: Any
     _fail_load: Any
+    _executor: Any
+    _futures: dict[Any, tuple[LoadSpec, ...]]
+    _bind_device: Callable[[], None]
+    _with_peer: Callable[[Any, Callable[[Any], None]], None]
+    _admit_pull: Any
+    _end_pull: Any
+    _ready_fn: Callable[[str], Any]
+    _event: Callable[[Any], Any]
     _streams: dict[str, Produced]
     _stream_step: set[str]
     _arriving: dict[str, Arriving]
@@ -209,20 +284,38 @@ class LayerStreaming:
         return tokens, load_async
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """In-step loads start as one pull per producer (segment-major over the step's loads
+        from it); the others (asynchronous, converting) as before."""
         self._adopt_streams(meta)
         self._step_arriving = {}
+        batches: dict[tuple[Any, ...], list[tuple[LoadSpec, Any, Arriving]]] = {}
+        rest: list[LoadSpec] = []
+        start = self._event(None)  # CUDA: landings run after what the compute stream has queued
         for spec in meta.loads:
             rid = spec.request_id
-            if rid in self._in_step and rid in self._load_plans and spec.block_ids:
-                arriving = Arriving(len(self.kv.segments), time.monotonic() + self.config.timeout_s)
-                self._arriving[rid] = arriving
-                self._step_arriving[rid] = (spec, arriving)
-        super().start_load_kv(meta)  # type: ignore[misc]
+            plan = self._load_plans.get(rid)
+            if rid not in self._in_step or plan is None or not spec.block_ids:
+                rest.append(spec)
+                continue
+            del self._load_plans[rid]
+            deadline = time.monotonic() + self.config.timeout_s
+            arriving = Arriving(len(self.kv.segments), deadline, start)
+            self._arriving[rid] = arriving
+            self._step_arriving[rid] = (spec, arriving)
+            p = plan.params
+            key = (p.host, p.port, p.engine_id, p.compatibility_hashes, p.model_fingerprint)
+            batches.setdefault(key, []).append((spec, plan, arriving))
+        super().start_load_kv(dataclasses.replace(meta, loads=tuple(rest)))  # type: ignore[misc]
+        for items in batches.values():
+            fut = self._executor.submit(self._pull_layers, items)
+            with self._lock:
+                self._futures[fut] = tuple(spec for spec, _plan, _a in items)
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Layer-wise loads: block (bounded) until layer ``layer``'s segment of every load of this
         step landed; on CUDA the compute stream then waits for its copies. A failed or late load
-        is reported (``get_block_ids_with_load_errors``) and waited for no more."""
+        is closed to further writes, reported once (``get_block_ids_with_load_errors``) and
+        waited for no more."""
         if not self._step_arriving:
             return
         seg = self.kv.segment_of_layer(layer)
@@ -231,14 +324,137 @@ class LayerStreaming:
                 events = arriving.wait([seg], arriving.deadline, f"layer-wise load of {rid}")
             except (ConnectionError, TimeoutError) as exc:
                 del self._step_arriving[rid]
-                self._fail_load(spec, f"layer-wise load: {exc}", async_load=False)  # locks
+                self._close_load(spec, arriving, f"layer-wise load: {exc}")
                 continue
-            if events:
-                import torch
+            self._stream_waits(events)
 
-                stream = torch.cuda.current_stream(self.kv.device)
-                for event in events:
-                    stream.wait_event(event)
+    def _stream_waits(self, events: Sequence[Any]) -> None:
+        if events:
+            import torch
+
+            stream = torch.cuda.current_stream(self.kv.device)
+            for event in events:
+                stream.wait_event(event)
+
+    def _close_load(self, spec: LoadSpec, arriving: Arriving, reason: str) -> None:
+        """No byte more into ``spec``'s blocks (the gate shut; on CUDA the compute stream waits
+        for the landings enqueued before), then its blocks reported, once."""
+        arriving.fail(reason)
+        self._stream_waits([arriving.fence] if arriving.fence is not None else [])
+        if arriving.claim_report():
+            self._fail_load(spec, arriving.failed or reason, async_load=False)  # locks
+
+    def _load_ended(self, spec: LoadSpec, reason: str | None, *, async_load: bool) -> None:
+        arriving = self._arriving.get(spec.request_id)
+        if async_load or arriving is None:
+            super()._load_ended(spec, reason, async_load=async_load)  # type: ignore[misc]
+        elif reason is not None or not arriving.complete():
+            self._close_load(spec, arriving, reason or "the pull ended before every layer landed")
+
+    # -- consumer, pull thread -------------------------------------------------------------------
+
+    def _pull_layers(self, items: list[tuple[LoadSpec, Any, Arriving]]) -> None:
+        """One pull thread for a step's in-step loads from one producer."""
+        self._bind_device()
+        try:
+            self._with_peer(items[0][1].params, lambda sess: self._pull_layers_in(sess, items))
+        except BaseException as exc:
+            for _spec, _plan, arriving in items:  # wait_for_layer_load returns now
+                arriving.fail(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _pull_layers_in(self, sess: Any, items: list[tuple[LoadSpec, Any, Arriving]]) -> None:
+        """Ask for every live load of ``items`` in one message, then receive segment-major."""
+        kv, wire = self.kv, sess.wire
+        live = [(spec, plan, a) for spec, plan, a in items if a.failed is None]
+        if not live:
+            return
+        cb = max(1, self.config.buffer_bytes // 2)
+        asks = [
+            {"request_id": plan.params.request_id, "block_ids": list(plan.params.block_ids)}
+            for _spec, plan, _a in live
+        ]
+        msg = {"op": "pull", "layers": True, "chunk_bytes": cb, "requests": asks}
+        reply = request(sess.sock, msg)
+        answers = reply.get("pulls")
+        if not reply.get("ok") or not isinstance(answers, list) or len(answers) != len(live):
+            raise KeyError(f"producer refused the pull: {reply.get('error', reply)}")
+        taken: list[tuple[LoadSpec, Any, Arriving]] = []
+        for (spec, plan, arriving), answer in zip(live, answers, strict=True):
+            if isinstance(answer, dict) and answer.get("ok") is True:
+                assert len(spec.block_ids) == len(plan.params.block_ids)  # identical layouts
+                taken.append((spec, plan, arriving))
+                arriving.attach(wire.stream)
+            else:
+                error = answer.get("error") if isinstance(answer, dict) else answer
+                arriving.fail(f"producer refused the pull: {error}")
+        if not taken:
+            return
+        widths = [seg.row_bytes for seg in kv.segments]
+        counts = [len(spec.block_ids) for spec, _p, _a in taken]
+        chunks = plan_layers(counts, segment_widths=widths, chunk_bytes=cb)
+        local = [b for spec, _p, _a in taken for b in spec.block_ids]
+        if wire.stream is not None and taken[0][2].start is not None:
+            wire.stream.wait_event(taken[0][2].start)  # (one event: the step's start)
+
+        def land(ch: Chunk, rows: Any) -> None:
+            assert ch.segment is not None
+            ids = kv.ids_tensor(local[ch.start : ch.start + ch.count])
+            segs = range(ch.segment, ch.segment + 1)
+            ok = taken[ch.part][2].land(lambda: kv.scatter(rows, ids, segments=segs, cols=False))
+            if not ok and all(a.failed is not None for _s, _p, a in taken):  # nothing to land
+                raise ConnectionError("every load of this layer-wise pull failed")
+
+        def landed(ch: Chunk) -> None:
+            assert ch.segment is not None
+            taken[ch.part][2].mark(ch.segment, self._event(wire.stream))
+
+        deadline = max(a.deadline for _s, _p, a in taken)
+        # into staging only (direct=None): a late receive must never write a reported block
+        wire.recv(0, chunks, lambda ch: widths[ch.segment or 0], direct=lambda ch: None,
+                  land=land, segment_done=landed, deadline=deadline)  # fmt: skip
+        for _spec, plan, arriving in taken:
+            if arriving.complete() and arriving.failed is None:
+                send_msg(sess.sock, {"op": "done", "request_id": plan.params.request_id})
+
+    # -- producer, session thread ----------------------------------------------------------------
+
+    def _serve_layers(self, sock: socket.socket, wire: Wire, msg: dict[str, Any]) -> None:
+        """A consumer step's layer-wise loads (``requests``: request id and producer block ids
+        each, ``chunk_bytes``): each pull admitted or refused with its reason, then the admitted
+        ones sent segment-major, each chunk once its segment is computed."""
+        try:
+            asks, cb = _layer_asks(msg)
+        except ValueError as exc:
+            send_msg(sock, {"ok": False, "error": str(exc)})
+            return
+        taken: list[tuple[str, list[int], int]] = []
+        answers: list[dict[str, Any]] = []
+        try:
+            for rid, ids in asks:
+                token, error = self._admit_pull(rid, ids)
+                if token is None:
+                    answers.append({"ok": False, "error": error})
+                    continue
+                assert isinstance(ids, list)  # checked by _admit_pull
+                taken.append((rid, ids, token))
+                answers.append({"ok": True, "pull": token})
+            send_msg(sock, {"ok": True, "pulls": answers})
+            if not taken:
+                return
+            widths = [seg.row_bytes for seg in self.kv.segments]
+            chunks = plan_layers([len(t[1]) for t in taken], segment_widths=widths, chunk_bytes=cb)
+            readies = [self._ready_fn(rid) for rid, _ids, _t in taken]
+
+            def ready(ch: Chunk) -> Sequence[Any]:
+                wait = readies[ch.part]
+                return [] if wait is None else wait(ch.segment)
+
+            ids = [b for _rid, part, _t in taken for b in part]
+            wire.send(1, ids, chunks, ready=ready)
+        finally:  # the blocks stay pinned until the last chunk is gathered and sent (or failed)
+            for rid, _ids, token in taken:
+                self._end_pull(rid, token)
 
     # -- both ------------------------------------------------------------------------------------
 
@@ -251,8 +467,9 @@ class LayerStreaming:
         if produced is not None:
             produced.fail(f"request {request_id} was aborted on the producer")
         arriving = self._arriving.get(request_id)
-        if arriving is not None:
+        if arriving is not None:  # no byte more into its blocks, which the engine frees
             arriving.fail(f"request {request_id} was aborted")
+            self._stream_waits([arriving.fence] if arriving.fence is not None else [])
         super()._abort(request_id)  # type: ignore[misc]
 
     def _forget_streams(self) -> None:
@@ -262,3 +479,23 @@ class LayerStreaming:
                 del self._streams[rid]
         for rid in [r for r in self._arriving if r not in self._in_step]:
             del self._arriving[rid]
+
+
+def _layer_asks(msg: dict[str, Any]) -> tuple[list[tuple[str, object]], int]:
+    """``([(request id, block ids)], chunk_bytes)`` of a layer-wise ``pull`` (checked, never
+    converted; the block ids are checked per request by ``_admit_pull``)."""
+    cb = msg.get("chunk_bytes")
+    if isinstance(cb, bool) or not isinstance(cb, int) or cb < 1:
+        raise ValueError(f"chunk_bytes={cb!r} must be an int >= 1")
+    asks = msg.get("requests")
+    if not isinstance(asks, list) or not asks:
+        raise ValueError(f"pull requests={asks!r} must be a non-empty list")
+    out: list[tuple[str, object]] = []
+    for ask in asks:
+        rid = ask.get("request_id") if isinstance(ask, dict) else None
+        if not isinstance(rid, str):
+            raise ValueError(f"pull request {ask!r} needs a request_id string")
+        out.append((rid, ask.get("block_ids")))
+    if len({rid for rid, _ids in out}) != len(out):
+        raise ValueError(f"pull requests name a request twice: {[r for r, _ in out]}")
+    return out, cb

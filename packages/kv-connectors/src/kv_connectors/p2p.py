@@ -20,8 +20,11 @@ Layer-wise streaming (READ, identical layouts): the producer calls :meth:`P2pCon
 when it schedules a request's last prompt tokens and hands its params to the consumer at once;
 its worker serves each segment as soon as ``save_kv_layer`` reports it computed. A consumer with
 ``P2pConfig(layerwise=True)`` loads such a request inside its forward pass
-(``load_async=False``): ``wait_for_layer_load(i)`` waits for layer ``i`` only (see
-:mod:`kv_connectors._streaming`, and there why a cross-layer layout streams as one piece).
+(``load_async=False``): ``wait_for_layer_load(i)`` waits for layer ``i`` only. A step's loads
+from one producer are one pull (``pull`` with ``layers: true`` and a ``requests`` list),
+segment-major: layer ``i`` of every request lands before layer ``i + 1`` of any (see
+:mod:`kv_connectors._streaming`, and there why a cross-layer layout streams as one piece and
+why a failed load's blocks never see a late write).
 
 A push (``WRITE``): the producer connects to the consumer's side channel (``push_to``) and, in
 ``wait_for_save``, sends each finished request's blocks (``push``); the consumer keeps them in a
@@ -178,7 +181,9 @@ class P2pConnector(LayerStreaming, TransferConnector):
                 except (ConnectionError, OSError):
                     return  # the peer went away
                 sock.settimeout(self.config.timeout_s)
-                if msg.get("op") == "pull":
+                if msg.get("op") == "pull" and msg.get("layers") is True:
+                    self._serve_layers(sock, wire, msg)  # a consumer step's layer-wise loads
+                elif msg.get("op") == "pull":
                     self._send_blocks(sock, wire, msg)
                 elif msg.get("op") == "push":
                     self._receive_push(sock, wire, msg, peer_hashes)
@@ -200,23 +205,18 @@ class P2pConnector(LayerStreaming, TransferConnector):
         if token is None:
             return
         assert isinstance(ids, list)  # checked by _accept_pull
+        ready = self._ready_fn(rid)
         try:  # the blocks stay pinned until the last chunk is gathered and sent (or it failed)
-            wire.send(1, ids, chunks, ready=self._ready_fn(rid))
+            wire.send(1, ids, chunks, ready=None if ready is None else lambda ch: ready(None))
         finally:
             self._end_pull(rid, token)
 
     def _wire_chunks(self, msg: dict[str, Any], n: int) -> list[Chunk]:
-        """The messages a ``pull`` asks for: whole rows (``chunk_rows``) or segment by segment
-        (``layers: true``, ``chunk_bytes``); fields off the wire are checked, never converted."""
+        """The messages of a whole-rows ``pull`` (``chunk_rows`` blocks each; ``layers: true``
+        is served by ``_serve_layers``); fields off the wire are checked, never converted."""
         layers = msg.get("layers", False)
-        if not isinstance(layers, bool):
+        if layers is not False:
             raise ValueError(f"pull layers={layers!r} must be true or false")
-        if layers:
-            cb = msg.get("chunk_bytes")
-            if isinstance(cb, bool) or not isinstance(cb, int) or cb < 1:
-                raise ValueError(f"chunk_bytes={cb!r} must be an int >= 1")
-            widths = [seg.row_bytes for seg in self.kv.segments]
-            return plan_chunks(n, segment_widths=widths, chunk_bytes=cb)
         chunk = msg.get("chunk_rows")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_rows={chunk!r} must be an int >= 1")
@@ -259,71 +259,36 @@ class P2pConnector(LayerStreaming, TransferConnector):
                 abort()
 
     def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
-        arriving = self._arriving.get(spec.request_id)
-        try:
-            if self.config.mode is TransferMode.WRITE:
-                self._load_pushed(spec, plan)
-                return
-            super()._pull(spec, plan)
-        except BaseException as exc:
-            if arriving is not None:  # wait_for_layer_load returns now, the blocks reported
-                arriving.fail(f"{type(exc).__name__}: {exc}")
-            raise
+        if self.config.mode is TransferMode.WRITE:
+            self._load_pushed(spec, plan)
+            return
+        super()._pull(spec, plan)
 
     def _pull_in(self, sess: _Session, spec: LoadSpec, plan: RemotePlan) -> None:
         params = plan.params
         kv, wire, local = self.kv, sess.wire, list(spec.block_ids)
-        arriving = self._arriving.get(spec.request_id)
-        if arriving is not None:  # layer-wise: identical layouts, segment by segment
-            cb = max(1, self.config.buffer_bytes // 2)
-            widths = [seg.row_bytes for seg in kv.segments]
-            chunks = plan_chunks(len(local), segment_widths=widths, chunk_bytes=cb)
-            self._ask_pull(sess.sock, params, layers=True, chunk_bytes=cb)
+        src_row = self.producer_row_bytes(plan)
+        # two buffers on each side (double buffering) within buffer_bytes
+        per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, kv.row_bytes)))
+        chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
+        chunks = plan_chunks(len(params.block_ids), chunk_rows=chunk)
+        self._ask_pull(sess.sock, params, chunk_rows=chunk)
+        conv = plan.convs[0]
 
-            def direct(ch: Chunk) -> torch.Tensor | None:
-                return kv.contiguous_rows(local[ch.start : ch.start + ch.count], ch.segment)
+        def dst(ch: Chunk) -> list[int]:  # local blocks of a chunk (chunks are whole merges)
+            first = conv.num_dst_blocks(ch.start)
+            return local[first : first + conv.num_dst_blocks(ch.count)]
 
-            def land(ch: Chunk, rows: torch.Tensor) -> None:
-                assert ch.segment is not None
-                ids = kv.ids_tensor(local[ch.start : ch.start + ch.count])
-                kv.scatter(rows, ids, segments=range(ch.segment, ch.segment + 1), cols=False)
+        def direct_rows(ch: Chunk) -> torch.Tensor | None:
+            return kv.contiguous_rows(dst(ch)) if plan.identity else None
 
-            def landed(segment: int | None) -> None:
-                assert segment is not None and arriving is not None
-                arriving.mark(segment, self._event(wire.stream))
-
-            wire.recv(
-                0,
-                chunks,
-                lambda ch: widths[ch.segment or 0],
-                direct=direct,
-                land=land,
-                segment_done=landed,
-                deadline=arriving.deadline,
-            )
-        else:
-            src_row = self.producer_row_bytes(plan)
-            # two buffers on each side (double buffering) within buffer_bytes
-            per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, kv.row_bytes)))
-            chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
-            chunks = plan_chunks(len(params.block_ids), chunk_rows=chunk)
-            self._ask_pull(sess.sock, params, chunk_rows=chunk)
-            conv = plan.convs[0]
-
-            def dst(ch: Chunk) -> list[int]:  # local blocks of a chunk (chunks are whole merges)
-                first = conv.num_dst_blocks(ch.start)
-                return local[first : first + conv.num_dst_blocks(ch.count)]
-
-            def direct_rows(ch: Chunk) -> torch.Tensor | None:
-                return kv.contiguous_rows(dst(ch)) if plan.identity else None
-
-            wire.recv(
-                0,
-                chunks,
-                lambda ch: src_row,
-                direct=direct_rows,
-                land=lambda ch, rows: self._apply_rows(rows, plan, dst(ch)),
-            )
+        wire.recv(
+            0,
+            chunks,
+            lambda ch: src_row,
+            direct=direct_rows,
+            land=lambda ch, rows: self._apply_rows(rows, plan, dst(ch)),
+        )
         send_msg(sess.sock, {"op": "done", "request_id": params.request_id})
 
     def _event(self, stream: Any) -> Any:

@@ -144,7 +144,8 @@ class TransferConnector(ProducerHolds, KVConnector):
         self._load_plans: dict[str, RemotePlan] = {}
         self._consumed: set[str] = set()  # requests loaded from a producer (never served on)
         self._in_step: set[str] = set()  # loads inside the forward pass: no done_recving
-        self._futures: dict[Future[None], LoadSpec] = {}
+        # each pull's loads (a P2P layer-wise pull carries a step's loads from one producer)
+        self._futures: dict[Future[None], tuple[LoadSpec, ...]] = {}
         self._executor = ThreadPoolExecutor(
             max_workers=4, thread_name_prefix=f"kv-{self.transport}"
         )
@@ -346,8 +347,8 @@ class TransferConnector(ProducerHolds, KVConnector):
             with self._lock:
                 self._worker.done_recving.add(request_id)
         with self._lock:
-            for fut, spec in self._futures.items():
-                if spec.request_id == request_id:
+            for fut, specs in self._futures.items():
+                if [s.request_id for s in specs] == [request_id]:
                     fut.cancel()  # only one not yet running is cancelled; _poll reports it
             held = self._sendable.get(request_id)
             if held is not None:
@@ -373,13 +374,9 @@ class TransferConnector(ProducerHolds, KVConnector):
         held for it, else the reason. Returns the token of the pull now pinning the blocks (end it
         with :meth:`_end_pull`), or ``None`` when refused. ``ids`` come off the wire: a list of
         ints in the cache's range, checked (never converted)."""
-        try:
-            if not isinstance(ids, list):
-                raise ValueError(f"pull block_ids={ids!r} is not a list of block ids")
-            self.kv.check_block_ids(ids, what="pull block_ids")
-            token = self._start_pull(rid, ids, lease_s)
-        except (KeyError, ValueError) as exc:
-            send_msg(sock, {"ok": False, "error": str(exc)})
+        token, error = self._admit_pull(rid, ids, lease_s)
+        if token is None:
+            send_msg(sock, {"ok": False, "error": error})
             return None
         reply: dict[str, Any] = {"ok": True, "pull": token}
         if lease_s is not None:
@@ -390,6 +387,19 @@ class TransferConnector(ProducerHolds, KVConnector):
             self._end_pull(rid, token)
             raise
         return token
+
+    def _admit_pull(
+        self, rid: str, ids: object, lease_s: float | None = None
+    ) -> tuple[int | None, str]:
+        """``(token, "")`` of a pull of ``ids`` (off the wire: checked, never converted) now
+        pinning the blocks, or ``(None, the reason)`` it is refused."""
+        try:
+            if not isinstance(ids, list):
+                raise ValueError(f"pull block_ids={ids!r} is not a list of block ids")
+            self.kv.check_block_ids(ids, what="pull block_ids")
+            return self._start_pull(rid, ids, lease_s), ""
+        except (KeyError, ValueError) as exc:
+            return None, str(exc)
 
     def _hello_reply(self) -> dict[str, Any]:
         """What every producer says about itself in its ``hello`` answer."""
@@ -443,7 +453,11 @@ class TransferConnector(ProducerHolds, KVConnector):
         self._release_peer(peer)
 
     def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
-        params = plan.params
+        self._with_peer(plan.params, lambda peer: self._pull_in(peer, spec, plan))
+
+    def _with_peer(self, params: KVTransferParams, work: Callable[[Any], None]) -> None:
+        """Run ``work(peer)`` on the peer of ``params``'s address (its lock held, its live
+        identity the one the params name; a peer that broke is dropped)."""
         want = _identity(params.engine_id, params.compatibility_hashes, params.model_fingerprint)
         for attempt in range(2):
             with self._peers_lock:
@@ -464,7 +478,7 @@ class TransferConnector(ProducerHolds, KVConnector):
                             f"request's params declared {list(params.compatibility_hashes)} "
                             f"(engine {params.engine_id!r}, model {params.model_fingerprint!r})"
                         )
-                    self._pull_in(peer, spec, plan)
+                    work(peer)
                 return
             except HandshakeRefused:
                 raise
@@ -499,7 +513,7 @@ class TransferConnector(ProducerHolds, KVConnector):
                 continue
             fut = self._executor.submit(self._pull_bound, spec, plan)
             with self._lock:
-                self._futures[fut] = spec
+                self._futures[fut] = (spec,)
 
     def wait_for_save(self) -> None:
         """Producers serve from the live blocks (kept by ``delay_free``): nothing to flush."""
@@ -524,21 +538,24 @@ class TransferConnector(ProducerHolds, KVConnector):
             for f, _ in done:
                 del self._futures[f]
             self._expire_locked()
-        for f, spec in done:
-            is_async = spec.request_id not in self._in_step
-            self._in_step.discard(spec.request_id)
+        for f, specs in done:
+            reason: str | None = None
             if f.cancelled():  # abort_request: never loaded, so never reported as loaded
-                self._fail_load(
-                    spec, "the request was aborted before its pull started", async_load=is_async
-                )
-                continue
-            exc = f.exception()
-            if exc is None:
-                if is_async:
-                    with self._lock:
-                        self._worker.done_recving.add(spec.request_id)
-            else:
-                self._fail_load(spec, f"{type(exc).__name__}: {exc}", async_load=is_async)
+                reason = "the request was aborted before its pull started"
+            elif (exc := f.exception()) is not None:
+                reason = f"{type(exc).__name__}: {exc}"
+            for spec in specs:
+                is_async = spec.request_id not in self._in_step
+                self._in_step.discard(spec.request_id)
+                self._load_ended(spec, reason, async_load=is_async)
+
+    def _load_ended(self, spec: LoadSpec, reason: str | None, *, async_load: bool) -> None:
+        """The pull of ``spec`` ended (``reason``: why it failed, ``None``: it succeeded)."""
+        if reason is not None:
+            self._fail_load(spec, reason, async_load=async_load)
+        elif async_load:
+            with self._lock:
+                self._worker.done_recving.add(spec.request_id)
 
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         self._poll()
