@@ -3,8 +3,10 @@ process (``stream_peer.py``) streams each prompt with ``LLMEngine.stream_kv`` wh
 a decode engine here, with ``P2pConfig(layerwise=True)``, loads it inside its step, layer by layer
 (P2P over gloo on 127.0.0.1). Every request's tokens are held to one engine computing everything
 itself; the producer is held before its last layer until the decode engine has loaded layer 0
-(so the decode side provably ran a layer before the producer computed its last one); planted
-bugs (no per-layer wait, a wait for the whole request) and a producer killed mid-stream."""
+(so the decode side provably ran a layer before the producer computed its last one), in a step
+that streams one request and in one that streams three (the decode step loads all three from
+the one producer, segment-major); planted bugs (no per-layer wait, a wait for the whole
+request) and a producer killed mid-stream."""
 
 from __future__ import annotations
 
@@ -220,15 +222,35 @@ def _run_decode(
     return got
 
 
+@pytest.mark.parametrize(
+    ("step_tokens", "held"), [(32, ["r0"]), (64, ["r0", "r1", "r2"])], ids=["one", "three"]
+)
 def test_decode_engine_loads_layer_by_layer_while_the_producer_computes(
-    llama_dir: Path, peer: Callable[..., Peer], want: dict[str, tuple[int, ...]]
+    llama_dir: Path,
+    peer: Callable[..., Peer],
+    want: dict[str, tuple[int, ...]],
+    step_tokens: int,
+    held: list[str],
 ) -> None:
-    p = peer(PROMPTS)
+    """``held``: the requests the producer streams in the step it holds before its last layer
+    (32 tokens a step: r0; 64: r0, r1 and r2). The decode engine's first step loads all of
+    them; before issue 30's segment-major pull, r1 and r2 queued behind r0's whole pull (which
+    waits for the held layer) and that step's layer 0 never came for them."""
+    p = peer(PROMPTS, max_num_batched_tokens=step_tokens)
     decode, conn = _decode_engine(llama_dir)
     try:
         first = _params_until(p, "AT_LAST")  # the producer waits before its last layer
-        assert set(first) == {"r0"}  # handed over before its forward pass ran
-        layer0 = _at_layer_0(decode, lambda: p.send("GO"))
+        assert sorted(first) == held  # handed over before their forward pass ran
+        # the session to the producer exists, as after earlier requests (pulls racing to make
+        # the first one would each make their own and never contend for it)
+        conn._peer(first["r0"]["host"], first["r0"]["port"])
+        at_go: list[list[str]] = []
+
+        def go() -> None:  # layer 0 of every load of this decode step is in place
+            at_go.append(sorted(conn._step_arriving))
+            p.send("GO")
+
+        layer0 = _at_layer_0(decode, go)
         got = _run_decode(decode, p, first, total=len(PROMPTS))
         assert got == want  # planted bugs: see the twins below
         stats = decode.stats().kv_connector
@@ -238,6 +260,7 @@ def test_decode_engine_loads_layer_by_layer_while_the_producer_computes(
         assert stats.loaded_tokens == (6 + 5 + 2 + 7) * BS
         assert decode.stats().scheduler.num_async_loads == 0  # every load ran inside a step
         assert layer0  # the decode engine loaded and attended layer 0 ...
+        assert at_go == [held]  # ... of every request the producer held, in one step ...
         t_last = float(p.logged("LAST ", timeout_s=1).split()[1])
         assert layer0[0] < t_last  # ... before the producer began its last layer
         free = p.logged("ALL_SENT", timeout_s=60).split()[1]
@@ -293,9 +316,8 @@ def test_producer_killed_mid_stream_is_recomputed(
     llama_dir: Path, peer: Callable[..., Peer], want: dict[str, tuple[int, ...]]
 ) -> None:
     """The producer streams r0, r1 and r2 in one step (64 tokens a step) and is killed while it
-    waits before its last layer, the decode engine's step under way: each load fails (r0 after
-    its first layer landed; r1 and r2 queue behind r0's pull on the one session) and is
-    recomputed."""
+    waits before its last layer, the decode engine's step under way (one pull carries the three
+    loads, their first layer landed): each load fails once and is recomputed."""
     prompts = {r: PROMPTS[r] for r in ("r0", "r1", "r2")}
     p = peer(prompts, max_num_batched_tokens=64)
     decode, conn = _decode_engine(llama_dir)
