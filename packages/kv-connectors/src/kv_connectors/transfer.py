@@ -41,12 +41,12 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
 from kv_connectors._holding import Held, ProducerHolds
+from kv_connectors._remote_plan import RemotePlan, _identity, _Peer
 from kv_connectors._sidechannel import (
     SideChannelServer,
     StaleSession,
@@ -74,48 +74,12 @@ from kv_connectors.config import (
 from kv_connectors.handshake import (
     HandshakeRefused,
     KVTransferParams,
-    LayoutConversion,
     convert_rows,
     plan_conversion,
 )
 from kv_connectors.views import RegisteredKV
 
 __all__ = ["RemotePlan", "TransferConnector"]
-
-
-class _Peer(Protocol):
-    """What the consumer keeps per producer address: the side-channel socket, the producer's live
-    compatibility hashes, its identity (engine id, hashes, model fingerprint) and a lock that
-    serializes pulls (P2P sessions, NIXL remote agents)."""
-
-    sock: socket.socket
-    hashes: tuple[str, ...]
-    identity: tuple[Any, ...]
-    lock: threading.Lock
-
-
-def _identity(engine_id: str, hashes: Sequence[str], fingerprint: str | None) -> tuple[Any, ...]:
-    return (engine_id, tuple(hashes), fingerprint)
-
-
-@dataclass(frozen=True)
-class RemotePlan:
-    """A consumer's plan for one request: which producer blocks fill which local blocks, how."""
-
-    params: KVTransferParams  # block_ids: the producer blocks to read, in request order
-    convs: tuple[LayoutConversion, ...]  # one per registered cache
-
-    @property
-    def identity(self) -> bool:
-        return all(c.identity for c in self.convs)
-
-    @property
-    def merge(self) -> int:
-        return self.convs[0].merge
-
-    @property
-    def split(self) -> int:
-        return self.convs[0].split
 
 
 class TransferConnector(ProducerHolds, KVConnector):
