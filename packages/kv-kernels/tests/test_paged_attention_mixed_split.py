@@ -37,6 +37,7 @@ from kv_spec import KVCacheLayout, LayoutOrder
 
 tri = importlib.import_module("kv_kernels.paged_attention.triton")
 fast = importlib.import_module("kv_kernels.paged_attention._fast")
+splits_mod = importlib.import_module("kv_kernels.paged_attention._splits")
 
 #: (q_lens, seq_lens): decode rows over 1030-1100 keys (the interpreter's decode config reads
 #: 64-key tiles, so the heuristic splits them in 2) beside prefill chunks with context
@@ -104,7 +105,7 @@ def test_the_split_scratch_of_a_mixed_batch_is_bounded(
     b = make_paged_batch(q_lens=q_lens, seq_lens=seq_lens, head_size=16, group=2)
     rows, heads = b["q"].shape[0], b["q"].shape[1]
     per_split = rows * heads * (16 + 1) * 4
-    monkeypatch.setattr(tri, "MIXED_SPLIT_SCRATCH", cap_bytes or 2 * per_split)
+    monkeypatch.setattr(splits_mod, "MIXED_SPLIT_SCRATCH", cap_bytes or 2 * per_split)
     out = run_batch(b, "triton")
     splits, got = launches[-1]
     if cap_bytes == 1:

@@ -24,6 +24,7 @@ import torch
 
 from kv_kernels._common import row_align
 from kv_kernels._launch import FastLauncher
+from kv_kernels.paged_attention import _splits
 from kv_kernels.paged_attention._aot import AotSpec, aot_specs
 from kv_kernels.paged_attention._bound import Launch
 from kv_kernels.paged_attention._kernels import paged_attention_kernel
@@ -35,6 +36,7 @@ from kv_kernels.paged_attention._launch_args import (
     _tma_descriptors,
 )
 from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
+from kv_kernels.paged_attention._splits import _num_splits
 from kv_kernels.paged_attention._tiles import (
     AttentionConfig,
     _device_info,
@@ -235,7 +237,7 @@ def _make_plan(
             # splits x 128 x 4 bytes is 2 GiB), so a mixed batch splits only as far as
             # MIXED_SPLIT_SCRATCH bytes allow (q's shape is part of the plan's class)
             per_split = q.shape[0] * num_q_heads * (pow2(head_size_v) + 1) * 4
-            splits = ("capped", max(1, MIXED_SPLIT_SCRATCH // per_split), splits)
+            splits = ("capped", max(1, _splits.MIXED_SPLIT_SCRATCH // per_split), splits)
     # sm_90, 16-bit pages, no special features: the prefill class runs the warp-specialized
     # Gluon kernel (see _sm90_prefill; with KV_KERNELS_SM90_PREFILL=0 the Triton kernel does).
     # (Its rule reads features["split"]: a prefill launch never splits on its own.)
@@ -249,44 +251,6 @@ def _make_plan(
         grid_y_pre=num_kv_heads * chunks_pre, run_prefill=run_prefill,
         kv_scale_mode=kv_scale_mode, features=features, gluon_decode=gluon_decode,
         gluon_mla=gluon_mla, gluon_prefill=gluon_prefill, splits=splits,
-    )  # fmt: skip
-
-
-#: bytes of split scratch (partial outputs and LSEs of every token row) a mixed batch's decode
-#: split may take: past it the decode class runs unsplit, as every mixed batch once did
-MIXED_SPLIT_SCRATCH = 64 << 20
-
-
-def _num_splits(
-    splits: Any, block_table: torch.Tensor, block_size: int, max_seq_len: int | None
-) -> int:
-    """The KV split count of a launch: the caller's, or the heuristic of the decode kernel that
-    serves it over ``max_seq_len`` (the only input a plan does not fix)."""
-    if isinstance(splits, int):
-        return splits
-    if splits[0] == "capped":  # (a mixed batch: the largest power of two within the cap)
-        cap, inner = splits[1], splits[2]
-        return min(
-            _num_splits(inner, block_table, block_size, max_seq_len), 1 << (cap.bit_length() - 1)
-        )
-    bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
-    kind, num_seqs, heads, num_sms = splits[:4]
-    if kind == "decode":
-        from kv_kernels.paged_attention._sm90_decode import pick_decode_splits
-
-        return pick_decode_splits(
-            num_seqs=num_seqs, num_kv_heads=heads, max_seq_len=bound, num_sms=num_sms
-        )
-    if kind == "mla":
-        from kv_kernels.paged_attention._sm90_mla import pick_mla_splits
-
-        return pick_mla_splits(
-            num_seqs=num_seqs, head_blocks=heads, max_seq_len=bound, num_sms=num_sms
-        )
-    cfg = splits[4]
-    return pick_num_splits(
-        num_seqs=num_seqs, num_kv_heads=heads, max_seq_len=bound, tile_n=cfg.tile_n,
-        num_sms=num_sms, waves=cfg.waves, programs_per_sm=cfg.programs_per_sm,
     )  # fmt: skip
 
 
