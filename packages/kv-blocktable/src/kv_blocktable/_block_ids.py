@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INT32_MAX",
     "BlockIdCheck",
+    "check_append_args",
     "check_group_sizes",
     "check_index_tensor",
     "check_kernel_block_split",
@@ -284,6 +285,24 @@ def _check_integral(g: int, row: int, ids: object) -> None:
         f"group {g} block ids for row {row} are a {type(ids).__name__}; pass a list of ints "
         "(or an integer tensor)"
     )
+
+
+def check_append_args(rows: Any, new_block_ids: Any) -> None:
+    """``BlockTables.append_rows``' argument check: two sequences of equal length (one tuple of
+    per-group ids per row)."""
+    if not (type(rows) is list or isinstance(rows, Sequence)) or not (
+        type(new_block_ids) is list or isinstance(new_block_ids, Sequence)
+    ):  # (the exact-type test first: an ABC check costs a microsecond)
+        raise TypeError(
+            f"append_rows: rows ({type(rows).__name__}) and new_block_ids "
+            f"({type(new_block_ids).__name__}) must be sequences, one tuple of per-group "
+            "ids per row"
+        )
+    if len(rows) != len(new_block_ids):
+        raise ValueError(
+            f"append_rows: got {len(rows)} rows but {len(new_block_ids)} block-id tuples; "
+            "pass one tuple (one list per KV group) per row"
+        )
 
 
 def plan_appends(

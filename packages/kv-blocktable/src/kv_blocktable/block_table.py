@@ -42,6 +42,7 @@ from kv_spec._checks import check_bool
 from kv_blocktable import attn_metadata as _md
 from kv_blocktable._block_ids import (
     BlockIdCheck,
+    check_append_args,
     check_group_sizes,
     check_index_tensor,
     check_kernel_block_split,
@@ -370,19 +371,7 @@ class BlockTables(TableCommit, StepExports):
         that crossed a block boundary in one call instead of a few torch ops per row. A row may
         appear more than once; its appends apply in order.
         """
-        if not (type(rows) is list or isinstance(rows, Sequence)) or not (
-            type(new_block_ids) is list or isinstance(new_block_ids, Sequence)
-        ):  # (the exact-type test first: an ABC check costs a microsecond)
-            raise TypeError(
-                f"append_rows: rows ({type(rows).__name__}) and new_block_ids "
-                f"({type(new_block_ids).__name__}) must be sequences, one tuple of per-group "
-                "ids per row"
-            )
-        if len(rows) != len(new_block_ids):
-            raise ValueError(
-                f"append_rows: got {len(rows)} rows but {len(new_block_ids)} block-id tuples; "
-                "pass one tuple (one list per KV group) per row"
-            )
+        check_append_args(rows, new_block_ids)
         if not rows:
             return
         # A decode step's appends (at most one id per group and row) in one checked loop; any
