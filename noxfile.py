@@ -33,6 +33,7 @@ EXTRA_MODULES = {
         "kv_blocktable._table_exports",
         "kv_blocktable._kernel_exports",
         "kv_blocktable._table_commit",
+        "kv_blocktable._host_decode",
     )
 }
 # Dependency groups a package's tests need beyond `test` (optional extras that install on a CPU).
