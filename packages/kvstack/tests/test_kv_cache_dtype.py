@@ -329,6 +329,18 @@ def test_deepseek_v3_decompressed_prefill_reads_an_fp8_latent(
     assert parity == 1.0 and agreement >= DS_FLOOR["fp8_e4m3"]
 
 
+def test_deepseek_v3_decompressed_prefill_refuses_an_fp8_latent_without_its_scale(
+    seed_ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No scale to read an fp8 latent back with is an error (the layer's cache write refuses it
+    before the decompressed prefill could read the rows with a made-up 1.0)."""
+    engine = _deepseek(seed_ckpts["deepseek_v3"], kv_cache_dtype="fp8")
+    for b in engine.runner.layers:
+        monkeypatch.setattr(b.impl, "scales", lambda layer, device=None: (None, None))
+    with pytest.raises(ValueError, match="k_scale is required for an fp8_per_tensor cache"):
+        generate(engine, MIMO_PROMPTS[:1], 2)
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_deepseek_v3_decompressed_prefill_planted_wrong_latent_scale_fails(
     seed_ckpts: dict[str, Path],

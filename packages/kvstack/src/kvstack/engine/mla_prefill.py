@@ -457,7 +457,9 @@ def attend_split(
     for p in plan.passes:
         rows = latent[p.blk, p.off]  # [n, rank + rope] the pieces' context, new tokens included
         if latent.dtype != q_pe.dtype:
-            rows = rows.float() * (k_scale if k_scale is not None else 1.0)
+            # (never None: the impl's cache write refuses an fp8 cache without a k_scale first)
+            assert k_scale is not None
+            rows = rows.float() * k_scale
             rows = rows.to(q_pe.dtype)
         k_nope, v = attn.decompress(rows[:, : attn.rank])  # [n, H, nope], [n, H, v]
         fill_workspace(plan.workspace, p.dst, k_nope, rows[:, None, attn.rank :], v)
