@@ -68,6 +68,15 @@ def resolve_impl(
     if impl == "reference":
         return impl
     if device.type == "cuda":
+        current = torch.cuda.current_device()
+        if device.index is not None and device.index != current:
+            # Triton launches on the current device: these pointers belong to another context
+            # (an error there, or with peer access a launch on the wrong GPU, off its stream).
+            raise ValueError(
+                f"{op}: the tensors are on {device} but the current CUDA device is cuda:{current}; "
+                f"Triton launches on the current device: call under `with torch.cuda.device("
+                f"{device.index})` (or torch.cuda.set_device({device.index}) in this thread)"
+            )
         for t in others:
             if t.device == device or (t.device.type == "cpu" and t.is_pinned()):
                 continue

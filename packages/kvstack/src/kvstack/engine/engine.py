@@ -35,6 +35,8 @@ from kv_blocktable import KVCacheManager, Request
 from kv_blocktable.block_table import BlockTables
 
 from kvstack.engine._async import InFlight, TokenReader
+from kvstack.engine._device import on_built_device as _on_built_device
+from kvstack.engine._device import on_device
 from kvstack.engine._inputs import (
     chat_prompts,
     check_engine_flags,
@@ -92,6 +94,7 @@ class LLMEngine(TextSide):
     (:mod:`kvstack.engine.connector_driver`); the caller builds (engine's block size) and closes it.
     """
 
+    @_on_built_device
     def __init__(
         self,
         model_dir: str | Path | None = None,
@@ -195,6 +198,12 @@ class LLMEngine(TextSide):
             return tok.encode(prompt)
         return check_token_ids(rid, prompt, self.runner.arch.vocab_size)
 
+    @property
+    def device(self) -> torch.device:
+        """The device the engine runs on (its runner's); its entry points make it current."""
+        return self.runner.device
+
+    @on_device
     def add_request(
         self,
         request_id: str | None,
@@ -276,6 +285,7 @@ class LLMEngine(TextSide):
             self._prompt_text[rid] = prompt
         return rid
 
+    @on_device
     def abort_request(self, request_id: str | Iterable[str]) -> list[str]:
         """Drop requests wherever they are (vLLM's ``abort_request``): waiting, running (its
         blocks go back to the pool and it leaves the batch), or finished (a ``hold_blocks``
@@ -317,6 +327,7 @@ class LLMEngine(TextSide):
         self._prompt_text.pop(rid, None)
         self._text_cut.pop(rid, None)
 
+    @on_device
     def stream_kv(self, request_id: str, on_params: Callable[[str, dict[str, Any]], None]) -> None:
         """Disaggregated prefill, layer by layer: in the step that schedules waiting request
         ``request_id``'s last prompt tokens, ``on_params(request_id, params)`` runs before the
@@ -332,6 +343,7 @@ class LLMEngine(TextSide):
         """Block ids per KV group of a running or held request (0 where a window dropped one)."""
         return self.kv.get_block_ids(request_id)
 
+    @on_device
     def release(self, request_id: str) -> None:
         """Free a finished ``hold_blocks`` request's blocks."""
         self.scheduler.release(request_id)
@@ -352,6 +364,7 @@ class LLMEngine(TextSide):
             and self.external_loader is None
         )
 
+    @on_device
     def step(self) -> list[TokenEvent]:
         """Schedule, run the model once, sample; the tokens generated this step. One step ahead
         (``async_scheduling``) the step is launched and left in flight, and the tokens returned
