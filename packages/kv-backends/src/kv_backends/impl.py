@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
-from kv_spec import KVCacheLayout, LayoutOrder, to_torch_dtype
+from kv_spec import KVCacheLayout, KVQuantMode, LayoutOrder, to_torch_dtype
 
 from kv_backends.config import AttentionConfig
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionImpl",
     "LayerParams",
+    "PlainCacheWrite",
     "check_config_and_layout",
     "kernel_block_view",
     "kernel_split_problem",
@@ -114,6 +115,15 @@ class LayerParams:
     alibi_slopes: torch.Tensor | None  # [num_q_heads]
     k_scale: torch.Tensor | None  # [] or [num_kv_heads]
     v_scale: torch.Tensor | None  # [] or [num_kv_heads]
+
+
+class PlainCacheWrite(NamedTuple):
+    """What :meth:`AttentionImpl.plain_cache_write` reports: the ``impl`` and ``error_flag`` its
+    ``reshape_and_cache`` call passes (the other arguments are the write's own and the impl's
+    ``layout``; no scales)."""
+
+    impl: str
+    error_flag: torch.Tensor | None
 
 
 class AttentionImpl:
@@ -313,6 +323,25 @@ class AttentionImpl:
             impl=self.cache_write_impl(),
             error_flag=self._error_flag(kv_cache.device),
         )
+
+    def plain_cache_write(self, device: torch.device) -> PlainCacheWrite | None:
+        """How :meth:`do_kv_cache_update` writes on ``device`` (a ``layer=None`` call) when the
+        write is exactly kv-kernels' ``reshape_and_cache(key, value, kv_cache, slot_mapping,
+        self.layout, impl=..., error_flag=...)`` with no scales: an unquantized, non-MLA cache
+        written by this base method, not a subclass's own. ``None`` otherwise (a quantized cache
+        needs its scales, an MLA cache stores latent rows, an override writes its own way).
+
+        For a caller that fuses work into the write (kv-kernels' ``fused.rope_and_cache``: RoPE
+        and the write in one launch) and must write the same bytes, counted in the same flag.
+        Call it outside CUDA-graph capture: it makes the impl's tensors on ``device``."""
+        if type(self).do_kv_cache_update is not AttentionImpl.do_kv_cache_update:
+            return None
+        if self.layout.kv_quant is not KVQuantMode.NONE or self.layout.is_mla or self.config.mla:
+            return None
+        if self.k_scale is not None or self.v_scale is not None:
+            return None  # (reshape_and_cache refuses scales on an unquantized cache)
+        self.device_params(device)  # (the error flag of a backend that keeps one)
+        return PlainCacheWrite(self.cache_write_impl(), self._error_flag(device))
 
     def cache_write_impl(self) -> str:
         """The ``reshape_and_cache`` implementation: ``"auto"`` (Triton on CUDA, torch on CPU)."""
