@@ -9,16 +9,26 @@ Llama-3-8B per-rank heads: 32 q / 8 KV heads of 128, bf16, 16-token blocks):
   ``--iters`` calls issued back to back. The GPU runs behind; the count stays far below the
   launch queue's depth, so a call's host time is not stretched by waiting for the device.
 - ``kernel_us``: host time of the kernel the backend wraps, called directly with the same inputs
-  (the baseline); ``overhead_us = forward_us - kernel_us`` (goal: <= 5 us).
+  (the baseline); ``overhead_us``: the median of ``forward - kernel`` over pairs of calls made
+  one after the other (goal: <= 5 us). Paired, since two medians taken a few hundred calls
+  apart differ by more than the overhead when the launch queue fills differently (the
+  record before the pairing read 5.07 / 5.33 / 1.3 us at batch 1 / 64 / 256).
 - ``replay_us``: host time of ``graph.replay()`` of a captured ``forward`` (backends that declare
   CUDA-graph support).
 - ``graph_device_us`` / ``kernel_device_us``: device time per step of the replayed graph and of
   the direct kernel (CUDA events over ``--iters`` back-to-back calls);
   ``graph_ratio = kernel_device_us / graph_device_us`` (goal: >= 0.95).
 
+``--cpu`` (no GPU needed): TRITON's forward on the CPU with kv-kernels' ``paged_attention``
+replaced by a stub of the same signature that does nothing, against that stub called directly:
+what the backend's Python costs per call beyond the kernel's own host path (the GPU host runs
+the same Python, ~2x slower). Prints the records and writes ``backends_host_cpu.json`` under
+``--out``; build_us is the real builder's.
+
 Usage (on the GPU machine)::
 
     python packages/kv-backends/benchmarks/bench_host.py [--out docs/benchmarks] [--quick]
+    python packages/kv-backends/benchmarks/bench_host.py --cpu --out /tmp/host   # any machine
 
 Writes ``backends_host.json`` (one record per backend x batch), ``backends_host.md`` (a table)
 and ``backends_host.png`` (host us per forward vs kernel, per batch size) under ``--out``.
@@ -53,6 +63,31 @@ def _host_us(fn: Callable[[], Any], iters: int) -> float:
         times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def _paired_us(
+    fn: Callable[[], Any], base: Callable[[], Any], iters: int, block: int = 1
+) -> tuple[float, float, float]:
+    """Median host microseconds of ``fn`` and of ``base`` and the median of their difference,
+    over ``iters`` pairs of ``block`` calls each, ``fn``'s then ``base``'s (device drained
+    before): a pair's two halves meet the same launch-queue depth and CPU state."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    a, b, d = [], [], []
+    clock = time.perf_counter
+    for _ in range(iters):
+        t0 = clock()
+        for _ in range(block):
+            fn()
+        t1 = clock()
+        for _ in range(block):
+            base()
+        t2 = clock()
+        a.append((t1 - t0) * 1e6 / block)
+        b.append((t2 - t1) * 1e6 / block)
+        d.append(a[-1] - b[-1])
+    sync()
+    return statistics.median(a), statistics.median(b), statistics.median(d)
 
 
 def _device_us(fn: Callable[[], Any], iters: int) -> float:
@@ -124,7 +159,11 @@ def _case(name: str, batch: int, seq_len: int, iters: int) -> dict[str, Any] | N
     if direct is not None:
         direct()
         rec["kernel_us"] = _host_us(direct, iters)
-        rec["overhead_us"] = rec["forward_us"] - rec["kernel_us"]
+
+        def fwd() -> None:
+            impl.forward(None, b.q, b.kv_cache, md, out=out)
+
+        rec["overhead_us"] = _paired_us(fwd, direct, iters)[2]
         rec["kernel_device_us"] = _device_us(direct, iters)
     if backend.CAPABILITIES.cudagraph_support != CUDAGRAPH_NEVER:
         graph = _graph(impl, b, md, out)
@@ -133,6 +172,90 @@ def _case(name: str, batch: int, seq_len: int, iters: int) -> dict[str, Any] | N
         if "kernel_device_us" in rec:
             rec["graph_ratio"] = rec["kernel_device_us"] / rec["graph_device_us"]
     return rec
+
+
+def _stub_paged_attention() -> Callable[..., None]:
+    """A function with ``kv_kernels.paged_attention``'s signature that does nothing: the CPU
+    harness's kernel (binding the same arguments costs what the real call's binding costs)."""
+    import inspect
+
+    from kv_kernels.paged_attention import paged_attention
+
+    parts: list[str] = []
+    for p in inspect.signature(paged_attention).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and "*" not in parts:
+            parts.append("*")
+        parts.append(p.name if p.default is p.empty else f"{p.name}=None")
+    ns: dict[str, Any] = {}
+    exec(f"def paged_attention({', '.join(parts)}):\n    return None\n", ns)
+    stub: Callable[..., None] = ns["paged_attention"]
+    return stub
+
+
+def _cpu_case(batch: int, seq_len: int, rounds: int) -> dict[str, Any]:
+    """TRITON's forward on the CPU over the stub kernel (``--cpu``, see the module docstring):
+    medians over ``rounds`` pairs of 1000-call blocks, forward's and the direct stub call's."""
+    from kv_backends import get_backend
+    from kv_backends.testing import make_paged_batch
+
+    b = make_paged_batch(
+        query_lens=[1] * batch,
+        seq_lens=[seq_len] * batch,
+        num_q_heads=HEADS_Q,
+        num_kv_heads=HEADS_KV,
+        head_size=HEAD,
+        dtype="bfloat16",
+        fill=False,
+        make_kv=False,
+    )
+    backend = get_backend("TRITON")
+    builder = backend.make_builder(b.config, b.layout, device="cpu")
+    impl = backend.make_impl(b.config, b.layout, device="cpu")
+    md = builder.build(b.common)
+    out = torch.empty(batch, HEADS_Q, HEAD, dtype=b.q.dtype)
+    direct = direct_paged_attention(b, md, out, scale=impl.scale)
+
+    def fwd() -> None:
+        impl.forward(None, b.q, b.kv_cache, md, out=out)
+
+    fwd()
+    forward_us, kernel_us, overhead_us = _paired_us(fwd, direct, rounds, block=1000)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        builder.build(b.common)
+    build_us = (time.perf_counter() - t0) / 200 * 1e6
+    return {
+        "backend": "TRITON",
+        "batch": batch,
+        "seq_len": seq_len,
+        "build_us": build_us,
+        "forward_us": forward_us,
+        "kernel_us": kernel_us,
+        "overhead_us": overhead_us,
+        "kernel": "stub (CPU)",
+    }
+
+
+def _main_cpu(args: argparse.Namespace) -> int:
+    import kv_kernels.paged_attention  # noqa: F401  (the package module, patched below)
+
+    mod: Any = sys.modules["kv_kernels.paged_attention"]
+    real = mod.paged_attention
+    mod.paged_attention = _stub_paged_attention()
+    try:
+        records = [
+            _cpu_case(batch, args.seq_len, 9 if args.quick else 41) for batch in (1, 64, 256)
+        ]
+    finally:
+        mod.paged_attention = real
+    for rec in records:
+        print(json.dumps(rec))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "backends_host_cpu.json").write_text(
+        json.dumps({"device": "cpu", **provenance("torch"), "records": records}, indent=1) + "\n"
+    )
+    print(f"wrote {args.out}/backends_host_cpu.json")
+    return 0
 
 
 def _markdown(records: list[dict[str, Any]], device: str) -> str:
@@ -208,7 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations, batch 1 and 64")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--backends", nargs="*", default=list(BACKENDS))
+    parser.add_argument(
+        "--cpu", action="store_true", help="TRITON's forward over a stub kernel on the CPU"
+    )
     args = parser.parse_args(argv)
+    if args.cpu:
+        return _main_cpu(args)
     if not torch.cuda.is_available():
         print("bench_host.py needs a CUDA GPU", file=sys.stderr)
         return 2

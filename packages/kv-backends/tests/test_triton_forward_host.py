@@ -78,12 +78,19 @@ def test_a_layer_with_its_own_scales_is_not_cached(calls: list[Any]) -> None:
     ("change", "message"),
     [
         (lambda b, md: (b.q[:, :2], b.kv_cache, md, None), "expected \\[num_tokens, 4, 16\\]"),
+        # a wrong rank fails forward's shape unpacking first; the same named error
+        (lambda b, md: (b.q[:, 0], b.kv_cache, md, None), "expected \\[num_tokens, 4, 16\\]"),
+        (lambda b, md: (b.q[None], b.kv_cache, md, None), "expected \\[num_tokens, 4, 16\\]"),
+        (lambda b, md: (b.q[:, :, :8], b.kv_cache, md, None), "expected \\[num_tokens, 4, 16\\]"),
         (lambda b, md: (b.q[:2], b.kv_cache, md, None), "num_actual_tokens=3"),
         (lambda b, md: (b.q.double(), b.kv_cache, md, None), "this layer computes in"),
         (lambda b, md: (b.q, b.kv_cache[:1], md, None), "kv_cache has shape"),
         (lambda b, md: (b.q, b.kv_cache.double(), md, None), "kv_cache has dtype"),
         (lambda b, md: (b.q, b.kv_cache, md, torch.empty(3, 4, 8)), "out has shape"),
         (lambda b, md: (b.q, b.kv_cache, md, torch.empty(3, 4, 16).double()), "out has shape"),
+        (lambda b, md: (b.q, b.kv_cache, md, torch.empty(2, 4, 16)), "out has shape"),
+        (lambda b, md: (b.q, b.kv_cache, md, torch.empty(3, 4, 16, 1)), "out has shape"),
+        (lambda b, md: (b.q, b.kv_cache.half(), md, None), "kv_cache has dtype"),
     ],
 )
 def test_bad_inputs_still_name_the_field(calls: list[Any], change: Any, message: str) -> None:
