@@ -9,11 +9,17 @@ and measured per case (batch x context):
   then without (the same requests, the same engine: the graphs are set aside for the eager
   steps). ``roofline_ms`` = (weight bytes read + KV bytes read) / the device-to-device copy
   bandwidth measured in this process; ``value`` (metric ``roofline_fraction``) = roofline_ms /
-  ms_per_step. A profile of a few steps gives ``gpu_busy_fraction``, ``host_ms_per_step`` and
-  ``syncs_per_step`` (:mod:`_step_trace`).
+  ms_per_step. A profile of a few steps gives ``gpu_busy_fraction``, ``host_ms_per_step``,
+  ``syncs_per_step`` / ``blocking_syncs_per_step``, ``gpu_gaps`` (idle between steps, launch
+  gaps) and ``top_kernels``; a shorter one with Python stacks says where each sync is called
+  (``syncs_by_site``) (:mod:`_step_trace`, :mod:`_trace_analysis`).
 - **mixed**: the same decode batch while new requests of the context length arrive (one every
   ``ARRIVE_EVERY`` steps), their prompts prefilled in chunks beside the decodes. A step's own
-  roofline is max(bytes / copy bandwidth, FLOPs / the dense bf16 matmul peak measured here).
+  roofline is max(bytes / copy bandwidth, FLOPs / the dense bf16 matmul peak measured here);
+  ``composition`` lists each timed mixed step's decode rows, prefill tokens and roofline. Its
+  profile keeps only the steps that prefill (each profiled step is labelled by the chunks it
+  scheduled, and a step owns the kernels it launched), so its busy fraction, top kernels and
+  host time are the mixed step's; the whole window's are under ``all_steps_profile``.
 - **prefill**: the prompts' steps, FLOPs over the measured peak.
 
 Weight bytes count every parameter once a step except the embedding table (only the batch's rows
@@ -35,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _step_trace import host_hotspots, profile_steps
+from _step_trace import host_hotspots, profile_steps, sync_sites
 
 #: Real shapes (transformers ``config.json`` fields; ``num_hidden_layers`` may be cut by
 #: ``--layers``).
@@ -97,6 +103,12 @@ SHAPES["llama-tiny"] = {
 NEW_TOKENS = 64
 ARRIVE_EVERY = 4
 BLOCK = 16
+#: Steps under the profiler with Python stacks (sync sites): the tracer slows the host, so it
+#: is a profile of its own, short.
+STACK_STEPS = 4
+#: Mixed-load steps profiled: 3 arrivals, so 3 mixed steps; and with stacks: 2.
+MIXED_PROFILE = 3 * ARRIVE_EVERY
+MIXED_STACK = 2 * ARRIVE_EVERY
 
 
 def random_checkpoint(config: dict[str, Any], path: Path, device: str, seed: int = 0) -> Path:
@@ -281,6 +293,39 @@ def _fractions(
     }
 
 
+def composition(
+    chunks: list[tuple[int, int]], cost: Cost, bw: float, peak: float
+) -> dict[str, Any]:
+    """What a step computed: decode rows, prefill rows and tokens, the KV tokens it read, and its
+    roofline (bytes, FLOPs, ms)."""
+    nbytes, flops = cost.step(chunks)
+    pre = [n for _, n in chunks if n > 1]
+    return {
+        "decode_rows": sum(n == 1 for _, n in chunks),
+        "prefill_rows": len(pre),
+        "prefill_tokens": sum(pre),
+        "kv_tokens": sum(s + n for s, n in chunks),
+        "bytes": nbytes,
+        "flops": flops,
+        "roofline_ms": max(nbytes / bw, flops / peak) * 1e3,
+    }
+
+
+def _labeller(log: list[list[tuple[int, int]]], kept: list[list[tuple[int, int]]]) -> Any:
+    """A ``label()`` for :func:`profile_steps`: "mixed" when the chunks the step scheduled (what
+    ``log`` gained since the last call) prefill a prompt, else "decode"; a mixed step's chunks
+    are appended to ``kept``."""
+    seen = {"n": len(log)}
+
+    def label() -> str:
+        new, seen["n"] = log[seen["n"] :], len(log)
+        mixed = [ch for ch in new if any(n > 1 for _, n in ch)]
+        kept.extend(mixed)
+        return "mixed" if mixed else "decode"
+
+    return label
+
+
 def _mixed_load(
     engine: Any, log: list[list[tuple[int, int]]], base: dict[str, Any], g: torch.Generator,
     params: Any, roof: tuple[Cost, float, float],
@@ -309,18 +354,29 @@ def _mixed_load(
         state["k"] += 1
         engine.step()
 
-    # where a mixed step's time goes: 8 more steps of the same load (2 arrivals) under the
-    # profiler, and the host's hot spots over 4 (1 arrival)
-    profiled = profile_steps(step_with_arrivals, 2 * ARRIVE_EVERY, str(engine.runner.device))
+    # where a mixed step's time goes: 12 more steps of the same load (3 arrivals) under the
+    # profiler, only the steps that prefill kept; the host's hot spots over 4 (1 arrival); the
+    # sync sites over 8 (2 arrivals)
+    device = str(engine.runner.device)
+    prof_chunks: list[list[tuple[int, int]]] = []
+    profiled = profile_steps(
+        step_with_arrivals, MIXED_PROFILE, device, _labeller(log, prof_chunks), "mixed"
+    )
     hot = host_hotspots(step_with_arrivals, ARRIVE_EVERY)
+    stacks = sync_sites(step_with_arrivals, MIXED_STACK, device, _labeller(log, []), "mixed")
     return {
         **base,
         **profiled,
+        **stacks,
         "host_hotspots": hot,
         "phase": "mixed",
         "arrive_every": ARRIVE_EVERY,
         "async_scheduling": engine.async_scheduling,
         **_fractions(picked_times, [chunks[i] for i in pick], cost, bw, peak),
+        "composition": [
+            {**composition(chunks[i], cost, bw, peak), "ms": times[i + shift] * 1e3} for i in pick
+        ],
+        "profiled_composition": [composition(ch, cost, bw, peak) for ch in prof_chunks],
         "all_steps": _fractions(times, chunks, cost, bw, peak),
     }
 
@@ -333,8 +389,9 @@ def run_case(
     from kvstack.engine.engine import LLMEngine
     from kvstack.engine.sampling import SamplingParams
 
-    # the timed mixed run's arrivals, and the 3 of its profile (see _mixed_load)
-    arrivals = (NEW_TOKENS // ARRIVE_EVERY + 3) if mixed else 0
+    # the timed mixed run's arrivals, and those of its profiles (see _mixed_load)
+    extra = (MIXED_PROFILE + ARRIVE_EVERY + MIXED_STACK) // ARRIVE_EVERY
+    arrivals = (NEW_TOKENS // ARRIVE_EVERY + extra) if mixed else 0
     seqs = batch + arrivals
     max_len = context + 4 * NEW_TOKENS
     # (a hybrid model's sliding group takes blocks from the same pool: twice the full need)
@@ -385,6 +442,7 @@ def run_case(
         t = _timed_steps(engine, NEW_TOKENS // 2)
         rec = {**base, "phase": phase, **_fractions(t, log[-len(t) :], cost, bw, peak)}
         rec.update(profile_steps(engine.step, profile, device))
+        rec.update(sync_sites(engine.step, STACK_STEPS, device))
         if not on:  # an eager step: where its host time goes
             rec["host_hotspots"] = host_hotspots(engine.step, 3)
         rec["replays"] = graphs.num_replays if graphs is not None else 0

@@ -78,7 +78,14 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
         "read) / device-to-device copy bandwidth, or FLOPs / the dense bf16 matmul peak where "
         "larger (prefill, mixed), both measured in the same process; fraction = roofline / step "
         "time (the run's sum of rooflines over its sum of step times). GPU busy, host ms and "
-        "syncs come from a profile of 8 steps the script takes itself.",
+        "syncs come from a profile of 8 steps the script takes itself (the mixed row: of 12 "
+        "steps, only the 3 that prefill kept, each charged the kernels it launched). Syncs: "
+        "calls that wait for the device (stream / event / device synchronize, copies to "
+        "pageable memory); blocking: those that took over 5 us (a copy: over 20 us), an event "
+        "already complete is no wait. Idle between steps: on the compute stream, the gaps "
+        "before each step's first op (launch gaps: gaps under 10 us anywhere), as a fraction "
+        "of the steps' device time. Where each sync is called comes from a profile of 4 "
+        "steps with Python stacks, under the table.",
         "",
     ]
     for key, run in sorted(runs.items()):
@@ -90,20 +97,72 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
             f"{m['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, commit {m.get('git_commit', '?')}"
             + (" (quick run)" if m.get("quick") else ""),
             "",
-            "| batch x context | phase | ms / step | roofline ms | fraction | GPU busy | host ms / step | syncs / step |",
-            "|---|---|---|---|---|---|---|---|",
+            "| batch x context | phase | ms / step | roofline ms | fraction | GPU busy | host ms / step | syncs / step | blocking syncs / step | idle between steps | launch gaps | kernels / step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in run["records"]:
-            busy = f"{r['gpu_busy_fraction']:.2f}" if "gpu_busy_fraction" in r else "—"
-            host = f"{r['host_ms_per_step']:.2f}" if "host_ms_per_step" in r else "—"
-            syncs = f"{r['syncs_per_step']:.1f}" if "syncs_per_step" in r else "—"
+            gaps = r.get("gpu_gaps") or {}
             lines.append(
                 f"| {r['batch']} x {r['context']} | {r['phase']} | {r['ms_per_step']:.2f} | "
-                f"{r['roofline_ms']:.2f} | {r['value']:.2f} | {busy} | {host} | {syncs} |"
+                f"{r['roofline_ms']:.2f} | {r['value']:.2f} | {_f(r, 'gpu_busy_fraction')} | "
+                f"{_f(r, 'host_ms_per_step')} | {_f(r, 'syncs_per_step', 1)} | "
+                f"{_f(r, 'blocking_syncs_per_step', 1)} | "
+                f"{_ms_frac(gaps, 'between_steps')} | {_ms_frac(gaps, 'small')} | "
+                f"{_f(r, 'kernels_per_step', 0)} |"
             )
-        lines.append("")
+        lines += ["", *_notes(run["records"])]
     (out_dir / "engine_gpu.md").write_text("\n".join(lines))
     _plot(out_dir / "engine_gpu.png", runs)
+
+
+def _f(r: dict[str, Any], key: str, digits: int = 2) -> str:
+    v = r.get(key)
+    return "—" if v is None or v != v else f"{v:.{digits}f}"  # (v != v: nan)
+
+
+def _ms_frac(gaps: dict[str, Any], kind: str) -> str:
+    """``0.12 ms (3%)``: a gap kind's ms a step and its share of the device time."""
+    ms, frac = gaps.get(f"{kind}_ms_per_step"), gaps.get(f"{kind}_fraction")
+    if ms is None or frac is None or frac != frac:
+        return "—"
+    return f"{ms:.2f} ms ({frac:.0%})"
+
+
+def _notes(records: list[dict[str, Any]]) -> list[str]:
+    """Under a run's table: each record's sync sites (calls a step, blocking ones, ms) and the
+    mixed steps' composition."""
+    out: list[str] = []
+    for r in records:
+        where = f"{r['batch']} x {r['context']} {r['phase']}"
+        sites = r.get("syncs_by_site")
+        if sites:
+            out.append(f"- {where}, syncs by site (calls / blocking / ms a step):")
+            out += [
+                f"  - `{site}`: {v['per_step']:.2f} / {v['blocking_per_step']:.2f} / "
+                f"{v['ms_per_step']:.3f} ({', '.join(v['calls'])})"
+                for site, v in list(sites.items())[:6]
+            ]
+        for key in ("syncs_by_site_error", "kept_error"):
+            if r.get(key):
+                out.append(f"- {where}: {key} {r[key]}")
+        comp = r.get("composition")
+        if comp:
+            c = comp[len(comp) // 2]
+            out.append(
+                f"- {where}: {len(comp)} mixed steps timed, e.g. {c['decode_rows']} decode rows + "
+                f"{c['prefill_tokens']} prefill tokens in {c['prefill_rows']} rows, "
+                f"{c['kv_tokens']} KV tokens read, roofline {c['roofline_ms']:.2f} ms, "
+                f"took {c['ms']:.2f} ms"
+            )
+        every = r.get("all_steps_profile")
+        if every:
+            out.append(
+                f"- {where}, the whole profiled window ({every['profiled_labels']}): GPU busy "
+                f"{_f(every, 'gpu_busy_fraction')}, device ms / step "
+                f"{_f(every, 'device_ms_per_step')}, blocking syncs / step "
+                f"{_f(every, 'blocking_syncs_per_step', 1)}"
+            )
+    return [*out, ""] if out else []
 
 
 def _plot(path: Path, runs: dict[str, Any]) -> None:
