@@ -40,9 +40,10 @@ def general_paths() -> Iterator[None]:
         mock.patch.object(md_mod, "_decode_step", return_value=None),
         mock.patch.object(md_mod, "decode_blocks", return_value=None),
         mock.patch.object(hd_mod.HostDecode, "build", return_value=None),
+        mock.patch.object(bt_mod, "plan_decode_appends", return_value=None),
         mock.patch.object(bt_mod, "plan_single_appends", return_value=None),
         # appended ids and committed entries through index_copy_, never one by one
-        mock.patch.object(bt_mod, "_ENTRY_WRITES", -1),
+        mock.patch.object(commit_mod, "_ENTRY_WRITES", -1),
         mock.patch.object(commit_mod, "_ENTRY_COPIES", -1),
     ):
         yield
@@ -115,6 +116,8 @@ def scenario(draw: st.DrawFn) -> dict[str, object]:
             rs = draw(
                 st.lists(st.integers(0, rows - (draw(st.integers(0, 4)) > 0)), max_size=rows + 1)
             )
+            if draw(st.booleans()):  # allocate_decode_slots' order: increasing, no repeats
+                rs = sorted(set(rs))
             decode_shaped = draw(st.integers(0, 4)) > 0  # mostly what a decode step appends
             single = st.lists(st.integers(0, NUM_BLOCKS - 1), max_size=1)
             odd = st.one_of(
@@ -200,6 +203,70 @@ def test_fast_paths_equal_the_general_paths(case: dict[str, object]) -> None:
         if fast._committed is not None:
             n = fast._committed
             assert fast._dev[:n].tolist() == fast._host[:n].tolist()
+
+
+_decode_plan = bt_mod.plan_decode_appends  # the real one (the planted twins wrap it)
+
+
+def _wrong_block_id(rows, new_block_ids, *args):  # type: ignore[no-untyped-def]
+    """A planted bug: plans the decode appends, then writes each id off by one."""
+    got = _decode_plan(rows, new_block_ids, *args)
+    return got and (got[0], got[1], [b + 1 for b in got[2]])
+
+
+def _count_not_grown(rows, new_block_ids, *args):  # type: ignore[no-untyped-def]
+    """A planted bug: writes the ids but leaves the rows' block counts where they were."""
+    got = _decode_plan(rows, new_block_ids, *args)
+    return got and ([], got[1], got[2])
+
+
+@pytest.mark.parametrize("planted", [_wrong_block_id, _count_not_grown])
+def test_a_decode_append_plan_that_gets_a_row_wrong_is_caught(planted: object) -> None:
+    """The comparison above catches a decode append that writes a wrong block id or forgets a
+    row's count: the real plan passes the same steps, each planted twin fails them."""
+    groups, rows = [(16, 1, 4)], 3
+    ops = [
+        ("add", 0, ([1],)),
+        ("add", 1, ([2],)),
+        ("append", [0, 2], [([5],), ([6],)]),
+        ("step", 3, 3, [1, 1, 1], [17, 16, 1], None, False),
+    ]
+
+    def run(plan: object) -> None:
+        fast, slow = _build(groups, 0, rows), _build(groups, 0, rows)
+        with mock.patch.object(bt_mod, "plan_decode_appends", plan):
+            got = [_apply(fast, op) for op in ops]
+        with general_paths():
+            want = [_apply(slow, op) for op in ops]
+        assert got == want
+        assert tables_state(fast) == tables_state(slow)
+
+    run(_decode_plan)
+    with pytest.raises(AssertionError):
+        run(planted)
+
+
+def test_decode_appends_in_row_order_take_the_decode_plan() -> None:
+    """``allocate_decode_slots``' rows (increasing) take ``plan_decode_appends``; a repeated or
+    out-of-order row, or two groups, fall through to the checked loops, with the same tables."""
+    t = BlockTables([16], [16], 4, [4], max_num_batched_tokens=8, num_blocks=64)
+    for r in range(4):
+        t.add_row(r, ([10 + r],))
+    with mock.patch.object(bt_mod, "plan_single_appends", side_effect=AssertionError("loop")):
+        t.append_rows([0, 2, 3], [([20],), ([],), ([23],)])
+    assert t.num_blocks_of_row(0) == (2,) and t.num_blocks_of_row(2) == (1,)
+    assert t.host_table(0)[:, :2].tolist() == [[10, 20], [11, -1], [12, -1], [13, 23]]
+    spy = mock.patch.object(bt_mod, "plan_single_appends", wraps=bt_mod.plan_single_appends)
+    with spy as loop:
+        t.append_rows([1, 1], [([21],), ([31],)])  # a repeated row: appends in order
+        t.append_rows([3, 0], [([33],), ([30],)])  # out of order
+    assert loop.call_count == 2
+    assert t.host_table(0)[:, :3].tolist() == [
+        [10, 20, 30],
+        [11, 21, 31],
+        [12, -1, -1],
+        [13, 23, 33],
+    ]
 
 
 def _decode_tables() -> BlockTables:

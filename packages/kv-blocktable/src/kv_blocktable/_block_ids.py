@@ -14,6 +14,8 @@ import torch
 if TYPE_CHECKING:
     from kv_spec import KVCacheLayout
 
+    from kv_blocktable.block_table import BlockTables
+
 __all__ = [
     "INT32_MAX",
     "BlockIdCheck",
@@ -26,6 +28,8 @@ __all__ = [
     "int32_tensor",
     "int64_tensor",
     "plan_appends",
+    "plan_checked_appends",
+    "plan_decode_appends",
     "plan_single_appends",
     "positive_int",
 ]
@@ -341,6 +345,23 @@ def plan_appends(
     return ends, flat, vals
 
 
+def plan_checked_appends(
+    tables: BlockTables, rows: Sequence[int], new_block_ids: Sequence[object]
+) -> tuple[list[int], list[list[list[int]]], tuple[dict[int, list[int]], list[int], list[int]]]:
+    """``BlockTables.append_rows``' general path: every row and id checked (the first bad one
+    named), then :func:`plan_appends` from copies of the rows' counts (it advances them, and a
+    refused append must change no row). Returns ``(rows, ids as lists, plan)``."""
+    rows, new_block_ids = list(rows), list(new_block_ids)
+    for row in rows:
+        tables._check_row("row", row)
+    lists = [tables._ids.lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)]
+    have = [list(tables._row_blocks[row]) for row in rows]  # [len(rows), G]
+    plan = plan_appends(
+        rows, have, lists, tables._col, tables.max_num_blocks_per_req, tables.block_sizes
+    )
+    return rows, lists, plan
+
+
 def plan_single_appends(
     rows: Sequence[object],
     new_block_ids: Sequence[object],
@@ -406,3 +427,48 @@ def plan_single_appends(
             vals.append(b)
             end[g] = c + 1
     return ends, flat, vals
+
+
+def plan_decode_appends(
+    rows: Sequence[object],
+    new_block_ids: Sequence[object],
+    row_blocks: list[list[int]],
+    width: int,
+    max_blocks: int,
+    max_id: int,
+) -> tuple[list[int], list[int], list[int]] | None:
+    """:func:`plan_single_appends` for one group and rows in increasing order (what
+    ``KVCacheManager.allocate_decode_slots`` hands over): ``(grown, flat, vals)``, the rows whose
+    block count grows by one (group 0) and the flat host-table indices and ids to write; ``None``
+    for anything else, which :func:`plan_single_appends` (then the general path) plans or names
+    the error of.
+
+    Rows in increasing order cannot repeat, so each row's end is its ``row_blocks`` entry as it
+    is: no per-call map of ends (a dict lookup and a list per row in
+    :func:`plan_single_appends`), and the caller advances the grown rows' counts in place."""
+    num_rows = len(row_blocks)
+    grown: list[int] = []
+    flat: list[int] = []
+    vals: list[int] = []
+    last = -1
+    for row, ids in zip(rows, new_block_ids, strict=True):
+        # (last < row: increasing, so no row repeats; row >= 0 as last >= -1)
+        if type(row) is not int or not last < row < num_rows:
+            return None
+        last = row
+        if type(ids) is not tuple or len(ids) != 1:
+            return None
+        got = ids[0]
+        if type(got) is not list:
+            return None
+        if not got:
+            continue
+        if len(got) != 1:
+            return None
+        b, c = got[0], row_blocks[row][0]
+        if type(b) is not int or not 0 <= b <= max_id or c >= max_blocks:
+            return None
+        grown.append(row)
+        flat.append(row * width + c)
+        vals.append(b)
+    return grown, flat, vals

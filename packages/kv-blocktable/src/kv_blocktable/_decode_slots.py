@@ -97,6 +97,7 @@ def allocate_decode_slots(
     ratio, group = m.hash_ratio, m.group_id
     prefix, block_hash, ref = pool._cache[group], pool._hash, pool._ref
     past_len = max_len + 1  # the first count that raises
+    null = NULL_BLOCK_ID
     for req in requests:
         try:
             owned = req._kv_owner is self
@@ -130,7 +131,7 @@ def allocate_decode_slots(
                 # BlockPool.allocate(1)'s common case inline (the top of the stack of
                 # uncached free blocks: nothing to evict), the call being most of its cost.
                 b = front.pop()
-                pool._ref[b] = 1
+                ref[b] = 1
                 pool._num_free -= 1
                 blocks.append(b)
                 new = [b]
@@ -157,7 +158,7 @@ def allocate_decode_slots(
                 known = done
             full = known // bs
             b = blocks[c]
-            if full == c + 1 and one_block and b != NULL_BLOCK_ID:
+            if full == c + 1 and one_block and b != null:
                 h = req._block_hashes[full * ratio - 1]
                 if h not in prefix and ref[b] and block_hash[b] is None:
                     # pool._cache_block's success path; its refusals (a hash already
@@ -169,8 +170,9 @@ def allocate_decode_slots(
                 else:
                     pool._cache_block(group, b, h)
                 cached[rid] = full
+                at = at + bs  # (full + 1) * bs: full is c + 1
             else:
                 m.cache_blocks(req, known)
-            at = (cached[rid] + 1) * bs
+                at = (cached[rid] + 1) * bs
         req._kv_due = at if at < due else due
     return DecodeSlots(len(requests), rows, ids, counts)

@@ -1,5 +1,7 @@
 """Committing :class:`~kv_blocktable.block_table.BlockTables`' host rows to the device (the
-``torch`` extra): :meth:`~TableCommit.commit` copies rows ``[0, num_reqs)`` of every group in one
+``torch`` extra), and the record of what changed since the last commit (rows marked by
+``_touch``, appended entries written by ``_write_entries`` and recorded by ``_appended``, the
+wait for a staged copy before the host buffer is written): :meth:`~TableCommit.commit` copies rows ``[0, num_reqs)`` of every group in one
 staged copy — on a CPU device only the rows (or, with one unexpanded group, only the appended
 entries) written since the last commit — and expands manager blocks to kernel blocks into each
 group's kernel table; :meth:`~TableCommit._require_committed` is the check the step's metadata
@@ -15,12 +17,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from kv_kernels.slot_mapping import expand_block_table
 
-from kv_blocktable._block_ids import int64_tensor
+from kv_blocktable._block_ids import int32_tensor, int64_tensor
 
 __all__ = ["TableCommit"]
 
 # Up to this many pending entries are committed one by one through the memoryviews.
 _ENTRY_COPIES = 128
+# Up to this many appended entries are written through the memoryview one by one (~40 ns each);
+# more take one index_copy_ (a few us to build its index and value tensors, ~15 ns an entry).
+_ENTRY_WRITES = 128
 
 
 class TableCommit:
@@ -45,11 +50,45 @@ class TableCommit:
     _pending: list[int]
     _copy_event: Any
     _committed: int | None
+    _track_entries: bool
 
     if TYPE_CHECKING:  # BlockTables' own, which the commit reads
 
         @property
         def kernel_blocks_per_block(self) -> tuple[int, ...]: ...
+
+    def _wait_staged(self) -> None:
+        # A non-blocking copy from pinned memory reads the host buffer when the stream gets to
+        # it; writing the buffer before then would change what the previous step copies.
+        if self._copy_event is not None:
+            self._copy_event.synchronize()
+            self._copy_event = None
+
+    def _touch(self, *rows: int) -> None:
+        """``rows`` of the host table changed: the device copy is stale until the next commit."""
+        if self._track_rows:
+            self._dirty.update(rows)
+        self._committed = None
+
+    def _write_entries(self, flat: list[int], vals: list[int]) -> None:
+        """Host-table entries ``flat`` (flat indices, distinct) get block ids ``vals`` (checked)."""
+        self._wait_staged()
+        if len(flat) <= _ENTRY_WRITES:  # a decode step's few ids: one by one
+            mv = self._host_mv
+            for i, b in zip(flat, vals, strict=True):
+                mv[i] = b
+        else:
+            # int64_tensor: torch.tensor(list) costs ~0.1 us per element; ids fit in int32
+            # (BlockIdCheck), so the cast is exact.
+            self._host_flat.index_copy_(0, int64_tensor(flat), int32_tensor(vals))
+
+    def _appended(self, flat: list[int], rows: list[int]) -> None:
+        """Entries ``flat`` of ``rows`` were appended: the commit copies them (or the rows)."""
+        if self._track_entries:
+            self._pending.extend(flat)  # commit copies these entries, not whole rows
+            self._committed = None
+        else:
+            self._touch(*rows)
 
     def commit(self, num_reqs: int) -> None:
         """Copy rows ``[0, num_reqs)`` of every group to the device (one copy) and expand them to

@@ -48,9 +48,9 @@ from kv_blocktable._block_ids import (
     check_kernel_block_split,
     check_num_blocks,
     int32_memoryview,
-    int32_tensor,
     int64_tensor,
-    plan_appends,
+    plan_checked_appends,
+    plan_decode_appends,
     plan_single_appends,
     positive_int,
 )
@@ -67,9 +67,6 @@ if TYPE_CHECKING:
 __all__ = ["BlockTables", "KeyWindow", "check_kernel_block_split", "int64_tensor"]
 
 _IMPLS = ("auto", "reference", "triton")
-# Up to this many appended entries are written through the memoryview one by one (~40 ns each);
-# more take one index_copy_ (a few us to build its index and value tensors, ~15 ns an entry).
-_ENTRY_WRITES = 128
 # Per group: flat table index of each row's column 0, kernel table rows, slot buffer entries.
 _DecodeViews = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
@@ -317,19 +314,6 @@ class BlockTables(TableCommit, StepExports):
 
     # -- rows --------------------------------------------------------------------------------
 
-    def _wait_staged(self) -> None:
-        # A non-blocking copy from pinned memory reads the host buffer when the stream gets to
-        # it; writing the buffer before then would change what the previous step copies.
-        if self._copy_event is not None:
-            self._copy_event.synchronize()
-            self._copy_event = None
-
-    def _touch(self, *rows: int) -> None:
-        """``rows`` of the host table changed: the device copy is stale until the next commit."""
-        if self._track_rows:
-            self._dirty.update(rows)
-        self._committed = None
-
     def _write(self, row: int, ids: list[torch.Tensor], *, start: Sequence[int]) -> None:
         for g, t in enumerate(ids):
             end = start[g] + t.numel()
@@ -374,8 +358,27 @@ class BlockTables(TableCommit, StepExports):
         check_append_args(rows, new_block_ids)
         if not rows:
             return
+        if len(self._col) == 2:
+            # One group, a decode step's appends in row order (allocate_decode_slots' rows):
+            # one checked loop, and the grown rows' counts advanced in place.
+            decode = plan_decode_appends(
+                rows,
+                new_block_ids,
+                self._row_blocks,
+                self._col[1],
+                self.max_num_blocks_per_req[0],
+                self._ids.max_ids[0],
+            )
+            if decode is not None:
+                grown, flat, vals = decode
+                self._write_entries(flat, vals)
+                rb = self._row_blocks
+                for row in grown:
+                    rb[row][0] += 1
+                self._appended(flat, grown)
+                return
         # A decode step's appends (at most one id per group and row) in one checked loop; any
-        # other shape, or anything the loop would refuse, takes the general checks below.
+        # other shape, or anything the loop would refuse, takes the general checks.
         planned = plan_single_appends(
             rows,
             new_block_ids,
@@ -386,44 +389,20 @@ class BlockTables(TableCommit, StepExports):
         )
         written: Sequence[Sequence[Sequence[int]]] = new_block_ids
         if planned is None:
-            rows, new_block_ids = list(rows), list(new_block_ids)
-            for row in rows:
-                self._check_row("row", row)
-            lists = [
-                self._ids.lists(row, ids) for row, ids in zip(rows, new_block_ids, strict=True)
-            ]
-            # Copies: plan_appends advances them, and a refused append must change no row.
-            have = [list(self._row_blocks[row]) for row in rows]  # [len(rows), G]
-            planned = plan_appends(
-                rows, have, lists, self._col, self.max_num_blocks_per_req, self.block_sizes
-            )
-            written = lists
+            rows, written, planned = plan_checked_appends(self, rows, new_block_ids)
         ends, flat, vals = planned
-        self._wait_staged()
         if len(ends) == 1 and len(rows) == 1:  # append_row: slices, cheaper than a scatter
+            self._wait_staged()
             ((row, end),) = ends.items()
             for g, ids in enumerate(written[0]):  # lists of ints, checked
                 if ids:
                     c1 = self._col[g] + end[g]
                     self._host[row, c1 - len(ids) : c1] = torch.tensor(ids, dtype=torch.int32)
+        else:
+            self._write_entries(flat, vals)
+        for row, end in ends.items():
             self._row_blocks[row] = end
-        else:
-            if len(flat) <= _ENTRY_WRITES:  # a decode step's few ids: one by one
-                mv = self._host_mv
-                for i, b in zip(flat, vals, strict=True):
-                    mv[i] = b
-            else:
-                # int64_tensor: torch.tensor(list) costs ~0.1 us per element; ids fit in int32
-                # (BlockIdCheck), so the cast is exact.
-                # (the indices are distinct: each append advances its row's end)
-                self._host_flat.index_copy_(0, int64_tensor(flat), int32_tensor(vals))
-            for row, end in ends.items():
-                self._row_blocks[row] = end
-        if self._track_entries:
-            self._pending.extend(flat)  # commit copies these entries, not whole rows
-            self._committed = None
-        else:
-            self._touch(*ends)
+        self._appended(flat, list(ends))
 
     def clear_row(self, row: int) -> None:
         """Empty ``row`` (its request finished or was preempted)."""
