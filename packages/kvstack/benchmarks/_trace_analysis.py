@@ -3,8 +3,9 @@ functions: a test feeds them synthetic events; :mod:`_step_trace` takes the prof
 
 Kineto puts host and device events on one clock. A step's *window* is its ``record_function``
 range on the host; a device op (kernel, copy, memset) belongs to the step whose window holds the
-runtime call that launched it (``args.correlation`` ties the two; a graph replay's kernels carry
-their ``cudaGraphLaunch``'s), so a step left in flight is still charged its own kernels.
+runtime or driver call that launched it (``args.correlation`` ties the two; a graph replay's
+kernels carry their ``cudaGraphLaunch``'s; Triton's and cuBLAS's launches are driver calls), so a
+step left in flight is still charged its own kernels.
 
 - ``gpu_busy_fraction`` (all steps): the union of device intervals inside the windows over the
   windows' length. With ``keep`` (some steps only, e.g. the mixed ones) the windows no longer
@@ -46,8 +47,15 @@ SYNC_CALLS = (
     "cudaEventSynchronize",
     "cudaMemcpy",  # (the synchronous copy; cudaMemcpyAsync to pageable memory also blocks)
 )
+#: Driver-API twins of ``SYNC_CALLS`` (the current rule counts them too).
+DRIVER_SYNC_CALLS = ("cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+#: Host API calls: the runtime's, and the driver's (Triton and cuBLAS launch kernels through
+#: ``cuLaunchKernel(Ex)``, which kineto files under ``cuda_driver``).
+API_CATS = ("cuda_runtime", "cuda_driver")
+LAUNCHES = (
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+)  # fmt: skip
 MEMCPY_SYNC_US = 20.0
 BLOCKED_US = 5.0
 SMALL_GAP_US = 10.0
@@ -132,7 +140,7 @@ def launch_steps(
     starts = [a for a, _ in windows]
     out = {}
     for e in events:
-        if e.get("cat") != "cuda_runtime":
+        if e.get("cat") not in API_CATS:
             continue
         corr = e.get("args", {}).get("correlation")
         if corr is None:
@@ -239,16 +247,17 @@ def classify_syncs(
     starts = [a for a, _ in windows]
     old, new = [], []
     for e in events:
-        if e.get("cat") != "cuda_runtime":
+        if e.get("cat") not in API_CATS:
             continue
         name, ts, dur = e.get("name", ""), float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
         w = _window_of(starts, windows, ts)
         if w < 0:
             continue
-        if name in SYNC_CALLS:
+        if name in SYNC_CALLS or name in DRIVER_SYNC_CALLS:
             s = Sync(name, ts, dur, e.get("tid"), w, dur > BLOCKED_US)
-            old.append(s)
             new.append(s)
+            if name in SYNC_CALLS:
+                old.append(s)
         elif name == "cudaMemcpyAsync":
             args = e.get("args", {})
             copy = copies.get(int(args["correlation"]), "") if "correlation" in args else ""
@@ -409,7 +418,7 @@ def summarize(
     launches = sum(
         1
         for e in events
-        if e.get("cat") == "cuda_runtime"
+        if e.get("cat") in API_CATS
         and e.get("name") in LAUNCHES
         and _window_of(starts, windows, e["ts"]) in kept
     )

@@ -34,9 +34,10 @@ def window(ts: float, dur: float) -> dict[str, Any]:
     return {"ph": "X", "cat": "user_annotation", "name": ta.RANGE, "ts": ts, "dur": dur, "tid": 1}
 
 
-def runtime(name: str, ts: float, dur: float, corr: int, tid: int = 1) -> dict[str, Any]:
+def runtime(name: str, ts: float, dur: float, corr: int, tid: int = 1,
+            cat: str = "cuda_runtime") -> dict[str, Any]:  # fmt: skip
     args = {"correlation": corr}
-    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": tid,
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
             "args": args}  # fmt: skip
 
 
@@ -47,10 +48,13 @@ def op(name: str, ts: float, end: float, corr: int, stream: int = 7,
 
 
 def two_steps() -> list[dict[str, Any]]:
-    """Step 0's host window [0, 1000] launches corr 1-3, step 1's [1000, 2000] corr 4-7; their
-    device ops run on stream 7, and a copy on stream 9 spans the boundary between them."""
+    """Step 0's host window [0, 1000] launches corr 1-3, step 1's [1000, 2000] corr 4-7 (5 by
+    a driver call); their device ops run on stream 7, and a copy on stream 9 spans the boundary
+    between them."""
     launches = [runtime("cudaLaunchKernel", 10.0 * c, 2, c) for c in (1, 2, 3)]
-    launches += [runtime("cudaLaunchKernel", 1000 + 10.0 * c, 2, c) for c in (4, 5, 6, 7)]
+    launches += [runtime("cudaLaunchKernel", 1000 + 10.0 * c, 2, c) for c in (4, 6, 7)]
+    # Triton and cuBLAS launch through the driver API (kineto's cuda_driver category)
+    launches.append(runtime("cuLaunchKernelEx", 1050, 2, 5, cat="cuda_driver"))
     ops = [
         op("f", 703, 710, 6),  # gap 3 after e: small, inside step 1
         op("e", 610.5, 700, 5),  # gap 10.5 after d: large (>= 10 us), inside step 1
