@@ -82,9 +82,10 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
         "steps, only the 3 that prefill kept, each charged the kernels it launched). Syncs: "
         "calls that wait for the device (stream / event / device synchronize, copies to "
         "pageable memory); blocking: those that took over 5 us (a copy: over 20 us), an event "
-        "already complete is no wait. Idle between steps: on the compute stream, the gaps "
-        "before each step's first op (launch gaps: gaps under 10 us anywhere), as a fraction "
-        "of the steps' device time. Where each sync is called comes from a profile of 4 "
+        "already complete is no wait. GPU idle on the compute stream, as ms a step and a "
+        "fraction of the steps' device time, split by place: between steps (the gap before a "
+        "step's first op), stalls in a step (gaps of 10 us or more between its ops: the host "
+        "late to launch), launch gaps (under 10 us, between a step's ops). Where each sync is called comes from a profile of 4 "
         "steps with Python stacks, under the table.",
         "",
     ]
@@ -97,8 +98,8 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
             f"{m['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, commit {m.get('git_commit', '?')}"
             + (" (quick run)" if m.get("quick") else ""),
             "",
-            "| batch x context | phase | ms / step | roofline ms | fraction | GPU busy | host ms / step | syncs / step | blocking syncs / step | idle between steps | launch gaps | kernels / step |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| batch x context | phase | ms / step | roofline ms | fraction | GPU busy | host ms / step | syncs / step | blocking syncs / step | idle between steps | stalls in step | launch gaps | kernels / step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in run["records"]:
             gaps = r.get("gpu_gaps") or {}
@@ -107,7 +108,8 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
                 f"{r['roofline_ms']:.2f} | {r['value']:.2f} | {_f(r, 'gpu_busy_fraction')} | "
                 f"{_f(r, 'host_ms_per_step')} | {_f(r, 'syncs_per_step', 1)} | "
                 f"{_f(r, 'blocking_syncs_per_step', 1)} | "
-                f"{_ms_frac(gaps, 'between_steps')} | {_ms_frac(gaps, 'small')} | "
+                f"{_ms_frac(gaps, 'between_steps')} | {_ms_frac(gaps, 'stalls_in_step')} | "
+                f"{_ms_frac(gaps, 'launch_gaps_in_step')} | "
                 f"{_f(r, 'kernels_per_step', 0)} |"
             )
         lines += ["", *_notes(run["records"])]

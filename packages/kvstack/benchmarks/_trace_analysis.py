@@ -16,7 +16,10 @@ step left in flight is still charged its own kernels.
   step's ops since the latest end so far (an op nested in a longer one leaves no gap): ``small``
   below ``SMALL_GAP_US`` (launch boundaries inside a graph or an eager run), ``large`` at or
   above it (host stalls); ``between_steps`` the gaps whose op starts a step (its previous op
-  belonged to another step or to none): the issue's "GPU idle between steps", of any size.
+  belonged to another step or to none): the issue's "GPU idle between steps", of any size. The
+  same idle time split by place: ``between_steps`` + ``stalls_in_step`` (large gaps inside a
+  step: e.g. its input copies ran, then the device waited for the host to launch its graph) +
+  ``launch_gaps_in_step`` (small gaps inside a step).
 - syncs: runtime calls that make the host wait for the device: ``SYNC_CALLS`` and copies into
   pageable host memory (a ``cudaMemcpyAsync`` whose device copy is ``DtoH ... Pageable``, or any
   that took over ``MEMCPY_SYNC_US``). ``syncs_per_step`` / ``syncs_by_call`` keep the earlier
@@ -170,6 +173,8 @@ class Gaps(NamedTuple):
     large_count: int
     between_us: float  # gaps before an op that starts a step (any size)
     between_count: int
+    stall_us: float  # large gaps inside a step
+    stall_count: int
 
 
 def gap_split(
@@ -184,8 +189,8 @@ def gap_split(
     end_step: int | None = None  # the step of the op that reached ``end``
     start_ref: dict[int, float] = {}  # a kept step's device time starts here ...
     last_end: dict[int, float] = {}  # ... and ends here
-    n_ops = small_n = large_n = between_n = 0
-    small = large = between = 0.0
+    n_ops = small_n = large_n = between_n = stall_n = 0
+    small = large = between = stall = 0.0
     for o in seq:
         s = step_of.get(o.corr) if o.corr is not None else None
         kept = s is not None and (keep is None or s in keep)
@@ -203,10 +208,15 @@ def gap_split(
                     large, large_n = large + gap, large_n + 1
                 if end_step != s:
                     between, between_n = between + gap, between_n + 1
+                elif gap >= small_us:
+                    stall, stall_n = stall + gap, stall_n + 1
         if end is None or o.end > end:
             end, end_step = o.end, s
     device = sum(last_end[s] - start_ref[s] for s in last_end)
-    return Gaps(len(last_end), device, n_ops, small, small_n, large, large_n, between, between_n)
+    return Gaps(
+        len(last_end), device, n_ops, small, small_n, large, large_n, between, between_n, stall,
+        stall_n,
+    )  # fmt: skip
 
 
 def gaps_record(g: Gaps, n: int, stream: int | None) -> dict[str, Any]:
@@ -215,6 +225,8 @@ def gaps_record(g: Gaps, n: int, stream: int | None) -> dict[str, Any]:
 
     def frac(us: float) -> float | None:
         return us / g.device_us if g.device_us else None
+
+    launch = g.small_us + g.large_us - g.between_us - g.stall_us  # small gaps inside a step
 
     return {
         "stream": stream,
@@ -230,6 +242,11 @@ def gaps_record(g: Gaps, n: int, stream: int | None) -> dict[str, Any]:
         "between_steps_ms_per_step": g.between_us / 1e3 / n,
         "between_steps_per_step": g.between_count / n,
         "between_steps_fraction": frac(g.between_us),
+        "stalls_in_step_ms_per_step": g.stall_us / 1e3 / n,
+        "stalls_in_step_per_step": g.stall_count / n,
+        "stalls_in_step_fraction": frac(g.stall_us),
+        "launch_gaps_in_step_ms_per_step": launch / 1e3 / n,
+        "launch_gaps_in_step_fraction": frac(launch),
         "idle_fraction": frac(g.small_us + g.large_us),
     }
 

@@ -79,6 +79,7 @@ def test_gap_split_orders_ops_and_splits_at_the_threshold() -> None:
     assert g.small_us == pytest.approx(9 + 3) and g.small_count == 2
     assert g.large_us == pytest.approx(30 + 10.5) and g.large_count == 2
     assert g.between_us == pytest.approx(30) and g.between_count == 1
+    assert g.stall_us == pytest.approx(10.5) and g.stall_count == 1  # e's, inside step 1
     # step 0: from its first op (100) to its last end (500); step 1: from 500 to 710
     assert g.device_us == pytest.approx(400 + 210) and g.steps == 2 and g.ops == 6
     # the same ops in time order but the gap taken from the predecessor's end would call c's
@@ -102,6 +103,9 @@ def test_summarize_keeps_the_labelled_steps_own_kernels() -> None:
     assert gaps["between_steps_ms_per_step"] == pytest.approx(0.030 / 2)
     assert gaps["small_fraction"] == pytest.approx(12 / 610)
     assert gaps["large_fraction"] == pytest.approx(40.5 / 610)
+    # by place: 30 between the steps, 10.5 stalled inside step 1, 9 + 3 of launch gaps
+    assert gaps["stalls_in_step_fraction"] == pytest.approx(10.5 / 610)
+    assert gaps["launch_gaps_in_step_ms_per_step"] == pytest.approx(0.012 / 2)
     mixed = ta.summarize(trace, labels=["decode", "mixed"], keep="mixed")
     assert mixed["profiled_steps"] == 1 and mixed["profiled_labels"] == {"decode": 1, "mixed": 1}
     assert [k["name"] for k in mixed["top_kernels"]] == ["e", "d", "f"]  # by time; not a, c
