@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from kv_backends import AttentionImpl, get_backend
+from kv_backends.backends.triton_attn import TritonImpl
 from kv_backends.impl import PlainCacheWrite
 from kv_backends.testing import make_batch_impl, make_latent_batch, make_paged_batch
 from kv_kernels.reshape_and_cache import reshape_and_cache
@@ -57,6 +58,7 @@ def test_plain_write_gives_do_kv_cache_updates_bytes(backend: str, kw: dict[str,
 def test_triton_reports_its_impl_and_metadata_counter() -> None:
     b = _batch()
     impl = make_batch_impl(get_backend("TRITON"), b, check_metadata=True)
+    assert isinstance(impl, TritonImpl)
     plain = impl.plain_cache_write(CPU)
     assert plain is not None and plain.impl == "triton"
     assert plain.error_flag is impl.metadata_errors(CPU)  # bad slots counted where they were
@@ -83,7 +85,7 @@ def test_a_subclass_with_its_own_write_is_not_plain() -> None:
     flex = get_backend("FLEX_ATTENTION")
     seen: list[int] = []
 
-    class Counting(flex.impl_cls):  # type: ignore[name-defined,misc]
+    class Counting(flex.impl_cls):  # type: ignore[name-defined]
         def do_kv_cache_update(self, *a: Any) -> None:
             seen.append(1)
             super().do_kv_cache_update(*a)
