@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import kvstack.engine.attend as attend_mod
 import kvstack.engine.layers as layers_mod
 import kvstack.engine.rotary as rotary_mod
 from kv_kernels._common import triton_interpreting
@@ -52,6 +53,7 @@ FUSED_FNS = [
     (layers_mod, "silu_and_mul"),
     (layers_mod, "gelu_tanh_and_mul"),
     (rotary_mod, "rotary_embedding"),
+    (attend_mod, "rope_and_cache"),  # RoPE in the cache write, where the backend allows
 ]
 
 
@@ -78,11 +80,11 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
 
 
 def plant_interleaved_rope(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused RoPE with GPT-J pairs (2i, 2i + 1) where the families rotate halves."""
-    real = rotary_mod.rotary_embedding
-    monkeypatch.setattr(
-        rotary_mod, "rotary_embedding", lambda *a, **k: real(*a, **{**k, "is_neox": False})
-    )
+    """The fused RoPE with GPT-J pairs (2i, 2i + 1) where the families rotate halves (alone
+    and in the cache write)."""
+    for mod, name in ((rotary_mod, "rotary_embedding"), (attend_mod, "rope_and_cache")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=real, **k: _f(*a, **{**k, "is_neox": False}))
 
 
 def plant_no_offset(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,7 +239,10 @@ def test_gpu_fused_engine_matches_unfused_within_bf16(
         # the decode steps replayed CUDA graphs captured with the fused kernels in them
         graphs = fused.runner.graphs
         assert graphs is not None and graphs.num_replays > 0, fused.runner.cuda_graphs_reason
-        assert calls["rms_norm"] and calls["rotary_embedding"], calls
+        # RoPE rides in the cache write where the backend writes with reshape_and_cache alone
+        fused_write = fused.runner.rope_cache_reason.startswith("on:")
+        rope_calls = calls["rope_and_cache" if fused_write else "rotary_embedding"]
+        assert calls["rms_norm"] and rope_calls, (calls, fused.runner.rope_cache_reason)
         assert calls["silu_and_mul" if family in ("llama", "qwen3") else "gelu_tanh_and_mul"]
         pairs = zip(tok_plain, tok_fused, strict=True)
         same = sum(a == b for p, f in pairs for a, b in zip(p, f, strict=True))

@@ -168,3 +168,51 @@ def test_gpu_engine_replays_graphs_and_matches_eager(llama_dir: Path) -> None:
     # float32: the graph's kernels may split KV differently (max_seq_len is max_model_len at
     # capture), which moves sums by rounding only.
     assert max_logit_gap(graphed, eager) <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphs_record_rope_fused_into_the_cache_write(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA fused ops are on by default and a backend that writes through kv-kernels'
+    ``reshape_and_cache`` alone takes ``rope_and_cache`` (one launch a layer, issue 32): the
+    captured decode steps give the unfused engine's tokens, and a planted fused write that stores
+    K unrotated must not."""
+    import kvstack.engine.attend as attend_mod
+    from kv_kernels.reshape_and_cache import reshape_and_cache
+
+    real = attend_mod.rope_and_cache
+    fused_calls: list[str] = []
+
+    def counted(*a: Any, **k: Any) -> None:
+        fused_calls.append(k["impl"])
+        real(*a, **k)
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        plain = engine_of(llama_dir, device="cuda", fused_ops=False)
+        assert plain.runner.rope_cache_reason == "off: fused ops off"
+        want = run(plain)
+        monkeypatch.setattr(attend_mod, "rope_and_cache", counted)
+        engine = engine_of(llama_dir, device="cuda")
+        why = f"{engine.runner.backends}: {engine.runner.rope_cache_reason}"
+        assert engine.runner.rope_cache_reason.startswith("on: 2 of 2"), why
+        got = run(engine)
+        assert fused_calls and set(fused_calls) == {"triton"}, fused_calls
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.num_replays == max(NEW) - 1
+        assert [c.token_ids for c in got] == [c.token_ids for c in want], why
+        assert max_logit_gap(got, want) <= 1e-4, why
+
+        def unrotated_k(pos: Any, q: Any, k: Any, v: Any, table: Any, cache: Any, slots: Any,
+                        layout: Any, **kw: Any) -> None:  # fmt: skip
+            reshape_and_cache(k, v, cache, slots, layout)  # K stored before its rotation
+            real(pos, q, k, v, table, cache, torch.full_like(slots, -1), layout, **kw)
+
+        monkeypatch.setattr(attend_mod, "rope_and_cache", unrotated_k)
+        buggy = run(engine_of(llama_dir, device="cuda"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert max_logit_gap(buggy, want) > 1e-2

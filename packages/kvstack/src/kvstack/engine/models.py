@@ -26,7 +26,7 @@ K/V into the paged cache and runs a kv-backends impl; :meth:`CausalLM.forward_de
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
@@ -49,11 +49,13 @@ from kvstack.engine.rotary import FusedRope, Rope, TorchRope, rotate_partial
 
 __all__ = [
     "AttendFn",
+    "AttendRopeFn",
     "Attention",
     "CausalLM",
     "DecoderLayer",
     "FusedRope",
     "MLAAttention",
+    "RopeAttend",
     "TorchRope",
     "dense_attention",
     "rotate_partial",
@@ -61,6 +63,20 @@ __all__ = [
 
 #: ``attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]) -> out [T, Hq, Dv]``
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``attend_rope(layer_index, q, k, v, rope) -> out``: an :data:`AttendFn` for a layer whose
+#: ``q`` and ``k`` come unrotated (head slices of one tensor): it rotates them in place with the
+#: step's ``rope`` as it writes K to the cache (kv-kernels' ``rope_and_cache``).
+AttendRopeFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, FusedRope], torch.Tensor]
+
+
+class RopeAttend(NamedTuple):
+    """Which layers' RoPE rides in attention's cache write (:mod:`kvstack.engine.attend`), for
+    one :meth:`CausalLM.forward`: layer ``i`` with ``layers[i]`` hands ``attend`` its q and k
+    unrotated, with the step's :class:`FusedRope`, when the model's RoPE is the fused one (with
+    the torch RoPE every layer rotates its own, as without this)."""
+
+    layers: tuple[bool, ...]  # [num_layers]
+    attend: AttendRopeFn
 
 
 def dense_attention(
@@ -140,11 +156,12 @@ class Attention(nn.Module):
         return self.project(x, TorchRope(rotary, cos, sin))
 
     def project(
-        self, x: torch.Tensor, rope: Rope
+        self, x: torch.Tensor, rope: Rope | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[T, hidden]`` -> rotated ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]``, ``v``
         ``[T, Hkv, Dv]``; q and k are head slices of one rotated tensor, v a column slice of the
-        projection (none of the three is contiguous: attention reads them through strides)."""
+        projection (none of the three is contiguous: attention reads them through strides).
+        ``rope=None``: q and k unrotated (the caller rotates them in the cache write)."""
         t, hq, hk, d = x.shape[0], self.num_q_heads, self.num_kv_heads, self.head_dim
         out = self.stacked.fused(x) if self.stacked is not None else None
         if out is None:  # not stacked, or a parameter was replaced since
@@ -159,7 +176,8 @@ class Attention(nn.Module):
             # Qwen3: RMSNorm over each head's dims, before RoPE (q heads take q_norm's weight,
             # k heads k_norm's; the two norms share eps).
             qk = self.q_norm(qk, self._qk_norm_weight(self.q_norm.weight, self.k_norm.weight))
-        qk = rope(qk, self.rotary_dim, hq)
+        if rope is not None:
+            qk = rope(qk, self.rotary_dim, hq)
         if self.v_scale != 1.0:
             v = v * self.v_scale  # MiMo-V2-Flash: values scaled before attention
         return qk[:, :hq], qk[:, hq:], v
@@ -357,6 +375,7 @@ class CausalLM(nn.Module):
         *,
         mla_latent: bool = False,
         mla_split: MLASplitFn | None = None,
+        rope_attend: RopeAttend | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm.
 
@@ -366,12 +385,15 @@ class CausalLM(nn.Module):
         row once), and take back ``[T, H, rank]``; without it, decompressed per-head K/V.
         ``mla_split`` (with ``mla_latent``): MLA layers hand it their latent parts instead and
         take back ``[T, H, v]`` (the runner's mixed and prefill steps: decode rows absorbed,
-        prefill rows decompressed, :mod:`kvstack.engine.mla_prefill`)."""
+        prefill rows decompressed, :mod:`kvstack.engine.mla_prefill`). ``rope_attend``: the
+        layers whose q and k go to its callback unrotated, where the RoPE is the fused one
+        (the runner's RoPE fused into the cache write); ``None``: every layer rotates its own."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.arch.embed_scale is not None:
             # Gemma: the scale as a tensor of the activation dtype, as transformers rounds it.
             x.mul_(torch.tensor(self.arch.embed_scale, dtype=x.dtype))
         ropes = self._ropes(positions, x.dtype)
+        deferred = rope_attend.layers if rope_attend is not None else ()
         # The residual stream is added to in place: x is this call's own tensor (the
         # embedding's output) and nothing else holds it, so each add saves an allocation. Each
         # sublayer's output is handed to the next norm, which adds it to the stream first
@@ -387,6 +409,10 @@ class CausalLM(nn.Module):
                 h, residual = layer.input_layernorm.add_norm(pending, residual)
             if mla_latent and isinstance(attn, MLAAttention):
                 o = attn.attend_latent(i, h, rope, attend, mla_split)  # [T, H, v]
+            elif i < len(deferred) and deferred[i] and isinstance(rope, FusedRope):
+                assert rope_attend is not None and isinstance(attn, Attention)
+                q, k, v = attn.project(h, None)  # rotated by the cache write
+                o = rope_attend.attend(i, q, k, v, rope)  # [T, Hq, Dv]
             else:
                 q, k, v = attn.project(h, rope)
                 o = attend(i, q, k, v)  # [T, Hq, Dv]

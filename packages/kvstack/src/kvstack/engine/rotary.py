@@ -191,6 +191,15 @@ class FusedRope(NamedTuple):
         )  # fmt: skip
         return x
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` rotated in place over the table's width
+        (the layer's rotary dims): what :meth:`__call__` does to their heads, for a caller that
+        got them unrotated (:mod:`kvstack.engine.attend`'s fallback)."""
+        rotary_embedding(
+            self.positions, q, k, self.cos_sin_cache, is_neox=True,
+            rotary_dim=self.cos_sin_cache.shape[1], impl=self.impl,
+        )  # fmt: skip
+
 
 #: What rotates a step's heads: ``rope(qk [T, Hq + Hk, D], dim, Hq)`` -> ``qk`` rotated over the
 #: first ``dim`` of each head (q heads first, then k heads).

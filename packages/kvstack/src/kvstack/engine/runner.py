@@ -10,7 +10,8 @@ returns float32 logits of the rows asked for.
 
 Per layer and step: K/V of the new tokens are written to their slots with the impl's
 ``do_kv_cache_update`` (kv-kernels' ``reshape_and_cache``), then ``impl.forward`` attends over the
-pages. Groups share one block-id space and one set of layer slots (the planner's memory model), so
+pages (:mod:`kvstack.engine.attend`; with fused ops, RoPE rides in the write where the layer
+allows: kv-kernels' ``rope_and_cache``, :attr:`ModelRunner.rope_cache_reason`). Groups share one block-id space and one set of layer slots (the planner's memory model), so
 all groups view the same storage.
 """
 
@@ -44,6 +45,7 @@ from kv_spec import (
     to_torch_dtype,
 )
 
+from kvstack.engine.attend import RopeWrite, rope_cache_writes, step_attention
 from kvstack.engine.graphs import DecodeGraphs, reason_unsupported
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.kept_sdpa import EngineImpls
@@ -126,7 +128,9 @@ class ModelRunner:
     - ``fused_ops``: run RMSNorm (with the residual add), SiLU/GELU-and-mul and RoPE through
       kv-kernels' fused ops (:meth:`~kvstack.engine.models.CausalLM.use_fused_ops`). ``None``
       (default): on CUDA (Triton), off on the CPU (the torch code the parity tests hold);
-      ``True`` on the CPU runs the ops' torch references (tests).
+      ``True`` on the CPU runs the ops' torch references (tests). With them, a layer whose
+      backend writes its cache through ``reshape_and_cache`` alone rotates q/k in the write
+      (one launch, :mod:`kvstack.engine.attend`; :attr:`rope_cache_reason` says which).
     - ``kv_cache_dtype``: ``"auto"`` (the model dtype), ``"fp8"`` (= ``"fp8_e4m3"``) or
       ``"fp8_e5m2"``: K/V stored in fp8 with per-tensor scales of 1.0, as vLLM's option
       (:mod:`kvstack.engine.kv_format`); only backends that declare ``fp8_per_tensor`` serve it.
@@ -252,6 +256,12 @@ class ModelRunner:
         self.builders: dict[int, MetadataBuilder] = {}
         self.layers: list[LayerBinding] = []
         self._bind(layout_order, max_num_seqs)
+        #: Per layer, how its RoPE rides in its cache write (None: two launches), and why
+        self.rope_writes: tuple[RopeWrite | None, ...]
+        self.rope_writes, self.rope_cache_reason = rope_cache_writes(
+            self.model, [b.impl for b in self.layers], self.device
+        )
+        self._rope_deferred = tuple(w is not None for w in self.rope_writes)
         #: MLA latent: steps with prefill rows attend them over decompressed K/V (decode rows
         #: absorbed, :mod:`kvstack.engine.mla_prefill`); ``None`` attends every row absorbed.
         self.mla_prefill = (
@@ -438,6 +448,7 @@ class ModelRunner:
             lines.append(f"MLA: {self.mla_cache_reason}")
         if self.mla_prefill is not None:
             lines.append(f"MLA prefill: {self.mla_prefill.describe()}")
+        lines.append(f"RoPE in the cache write {self.rope_cache_reason}")
         lines.append(f"CUDA graphs {self.cuda_graphs_reason}")
         return "\n".join(lines)
 
@@ -562,20 +573,11 @@ class ModelRunner:
         K/V written and attended per layer (what a captured decode step records)."""
         built = [self.builders[gid].build(md) for gid, md in enumerate(metadata)]
         slots = [md.slot_mapping for md in metadata]
-        layers = self.layers
-        hooks = self.kv_layer_hooks
         latent = self.mla_latent
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            b = layers[i]
-            if hooks is not None:  # this layer's loaded KV is in place before it is read
-                hooks.before_attention(b.layer_slot)
-            # MLA latent: k is the latent row, written once (v is a view of it)
-            b.impl.do_kv_cache_update(None, k, None if latent else v, b.kv_cache, slots[b.group_id])
-            out = b.impl.forward(None, q, b.kv_cache, built[b.group_id])
-            if hooks is not None:  # this layer's new KV is written: it may be saved
-                hooks.after_attention(b.layer_slot)
-            return out
+        attend, rope_attend = step_attention(
+            self.layers, built, slots, self.kv_layer_hooks, latent, self.rope_writes,
+            self._rope_deferred,
+        )  # fmt: skip
 
         # A step with prefill rows (never a captured decode step) splits MLA layers' rows.
         mla = self.mla_prefill
@@ -584,5 +586,5 @@ class ModelRunner:
             split = mla.step(self, metadata)
         return self.model(
             input_ids.to(self.device), positions.to(self.device), attend, mla_latent=latent,
-            mla_split=split,
+            mla_split=split, rope_attend=rope_attend,
         )  # fmt: skip
