@@ -100,6 +100,7 @@ def scenario(draw: st.DrawFn) -> dict[str, object]:
     )
     null = draw(st.sampled_from((0, None)))
     rows = draw(st.integers(1, MAX_REQS))
+    staged = draw(st.booleans())
     ops: list[tuple[object, ...]] = []
     for _ in range(draw(st.integers(1, 12))):
         kind = draw(
@@ -148,11 +149,13 @@ def scenario(draw: st.DrawFn) -> dict[str, object]:
             pad = draw(st.one_of(st.none(), st.integers(n - 1, MAX_TOKENS + 1), ODD))
             commit = draw(st.integers(n, rows))
             ops.append(("step", commit, n, qlens, slens, pad, draw(st.booleans())))
-    return {"groups": groups, "null": null, "rows": rows, "ops": ops}
+    return {"groups": groups, "null": null, "rows": rows, "ops": ops, "staged": staged}
 
 
-def _build(groups: list[tuple[int, int, int]], null: int | None, rows: int) -> BlockTables:
-    return BlockTables(
+def _build(
+    groups: list[tuple[int, int, int]], null: int | None, rows: int, staged: bool = False
+) -> BlockTables:
+    t = BlockTables(
         [b for b, _, _ in groups],
         [b // k for b, k, _ in groups],
         rows,
@@ -161,6 +164,30 @@ def _build(groups: list[tuple[int, int, int]], null: int | None, rows: int) -> B
         num_blocks=NUM_BLOCKS,
         null_block=null,
     )
+    return _staged(t) if staged else t
+
+
+def _staged(t: BlockTables) -> BlockTables:
+    """``t`` with HostDecode's CUDA form on the CPU: the step's staging buffers (and a slot
+    staging buffer per group) apart from the buffers the metadata reads, the host table as the
+    lookup's source, and the copies between them (plain CPU copies here) — what a GPU's pinned
+    staging runs, checkable without one."""
+    sb = t._step
+    sb.direct = False
+    sb.host_qsl, sb.host_seq, sb.host_pos = (torch.zeros_like(x) for x in (sb.qsl, sb.seq, sb.pos))
+    t._host_decode = hd_mod.HostDecode(
+        sb,
+        t._host_flat,
+        t._kernel,
+        t._slots,
+        t._col,
+        t.block_sizes,
+        t.max_num_blocks_per_req,
+        t.max_num_batched_tokens,
+        t.null_block,
+        host_slots=[torch.full_like(out, 7) for out in t._slots],  # stale until written
+    )
+    return t
 
 
 def _apply(t: BlockTables, op: tuple[object, ...]) -> object:
@@ -191,7 +218,7 @@ def _apply(t: BlockTables, op: tuple[object, ...]) -> object:
 @given(scenario())
 def test_fast_paths_equal_the_general_paths(case: dict[str, object]) -> None:
     groups, null, rows = case["groups"], case["null"], case["rows"]
-    fast = _build(groups, null, rows)  # type: ignore[arg-type]
+    fast = _build(groups, null, rows, case["staged"])  # type: ignore[arg-type]
     slow = _build(groups, null, rows)  # type: ignore[arg-type]
     slow._track_entries = False  # commit copies whole rows, as before
     for op in case["ops"]:  # type: ignore[attr-defined]
@@ -267,6 +294,83 @@ def test_decode_appends_in_row_order_take_the_decode_plan() -> None:
         [12, -1, -1],
         [13, 23, 33],
     ]
+
+
+def _copies_dropped(self, *args):  # type: ignore[no-untyped-def]
+    """A planted bug: the staged build writes the staging buffers but never copies the slots."""
+    size = _real_size(self, *args)
+    return size._replace(copies=size.copies[:2])
+
+
+def _stale_positions(self, *args):  # type: ignore[no-untyped-def]
+    """A planted bug: the staged build hands out the staging positions, not the device ones."""
+    size = _real_size(self, *args)
+    return size._replace(positions=size.pos.clone())
+
+
+_real_size = hd_mod.HostDecode._size
+
+
+@pytest.mark.parametrize("planted", [_copies_dropped, _stale_positions])
+def test_a_staged_decode_that_skips_a_copy_is_caught(planted: object) -> None:
+    """The staged (CUDA-form) decode against the general path on the same steps: the real one
+    passes, a twin that leaves the device slots stale (or positions where the device does not
+    read them) fails."""
+    groups, rows = [(16, 1, 4)], 3
+    ops = [
+        ("add", 0, ([1, 2],)),
+        ("add", 1, ([3],)),
+        ("add", 2, ([4, 5],)),
+        ("step", 3, 3, [1, 1, 1], [17, 16, 20], None, False),
+        ("append", [1], [([6],)]),
+        ("step", 3, 3, [1, 1, 1], [18, 17, 21], 4, False),
+    ]
+
+    def run(size: object) -> None:
+        fast, slow = _build(groups, 0, rows, staged=True), _build(groups, 0, rows)
+        with mock.patch.object(hd_mod.HostDecode, "_size", size):
+            got = [_apply(fast, op) for op in ops]
+        with general_paths():
+            want = [_apply(slow, op) for op in ops]
+        assert got == want
+
+    run(_real_size)
+    with pytest.raises(AssertionError):
+        run(planted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_decode_steps_staged_equal_the_general_path() -> None:
+    """On a GPU with pinned staging: random decode steps through HostDecode's staged form and
+    through the general path (the kv-kernels slot mapping) give the same metadata, step after
+    step on the same persistent buffers."""
+    gen = torch.Generator().manual_seed(0)
+    rows, width, bs = 8, 6, 16
+    tables = [
+        BlockTables([bs], [bs], rows, [width], device="cuda", pin_memory=True,
+                    max_num_batched_tokens=16, num_blocks=NUM_BLOCKS)
+        for _ in range(2)
+    ]  # fmt: skip
+    assert tables[0]._host_decode is not None and tables[0]._host_decode._staged
+    ids = torch.randperm(NUM_BLOCKS - 1, generator=gen)[: rows * width].add(1).view(rows, width)
+    for t in tables:
+        for r in range(rows):
+            t.add_row(r, (ids[r].tolist(),))
+    for _ in range(20):
+        n = int(torch.randint(1, rows + 1, (1,), generator=gen))
+        slens = torch.randint(1, width * bs + 1, (n,), generator=gen).tolist()
+        pad = [None, n, 16][int(torch.randint(0, 3, (1,), generator=gen))]
+        for t in tables:
+            t.commit(n)
+        got = snapshot(
+            tables[0], tables[0].build_common_metadata(n, [1] * n, slens, pad_tokens_to=pad)
+        )
+        with general_paths():
+            want = snapshot(
+                tables[1], tables[1].build_common_metadata(n, [1] * n, slens, pad_tokens_to=pad)
+            )
+        assert got == want
 
 
 def _decode_tables() -> BlockTables:

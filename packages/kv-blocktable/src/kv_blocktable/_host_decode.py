@@ -30,6 +30,16 @@ this one writes the buffers directly and reuses what depends on the batch size a
 About 20 us less than the general decode path for 256 requests on the shared 2-core EPYC
 (issue 32), most of it fewer torch calls (each ~1 us of dispatch here) and no per-step
 metadata checks.
+
+On CUDA tables staged from pinned memory (``pin_memory=True``) the same host work runs on the
+host table (what the last commit copied: no row changed since, or the step is refused before
+this runs) and writes the pinned staging buffers — ``seq_lens``, positions, and a pinned slot
+buffer per group — then copies them into the persistent device buffers, one asynchronous copy
+each (``query_start_loc`` only when stale): no kv-kernels slot-mapping launch, no staging of a
+fresh ``StepInputs``, no per-step metadata checks. The caller waits for the last step's copies
+before ``build`` writes the staging buffers and records this step's after it (the general path's
+rule for the same buffers). On the H200 host the general CUDA decode path was ~180 us for 256
+requests, most of it the slot-mapping launch's Python, the staging and the checks.
 """
 
 from __future__ import annotations
@@ -59,10 +69,15 @@ class _Size(NamedTuple):
 
     pack: Callable[..., None]  # struct pack_into of R int64 (the int check and the copy)
     lens: tuple[torch.Tensor, torch.Tensor]  # [R] int64 views of the two seq_lens buffers
+    # The buffers the host work writes: the step's own on a CPU device, the pinned staging
+    # buffers on CUDA (copied by ``copies`` / ``qsl_copy`` into the device buffers).
     qsl: torch.Tensor  # [R + 1] int32 query_start_loc buffer view
     seq: torch.Tensor  # [R] int32 seq_lens buffer view (also the host copy)
-    pos: torch.Tensor  # [R] int64 positions buffer view
+    pos: torch.Tensor  # [R] int64 positions buffer view (also the host copy)
     offsets: tuple[torch.Tensor, ...]  # per group [R] int64: (row * width + col0) * bs - 1
+    positions: torch.Tensor  # [R] int64 positions buffer view on the tables' device
+    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # staged: (device, host) views to copy
+    qsl_copy: tuple[torch.Tensor, torch.Tensor] | None  # staged: query_start_loc (device, host)
     idx: torch.Tensor  # [R] int64 scratch: flat table indices
     blocks: tuple[torch.Tensor, ...]  # per group [R] int32 scratch: each new token's block
     wide: tuple[torch.Tensor, ...]  # per group [R] int64 view of the slot buffer
@@ -98,8 +113,14 @@ class HostDecode:
         max_blocks: Sequence[int],
         max_num_batched_tokens: int,
         null_block: int | None,
+        host_slots: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        # host_slots: per group a pinned [max_num_batched_tokens] int64 staging buffer — CUDA
+        # tables: the step is written into the staging buffers and copied (dev_flat is then
+        # the host table); None: the buffers are host memory, written directly.
         self._buffers = step_buffers
+        self._staged = host_slots is not None
+        self._host_slots = tuple(host_slots) if host_slots is not None else tuple(slots)
         self._flat = dev_flat
         self._kernel = tuple(kernel)
         self._slots = tuple(slots)
@@ -128,18 +149,21 @@ class HostDecode:
 
     @classmethod
     def of(cls, tables: BlockTables) -> HostDecode | None:
-        """The fast path of ``tables`` when they can take it at all: host tables with the
-        reference slot mapping, power-of-two block sizes, the null block ``0`` or none."""
+        """The fast path of ``tables`` when they can take it at all: host tables, or CUDA tables
+        staged from pinned memory, with the reference slot mapping (or ``impl="auto"`` on CUDA:
+        the slots are the kernel's, held by the parity tests), power-of-two block sizes, the
+        null block ``0`` or none."""
         if (
-            not tables._track_rows  # (a CPU device)
+            not (tables._track_rows or tables._pinned)  # (a CPU device, or pinned staging)
             or tables.impl == "triton"
             or tables.null_block not in (None, 0)
             or any(b & (b - 1) for b in tables.block_sizes)
         ):
             return None
+        staged = not tables._track_rows
         return cls(
             tables._step,
-            tables._dev_flat,
+            tables._host_flat if staged else tables._dev_flat,
             tables._kernel,
             tables._slots,
             tables._col,
@@ -147,6 +171,12 @@ class HostDecode:
             tables.max_num_blocks_per_req,
             tables.max_num_batched_tokens,
             tables.null_block,
+            host_slots=[
+                torch.full((out.numel(),), -1, dtype=torch.int64, pin_memory=True)
+                for out in tables._slots
+            ]
+            if staged
+            else None,
         )
 
     def build(
@@ -155,9 +185,10 @@ class HostDecode:
         query_lens: object,
         seq_lens: object,
         pad_tokens_to: object,
-    ) -> tuple[StepInputs, tuple[CommonAttentionMetadata, ...]] | None:
-        """The step's inputs and one metadata per group, or ``None`` (the general path's case).
-        The caller has checked ``num_reqs`` and that rows ``[0, num_reqs)`` are committed."""
+    ) -> tuple[StepInputs, tuple[CommonAttentionMetadata, ...], torch.Tensor] | None:
+        """The step's inputs, one metadata per group and the positions on the tables' device, or
+        ``None`` (the general path's case). The caller has checked ``num_reqs`` and that rows
+        ``[0, num_reqs)`` are committed, and (staged) waited for the last step's copies."""
         n = num_reqs
         if (
             not n
@@ -202,6 +233,8 @@ class HostDecode:
         buffers = self._buffers
         if buffers.decode_qsl != n:
             size.qsl.copy_(size.step.query_start_loc)
+            if size.qsl_copy is not None:
+                size.qsl_copy[0].copy_(size.qsl_copy[1], non_blocking=True)
             buffers.decode_qsl = n
         size.seq.copy_(s)
         pos = torch.sub(s, self._one, out=size.pos)
@@ -215,12 +248,14 @@ class HostDecode:
         if padded > n:
             for out in size.slots:
                 out[n:] = -1
+        for dev, host in size.copies:  # staged: into the persistent device buffers
+            dev.copy_(host, non_blocking=True)
         self._flip = flip
         step = _copy_with(size.step, seq_lens=s, max_seq_len=max_seq)
         common = size.common
         if common[0].max_seq_len != max_seq:
             common = tuple([_copy_with(md, max_seq_len=max_seq) for md in common])
-        return step, common
+        return step, common, size.positions
 
     def _size(self, n: int, padded: int) -> _Size:
         if len(self._sizes) >= _MAX_SIZES:
@@ -228,7 +263,13 @@ class HostDecode:
         b = self._buffers
         token_reqs, qsl_i32, ones = _md._decode_ranges(n)
         rows = torch.arange(n) * self._col[-1]
-        seq, pos = b.seq[:n], b.pos[:n]
+        # What the host work writes (staged: the pinned staging buffers) and what the metadata
+        # reads (the persistent device buffers); the same tensors on a CPU device.
+        if self._staged:
+            seq, pos, qsl = b.host_seq[:n], b.host_pos[:n], b.host_qsl[: n + 1]
+        else:
+            seq, pos, qsl = b.seq[:n], b.pos[:n], b.qsl[: n + 1]
+        seq_d, pos_d, qsl_d = b.seq[:n], b.pos[:n], b.qsl[: n + 1]
         step = _md.StepInputs(
             num_reqs=n,
             query_lens=ones,
@@ -242,12 +283,14 @@ class HostDecode:
             max_query_len=1,
             max_seq_len=1,  # replaced per step
         )
-        qsl = b.qsl[: n + 1]
-        slots = tuple(out[:padded] for out in self._slots)
+        slots = tuple(out[:padded] for out in self._host_slots)
+        slots_d = tuple(out[:padded] for out in self._slots)
         kernel = tuple(k[:n] for k in self._kernel)
         common = tuple(
-            _md.make_common(step, qsl, seq, k, out) for k, out in zip(kernel, slots, strict=True)
+            _md.make_common(step, qsl_d, seq_d, k, out)
+            for k, out in zip(kernel, slots_d, strict=True)
         )
+        copies = ((seq_d, seq), (pos_d, pos), *zip(slots_d, slots, strict=True))
         size = self._sizes[(n, padded)] = _Size(
             pack=struct.Struct(f"={n}q").pack_into,
             lens=(self._lens_t[0][:n], self._lens_t[1][:n]),
@@ -257,9 +300,12 @@ class HostDecode:
             offsets=tuple(
                 (rows + c) * bs - 1 for c, bs in zip(self._col[:-1], self._block_sizes, strict=True)
             ),
+            positions=pos_d,
+            copies=copies if self._staged else (),
+            qsl_copy=(qsl_d, qsl) if self._staged else None,
             idx=self._idx[:n],
             blocks=tuple(b[:n] for b in self._blocks),
-            wide=tuple(out[:n] for out in self._slots),
+            wide=tuple(out[:n] for out in self._host_slots),
             slots=slots,
             kernel=kernel,
             step=step,

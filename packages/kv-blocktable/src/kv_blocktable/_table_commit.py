@@ -64,6 +64,14 @@ class TableCommit:
             self._copy_event.synchronize()
             self._copy_event = None
 
+    def _record_event(self) -> Any:
+        """A CUDA event recorded on the current stream of the tables' device, where the copies
+        just issued run. (The device index is the tables' own: ``torch.cuda.current_stream()``
+        without one looks the current device up first, several us of Python a call.)"""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._dev.device.index))
+        return event
+
     def _touch(self, *rows: int) -> None:
         """``rows`` of the host table changed: the device copy is stale until the next commit."""
         if self._track_rows:
@@ -105,8 +113,7 @@ class TableCommit:
         else:
             self._dev[:n].copy_(self._host[:n], non_blocking=self._pinned)
             if self._pinned:
-                self._copy_event = torch.cuda.Event()
-                self._copy_event.record()
+                self._copy_event = self._record_event()
             self._expand(slice(0, n), self._dev[:n])
         self._committed = n
 

@@ -512,10 +512,14 @@ class BlockTables(TableCommit, StepExports):
             raise ValueError(f"build_common_metadata: num_reqs={num_reqs!r} must be an int >= 0")
         self._require_committed(num_reqs, "build_common_metadata")
         if self._host_decode is not None:
+            if self._step_event is not None:  # staged (CUDA): the staging buffers are reused
+                self._step_event.synchronize()
+                self._step_event = None
             built = self._host_decode.build(num_reqs, query_lens, seq_lens, pad_tokens_to)
             if built is not None:
-                self._last_step, mds = built
-                self._positions = self._last_step.positions
+                self._last_step, mds, self._positions = built
+                if self._pinned:
+                    self._step_event = self._record_event()
                 return mds
         step = _md.StepInputs.from_lengths(
             num_reqs,
@@ -555,8 +559,7 @@ class BlockTables(TableCommit, StepExports):
             self._step_event.synchronize()
         qsl, seq, pos = self._step.stage(step)
         if self._pinned:
-            self._step_event = torch.cuda.Event()
-            self._step_event.record()
+            self._step_event = self._record_event()
         if host_slots and blocks is not None:
             assert views is not None
             slots = _md.decode_slot_mappings(step, blocks, self.block_sizes, views[2])
