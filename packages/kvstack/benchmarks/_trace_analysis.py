@@ -20,9 +20,10 @@ step left in flight is still charged its own kernels.
   same idle time split by place: ``between_steps`` + ``stalls_in_step`` (large gaps inside a
   step: e.g. its input copies ran, then the device waited for the host to launch its graph) +
   ``launch_gaps_in_step`` (small gaps inside a step).
-- syncs: runtime calls that make the host wait for the device: ``SYNC_CALLS`` and copies into
-  pageable host memory (a ``cudaMemcpyAsync`` whose device copy is ``DtoH ... Pageable``, or any
-  that took over ``MEMCPY_SYNC_US``). ``syncs_per_step`` / ``syncs_by_call`` keep the earlier
+- syncs: runtime calls that make the host wait for the device: ``SYNC_CALLS`` and copies from
+  or into pageable host memory (a ``cudaMemcpyAsync`` whose device copy names ``Pageable``; one
+  whose device copy is not in the trace counts when it took over ``MEMCPY_SYNC_US``; a pinned
+  or device-to-device copy never: it is asynchronous, however long the call took). ``syncs_per_step`` / ``syncs_by_call`` keep the earlier
   rule (``SYNC_CALLS`` plus copies over ``MEMCPY_SYNC_US``). A sync *blocked* when the call took
   over ``BLOCKED_US`` (a copy: over ``MEMCPY_SYNC_US``, its own transfer takes a few us); an
   event that has already completed returns at once and is no wait: ``blocking_syncs_per_step``
@@ -278,12 +279,16 @@ def classify_syncs(
         elif name == "cudaMemcpyAsync":
             args = e.get("args", {})
             copy = copies.get(int(args["correlation"]), "") if "correlation" in args else ""
-            pageable = "DtoH" in copy and "Pageable" in copy
+            pageable = "Pageable" in copy
             long = dur > MEMCPY_SYNC_US
             if long and "kind" not in args:
                 old.append(Sync(f"{name} (> 20 us)", ts, dur, e.get("tid"), w, True))
-            if pageable or long:
-                label = f"{name} (DtoH pageable)" if pageable else f"{name} (> 20 us)"
+            # A copy whose device side is known and touches no pageable memory (pinned host
+            # <-> device, device <-> device) is asynchronous: however long the call, it waited
+            # for no kernel. Unknown: the duration decides, as before.
+            if pageable or (long and not copy):
+                side = "DtoH" if "DtoH" in copy else "HtoD"
+                label = f"{name} ({side} pageable)" if pageable else f"{name} (> 20 us)"
                 new.append(Sync(label, ts, dur, e.get("tid"), w, long))
     return old, new
 

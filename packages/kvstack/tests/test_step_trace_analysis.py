@@ -161,9 +161,13 @@ def sync_step() -> list[dict[str, Any]]:
         runtime("cudaStreamSynchronize", 300, 3, 101),
         runtime("cudaEventSynchronize", 610, 50, 102),
         runtime("cudaMemcpyAsync", 700, 8, 103),
-        op("Memcpy HtoD (Pageable -> Device)", 705, 706, 103, cat="gpu_memcpy"),
+        op("Memcpy HtoD (Pinned -> Device)", 705, 706, 103, cat="gpu_memcpy"),
         runtime("cudaMemcpyAsync", 720, 12, 104),
         op("Memcpy DtoH (Device -> Pageable)", 725, 726, 104, cat="gpu_memcpy"),
+        # a pinned copy whose call took long (the driver's queue, a profiler): asynchronous, no
+        # sync by the current rule, a sync by the earlier rule's duration alone
+        runtime("cudaMemcpyAsync", 740, 30, 105),
+        op("Memcpy HtoD (Pinned -> Device)", 775, 776, 105, cat="gpu_memcpy"),
     ]
 
 
@@ -171,9 +175,9 @@ def test_syncs_blocked_or_not_and_their_sites() -> None:
     trace = {"traceEvents": sync_step()}
     s = ta.summarize(trace)
     # the earlier rule: sync calls + copies over 20 us
-    assert s["syncs_per_step"] == 3
+    assert s["syncs_per_step"] == 4
     assert s["syncs_by_call"] == {
-        "cudaMemcpyAsync (> 20 us)": 1, "cudaStreamSynchronize": 1, "cudaEventSynchronize": 1,
+        "cudaMemcpyAsync (> 20 us)": 2, "cudaStreamSynchronize": 1, "cudaEventSynchronize": 1,
     }  # fmt: skip
     # the current rule adds the short pageable copy; 2 of the 4 waited
     assert s["sync_calls_per_step"] == 4 and s["blocking_syncs_per_step"] == 2
@@ -199,3 +203,20 @@ def test_a_step_without_device_ops_reports_no_fractions() -> None:
     assert s["host_ms_per_step"] == pytest.approx(0.5) and s["gpu_busy_fraction"] == 0
     assert s["gpu_gaps"]["between_steps_fraction"] is None and s["kernels_per_step"] == 0
     assert ta.sites({"traceEvents": [window(0, 500)]})["syncs_by_site"] == {}
+
+
+def test_a_pageable_host_to_device_copy_is_a_sync_a_pinned_one_never() -> None:
+    """CUDA serializes a copy from pageable memory with the stream (the host waits for the
+    kernels queued before it); a pinned one is asynchronous however long its call took."""
+    events = [
+        window(0, 1000),
+        runtime("cudaMemcpyAsync", 10, 40, 200),
+        op("Memcpy HtoD (Pageable -> Device)", 45, 46, 200, cat="gpu_memcpy"),
+        runtime("cudaMemcpyAsync", 100, 40, 201),
+        op("Memcpy HtoD (Pinned -> Device)", 145, 146, 201, cat="gpu_memcpy"),
+        runtime("cudaMemcpyAsync", 200, 40, 202),
+        op("Memcpy DtoD (Device -> Device)", 245, 246, 202, cat="gpu_memcpy"),
+    ]
+    s = ta.summarize({"traceEvents": events})
+    assert s["sync_calls_per_step"] == 1 and s["blocking_syncs_per_step"] == 1
+    assert list(s["syncs_detail"]) == ["cudaMemcpyAsync (HtoD pageable)"]
