@@ -346,7 +346,7 @@ def test_cuda_decode_steps_staged_equal_the_general_path() -> None:
     through the general path (the kv-kernels slot mapping) give the same metadata, step after
     step on the same persistent buffers."""
     gen = torch.Generator().manual_seed(0)
-    rows, width, bs = 8, 6, 16
+    rows, width, bs = 6, 6, 16  # rows * width distinct ids below NUM_BLOCKS
     tables = [
         BlockTables([bs], [bs], rows, [width], device="cuda", pin_memory=True,
                     max_num_batched_tokens=16, num_blocks=NUM_BLOCKS)
