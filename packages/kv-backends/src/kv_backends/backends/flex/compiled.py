@@ -6,6 +6,15 @@ features) of a model's layers is one graph, and a hybrid model with sinks, windo
 groups, plus fp16 and bf16 runs in one process, passes 8. With ``fullgraph=True`` the ninth is a
 hard failure. The limits are raised only *while our compiled call runs* (:func:`flex_dynamo_limits`),
 and put back afterwards: the rest of the process keeps the limits its owner chose.
+
+Raising and restoring them costs ~9 us a forward on the host (four writes and two reads of
+Dynamo's config module, Python code), which a forward per layer per step pays for nothing once
+the graphs exist: the limits are read only when Dynamo compiles. So the impl raises them for the
+first compiled forward of each kind of layer over a metadata (``FlexAttentionMetadata.
+compiled_keys``); the later layers of the step call Flex as is, and should one of them miss its
+graphs after all (a ``q`` of other strides, say) with the process over its own limit, the
+fullgraph call raises :func:`recompile_limit_hit`'s error before compiling anything and the impl runs
+it again with the limits raised (Dynamo then logs one warning about the limit).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLEX_RECOMPILE_LIMIT", "compiled_flex", "flex_dynamo_limits"]
+__all__ = ["FLEX_RECOMPILE_LIMIT", "compiled_flex", "flex_dynamo_limits", "recompile_limit_hit"]
 
 #: Graphs of compiled FlexAttention our calls may hold (see :func:`flex_dynamo_limits`).
 FLEX_RECOMPILE_LIMIT = 64
@@ -26,6 +35,18 @@ _LIMITS = (
     ("recompile_limit", FLEX_RECOMPILE_LIMIT),
     ("accumulated_recompile_limit", 8 * FLEX_RECOMPILE_LIMIT),
 )
+
+
+@functools.cache
+def recompile_limit_hit() -> tuple[type[BaseException], ...]:
+    """What a fullgraph compiled call raises when it would compile past Dynamo's recompile
+    limit (torch's name has changed across versions; an empty tuple catches nothing, and then
+    every compiled forward runs inside :func:`flex_dynamo_limits`). Looked up on first use:
+    importing ``torch._dynamo`` is not free."""
+    import torch._dynamo.exc as exc
+
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+    return tuple(t for t in (getattr(exc, n, None) for n in names) if isinstance(t, type))
 
 
 @contextmanager

@@ -12,7 +12,7 @@ their shapes stay fixed across steps.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from kv_spec import KVCacheLayout
@@ -50,6 +50,13 @@ class FlexAttentionMetadata(AttentionMetadata):
     padded_tokens: int = 0
     #: The builder padded shapes to captured sizes: compile with ``dynamic=False``.
     static_shapes: bool = False
+    #: Layer kinds (``FlexAttentionImpl.compile_key``) whose compiled calls over this metadata
+    #: have run: a later layer of the kind finds its graphs compiled, so its forward skips
+    #: raising Dynamo's limits (compiled.py). Fresh per instance (``init=False``: not carried
+    #: over by ``dataclasses.replace``), so a new batch starts with none.
+    compiled_keys: set[tuple[object, ...]] = field(
+        default_factory=set, init=False, compare=False, repr=False
+    )
 
 
 class FlexMetadataBuilder(MetadataBuilder):
