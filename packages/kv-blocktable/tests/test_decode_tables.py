@@ -491,3 +491,36 @@ def test_decode_slots_for_any_block_size_equal_the_general_path(block_size: int)
         for r, s in enumerate(slens)
     ]
     assert md.slot_mapping.tolist() == by_hand
+
+
+class _Event:
+    """A CUDA event's two calls, recorded (the CPU has no events)."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.calls = done, []  # type: ignore[var-annotated]
+
+    def query(self) -> bool:
+        self.calls.append("query")
+        return self.done
+
+    def synchronize(self) -> None:
+        self.calls.append("synchronize")
+
+
+@pytest.mark.parametrize(("done", "calls"), [(True, ["query"]), (False, ["query", "synchronize"])])
+def test_staging_waits_ask_the_event_first(done: bool, calls: list[str]) -> None:
+    """A staged copy's event is waited on only when it has not run: the commit's before a row is
+    written, the step's before its staging buffers are (HostDecode and the general path)."""
+    t = _decode_tables()
+    for what, write in (
+        ("copy", lambda: t.append_rows([0], [([9],)])),
+        ("step", lambda: t.build_common_metadata(4, [1, 1, 1, 1], [20, 16, 33, 17])),
+        ("step", lambda: t.build_common_metadata(2, [3, 4], [20, 16])),  # the general path
+    ):
+        t.commit(4)
+        events = {"copy": _Event(done), "step": _Event(done)}
+        t._copy_event, t._step_event = events["copy"], events["step"]
+        write()
+        assert events[what].calls == calls, what
+        assert not events["copy" if what == "step" else "step"].calls
+    assert t._copy_event is events["copy"]  # the last write waited on the step's alone

@@ -19,13 +19,21 @@ from kv_kernels.slot_mapping import expand_block_table
 
 from kv_blocktable._block_ids import int32_tensor, int64_tensor
 
-__all__ = ["TableCommit"]
+__all__ = ["TableCommit", "wait_event"]
 
 # Up to this many pending entries are committed one by one through the memoryviews.
 _ENTRY_COPIES = 128
 # Up to this many appended entries are written through the memoryview one by one (~40 ns each);
 # more take one index_copy_ (a few us to build its index and value tensors, ~15 ns an entry).
 _ENTRY_WRITES = 128
+
+
+def wait_event(event: Any) -> None:
+    """Wait for a CUDA event's work — asking first whether it ran: a staging copy waited on a
+    step later has long run, and ``query`` answers where ``synchronize`` cost 9-16 us of call
+    time with nothing to wait for (the engine's H200 profile, same pattern)."""
+    if not event.query():
+        event.synchronize()
 
 
 class TableCommit:
@@ -61,7 +69,7 @@ class TableCommit:
         # A non-blocking copy from pinned memory reads the host buffer when the stream gets to
         # it; writing the buffer before then would change what the previous step copies.
         if self._copy_event is not None:
-            self._copy_event.synchronize()
+            wait_event(self._copy_event)
             self._copy_event = None
 
     def _record_event(self) -> Any:

@@ -55,7 +55,7 @@ from kv_blocktable._block_ids import (
     positive_int,
 )
 from kv_blocktable._host_decode import HostDecode
-from kv_blocktable._table_commit import TableCommit
+from kv_blocktable._table_commit import TableCommit, wait_event
 from kv_blocktable._table_exports import StepExports
 from kv_blocktable.attn_metadata import KeyWindow
 from kv_blocktable.pool import NULL_BLOCK_ID
@@ -513,7 +513,7 @@ class BlockTables(TableCommit, StepExports):
         self._require_committed(num_reqs, "build_common_metadata")
         if self._host_decode is not None:
             if self._step_event is not None:  # staged (CUDA): the staging buffers are reused
-                self._step_event.synchronize()
+                wait_event(self._step_event)
                 self._step_event = None
             built = self._host_decode.build(num_reqs, query_lens, seq_lens, pad_tokens_to)
             if built is not None:
@@ -556,7 +556,7 @@ class BlockTables(TableCommit, StepExports):
                         step, self.host_table(g), self.block_sizes[g], self.null_block, g
                     )
         if self._step_event is not None:  # the step's staging buffers are reused: same rule
-            self._step_event.synchronize()
+            wait_event(self._step_event)
         qsl, seq, pos = self._step.stage(step)
         if self._pinned:
             self._step_event = self._record_event()
