@@ -120,3 +120,22 @@ def test_compile_key_tells_layer_kinds_apart() -> None:
     assert key(b) == key(b)
     assert key(b) != key(w)
     assert key(b) != key(b, scale=0.5)
+
+
+def test_bench_flex_host_runs(tmp_path: Any) -> None:
+    """``benchmarks/bench_flex_host.py`` (the host harness these changes were measured with)
+    end to end on two cases (numbers: no claim)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_flex_host.py"
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, str(script), "--only", "mixed", "--calls", "2", "--rounds", "2"]
+    res = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    records = json.loads(out.read_text())["records"]
+    assert {r["impl"] for r in records} == {"FLEX_ATTENTION", "prefill=gather"}
+    assert all(r["decode_call"] and r["windows"] == 1 for r in records)
+    assert all(0 < r["forward_host_us_min"] <= r["forward_host_us"] for r in records)
