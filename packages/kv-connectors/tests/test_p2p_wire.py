@@ -145,3 +145,122 @@ def test_consecutive_blocks_move_without_staging_and_byte_exact(
         assert (calls["gather"] == 0) is direct and (calls["scatter"] == 0) is direct, calls
     prod.close()
     cons.close()
+
+
+def _count(monkeypatch: pytest.MonkeyPatch, module: Any, names: list[str]) -> dict[str, int]:
+    """Count calls of ``module.<name>`` (the block copies the views launch, the wire's
+    messages) from now on."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        original = getattr(module, name)
+
+        def counted(*a: Any, _o: Any = original, _n: str = name, **k: Any) -> Any:
+            calls[_n] += 1
+            return _o(*a, **k)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("order", "theirs", "mine", "messages", "staged"),
+    [
+        ("BLNHC", list(range(2, 9)), list(range(8, 15)), 1, 0),  # direct both sides: one message
+        # 3 rows a chunk; the last chunk is one block, its own memory on both sides (direct)
+        ("BLNHC", [9, 1, 6, 4, 12, 2, 7], [3, 0, 15, 5, 11, 8, 1], 3, 2),
+        ("LBNHC", list(range(2, 9)), list(range(8, 15)), 3, 3),  # per-layer rows are staged
+        ("LBNHC", [9, 1, 6, 4, 12, 2, 7], [3, 0, 15, 5, 11, 8, 1], 3, 3),
+    ],
+)
+def test_a_pull_is_one_copy_launch_per_chunk_and_the_fewest_messages(
+    order: str,
+    theirs: list[int],
+    mine: list[int],
+    messages: int,
+    staged: int,
+    make_request: Callable[..., Any],
+    remote_load: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 30: a per-layer cache moved each chunk as one block copy per layer (32 launches and
+    their host checks per chunk on the H200: 0.04x of NCCL). Now each chunk is one gather on the
+    producer and one scatter on the consumer whatever the layer count, and a request whose
+    blocks are the caches' own memory on both sides is one message however small the buffer."""
+    import kv_connectors.views as views
+    from kv_connectors._p2p_wire import Wire
+
+    layout = make_layout(order, num_layers=4, num_blocks=16)
+    row = layout.num_layers * layout.page_bytes
+    prod, cons, src, dst = _in_process_pair(layout, buffer_bytes=6 * row)  # 3 rows a chunk
+    copies = _count(monkeypatch, views, ["gather_blocks", "scatter_blocks"])
+    sent: list[int] = []
+    original_recv = Wire.recv
+
+    def recv(self: Wire, src_rank: int, chunks: Any, *a: Any, **k: Any) -> None:
+        sent.append(len(chunks))
+        original_recv(self, src_rank, chunks, *a, **k)
+
+    monkeypatch.setattr(Wire, "recv", recv)
+    _delay, params = prod.request_finished(make_request("p", len(theirs), 4), theirs)
+    assert params is not None
+    want = [block_bytes(src, layout, b) for b in theirs]
+    assert remote_load.start(cons, params, mine, "c") == len(theirs) * 4
+    _t, errors = remote_load.finish(cons, "c", 3 * TIMEOUT + 10, poll_s=0.01)
+    assert errors == set(), cons.load_error_reasons
+    for b, w in zip(mine, want, strict=True):
+        assert torch.equal(block_bytes(dst, layout, b), w)
+    assert sent == [messages]
+    assert copies == {"gather_blocks": staged, "scatter_blocks": staged}, copies
+    prod.close()
+    cons.close()
+
+
+@pytest.mark.parametrize("name", [*standard_layouts(), "hybrid"])
+def test_whole_row_copies_are_one_call_per_cache_and_equal_the_per_segment_ones(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole rows gathered (and scattered back) in one call per registered cache are byte for
+    byte the rows the per-segment copies write; a hybrid registration (two caches) is two."""
+    import kv_connectors.views as views
+
+    if name == "hybrid":
+        lays = [make_layout("LBNHC", num_layers=3), make_layout("BLNHC", num_layers=2)]
+        kv = RegisteredKV([random_cache(lay, seed=i) for i, lay in enumerate(lays)], lays)
+    else:
+        layout = standard_layouts()[name]
+        kv = RegisteredKV(random_cache(layout, seed=3), layout)
+    ids = [5, 1, 3]
+    per_segment = torch.empty(len(ids), kv.row_bytes, dtype=torch.uint8)
+    kv.gather(ids, per_segment, segments=range(len(kv.segments)))
+    copies = _count(monkeypatch, views, ["gather_blocks", "scatter_blocks"])
+    whole = torch.empty_like(per_segment)
+    kv.gather(ids, whole)
+    assert torch.equal(whole, per_segment)
+    kv.scatter(whole.flip(0).contiguous(), ids)  # blocks 5 and 3 swap their bytes
+    back = torch.empty_like(whole)
+    kv.gather(ids, back, segments=range(len(kv.segments)))
+    assert torch.equal(back, per_segment.flip(0))
+    whole_calls = len(kv.layouts)  # the per-segment read back above adds one per segment
+    assert copies == {
+        "gather_blocks": whole_calls + len(kv.segments),
+        "scatter_blocks": whole_calls,
+    }
+
+
+def test_whole_row_check_and_counts_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bugs: whole rows with two layers' columns swapped differ from the per-segment
+    gather, and the per-segment path counts one call per layer (what the old whole-row copy
+    made), so the tests above would catch either."""
+    import kv_connectors.views as views
+
+    layout = make_layout("LBNHC", num_layers=4)
+    kv = RegisteredKV(random_cache(layout, seed=3), layout)
+    ids = [5, 1, 3]
+    good = torch.empty(len(ids), kv.row_bytes, dtype=torch.uint8)
+    kv.gather(ids, good)
+    page = layout.page_bytes
+    swapped = torch.cat([good[:, page : 2 * page], good[:, :page], good[:, 2 * page :]], 1)
+    assert not torch.equal(swapped, good)
+    copies = _count(monkeypatch, views, ["gather_blocks"])
+    kv.gather(ids, good, segments=range(len(kv.segments)))
+    assert copies["gather_blocks"] == layout.num_layers

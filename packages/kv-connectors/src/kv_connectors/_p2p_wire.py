@@ -181,6 +181,7 @@ class Wire:
         busy: list[Any] = [None, None]  # the send still reading each staging slot
         works: list[Any] = []  # sends not waited for yet (gloo counts waits: one per send)
         seen: set[tuple[int, int | None]] = set()
+        ids: torch.Tensor | None = None  # every block id on the device, uploaded once
         with self._ctx():
             for i, ch in enumerate(chunks):
                 if ready is not None and (ch.part, ch.segment) not in seen:
@@ -196,7 +197,9 @@ class Wire:
                         self.wait(busy[slot])  # its buffer is free once that send completed
                         works.remove(busy[slot])
                     rows = self._buffer(slot, ch.count, self._width(ch))
-                    self._gather(part, rows, ch.segment)
+                    if ids is None:  # one upload a transfer, then slices (no copy per chunk)
+                        ids = kv.ids_tensor(block_ids)
+                    self._gather(ids[ch.start : ch.start + ch.count], rows, ch.segment)
                     if self.backend == "gloo":
                         self.drain(deadline)  # gloo reads host memory from its own threads
                     busy[slot] = work = self.pg.send([rows], dst, _TAG)
@@ -209,8 +212,7 @@ class Wire:
                 self.wait(work)
             self.drain(deadline)
 
-    def _gather(self, part: list[int], rows: torch.Tensor, segment: int | None) -> None:
-        ids = self.kv.ids_tensor(part)
+    def _gather(self, ids: torch.Tensor, rows: torch.Tensor, segment: int | None) -> None:
         if segment is None:
             self.kv.gather(ids, rows)
         else:

@@ -271,7 +271,19 @@ class P2pConnector(LayerStreaming, TransferConnector):
         # two buffers on each side (double buffering) within buffer_bytes
         per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, kv.row_bytes)))
         chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
-        chunks = plan_chunks(len(params.block_ids), chunk_rows=chunk)
+        remote = params.block_ids
+        if (
+            plan.identity
+            and remote
+            and list(remote) == list(range(remote[0], remote[0] + len(remote)))
+            and kv.contiguous_rows(local) is not None
+        ):
+            # Both sides move the cache's own memory (same layout, consecutive ids on each side):
+            # nothing is staged, so buffer_bytes bounds nothing and one message carries the whole
+            # request (the fewest host calls; raw NCCL on an H200 pair moved 1 GiB in 3.05 ms as
+            # one message vs 3.19 ms as 128 MiB ones).
+            chunk = len(remote)
+        chunks = plan_chunks(len(remote), chunk_rows=chunk)
         self._ask_pull(sess.sock, params, chunk_rows=chunk)
         conv = plan.convs[0]
 
@@ -282,13 +294,15 @@ class P2pConnector(LayerStreaming, TransferConnector):
         def direct_rows(ch: Chunk) -> torch.Tensor | None:
             return kv.contiguous_rows(dst(ch)) if plan.identity else None
 
-        wire.recv(
-            0,
-            chunks,
-            lambda ch: src_row,
-            direct=direct_rows,
-            land=lambda ch, rows: self._apply_rows(rows, plan, dst(ch)),
-        )
+        uploaded: list[torch.Tensor] = []  # the local ids on the device: one upload a pull
+
+        def land(ch: Chunk, rows: torch.Tensor) -> None:
+            if not uploaded:
+                uploaded.append(kv.ids_tensor(local))
+            first = conv.num_dst_blocks(ch.start)
+            self._apply_rows(rows, plan, uploaded[0][first : first + conv.num_dst_blocks(ch.count)])
+
+        wire.recv(0, chunks, lambda ch: src_row, direct=direct_rows, land=land)
         send_msg(sess.sock, {"op": "done", "request_id": params.request_id})
 
     def _event(self, stream: Any) -> Any:

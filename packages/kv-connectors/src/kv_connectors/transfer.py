@@ -280,6 +280,7 @@ class TransferConnector(ProducerHolds, KVConnector):
             check_int("request_finished", f"block_ids[{i}]", b, minimum=0)
         with self._lock:
             self._sendable[rid] = Held(ids, self._clock() + self.config.abandon_after_s)
+            self._due_by(self._sendable[rid].deadline)
         params = KVTransferParams.for_layouts(
             self.kv.layouts,
             request_id=rid,
@@ -317,6 +318,7 @@ class TransferConnector(ProducerHolds, KVConnector):
             held = self._sendable.get(request_id)
             if held is not None:
                 held.deadline = float("-inf")  # abandoned now: freed once no pull is in flight
+                self._due_by(held.deadline)
                 self._release_locked(request_id, held, self._clock())
 
     # -- producer side (session threads) --------------------------------------------------------
@@ -535,11 +537,12 @@ class TransferConnector(ProducerHolds, KVConnector):
     # -- bytes ---------------------------------------------------------------------------------
 
     def _apply_rows(
-        self, src_rows: torch.Tensor, plan: RemotePlan, block_ids: Sequence[int]
+        self, src_rows: torch.Tensor, plan: RemotePlan, block_ids: Sequence[int] | torch.Tensor
     ) -> None:
-        """Convert producer rows (``[n, producer row bytes]``) and write them to local blocks."""
+        """Convert producer rows (``[n, producer row bytes]``) and write them to local blocks
+        (``block_ids``: a list, or ids already on the cache's device, checked when uploaded)."""
         kv = self.kv
-        ids = kv.ids_tensor(block_ids)
+        ids = block_ids if isinstance(block_ids, torch.Tensor) else kv.ids_tensor(block_ids)
         if plan.identity:
             kv.scatter(src_rows, ids)
             return

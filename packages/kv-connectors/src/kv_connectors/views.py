@@ -125,6 +125,13 @@ class RegisteredKV:
                 f"registered caches are on several devices {sorted(map(str, devices))}"
             )
         self.device: torch.device = devices.pop()
+        # Whole-row copies: one gather_blocks / scatter_blocks call per registered cache over all
+        # its layer slots (a per-layer cache is one launch over its list of tensors, not one per
+        # layer: issue 30 measured 32 launches and their host checks per chunk at 0.04x of NCCL).
+        self._whole: tuple[tuple[KVCacheStorage, KVCacheLayout, int, int], ...] = tuple(
+            (storage, lay, self.cache_row_slice(ci).start, lay.num_layers * lay.page_bytes)
+            for ci, (storage, lay) in enumerate(zip(storages, layouts, strict=True))
+        )
         # Check each storage against its layout once here (shape, strides, dtype), not per copy.
         for seg in self.segments:
             empty = torch.empty(0, seg.row_bytes, dtype=torch.uint8)
@@ -269,8 +276,13 @@ class RegisteredKV:
         ``out``: ``uint8 [n, row_bytes]`` (each segment into its columns), or with ``cols=False``
         and one segment ``uint8 [n, segment row bytes]``; on any device (pinned host or the
         cache's GPU for the Triton path). Enqueued on the current stream when the cache is on CUDA.
+        Whole rows (``segments=None``) are one ``gather_blocks`` call per registered cache.
         """
-        for i in segments if segments is not None else range(len(self.segments)):
+        if segments is None:
+            for storage, lay, offset, width in self._whole:
+                gather_blocks(storage, lay, block_ids, out[:, offset : offset + width])
+            return
+        for i in segments:
             seg = self.segments[i]
             part = out[:, seg.row_offset : seg.row_offset + seg.row_bytes] if cols else out
             gather_blocks(seg.storage, seg.layout, block_ids, part)
@@ -284,8 +296,13 @@ class RegisteredKV:
         cols: bool = True,
     ) -> None:
         """Copy ``rows`` (``uint8 [n, row_bytes]``, or one segment's ``[n, segment row bytes]``
-        with ``cols=False``) into blocks ``block_ids`` of the chosen segments."""
-        for i in segments if segments is not None else range(len(self.segments)):
+        with ``cols=False``) into blocks ``block_ids`` of the chosen segments (whole rows: one
+        ``scatter_blocks`` call per registered cache)."""
+        if segments is None:
+            for storage, lay, offset, width in self._whole:
+                scatter_blocks(rows[:, offset : offset + width], storage, lay, block_ids)
+            return
+        for i in segments:
             seg = self.segments[i]
             part = rows[:, seg.row_offset : seg.row_offset + seg.row_bytes] if cols else rows
             scatter_blocks(part, seg.storage, seg.layout, block_ids)
