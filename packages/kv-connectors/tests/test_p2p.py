@@ -461,3 +461,55 @@ def test_producer_of_another_model_is_refused(
     assert torch.equal(block_bytes(cache, layout, 5), before)
     prod.close()
     cons.close()
+
+
+def _held_producer(monkeypatch: pytest.MonkeyPatch, make_request: Callable[..., Any]) -> Any:
+    """A producer holding 50 finished requests (abandon_after_s=60), its scans counted."""
+    layout = make_layout("BLNHC", num_blocks=64)
+    prod = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, abandon_after_s=60.0), block_size=layout.block_size
+    )
+    prod.register_kv_caches(random_cache(layout, seed=1), layout)
+    now = time.monotonic()
+    prod._clock = lambda: now
+    for i in range(50):
+        prod.request_finished(make_request(f"r{i}", 1, layout.block_size), [i])
+    prod.scans = 0
+    original = type(prod)._release_locked
+
+    def counted(self: Any, *a: Any) -> None:
+        self.scans += 1
+        original(self, *a)
+
+    monkeypatch.setattr(type(prod), "_release_locked", counted)
+    return prod, now
+
+
+def test_get_finished_scans_held_requests_only_once_a_deadline_passed(
+    monkeypatch: pytest.MonkeyPatch, make_request: Callable[..., Any]
+) -> None:
+    """Issue 30: get_finished runs every engine step, on the thread whose GIL the transfer
+    threads wait for, and walked every held request each time. Before the earliest abandon
+    deadline a poll touches none; once it passed, one scan releases the abandoned ones."""
+    prod, now = _held_producer(monkeypatch, make_request)
+    for _ in range(20):
+        assert prod.get_finished()[0] == set()
+    assert prod.scans == 0
+    prod._clock = lambda: now + 61  # every abandon deadline passed
+    assert len(prod.get_finished()[0]) == 50  # released by one scan
+    assert prod.scans == 50
+    assert prod.get_finished()[0] == set() and prod.scans == 50  # nothing held: nothing due
+    prod.close()
+
+
+def test_scan_count_check_can_fail(
+    monkeypatch: pytest.MonkeyPatch, make_request: Callable[..., Any]
+) -> None:
+    """Planted bug: a poll that always scans (the old behaviour) counts every held request on
+    every call, so the zero above is a real bound."""
+    prod, _now = _held_producer(monkeypatch, make_request)
+    for _ in range(3):
+        prod._hold_due = float("-inf")
+        prod.get_finished()
+    assert prod.scans == 3 * 50
+    prod.close()

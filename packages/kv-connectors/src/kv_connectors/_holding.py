@@ -47,6 +47,14 @@ class ProducerHolds:
     _clock: Callable[[], float]
     _worker: Any
     config: Any
+    # The earliest abandon deadline or lease end of any held request: a poll before it has
+    # nothing to expire and skips the scan (``get_finished`` runs every engine step, on the
+    # thread whose GIL the transfer threads wait for; issue 30).
+    _hold_due: float = float("inf")  # nothing held, nothing due
+
+    def _due_by(self, t: float) -> None:
+        """A deadline or lease end at ``t`` now exists (lock held): the next poll after it scans."""
+        self._hold_due = min(self._hold_due, t)
 
     def _start_pull(self, request_id: str, block_ids: Sequence[int], lease_s: float | None) -> int:
         """Pin a held request for one pull; returns the pull's token. ``lease_s``: the pull ends by
@@ -68,6 +76,7 @@ class ProducerHolds:
                 raise KeyError(f"request {request_id!r}: blocks asked for are not the request's")
             token = next(self._pull_ids)
             held.pulls[token] = float("inf") if lease_s is None else now + lease_s
+            self._due_by(held.pulls[token])
             return token
 
     def _release_locked(self, request_id: str, held: Held, now: float) -> None:
@@ -104,11 +113,21 @@ class ProducerHolds:
             self._release_locked(request_id, held, self._clock())
 
     def _expire_locked(self) -> None:
-        """Drop pulls whose lease ended and release what nothing reads any more (lock held)."""
+        """Drop pulls whose lease ended and release what nothing reads any more (lock held).
+        Every other release happens where its cause does (a pull's end, a consumer's ``done``, an
+        abort), so only time passing needs a scan: none before the earliest deadline."""
         now = self._clock()
+        if now < self._hold_due:
+            return
+        due = float("inf")
         for rid, held in list(self._sendable.items()):
             for token, lease_end in list(held.pulls.items()):
                 if lease_end < now:  # the consumer may no longer report this READ a success
                     del held.pulls[token]
                     log.warning("request %s: pull %d outlived its lease", rid, token)
+                else:
+                    due = min(due, lease_end)
             self._release_locked(rid, held, now)
+            if rid in self._sendable:
+                due = min(due, held.deadline)
+        self._hold_due = due
