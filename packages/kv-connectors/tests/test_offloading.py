@@ -121,3 +121,35 @@ def test_config_errors_name_the_field() -> None:
         OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=8).register_kv_caches(
             random_cache(layout, seed=0), layout
         )
+
+
+def test_runs_group_consecutive_slots_in_order() -> None:
+    """A save's tier slots in runs of consecutive slots (one copy per run and segment), each
+    run keeping its block ids in request order; built in place (issue 30: the old copy of each
+    run's list per block was quadratic in a request's blocks)."""
+    from kv_connectors.offloading import _runs
+
+    got = _runs([4, 5, 6, 9, 10, 2], [40, 7, 3, 11, 12, 1])
+    assert got == [(4, 3, [40, 7, 3]), (9, 2, [11, 12]), (2, 1, [1])]
+    assert _runs([], []) == []
+    long = _runs(list(range(5000)), list(range(5000, 0, -1)))
+    assert long == [(0, 5000, list(range(5000, 0, -1)))]
+
+
+def test_a_repeated_hash_in_one_request_is_saved_once(make_request: Callable[..., Any]) -> None:
+    """Two blocks of one request with the same hash take one tier slot (the duplicate check is
+    a set now, not a scan of the request's list)."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    conn = OffloadingConnector(
+        OffloadingConfig(cpu_bytes=8 * layout.num_layers * layout.page_bytes),
+        block_size=layout.block_size,
+    )
+    conn.register_kv_caches(random_cache(layout, seed=1), layout)
+    real = make_request("r", 3, layout.block_size)
+    hashes = [real.block_hashes[0], real.block_hashes[1], real.block_hashes[0]]
+    req = type("Req", (), {"request_id": "r", "block_hashes": hashes})()
+    delay, _ = conn.request_finished(req, [3, 4, 5])
+    assert delay
+    (save,) = conn._saves
+    assert save.block_ids == (3, 4) and len(set(save.block_hashes)) == 2
+    conn.close()

@@ -76,7 +76,8 @@ def _runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int
     out: list[tuple[int, int, list[int]]] = []
     for s, b in zip(slots, block_ids, strict=True):
         if out and out[-1][0] + out[-1][1] == s:
-            out[-1] = (out[-1][0], out[-1][1] + 1, [*out[-1][2], b])
+            out[-1][2].append(b)  # in place: copying the run's list each time was O(n^2)
+            out[-1] = (out[-1][0], out[-1][1] + 1, out[-1][2])
         else:
             out.append((s, 1, [b]))
     return out
@@ -291,8 +292,9 @@ class OffloadingConnector(KVConnector):
         policy = self._policy_or_raise()
         ids: list[int] = []
         hashes: list[bytes] = []
+        taken: set[bytes] = set()  # hashes of this request already planned (a set: O(1) each)
         for h, b in zip(request.block_hashes, block_ids, strict=False):
-            if h in self._slot_of or h in hashes:
+            if h in self._slot_of or h in taken:
                 continue  # stored or being stored already
             evicted = policy.insert(h)
             if evicted is None:
@@ -302,6 +304,7 @@ class OffloadingConnector(KVConnector):
                 self._drop(old)  # type: ignore[arg-type]
             ids.append(b)
             hashes.append(h)
+            taken.add(h)
         if not ids:
             return False, None
         # The lowest free slots, in order: a request's blocks land in runs of consecutive slots,
