@@ -15,7 +15,11 @@ P2P cases (one process pair, rank 0 produces, rank 1 consumes), ``n`` blocks a r
   of the same bytes after the prefill (the non-streaming alternative).
 
 Raw baselines: one message of the request's bytes, and messages of the connector's chunk size
-(``buffer_bytes / 2``) and of one layer's pages (the streaming message), back to back.
+(``buffer_bytes / 2``) and of one layer's pages (the streaming message), back to back. NIXL is
+also held to a raw NIXL READ of the same bytes between two fresh agents (one descriptor, memory
+registered and lists prepared before the clock, polled without sleeping): the NCCL ratio says
+how far the connector is from the fastest way to move the bytes, this one how much of that is
+the connector and how much the transport (UCX).
 """
 
 from __future__ import annotations
@@ -251,6 +255,55 @@ def _raw(ctx: dict[str, Any], port: int, nbytes: int, messages: list[int]) -> di
     return out
 
 
+def _raw_nixl(ctx: dict[str, Any], nbytes: int) -> float | None:
+    """One NIXL READ of ``nbytes`` as a single descriptor between two fresh agents (memory
+    registered and descriptor lists prepared before the clock starts), polled without sleeping:
+    what the transport does with the bytes, apart from any connector. Seconds (rank 1)."""
+    import numpy as np
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    rank, device, iters, q, q2 = ctx["rank"], ctx["device"], ctx["iters"], ctx["q"], ctx["q2"]
+    cuda = device.type == "cuda"
+    mem, dev = ("VRAM", device.index or 0) if cuda else ("DRAM", 0)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    agent = nixl_agent(f"raw{rank}", nixl_agent_config(enable_prog_thread=cuda, backends=["UCX"]))
+    reg = agent.register_memory([(buf.data_ptr(), nbytes, dev, "")], mem)
+    if rank == 0:
+        q.put((agent.get_agent_metadata(), buf.data_ptr(), dev))
+        # keep the memory until the reader ends, progressing this agent as the connector's
+        # producer does in _wait_sent (without a progress thread UCX's wireup needs it)
+        deadline = time.monotonic() + 300
+        while q2.empty() and time.monotonic() < deadline:
+            agent.get_new_notifs()
+            time.sleep(1e-4)
+        assert q2.get(timeout=5) == "raw nixl done"
+        agent.deregister_memory(reg)
+        return None
+    meta, addr, their_dev = q.get(timeout=120)
+    remote = agent.add_remote_agent(meta)
+    descs = np.array([[buf.data_ptr(), nbytes, dev]], dtype=np.int64)
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(descs, mem))
+    theirs = np.array([[addr, nbytes, their_dev]], dtype=np.int64)
+    handle = agent.prep_xfer_dlist(remote, agent.get_xfer_descs(theirs, mem))
+    times = []
+    try:
+        for _ in range(iters + 2):
+            t0 = time.perf_counter()
+            xfer = agent.make_prepped_xfer("READ", local, [0], handle, [0], b"")
+            state = agent.transfer(xfer)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(xfer)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            agent.release_xfer_handle(xfer)
+            if state == "ERR":
+                raise RuntimeError("raw NIXL READ failed")
+    finally:
+        q2.put("raw nixl done")
+    agent.deregister_memory(reg)
+    return statistics.median(times[2:])
+
+
 def _peer(rank: int, cfg: dict[str, Any], port: int, queues: Any, out: Any, barrier: Any) -> None:
     cuda = torch.cuda.is_available() and not cfg["smoke"]
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
@@ -283,10 +336,11 @@ def _peer(rank: int, cfg: dict[str, Any], port: int, queues: Any, out: Any, barr
             report(f"pull {order} {kind}", lambda o=order, k=kind: _pull_case(ctx, "p2p", o, k))
         report("push", lambda: _push_case(ctx))
         report("layerwise", lambda: _layerwise_case(ctx))
-    else:
-        report("pull BLNHC consecutive", lambda: _pull_case(ctx, "nixl", "BLNHC", "consecutive"))
     lay = make_layout("LBNHC", cfg["shape"])
     nbytes = cfg["n"] * lay.num_layers * lay.page_bytes
+    if transport == "nixl":
+        report("pull BLNHC consecutive", lambda: _pull_case(ctx, "nixl", "BLNHC", "consecutive"))
+        report("raw_nixl", lambda: _raw_nixl(ctx, nbytes))
     layer_msg = cfg["n"] * lay.page_bytes
     sizes = sorted({nbytes, min(nbytes, BUFFER_BYTES // 2), layer_msg})
     report("raw", lambda: {str(k): v for k, v in _raw(ctx, port, nbytes, sizes).items()})
@@ -331,8 +385,20 @@ def _report(
     one = raw[str(nbytes)]
     chunk = raw[str(min(nbytes, BUFFER_BYTES // 2))]
     base = f"raw send/recv ({nccl}), one {nbytes / 2**20:.1f} MiB message"
+    raw_nixl = got.get("raw_nixl")
+    if isinstance(raw_nixl, str):
+        res.errors.append({"section": transport, "error": f"raw_nixl: {raw_nixl}", "trace": ""})
+    if isinstance(raw_nixl, float):  # the transport alone, beside the NCCL baseline (not instead)
+        res.add(
+            transport,
+            "raw NIXL READ, one descriptor (transport alone, no connector)",
+            nbytes,
+            raw_nixl,
+            base,
+            one,
+        )
     for key, value in got.items():
-        if key == "raw":
+        if key in ("raw", "raw_nixl"):
             continue
         if isinstance(value, str):
             res.errors.append({"section": transport, "error": f"{key}: {value}", "trace": ""})
@@ -352,6 +418,9 @@ def _report(
                 message_bytes=n * lay.page_bytes,
             )
             continue
+        extra = {}
+        if isinstance(raw_nixl, float):
+            extra = {"raw_nixl_ms": raw_nixl * 1e3, "ratio_to_raw_nixl": raw_nixl / value}
         res.add(
             transport,
             f"{transport} {key}",
@@ -359,6 +428,7 @@ def _report(
             value,
             base,
             one,
+            **extra,
             raw_chunked_ms=chunk * 1e3,
             ratio_to_chunked=chunk / value,
             chunk_bytes=min(nbytes, BUFFER_BYTES // 2),

@@ -291,6 +291,11 @@ def write(res: Results, out_dir: Path, meta: dict[str, Any]) -> None:
                 f"\n{r['case']}: {r['ratio_to_chunked']:.2f}x of raw send/recv in messages of "
                 f"{r['chunk_bytes'] / 2**20:.1f} MiB (the connector's chunk), {r['raw_chunked_ms']:.3f} ms."
             )
+        if "ratio_to_raw_nixl" in r:
+            lines.append(
+                f"\n{r['case']}: {r['ratio_to_raw_nixl']:.2f}x of one raw NIXL READ of the same "
+                f"bytes ({r['raw_nixl_ms']:.3f} ms): the rest of the gap to NCCL is the transport's."
+            )
         if "tail_ms" in r:
             lines.append(
                 f"\n{r['case']}: the consumer has every layer {r['tail_ms']:.3f} ms after the "
