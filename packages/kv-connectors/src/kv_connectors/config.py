@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -129,6 +130,18 @@ def check_int(
     if value < minimum or (maximum is not None and value > maximum):
         raise ValueError(f"{owner}.{field}={value} is out of range; give an int {bound}")
     return value
+
+
+def check_ids(owner: str, field: str, values: Sequence[object]) -> None:
+    """Every item of ``values`` an int >= 0 (block ids). One pass over plain ints first: a
+    request's ids are checked a few times a step on the scheduler's thread, and the per-id
+    :func:`check_int` cost ~0.5 ms for 512 blocks; only a list that fails it is checked id by
+    id, for the error naming the first bad one (``field[i]``)."""
+    ints = [v for v in values if type(v) is int]  # bool and other types fall to the loop
+    if len(ints) == len(values) and (not ints or min(ints) >= 0):
+        return
+    for i, v in enumerate(values):
+        check_int(owner, f"{field}[{i}]", v, minimum=0)
 
 
 def check_bool(owner: str, field: str, value: object) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from kv_spec import KVCacheLayout
 
-from kv_connectors.config import check_fingerprint, check_int, check_str
+from kv_connectors.config import check_fingerprint, check_ids, check_int, check_str
 
 __all__ = [
     "HandshakeRefused",
@@ -89,8 +89,7 @@ class KVTransferParams:
         check_str(o, "host", self.host, what="the producer's side-channel host")
         check_int(o, "port", self.port, minimum=1, maximum=65535)
         ids = _check_seq("block_ids", self.block_ids, "block ids (ints >= 0)")
-        for i, b in enumerate(ids):
-            check_int(o, f"block_ids[{i}]", b, minimum=0)
+        check_ids(o, "block_ids", ids)  # params are built and sliced a few times a step
         layouts = _check_seq("layouts_json", self.layouts_json, "layout JSON strings")
         hashes = _check_seq("compatibility_hashes", self.compatibility_hashes, "hash strings")
         for i, t in enumerate(layouts):

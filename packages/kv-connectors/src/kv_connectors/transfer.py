@@ -67,6 +67,7 @@ from kv_connectors.config import (
     KVRole,
     NixlConfig,
     P2pConfig,
+    check_ids,
     check_int,
     check_str,
     check_timeout,
@@ -276,8 +277,7 @@ class TransferConnector(ProducerHolds, KVConnector):
         if n == 0 or self._server is None:
             return False, None
         ids = tuple(block_ids[:n])
-        for i, b in enumerate(ids):
-            check_int("request_finished", f"block_ids[{i}]", b, minimum=0)
+        check_ids("request_finished", "block_ids", ids)
         with self._lock:
             self._sendable[rid] = Held(ids, self._clock() + self.config.abandon_after_s)
             self._due_by(self._sendable[rid].deadline)
