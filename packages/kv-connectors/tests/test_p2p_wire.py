@@ -4,6 +4,7 @@ two in-process connectors over gloo that take the direct path and stay byte-exac
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -264,3 +265,62 @@ def test_whole_row_check_and_counts_can_fail(monkeypatch: pytest.MonkeyPatch) ->
     copies = _count(monkeypatch, views, ["gather_blocks"])
     kv.gather(ids, good, segments=range(len(kv.segments)))
     assert copies["gather_blocks"] == layout.num_layers
+
+
+@pytest.mark.parametrize(
+    ("order", "ids", "messages"),
+    [("BLNHC", [4, 5, 6, 7, 8], 1), ("BLNHC", [4, 9, 6, 7, 8], 3), ("LBNHC", [4, 5, 6, 7, 8], 3)],
+)
+def test_a_push_of_the_caches_own_memory_is_one_message(
+    order: str,
+    ids: list[int],
+    messages: int,
+    make_request: Callable[..., Any],
+    remote_load: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A push whose blocks are the producer cache's own memory (consecutive ids of a slab) is one
+    message (the consumer always receives into its receive buffer); other pushes keep chunks of
+    ``buffer_bytes / 2``; both land byte-exact."""
+    from kv_connectors._p2p_wire import Wire
+
+    layout = make_layout(order, num_layers=4, num_blocks=16)
+    row = layout.num_layers * layout.page_bytes
+    cons = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, mode="write", role="consumer", buffer_bytes=4 * row),
+        block_size=layout.block_size,
+    )
+    dst = random_cache(layout, seed=2)
+    cons.register_kv_caches(dst, layout)
+    host, port = cons.address
+    prod = P2pConnector(
+        P2pConfig(timeout_s=TIMEOUT, mode="write", push_to=f"{host}:{port}", buffer_bytes=4 * row),
+        block_size=layout.block_size,
+    )  # 2 rows a chunk
+    src = random_cache(layout, seed=1)
+    prod.register_kv_caches(src, layout)
+    sent: list[int] = []
+    original_send = Wire.send
+
+    def send(self: Wire, dst_rank: int, block_ids: Any, chunks: Any, **k: Any) -> None:
+        sent.append(len(chunks))
+        original_send(self, dst_rank, block_ids, chunks, **k)
+
+    monkeypatch.setattr(Wire, "send", send)
+    _delay, params = prod.request_finished(make_request("p", len(ids), 4), ids)
+    assert params is not None
+    want = [block_bytes(src, layout, b) for b in ids]
+    prod.wait_for_save()
+    deadline = time.monotonic() + 3 * TIMEOUT
+    while "p" not in prod.get_finished()[0]:
+        assert time.monotonic() < deadline, "the push ends"
+        time.sleep(0.005)
+    mine = [10, 3, 12, 0, 7]
+    assert remote_load.start(cons, params, mine, "c") == len(ids) * 4
+    _t, errors = remote_load.finish(cons, "c", 3 * TIMEOUT + 10, poll_s=0.01)
+    assert errors == set(), cons.load_error_reasons
+    for b, w in zip(mine, want, strict=True):
+        assert torch.equal(block_bytes(dst, layout, b), w)
+    assert sent == [messages]
+    prod.close()
+    cons.close()

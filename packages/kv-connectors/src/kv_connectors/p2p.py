@@ -351,6 +351,10 @@ class P2pConnector(LayerStreaming, TransferConnector):
             sess = self._peer(host, port)
             with sess.lock:
                 chunk = max(1, self.config.buffer_bytes // (2 * self.kv.row_bytes))
+                if self.kv.contiguous_rows(ids) is not None:
+                    # the blocks are the cache's own memory and the consumer receives into its
+                    # receive buffer: nothing is staged on either side, so one message
+                    chunk = len(ids)
                 msg = {"op": "push", "request_id": rid, "block_ids": ids, "chunk_rows": chunk}
                 send_msg(sess.sock, {**msg, "row_bytes": self.kv.row_bytes})
                 reply = recv_msg(sess.sock)
