@@ -62,3 +62,17 @@ def test_bad_registrations_say_why() -> None:
         RegisteredKV([random_cache(lay, seed=0), random_cache(lay, seed=0)], [lay])
     with pytest.raises(TypeError, match="KVCacheLayout"):
         RegisteredKV([random_cache(lay, seed=0)], ["LBNHC"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("ids", "bad"), [([1, 16], "16"), ([1, -1], "-1"), ([1, True], "True"), ([1, 2.0], "2.0")]
+)
+def test_check_block_ids_names_the_first_bad_id(ids: list[Any], bad: str) -> None:
+    """The one-pass check of plain ints in range (a pull's ids, on the producer's critical path)
+    refuses what the id-by-id walk refused and names the bad id and the bound."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    kv = RegisteredKV(random_cache(layout, seed=1), layout)
+    kv.check_block_ids(list(range(16)), what="pull block_ids")
+    kv.check_block_ids([], what="pull block_ids")
+    with pytest.raises(ValueError, match=rf"holds block id {bad}, outside \[0, num_blocks=16\)"):
+        kv.check_block_ids(ids, what="pull block_ids")

@@ -185,6 +185,13 @@ class RegisteredKV:
         return slice(segs[0].row_offset, segs[-1].row_offset + segs[-1].row_bytes)
 
     def check_block_ids(self, block_ids: Sequence[int], *, what: str) -> None:
+        # One pass over plain ints first (a producer checks a pull's ids on the critical path);
+        # a list that fails it is walked id by id for the error naming the first bad one.
+        ints = [b for b in block_ids if type(b) is int]
+        if len(ints) == len(block_ids) and (
+            not ints or (min(ints) >= 0 and max(ints) < self.num_blocks)
+        ):
+            return
         for b in block_ids:
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
                 raise ValueError(
