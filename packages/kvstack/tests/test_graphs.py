@@ -88,6 +88,47 @@ def test_emulated_graphs_give_the_eager_engines_tokens(llama_dir: Path) -> None:
     assert max_logit_gap(graphed, eager) <= 1e-5
 
 
+def _cache_tensors(engine: LLMEngine) -> list[torch.Tensor]:
+    storage = engine.runner.kv_caches[0]
+    return [storage] if isinstance(storage, torch.Tensor) else list(storage)
+
+
+def _widths(engine: LLMEngine) -> list[int]:
+    return [engine.tables.kernel_table(g).shape[1] for g in range(engine.runner.num_groups)]
+
+
+def test_every_size_captured_before_the_first_request(llama_dir: Path) -> None:
+    """``capture_all`` (what the engine runs at startup on a GPU) captures sizes 8, 4, 2, 1 over
+    all-padding buffers, writing nothing to the cache; the requests then only replay."""
+    eager = run(engine_of(llama_dir))
+    engine = with_emulated_graphs(engine_of(llama_dir))
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    before = [t.clone() for t in _cache_tensors(engine)]
+    assert graphs.capture_all(_widths(engine)) == 4 and graphs.num_captures == 4
+    after = _cache_tensors(engine)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "capture wrote KV"
+    assert graphs.capture_all(_widths(engine)) == 0  # nothing left to capture
+    graphed = run(engine)
+    assert graphs.num_captures == 4, "a request's step captured a graph"
+    assert graphs.num_replays == max(NEW) - 1
+    assert [c.token_ids for c in graphed] == [c.token_ids for c in eager]
+    assert max_logit_gap(graphed, eager) <= 1e-5
+    with pytest.raises(ValueError, match="table_widths"):
+        graphs.capture_all([w + 1 for w in _widths(engine)])
+
+
+def test_planted_capture_over_narrow_tables_replays_nothing(llama_dir: Path) -> None:
+    """The check above that the steps replay can fail: buffers captured narrower than the steps'
+    tables make every decode step run eagerly (``size_for`` refuses a wider table)."""
+    engine = with_emulated_graphs(engine_of(llama_dir))
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    graphs.capture_all([1 for _ in _widths(engine)])
+    run(engine)
+    assert graphs.num_replays == 0
+
+
 class _StaleTables(DecodeGraphs):
     """A planted bug: the block tables are never refreshed after the first step's copy, so
     requests attend their first step's pages (the null block past them)."""

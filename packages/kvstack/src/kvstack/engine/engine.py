@@ -22,13 +22,12 @@ ends a request at a stop string; ``engine.chat(messages)`` applies the chat temp
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 from kv_blocktable import KVCacheManager, Request
@@ -37,11 +36,10 @@ from kv_blocktable.block_table import BlockTables
 from kvstack.engine._async import InFlight, TokenReader
 from kvstack.engine._device import on_built_device as _on_built_device
 from kvstack.engine._device import on_device
+from kvstack.engine._generate import Prompt, RunsPrompts
 from kvstack.engine._inputs import (
-    chat_prompts,
     check_engine_flags,
     check_token_ids,
-    prompts_and_params,
 )
 from kvstack.engine._rows import BatchRows
 from kvstack.engine._staging import StepStager
@@ -56,10 +54,6 @@ from kvstack.engine.tokenizer import TextTokenizer
 
 __all__ = ["Completion", "EngineStats", "LLMEngine", "Prompt", "TokenEvent"]
 
-#: A prompt: token ids, or text the engine's tokenizer encodes.
-Prompt: TypeAlias = "Sequence[int] | str"
-#: One chat message: ``{"role": "user", "content": "..."}``.
-Message: TypeAlias = Mapping[str, Any]
 #: The engine's own options (the rest go to :class:`ModelRunner`).
 _ENGINE_OPTIONS = (
     "runner", "max_num_seqs", "enable_prefix_caching", "keep_logits", "tokenizer", "warmup",
@@ -73,7 +67,7 @@ _RUNNER_OPTIONS = tuple(
 )
 
 
-class LLMEngine(TextSide):
+class LLMEngine(RunsPrompts, TextSide):
     """Continuous batching over one :class:`ModelRunner` (see the module docstring).
 
     ``runner`` may be given instead of ``model_dir`` (tests share one runner between engines
@@ -88,7 +82,9 @@ class LLMEngine(TextSide):
 
     ``warmup`` (default on): on a GPU, build the kernels every step launches before the first
     request (``ModelRunner.warm_kernels``; seconds in ``stats().startup_seconds["compile"]``),
-    so no request waits for a compile; later starts load them from Triton's disk cache.
+    so no request waits for a compile (later starts load them from Triton's disk cache), and
+    capture every decode size's CUDA graph (``DecodeGraphs.capture_all``; seconds in
+    ``startup_seconds["graphs"]``).
 
     ``kv_connector``: a ``kv_connectors.KVConnector`` driven through its contract
     (:mod:`kvstack.engine.connector_driver`); the caller builds (engine's block size) and closes it.
@@ -166,6 +162,14 @@ class LLMEngine(TextSide):
         self._ahead = 0  # steps scheduled one ahead
         if warmup:  # (the kernels a step launches, built now rather than in the first requests)
             runner.warm_kernels(self.tables.kernel_table)
+            if runner.graphs is not None:  # every decode size captured now, not in a request
+                t0 = time.perf_counter()
+                runner.graphs.capture_all(
+                    [self.tables.kernel_table(g).shape[1] for g in range(runner.num_groups)]
+                )
+                runner.startup_seconds["graphs"] = (
+                    runner.startup_seconds.get("graphs", 0.0) + time.perf_counter() - t0
+                )
         self.eos_token_ids = frozenset(runner.arch.eos_token_ids)
         self._rows = BatchRows(self.tables, max_num_seqs)  # request id <-> block-table row
         self._seqs: dict[str, Seq] = {}
@@ -512,86 +516,6 @@ class LLMEngine(TextSide):
             self._prompt_text.pop(request_id, None),
             seq.kv_transfer_params_out,
         )
-
-    def _run(
-        self,
-        prompts: Sequence[Prompt] | str,
-        params: SamplingParams | Sequence[SamplingParams] | None,
-        added: list[str],
-    ) -> Iterator[TokenEvent]:
-        """Add ``prompts`` as requests ``"0"``, ``"1"``, ... (``"0-7"`` where a connector still
-        holds an earlier ``"0"``'s blocks; ids go to ``added`` as they are added) and step until
-        each has finished; yield their tokens. Other requests in the engine run along; their
-        events are not yielded (read them with :meth:`completion`)."""
-        plist_prompts, plist = prompts_and_params(prompts, params)
-        for i, (p, sp) in enumerate(zip(plist_prompts, plist, strict=True)):
-            rid = f"{i}-{next(self._ids)}" if str(i) in self.scheduler.sending else str(i)
-            added.append(self.add_request(rid, p, sp))
-        mine = set(added)
-
-        def unfinished() -> bool:
-            return any(
-                (s := self._seqs.get(r)) is not None and s.finish_reason is None for r in added
-            )
-
-        while unfinished():
-            for ev in self.step():
-                if ev.request_id in mine:
-                    yield ev
-
-    def stream(
-        self,
-        prompts: Sequence[Prompt] | str,
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Add ``prompts`` (ids ``"0"``, ``"1"``, ...; text or token ids) and yield each token as
-        it is generated. When the iteration ends -- run out, closed early (``break``, ``close()``)
-        or on an error -- its requests leave the engine: finished ones are forgotten, unfinished
-        ones aborted (their blocks freed), so the engine can run the same ids again."""
-        added: list[str] = []
-        try:
-            yield from self._run(prompts, params, added)
-        finally:
-            self._leave(added)
-
-    def generate(
-        self,
-        prompts: Sequence[Prompt] | str,
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[Completion]:
-        """Run ``prompts`` (text or token ids; one string is one prompt) to completion; one
-        :class:`Completion` per prompt, in order, with its decoded ``text`` when the engine has a
-        tokenizer. On an error, every request it added leaves the engine."""
-        added: list[str] = []
-        try:
-            for _ in self._run(prompts, params, added):
-                pass
-            return [self.completion(r) for r in added]
-        finally:
-            self._leave(added)  # only what an error left: completion() forgot the rest
-
-    def _leave(self, added: list[str]) -> None:
-        """A generate/stream call's requests leave (blocks a connector still sends stay held)."""
-        for r in added:
-            if r in self.scheduler.sending:
-                self._forget(r)
-        self.abort_request([r for r in added if r not in self.scheduler.sending])
-
-    def chat(
-        self,
-        messages: Sequence[Message] | Sequence[Sequence[Message]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-    ) -> list[Completion]:
-        """Generate replies to conversations (``[{"role": "user", "content": "hi"}, ...]``, or a
-        list of them), each rendered by the tokenizer's chat template (its ``prompt_text``) and
-        encoded without adding special tokens again (the template writes them), as vLLM's
-        ``LLM.chat`` does."""
-        tok = self._require_tokenizer("chat")
-        texts, prompts = chat_prompts(tok, messages, add_generation_prompt)
-        out = self.generate(prompts, params)
-        return [dataclasses.replace(c, prompt_text=t) for c, t in zip(out, texts, strict=True)]
 
     def stats(self) -> EngineStats:
         cfg = self.runner.kv_cache_config

@@ -171,13 +171,38 @@ class DecodeGraphs:
             self._slots[gid][n:size].fill_(-1)
 
     def _make_group_buffers(self, metadata: Sequence[CommonAttentionMetadata]) -> None:
+        self._make_buffers([md.block_table.shape[1] for md in metadata])
+
+    def _make_buffers(self, widths: Sequence[int]) -> None:
         dev, big = self.runner.device, self.sizes[-1]
-        for md in metadata:
+        for width in widths:
             self._seq.append(torch.ones(big, dtype=torch.int32, device=dev))
             self._slots.append(torch.full((big,), -1, dtype=torch.int64, device=dev))
-            self._tables.append(
-                torch.zeros(big, md.block_table.shape[1], dtype=torch.int32, device=dev)
+            self._tables.append(torch.zeros(big, width, dtype=torch.int32, device=dev))
+
+    @torch.no_grad()
+    def capture_all(self, table_widths: Sequence[int]) -> int:
+        """Capture every size not captured yet, before the first request (the engine's start:
+        :attr:`~kvstack.engine.runner.ModelRunner.startup_seconds` ``["graphs"]``), largest
+        first, as vLLM does; returns how many were captured.
+
+        ``table_widths``: each KV group's block-table width, the width the steps' tables have
+        (the engine's ``BlockTables`` kernel tables). Every row is padding while nothing has
+        been filled (token 0 at position 0, ``seq_len`` 1 over block 0, slot ``-1``: the cache
+        write skips it), so the capture's own runs write nothing to the cache; a later step
+        fills the buffers and replays. Without it a size is captured in the first step that
+        needs it, inside a request's time to its next token."""
+        if not self._tables:
+            self._make_buffers(table_widths)
+        elif [t.shape[1] for t in self._tables] != list(table_widths):
+            raise ValueError(
+                f"capture_all: table_widths={list(table_widths)} differ from the buffers' "
+                f"{[t.shape[1] for t in self._tables]} made by an earlier step"
             )
+        todo = [b for b in reversed(self.sizes) if b not in self._graphs]
+        for size in todo:
+            self._capture(size)
+        return len(todo)
 
     def _metadata(self, size: int) -> list[CommonAttentionMetadata]:
         return [
