@@ -1,0 +1,174 @@
+"""Where a P2P pull's time goes: one merged host timeline of producer and consumer (issue 30).
+
+    python packages/kv-connectors/benchmarks/trace_p2p.py            # two GPUs (NCCL), 8k tokens
+    python packages/kv-connectors/benchmarks/trace_p2p.py --smoke    # CPU, gloo, tiny shapes
+
+Runs the benchmark's pull cases (``_two_process``: BLNHC consecutive and shuffled ids, LBNHC
+shuffled) with timestamps on the connector's host path -- side-channel messages, the wire's
+sends, receives, copies, waits and drains, ``get_finished`` -- and prints, for the last pull of
+each case, every event of both processes on one clock (``time.time``, shared by processes of one
+host) in ms from the consumer's start, with the CUDA time of each side's copy and NCCL kernels
+when the GPUs are there (``torch.profiler`` around that one pull). A diagnostic: the functions
+are wrapped in place, so the times include the wrappers' few microseconds each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from _connector_common import Req, make_layout
+from _two_process import _connector, _consume, _wait_sent
+
+EVENTS: list[tuple[float, str, str]] = []
+PULLS = 4
+
+
+def _mark(name: str) -> None:
+    EVENTS.append((time.time(), threading.current_thread().name[:14], name))
+
+
+def _wrap(owner: Any, attr: str) -> None:
+    original = getattr(owner, attr)
+
+    def wrapped(*a: Any, **k: Any) -> Any:
+        _mark(f"{attr} >")
+        try:
+            return original(*a, **k)
+        finally:
+            _mark(f"{attr} <")
+
+    setattr(owner, attr, wrapped)
+
+
+def _install() -> None:
+    from kv_connectors import _p2p_wire, p2p, transfer
+
+    for cls, names in (
+        (_p2p_wire.Wire, ("send", "recv", "wait", "drain", "_gather")),
+        (p2p.P2pConnector, ("_send_blocks", "_apply_rows")),
+        (transfer.TransferConnector, ("_accept_pull", "_ask_pull", "_pull_bound", "start_load_kv")),
+    ):
+        for name in names:
+            _wrap(cls, name)
+    for module in (p2p, transfer):
+        for name in ("send_msg", "recv_msg"):
+            if hasattr(module, name):
+                _wrap(module, name)
+
+
+def _shape(smoke: bool) -> tuple[dict[str, Any], int]:
+    if smoke:
+        return {
+            "num_layers": 4,
+            "num_blocks": 64,
+            "num_kv_heads": 2,
+            "block_size": 4,
+            "head_size": 16,
+            "head_size_v": 16,
+            "dtype": "float16",
+        }, 16
+    return {
+        "num_layers": 32,
+        "num_blocks": 2048,
+        "num_kv_heads": 8,
+        "block_size": 16,
+        "head_size": 128,
+        "head_size_v": 128,
+        "dtype": "bfloat16",
+    }, 512
+
+
+def _kernel_ms(prof: Any) -> str:
+    totals: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", 0.0) or 0.0
+        if us and ("nccl" in evt.key.lower() or "copy_pages" in evt.key):
+            totals[evt.key[:32]] = totals.get(evt.key[:32], 0.0) + us / 1e3
+    return ", ".join(f"{k} {v:.3f} ms" for k, v in totals.items()) or "no CUDA kernels"
+
+
+def _peer(rank: int, smoke: bool, queues: Any, barrier: Any) -> None:
+    from kv_kernels import allocate_kv_cache
+
+    _install()
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    shape, n = _shape(smoke)
+    q, q2, q3 = queues  # params (to the consumer), results (to it), "last" (to the producer)
+    for order, kind in (("BLNHC", "consecutive"), ("BLNHC", "shuffled"), ("LBNHC", "shuffled")):
+        layout = make_layout(order, shape)
+        conn = _connector("p2p", layout, cuda)
+        conn.register_kv_caches(allocate_kv_cache(layout, device), layout)
+        gen = torch.Generator().manual_seed(rank)
+        ids = list(range(n))
+        if kind == "shuffled":
+            ids = torch.randperm(shape["num_blocks"], generator=gen)[:n].tolist()
+        prof = None
+        if rank == 0:
+            for i in range(PULLS):
+                q.put(conn.request_finished(Req(f"r{i}", [b"h"] * n), ids)[1])
+            if cuda:
+                assert q3.get(timeout=120) == "last"  # profile the producer for the last pull
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
+            _wait_sent(conn, PULLS)
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                q2.put(_kernel_ms(prof))
+            q2.put(list(EVENTS))
+        else:
+            times = []
+            for i in range(PULLS):
+                EVENTS.clear()
+                last = i == PULLS - 1
+                if last and cuda:
+                    q3.put("last")
+                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    prof.__enter__()
+                _mark("consume >")
+                times.append(_consume(conn, q.get(timeout=120), f"c{i}", ids, device))
+                _mark("consume <")
+            if prof is not None:
+                prof.__exit__(None, None, None)
+            theirs_kernels = q2.get(timeout=120) if cuda else ""
+            theirs = q2.get(timeout=120)
+            t0 = EVENTS[0][0]
+            merged = sorted(
+                [(t, "consumer", th, e) for t, th, e in EVENTS]
+                + [(t, "producer", th, e) for t, th, e in theirs if t >= t0]
+            )
+            print(f"== pull {order} {kind}: {[round(t * 1e3, 3) for t in times]} ms", flush=True)
+            if prof is not None:
+                print(f"   consumer kernels: {_kernel_ms(prof)}", flush=True)
+                print(f"   producer kernels: {theirs_kernels}", flush=True)
+            for t, side, thread, event in merged:
+                print(f"{(t - t0) * 1e3:9.3f}  {side:8s} {thread:14s} {event}", flush=True)
+        barrier.wait(timeout=300)
+        conn.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="CPU processes over gloo, tiny shapes")
+    args = ap.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    ctx = mp.get_context("spawn")
+    queues = (ctx.Queue(), ctx.Queue(), ctx.Queue())
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_peer, args=(r, args.smoke, queues, barrier)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+
+
+if __name__ == "__main__":
+    main()
