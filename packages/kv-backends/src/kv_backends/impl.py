@@ -252,6 +252,28 @@ class AttentionImpl:
             raise ValueError(f"q has dtype {q.dtype}; this layer computes in {self.config.dtype}")
         self.check_cache(kv_cache)
 
+    def forward_q_shape(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[int, int, int]:
+        """:meth:`check_forward_inputs` on the hot path: ``q``'s ``(T, Hq, D)``, each tensor
+        attribute read once and dtypes compared by identity (torch dtypes are singletons); any
+        failing test runs the full check, which raises the named error. A backend's ``forward``
+        calls this once per layer per step (issue 32: the backends' host path)."""
+        try:
+            t, hq, d = q.shape
+        except ValueError:  # not [T, Hq, D]: check_forward_inputs names it
+            t = hq = d = -1
+        if (
+            hq != self.num_q_heads
+            or d != self.head_size
+            or t < metadata.num_actual_tokens
+            or q.dtype is not self._q_dtype
+            or kv_cache.dtype is not self._cache_dtype
+            or kv_cache.shape != self._cache_shape
+        ):
+            self.check_forward_inputs(q, kv_cache, metadata)
+        return t, hq, d
+
     def check_cache(self, kv_cache: torch.Tensor) -> None:
         if kv_cache.shape != self._cache_shape:
             raise ValueError(

@@ -149,19 +149,7 @@ class TritonImpl(AttentionImpl):
         # depend on the layer and the device alone are one dict per device (_launch_kwargs),
         # not rebuilt per call. CPU, kernel replaced by a stub of its signature: the checks were
         # ~0.7 of forward's ~1.25 us over the direct call (bench_host.py --cpu).
-        try:
-            t, hq, d = q.shape
-        except ValueError:  # not [T, Hq, D]: check_forward_inputs names it
-            t = hq = d = -1
-        if (
-            hq != self.num_q_heads
-            or d != self.head_size
-            or t < metadata.num_actual_tokens
-            or q.dtype is not self._q_dtype
-            or kv_cache.dtype is not self._cache_dtype
-            or kv_cache.shape != self._cache_shape
-        ):
-            self.check_forward_inputs(q, kv_cache, metadata)
+        t, hq, _ = self.forward_q_shape(q, kv_cache, metadata)
         if (
             out is None
             or out.dtype is not self._q_dtype  # (q's, checked above)

@@ -237,19 +237,7 @@ class FlexAttentionImpl(AttentionImpl):
         # it): each check reads a tensor attribute once and compares dtypes by identity (torch
         # dtypes are singletons); any failing test runs check_forward_inputs / empty_output,
         # which raise the named errors.
-        try:
-            t, hq, d = q.shape
-        except ValueError:  # not [T, Hq, D]: check_forward_inputs names it
-            t = hq = d = -1
-        if (
-            hq != self.num_q_heads
-            or d != self.head_size
-            or t < metadata.num_actual_tokens
-            or q.dtype is not self._q_dtype
-            or kv_cache.dtype is not self._cache_dtype
-            or kv_cache.shape != self._cache_shape
-        ):
-            self.check_forward_inputs(q, kv_cache, metadata)
+        t, hq, _ = self.forward_q_shape(q, kv_cache, metadata)
         if (
             self.options is not None
             and metadata.options is not self.options
