@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_kernels import allocate_kv_cache, layer_view
-from kv_kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
+from kv_kernels.block_copy import copy_blocks, gather_blocks, page_geometry, scatter_blocks
 from kv_kernels.testing_cache import storage_bytes, with_page_padding
 from kv_spec import KVCacheLayout, LayoutOrder
 
@@ -337,3 +337,49 @@ def test_gpu_real_allocation_past_2_31_bytes() -> None:
     assert torch.equal(back, src)
     del storage
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "BLNHC", "LHBNC"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_page_geometry_given_once_copies_the_same_bytes(
+    order: str, impl: str, request: pytest.FixtureRequest
+) -> None:
+    """``page_geometry(kv_cache, layout)`` computed once and passed as ``kv_cache`` (a connector
+    copying chunk after chunk from its registered cache) moves exactly the bytes the storage
+    does; and it is the geometry's cache that is read (planted: another cache's geometry gives
+    that cache's bytes, so a geometry that were ignored would be caught)."""
+    device = request.getfixturevalue("triton_device") if impl == "triton" else "cpu"
+    layout = make_layout(order)
+    src, other = random_cache(layout, device, seed=6), random_cache(layout, device, seed=7)
+    geo = page_geometry(src, layout)
+    row = layout.num_layers * layout.page_bytes
+    ids = [4, 0, 7]
+    want = torch.empty(3, row, dtype=torch.uint8, device=device)
+    gather_blocks(src, layout, ids, want, impl=impl)
+    for _ in range(2):  # the same geometry, again
+        got = torch.zeros_like(want)
+        gather_blocks(geo, layout, ids, got, impl=impl)
+        assert torch.equal(got, want)
+    from_other = torch.zeros_like(want)
+    gather_blocks(page_geometry(other, layout), layout, ids, from_other, impl=impl)
+    assert not torch.equal(from_other, want)
+    # scatter through the geometry: the blocks land in src, byte for byte
+    dst = random_cache(layout, device, seed=8)
+    scatter_blocks(want, page_geometry(dst, layout), layout, [1, 2, 3], impl=impl)
+    back = torch.empty_like(want)
+    gather_blocks(dst, layout, [1, 2, 3], back, impl=impl)
+    assert torch.equal(back, want)
+
+
+def test_a_page_geometry_of_another_layout_is_refused() -> None:
+    layout = make_layout("BLNHC")
+    geo = page_geometry(random_cache(layout), layout)
+    bigger = make_layout("BLNHC", num_blocks=10)
+    out = torch.empty(1, layout.num_layers * layout.page_bytes, dtype=torch.uint8)
+    with pytest.raises(
+        ValueError,
+        match=r"PageGeometry given as kv_cache has .*\(3, 9, \d+\) but the layout has \(3, 10, ",
+    ):
+        gather_blocks(geo, bigger, [0], out)
+    with pytest.raises(ValueError, match="layout has"):
+        scatter_blocks(out, geo, bigger, [0])
