@@ -118,6 +118,23 @@ def test_every_size_captured_before_the_first_request(llama_dir: Path) -> None:
         graphs.capture_all([w + 1 for w in _widths(engine)])
 
 
+def test_startup_capture_with_a_kv_connector(llama_dir: Path) -> None:
+    """An engine driving a connector captures at startup too: the connector's per-layer calls
+    are left out of the capture (no step is under way: its save would have no metadata), and
+    the connector is back for the steps."""
+    from kv_connectors import OffloadingConfig, OffloadingConnector
+
+    tier = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=4)
+    engine = with_emulated_graphs(engine_of(llama_dir, kv_connector=tier))
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    hooks = engine.runner.kv_layer_hooks
+    assert hooks is not None
+    assert graphs.capture_all(_widths(engine)) == 4
+    assert engine.runner.kv_layer_hooks is hooks
+    assert [c.token_ids for c in run(engine)] == [c.token_ids for c in run(engine_of(llama_dir))]
+
+
 def test_planted_capture_over_narrow_tables_replays_nothing(llama_dir: Path) -> None:
     """The check above that the steps replay can fail: buffers captured narrower than the steps'
     tables make every decode step run eagerly (``size_for`` refuses a wider table)."""

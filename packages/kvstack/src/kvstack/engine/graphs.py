@@ -200,8 +200,14 @@ class DecodeGraphs:
                 f"{[t.shape[1] for t in self._tables]} made by an earlier step"
             )
         todo = [b for b in reversed(self.sizes) if b not in self._graphs]
-        for size in todo:
-            self._capture(size)
+        # No KV connector calls at startup: no step is under way (its per-layer save would have
+        # no step's metadata), and a replay runs none of them (``before_replay`` waits instead).
+        hooks, self.runner.kv_layer_hooks = self.runner.kv_layer_hooks, None
+        try:
+            for size in todo:
+                self._capture(size)
+        finally:
+            self.runner.kv_layer_hooks = hooks
         return len(todo)
 
     def _metadata(self, size: int) -> list[CommonAttentionMetadata]:
