@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_kernels import _launch
 from kv_kernels._common import resolve_impl
 
 
 def test_another_cuda_device_than_the_current_one_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     with pytest.raises(
         ValueError,
         match=r"on cuda:1 but the current CUDA device is cuda:0.*torch\.cuda\.device\(1\)",
@@ -31,7 +32,7 @@ def test_another_cuda_device_than_the_current_one_is_refused(
 
 def test_the_device_of_the_thread_is_what_is_compared(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same tensors pass once their device is current (what ``torch.cuda.device`` does)."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 1)
     assert resolve_impl("auto", torch.device("cuda", 1), op="paged_attention") == "triton"
     with pytest.raises(ValueError, match="on cuda:0 but the current CUDA device is cuda:1"):
         resolve_impl("auto", torch.device("cuda", 0), op="paged_attention")

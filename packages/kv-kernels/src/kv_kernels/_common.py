@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from kv_spec import KVCacheLayout
 
+from kv_kernels import _launch
+
 __all__ = [
     "IMPLS",
     "ScaleArg",
@@ -68,7 +70,7 @@ def resolve_impl(
     if impl == "reference":
         return impl
     if device.type == "cuda":
-        current = torch.cuda.current_device()
+        current = _launch._current_device()  # (Triton's launch device; stubbed in CPU tests)
         if device.index is not None and device.index != current:
             # Triton launches on the current device: these pointers belong to another context
             # (an error there, or with peer access a launch on the wrong GPU, off its stream).
