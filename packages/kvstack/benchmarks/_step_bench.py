@@ -20,6 +20,11 @@ and measured per case (batch x context):
   profile keeps only the steps that prefill (each profiled step is labelled by the chunks it
   scheduled, and a step owns the kernels it launched), so its busy fraction, top kernels and
   host time are the mixed step's; the whole window's are under ``all_steps_profile``.
+- every phase also records ``phase_roofline_ms`` / ``phase_fraction``: the bound taken phase by
+  phase (the weights' matmuls at max(their bytes, their FLOPs) plus attention at max(KV bytes,
+  its FLOPs), ``Cost.phase_roofline``) over the median step. At batch 256 the decode GEMMs are
+  compute-bound while attention is not, so the whole step's max(bytes, FLOPs) sits below what
+  the hardware can do; this one does not.
 - **prefill**: the prompts' steps, FLOPs over the measured peak.
 
 Weight bytes count every parameter once a step except the embedding table (only the batch's rows
@@ -223,6 +228,20 @@ class Cost:
 
     def step(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
         """(bytes, FLOPs) of a step computing ``chunks`` = [(start, num_new_tokens)]."""
+        weights, matmul, kv, attn = self.parts(chunks)
+        return weights + kv, matmul + attn
+
+    def phase_roofline(self, chunks: list[tuple[int, int]], bw: float, peak: float) -> float:
+        """Seconds of the step bounded phase by phase: the weights' matmuls at max(their bytes
+        / bandwidth, their FLOPs / peak) plus attention at max(KV bytes / bandwidth, its FLOPs /
+        peak). At least :meth:`step`'s max(bytes, FLOPs) bound; above it where one phase is
+        compute-bound and the other memory-bound (decode at batch 256: the GEMMs at M = 256 are
+        compute-bound, attention is not)."""
+        weights, matmul, kv, attn = self.parts(chunks)
+        return max(weights / bw, matmul / peak) + max(kv / bw, attn / peak)
+
+    def parts(self, chunks: list[tuple[int, int]]) -> tuple[float, float, float, float]:
+        """(weight bytes, matmul FLOPs, KV bytes, attention FLOPs) of a step."""
         tokens = sum(n for _, n in chunks)
         kv = 0.0
         pairs = 0.0
@@ -233,10 +252,8 @@ class Cost:
             pairs += n * start + n * (n + 1) / 2  # causal (query, key) pairs
         # a token passes through top_k experts of each MoE layer (2 FLOPs a weight element)
         expert_flops = self.expert_bytes / 2 * 2 * self.top_k / max(self.num_experts, 1)
-        flops = (
-            self.dense_flops_per_token + expert_flops
-        ) * tokens + self.attn_flops_per_pair * pairs
-        return self.weights(tokens) + kv, flops
+        matmul = (self.dense_flops_per_token + expert_flops) * tokens
+        return self.weights(tokens), matmul, kv, self.attn_flops_per_pair * pairs
 
 
 def _record_chunks(engine: Any) -> list[list[tuple[int, int]]]:
@@ -279,10 +296,11 @@ def _timed_steps(engine: Any, n: int, before: Any = None) -> list[float]:
 def _fractions(
     times: list[float], chunks: list[list[tuple[int, int]]], cost: Cost, bw: float, peak: float
 ) -> dict[str, Any]:
-    roof = []
+    roof, phase = [], []
     for ch in chunks:
         nbytes, flops = cost.step(ch)
         roof.append(max(nbytes / bw, flops / peak))
+        phase.append(cost.phase_roofline(ch, bw, peak))
     ms = statistics.median(times) * 1e3
     return {
         "ms_per_step": ms,
@@ -290,6 +308,10 @@ def _fractions(
         # the whole run's: sum of the steps' rooflines over the sum of their times
         "value": sum(roof) / sum(times),
         "steps": len(times),
+        # the bound phase by phase (Cost.phase_roofline), beside the issue's, over the median
+        # step (which compiles inside the run do not drown)
+        "phase_roofline_ms": statistics.median(phase) * 1e3,
+        "phase_fraction": statistics.median(phase) * 1e3 / ms,
     }
 
 
@@ -308,6 +330,7 @@ def composition(
         "bytes": nbytes,
         "flops": flops,
         "roofline_ms": max(nbytes / bw, flops / peak) * 1e3,
+        "phase_roofline_ms": cost.phase_roofline(chunks, bw, peak) * 1e3,
     }
 
 

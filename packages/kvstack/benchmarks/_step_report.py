@@ -134,6 +134,17 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
     """Under a run's table: each record's sync sites (calls a step, blocking ones, ms) and the
     mixed steps' composition."""
     out: list[str] = []
+    phased = [r for r in records if r.get("phase_roofline_ms")]
+    if phased:
+        out.append(
+            "- Phase by phase (the weights' matmuls at max(bytes, FLOPs) plus attention at "
+            "max(bytes, FLOPs)), over the median step: "
+            + "; ".join(
+                f"{r['batch']} x {r['context']} {r['phase']} {r['phase_roofline_ms']:.2f} ms, "
+                f"{r['phase_fraction']:.2f}"
+                for r in phased
+            )
+        )
     for r in records:
         where = f"{r['batch']} x {r['context']} {r['phase']}"
         sites = r.get("syncs_by_site")

@@ -200,6 +200,11 @@ def test_bench_engine_shape_smoke_runs_on_the_cpu(tmp_path: Path) -> None:
     for r in run["records"]:
         assert r["metric"] == "roofline_fraction" and 0 < r["value"] < 1.5, r
         assert r["roofline_ms"] > 0 and r["ms_per_step"] > 0
+        # phase by phase: max(a, b) + max(c, d) >= max(a + c, b + d), step by step and so at
+        # the median step
+        assert r["phase_roofline_ms"] >= r["roofline_ms"] * (1 - 1e-9), r
+        assert r["phase_fraction"] == pytest.approx(r["phase_roofline_ms"] / r["ms_per_step"])
     eager = run["records"][1]
     assert eager["profiled_steps"] == 8 and eager["host_ms_per_step"] > 0
     assert (tmp_path / "engine_gpu.md").read_text().count("| 8 x 256 |") == 3
+    assert "Phase by phase" in (tmp_path / "engine_gpu.md").read_text()
