@@ -141,7 +141,10 @@ def _pull_from_gpu_peer(
     src = random_cache(layout, seed=5)  # the producer's bytes, rebuilt on the CPU
     if stream:
         conn.wait_for_layer_load(0)
-        torch.cuda.synchronize()
+        # This stream only: it waits for layer 0. A device-wide synchronize would also wait for
+        # the later layers' receives posted on the wire's stream, whose sends the producer holds
+        # until SAVE_LAST below: a deadlock (the two-H200 run hung here; gloo has no device).
+        torch.cuda.current_stream().synchronize()
         for b, p in zip(mine, theirs, strict=True):  # layer 0 landed before the last is computed
             assert torch.equal(block_bytes(cache, layout, b)[0], block_bytes(src, layout, p)[0])
         assert peer.proc.stdin is not None
