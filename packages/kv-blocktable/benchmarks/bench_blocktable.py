@@ -220,6 +220,31 @@ class OursDecode:
         return self._steps(kind) if self.tables is not None else []
 
 
+def running_tables(
+    cfg: kv_spec.KVCacheConfig,
+    p: dict[str, Any],
+    device: str,
+    mgr: KVCacheManager,
+    reqs: list[Request],
+) -> Any:
+    """``BlockTables`` of the running requests, one row each, committed (pinned staging on
+    CUDA, as the engine makes them). Needs the torch extra."""
+    from kv_blocktable.block_table import BlockTables
+
+    bt = BlockTables.from_config(
+        cfg,
+        max_num_reqs=len(reqs),
+        max_model_len=p["max_model_len"],
+        max_num_batched_tokens=max(len(reqs), 8192),
+        device=device,
+        pin_memory=device == "cuda",
+    )
+    for row, req in enumerate(reqs):
+        bt.add_row(row, mgr.get_block_ids(req))
+    bt.commit(len(reqs))
+    return bt
+
+
 def _block_tables(
     cfg: kv_spec.KVCacheConfig,
     p: dict[str, Any],
@@ -231,7 +256,6 @@ def _block_tables(
     got blocks appended, one commit, the step's metadata (what the engine calls)."""
     try:
         import torch
-        from kv_blocktable.block_table import BlockTables
 
         if device == "cpu":
             # On the CPU the "device" work is host work too; one thread keeps torch's idle
@@ -239,17 +263,7 @@ def _block_tables(
             torch.set_num_threads(1)
 
         n = len(reqs)
-        bt = BlockTables.from_config(
-            cfg,
-            max_num_reqs=n,
-            max_model_len=p["max_model_len"],
-            max_num_batched_tokens=max(n, 8192),
-            device=device,
-            pin_memory=device == "cuda",
-        )
-        for row, req in enumerate(reqs):
-            bt.add_row(row, mgr.get_block_ids(req))
-        bt.commit(n)
+        bt = running_tables(cfg, p, device, mgr, reqs)
         ones = [1] * n
 
         def step(rows: list[int], new_ids: list[Any], seq_lens: list[int]) -> None:

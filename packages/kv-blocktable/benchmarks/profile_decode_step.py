@@ -32,7 +32,6 @@ PHASES = ("append", "alloc", "rows", "commit", "meta", "total")
 
 def _round(device: str, prof: cProfile.Profile | None) -> dict[str, list[float]]:
     import torch
-    from kv_blocktable.block_table import BlockTables
 
     if device == "cpu":
         torch.set_num_threads(1)  # as the bench does
@@ -40,17 +39,7 @@ def _round(device: str, prof: cProfile.Profile | None) -> dict[str, list[float]]
     dec = bb.OursDecode(p, device)
     mgr, reqs = dec.mgr, dec.reqs
     n = len(reqs)
-    bt = BlockTables.from_config(
-        dec.cfg,
-        max_num_reqs=n,
-        max_model_len=p["max_model_len"],
-        max_num_batched_tokens=max(n, 8192),
-        device=device,
-        pin_memory=device == "cuda",
-    )
-    for row, req in enumerate(reqs):
-        bt.add_row(row, mgr.get_block_ids(req))
-    bt.commit(n)
+    bt = bb.running_tables(dec.cfg, p, device, mgr, reqs)
     ones = [1] * n
     bt.build_common_metadata(n, ones, [mgr.num_computed_tokens(r.request_id) for r in reqs])
     times: dict[str, list[float]] = {k: [] for k in PHASES}

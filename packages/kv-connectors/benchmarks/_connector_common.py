@@ -22,6 +22,34 @@ class Req:
     block_hashes: list[bytes] = field(default_factory=list)
 
 
+#: Llama-3-8B-like: 32 layers, 8 kv heads, 128 head dim, bf16, 16-token blocks
+GPU_SHAPE: dict[str, Any] = {
+    "num_layers": 32,
+    "num_blocks": 2048,
+    "num_kv_heads": 8,
+    "block_size": 16,
+    "head_size": 128,
+    "head_size_v": 128,
+    "dtype": "bfloat16",
+}
+#: the CPU smoke run's
+SMOKE_SHAPE: dict[str, Any] = {
+    "num_layers": 4,
+    "num_blocks": 64,
+    "num_kv_heads": 2,
+    "block_size": 4,
+    "head_size": 16,
+    "head_size_v": 16,
+    "dtype": "float16",
+}
+
+
+def transfer_shape(smoke: bool) -> tuple[dict[str, Any], int]:
+    """The benchmarks' cache shape and blocks a transfer moves: on a GPU 8k-token requests (512
+    blocks of 16 tokens, 1 GiB); on the smoke run 16 blocks."""
+    return (dict(SMOKE_SHAPE), 16) if smoke else (dict(GPU_SHAPE), 512)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _connector_common import Req, Results, device_s, make_cache, median_s
+from _connector_common import Req, Results, device_s, make_cache, median_s, transfer_shape
 from _provenance import provenance
 from _two_process import bench_two_process
 
@@ -380,30 +380,11 @@ def main() -> None:
         return
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    if cuda:  # Llama-3-8B-like: 32 layers, 8 kv heads, 128 head dim, bf16, 16-token blocks
-        shape = {
-            "num_layers": 32,
-            "num_blocks": 2048,
-            "num_kv_heads": 8,
-            "block_size": 16,
-            "head_size": 128,
-            "head_size_v": 128,
-            "dtype": "bfloat16",
-        }
+    shape, tn = transfer_shape(not cuda)
+    if cuda:
         n, iters = 256, args.iters or 10
-        tn = 512  # transfers: 8k-token requests (512 blocks of 16 tokens, 1 GiB)
     else:
-        shape = {
-            "num_layers": 4,
-            "num_blocks": 64,
-            "num_kv_heads": 2,
-            "block_size": 4,
-            "head_size": 16,
-            "head_size_v": 16,
-            "dtype": "float16",
-        }
         n, iters = 16, args.iters or 3
-        tn = n
     res = Results()
     sections: dict[str, Callable[[], None]] = {
         "offload": lambda: bench_offload(res, device, shape, n, iters),

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from _connector_common import Req, make_layout
+from _connector_common import Req, make_layout, transfer_shape
 from _two_process import _connector, _consume, _wait_sent
 
 EVENTS: list[tuple[float, str, str]] = []
@@ -62,28 +62,6 @@ def _install() -> None:
                 _wrap(module, name)
 
 
-def _shape(smoke: bool) -> tuple[dict[str, Any], int]:
-    if smoke:
-        return {
-            "num_layers": 4,
-            "num_blocks": 64,
-            "num_kv_heads": 2,
-            "block_size": 4,
-            "head_size": 16,
-            "head_size_v": 16,
-            "dtype": "float16",
-        }, 16
-    return {
-        "num_layers": 32,
-        "num_blocks": 2048,
-        "num_kv_heads": 8,
-        "block_size": 16,
-        "head_size": 128,
-        "head_size_v": 128,
-        "dtype": "bfloat16",
-    }, 512
-
-
 def _kernel_ms(prof: Any) -> str:
     totals: dict[str, float] = {}
     for evt in prof.key_averages():
@@ -101,7 +79,7 @@ def _peer(rank: int, smoke: bool, queues: Any, barrier: Any) -> None:
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    shape, n = _shape(smoke)
+    shape, n = transfer_shape(smoke)
     q, q2, q3 = queues  # params (to the consumer), results (to it), "last" (to the producer)
     for order, kind in (("BLNHC", "consecutive"), ("BLNHC", "shuffled"), ("LBNHC", "shuffled")):
         layout = make_layout(order, shape)
