@@ -118,6 +118,18 @@ def test_every_size_captured_before_the_first_request(llama_dir: Path) -> None:
         graphs.capture_all([w + 1 for w in _widths(engine)])
 
 
+def test_graphs_larger_than_the_token_budget_are_refused(llama_dir: Path) -> None:
+    """A decode step holds one token a request, so no captured size may pass the runner's
+    ``max_num_batched_tokens`` (32 here): the H200 run of an engine with ``max_num_seqs`` 64
+    failed its startup capture at size 64 before the runner capped the sizes."""
+    engine = engine_of(llama_dir, max_num_seqs=64)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=32"):
+        DecodeGraphs(engine.runner, 64, capture=False)
+    graphs = DecodeGraphs(engine.runner, 32, capture=False)
+    engine.runner.graphs = graphs
+    assert graphs.sizes[-1] == 32 and graphs.capture_all(_widths(engine)) == len(graphs.sizes)
+
+
 def test_startup_capture_with_a_kv_connector(llama_dir: Path) -> None:
     """An engine driving a connector captures at startup too: the connector's per-layer calls
     are left out of the capture (no step is under way: its save would have no metadata), and

@@ -97,6 +97,13 @@ class DecodeGraphs:
             why = reason_unsupported(runner)
             if why is not None:
                 raise ValueError(f"cannot capture CUDA graphs here: {why}")
+        budget = runner.max_num_batched_tokens
+        if isinstance(max_batch, int) and max_batch > budget:
+            raise ValueError(
+                f"max_batch={max_batch} exceeds the runner's max_num_batched_tokens={budget}: a "
+                f"decode step of {max_batch} requests (one token each) cannot be built; pass "
+                f"max_batch <= {budget} (the engine uses min(max_num_seqs, max_num_batched_tokens))"
+            )
         self.runner = runner
         self.capture = capture
         self.sizes = capture_sizes(max_batch)

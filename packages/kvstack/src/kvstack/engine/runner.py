@@ -279,10 +279,12 @@ class ModelRunner:
         why = "cuda_graphs=False" if cuda_graphs is False else reason_unsupported(self)
         if why is None:
             t2 = time.perf_counter()
-            self.graphs = DecodeGraphs(self, max_num_seqs)
+            # A decode step holds one token a request: no step is larger than the token budget.
+            max_decode = min(max_num_seqs, max_num_batched_tokens)
+            self.graphs = DecodeGraphs(self, max_decode)
             self.startup_seconds["graphs"] = time.perf_counter() - t2
             self.cuda_graphs_reason = (
-                f"on: decode-only steps of up to {max_num_seqs} requests replay CUDA graphs "
+                f"on: decode-only steps of up to {max_decode} requests replay CUDA graphs "
                 f"(sizes {', '.join(map(str, self.graphs.sizes))})"
             )
         elif cuda_graphs:
