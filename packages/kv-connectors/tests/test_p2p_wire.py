@@ -324,3 +324,49 @@ def test_a_push_of_the_caches_own_memory_is_one_message(
     assert sent == [messages]
     prod.close()
     cons.close()
+
+
+class _RecordingGroup:
+    """A process group stand-in that records when each receive is posted (gloo-like work)."""
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        self.log = log
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        log = self.log
+        log.append(("post", tensors[0].shape[0]))
+
+        class _Done:
+            def wait(self, timeout: Any = None) -> bool:
+                return True
+
+        return _Done()
+
+
+def test_every_landing_is_preloaded_before_the_first_receive_is_posted() -> None:
+    """``Wire.recv(preload=...)`` hands every staged chunk's rows to ``preload`` before it posts
+    any receive: on CUDA a landing kernel first loaded under a pending NCCL receive waits for
+    that receive (the 2 x H200 layer-wise pull whose producer held its last layer until the
+    first had landed hung in Triton's module load). The order check fails for a wire that
+    preloads lazily, chunk by chunk."""
+    from kv_connectors._p2p_wire import Wire
+
+    layout = make_layout("LBNHC")
+    kv = RegisteredKV(random_cache(layout, seed=1), layout)
+    log: list[tuple[str, int]] = []
+    wire = Wire(kv, _RecordingGroup(log), "gloo", TIMEOUT)
+    widths = [seg.row_bytes for seg in kv.segments]
+    chunks = plan_layers([3, 1], segment_widths=widths, chunk_bytes=2 * max(widths))
+    shapes: list[tuple[int, int]] = []
+
+    def preload(ch: Any, rows: torch.Tensor) -> None:
+        shapes.append(tuple(rows.shape))
+        log.append(("preload", ch.count))
+
+    landed: list[tuple[int, int]] = []
+    wire.recv(0, chunks, lambda ch: widths[ch.segment or 0], direct=lambda ch: None,
+              land=lambda ch, rows: landed.append(tuple(rows.shape)), preload=preload)  # fmt: skip
+    kinds = [k for k, _n in log]
+    assert kinds.count("preload") == len(chunks) and kinds.count("post") == len(chunks)
+    assert kinds.index("post") > max(i for i, k in enumerate(kinds) if k == "preload")
+    assert shapes == landed  # the rows each landing gets, preloaded with the same shape

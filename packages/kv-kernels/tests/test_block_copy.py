@@ -383,3 +383,26 @@ def test_a_page_geometry_of_another_layout_is_refused() -> None:
         gather_blocks(geo, bigger, [0], out)
     with pytest.raises(ValueError, match="layout has"):
         scatter_blocks(out, geo, bigger, [0])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_load_only_copies_nothing(impl: str, request: pytest.FixtureRequest) -> None:
+    """``load_only=True`` checks the call and (Triton) loads its kernel over an empty grid, but
+    reads and writes no byte: the cache and the buffer stay as they were, where the same calls
+    without it (the planted contrast) change both."""
+    device = request.getfixturevalue("triton_device") if impl == "triton" else "cpu"
+    layout = make_layout("LBNHC")
+    cache = random_cache(layout, device, seed=9)
+    before = [r.clone() for r in storage_bytes(cache)]
+    row = layout.num_layers * layout.page_bytes
+    buf = torch.full((2, row), 7, dtype=torch.uint8, device=device)
+    gather_blocks(cache, layout, [1, 4], buf, impl=impl, load_only=True)
+    scatter_blocks(buf, cache, layout, [2, 5], impl=impl, load_only=True)
+    assert bool((buf == 7).all())
+    assert all(torch.equal(a, b) for a, b in zip(before, storage_bytes(cache), strict=True))
+    with pytest.raises(ValueError, match="block_ids"):  # still checked
+        scatter_blocks(buf, cache, layout, [2, 99], impl=impl, load_only=True)
+    gather_blocks(cache, layout, [1, 4], buf, impl=impl)
+    scatter_blocks(buf, cache, layout, [2, 5], impl=impl)
+    assert not bool((buf == 7).all())
+    assert not all(torch.equal(a, b) for a, b in zip(before, storage_bytes(cache), strict=True))

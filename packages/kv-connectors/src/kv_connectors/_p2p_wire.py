@@ -230,13 +230,20 @@ class Wire:
         land: Callable[[Chunk, torch.Tensor], None],
         segment_done: Callable[[Chunk], None] | None = None,
         deadline: float | None = None,
+        preload: Callable[[Chunk, torch.Tensor], None] | None = None,
     ) -> None:
         """Receive ``chunks`` from rank ``src``: each into ``direct(chunk)`` (a view of the cache,
         nothing more to do) or into staging, then ``land(chunk, rows)`` (convert and scatter),
         double-buffered. ``segment_done(chunk)`` after the last chunk of each ``(part,
         segment)`` is landed (enqueued on this wire's stream on CUDA: record an event there).
         Returns once every byte is in place, bounded by ``deadline`` (given: every gloo wait is
-        bounded by it too; default now + the timeout, each wait by the timeout)."""
+        bounded by it too; default now + the timeout, each wait by the timeout).
+
+        ``preload(chunk, rows)``: called for every staged chunk, with the staging rows its
+        ``land`` will get, before the first receive is posted (and the staging grown for all of
+        them): load the landing's kernels there. CUDA loads a module only once the device can
+        take it, so a landing kernel first loaded while a receive is pending waits for that
+        receive, and for its sender: a deadlock where the sender waits on the landing."""
         bound = deadline
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
@@ -251,6 +258,9 @@ class Wire:
             posted[i] = (self.pg.recv([rows], src, _TAG), rows, is_direct)
 
         with self._ctx():
+            for i, ch in enumerate(chunks if preload is not None else ()):
+                if direct(ch) is None:
+                    preload(ch, self._buffer(i % 2, ch.count, width(ch)))
             if chunks:
                 post(0)
             for i, ch in enumerate(chunks):

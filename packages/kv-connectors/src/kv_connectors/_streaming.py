@@ -405,6 +405,15 @@ class LayerStreaming:
             if not ok and all(a.failed is not None for _s, _p, a in taken):  # nothing to land
                 raise ConnectionError("every load of this layer-wise pull failed")
 
+        def preload(ch: Chunk, rows: Any) -> None:  # each landing's kernel variant, once
+            key = (ch.segment, ch.count == 1, ch.count % 16 == 0)  # (Triton's int classes)
+            if key in kv.preloaded:
+                return
+            ids = kv.ids_tensor(local[ch.start : ch.start + ch.count])
+            segs = range(ch.segment or 0, (ch.segment or 0) + 1)
+            kv.scatter(rows, ids, segments=segs, cols=False, load_only=True)
+            kv.preloaded.add(key)
+
         def landed(ch: Chunk) -> None:
             assert ch.segment is not None
             taken[ch.part][2].mark(ch.segment, self._event(wire.stream))
@@ -412,7 +421,7 @@ class LayerStreaming:
         deadline = max(a.deadline for _s, _p, a in taken)
         # into staging only (direct=None): a late receive must never write a reported block
         wire.recv(0, chunks, lambda ch: widths[ch.segment or 0], direct=lambda ch: None,
-                  land=land, segment_done=landed, deadline=deadline)  # fmt: skip
+                  land=land, segment_done=landed, deadline=deadline, preload=preload)  # fmt: skip
         for _spec, plan, arriving in taken:
             if arriving.complete() and arriving.failed is None:
                 send_msg(sess.sock, {"op": "done", "request_id": plan.params.request_id})

@@ -126,6 +126,9 @@ class RegisteredKV:
                 f"registered caches are on several devices {sorted(map(str, devices))}"
             )
         self.device: torch.device = devices.pop()
+        #: Landing kernels already loaded (``load_only`` scatters), keyed by whoever lands: the
+        #: layer-wise pull keys (segment, Triton's integer class of the chunk's row count).
+        self.preloaded: set[tuple[object, ...]] = set()
         # Whole-row copies: one gather_blocks / scatter_blocks call per registered cache over all
         # its layer slots (a per-layer cache is one launch over its list of tensors, not one per
         # layer: issue 30 measured 32 launches and their host checks per chunk at 0.04x of NCCL).
@@ -310,18 +313,21 @@ class RegisteredKV:
         *,
         segments: range | None = None,
         cols: bool = True,
+        load_only: bool = False,
     ) -> None:
         """Copy ``rows`` (``uint8 [n, row_bytes]``, or one segment's ``[n, segment row bytes]``
         with ``cols=False``) into blocks ``block_ids`` of the chosen segments (whole rows: one
-        ``scatter_blocks`` call per registered cache)."""
+        ``scatter_blocks`` call per registered cache). ``load_only``: write nothing, only load
+        the kernels the call would launch (``kv_kernels.scatter_blocks``)."""
         if segments is None:
             for geo, lay, offset, width in self._whole:
-                scatter_blocks(rows[:, offset : offset + width], geo, lay, block_ids)
+                part = rows[:, offset : offset + width]
+                scatter_blocks(part, geo, lay, block_ids, load_only=load_only)
             return
         for i in segments:
             seg = self.segments[i]
             part = rows[:, seg.row_offset : seg.row_offset + seg.row_bytes] if cols else rows
-            scatter_blocks(part, self._seg_geo[i], seg.layout, block_ids)
+            scatter_blocks(part, self._seg_geo[i], seg.layout, block_ids, load_only=load_only)
 
     def block_ranges(self, block_id: int) -> list[ByteRange]:
         """Every contiguous byte range of block ``block_id`` over all segments (segment order)."""

@@ -251,6 +251,7 @@ def gather_blocks(
     *,
     impl: str = "auto",
     error_flag: torch.Tensor | None = None,
+    load_only: bool = False,
 ) -> None:
     """Copy blocks ``block_ids`` (``[n]``, every layer slot) of ``kv_cache`` into ``out``.
 
@@ -266,8 +267,17 @@ def gather_blocks(
     ``kv_cache`` may also be its :class:`PageGeometry` (``page_geometry(kv_cache, layout)``,
     computed once by a caller that copies from the same cache again and again): the storage
     check is then skipped (not under ``torch.compile``, whose op takes the storage).
+
+    ``load_only=True`` reads and writes nothing: it checks the call and builds and loads the
+    Triton kernel variant it would launch (an empty grid), for a caller about to leave the
+    device busy on a kernel that waits for another process (an NCCL receive): CUDA loads a
+    module only when the device can take it, so a copy whose kernel is first loaded under a
+    pending receive waits for that receive (the 2 x H200 layer-wise pull whose producer held
+    its last layer until the first had landed hung there). The reference path loads nothing.
     """
     if torch.compiler.is_compiling():
+        if load_only:  # (the compiled graph builds its kernels itself)
+            return
         _op_calls.gather_blocks_op(
             _storage_only(kv_cache, "gather_blocks"), layout, block_ids, out, impl=impl,
             error_flag=error_flag,
@@ -279,6 +289,8 @@ def gather_blocks(
     _check_buffer("out", out, ids.numel(), geo)
     chosen = _resolve_impl(impl, geo, [out], "gather_blocks")
     check_error_flag(error_flag, device, op="gather_blocks")
+    if load_only and chosen == "reference":
+        return
     if chosen == "reference":
         from kv_kernels.block_copy.reference import gather_blocks_reference
 
@@ -286,7 +298,7 @@ def gather_blocks(
     else:
         from kv_kernels.block_copy.triton import gather_blocks_triton
 
-        gather_blocks_triton(geo, ids, out, error_flag)
+        gather_blocks_triton(geo, ids, out, error_flag, load_only)
 
 
 def scatter_blocks(
@@ -297,12 +309,15 @@ def scatter_blocks(
     *,
     impl: str = "auto",
     error_flag: torch.Tensor | None = None,
+    load_only: bool = False,
 ) -> None:
     """Copy rows of ``buffer`` (``uint8 [n, num_layers * page_bytes]``) into blocks ``block_ids`` of
     ``kv_cache`` (every layer slot); the inverse of :func:`gather_blocks`. Duplicate ids are
     rejected (when the ids are on the CPU). ``kv_cache`` may be its :class:`PageGeometry`, as
-    for :func:`gather_blocks`."""
+    for :func:`gather_blocks`; ``load_only`` as there."""
     if torch.compiler.is_compiling():
+        if load_only:  # (the compiled graph builds its kernels itself)
+            return
         _op_calls.scatter_blocks_op(
             buffer, _storage_only(kv_cache, "scatter_blocks"), layout, block_ids, impl=impl,
             error_flag=error_flag,
@@ -315,6 +330,8 @@ def scatter_blocks(
     _check_buffer("buffer", buffer, ids.numel(), geo)
     chosen = _resolve_impl(impl, geo, [buffer], "scatter_blocks")
     check_error_flag(error_flag, device, op="scatter_blocks")
+    if load_only and chosen == "reference":
+        return
     if chosen == "reference":
         from kv_kernels.block_copy.reference import scatter_blocks_reference
 
@@ -322,7 +339,7 @@ def scatter_blocks(
     else:
         from kv_kernels.block_copy.triton import scatter_blocks_triton
 
-        scatter_blocks_triton(buffer, geo, ids, error_flag)
+        scatter_blocks_triton(buffer, geo, ids, error_flag, load_only)
 
 
 def copy_blocks(

@@ -197,6 +197,7 @@ def _launch(
     geo: PageGeometry,
     num_rows: int,
     error_flag: torch.Tensor | None = None,  # int32 [1]
+    load_only: bool = False,
 ) -> None:
     if num_rows == 0:
         return
@@ -216,7 +217,12 @@ def _launch(
     span = min(_MAX_SPAN, triton.next_power_of_2(geo.chunk_bytes))
     span = max(span, 16)
     num_warps = max(1, min(_MAX_WARPS, span // 4096))
-    grid = (num_rows, geo.num_layers * geo.num_chunks, triton.cdiv(geo.chunk_bytes, span))
+    # load_only: an empty grid, so Triton builds and loads this call's variant and launches nothing
+    grid = (
+        0 if load_only else num_rows,
+        geo.num_layers * geo.num_chunks,
+        triton.cdiv(geo.chunk_bytes, span),
+    )
     dummy = src.ids if src.ids is not None else dst.ids
     assert dummy is not None
     _copy_pages_kernel[grid](
@@ -253,10 +259,11 @@ def gather_blocks_triton(
     block_ids: torch.Tensor,
     out: torch.Tensor,
     error_flag: torch.Tensor | None = None,
+    load_only: bool = False,
 ) -> None:
     """Cache pages of ``block_ids`` -> ``out`` rows (one launch)."""
     src, dst = _cache_side(geo, block_ids), _buffer_side(out, geo)
-    _launch(src, dst, geo, block_ids.numel(), error_flag)
+    _launch(src, dst, geo, block_ids.numel(), error_flag, load_only)
 
 
 def scatter_blocks_triton(
@@ -264,10 +271,11 @@ def scatter_blocks_triton(
     geo: PageGeometry,
     block_ids: torch.Tensor,
     error_flag: torch.Tensor | None = None,
+    load_only: bool = False,
 ) -> None:
     """``buffer`` rows -> cache pages of ``block_ids`` (one launch)."""
     src, dst = _buffer_side(buffer, geo), _cache_side(geo, block_ids)
-    _launch(src, dst, geo, block_ids.numel(), error_flag)
+    _launch(src, dst, geo, block_ids.numel(), error_flag, load_only)
 
 
 def copy_blocks_triton(
