@@ -116,6 +116,11 @@ class DecodeGraphs:
         self._tables: list[torch.Tensor] = []  # made on the first step: its table widths
         self._graphs: dict[int, _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # The capture's own stream, on the runner's device: torch.cuda.graph's default capture
+        # stream is one per process, made on whichever device was current at its first use, so
+        # an engine on cuda:1 after one on cuda:0 captured on cuda:0's stream (an empty graph,
+        # then Triton refusing cuda:1's pointers: the 2 x H200 device test).
+        self._stream = torch.cuda.Stream(dev) if capture else None
         self.num_captures = 0
         self.num_replays = 0
 
@@ -242,13 +247,14 @@ class DecodeGraphs:
         if not self.capture:
             return self._graphs.setdefault(size, _Captured(step, step(), None))
         # Warm up on a side stream (kernel compiles, per-device parameters), then record.
-        side = torch.cuda.Stream()
+        side = self._stream
+        assert side is not None
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             logits = step()
         return self._graphs.setdefault(size, _Captured(step, logits, graph))
