@@ -125,6 +125,8 @@ def _child(args: argparse.Namespace) -> None:
                 "first": done.token_ids[0],
                 "params": done.kv_transfer_params,
                 "prefill_s": time.perf_counter() - t0,
+                # (blocks a consumer loads in both modes: the prompt's full blocks but the last)
+                "kv_digest": _held_digest(engine, done.request_id, len(prompt) // args.block_size),
             }
             print(_MARK + json.dumps(out), flush=True)
         engine.step()  # polls the connector: serves pulls' completions, frees their blocks
@@ -141,6 +143,48 @@ def _read(proc: subprocess.Popen[str]) -> str:
             return line[len(_MARK) :].strip()
 
 
+def _kv_digest(engine: Any, rid: str, num_blocks: int) -> list[int]:
+    """A position-weighted checksum of the first ``num_blocks`` blocks of request ``rid``, every
+    layer, per KV group: equal on both sides when the decode engine holds the prefill engine's
+    KV byte for byte (a wrong, dropped or reordered page changes it), computed on the device."""
+    from kv_kernels.block_copy import gather_blocks
+
+    sums = []
+    for gid, ids in enumerate(engine.block_ids(rid)):
+        layout, storage = engine.runner.layouts[gid], engine.runner.kv_caches[gid]
+        ids = ids[:num_blocks]
+        row = layout.num_layers * layout.page_bytes
+        buf = torch.empty(len(ids), row, dtype=torch.uint8, device=engine.runner.device)
+        gather_blocks(storage, layout, ids, buf)
+        words = buf.view(-1).view(torch.int32).to(torch.int64)  # (int64 arithmetic wraps)
+        weight = torch.arange(words.numel(), device=words.device) % 65521 + 1
+        sums.append(int((words * weight).sum()))
+    return sums
+
+
+def _held_digest(engine: Any, rid: str, full_blocks: int) -> list[int] | None:
+    """The producer's :func:`_kv_digest` of the blocks a consumer loads in both modes (the
+    prompt's full blocks but the last), or ``None`` where the request's blocks were already
+    let go (a consumer's pull may end before the producer's next step)."""
+    try:
+        return _kv_digest(engine, rid, full_blocks - 1)
+    except (KeyError, ValueError):
+        return None
+
+
+def _same(here: list[int] | None, there: list[int] | None) -> bool | None:
+    """Digests equal (``None``: not known on one side)."""
+    return None if here is None or there is None else here == there
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (or the shorter's length), else None."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def _decode(
     engine: Any,
     rid: str,
@@ -148,10 +192,13 @@ def _decode(
     n: int,
     params: Any = None,
     sent: float | None = None,
+    digest_blocks: int = 0,
 ) -> dict[str, Any]:
     """Run one request to completion: its tokens, time to its first token here, and how long it
     waited for KV (``transfer_s``) before its first step; ``at_decode_s``: from ``sent`` (when
-    the prompt went to the prefill process) to the first token here."""
+    the prompt went to the prefill process) to the first token here. ``digest_blocks``: once the
+    load has landed, the :func:`_kv_digest` of that many loaded blocks (``kv_digest``; its own
+    time is left out of every figure)."""
     from kvstack.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
@@ -159,13 +206,20 @@ def _decode(
     engine.add_request(
         rid, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), kv_transfer_params=params
     )
-    transfer = first = None
+    transfer = first = digest = None
     tokens: list[int] = []
     while engine.has_unfinished:
         events = engine.step()
         now = time.perf_counter()
         if transfer is None and rid not in engine.scheduler.loading:
             transfer = now - t0
+            if digest_blocks and params is not None:
+                t_digest = time.perf_counter()
+                if engine.runner.device.type == "cuda":
+                    torch.cuda.synchronize(engine.runner.device)  # (the step's landings too)
+                digest = _kv_digest(engine, rid, digest_blocks)
+                spent = time.perf_counter() - t_digest
+                t0, sent = t0 + spent, sent + spent
         for ev in events:
             if first is None:
                 if engine.runner.device.type == "cuda":
@@ -181,6 +235,7 @@ def _decode(
         "at_decode_s": first + (t0 - sent),
         "transfer_s": transfer if params is not None else 0.0,
         "decode_tok_s": (len(tokens) - 1) / (total - first) if total > first else None,
+        "kv_digest": digest,
     }
 
 
@@ -222,6 +277,7 @@ def main() -> None:
         )
     from kvstack.demo import write_random_checkpoint
     from kvstack.engine.connector_driver import model_fingerprint
+    from kvstack.engine.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -231,7 +287,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvstack-disagg-") as tmp:
         model_dir = write_random_checkpoint(Path(tmp) / "llama", _config(args))
         colocated = _engine(model_dir, args.decode_device, args, None)
-        colocated.generate([prompts[0][:32]])  # warm-up
+        # warm-up at full length (reversed: no prefix hit), so no kernel compiles in a timed TTFT
+        colocated.generate([prompts[0][::-1]], SamplingParams(max_new_tokens=2))
         base = [_decode(colocated, f"c{i}", p, args.decode_tokens) for i, p in enumerate(prompts)]
         del colocated
         conn = _connector(args.transport, "consumer", model_fingerprint(model_dir), args.block_size)
@@ -262,9 +319,11 @@ def main() -> None:
                 child.stdin.flush()
                 msg = json.loads(_read(child))
                 first = int(msg["first"])
+                nfull = len(p) // args.block_size - 1
                 d = _decode(
-                    decode, f"d{i}", [*p, first], args.decode_tokens - 1, msg["params"], sent
-                )
+                    decode, f"d{i}", [*p, first], args.decode_tokens - 1, msg["params"], sent,
+                    digest_blocks=nfull,
+                )  # fmt: skip
                 row = {
                     "colocated_ttft_s": b["ttft_s"],
                     "prefill_s": msg["prefill_s"],
@@ -275,18 +334,24 @@ def main() -> None:
                     "colocated_decode_tok_s": b["decode_tok_s"],
                     "disagg_decode_tok_s": d["decode_tok_s"],
                     "tokens_equal": [first, *d["tokens"]] == b["tokens"],
+                    "first_divergence": _first_divergence([first, *d["tokens"]], b["tokens"]),
+                    "kv_equal": _same(d["kv_digest"], msg["kv_digest"]),
                 }
                 if lw is not None:  # the same prompt streamed layer by layer
                     sent = time.perf_counter()
                     child.stdin.write(json.dumps({"prompt": p, "stream": True}) + "\n")
                     child.stdin.flush()
                     params = json.loads(_read(child))["params"]  # before the child's forward
-                    ls = _decode(lw, f"s{i}", p, args.decode_tokens, params, sent)
+                    ls = _decode(
+                        lw, f"s{i}", p, args.decode_tokens, params, sent, digest_blocks=nfull
+                    )
                     done = json.loads(_read(child))
                     row["layerwise_ttft_at_decode_s"] = ls["at_decode_s"]
                     row["layerwise_prefill_s"] = done["prefill_s"]
                     row["layerwise_decode_tok_s"] = ls["decode_tok_s"]
                     row["tokens_equal"] = row["tokens_equal"] and ls["tokens"] == b["tokens"]
+                    row["layerwise_first_divergence"] = _first_divergence(ls["tokens"], b["tokens"])
+                    row["layerwise_kv_equal"] = _same(ls["kv_digest"], done["kv_digest"])
                 if i >= 0:
                     rows.append(row)
             stats = decode.stats().kv_connector
@@ -301,7 +366,9 @@ def main() -> None:
             conn.close()
             if lw_conn is not None:
                 lw_conn.close()
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "tokens_equal"}
+    flags = ("tokens_equal", "kv_equal", "layerwise_kv_equal")
+    numbers = [k for k in rows[0] if k not in flags and "divergence" not in k]
+    med = {k: statistics.median(r[k] for r in rows) for k in numbers}
     record = {
         "benchmark": "disagg",
         "devices": {"prefill": args.prefill_device, "decode": args.decode_device},
@@ -315,6 +382,15 @@ def main() -> None:
         "per_request": rows,
         "median": med,
         "all_tokens_equal": all(r["tokens_equal"] for r in rows),
+        # the KV the decode engine reported loaded is the prefill engine's, byte for byte
+        # (whole-request and, with --layerwise, layer-wise): the check that must hold; tokens
+        # of a random bf16 model may still part at a near-tie between the two engines' kernels
+        "all_kv_equal": all(
+            r[k] is not False for r in rows for k in ("kv_equal", "layerwise_kv_equal") if k in r
+        ),
+        "kv_checks": sum(
+            r[k] is not None for r in rows for k in ("kv_equal", "layerwise_kv_equal") if k in r
+        ),
         "loaded_tokens": None if stats is None else stats.loaded_tokens,
         "load_failures": None if stats is None else stats.num_load_failures,
         "layerwise": None
@@ -337,7 +413,10 @@ def main() -> None:
         f"{args.transport}: colocated TTFT {med['colocated_ttft_s'] * 1e3:.1f} ms; disaggregated "
         f"prefill {med['prefill_s'] * 1e3:.1f} ms + transfer {med['transfer_s'] * 1e3:.1f} ms "
         f"({med['transfer_share_of_colocated_ttft']:.0%} of colocated TTFT); tokens equal: "
-        f"{record['all_tokens_equal']}; loaded {record['loaded_tokens']} tokens"
+        f"{record['all_tokens_equal']} (first divergences "
+        f"{[r['first_divergence'] for r in rows]}); loaded KV equal to the producer's: "
+        f"{record['all_kv_equal']} ({record['kv_checks']} checks); loaded "
+        f"{record['loaded_tokens']} tokens"
     )
     if lw_stats is not None:
         print(
