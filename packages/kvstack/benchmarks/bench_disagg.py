@@ -148,7 +148,13 @@ def _kv_digest(engine: Any, rid: str, num_blocks: int) -> list[int]:
     layer, per KV group: equal on both sides when the decode engine holds the prefill engine's
     KV byte for byte (a wrong, dropped or reordered page changes it), computed on the device."""
     from kv_kernels.block_copy import gather_blocks
+    from kvstack.engine._device import device_context
 
+    with device_context(engine.runner.device):  # (Triton launches on the current device)
+        return _kv_digest_here(engine, rid, num_blocks, gather_blocks)
+
+
+def _kv_digest_here(engine: Any, rid: str, num_blocks: int, gather_blocks: Any) -> list[int]:
     sums = []
     for gid, ids in enumerate(engine.block_ids(rid)):
         layout, storage = engine.runner.layouts[gid], engine.runner.kv_caches[gid]
