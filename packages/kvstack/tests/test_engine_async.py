@@ -178,3 +178,39 @@ def test_graphs_mode_runs_ahead_only_after_replayed_steps(llama_dir: Path) -> No
     assert got == _drive(_engine(llama_dir, False), plan)
     assert replays > 0 and 0 < engine._ahead <= replays  # ahead only after a replayed step
     assert _async.TokenReader(torch.device("cpu"), 4).launch(torch.eye(3))[0].tolist() == [0, 1, 2]
+
+
+def test_ahead_with_a_quiet_kv_connector_equals_lockstep(llama_dir: Path) -> None:
+    """With a KV connector the engine goes one step ahead only while the connector is quiet and
+    no request waits (then nothing needs a step's end before the next is scheduled): a CPU tier
+    that saves finished requests and serves a later request's prefix from them keeps every token
+    of the lockstep run without a connector, and steps did go ahead in between."""
+    from kv_connectors import OffloadingConfig, OffloadingConnector
+
+    params = [SamplingParams(max_new_tokens=n) for n in (12, 3, 20, 1, 9)]
+    # request 4 arrives late with request 0's prompt: a prefix the tier saved at its finish
+    arrive = [0, 0, 2, 5, 30]
+    prompts = [*PROMPTS[:4], PROMPTS[0]]
+    plan = [
+        (a, str(i), p, sp) for i, (a, p, sp) in enumerate(zip(arrive, prompts, params, strict=True))
+    ]
+    want = _drive(_engine(llama_dir, False), plan)
+    tier = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=4)
+    engine = _engine(llama_dir, True, kv_connector=tier, enable_prefix_caching=False)
+    assert _drive(engine, plan) == want
+    stats = engine.stats().kv_connector
+    assert stats is not None and stats.loaded_tokens > 0, "the late request missed the tier"
+    assert engine._ahead > 0, "no step went ahead beside the connector"
+
+
+def test_a_busy_connector_keeps_the_engine_in_lockstep(llama_dir: Path) -> None:
+    """The check above can fail: a driver that never reports quiet leaves no step ahead."""
+    from kv_connectors import OffloadingConfig, OffloadingConnector
+    from kvstack.engine.connector_driver import KVConnectorDriver
+
+    tier = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=4)
+    engine = _engine(llama_dir, True, kv_connector=tier)
+    assert isinstance(engine.connector, KVConnectorDriver)
+    engine.connector.quiet = lambda: False  # type: ignore[method-assign]
+    _drive(engine, [(0, str(i), PROMPTS[i], SamplingParams(max_new_tokens=6)) for i in (0, 1)])
+    assert engine._ahead == 0

@@ -20,8 +20,10 @@ A request that step n finishes by its token budget is left out of step n+1 (the 
 ahead); one that step n finishes with a stop token has run one step too many, whose token is
 dropped (its blocks go back to the pool after step n+1's kernels in stream order). The engine
 resolves the step in flight first, and schedules as before, whenever a request needs its tokens
-on the host between steps: non-greedy sampling, stop strings, ``keep_logits``, a KV connector
-or external loader, or a pool too full to schedule without preempting.
+on the host between steps: non-greedy sampling, stop strings, ``keep_logits``, an external
+loader, a KV connector with work (a load in flight or planned, a save, a streamed prefill,
+blocks held for a transfer, or a request waiting, whose admission may start a load into blocks
+the step in flight still writes), or a pool too full to schedule without preempting.
 """
 
 from __future__ import annotations

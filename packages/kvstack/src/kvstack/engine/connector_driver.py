@@ -338,6 +338,23 @@ class KVConnectorDriver:
         keep = [i for i, s in enumerate(sampled) if s.request_id not in failed]
         return logits[keep], [sampled[i] for i in keep]
 
+    def quiet(self) -> bool:
+        """No transfer of this engine's in flight, planned for the current step or left to
+        report: no load (in the step or behind it), no save, no streamed prefill, no kept
+        blocks, no error to match. Only then may the engine leave a step in flight
+        (:mod:`kvstack.engine._async`): nothing waits for the step's end (saves handed off,
+        in-step loads settled, landed loads joining the batch)."""
+        meta = self._meta
+        return not (
+            self._step_loads
+            or self._async_loads
+            or self._streams
+            or self._held_back
+            or self._refused
+            or self._bad
+            or (meta is not None and (meta.loads or meta.saves))
+        )
+
     def snapshot(self) -> KVConnectorStats:
         """A copy of :attr:`stats` (what ``LLMEngine.stats()`` returns)."""
         return dataclasses.replace(self.stats, reasons=dict(self.stats.reasons))

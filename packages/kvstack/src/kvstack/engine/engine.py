@@ -359,13 +359,20 @@ class LLMEngine(RunsPrompts, TextSide):
     # -- stepping ------------------------------------------------------------------------------
 
     def _ahead_ok(self) -> bool:
-        """Whether a step may be left in flight (:mod:`kvstack.engine._async`)."""
+        """Whether a step may be left in flight (:mod:`kvstack.engine._async`). With a KV
+        connector only while it is quiet and no request waits (an admission may start a load,
+        which must follow the in-flight step's writes into blocks it frees) or is held for a
+        transfer: a disaggregated decode engine decodes one step ahead between its loads."""
+        conn, sched = self.connector, self.scheduler
         return bool(
             self.async_scheduling
             and not self._needs_sync
             and not self.keep_logits
-            and self.connector is None
             and self.external_loader is None
+            and (
+                conn is None
+                or (conn.quiet() and not (sched.waiting or sched.loading or sched.sending))
+            )
         )
 
     @on_device
@@ -445,8 +452,11 @@ class LLMEngine(RunsPrompts, TextSide):
                 s.num_pending += 1
             row_of = {id(s): r for r, s in enumerate(sampled)}
             self._inflight = InFlight(out, sampled, dev, host, event, row_of)
+            done: list[Seq] = []
             if prev is not None:
-                events += self._resolve(prev)
+                events += self._resolve(prev, done)
+            if conn is not None:  # (quiet: only the finished requests to tell it)
+                conn.poll(s.request_id for s in done)
             self._wall_s += time.perf_counter() - t0
             return events
         if prev is not None:  # (a request that needs its tokens on the host joined this step)
@@ -467,9 +477,10 @@ class LLMEngine(RunsPrompts, TextSide):
         self._wall_s += time.perf_counter() - t0
         return events + self._events(zip(sampled, tokens, strict=True))
 
-    def _resolve(self, step: InFlight) -> list[TokenEvent]:
+    def _resolve(self, step: InFlight, done: list[Seq] | None = None) -> list[TokenEvent]:
         """Read an in-flight step's tokens and apply them (the scheduler's update). A request
-        that finished, or was aborted, while the step ran gets no token from it."""
+        that finished, or was aborted, while the step ran gets no token from it. ``done``
+        collects the requests the tokens finished."""
         tokens = TokenReader.read(step)
         live: list[tuple[Seq, int]] = []
         seqs = self._seqs
@@ -479,7 +490,10 @@ class LLMEngine(RunsPrompts, TextSide):
                 live.append((s, t))
             else:  # finished (a stop token the step before) or aborted while it ran
                 self._dropped += 1
-        self._finished(self.scheduler.update(step.out, live))
+        finished = self.scheduler.update(step.out, live)
+        self._finished(finished)
+        if done is not None:
+            done += finished
         return self._events(live)
 
     def _finished(self, finished: list[Seq]) -> None:
