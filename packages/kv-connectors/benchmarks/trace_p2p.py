@@ -16,50 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
-import time
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from _connector_common import Req, make_layout, transfer_shape
 from _two_process import _connector, _consume, _wait_sent
+from kv_connectors.host_trace import EVENTS, install_transfer, mark, timeline
 
-EVENTS: list[tuple[float, str, str]] = []
 PULLS = 4
-
-
-def _mark(name: str) -> None:
-    EVENTS.append((time.time(), threading.current_thread().name[:14], name))
-
-
-def _wrap(owner: Any, attr: str) -> None:
-    original = getattr(owner, attr)
-
-    def wrapped(*a: Any, **k: Any) -> Any:
-        _mark(f"{attr} >")
-        try:
-            return original(*a, **k)
-        finally:
-            _mark(f"{attr} <")
-
-    setattr(owner, attr, wrapped)
-
-
-def _install() -> None:
-    from kv_connectors import _p2p_wire, p2p, transfer
-
-    for cls, names in (
-        (_p2p_wire.Wire, ("send", "recv", "wait", "drain", "_gather")),
-        (p2p.P2pConnector, ("_send_blocks", "_apply_rows")),
-        (transfer.TransferConnector, ("_accept_pull", "_ask_pull", "_pull_bound", "start_load_kv")),
-    ):
-        for name in names:
-            _wrap(cls, name)
-    for module in (p2p, transfer):
-        for name in ("send_msg", "recv_msg"):
-            if hasattr(module, name):
-                _wrap(module, name)
 
 
 def _kernel_ms(prof: Any) -> str:
@@ -74,7 +39,7 @@ def _kernel_ms(prof: Any) -> str:
 def _peer(rank: int, smoke: bool, queues: Any, barrier: Any) -> None:
     from kv_kernels import allocate_kv_cache
 
-    _install()
+    install_transfer()
     cuda = torch.cuda.is_available() and not smoke
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
@@ -111,24 +76,20 @@ def _peer(rank: int, smoke: bool, queues: Any, barrier: Any) -> None:
                     q3.put("last")
                     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     prof.__enter__()
-                _mark("consume >")
+                mark("consume >")
                 times.append(_consume(conn, q.get(timeout=120), f"c{i}", ids, device))
-                _mark("consume <")
+                mark("consume <")
             if prof is not None:
                 prof.__exit__(None, None, None)
             theirs_kernels = q2.get(timeout=120) if cuda else ""
             theirs = q2.get(timeout=120)
-            t0 = EVENTS[0][0]
-            merged = sorted(
-                [(t, "consumer", th, e) for t, th, e in EVENTS]
-                + [(t, "producer", th, e) for t, th, e in theirs if t >= t0]
-            )
+            lines = timeline([("consumer", EVENTS), ("producer", theirs)], since=EVENTS[0][0])
             print(f"== pull {order} {kind}: {[round(t * 1e3, 3) for t in times]} ms", flush=True)
             if prof is not None:
                 print(f"   consumer kernels: {_kernel_ms(prof)}", flush=True)
                 print(f"   producer kernels: {theirs_kernels}", flush=True)
-            for t, side, thread, event in merged:
-                print(f"{(t - t0) * 1e3:9.3f}  {side:8s} {thread:14s} {event}", flush=True)
+            for line in lines:
+                print(line, flush=True)
         barrier.wait(timeout=300)
         conn.close()
 

@@ -86,11 +86,65 @@ def _engine(
     )  # fmt: skip
 
 
+def _trace_install() -> None:
+    """``--trace``: timestamps on the connector's host path and the engine's connector calls."""
+    from kv_connectors import host_trace
+    from kvstack.engine.connector_driver import KVConnectorDriver
+    from kvstack.engine.engine import LLMEngine
+    from kvstack.engine.scheduler import Scheduler
+
+    host_trace.install_transfer()
+    for name in ("match", "allocated", "start_step", "idle_step", "poll", "end_forward"):
+        host_trace.wrap(KVConnectorDriver, name)
+    host_trace.wrap(LLMEngine, "step")
+    host_trace.wrap(Scheduler, "kv_loaded")
+
+
+def _busy(events: list[Any], min_s: float = 2e-4) -> list[Any]:
+    """``events`` without the engine calls (on the main thread) that took under ``min_s``: an
+    idle engine polls its connector every millisecond, which would bury the transfer."""
+    calls = ("step", "start_step", "idle_step", "end_forward", "poll", "start_load_kv")
+    drop: set[int] = set()
+    open_at: dict[tuple[str, str], list[int]] = {}
+    for i, (t, thread, event) in enumerate(events):
+        name, _, edge = event.rpartition(" ")
+        if name not in calls:
+            continue
+        stack = open_at.setdefault((thread, name), [])
+        if edge == ">":
+            stack.append(i)
+        elif edge == "<" and stack:
+            j = stack.pop()
+            if t - events[j][0] < min_s:
+                drop.update((i, j))
+    return [e for i, e in enumerate(events) if i not in drop]
+
+
+def _trace_print(child_file: Path, out: Path | None) -> None:
+    """The last request's merged timeline, from its prompt's send to each first token."""
+    from kv_connectors import host_trace
+
+    theirs = json.loads(child_file.read_text()) if child_file.exists() else []
+    sides = [("decode", _busy(host_trace.EVENTS)), ("prefill", _busy(theirs))]
+    lines, on = [], False
+    for line in host_trace.timeline(sides):
+        on = on or line.endswith("sent")
+        if on:
+            lines.append(line)
+        on = on and not line.endswith("first token")
+    print("\n".join(["== trace of the last request (ms)", *lines]))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "disagg_trace.txt").write_text("\n".join(lines) + "\n")
+
+
 def _child(args: argparse.Namespace) -> None:
     """The prefill process: for each prompt on stdin, prefill and publish; serve while stepping."""
     from kvstack.engine.connector_driver import model_fingerprint
     from kvstack.engine.sampling import SamplingParams
 
+    if args.trace:
+        _trace_install()
     conn = _connector(args.transport, "producer", model_fingerprint(args.model), args.block_size)
     # no prefix cache: each mode prefills the same prompts, and a hit would skip the compute
     engine = _engine(args.model, args.prefill_device, args, conn, enable_prefix_caching=False)
@@ -106,6 +160,10 @@ def _child(args: argparse.Namespace) -> None:
                 break
             msg = json.loads(line)
             stream = isinstance(msg, dict) and msg["stream"]
+            if args.trace and not stream:  # (a pair starts: keep only the last pair's events)
+                from kv_connectors import host_trace
+
+                host_trace.EVENTS.clear()
             prompt = msg["prompt"] if isinstance(msg, dict) else msg
             one = SamplingParams(max_new_tokens=1, ignore_eos=True)
             t0 = time.perf_counter()
@@ -131,6 +189,10 @@ def _child(args: argparse.Namespace) -> None:
             print(_MARK + json.dumps(out), flush=True)
         engine.step()  # polls the connector: serves pulls' completions, frees their blocks
     conn.close()
+    if args.trace:
+        from kv_connectors import host_trace
+
+        Path(args.trace).write_text(json.dumps(host_trace.EVENTS))
 
 
 def _read(proc: subprocess.Popen[str]) -> str:
@@ -166,6 +228,13 @@ def _kv_digest_here(engine: Any, rid: str, num_blocks: int, gather_blocks: Any) 
         weight = torch.arange(words.numel(), device=words.device) % 65521 + 1
         sums.append(int((words * weight).sum()))
     return sums
+
+
+def _mark(name: str) -> None:
+    """A ``--trace`` mark (kept only where the tracer is installed)."""
+    from kv_connectors import host_trace
+
+    host_trace.mark(name)
 
 
 def _held_digest(engine: Any, rid: str, full_blocks: int) -> list[int] | None:
@@ -209,6 +278,7 @@ def _decode(
 
     t0 = time.perf_counter()
     sent = t0 if sent is None else sent
+    _mark("add_request")
     engine.add_request(
         rid, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), kv_transfer_params=params
     )
@@ -219,6 +289,7 @@ def _decode(
         now = time.perf_counter()
         if transfer is None and rid not in engine.scheduler.loading:
             transfer = now - t0
+            _mark("loaded")
             if digest_blocks and params is not None:
                 t_digest = time.perf_counter()
                 if engine.runner.device.type == "cuda":
@@ -231,6 +302,7 @@ def _decode(
                 if engine.runner.device.type == "cuda":
                     torch.cuda.synchronize()
                 first = time.perf_counter() - t0
+                _mark("first token")
             tokens.append(ev.token_id)
     total = time.perf_counter() - t0
     engine.completion(rid)
@@ -264,6 +336,13 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--trace",
+        nargs="?",
+        const="1",
+        default=None,
+        help="print (and write disagg_trace.txt) the last request's host timeline on both sides",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--max-len", type=int, default=0, help=argparse.SUPPRESS)
@@ -281,6 +360,7 @@ def main() -> None:
         ap.error(
             f"--layerwise streams over P2P only; --transport={args.transport} moves whole requests"
         )
+    from kv_connectors.host_trace import EVENTS
     from kvstack.demo import write_random_checkpoint
     from kvstack.engine.connector_driver import model_fingerprint
     from kvstack.engine.sampling import SamplingParams
@@ -297,6 +377,9 @@ def main() -> None:
         colocated.generate([prompts[0][::-1]], SamplingParams(max_new_tokens=2))
         base = [_decode(colocated, f"c{i}", p, args.decode_tokens) for i, p in enumerate(prompts)]
         del colocated
+        trace_file = Path(tmp) / "prefill_trace.json"
+        if args.trace:
+            _trace_install()
         conn = _connector(args.transport, "consumer", model_fingerprint(model_dir), args.block_size)
         decode = _engine(model_dir, args.decode_device, args, conn)
         lw_conn = lw = None
@@ -304,8 +387,9 @@ def main() -> None:
             fp = model_fingerprint(model_dir)
             lw_conn = _connector("p2p", "consumer", fp, args.block_size, layerwise=True)
             lw = _engine(model_dir, args.decode_device, args, lw_conn)
-        child_args = [a for a in sys.argv[1:] if a not in ("--quick", "--layerwise")]
+        child_args = [a for a in sys.argv[1:] if a not in ("--quick", "--layerwise", "--trace")]
         cmd = [sys.executable, __file__, *child_args, "--child", "--model", str(model_dir)]
+        cmd += ["--trace", str(trace_file)] if args.trace else []
         cmd += ["--max-len", str(args.max_len), "--prompt-tokens", str(args.prompt_tokens)]
         cmd += ["--decode-tokens", str(args.decode_tokens), "--hidden", str(args.hidden)]
         cmd += ["--layers", str(args.layers), "--heads", str(args.heads)]
@@ -320,6 +404,9 @@ def main() -> None:
             # make) and is not reported
             pairs = list(enumerate(zip(prompts, base, strict=True)))
             for i, (p, b) in [(-1, (prompts[0][::-1], base[0])), *pairs]:
+                if i == len(prompts) - 1:  # (--trace: the last pair's events only)
+                    EVENTS.clear()
+                _mark("sent")
                 sent = time.perf_counter()
                 child.stdin.write(json.dumps(p) + "\n")
                 child.stdin.flush()
@@ -344,6 +431,7 @@ def main() -> None:
                     "kv_equal": _same(d["kv_digest"], msg["kv_digest"]),
                 }
                 if lw is not None:  # the same prompt streamed layer by layer
+                    _mark("sent")
                     sent = time.perf_counter()
                     child.stdin.write(json.dumps({"prompt": p, "stream": True}) + "\n")
                     child.stdin.flush()
@@ -372,6 +460,8 @@ def main() -> None:
             conn.close()
             if lw_conn is not None:
                 lw_conn.close()
+        if args.trace:
+            _trace_print(trace_file, args.out)
     flags = ("tokens_equal", "kv_equal", "layerwise_kv_equal")
     numbers = [k for k in rows[0] if k not in flags and "divergence" not in k]
     med = {k: statistics.median(r[k] for r in rows) for k in numbers}
