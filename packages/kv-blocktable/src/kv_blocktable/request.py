@@ -255,6 +255,10 @@ def _check_tokens(request_id: str, token_ids: object) -> list[int]:
             "pass a list of int token ids (a str is not read as digits)"
         )
     ids = list(token_ids)
+    # Fast path (an 8k-token prompt: ~0.3 ms against ~2 ms for the loop below, which names the
+    # first bad id): every id an int, the extremes in range.
+    if all(type(t) is int for t in ids) and (not ids or (min(ids) >= -_I64 and max(ids) < _I64)):
+        return ids
     for i, t in enumerate(ids):
         if type(t) is not int:
             raise TypeError(

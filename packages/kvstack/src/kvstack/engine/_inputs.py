@@ -30,6 +30,12 @@ def check_token_ids(rid: str, prompt: object, vocab: int) -> list[int]:
                 else ""
             )
         )
+    # Fast path (an 8k-token prompt: ~0.3 ms against ~4 ms for the checks below, which name the
+    # first bad id): plain ints, the extremes in the vocabulary.
+    if all(type(t) is int for t in prompt) and (
+        not prompt or (min(prompt) >= 0 and max(prompt) < vocab)
+    ):
+        return list(prompt)
     for i, t in enumerate(prompt):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise TypeError(
