@@ -21,9 +21,11 @@ both sides; whether every token equals the colocated run's. JSON with provenance
 ``LLMEngine.stream_kv`` and sends its params the moment the prompt is scheduled, before the
 prefill's forward pass; a second decode engine (``P2pConfig(layerwise=True)``) adds the bare
 prompt with them at once and loads it inside its step, layer by layer, while the child computes.
-For both disaggregated modes ``ttft_at_decode_s`` is the time from sending the prompt to the
-child until the decode engine sampled its first token (whole-request: the token after the
-prefill's; layer-wise: the first token), beside the colocated TTFT.
+For both disaggregated modes ``ttft_at_decode_s`` is the time from the child reading the prompt
+(the prefill engine's receipt, the colocated TTFT's start too; the harness's pipe to it is
+left out, and so is the byte check's digest) until the decode engine sampled its first token
+(whole-request: the token after the prefill's; layer-wise: the first token), beside the
+colocated TTFT. The params' way back to this process is counted, as a router's would be.
 
 CPU numbers are no performance claim. NIXL needs the ``nixl`` package on both sides.
 """
@@ -156,6 +158,7 @@ def _child(args: argparse.Namespace) -> None:
         ready, _, _ = select.select([sys.stdin], [], [], 0.001)
         if ready:
             line = sys.stdin.readline()
+            received = time.time()  # (one clock for the host's processes)
             if not line.strip():
                 break
             msg = json.loads(line)
@@ -170,7 +173,10 @@ def _child(args: argparse.Namespace) -> None:
             if stream:  # the params leave before the forward pass; the consumer starts at once
                 rid = engine.add_request(None, prompt, one)
                 engine.stream_kv(
-                    rid, lambda r, p: print(_MARK + json.dumps({"params": p}), flush=True)
+                    rid,
+                    lambda r, p, at=received: print(
+                        _MARK + json.dumps({"params": p, "received": at}), flush=True
+                    ),
                 )
                 while not any(e.request_id == rid for e in engine.step()):
                     pass
@@ -179,12 +185,16 @@ def _child(args: argparse.Namespace) -> None:
                 done = engine.generate([prompt], one)[0]
             if engine.runner.device.type == "cuda":
                 torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - t0
+            # (blocks a consumer loads in both modes: the prompt's full blocks but the last)
+            digest = _held_digest(engine, done.request_id, len(prompt) // args.block_size)
             out = {
                 "first": done.token_ids[0],
                 "params": done.kv_transfer_params,
-                "prefill_s": time.perf_counter() - t0,
-                # (blocks a consumer loads in both modes: the prompt's full blocks but the last)
-                "kv_digest": _held_digest(engine, done.request_id, len(prompt) // args.block_size),
+                "prefill_s": prefill_s,
+                "kv_digest": digest,
+                "received": received,
+                "digest_s": time.perf_counter() - t0 - prefill_s,  # (left out of at_decode_s)
             }
             print(_MARK + json.dumps(out), flush=True)
         engine.step()  # polls the connector: serves pulls' completions, frees their blocks
@@ -228,6 +238,13 @@ def _kv_digest_here(engine: Any, rid: str, num_blocks: int, gather_blocks: Any) 
         weight = torch.arange(words.numel(), device=words.device) % 65521 + 1
         sums.append(int((words * weight).sum()))
     return sums
+
+
+def _since(wall: float) -> float:
+    """The ``time.perf_counter()`` reading at wall-clock time ``wall`` (``time.time()``, which
+    the host's processes share): the prefill process's receipt of a prompt, as this process's
+    start of its time to first token."""
+    return time.perf_counter() - (time.time() - wall)
 
 
 def _mark(name: str) -> None:
@@ -411,6 +428,7 @@ def main() -> None:
                 child.stdin.write(json.dumps(p) + "\n")
                 child.stdin.flush()
                 msg = json.loads(_read(child))
+                sent = _since(msg["received"]) + msg["digest_s"]
                 first = int(msg["first"])
                 nfull = len(p) // args.block_size - 1
                 d = _decode(
@@ -435,7 +453,8 @@ def main() -> None:
                     sent = time.perf_counter()
                     child.stdin.write(json.dumps({"prompt": p, "stream": True}) + "\n")
                     child.stdin.flush()
-                    params = json.loads(_read(child))["params"]  # before the child's forward
+                    started = json.loads(_read(child))  # (the params leave before the forward)
+                    params, sent = started["params"], _since(started["received"])
                     ls = _decode(
                         lw, f"s{i}", p, args.decode_tokens, params, sent, digest_blocks=nfull
                     )
@@ -494,7 +513,7 @@ def main() -> None:
         else {
             "loaded_tokens": lw_stats.loaded_tokens,
             "load_failures": lw_stats.num_load_failures,
-            "note": "ttft_at_decode_s: prompt sent to the prefill process -> the decode engine's "
+            "note": "ttft_at_decode_s: prompt read by the prefill process -> the decode engine's "
             "first sampled token; whole-request vs layer-wise streaming vs colocated TTFT",
         },
         **provenance("torch"),

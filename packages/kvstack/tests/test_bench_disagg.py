@@ -22,8 +22,12 @@ def test_quick_run_moves_the_prompts_and_keeps_the_tokens(tmp_path: Path) -> Non
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     record = json.loads((tmp_path / "disagg_p2p_cpu.json").read_text())
     assert record["all_tokens_equal"] and record["load_failures"] == 0
-    # the KV the decode engines loaded is the prefill engine's, byte for byte, in both modes
-    assert record["all_kv_equal"] and record["kv_checks"] == 2 * 2
+    # the KV the decode engines loaded is the prefill engine's, byte for byte: every
+    # whole-request load is checked; a layer-wise one where the producer still held the blocks
+    # when it took its digest (the consumer's "done" may free them first)
+    assert record["all_kv_equal"] and record["kv_checks"] >= 2
+    assert all(r["kv_equal"] is True for r in record["per_request"])
+    assert all(r["layerwise_kv_equal"] is not False for r in record["per_request"])
     # two 100-token prompts and a warm-up round: 6 full blocks of 16 each
     assert record["loaded_tokens"] == 3 * 96
     assert len(record["per_request"]) == 2 and record["median"]["transfer_s"] > 0
