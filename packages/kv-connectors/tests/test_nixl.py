@@ -35,6 +35,8 @@ LAYOUTS: dict[str, KVCacheLayout] = {
     "hnd": make_layout("LBHNC"),
     "bs4": make_layout("LHBNC", block_size=4),
     "tp1_h4": make_layout("BHLNC", num_kv_heads=4),
+    "runs": BASE,  # consecutive producer blocks: READs of whole runs
+    "runs_bs4": make_layout("BLNHC", block_size=4),
 }
 # producer name -> (consumer layout, consumer TP (rank, size))
 CONVERSIONS: dict[str, tuple[KVCacheLayout, tuple[int, int]]] = {
@@ -43,6 +45,7 @@ CONVERSIONS: dict[str, tuple[KVCacheLayout, tuple[int, int]]] = {
     "tp1_h4": (make_layout("LBHNC", num_kv_heads=2), (1, 2)),
 }
 PRODUCER_BLOCKS = [3, 9, 1, 6]
+RUN_BLOCKS = [4, 5, 6, 10]  # with local [7, 8, 9, 2]: two runs on both sides
 
 
 def _producers(names: list[str]) -> list[dict[str, Any]]:
@@ -51,7 +54,7 @@ def _producers(names: list[str]) -> list[dict[str, Any]]:
             "name": n,
             "layout": LAYOUTS[n].to_json(),
             "seed": 10 + list(LAYOUTS).index(n),
-            "block_ids": PRODUCER_BLOCKS,
+            "block_ids": RUN_BLOCKS if n.startswith("runs") else PRODUCER_BLOCKS,
         }
         for n in names
     ]
@@ -357,3 +360,45 @@ def test_descriptor_index_check_can_fail() -> None:
     ids = [7, 0, 3]
     transposed = [r * 16 + b for b in ids for r in range(4)]
     assert NixlConnector._indices(ids, 4).tolist() != transposed
+
+
+@pytest.mark.parametrize("name", ["runs", "runs_bs4"])
+def test_consecutive_blocks_are_read_in_runs_byte_exact(
+    name: str, healthy: Any, remote_load: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks consecutive on both sides go as one descriptor per run and range (NIXL's
+    ``initialize_xfer`` over merged spans, not the per-block prepared lists): 2 runs here, and
+    every byte lands where it should (a run read short or at the wrong start fails the check)."""
+    layout = LAYOUTS[name]
+    conn, cache = _consumer(layout)
+    seen: list[int] = []
+    original = conn._agent.initialize_xfer
+
+    def counting(op: str, local: Any, remote: Any, *rest: Any) -> Any:
+        seen.append(local.descCount())
+        return original(op, local, remote, *rest)
+
+    monkeypatch.setattr(conn._agent, "initialize_xfer", counting)
+    src = random_cache(layout, seed=10 + list(LAYOUTS).index(name))
+    local = [7, 8, 9, 2]
+    untouched = block_bytes(cache, layout, 0)
+    assert (
+        remote_load.start(conn, healthy.params[name], local, f"c-{name}") == 4 * layout.block_size
+    )
+    _elapsed, errors = remote_load.finish(conn, f"c-{name}", 30)
+    assert errors == set(), conn.load_error_reasons
+    for b, p in zip(local, RUN_BLOCKS, strict=True):
+        assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
+    assert torch.equal(block_bytes(cache, layout, 0), untouched)
+    assert seen == [2 * conn._ranges_per_block], seen  # two runs, every range once per run
+    conn.close()
+
+
+def test_runs_pair_both_sides_consecutive_stretches() -> None:
+    from kv_connectors.nixl import _run_descs, _runs, _spans
+
+    assert _runs([7, 8, 9, 2, 3], [4, 5, 6, 10, 12]) == [(7, 4, 3), (2, 10, 1), (3, 12, 1)]
+    assert _runs([], []) == []
+    pattern = [{"base": 1000, "block_stride": 64, "ranges": [[0, 64]]}]
+    assert _spans(pattern) and not _spans([{"base": 0, "block_stride": 96, "ranges": [[0, 64]]}])
+    assert _run_descs(pattern, [(2, 3), (9, 1)], 5).tolist() == [[1128, 192, 5], [1576, 64, 5]]

@@ -84,6 +84,44 @@ def _descs(pattern: list[dict[str, Any]], num_blocks: int, dev: int) -> Any:
     return out.reshape(-1, 3)
 
 
+def _runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
+    """``(local first, remote first, count)`` of the stretches where both sides' block ids go up
+    by one."""
+    out: list[tuple[int, int, int]] = []
+    for lb, rb in zip(local, remote, strict=True):
+        if out:
+            l0, r0, n = out[-1]
+            if lb == l0 + n and rb == r0 + n:
+                out[-1] = (l0, r0, n + 1)
+                continue
+        out.append((lb, rb, 1))
+    return out
+
+
+def _spans(pattern: list[dict[str, Any]]) -> bool:
+    """Whether each range of a block fills its block stride, so the same range of consecutive
+    blocks is one span of memory (a per-layer page-contiguous cache; not head-outer pages)."""
+    return all(n == s["block_stride"] for s in pattern for _off, n in s["ranges"])
+
+
+def _run_descs(pattern: list[dict[str, Any]], runs: list[tuple[int, int]], dev: int) -> Any:
+    """``int64 [len(runs) * R, 3]``: for each ``(first block, count)`` run and each range of the
+    pattern, one descriptor over the run's blocks (:func:`_spans` must hold)."""
+    import numpy as np
+
+    per = np.array(
+        [(s["base"] + off, s["block_stride"], n) for s in pattern for off, n in s["ranges"]],
+        dtype=np.int64,
+    )  # [R, 3]
+    first = np.array([b for b, _n in runs], dtype=np.int64)[:, None]
+    count = np.array([n for _b, n in runs], dtype=np.int64)[:, None]
+    out = np.empty((len(runs), len(per), 3), dtype=np.int64)
+    out[:, :, 0] = per[None, :, 0] + first * per[None, :, 1]
+    out[:, :, 1] = per[None, :, 2] * count
+    out[:, :, 2] = dev
+    return out.reshape(-1, 3)
+
+
 @dataclass
 class _Remote:
     agent: str
@@ -93,9 +131,10 @@ class _Remote:
     sock: socket.socket
     lock: threading.Lock
     staging: Any = None
-    identity: tuple[
-        Any, ...
-    ] = ()  # (engine id, hashes, model fingerprint), set by the handshake  # prepared local staging descriptors for these range lengths
+    identity: tuple[Any, ...] = ()  # (engine id, hashes, model fingerprint), by the handshake
+    pattern: list[dict[str, Any]] | None = None  # the producer's ranges (coalesced READs)
+    dev: int = 0
+    mem_type: str = "DRAM"
 
     @property
     def ranges_per_block(self) -> int:
@@ -252,7 +291,10 @@ class NixlConnector(TransferConnector):
                 agent, self._agent.get_xfer_descs(remote, reply["mem_type"])
             )
         lens = [int(n) for seg in reply["pattern"] for _off, n in seg["ranges"]]
-        return _Remote(agent, handle, lens, tuple(reply["hashes"]), sock, threading.Lock())
+        return _Remote(
+            agent, handle, lens, tuple(reply["hashes"]), sock, threading.Lock(),
+            pattern=reply["pattern"], dev=int(reply["dev"]), mem_type=reply["mem_type"],
+        )  # fmt: skip
 
     def _release_peer(self, rem: _Remote) -> None:
         with self._agent_lock, contextlib.suppress(Exception):
@@ -291,6 +333,30 @@ class NixlConnector(TransferConnector):
     ) -> None:
         """The READs of one pull (``pull``: ``"<token>:<request id>"``), the last one notifying."""
         notif = f"kv-done:{pull}".encode()
+        if plan.identity and rem.range_lens == self._range_lens:
+            runs = _runs(list(spec.block_ids), ids)
+            if (
+                len(runs) < len(ids)
+                and rem.pattern is not None
+                and _spans(self._pattern)
+                and _spans(rem.pattern)
+            ):
+                # consecutive blocks on both sides: one descriptor per run and range, not one
+                # per block and range (on 2 x H200 an 8k-token request of a 16-layer per-layer
+                # cache was 8k descriptors of 16 KiB and took 73-88 ms over CUDA IPC)
+                local = _run_descs(self._pattern, [(lb, n) for lb, _rb, n in runs], self._dev)
+                remote = _run_descs(rem.pattern, [(rb, n) for _lb, rb, n in runs], rem.dev)
+                with self._agent_lock:
+                    xfer = self._agent.initialize_xfer(
+                        "READ",
+                        self._agent.get_xfer_descs(local, self._mem_type),
+                        self._agent.get_xfer_descs(remote, rem.mem_type),
+                        rem.agent,
+                        notif,
+                    )
+                    state = self._agent.transfer(xfer)
+                self._wait_read(xfer, state, deadline)
+                return
         remote_idx = self._indices(ids, rem.ranges_per_block)
         if plan.identity and rem.range_lens == self._range_lens:
             # same bytes in the same ranges: read straight into the cache blocks
@@ -354,6 +420,11 @@ class NixlConnector(TransferConnector):
                 "READ", local, local_idx, remote, remote_idx, notif
             )
             state = self._agent.transfer(xfer)
+        self._wait_read(xfer, state, deadline)
+
+    def _wait_read(self, xfer: Any, state: str, deadline: float) -> None:
+        """Poll a posted READ until done, failed or past ``deadline`` (see :meth:`_read`); its
+        handle is released either way."""
         try:
             while state not in ("DONE", "ERR"):
                 if self._clock() > deadline:
