@@ -4,7 +4,8 @@
 that records ``"attr >"`` and ``"attr <"`` with ``time.time()`` (one clock for the processes
 of a host) and the thread's name into :data:`EVENTS`; :func:`install_transfer` wraps the P2P
 connector's host path -- side-channel messages, the wire's sends, receives, copies, waits and
-drains, the pull and its ask, and ``start_load_kv``. :func:`timeline` merges
+drains, the pull and its ask, and ``start_load_kv``; with NIXL installed, its connector's
+reads and the agent's transfer calls too. :func:`timeline` merges
 the events of several processes into lines of milliseconds from the first. Used by
 ``benchmarks/trace_p2p.py`` and kvstack's ``bench_disagg.py --trace``; wrappers cost a few
 microseconds each and stay in place for the process's life.
@@ -65,6 +66,16 @@ def install_transfer() -> None:
         for name in ("send_msg", "recv_msg"):
             if hasattr(module, name):
                 wrap(module, name)
+    try:  # NIXL's pull and the agent calls it makes (not the state polls: every 100 us)
+        from nixl._api import nixl_agent
+
+        from kv_connectors import nixl
+    except ImportError:
+        return
+    for name in ("_reads", "_wait_read", "_serve_pull", "_open_peer", "_prep_staging"):
+        wrap(nixl.NixlConnector, name)
+    for name in ("initialize_xfer", "make_prepped_xfer", "transfer", "prep_xfer_dlist"):
+        wrap(nixl_agent, name)
 
 
 def timeline(
