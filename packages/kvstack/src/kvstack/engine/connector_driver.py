@@ -289,13 +289,16 @@ class KVConnectorDriver:
             self.runner.note_external_writes()
 
     def before_attention(self, layer_slot: int) -> None:
-        self.connector.wait_for_layer_load(layer_slot)
+        if self._step_loads:  # (only a load inside this step has layers to wait for)
+            self.connector.wait_for_layer_load(layer_slot)
 
     def after_attention(self, layer_slot: int) -> None:
         assert self._meta is not None
         self.connector.save_kv_layer(layer_slot, self._meta)
 
     def before_replay(self) -> None:
+        if not self._step_loads:  # a decode step beside a quiet connector: nothing to wait for
+            return
         for slot in range(self.connector.kv.num_layers):
             self.connector.wait_for_layer_load(slot)
 
