@@ -87,21 +87,33 @@ def _consumer(
 def test_read_between_two_processes_is_byte_exact(
     name: str, healthy: Any, remote_load: Any
 ) -> None:
-    layout = LAYOUTS[name]
-    conn, cache = _consumer(layout)
-    src = random_cache(layout, seed=10 + list(LAYOUTS).index(name))
-    local = [7, 2, 11, 5]
-    untouched = block_bytes(cache, layout, 0)
-    assert (
-        remote_load.start(conn, healthy.params[name], local, f"c-{name}") == 4 * layout.block_size
-    )
-    _elapsed, errors = remote_load.finish(conn, f"c-{name}", 30)
-    assert errors == set(), conn.load_error_reasons
-    for b, p in zip(local, PRODUCER_BLOCKS, strict=True):
-        assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
-    assert torch.equal(block_bytes(cache, layout, 0), untouched)
+    conn, cache = _consumer(LAYOUTS[name])
+    _read_and_check(conn, cache, name, [7, 2, 11, 5], PRODUCER_BLOCKS, healthy, remote_load)
     healthy.expect((f"SENT req-{name}",), timeout_s=10)  # the notification freed the producer
     conn.close()
+
+
+def _read_and_check(
+    conn: NixlConnector,
+    cache: Any,
+    name: str,
+    local: list[int],
+    remote: list[int],
+    healthy: Any,
+    remote_load: Any,
+) -> None:
+    """Load producer ``name``'s blocks ``remote`` into ``local``: every byte as the producer's,
+    and block 0 (no request's) untouched."""
+    layout = LAYOUTS[name]
+    src = random_cache(layout, seed=10 + list(LAYOUTS).index(name))
+    untouched = block_bytes(cache, layout, 0)
+    got = remote_load.start(conn, healthy.params[name], local, f"c-{name}")
+    assert got == len(local) * layout.block_size
+    _elapsed, errors = remote_load.finish(conn, f"c-{name}", 30)
+    assert errors == set(), conn.load_error_reasons
+    for b, p in zip(local, remote, strict=True):
+        assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
+    assert torch.equal(block_bytes(cache, layout, 0), untouched)
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSIONS))
@@ -369,8 +381,7 @@ def test_consecutive_blocks_are_read_in_runs_byte_exact(
     """Blocks consecutive on both sides go as one descriptor per run and range (NIXL's
     ``initialize_xfer`` over merged spans, not the per-block prepared lists): 2 runs here, and
     every byte lands where it should (a run read short or at the wrong start fails the check)."""
-    layout = LAYOUTS[name]
-    conn, cache = _consumer(layout)
+    conn, cache = _consumer(LAYOUTS[name])
     seen: list[int] = []
     original = conn._agent.initialize_xfer
 
@@ -379,17 +390,7 @@ def test_consecutive_blocks_are_read_in_runs_byte_exact(
         return original(op, local, remote, *rest)
 
     monkeypatch.setattr(conn._agent, "initialize_xfer", counting)
-    src = random_cache(layout, seed=10 + list(LAYOUTS).index(name))
-    local = [7, 8, 9, 2]
-    untouched = block_bytes(cache, layout, 0)
-    assert (
-        remote_load.start(conn, healthy.params[name], local, f"c-{name}") == 4 * layout.block_size
-    )
-    _elapsed, errors = remote_load.finish(conn, f"c-{name}", 30)
-    assert errors == set(), conn.load_error_reasons
-    for b, p in zip(local, RUN_BLOCKS, strict=True):
-        assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
-    assert torch.equal(block_bytes(cache, layout, 0), untouched)
+    _read_and_check(conn, cache, name, [7, 8, 9, 2], RUN_BLOCKS, healthy, remote_load)
     assert seen == [2 * conn._ranges_per_block], seen  # two runs, every range once per run
     conn.close()
 
