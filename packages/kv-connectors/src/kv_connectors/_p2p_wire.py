@@ -258,9 +258,10 @@ class Wire:
             posted[i] = (self.pg.recv([rows], src, _TAG), rows, is_direct)
 
         with self._ctx():
-            for i, ch in enumerate(chunks if preload is not None else ()):
-                if direct(ch) is None:
-                    preload(ch, self._buffer(i % 2, ch.count, width(ch)))
+            if preload is not None:
+                for i, ch in enumerate(chunks):
+                    if direct(ch) is None:
+                        preload(ch, self._buffer(i % 2, ch.count, width(ch)))
             if chunks:
                 post(0)
             for i, ch in enumerate(chunks):
