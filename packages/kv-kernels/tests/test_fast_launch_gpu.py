@@ -289,3 +289,52 @@ def test_paged_attention_bound_mla_equals_plain(
     before = _bound_calls()
     _plain_then_fast(lambda: _flat(paged_attention(**args)), monkeypatch)
     assert _bound_calls() > before
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "BLNHC"])
+@pytest.mark.parametrize("offset", [0, 16, 8])
+def test_block_copies_bound_equal_plain(order: str, offset: int) -> None:
+    """gather / scatter / copy_blocks, the second call of each shape through the bound launcher
+    (check mode: Triton's binder agrees with the key), bit for bit the first call's bytes; a
+    buffer ``offset`` bytes into its allocation, and pinned host rows."""
+    from kv_kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
+
+    block_copy = importlib.import_module("kv_kernels.block_copy.triton")
+    layout = KVCacheLayout(
+        order=order, num_layers=3, num_blocks=64, num_kv_heads=2, block_size=16, head_size=64,
+        head_size_v=64, dtype="bfloat16",
+    )  # fmt: skip
+    cache = allocate_kv_cache(layout, "cuda")
+    for t in cache if isinstance(cache, (list, tuple)) else [cache]:
+        t.view(torch.uint8).copy_(
+            torch.randint(0, 256, t.view(torch.uint8).shape, device="cuda", dtype=torch.uint8)
+        )
+    width = layout.num_layers * layout.page_bytes
+    ids = torch.tensor([5, 9, 2, 40, 17], device="cuda")
+    for device, pin in (("cuda", False), ("cpu", True)):
+        raw = torch.empty(5 * width + 64, dtype=torch.uint8, device=device, pin_memory=pin)
+        buf = raw[offset : offset + 5 * width].view(5, width)
+        got = []
+        hits = block_copy._COPY.hits
+        for _ in range(2):
+            buf.zero_()
+            gather_blocks(cache, layout, ids, buf, impl="triton")
+            torch.cuda.synchronize()
+            got.append(buf.clone())
+        assert block_copy._COPY.hits == hits + 1 and torch.equal(got[0], got[1])
+        scatter_blocks(buf, cache, layout, torch.tensor([50, 51, 52, 53, 54], device="cuda"),
+                       impl="triton")  # fmt: skip
+        scatter_blocks(buf, cache, layout, torch.tensor([55, 56, 57, 58, 59], device="cuda"),
+                       impl="triton")  # fmt: skip
+        back = torch.empty_like(buf)
+        gather_blocks(cache, layout, torch.tensor([55, 56, 57, 58, 59], device="cuda"), back,
+                      impl="triton")  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(back, got[0])
+    copy_blocks(cache, layout, [5, 9], [60, 61], impl="triton")
+    copy_blocks(cache, layout, [2, 40], [62, 63], impl="triton")
+    out = torch.empty(4, width, dtype=torch.uint8, device="cuda")
+    gather_blocks(cache, layout, [60, 61, 62, 63], out, impl="triton")
+    want = torch.empty_like(out)
+    gather_blocks(cache, layout, [5, 9, 2, 40], want, impl="triton")
+    assert torch.equal(out, want)

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
 import triton.language as tl
+
+from kv_kernels._launch import FastLauncher, align_bits, int_class
 
 if TYPE_CHECKING:
     from kv_kernels.block_copy.api import PageGeometry
@@ -106,6 +108,11 @@ def _copy_pages_kernel(
     mask = tl.where(ok, offs < chunk_bytes - start, False)
     data = tl.load(src_ptr + src_off + offs, mask=mask)
     tl.store(dst_ptr + dst_off + offs, data, mask=mask)
+
+
+#: Launches of the copy kernel, bound per specialization after the first (~100 us of Triton's
+#: host path a call on an H200 host, paid per chunk of every transfer on each side).
+_COPY = FastLauncher(_copy_pages_kernel)
 
 
 class _Side:
@@ -201,6 +208,22 @@ def _launch(
 ) -> None:
     if num_rows == 0:
         return
+    _COPY(*_launch_call(src, dst, geo, num_rows, error_flag, load_only))
+
+
+def _launch_call(
+    src: _Side,
+    dst: _Side,
+    geo: PageGeometry,
+    num_rows: int,
+    error_flag: torch.Tensor | None,
+    load_only: bool,
+) -> tuple[Any, tuple[int, int, int], tuple[Any, ...], dict[str, Any]]:
+    """``(key, grid, args, kwargs)`` of one copy: :class:`~kv_kernels._launch.FastLauncher`'s
+    key holds every value Triton specializes the call on (each pointer's dtype and 16-byte
+    alignment, each integer's class, the constexprs and warps), so a bound launch of an equal
+    key is the same variant (``tests/test_block_copy_launch.py`` holds it against a model of
+    Triton's binder)."""
     align = 16
     for v in (
         *src.addresses,
@@ -225,13 +248,16 @@ def _launch(
     )
     dummy = src.ids if src.ids is not None else dst.ids
     assert dummy is not None
-    _copy_pages_kernel[grid](
+    ptrs = (
         src.base,
         dst.base,
         src.layer_table if src.layer_table is not None else dummy,
         dst.layer_table if dst.layer_table is not None else dummy,
         src.ids if src.ids is not None else dummy,
         dst.ids if dst.ids is not None else dummy,
+    )
+    flag = error_flag if error_flag is not None else dummy
+    ints = (
         src.layer_stride,
         dst.layer_stride,
         src.row_stride,
@@ -242,16 +268,24 @@ def _launch(
         dst.rows,
         geo.num_chunks,
         geo.chunk_bytes,
-        error_flag if error_flag is not None else dummy,
-        SRC_TABLE=src.layer_table is not None,
-        DST_TABLE=dst.layer_table is not None,
-        SRC_IDS=src.ids is not None,
-        DST_IDS=dst.ids is not None,
-        ALIGN=align,
-        SPAN=span,
-        CHECK=error_flag is not None,
-        num_warps=num_warps,
     )
+    consts = {
+        "SRC_TABLE": src.layer_table is not None,
+        "DST_TABLE": dst.layer_table is not None,
+        "SRC_IDS": src.ids is not None,
+        "DST_IDS": dst.ids is not None,
+        "ALIGN": align,
+        "SPAN": span,
+        "CHECK": error_flag is not None,
+    }
+    key = (
+        align_bits(*ptrs, flag),
+        tuple(t.dtype for t in (*ptrs, flag)),
+        tuple(int_class(v) for v in ints),
+        tuple(consts.values()),
+        num_warps,
+    )
+    return key, grid, (*ptrs, *ints, flag), {**consts, "num_warps": num_warps}
 
 
 def gather_blocks_triton(
