@@ -20,19 +20,14 @@ import torch
 from kv_kernels import _launch, testing_launch
 from kv_kernels.block_copy import page_geometry
 from kv_kernels.cache import allocate_kv_cache
+from kv_kernels.testing_cache import small_layout
 from kv_kernels.testing_launch import stubbed_cuda
-from kv_spec import KVCacheLayout
 
 tri = importlib.import_module("kv_kernels.block_copy.triton")
 
 
-def _layout(order: str, **kw: Any) -> KVCacheLayout:
-    base: dict[str, Any] = dict(
-        order=order, num_layers=2, num_blocks=40, num_kv_heads=2, block_size=4, head_size=8,
-        head_size_v=8, dtype="float16",
-    )  # fmt: skip
-    base.update(kw)
-    return KVCacheLayout(**base)
+#: a per-layer (L-outer, a layer-address table) and a cross-layer cache
+LAYOUTS = {o: small_layout(o, num_blocks=40, dtype="float16") for o in ("LBNHC", "BLNHC")}
 
 
 def _buffer(rows: int, width: int, offset: int) -> torch.Tensor:
@@ -45,8 +40,7 @@ def _buffer(rows: int, width: int, offset: int) -> torch.Tensor:
 def _calls() -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
     """``(key, args, kwargs)`` of copies over every shape this test varies."""
     out = []
-    for order in ("LBNHC", "BLNHC"):
-        layout = _layout(order)
+    for layout in LAYOUTS.values():
         geo = page_geometry(allocate_kv_cache(layout, "cpu", zero=True), layout)
         width = layout.num_layers * layout.page_bytes
         for rows, shift in ((1, 0), (2, 1), (16, 0), (16, 1), (17, 0), (32, 1)):
@@ -106,7 +100,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_a_bound_copy_passes_what_the_plain_one_passed(launches: list[Any]) -> None:
-    layout = _layout("LBNHC")
+    layout = LAYOUTS["LBNHC"]
     geo = page_geometry(allocate_kv_cache(layout, "cpu", zero=True), layout)
     buf = _buffer(17, layout.num_layers * layout.page_bytes, 0)
     ids = torch.arange(17, dtype=torch.int64)
