@@ -402,4 +402,9 @@ def test_runs_pair_both_sides_consecutive_stretches() -> None:
     assert _runs([], []) == []
     pattern = [{"base": 1000, "block_stride": 64, "ranges": [[0, 64]]}]
     assert _spans(pattern) and not _spans([{"base": 0, "block_stride": 96, "ranges": [[0, 64]]}])
-    assert _run_descs(pattern, [(2, 3), (9, 1)], 5).tolist() == [[1128, 192, 5], [1576, 64, 5]]
+    got = _run_descs(pattern, [(2, 3), (9, 1)], 5, num_blocks=10)
+    assert got.tolist() == [[1128, 192, 5], [1576, 64, 5]]
+    with pytest.raises(
+        ValueError, match=r"blocks \[8, 11\) lies outside the cache's num_blocks=10"
+    ):
+        _run_descs(pattern, [(8, 3)], 5, num_blocks=10)

@@ -104,10 +104,20 @@ def _spans(pattern: list[dict[str, Any]]) -> bool:
     return all(n == s["block_stride"] for s in pattern for _off, n in s["ranges"])
 
 
-def _run_descs(pattern: list[dict[str, Any]], runs: list[tuple[int, int]], dev: int) -> Any:
+def _run_descs(
+    pattern: list[dict[str, Any]], runs: list[tuple[int, int]], dev: int, num_blocks: int
+) -> Any:
     """``int64 [len(runs) * R, 3]``: for each ``(first block, count)`` run and each range of the
-    pattern, one descriptor over the run's blocks (:func:`_spans` must hold)."""
+    pattern, one descriptor over the run's blocks (:func:`_spans` must hold). A run outside
+    ``[0, num_blocks)`` is refused: its span would reach past the registered cache."""
     import numpy as np
+
+    for b0, n in runs:
+        if b0 < 0 or n < 1 or b0 + n > num_blocks:
+            raise ValueError(
+                f"NIXL read run of blocks [{b0}, {b0 + n}) lies outside the cache's "
+                f"num_blocks={num_blocks}; block ids must be in [0, {num_blocks})"
+            )
 
     per = np.array(
         [(s["base"] + off, s["block_stride"], n) for s in pattern for off, n in s["ranges"]],
@@ -135,6 +145,7 @@ class _Remote:
     pattern: list[dict[str, Any]] | None = None  # the producer's ranges (coalesced READs)
     dev: int = 0
     mem_type: str = "DRAM"
+    num_blocks: int = 0  # the producer's (coalesced READs stay inside its cache)
 
     @property
     def ranges_per_block(self) -> int:
@@ -294,6 +305,7 @@ class NixlConnector(TransferConnector):
         return _Remote(
             agent, handle, lens, tuple(reply["hashes"]), sock, threading.Lock(),
             pattern=reply["pattern"], dev=int(reply["dev"]), mem_type=reply["mem_type"],
+            num_blocks=int(reply["num_blocks"]),
         )  # fmt: skip
 
     def _release_peer(self, rem: _Remote) -> None:
@@ -344,8 +356,12 @@ class NixlConnector(TransferConnector):
                 # consecutive blocks on both sides: one descriptor per run and range, not one
                 # per block and range (on 2 x H200 an 8k-token request of a 16-layer per-layer
                 # cache was 8k descriptors of 16 KiB and took 73-88 ms over CUDA IPC)
-                local = _run_descs(self._pattern, [(lb, n) for lb, _rb, n in runs], self._dev)
-                remote = _run_descs(rem.pattern, [(rb, n) for _lb, rb, n in runs], rem.dev)
+                local = _run_descs(
+                    self._pattern, [(lb, n) for lb, _rb, n in runs], self._dev, self.kv.num_blocks
+                )
+                remote = _run_descs(
+                    rem.pattern, [(rb, n) for _lb, rb, n in runs], rem.dev, rem.num_blocks
+                )
                 with self._agent_lock:
                     xfer = self._agent.initialize_xfer(
                         "READ",
