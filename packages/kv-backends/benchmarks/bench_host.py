@@ -125,22 +125,23 @@ def _graph(impl: Any, b: Any, md: Any, out: torch.Tensor) -> torch.cuda.CUDAGrap
     return graph
 
 
+def _decode_batch(batch: int, seq_len: int, device: str) -> Any:
+    """A decode step of ``batch`` requests of ``seq_len`` tokens at the benchmark's head shape
+    (no values written: the host path is what is timed)."""
+    from kv_backends.testing import make_paged_batch
+
+    return make_paged_batch(
+        query_lens=[1] * batch, seq_lens=[seq_len] * batch, num_q_heads=HEADS_Q,
+        num_kv_heads=HEADS_KV, head_size=HEAD, dtype="bfloat16", device=device, fill=False,
+        make_kv=False,
+    )  # fmt: skip
+
+
 def _case(name: str, batch: int, seq_len: int, iters: int) -> dict[str, Any] | None:
     from kv_backends import Platform, get_backend
     from kv_backends.capabilities import CUDAGRAPH_NEVER
-    from kv_backends.testing import make_paged_batch
 
-    b = make_paged_batch(
-        query_lens=[1] * batch,
-        seq_lens=[seq_len] * batch,
-        num_q_heads=HEADS_Q,
-        num_kv_heads=HEADS_KV,
-        head_size=HEAD,
-        dtype="bfloat16",
-        device="cuda",
-        fill=False,
-        make_kv=False,
-    )
+    b = _decode_batch(batch, seq_len, "cuda")
     b.kv_cache.normal_()
     backend = get_backend(name)
     reasons = backend.validate(b.config, Platform.detect())
@@ -196,18 +197,8 @@ def _cpu_case(batch: int, seq_len: int, rounds: int) -> dict[str, Any]:
     """TRITON's forward on the CPU over the stub kernel (``--cpu``, see the module docstring):
     medians over ``rounds`` pairs of 1000-call blocks, forward's and the direct stub call's."""
     from kv_backends import get_backend
-    from kv_backends.testing import make_paged_batch
 
-    b = make_paged_batch(
-        query_lens=[1] * batch,
-        seq_lens=[seq_len] * batch,
-        num_q_heads=HEADS_Q,
-        num_kv_heads=HEADS_KV,
-        head_size=HEAD,
-        dtype="bfloat16",
-        fill=False,
-        make_kv=False,
-    )
+    b = _decode_batch(batch, seq_len, "cpu")
     backend = get_backend("TRITON")
     builder = backend.make_builder(b.config, b.layout, device="cpu")
     impl = backend.make_impl(b.config, b.layout, device="cpu")
