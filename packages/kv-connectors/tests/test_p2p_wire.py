@@ -163,6 +163,24 @@ def _count(monkeypatch: pytest.MonkeyPatch, module: Any, names: list[str]) -> di
     return calls
 
 
+def _load_exact(
+    remote_load: Any,
+    cons: P2pConnector,
+    params: Any,
+    mine: list[int],
+    want: list[torch.Tensor],
+    dst: Any,
+    layout: Any,
+) -> None:
+    """Load ``params`` into blocks ``mine`` of ``dst``: no load error, each block's bytes
+    ``want`` (block-size 4 requests)."""
+    assert remote_load.start(cons, params, mine, "c") == len(mine) * 4
+    _t, errors = remote_load.finish(cons, "c", 3 * TIMEOUT + 10, poll_s=0.01)
+    assert errors == set(), cons.load_error_reasons
+    for b, w in zip(mine, want, strict=True):
+        assert torch.equal(block_bytes(dst, layout, b), w)
+
+
 @pytest.mark.parametrize(
     ("order", "theirs", "mine", "messages", "staged"),
     [
@@ -205,11 +223,7 @@ def test_a_pull_is_one_copy_launch_per_chunk_and_the_fewest_messages(
     _delay, params = prod.request_finished(make_request("p", len(theirs), 4), theirs)
     assert params is not None
     want = [block_bytes(src, layout, b) for b in theirs]
-    assert remote_load.start(cons, params, mine, "c") == len(theirs) * 4
-    _t, errors = remote_load.finish(cons, "c", 3 * TIMEOUT + 10, poll_s=0.01)
-    assert errors == set(), cons.load_error_reasons
-    for b, w in zip(mine, want, strict=True):
-        assert torch.equal(block_bytes(dst, layout, b), w)
+    _load_exact(remote_load, cons, params, mine, want, dst, layout)
     assert sent == [messages]
     assert copies == {"gather_blocks": staged, "scatter_blocks": staged}, copies
     prod.close()
@@ -316,11 +330,7 @@ def test_a_push_of_the_caches_own_memory_is_one_message(
         assert time.monotonic() < deadline, "the push ends"
         time.sleep(0.005)
     mine = [10, 3, 12, 0, 7]
-    assert remote_load.start(cons, params, mine, "c") == len(ids) * 4
-    _t, errors = remote_load.finish(cons, "c", 3 * TIMEOUT + 10, poll_s=0.01)
-    assert errors == set(), cons.load_error_reasons
-    for b, w in zip(mine, want, strict=True):
-        assert torch.equal(block_bytes(dst, layout, b), w)
+    _load_exact(remote_load, cons, params, mine, want, dst, layout)
     assert sent == [messages]
     prod.close()
     cons.close()
