@@ -229,27 +229,25 @@ def gaps_record(g: Gaps, n: int, stream: int | None) -> dict[str, Any]:
 
     launch = g.small_us + g.large_us - g.between_us - g.stall_us  # small gaps inside a step
 
-    return {
+    out: dict[str, Any] = {
         "stream": stream,
         "small_gap_us": SMALL_GAP_US,
         "device_ms_per_step": g.device_us / 1e3 / n,
         "ops_per_step": g.ops / n,
-        "small_ms_per_step": g.small_us / 1e3 / n,
-        "small_per_step": g.small_count / n,
-        "small_fraction": frac(g.small_us),
-        "large_ms_per_step": g.large_us / 1e3 / n,
-        "large_per_step": g.large_count / n,
-        "large_fraction": frac(g.large_us),
-        "between_steps_ms_per_step": g.between_us / 1e3 / n,
-        "between_steps_per_step": g.between_count / n,
-        "between_steps_fraction": frac(g.between_us),
-        "stalls_in_step_ms_per_step": g.stall_us / 1e3 / n,
-        "stalls_in_step_per_step": g.stall_count / n,
-        "stalls_in_step_fraction": frac(g.stall_us),
-        "launch_gaps_in_step_ms_per_step": launch / 1e3 / n,
-        "launch_gaps_in_step_fraction": frac(launch),
-        "idle_fraction": frac(g.small_us + g.large_us),
     }
+    for place, us, count in (
+        ("small", g.small_us, g.small_count),
+        ("large", g.large_us, g.large_count),
+        ("between_steps", g.between_us, g.between_count),
+        ("stalls_in_step", g.stall_us, g.stall_count),
+    ):
+        out[f"{place}_ms_per_step"] = us / 1e3 / n
+        out[f"{place}_per_step"] = count / n
+        out[f"{place}_fraction"] = frac(us)
+    out["launch_gaps_in_step_ms_per_step"] = launch / 1e3 / n
+    out["launch_gaps_in_step_fraction"] = frac(launch)
+    out["idle_fraction"] = frac(g.small_us + g.large_us)
+    return out
 
 
 def classify_syncs(
