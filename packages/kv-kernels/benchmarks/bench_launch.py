@@ -8,7 +8,8 @@ checks every call), in the same process, at Llama-3-8B's decode shape (32 q / 8 
 - ``paged_attention``: the public call with ``impl="triton"``, ``out=`` given (what
   kv-backends' ``bench_host.py`` times as the direct kernel call); batch 1 splits KV, so it is
   two launches (attention + merge);
-- ``reshape_and_cache``, ``rms_norm`` (with the residual), ``silu_and_mul``,
+- ``reshape_and_cache``, ``rms_norm`` (with the residual; ``rms_norm_inplace``: the engine's
+  form, writing over ``x`` and the residual), ``silu_and_mul``,
   ``rotary_embedding``, ``rope_and_cache``: one launch each.
 
 ``host_us``: median ``perf_counter`` time of one call over ``--iters`` back-to-back calls (the
@@ -105,6 +106,9 @@ def _cases(batch: int, stub: bool = False) -> dict[str, Callable[[], Any]]:
         ),
         "reshape_and_cache": lambda: reshape_and_cache(k, v, kv, slots, layout),
         "rms_norm": lambda: rms_norm(x, w, 1e-6, residual=res),
+        # the engine's form (kvstack's fused RMSNorm): y over x, h over the residual, nothing
+        # allocated; the overlap rules on out / residual_out run every call
+        "rms_norm_inplace": lambda: rms_norm(x, w, 1e-6, residual=res, out=x, residual_out=res),
         "silu_and_mul": lambda: silu_and_mul(gate_up),
         "rotary_embedding": lambda: rotary_embedding(positions, q, k, cos_sin),
         "rope_and_cache": lambda: rope_and_cache(positions, q, k, v, cos_sin, kv, slots, layout),

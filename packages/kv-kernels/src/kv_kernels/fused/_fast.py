@@ -147,7 +147,11 @@ def check_norm_overlaps(
         if t is None:
             continue
         for src_name, src in (("x", x), ("residual", residual)):
-            if src is not None and overlap(t, src) and not _same_view(t, src):
+            # the in-place forms (out=x, residual_out=residual) by identity: the span test of
+            # one storage costs ~3 us of host time (separate storages ~0.4)
+            if src is None or t is src:
+                continue
+            if overlap(t, src) and not _same_view(t, src):
                 raise ValueError(
                     f"{name} partly overlaps {src_name}; it may be {src_name} itself (in place) "
                     "or separate memory, nothing in between"
