@@ -439,6 +439,11 @@ def run_case(
     base = {
         "batch": batch, "context": context, "startup_s": startup,
         "backends": sorted(set(engine.runner.backends.values())),
+        # each captured size's matmul library and (blas "auto") the ms of its timed replays
+        "graph_blas": (
+            {str(k): v for k, v in engine.runner.graphs.blas.items()}
+            if engine.runner.graphs is not None else None
+        ),
     }  # fmt: skip
     out: list[dict[str, Any]] = []
     # prefill: until every request decodes

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from kvstack.engine.engine import LLMEngine
-from kvstack.engine.graphs import DecodeGraphs, capture_sizes
+from kvstack.engine.graphs import DecodeGraphs, capture_sizes, default_graph_blas
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
 
@@ -238,6 +238,50 @@ def test_gpu_engine_replays_graphs_and_matches_eager(llama_dir: Path) -> None:
     # float32: the graph's kernels may split KV differently (max_seq_len is max_model_len at
     # capture), which moves sums by rounding only.
     assert max_logit_gap(graphed, eager) <= 1e-4
+    # blas="auto": every size timed under torch's default library and cublasLt, the faster kept
+    assert set(graphs.blas) == set(graphs.sizes)
+    for size, pick in graphs.blas.items():
+        times = pick["ms"]
+        assert isinstance(times, dict) and set(times) == {_torch_blas(), "cublaslt"}, (size, pick)
+        assert pick["picked"] == min(times, key=times.__getitem__)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("blas", ["default", "cublaslt"])
+def test_gpu_graphs_under_one_blas_library_match_eager(
+    llama_dir: Path, blas: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph captured under either library alone gives the eager tokens (float32: the
+    libraries' kernels sum in other orders, so logits move by rounding only)."""
+    monkeypatch.setenv("KVSTACK_GRAPH_BLAS", blas)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        eager = run(engine_of(llama_dir, device="cuda", cuda_graphs=False))
+        engine = engine_of(llama_dir, device="cuda")
+        graphed = run(engine)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.num_replays == max(NEW) - 1
+    want = _torch_blas() if blas == "default" else "cublaslt"
+    assert {p["picked"] for p in graphs.blas.values()} == {want}
+    assert all(p["ms"] == {} for p in graphs.blas.values())  # one capture each, none timed
+    assert [c.token_ids for c in graphed] == [c.token_ids for c in eager]
+    assert max_logit_gap(graphed, eager) <= 1e-4
+
+
+def _torch_blas() -> str:
+    return str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
+
+
+def test_graph_blas_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTACK_GRAPH_BLAS", "cublas-ish")
+    with pytest.raises(ValueError, match=r"KVSTACK_GRAPH_BLAS='cublas-ish' is not one of"):
+        default_graph_blas()
+    monkeypatch.delenv("KVSTACK_GRAPH_BLAS")
+    assert default_graph_blas() == "auto"
 
 
 @pytest.mark.gpu

@@ -23,13 +23,27 @@ tensors without a host sync; a model whose forward syncs (gpt-oss's expert loop)
 cannot take (a prefill, more requests than the largest size, a wider block table) runs eagerly:
 the same kernels, so the same results up to a split count chosen from another ``max_seq_len``.
 
+Which matmul library. cuBLAS and cublasLt pick different kernels for the same skinny GEMM, and
+neither wins every decode shape (H200, ``docs/benchmarks/gemm_h200.md``, Llama-3-8B at 64 rows:
+MLP down 36.3 us under cuBLAS against 31.8 under cublasLt, lm_head 298.8 against 274.9; at 256
+rows the down projection is faster under cuBLAS). torch reads its preferred library at every
+matmul, so a graph keeps the one it was captured under. ``blas="auto"`` (the default; the
+environment's ``KVSTACK_GRAPH_BLAS`` sets it for the engine) captures each size under torch's
+default and under cublasLt, times 3 replays of each, and keeps the faster
+(:attr:`DecodeGraphs.blas` records both times); ``"default"`` captures once under torch's
+preference, ``"cublaslt"`` once under cublasLt. The library changes which kernels multiply, not
+what they compute: the same products, summed in another order (bf16 logits may differ in the
+last bit, as between two batch sizes).
+
 ``capture=False`` keeps every buffer and replays by calling the recorded function again: the CPU
 tests use it to check the buffer filling and padding rules without a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,7 +54,34 @@ from kv_backends.capabilities import CUDAGRAPH_NEVER
 if TYPE_CHECKING:
     from kvstack.engine.runner import ModelRunner
 
-__all__ = ["DecodeGraphs", "capture_sizes"]
+__all__ = ["BLAS_CHOICES", "DecodeGraphs", "capture_sizes", "default_graph_blas"]
+
+#: what ``DecodeGraphs(blas=...)`` takes (module docstring)
+BLAS_CHOICES = ("auto", "default", "cublaslt")
+
+
+def default_graph_blas() -> str:
+    """``KVSTACK_GRAPH_BLAS`` (``auto`` when unset), checked against :data:`BLAS_CHOICES`."""
+    value = os.environ.get("KVSTACK_GRAPH_BLAS", "auto").strip().lower()
+    if value not in BLAS_CHOICES:
+        raise ValueError(
+            f"KVSTACK_GRAPH_BLAS={value!r} is not one of {BLAS_CHOICES}; unset it or pick one"
+        )
+    return value
+
+
+@contextlib.contextmanager
+def _blas_library(name: str | None) -> Iterator[None]:
+    """torch's preferred BLAS library set to ``name`` inside (``None``: left as it is)."""
+    if name is None:
+        yield
+        return
+    prev = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(prev)
 
 
 def capture_sizes(max_batch: int) -> tuple[int, ...]:
@@ -92,7 +133,11 @@ class DecodeGraphs:
     them: a step the graphs took is a replay).
     """
 
-    def __init__(self, runner: ModelRunner, max_batch: int, *, capture: bool = True) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_batch: int, *, capture: bool = True, blas: str = "auto"
+    ) -> None:
+        if blas not in BLAS_CHOICES:
+            raise ValueError(f"blas={blas!r} is not one of {BLAS_CHOICES}")
         if capture:
             why = reason_unsupported(runner)
             if why is not None:
@@ -123,6 +168,10 @@ class DecodeGraphs:
         self._stream = torch.cuda.Stream(dev) if capture else None
         self.num_captures = 0
         self.num_replays = 0
+        #: the matmul library each captured size kept, and (``blas="auto"``) the ms of 3
+        #: replays under each library it tried: ``{size: {"picked": name, "ms": {name: ms}}}``
+        self.blas: dict[int, dict[str, object]] = {}
+        self._blas_mode = blas
 
     # -- when ------------------------------------------------------------------------------------
 
@@ -246,15 +295,66 @@ class DecodeGraphs:
         self.num_captures += 1
         if not self.capture:
             return self._graphs.setdefault(size, _Captured(step, step(), None))
+        # (torch's enum prints as "_BlasBackend.Cublas")
+        default = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
+        if self._blas_mode == "default" or (self._blas_mode == "auto" and default == "cublaslt"):
+            tries: list[str | None] = [None]
+        elif self._blas_mode == "cublaslt":
+            tries = ["cublaslt"]
+        else:
+            tries = [None, "cublaslt"]
+        best: tuple[float, str, torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        times: dict[str, float] = {}
+        for lib in tries:
+            graph, logits = self._record(step, lib)
+            name = lib or default
+            if len(tries) == 1:
+                best = (0.0, name, graph, logits)
+                break
+            times[name] = ms = self._time(graph)
+            if best is None or ms < best[0]:
+                if best is not None:
+                    best[2].reset()
+                best = (ms, name, graph, logits)
+            else:
+                graph.reset()
+        assert best is not None
+        self.blas[size] = {"picked": best[1], "ms": times}
+        return self._graphs.setdefault(size, _Captured(step, best[3], best[2]))
+
+    def _record(
+        self, step: Callable[[], torch.Tensor], lib: str | None
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """``step`` captured under matmul library ``lib`` (``None``: torch's preference)."""
         # Warm up on a side stream (kernel compiles, per-device parameters), then record.
+        side = self._stream
+        assert side is not None
+        with _blas_library(lib):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                logits = step()
+        return graph, logits
+
+    def _time(self, graph: torch.cuda.CUDAGraph, reps: int = 3) -> float:
+        """ms of ``reps`` replays of ``graph`` after one (CUDA events on the capture stream).
+        The replays run what the buffers hold: at startup every row is padding (no cache write,
+        one-token attention), so the matmuls, the part the library changes, are most of it; in
+        a step that captures lazily, that step's own inputs (the same writes again)."""
         side = self._stream
         assert side is not None
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(side)
+            for _ in range(reps):
+                graph.replay()
+            end.record(side)
+        end.synchronize()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            logits = step()
-        return self._graphs.setdefault(size, _Captured(step, logits, graph))
+        return float(start.elapsed_time(end))

@@ -46,7 +46,7 @@ from kv_spec import (
 )
 
 from kvstack.engine.attend import RopeWrite, rope_cache_writes, step_attention
-from kvstack.engine.graphs import DecodeGraphs, reason_unsupported
+from kvstack.engine.graphs import DecodeGraphs, default_graph_blas, reason_unsupported
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
 from kvstack.engine.kept_sdpa import EngineImpls
 from kvstack.engine.kv_format import KVCacheDtype, mla_cache_choice, parse_kv_cache_dtype
@@ -281,7 +281,7 @@ class ModelRunner:
             t2 = time.perf_counter()
             # A decode step holds one token a request: no step is larger than the token budget.
             max_decode = min(max_num_seqs, max_num_batched_tokens)
-            self.graphs = DecodeGraphs(self, max_decode)
+            self.graphs = DecodeGraphs(self, max_decode, blas=default_graph_blas())
             self.startup_seconds["graphs"] = time.perf_counter() - t2
             self.cuda_graphs_reason = (
                 f"on: decode-only steps of up to {max_decode} requests replay CUDA graphs "
