@@ -330,7 +330,7 @@ def test_block_copies_bound_equal_plain(order: str, offset: int) -> None:
                        impl="triton")  # fmt: skip
         scatter_blocks(buf, cache, layout, torch.tensor([55, 56, 57, 58, 59], device="cuda"),
                        impl="triton")  # fmt: skip
-        back = torch.empty_like(buf)
+        back = torch.empty(buf.shape, dtype=buf.dtype, device=device, pin_memory=pin)
         gather_blocks(cache, layout, torch.tensor([55, 56, 57, 58, 59], device="cuda"), back,
                       impl="triton")  # fmt: skip
         torch.cuda.synchronize()

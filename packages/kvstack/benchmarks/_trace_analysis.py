@@ -176,6 +176,9 @@ class Gaps(NamedTuple):
     between_count: int
     stall_us: float  # large gaps inside a step
     stall_count: int
+    #: (the op that ended last before the stall, the op after it) -> [us, count]: where the
+    #: stalls are (a kernel's name, or a copy's)
+    stall_sites: dict[tuple[str, str], list[float]]
 
 
 def gap_split(
@@ -188,6 +191,8 @@ def gap_split(
     seq = sorted(ops, key=lambda o: (o.ts, o.end))
     end: float | None = None
     end_step: int | None = None  # the step of the op that reached ``end``
+    end_name = ""  # ... and its name
+    sites: dict[tuple[str, str], list[float]] = {}
     start_ref: dict[int, float] = {}  # a kept step's device time starts here ...
     last_end: dict[int, float] = {}  # ... and ends here
     n_ops = small_n = large_n = between_n = stall_n = 0
@@ -211,12 +216,15 @@ def gap_split(
                     between, between_n = between + gap, between_n + 1
                 elif gap >= small_us:
                     stall, stall_n = stall + gap, stall_n + 1
+                    site = sites.setdefault((end_name[:60], o.name[:60]), [0.0, 0])
+                    site[0] += gap
+                    site[1] += 1
         if end is None or o.end > end:
-            end, end_step = o.end, s
+            end, end_step, end_name = o.end, s, o.name
     device = sum(last_end[s] - start_ref[s] for s in last_end)
     return Gaps(
         len(last_end), device, n_ops, small, small_n, large, large_n, between, between_n, stall,
-        stall_n,
+        stall_n, sites,
     )  # fmt: skip
 
 
@@ -244,6 +252,11 @@ def gaps_record(g: Gaps, n: int, stream: int | None) -> dict[str, Any]:
         out[f"{place}_ms_per_step"] = us / 1e3 / n
         out[f"{place}_per_step"] = count / n
         out[f"{place}_fraction"] = frac(us)
+    top = sorted(g.stall_sites.items(), key=lambda kv: -kv[1][0])[:4]
+    out["stalls_by_neighbours"] = [
+        {"after": a, "before": b, "ms_per_step": us / 1e3 / n, "per_step": count / n}
+        for (a, b), (us, count) in top
+    ]
     out["launch_gaps_in_step_ms_per_step"] = launch / 1e3 / n
     out["launch_gaps_in_step_fraction"] = frac(launch)
     out["idle_fraction"] = frac(g.small_us + g.large_us)

@@ -80,6 +80,11 @@ def test_gap_split_orders_ops_and_splits_at_the_threshold() -> None:
     assert g.large_us == pytest.approx(30 + 10.5) and g.large_count == 2
     assert g.between_us == pytest.approx(30) and g.between_count == 1
     assert g.stall_us == pytest.approx(10.5) and g.stall_count == 1  # e's, inside step 1
+    assert g.stall_sites == {("d", "e"): [pytest.approx(10.5), 1]}  # d ended last before e
+    rec = ta.gaps_record(g, 2, 7)
+    assert rec["stalls_by_neighbours"] == [
+        {"after": "d", "before": "e", "ms_per_step": pytest.approx(10.5e-3 / 2), "per_step": 0.5}
+    ]
     # step 0: from its first op (100) to its last end (500); step 1: from 500 to 710
     assert g.device_us == pytest.approx(400 + 210) and g.steps == 2 and g.ops == 6
     # the same ops in time order but the gap taken from the predecessor's end would call c's
