@@ -50,7 +50,7 @@ def wrap(owner: Any, attr: str) -> None:
 
 def install_transfer() -> None:
     """Wrap the P2P connector's host path (module docstring)."""
-    from kv_connectors import _p2p_wire, p2p, transfer, views
+    from kv_connectors import _p2p_wire, p2p, transfer
 
     for owner, names in (
         (_p2p_wire.Wire, ("send", "recv", "wait", "drain", "_gather")),
@@ -72,11 +72,8 @@ def install_transfer() -> None:
         from kv_connectors import nixl
     except ImportError:
         return
-    for name in ("_reads", "_wait_read", "_serve_pull", "_open_peer", "_prep_staging",
-                 "_read_staged"):  # fmt: skip
+    for name in ("_reads", "_wait_read", "_serve_pull", "_open_peer", "_prep_staging"):
         wrap(nixl.NixlConnector, name)
-    for name in ("scatter", "ids_tensor", "host_sync"):  # the staged READ's landing
-        wrap(views.RegisteredKV, name)
     for name in ("initialize_xfer", "make_prepped_xfer", "transfer", "prep_xfer_dlist"):
         wrap(nixl_agent, name)
 
