@@ -37,10 +37,6 @@ LAYOUTS: dict[str, KVCacheLayout] = {
     "tp1_h4": make_layout("BHLNC", num_kv_heads=4),
     "runs": BASE,  # consecutive producer blocks: READs of whole runs
     "runs_bs4": make_layout("BLNHC", block_size=4),
-    # staged READs (producer runs into the staging buffer): one piece, pieces of 2, planted bug
-    "runs_staged": BASE,
-    "runs_pieces": make_layout("BLNHC"),
-    "runs_planted": make_layout("BLNHC", block_size=4),
 }
 # producer name -> (consumer layout, consumer TP (rank, size))
 CONVERSIONS: dict[str, tuple[KVCacheLayout, tuple[int, int]]] = {
@@ -412,75 +408,3 @@ def test_runs_pair_both_sides_consecutive_stretches() -> None:
         ValueError, match=r"blocks \[8, 11\) lies outside the cache's num_blocks=10"
     ):
         _run_descs(pattern, [(8, 3)], 5, num_blocks=10)
-
-
-def test_staged_reads_win_where_runs_do_not_pair() -> None:
-    """The 2 x H200 disaggregated pull (512 producer blocks in one run, 16 per-layer segments,
-    a decode pool handing its blocks back in reverse) goes through the staging buffer; blocks
-    consecutive on both sides read straight into the cache (one run: nothing to gain)."""
-    from kv_connectors._nixl_descs import staged_is_cheaper
-
-    nbytes = 512 * 16 * 32 * 1024  # 256 MiB: 512 blocks of 16 x 32 KiB
-    assert staged_is_cheaper(512, 1, pieces=4, nbytes=nbytes, segments=16)
-    assert not staged_is_cheaper(1, 1, pieces=4, nbytes=nbytes, segments=16)
-
-
-def test_id_runs_keep_each_stretch_and_its_position() -> None:
-    from kv_connectors._nixl_descs import _id_runs
-
-    assert _id_runs([4, 5, 6, 10, 3, 4]) == [(4, 3, 0), (10, 1, 3), (3, 2, 4)]
-    assert _id_runs([]) == []
-
-
-def _staged(monkeypatch: pytest.MonkeyPatch, conn: NixlConnector) -> list[int]:
-    """Make every pull of ``conn`` take the staging path; the descriptor count of each READ."""
-    from kv_connectors import _nixl_descs
-
-    monkeypatch.setattr(_nixl_descs, "DESC_S", 1.0)  # descriptors dear: staging always wins
-    seen: list[int] = []
-    original = conn._agent.initialize_xfer
-
-    def counting(op: str, local: Any, remote: Any, *rest: Any) -> Any:
-        seen.append(local.descCount())
-        return original(op, local, remote, *rest)
-
-    monkeypatch.setattr(conn._agent, "initialize_xfer", counting)
-    return seen
-
-
-@pytest.mark.parametrize("pieces", [1, 2])
-def test_staged_read_lands_every_byte(
-    pieces: int, healthy: Any, remote_load: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Producer blocks [4, 5, 6, 10] (runs [4, 6] and [10]) into local [9, 8, 7, 2], which pair
-    with none of them: read run by run into the staging buffer (one piece, or pieces of 2 blocks,
-    which cut the first run), then scattered; every byte lands in its block."""
-    name = "runs_staged" if pieces == 1 else "runs_pieces"
-    layout = LAYOUTS[name]
-    row = layout.num_layers * layout.page_bytes
-    staging = {} if pieces == 1 else {"staging_bytes": 2 * row}
-    conn, cache = _consumer(layout, **staging)
-    seen = _staged(monkeypatch, conn)
-    _read_and_check(conn, cache, name, [9, 8, 7, 2], RUN_BLOCKS, healthy, remote_load)
-    r = len(conn._pattern)
-    assert seen == ([2 * r] if pieces == 1 else [r, 2 * r]), seen
-    conn.close()
-
-
-def test_staged_read_check_can_fail(
-    healthy: Any, remote_load: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Planted bug: the second run read one block early in the staging buffer (its position off
-    by one), so two blocks swap or repeat -- the byte check above must see it."""
-    from kv_connectors import nixl
-
-    real = nixl._id_runs
-    monkeypatch.setattr(
-        nixl, "_id_runs", lambda ids: [(b, n, max(0, p - 1)) for b, n, p in real(ids)]
-    )
-    conn, cache = _consumer(LAYOUTS["runs_planted"])
-    _staged(monkeypatch, conn)
-    with pytest.raises(AssertionError) as caught:
-        _read_and_check(conn, cache, "runs_planted", [9, 8, 7, 2], RUN_BLOCKS, healthy, remote_load)
-    assert "torch.equal" in str(caught.value)  # the byte check, not a failed load
-    conn.close()

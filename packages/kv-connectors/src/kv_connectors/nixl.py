@@ -26,13 +26,6 @@ read in place, straight into the consumer's blocks; otherwise the consumer reads
 a registered staging buffer (``staging_bytes``, in pieces) and converts them
 (:func:`~kv_connectors.handshake.convert_rows`: orders, block sizes, TP head splits) before the
 scatter. The completion notification rides on the last READ.
-
-Where each block's ranges fill its stride (page-contiguous per-layer or cross-layer caches), a
-READ goes in runs (:mod:`kv_connectors._nixl_descs`): blocks consecutive on both sides as one
-descriptor per run and segment, or -- when the producer's runs do not pair with the blocks here,
-as after a decode pool has handed blocks back in another order -- the producer's runs into the
-staging buffer, segment-major, then one scatter a segment; :func:`~kv_connectors._nixl_descs.
-staged_is_cheaper` picks by the descriptors' posting cost measured on 2 x H200.
 """
 
 from __future__ import annotations
@@ -48,7 +41,6 @@ from typing import Any
 
 import torch
 
-from kv_connectors._nixl_descs import _id_runs, _run_descs, _runs, _spans, staged_is_cheaper
 from kv_connectors._sidechannel import recv_msg, send_msg
 from kv_connectors.base import LoadSpec, log
 from kv_connectors.config import NixlConfig, TransferMode
@@ -88,6 +80,54 @@ def _descs(pattern: list[dict[str, Any]], num_blocks: int, dev: int) -> Any:
     out = np.empty((num_blocks, len(per_block), 3), dtype=np.int64)
     out[:, :, 0] = per_block[None, :, 0] + blocks * per_block[None, :, 1]
     out[:, :, 1] = per_block[None, :, 2]
+    out[:, :, 2] = dev
+    return out.reshape(-1, 3)
+
+
+def _runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
+    """``(local first, remote first, count)`` of the stretches where both sides' block ids go up
+    by one."""
+    out: list[tuple[int, int, int]] = []
+    for lb, rb in zip(local, remote, strict=True):
+        if out:
+            l0, r0, n = out[-1]
+            if lb == l0 + n and rb == r0 + n:
+                out[-1] = (l0, r0, n + 1)
+                continue
+        out.append((lb, rb, 1))
+    return out
+
+
+def _spans(pattern: list[dict[str, Any]]) -> bool:
+    """Whether each range of a block fills its block stride, so the same range of consecutive
+    blocks is one span of memory (a per-layer page-contiguous cache; not head-outer pages)."""
+    return all(n == s["block_stride"] for s in pattern for _off, n in s["ranges"])
+
+
+def _run_descs(
+    pattern: list[dict[str, Any]], runs: list[tuple[int, int]], dev: int, num_blocks: int
+) -> Any:
+    """``int64 [len(runs) * R, 3]``: for each ``(first block, count)`` run and each range of the
+    pattern, one descriptor over the run's blocks (:func:`_spans` must hold). A run outside
+    ``[0, num_blocks)`` is refused: its span would reach past the registered cache."""
+    import numpy as np
+
+    for b0, n in runs:
+        if b0 < 0 or n < 1 or b0 + n > num_blocks:
+            raise ValueError(
+                f"NIXL read run of blocks [{b0}, {b0 + n}) lies outside the cache's "
+                f"num_blocks={num_blocks}; block ids must be in [0, {num_blocks})"
+            )
+
+    per = np.array(
+        [(s["base"] + off, s["block_stride"], n) for s in pattern for off, n in s["ranges"]],
+        dtype=np.int64,
+    )  # [R, 3]
+    first = np.array([b for b, _n in runs], dtype=np.int64)[:, None]
+    count = np.array([n for _b, n in runs], dtype=np.int64)[:, None]
+    out = np.empty((len(runs), len(per), 3), dtype=np.int64)
+    out[:, :, 0] = per[None, :, 0] + first * per[None, :, 1]
+    out[:, :, 1] = per[None, :, 2] * count
     out[:, :, 2] = dev
     return out.reshape(-1, 3)
 
@@ -307,20 +347,12 @@ class NixlConnector(TransferConnector):
         notif = f"kv-done:{pull}".encode()
         if plan.identity and rem.range_lens == self._range_lens:
             runs = _runs(list(spec.block_ids), ids)
-            pattern = rem.pattern  # the producer's ranges: runs read as spans where both fill
-            if pattern is not None and not (_spans(self._pattern) and _spans(pattern)):
-                pattern = None
-            cap = self.config.staging_bytes // self.kv.row_bytes
-            if pattern is not None and cap >= 1:
-                mine = _id_runs(ids)
-                pieces = -(-len(ids) // cap)
-                if staged_is_cheaper(
-                    len(runs), len(mine), pieces, len(ids) * self.kv.row_bytes, len(self._pattern)
-                ):
-                    self._read_staged(rem, pattern, list(spec.block_ids), ids, cap, notif,
-                                      deadline)  # fmt: skip
-                    return
-            if pattern is not None and len(runs) < len(ids):
+            if (
+                len(runs) < len(ids)
+                and rem.pattern is not None
+                and _spans(self._pattern)
+                and _spans(rem.pattern)
+            ):
                 # consecutive blocks on both sides: one descriptor per run and range, not one
                 # per block and range (on 2 x H200 an 8k-token request of a 16-layer per-layer
                 # cache was 8k descriptors of 16 KiB and took 73-88 ms over CUDA IPC)
@@ -328,7 +360,7 @@ class NixlConnector(TransferConnector):
                     self._pattern, [(lb, n) for lb, _rb, n in runs], self._dev, self.kv.num_blocks
                 )
                 remote = _run_descs(
-                    pattern, [(rb, n) for _lb, rb, n in runs], rem.dev, rem.num_blocks
+                    rem.pattern, [(rb, n) for _lb, rb, n in runs], rem.dev, rem.num_blocks
                 )
                 with self._agent_lock:
                     xfer = self._agent.initialize_xfer(
@@ -371,57 +403,6 @@ class NixlConnector(TransferConnector):
             self._apply_rows(rows, plan, local[done : done + m])
             self.kv.host_sync()  # the next piece overwrites the staging rows
             done += m
-
-    def _read_staged(
-        self,
-        rem: _Remote,
-        pattern: list[dict[str, Any]],
-        local: list[int],
-        ids: list[int],
-        cap: int,
-        notif: bytes,
-        deadline: float,
-    ) -> None:
-        """Producer blocks ``ids`` read run by run (:func:`_id_runs`: one descriptor per run of
-        consecutive producer ids and segment) into the staging buffer, ``cap`` blocks a piece,
-        segment-major (segment ``s`` of the piece's ``k`` blocks is ``[k, width_s]`` at ``k *``
-        the widths before it), then scattered into ``local`` segment by segment. For a pull
-        whose blocks are consecutive on the producer but not in the same order here (a decode
-        pool's free list hands blocks back in any order), where a direct READ needs a
-        descriptor per block and segment."""
-        import numpy as np
-
-        widths = [int(seg["block_stride"]) for seg in self._pattern]
-        base = self._staging.data_ptr()
-        for a in range(0, len(ids), cap):
-            k = min(cap, len(ids) - a)
-            runs = _id_runs(ids[a : a + k])  # (first producer id, count, first position)
-            offs = np.cumsum([0, *widths[:-1]], dtype=np.int64) * k  # each segment's region
-            w = np.asarray(widths, dtype=np.int64)
-            pos = np.asarray([p for _b, _n, p in runs], dtype=np.int64)[:, None]
-            cnt = np.asarray([n for _b, n, _p in runs], dtype=np.int64)[:, None]
-            descs = np.empty((len(runs), len(widths), 3), dtype=np.int64)
-            descs[:, :, 0] = base + offs[None, :] + pos * w[None, :]
-            descs[:, :, 1] = cnt * w[None, :]
-            descs[:, :, 2] = self._dev
-            remote = _run_descs(pattern, [(b, n) for b, n, _p in runs], rem.dev, rem.num_blocks)
-            last = a + k == len(ids)
-            with self._agent_lock:
-                xfer = self._agent.initialize_xfer(
-                    "READ",
-                    self._agent.get_xfer_descs(descs.reshape(-1, 3), self._mem_type),
-                    self._agent.get_xfer_descs(remote, rem.mem_type),
-                    rem.agent,
-                    notif if last else b"",
-                )
-                state = self._agent.transfer(xfer)
-            self._wait_read(xfer, state, deadline)
-            dst = self.kv.ids_tensor(local[a : a + k])
-            for i, width in enumerate(widths):
-                o = int(offs[i])
-                rows = self._staging[o : o + k * width].view(k, width)
-                self.kv.scatter(rows, dst, segments=range(i, i + 1), cols=False)
-            self.kv.host_sync()  # the next piece overwrites the staging rows
 
     def _prep_staging(self, rem: _Remote, rows: int) -> Any:
         """Local descriptors ``i * R + r``: staging row ``i``, range ``r`` of a producer block."""
