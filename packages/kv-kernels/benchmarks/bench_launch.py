@@ -13,9 +13,9 @@ checks every call), in the same process, at Llama-3-8B's decode shape (32 q / 8 
   ``rotary_embedding``, ``rope_and_cache``: one launch each.
 
 ``host_us``: the best of 3 medians of ``perf_counter`` time of one call over ``--iters``
-back-to-back calls (the
-device drained before; the GPU does not bound it: every call here takes well under the host
-time on the device, except attention at batch 256, whose queue the host never waits on).
+back-to-back calls (the device drained before; the GPU does not bound it: every call here takes
+well under the host time on the device, except attention at batch 256, whose queue the host
+never waits on).
 ``plain_us``: the same with ``KV_KERNELS_FAST_LAUNCH`` off and the call caches bypassed;
 ``bound``: whether the fast calls went through a bound launcher. Writes ``DIR/launch.json``
 (records with provenance) and prints one JSON line per record::
@@ -145,8 +145,8 @@ def write_md(path: str, data: dict[str, Any]) -> None:
         "# Triton launch host cost (kv-kernels)",
         "",
         f"Written by `packages/kv-kernels/benchmarks/bench_launch.py` on {data['device']} (torch "
-        f"{data['torch']}, triton {data['triton']}): µs of host time per call, the best of 3 medians of "
-        f"{data['iters']} back-to-back calls. `fast`: the bound launcher (and, for "
+        f"{data['torch']}, triton {data['triton']}): µs of host time per call, the best of 3 "
+        f"medians of {data['iters']} back-to-back calls. `fast`: the bound launcher (and, for "
         "paged_attention, the call cache), the api checks included; `plain`: `kernel[grid]` "
         "with every check. Goal: a launch <= 20 µs.",
         "",

@@ -303,24 +303,22 @@ class DecodeGraphs:
             tries = ["cublaslt"]
         else:
             tries = [None, "cublaslt"]
-        best: tuple[float, str, torch.cuda.CUDAGraph, torch.Tensor] | None = None
-        times: dict[str, float] = {}
+        kept: tuple[str, torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        times: dict[str, float] = {}  # (one library: nothing to time)
         for lib in tries:
             graph, logits = self._record(step, lib)
             name = lib or default
-            if len(tries) == 1:
-                best = (0.0, name, graph, logits)
-                break
-            times[name] = ms = self._time(graph)
-            if best is None or ms < best[0]:
-                if best is not None:
-                    best[2].reset()
-                best = (ms, name, graph, logits)
+            if len(tries) > 1:
+                times[name] = self._time(graph)
+            if kept is None or times[name] < times[kept[0]]:
+                if kept is not None:
+                    kept[1].reset()  # the slower graph's memory back to the pool
+                kept = (name, graph, logits)
             else:
                 graph.reset()
-        assert best is not None
-        self.blas[size] = {"picked": best[1], "ms": times}
-        return self._graphs.setdefault(size, _Captured(step, best[3], best[2]))
+        assert kept is not None
+        self.blas[size] = {"picked": kept[0], "ms": times}
+        return self._graphs.setdefault(size, _Captured(step, kept[2], kept[1]))
 
     def _record(
         self, step: Callable[[], torch.Tensor], lib: str | None
