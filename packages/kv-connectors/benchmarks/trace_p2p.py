@@ -2,6 +2,8 @@
 
     python packages/kv-connectors/benchmarks/trace_p2p.py            # two GPUs (NCCL), 8k tokens
     python packages/kv-connectors/benchmarks/trace_p2p.py --smoke    # CPU, gloo, tiny shapes
+    python packages/kv-connectors/benchmarks/trace_p2p.py --deep     # + scheduler calls, polls,
+                                                                     #   block-id views and uploads
 
 Runs the benchmark's pull cases (``_two_process``: BLNHC consecutive and shuffled ids, LBNHC
 shuffled) with timestamps on the connector's host path -- side-channel messages, the wire's
@@ -22,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 from _connector_common import Req, make_layout, transfer_shape
 from _two_process import _connector, _consume, _wait_sent
-from kv_connectors.host_trace import EVENTS, install_transfer, mark, timeline
+from kv_connectors.host_trace import EVENTS, install_transfer, mark, timeline, wrap
 
 PULLS = 4
 
@@ -36,10 +38,40 @@ def _kernel_ms(prof: Any) -> str:
     return ", ".join(f"{k} {v:.3f} ms" for k, v in totals.items()) or "no CUDA kernels"
 
 
-def _peer(rank: int, smoke: bool, queues: Any, barrier: Any) -> None:
-    from kv_kernels import allocate_kv_cache
+#: what ``--deep`` wraps beyond :func:`install_transfer`: the scheduler-side calls a load makes,
+#: the engine's poll, the pull's planning and the block-id views and uploads of both sides
+DEEP = {
+    "kv_connectors.transfer:TransferConnector": (
+        "add_remote_request",
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "get_finished",
+        "_with_peer",
+        "_bind_device",
+    ),
+    "kv_connectors.p2p:P2pConnector": ("_pull_in",),
+    "kv_connectors.views:RegisteredKV": ("contiguous_rows", "ids_tensor", "check_block_ids"),
+}
+
+
+def _install(deep: bool) -> None:
+    import importlib
 
     install_transfer()
+    if not deep:
+        return
+    for where, names in DEEP.items():
+        module, owner = where.split(":")
+        cls = getattr(importlib.import_module(module), owner)
+        for name in names:
+            wrap(cls, name)
+
+
+def _peer(rank: int, smoke: bool, deep: bool, queues: Any, barrier: Any) -> None:
+    from kv_kernels import allocate_kv_cache
+
+    _install(deep)
     cuda = torch.cuda.is_available() and not smoke
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
@@ -97,12 +129,20 @@ def _peer(rank: int, smoke: bool, queues: Any, barrier: Any) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--smoke", action="store_true", help="CPU processes over gloo, tiny shapes")
+    ap.add_argument(
+        "--deep",
+        action="store_true",
+        help="also wrap the scheduler-side calls, the engine's poll and the block-id views",
+    )
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = mp.get_context("spawn")
     queues = (ctx.Queue(), ctx.Queue(), ctx.Queue())
     barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=_peer, args=(r, args.smoke, queues, barrier)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_peer, args=(r, args.smoke, args.deep, queues, barrier))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
