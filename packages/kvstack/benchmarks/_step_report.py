@@ -155,6 +155,22 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
                 f"{v['ms_per_step']:.3f} ({', '.join(v['calls'])})"
                 for site, v in list(sites.items())[:6]
             ]
+        for st in (r.get("stall_hosts") or [])[:2]:
+            late = st["late_us"]
+            says = (
+                "launch not in the trace"
+                if late is None
+                else f"host late by {late:.0f} us"
+                if late > 0
+                else "launched in time"
+            )
+            busy = ", ".join(f"{h['name']} {h['us']:.0f} us" for h in st["host_between"][:3])
+            gap = st["between_launches_us"]
+            out.append(
+                f"- {where}, a stall of {st['stall_us']:.0f} us after `{st['after'][:40]}`, "
+                f"before `{st['before'][:40]}`: {says}"
+                + (f"; {gap:.0f} us between their launches ({busy})" if gap is not None else "")
+            )
         for key in ("syncs_by_site_error", "kept_error"):
             if r.get(key):
                 out.append(f"- {where}: {key} {r[key]}")

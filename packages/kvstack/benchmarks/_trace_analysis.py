@@ -179,6 +179,8 @@ class Gaps(NamedTuple):
     #: (the op that ended last before the stall, the op after it) -> [us, count]: where the
     #: stalls are (a kernel's name, or a copy's)
     stall_sites: dict[tuple[str, str], list[float]]
+    #: every stall: (us, the op that ended last before it, the op after it)
+    stalls: list[tuple[float, Op, Op]]
 
 
 def gap_split(
@@ -193,6 +195,8 @@ def gap_split(
     end_step: int | None = None  # the step of the op that reached ``end``
     end_name = ""  # ... and its name
     sites: dict[tuple[str, str], list[float]] = {}
+    stalls: list[tuple[float, Op, Op]] = []
+    end_op: Op | None = None
     start_ref: dict[int, float] = {}  # a kept step's device time starts here ...
     last_end: dict[int, float] = {}  # ... and ends here
     n_ops = small_n = large_n = between_n = stall_n = 0
@@ -219,13 +223,68 @@ def gap_split(
                     site = sites.setdefault((end_name[:60], o.name[:60]), [0.0, 0])
                     site[0] += gap
                     site[1] += 1
+                    assert end_op is not None
+                    stalls.append((gap, end_op, o))
         if end is None or o.end > end:
-            end, end_step, end_name = o.end, s, o.name
+            end, end_step, end_name, end_op = o.end, s, o.name, o
     device = sum(last_end[s] - start_ref[s] for s in last_end)
     return Gaps(
         len(last_end), device, n_ops, small, small_n, large, large_n, between, between_n, stall,
-        stall_n, sites,
+        stall_n, sites, stalls,
     )  # fmt: skip
+
+
+#: Host events that say what the host was doing (kineto's categories): aten ops, our ranges,
+#: Python frames (with a stack), runtime and driver calls.
+HOST_CATS = ("cpu_op", "user_annotation", "python_function", *API_CATS)
+
+
+def stall_hosts(
+    events: Sequence[dict[str, Any]], stalls: Sequence[tuple[float, Op, Op]], top: int = 4
+) -> list[dict[str, Any]]:
+    """What the host did around the ``top`` longest stalls: ``late_us``, when the host launched
+    the op after the stall against when the op before it ended (> 0: the host was late, the
+    stall is the host's; <= 0: the op was queued in time and the device waited on something
+    else), ``between_launches_us``, the host time from the end of the op-before's launch call to
+    the op-after's, and the longest host events of the launching thread wholly inside that
+    interval (outermost first, names cut at 60 characters). An op whose launch is not in the
+    trace has ``late_us`` ``None``."""
+    launch: dict[int, dict[str, Any]] = {}
+    for e in events:
+        corr = e.get("args", {}).get("correlation")
+        if e.get("cat") in API_CATS and corr is not None:
+            launch[int(corr)] = e
+    host = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("tid"), e)
+        for e in events
+        if e.get("cat") in HOST_CATS
+    )
+    out = []
+    for gap, a, b in sorted(stalls, key=lambda st: -st[0])[:top]:
+        la = launch.get(a.corr) if a.corr is not None else None
+        lb = launch.get(b.corr) if b.corr is not None else None
+        rec: dict[str, Any] = {
+            "stall_us": gap, "after": a.name[:60], "before": b.name[:60], "late_us": None,
+            "between_launches_us": None, "launched_by": None, "host_between": [],
+        }  # fmt: skip
+        if lb is not None:
+            rec["late_us"] = float(lb["ts"]) - a.end
+            rec["launched_by"] = lb.get("name")
+        if la is not None and lb is not None:
+            lo, hi = float(la["ts"]) + float(la.get("dur", 0.0)), float(lb["ts"])
+            rec["between_launches_us"] = hi - lo
+            inside = [h for h in host if h[2] == lb.get("tid") and lo <= h[0] and h[1] <= hi]
+            outer, reach = [], float("-inf")
+            for h in inside:  # sorted by start: drop the events nested in an earlier one
+                if h[0] >= reach:
+                    outer.append(h)
+                    reach = h[1]
+            outer.sort(key=lambda h: h[0] - h[1])
+            rec["host_between"] = [
+                {"name": str(h[3].get("name", ""))[:60], "us": h[1] - h[0]} for h in outer[:5]
+            ]
+        out.append(rec)
+    return out
 
 
 def gaps_record(g: Gaps, n: int, stream: int | None) -> dict[str, Any]:
@@ -486,6 +545,7 @@ def summarize(
         / n,
         "device_ms_per_step": gaps.device_us / 1e3 / n,
         "gpu_gaps": gaps_record(gaps, n, stream),
+        "stall_hosts": stall_hosts(events, gaps.stalls),
         "top_kernels": top,
     }
 

@@ -225,3 +225,33 @@ def test_a_pageable_host_to_device_copy_is_a_sync_a_pinned_one_never() -> None:
     s = ta.summarize({"traceEvents": events})
     assert s["sync_calls_per_step"] == 1 and s["blocking_syncs_per_step"] == 1
     assert list(s["syncs_detail"]) == ["cudaMemcpyAsync (HtoD pageable)"]
+
+
+def test_stall_hosts_says_whether_the_host_was_late_and_what_it_ran() -> None:
+    """A stall after op d (ends 600) before op e (starts 610.5): e's launch at 1050 is long after
+    d ended, so the host was late (450 us); between d's launch (ends 1042) and e's the host ran
+    one aten op holding a nested one, and an op on another thread. Planted: the same stall with
+    e launched before d ended reads as in time (a device-side wait), not the host's."""
+    events = two_steps()
+    events += [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 1043, "dur": 5, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 1044, "dur": 2, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1045, "dur": 3, "tid": 2},
+    ]
+    windows = ta.step_windows(events)
+    ops = [o for o in ta.device_ops(events) if o.stream == 7]
+    g = ta.gap_split(ops, ta.launch_steps(events, windows))
+    assert [(gap, a.name, b.name) for gap, a, b in g.stalls] == [(pytest.approx(10.5), "d", "e")]
+    (rec,) = ta.stall_hosts(events, g.stalls)
+    assert rec["late_us"] == pytest.approx(1050 - 600)
+    assert rec["launched_by"] == "cuLaunchKernelEx"
+    assert rec["between_launches_us"] == pytest.approx(1050 - 1042)
+    assert rec["host_between"] == [{"name": "aten::copy_", "us": pytest.approx(5)}]
+    early = [
+        dict(e, ts=590.0) if e.get("cat") == "cuda_driver" and e["args"]["correlation"] == 5
+        else e
+        for e in events
+    ]  # fmt: skip
+    (rec,) = ta.stall_hosts(early, g.stalls)
+    assert rec["late_us"] == pytest.approx(-10)
+    assert ta.summarize({"traceEvents": events})["stall_hosts"][0]["late_us"] == pytest.approx(450)
