@@ -7,17 +7,19 @@
 
 Runs the benchmark's pull cases (``_two_process``: BLNHC consecutive and shuffled ids, LBNHC
 shuffled) with timestamps on the connector's host path -- side-channel messages, the wire's
-sends, receives, copies, waits and drains, ``get_finished`` -- and prints, for the last pull of
-each case, every event of both processes on one clock (``time.time``, shared by processes of one
-host) in ms from the consumer's start, with the CUDA time of each side's copy and NCCL kernels
-when the GPUs are there (``torch.profiler`` around that one pull). A diagnostic: the functions
-are wrapped in place, so the times include the wrappers' few microseconds each.
+sends, receives, copies, waits and drains -- and prints, for the last two pulls of each case,
+every event of both processes on one clock (``time.time``, shared by processes of one host) in
+ms from that pull's start: the one before last as it runs, the last with the CUDA time of each
+side's copy and NCCL kernels when the GPUs are there (``torch.profiler`` around that pull; its
+CUPTI callbacks slow the CUDA calls down, so read host times off the first). A diagnostic: the
+functions are wrapped in place, so the times include the wrappers' few microseconds each.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 import torch
@@ -100,28 +102,37 @@ def _peer(rank: int, smoke: bool, deep: bool, queues: Any, barrier: Any) -> None
                 q2.put(_kernel_ms(prof))
             q2.put(list(EVENTS))
         else:
-            times = []
+            times, spans = [], []
+            EVENTS.clear()
             for i in range(PULLS):
-                EVENTS.clear()
                 last = i == PULLS - 1
                 if last and cuda:
                     q3.put("last")
                     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     prof.__enter__()
+                t0 = time.time()
                 mark("consume >")
                 times.append(_consume(conn, q.get(timeout=120), f"c{i}", ids, device))
                 mark("consume <")
+                spans.append((t0, time.time()))
             if prof is not None:
                 prof.__exit__(None, None, None)
             theirs_kernels = q2.get(timeout=120) if cuda else ""
             theirs = q2.get(timeout=120)
-            lines = timeline([("consumer", EVENTS), ("producer", theirs)], since=EVENTS[0][0])
             print(f"== pull {order} {kind}: {[round(t * 1e3, 3) for t in times]} ms", flush=True)
             if prof is not None:
                 print(f"   consumer kernels: {_kernel_ms(prof)}", flush=True)
                 print(f"   producer kernels: {theirs_kernels}", flush=True)
-            for line in lines:
-                print(line, flush=True)
+            # the pull before last without the profiler (its CUPTI callbacks slow CUDA calls
+            # down), then the last one under it
+            for i in (PULLS - 2, PULLS - 1):
+                a, b = spans[i]
+                mine = [e for e in EVENTS if a <= e[0] <= b]
+                other = [e for e in theirs if a <= e[0] <= b]
+                under = "under the profiler" if cuda and i == PULLS - 1 else "no profiler"
+                print(f"-- pull {i}, {times[i] * 1e3:.3f} ms, {under}", flush=True)
+                for line in timeline([("consumer", mine), ("producer", other)], since=a):
+                    print(line, flush=True)
         barrier.wait(timeout=300)
         conn.close()
 
