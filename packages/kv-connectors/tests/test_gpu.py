@@ -176,6 +176,46 @@ def test_p2p_nccl_between_two_gpus(
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_p2p_nccl_refused_pull_ends_its_posted_receive(
+    spawn_peer: Callable[..., Any], remote_load: Any
+) -> None:
+    """Over NCCL a pull's first receive is posted before its ask. A refused ask (the request was
+    served already) must end that receive: the load fails at once with the producer's reason,
+    not at the timeout, its blocks keep their bytes, and the next pull (another producer)
+    lands byte-exact. Planted: without the communicator's abort the receive waits out
+    ``timeout_s`` (30 s) and the load fails as a timeout."""
+    layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
+    producers = [
+        {"name": n, "layout": layout.to_json(), "seed": seed, "block_ids": [4, 5, 6, 7]}
+        for n, seed in (("x", 5), ("y", 6))
+    ]  # consecutive ids both sides: the receive lands in the cache itself
+    peer = spawn_peer(
+        {"transport": "p2p", "timeout_s": 30, "device": "cuda:0", "producers": producers}
+    )
+    torch.cuda.set_device(1)
+    conn = P2pConnector(P2pConfig(timeout_s=30), block_size=layout.block_size)
+    cache = random_cache(layout, seed=100, device="cuda:1")
+    conn.register_kv_caches(cache, layout)
+    mine = [20, 21, 22, 23]
+    for rid, name, ok in (("a", "x", True), ("b", "x", False), ("c", "y", True)):
+        before = [block_bytes(cache, layout, b) for b in mine]
+        assert remote_load.start(conn, peer.params[name], mine, rid) == 4 * layout.block_size
+        waited, errors = remote_load.finish(conn, rid, 60)
+        torch.cuda.synchronize(1)
+        if ok:
+            assert errors == set(), conn.load_error_reasons
+            src = random_cache(layout, seed=5 if name == "x" else 6)
+            for b, p in zip(mine, [4, 5, 6, 7], strict=True):
+                assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
+        else:
+            assert errors == set(mine) and "refused" in conn.load_error_reasons[rid]
+            assert waited < 10, f"the refused pull took {waited:.1f} s: its receive waited"
+            for b, w in zip(mine, before, strict=True):
+                assert torch.equal(block_bytes(cache, layout, b), w)
+    conn.close()
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
 def test_p2p_nccl_layerwise_stream_between_two_gpus(
     spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
 ) -> None:

@@ -213,3 +213,51 @@ def test_params_block_ids_errors_name_the_first_bad_id(ids: list[Any], message: 
     assert KVTransferParams(**{**p.to_dict(), "block_ids": list(range(512))}).block_ids[-1] == 511
     with pytest.raises(ValueError, match=message):
         KVTransferParams(**{**p.to_dict(), "block_ids": ids})
+
+
+def test_sliced_params_name_the_run_and_keep_the_rest() -> None:
+    lay = make_layout("BLNHC")
+    params = KVTransferParams.for_layouts(
+        [lay], request_id="r", engine_id="e", transport="p2p", host="h", port=9,
+        block_ids=(4, 7, 1, 9),
+    )  # fmt: skip
+    cut = params.sliced(1, 3)
+    assert cut.block_ids == (7, 1) and params.block_ids == (4, 7, 1, 9)
+    assert cut.to_dict() == {**params.to_dict(), "block_ids": [7, 1]}
+
+
+def test_plans_are_kept_per_producer_layout_and_per_registration() -> None:
+    """A consumer keeps each producer layout's plan (or refusal) for the caches it registered.
+    Planted: a bad layout after a good one is still refused (a memo keyed without the layouts
+    would hand it the good plan), and after the caches are registered again with another layout
+    the good params are refused too (a memo kept across registrations would not)."""
+    from kv_connectors import P2pConfig, P2pConnector
+    from kv_kernels import allocate_kv_cache
+
+    lay = make_layout("BLNHC")
+    other = make_layout("BLNHC", dtype="bfloat16")
+    conn = P2pConnector(P2pConfig(role="consumer", timeout_s=5), block_size=lay.block_size)
+    conn.register_kv_caches(allocate_kv_cache(lay, torch.device("cpu")), lay)
+
+    def params(layout: KVCacheLayout, ids: tuple[int, ...]) -> KVTransferParams:
+        return KVTransferParams.for_layouts(
+            [layout], request_id="r", engine_id="e", transport="p2p", host="h", port=9,
+            block_ids=ids,
+        )  # fmt: skip
+
+    good, bad = params(lay, (1, 2)), params(other, (1, 2))
+    plan = conn._plan(good)
+    assert plan.identity and plan.params is good
+    again = params(lay, (5, 6, 7))
+    assert conn._plan(again).params is again  # a kept plan carries each request's own ids
+    reasons = []
+    for _ in range(2):  # planned, then from the memo: the same reason
+        with pytest.raises(HandshakeRefused) as refused:
+            conn._plan(bad)
+        reasons.append(refused.value.reason)
+    assert reasons[0] and reasons[0] == reasons[1]
+    conn.register_kv_caches(allocate_kv_cache(other, torch.device("cpu")), other)
+    with pytest.raises(HandshakeRefused):
+        conn._plan(good)
+    assert conn._plan(bad).identity
+    conn.close()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from kv_connectors import P2pConfig, P2pConnector
-from kv_connectors._p2p_wire import plan_chunks, plan_layers
+from kv_connectors._p2p_wire import Wire, plan_chunks, plan_layers
 from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
 from kv_connectors.views import RegisteredKV
 
@@ -76,8 +76,17 @@ def test_contiguous_rows_are_exactly_what_a_gather_writes(name: str) -> None:
     if not layout.order.page_contiguous:  # head-outer pages are H pieces: never one view
         assert all(v is None for v in views.values())
     assert kv.contiguous_rows([3, 5, 6], 0) is None  # not consecutive
+    assert kv.contiguous_rows([3, 9, 5], 0) is None  # the ends of a run, not one inside
     assert kv.contiguous_rows([5, 4], 0) is None  # consecutive, but descending
     assert kv.contiguous_rows([], 0) is None
+    last = [kv.num_blocks - 2, kv.num_blocks - 1]  # the cache's last rows, in place
+    for seg in segments:
+        view = kv.contiguous_rows(last, seg)
+        if view is not None:
+            assert torch.equal(view, _gathered(kv, last, seg)), (name, seg)
+            # a run past the cache is refused, never clipped to the rows that exist
+            with pytest.raises(ValueError, match="outside"):
+                kv.contiguous_rows([kv.num_blocks - 1, kv.num_blocks], seg)
 
 
 def test_contiguous_rows_check_can_fail() -> None:
@@ -105,9 +114,25 @@ def _in_process_pair(layout: Any, buffer_bytes: int) -> tuple[P2pConnector, P2pC
     return prod, cons, src, dst
 
 
+class _Seen:
+    """A process group that records its receives in ``log`` (and passes everything on)."""
+
+    def __init__(self, pg: Any, log: list[str]) -> None:
+        self._pg, self._log = pg, log
+
+    def recv(self, *a: Any, **k: Any) -> Any:
+        self._log.append("recv")
+        return self._pg.recv(*a, **k)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["ask_first", "post_first"])
 @pytest.mark.parametrize("order", ["BLNHC", "LBNHC"])
 def test_consecutive_blocks_move_without_staging_and_byte_exact(
     order: str,
+    early: bool,
     make_request: Callable[..., Any],
     remote_load: Any,
     monkeypatch: pytest.MonkeyPatch,
@@ -115,10 +140,26 @@ def test_consecutive_blocks_move_without_staging_and_byte_exact(
     """Consecutive producer blocks into consecutive local blocks: a cross-layer cache sends and
     receives straight from and into the slab (no gather, no scatter); a per-layer cache gathers
     whole rows (one view per layer would be a message per layer) but still lands byte-exact.
-    Non-consecutive blocks go through staging."""
+    Non-consecutive blocks go through staging. ``post_first``: the order NCCL sessions use, the
+    first receive posted before the ask (here over gloo, which takes it as well when the ask is
+    answered): the same bytes, and the log shows the order."""
     layout = make_layout(order, num_blocks=16)
     row = layout.num_layers * layout.page_bytes
     prod, cons, src, dst = _in_process_pair(layout, buffer_bytes=6 * row)  # 3 rows a chunk
+    cons._post_before_ask = early
+    log: list[str] = []
+    ask = P2pConnector._ask_pull
+    monkeypatch.setattr(
+        P2pConnector, "_ask_pull", lambda self, *a, **k: (log.append("ask"), ask(self, *a, **k))[1]
+    )
+    init = Wire.__init__
+
+    def seen(self: Wire, kv: Any, pg: Any, *a: Any) -> None:
+        init(self, kv, pg, *a)
+        if kv is cons.kv:  # the consumer's wire
+            self.pg = _Seen(pg, log)
+
+    monkeypatch.setattr(Wire, "__init__", seen)
     calls = {"gather": 0, "scatter": 0}
     for name in calls:
         original = getattr(RegisteredKV, name)
@@ -144,6 +185,8 @@ def test_consecutive_blocks_move_without_staging_and_byte_exact(
             assert torch.equal(block_bytes(dst, layout, b), w)
         direct = order == "BLNHC" and i == 0
         assert (calls["gather"] == 0) is direct and (calls["scatter"] == 0) is direct, calls
+        assert log[:2] == (["recv", "ask"] if early else ["ask", "recv"]), log
+        log.clear()
     prod.close()
     cons.close()
 

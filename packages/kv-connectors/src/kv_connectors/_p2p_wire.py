@@ -231,6 +231,7 @@ class Wire:
         segment_done: Callable[[Chunk], None] | None = None,
         deadline: float | None = None,
         preload: Callable[[Chunk, torch.Tensor], None] | None = None,
+        after_post: Callable[[], None] | None = None,
     ) -> None:
         """Receive ``chunks`` from rank ``src``: each into ``direct(chunk)`` (a view of the cache,
         nothing more to do) or into staging, then ``land(chunk, rows)`` (convert and scatter),
@@ -243,7 +244,10 @@ class Wire:
         ``land`` will get, before the first receive is posted (and the staging grown for all of
         them): load the landing's kernels there. CUDA loads a module only once the device can
         take it, so a landing kernel first loaded while a receive is pending waits for that
-        receive, and for its sender: a deadlock where the sender waits on the landing."""
+        receive, and for its sender: a deadlock where the sender waits on the landing.
+
+        ``after_post()``: called once the first receive is posted, before any wait (what makes the
+        sender send: the consumer's ask); what it raises ends the receive."""
         bound = deadline
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
@@ -264,6 +268,8 @@ class Wire:
                         preload(ch, self._buffer(i % 2, ch.count, width(ch)))
             if chunks:
                 post(0)
+            if after_post is not None:
+                after_post()
             for i, ch in enumerate(chunks):
                 if i + 1 < len(chunks):
                     if self.backend == "gloo":

@@ -290,13 +290,15 @@ class LayerStreaming:
         self._step_arriving = {}
         batches: dict[tuple[Any, ...], list[tuple[LoadSpec, Any, Arriving]]] = {}
         rest: list[LoadSpec] = []
-        start = self._event(None)  # CUDA: landings run after what the compute stream has queued
+        start: Any = None  # CUDA: landings run after what the compute stream has queued
         for spec in meta.loads:
             rid = spec.request_id
             plan = self._load_plans.get(rid)
             if rid not in self._in_step or plan is None or not spec.block_ids:
                 rest.append(spec)
                 continue
+            if start is None:  # (recorded once a step has an in-step load, not for every step)
+                start = self._event(None)
             del self._load_plans[rid]
             deadline = time.monotonic() + self.config.timeout_s
             arriving = Arriving(len(self.kv.segments), deadline, start)

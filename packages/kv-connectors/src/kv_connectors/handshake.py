@@ -18,6 +18,7 @@ byte rows (:func:`convert_rows`); they are exact (bytes are moved, never re-enco
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
@@ -107,6 +108,14 @@ class KVTransferParams:
         check_int(o, "tp_size", self.tp_size, minimum=1)
         check_int(o, "tp_rank", self.tp_rank, minimum=0, maximum=self.tp_size - 1)
         check_fingerprint(o, self.model_fingerprint, required=False)
+
+    def sliced(self, start: int, stop: int) -> KVTransferParams:
+        """These params naming ``block_ids[start:stop]``: a run of ids checked already, so not
+        checked again (a consumer cuts a request's params twice a load; each full check walked
+        every id, ~20 us for 512 on this CPU)."""
+        new = copy.copy(self)
+        object.__setattr__(new, "block_ids", self.block_ids[start:stop])
+        return new
 
     @classmethod
     def for_layouts(cls, layouts: Sequence[KVCacheLayout], **fields: Any) -> KVTransferParams:

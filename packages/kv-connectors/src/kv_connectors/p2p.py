@@ -96,6 +96,7 @@ class P2pConnector(LayerStreaming, TransferConnector):
         self._session_ids = itertools.count()
         self._store: Any = None
         self._backend = "gloo"
+        self._post_before_ask = False  # set with the backend (_setup_transport)
         # push mode: producer side
         self._to_push: list[tuple[str, tuple[int, ...]]] = []
         self._pushes: dict[Future[None], str] = {}
@@ -119,6 +120,13 @@ class P2pConnector(LayerStreaming, TransferConnector):
         if backend == "nccl" and kv.device.type != "cuda":
             raise ValueError("P2pConfig.backend='nccl' needs the KV cache on a CUDA device")
         self._backend = backend
+        # NCCL: a pull's first receive is posted before its ask. A receive is stream-ordered
+        # (the host goes on), so the ask's round trip and the producer's admission overlap its
+        # posting, and the first bytes move as soon as the producer sends. A refused ask then
+        # leaves a receive posted: the session is dropped, as for any failed pull, and its
+        # communicator aborted (_release_peer), which ends that receive. gloo keeps the ask
+        # first: its receives run on its own threads, and a dropped group has no abort.
+        self._post_before_ask = backend == "nccl"
         if 2 * kv.row_bytes > self.config.buffer_bytes:
             raise ValueError(
                 f"P2pConfig.buffer_bytes={self.config.buffer_bytes} holds fewer than two block rows "
@@ -284,7 +292,12 @@ class P2pConnector(LayerStreaming, TransferConnector):
             # one message vs 3.19 ms as 128 MiB ones).
             chunk = len(remote)
         chunks = plan_chunks(len(remote), chunk_rows=chunk)
-        self._ask_pull(sess.sock, params, chunk_rows=chunk)
+
+        def ask() -> None:  # a refusal raises: the session is dropped (_with_peer)
+            self._ask_pull(sess.sock, params, chunk_rows=chunk)
+
+        if not self._post_before_ask:
+            ask()
         conv = plan.convs[0]
 
         def dst(ch: Chunk) -> list[int]:  # local blocks of a chunk (chunks are whole merges)
@@ -302,7 +315,10 @@ class P2pConnector(LayerStreaming, TransferConnector):
             first = conv.num_dst_blocks(ch.start)
             self._apply_rows(rows, plan, uploaded[0][first : first + conv.num_dst_blocks(ch.count)])
 
-        wire.recv(0, chunks, lambda ch: src_row, direct=direct_rows, land=land)
+        wire.recv(
+            0, chunks, lambda ch: src_row, direct=direct_rows, land=land,
+            after_post=ask if self._post_before_ask else None,
+        )  # fmt: skip
         send_msg(sess.sock, {"op": "done", "request_id": params.request_id})
 
     def _event(self, stream: Any) -> Any:

@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 import torch
 
 from kv_connectors._holding import Held, ProducerHolds
-from kv_connectors._remote_plan import RemotePlan, _identity, _Peer
+from kv_connectors._remote_plan import Planner, RemotePlan, _identity, _Peer
 from kv_connectors._sidechannel import (
     SideChannelServer,
     StaleSession,
@@ -76,7 +76,6 @@ from kv_connectors.handshake import (
     HandshakeRefused,
     KVTransferParams,
     convert_rows,
-    plan_conversion,
 )
 from kv_connectors.views import RegisteredKV
 
@@ -118,6 +117,8 @@ class TransferConnector(ProducerHolds, KVConnector):
         # consumer: one cached peer per producer side channel (host, port)
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._peers_lock = threading.Lock()
+        self._bound = threading.local()  # the device each thread is set to (_bind_device)
+        self._planner: Planner | None = None  # _plan's, for the registered caches
 
     def _on_register(self, kv: RegisteredKV) -> None:
         if self._server is None:
@@ -135,8 +136,11 @@ class TransferConnector(ProducerHolds, KVConnector):
 
     def _bind_device(self) -> None:
         # The current CUDA device is per thread: session and pull threads start on device 0.
-        if self.kv.device.type == "cuda":
+        # Set once per thread (the pool's threads live on): the cache's device is fixed at
+        # registration, and nothing here sets another.
+        if self.kv.device.type == "cuda" and getattr(self._bound, "device", None) != self.kv.device:
             torch.cuda.set_device(self.kv.device)
+            self._bound.device = self.kv.device
 
     def _serve_bound(self, sock: Any) -> None:
         self._bind_device()
@@ -200,46 +204,20 @@ class TransferConnector(ProducerHolds, KVConnector):
             return 0, False  # nothing whole left to load (a ragged start is recomputed)
         remote_first = first * plan.merge // plan.split
         remote_count = (n_dst - first) * plan.merge // plan.split
-        ids = params.block_ids[remote_first : remote_first + remote_count]
-        plan = dataclasses.replace(plan, params=dataclasses.replace(params, block_ids=ids))
+        sliced = params.sliced(remote_first, remote_first + remote_count)
+        plan = dataclasses.replace(plan, params=sliced)
         self._plans[rid] = (plan, first)
         self._matched[rid] = (first, n_dst - first)
         return (n_dst - first) * self.block_size, True
 
     def _plan(self, params: KVTransferParams) -> RemotePlan:
-        if params.transport != self.transport:
-            raise HandshakeRefused(
-                f"the params name transport {params.transport!r}, this is a {self.transport!r} "
-                "connector; decode with the producer's transport"
+        """The plan of loading ``params`` here, or ``HandshakeRefused`` (:class:`Planner`)."""
+        kv = self.kv
+        if self._planner is None or self._planner.kv is not kv:
+            self._planner = Planner(
+                kv, self.transport, self.config.model_fingerprint, (self.tp_rank, self.tp_size)
             )
-        mine = self.config.model_fingerprint
-        if params.model_fingerprint != mine:
-            raise HandshakeRefused(
-                f"producer serves model fingerprint {params.model_fingerprint!r}, this worker "
-                f"{mine!r}: KV of another model is never loaded; give both workers the same "
-                "model (and model_fingerprint)"
-            )
-        remote = params.layouts()
-        local = self.kv.layouts
-        if len(remote) != len(local):
-            raise HandshakeRefused(
-                f"producer registered {len(remote)} caches, this worker {len(local)}"
-            )
-        convs = tuple(
-            plan_conversion(
-                r, lay, src_tp=(params.tp_rank, params.tp_size), dst_tp=(self.tp_rank, self.tp_size)
-            )
-            for r, lay in zip(remote, local, strict=True)
-        )
-        if len({(c.merge, c.split) for c in convs}) != 1:
-            raise HandshakeRefused("registered caches convert block sizes by different ratios")
-        need = max(c.sources_needed for c in convs)
-        if need > 1:
-            raise HandshakeRefused(
-                f"each local block needs heads from {need} producer ranks; this connector reads "
-                "one producer per request (run the consumer at TP >= the producer's)"
-            )
-        return RemotePlan(params, convs)
+        return self._planner.plan(params)
 
     def _plan_load(
         self, request: RequestLike, block_ids: list[int], first: int, count: int
@@ -252,10 +230,10 @@ class TransferConnector(ProducerHolds, KVConnector):
                 f"({plan.split} local blocks per producer block); accept all matched tokens or "
                 "a multiple of that"
             )
-        remote = plan.params.block_ids[
-            : count * plan.merge // plan.split
-        ]  # the engine may take less
-        plan = dataclasses.replace(plan, params=dataclasses.replace(plan.params, block_ids=remote))
+        # the engine may take less
+        plan = dataclasses.replace(
+            plan, params=plan.params.sliced(0, count * plan.merge // plan.split)
+        )
         self._load_plans[request.request_id] = plan
         self._consumed.add(request.request_id)
         return LoadSpec(
