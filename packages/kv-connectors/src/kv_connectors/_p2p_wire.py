@@ -113,6 +113,10 @@ class Wire:
         cuda = kv.device.type == "cuda"
         self.stream = torch.cuda.Stream(kv.device) if cuda else None
         self._staging: list[torch.Tensor | None] = [None, None]
+        #: a transfer completed on this group: its communicator is up. NCCL makes it at a
+        #: group's first send or receive, the receiver waiting for the sender's id, so a
+        #: receive posted before the sender knows of the transfer waits until the timeout.
+        self.connected = False
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -211,6 +215,7 @@ class Wire:
             for work in works:
                 self.wait(work)
             self.drain(deadline)
+        self.connected = True
 
     def _gather(self, ids: torch.Tensor, rows: torch.Tensor, segment: int | None) -> None:
         if segment is None:
@@ -287,3 +292,4 @@ class Wire:
                 if last and segment_done is not None:
                     segment_done(ch)
             self.drain(deadline)  # the blocks are in place before anyone hears "done"
+        self.connected = True

@@ -120,12 +120,14 @@ class P2pConnector(LayerStreaming, TransferConnector):
         if backend == "nccl" and kv.device.type != "cuda":
             raise ValueError("P2pConfig.backend='nccl' needs the KV cache on a CUDA device")
         self._backend = backend
-        # NCCL: a pull's first receive is posted before its ask. A receive is stream-ordered
-        # (the host goes on), so the ask's round trip and the producer's admission overlap its
-        # posting, and the first bytes move as soon as the producer sends. A refused ask then
-        # leaves a receive posted: the session is dropped, as for any failed pull, and its
-        # communicator aborted (_release_peer), which ends that receive. gloo keeps the ask
-        # first: its receives run on its own threads, and a dropped group has no abort.
+        # NCCL: a pull's first receive is posted before its ask, once the session's
+        # communicator is up (Wire.connected: NCCL makes it at the first transfer, the receiver
+        # waiting for the sender). A receive is stream-ordered (the host goes on), so the ask's
+        # round trip and the producer's admission overlap its posting, and the first bytes move
+        # as soon as the producer sends. A refused ask then leaves a receive posted: the session
+        # is dropped, as for any failed pull, and its communicator aborted (_release_peer),
+        # which ends that receive. gloo keeps the ask first: its receives run on its own
+        # threads, and a dropped group has no abort.
         self._post_before_ask = backend == "nccl"
         if 2 * kv.row_bytes > self.config.buffer_bytes:
             raise ValueError(
@@ -296,7 +298,8 @@ class P2pConnector(LayerStreaming, TransferConnector):
         def ask() -> None:  # a refusal raises: the session is dropped (_with_peer)
             self._ask_pull(sess.sock, params, chunk_rows=chunk)
 
-        if not self._post_before_ask:
+        early = self._post_before_ask and wire.connected  # (a session's first pull asks first)
+        if not early:
             ask()
         conv = plan.convs[0]
 
@@ -317,7 +320,7 @@ class P2pConnector(LayerStreaming, TransferConnector):
 
         wire.recv(
             0, chunks, lambda ch: src_row, direct=direct_rows, land=land,
-            after_post=ask if self._post_before_ask else None,
+            after_post=ask if early else None,
         )  # fmt: skip
         send_msg(sess.sock, {"op": "done", "request_id": params.request_id})
 
