@@ -179,10 +179,11 @@ def test_p2p_nccl_between_two_gpus(
 def test_p2p_nccl_refused_pull_ends_its_posted_receive(
     spawn_peer: Callable[..., Any], remote_load: Any
 ) -> None:
-    """Over NCCL a pull's first receive is posted before its ask. A refused ask (the request was
-    served already) must end that receive: the load fails at once with the producer's reason,
-    not at the timeout, its blocks keep their bytes, and the next pull (another producer)
-    lands byte-exact. Planted: without the communicator's abort the receive waits out
+    """On a connected NCCL session a pull's first receive is posted before the ask's answer is
+    read. A refused ask (the request was served already) must end that receive: the load fails
+    at once with the producer's reason, not at the timeout; nothing is written into its blocks
+    after the failure is reported (they go back to the pool then); and the next pull (another
+    producer) lands byte-exact. Planted: without the communicator's abort the receive waits out
     ``timeout_s`` (30 s) and the load fails as a timeout."""
     layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
     producers = [
@@ -198,7 +199,6 @@ def test_p2p_nccl_refused_pull_ends_its_posted_receive(
     conn.register_kv_caches(cache, layout)
     mine = [20, 21, 22, 23]
     for rid, name, ok in (("a", "x", True), ("b", "x", False), ("c", "y", True)):
-        before = [block_bytes(cache, layout, b) for b in mine]
         assert remote_load.start(conn, peer.params[name], mine, rid) == 4 * layout.block_size
         waited, errors = remote_load.finish(conn, rid, 60)
         torch.cuda.synchronize(1)
@@ -210,7 +210,10 @@ def test_p2p_nccl_refused_pull_ends_its_posted_receive(
         else:
             assert errors == set(mine) and "refused" in conn.load_error_reasons[rid]
             assert waited < 10, f"the refused pull took {waited:.1f} s: its receive waited"
-            for b, w in zip(mine, before, strict=True):
+            reported = [block_bytes(cache, layout, b) for b in mine]
+            time.sleep(0.5)
+            torch.cuda.synchronize(1)
+            for b, w in zip(mine, reported, strict=True):  # no late write
                 assert torch.equal(block_bytes(cache, layout, b), w)
     conn.close()
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from kv_connectors import P2pConfig, P2pConnector
+from kv_connectors import P2pConfig, P2pConnector, p2p, transfer
 from kv_connectors._p2p_wire import Wire, plan_chunks, plan_layers
 from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
 from kv_connectors.views import RegisteredKV
@@ -115,7 +115,8 @@ def _in_process_pair(layout: Any, buffer_bytes: int) -> tuple[P2pConnector, P2pC
 
 
 class _Seen:
-    """A process group that records its receives in ``log`` (and passes everything on)."""
+    """A process group that records its sends and receives in ``log`` (and passes everything
+    on)."""
 
     def __init__(self, pg: Any, log: list[str]) -> None:
         self._pg, self._log = pg, log
@@ -124,11 +125,15 @@ class _Seen:
         self._log.append("recv")
         return self._pg.recv(*a, **k)
 
+    def send(self, *a: Any, **k: Any) -> Any:
+        self._log.append("send")
+        return self._pg.send(*a, **k)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pg, name)
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["ask_first", "post_first"])
+@pytest.mark.parametrize("early", [False, True], ids=["answer_first", "post_first"])
 @pytest.mark.parametrize("order", ["BLNHC", "LBNHC"])
 def test_consecutive_blocks_move_without_staging_and_byte_exact(
     order: str,
@@ -140,24 +145,40 @@ def test_consecutive_blocks_move_without_staging_and_byte_exact(
     """Consecutive producer blocks into consecutive local blocks: a cross-layer cache sends and
     receives straight from and into the slab (no gather, no scatter); a per-layer cache gathers
     whole rows (one view per layer would be a message per layer) but still lands byte-exact.
-    Non-consecutive blocks go through staging. ``post_first``: the order NCCL sessions use, the
-    first receive posted before the ask (here over gloo, which takes it as well when the ask is
-    answered) from a session's second pull on: the same bytes, and the log shows the order."""
+    Non-consecutive blocks go through staging. ``post_first``: the order connected NCCL
+    sessions use (here over gloo, which takes it as well when the pull is admitted): the
+    consumer asks, posts its first receive, then reads the answer; the producer posts its
+    first send, then answers. A session's first pull waits for the answer on both sides (the
+    communicator is made then). The logs hold each side's order, pull by pull."""
     layout = make_layout(order, num_blocks=16)
     row = layout.num_layers * layout.page_bytes
     prod, cons, src, dst = _in_process_pair(layout, buffer_bytes=6 * row)  # 3 rows a chunk
-    cons._post_before_ask = early
-    log: list[str] = []
-    ask = P2pConnector._ask_pull
-    monkeypatch.setattr(
-        P2pConnector, "_ask_pull", lambda self, *a, **k: (log.append("ask"), ask(self, *a, **k))[1]
-    )
+    cons._post_before_ask = prod._post_before_ask = early
+    mine_log: list[str] = []  # the consumer's
+    theirs_log: list[str] = []  # the producer's
+    for name, what in (("_ask_pull", "ask"), ("_pull_answer", "answer")):
+        original = getattr(P2pConnector, name)
+
+        def logged(*a: Any, _o: Any = original, _w: str = what, **k: Any) -> Any:
+            mine_log.append(_w)
+            return _o(*a, **k)
+
+        static = name == "_pull_answer"  # (a staticmethod: patched as one)
+        monkeypatch.setattr(P2pConnector, name, staticmethod(logged) if static else logged)
+    send_msg = p2p.send_msg
+
+    def replies(sock: Any, msg: dict[str, Any]) -> None:
+        if "ok" in msg and "store_port" not in msg:  # a pull's answer (not the hello's)
+            theirs_log.append("answer")
+        send_msg(sock, msg)
+
+    for module in (p2p, transfer):  # (the answer-first path answers from transfer's)
+        monkeypatch.setattr(module, "send_msg", replies)
     init = Wire.__init__
 
     def seen(self: Wire, kv: Any, pg: Any, *a: Any) -> None:
         init(self, kv, pg, *a)
-        if kv is cons.kv:  # the consumer's wire
-            self.pg = _Seen(pg, log)
+        self.pg = _Seen(pg, mine_log if kv is cons.kv else theirs_log)
 
     monkeypatch.setattr(Wire, "__init__", seen)
     calls = {"gather": 0, "scatter": 0}
@@ -185,10 +206,15 @@ def test_consecutive_blocks_move_without_staging_and_byte_exact(
             assert torch.equal(block_bytes(dst, layout, b), w)
         direct = order == "BLNHC" and i == 0
         assert (calls["gather"] == 0) is direct and (calls["scatter"] == 0) is direct, calls
-        # (a session's first pull asks first: NCCL makes its communicator at the first
-        # transfer, a receive posted before the sender knows would wait for it)
-        assert log[:2] == (["recv", "ask"] if early and i else ["ask", "recv"]), log
-        log.clear()
+        post_first = early and i > 0  # (then a message a chunk on each side)
+        assert mine_log[:3] == (
+            ["ask", "recv", "answer"] if post_first else ["ask", "answer", "recv"]
+        ), mine_log
+        want_theirs = ["send", "answer"] if post_first else ["answer", "send"]
+        assert theirs_log[:2] == want_theirs, theirs_log
+        assert mine_log.count("answer") == theirs_log.count("answer") == 1
+        mine_log.clear()
+        theirs_log.clear()
     prod.close()
     cons.close()
 

@@ -174,12 +174,14 @@ class Wire:
         chunks: Sequence[Chunk],
         *,
         ready: Callable[[Chunk], Sequence[Any]] | None = None,
+        after_post: Callable[[], None] | None = None,
     ) -> None:
         """Send ``chunks`` of blocks ``block_ids`` to rank ``dst`` and wait (bounded) until sent.
 
         ``ready(chunk)`` is called before the first chunk of each ``(part, segment)`` (whole
         rows: segment ``None``); it blocks the host until those blocks' segment may be read and
-        returns the CUDA events the copies must wait for (none on the CPU)."""
+        returns the CUDA events the copies must wait for (none on the CPU). ``after_post()``:
+        called once the first send is posted (the answer to the consumer's ask)."""
         kv = self.kv
         deadline = time.monotonic() + self.timeout_s
         busy: list[Any] = [None, None]  # the send still reading each staging slot
@@ -212,6 +214,8 @@ class Wire:
                         self.drain(deadline)  # the cache's bytes are complete before gloo reads
                     work = self.pg.send([rows], dst, _TAG)
                 works.append(work)
+                if i == 0 and after_post is not None:
+                    after_post()
             for work in works:
                 self.wait(work)
             self.drain(deadline)

@@ -16,6 +16,14 @@ then says ``done`` (the producer reports the request in ``done_sending``). Every
 every transfer has ``timeout_s``; a peer that dies breaks the socket or the group, which ends the
 load with an error (its blocks reported) well within the timeout.
 
+On a session whose NCCL communicator is up (its first transfer made it), neither side waits for
+the other before posting: the consumer asks, posts its first receive and only then reads the
+answer; the producer admits the pull, posts its first send and then answers. On the H200 pair
+each side's posting and the round trip cost ~0.2-0.4 ms of host time, paid once instead of one
+after the other. A refused pull has a receive posted: the session is dropped and its
+communicator aborted, and the load is reported failed once the session's stream ran dry (no
+write into its blocks after they are handed back).
+
 Layer-wise streaming (READ, identical layouts): the producer calls :meth:`P2pConnector.stream_request`
 when it schedules a request's last prompt tokens and hands its params to the consumer at once;
 its worker serves each segment as soon as ``save_kv_layer`` reports it computed. A consumer with
@@ -211,13 +219,35 @@ class P2pConnector(LayerStreaming, TransferConnector):
         except ValueError as exc:
             send_msg(sock, {"ok": False, "error": str(exc)})
             return
-        token = self._accept_pull(sock, rid, ids)
-        if token is None:
-            return
-        assert isinstance(ids, list)  # checked by _accept_pull
         ready = self._ready_fn(rid)
+        if not (self._post_before_ask and wire.connected) or ready is not None:
+            token = self._accept_pull(sock, rid, ids)  # answer first, then send
+            if token is None:
+                return
+            answer = None
+        else:
+            # A connected NCCL session: the consumer asked without waiting and posts its
+            # receive meanwhile, so the first send is posted before the answer goes back.
+            token, error = self._admit_pull(rid, ids)
+            if token is None:
+                send_msg(sock, {"ok": False, "error": error})
+                return
+            answered = False
+
+            def answer() -> None:
+                nonlocal answered
+                if not answered:
+                    answered = True
+                    send_msg(sock, {"ok": True, "pull": token})
+
+        assert isinstance(ids, list)  # checked by _admit_pull
         try:  # the blocks stay pinned until the last chunk is gathered and sent (or it failed)
-            wire.send(1, ids, chunks, ready=None if ready is None else lambda ch: ready(None))
+            wire.send(
+                1, ids, chunks, ready=None if ready is None else lambda ch: ready(None),
+                after_post=answer,
+            )  # fmt: skip
+            if answer is not None:
+                answer()  # (no chunks: nothing was posted)
         finally:
             self._end_pull(rid, token)
 
@@ -267,6 +297,13 @@ class P2pConnector(LayerStreaming, TransferConnector):
         if abort is not None and self._backend == "nccl":
             with contextlib.suppress(Exception):
                 abort()
+            # A receive may be posted on the session (a refused or broken pull): the abort ends
+            # it, and the failure is reported only once its stream has run dry -- no write into
+            # the load's blocks after they are handed back (bounded; a stuck one is logged).
+            try:
+                sess.wire.drain(time.monotonic() + min(self.config.timeout_s, 10.0))
+            except TimeoutError:
+                log.warning("p2p: a dropped session's stream did not drain after its abort")
 
     def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
         if self.config.mode is TransferMode.WRITE:
@@ -294,13 +331,11 @@ class P2pConnector(LayerStreaming, TransferConnector):
             # one message vs 3.19 ms as 128 MiB ones).
             chunk = len(remote)
         chunks = plan_chunks(len(remote), chunk_rows=chunk)
-
-        def ask() -> None:  # a refusal raises: the session is dropped (_with_peer)
-            self._ask_pull(sess.sock, params, chunk_rows=chunk)
-
-        early = self._post_before_ask and wire.connected  # (a session's first pull asks first)
-        if not early:
-            ask()
+        # A connected NCCL session asks without waiting: the first receive is posted while the
+        # producer admits the pull, and the answer read then (a refusal raises: the session is
+        # dropped by _with_peer). A session's first pull asks and waits (module docstring).
+        early = self._post_before_ask and wire.connected
+        self._ask_pull(sess.sock, params, answer=not early, chunk_rows=chunk)
         conv = plan.convs[0]
 
         def dst(ch: Chunk) -> list[int]:  # local blocks of a chunk (chunks are whole merges)
@@ -318,9 +353,12 @@ class P2pConnector(LayerStreaming, TransferConnector):
             first = conv.num_dst_blocks(ch.start)
             self._apply_rows(rows, plan, uploaded[0][first : first + conv.num_dst_blocks(ch.count)])
 
+        def answered() -> None:  # (early: the ask's answer, once the first receive is posted)
+            self._pull_answer(sess.sock)
+
         wire.recv(
             0, chunks, lambda ch: src_row, direct=direct_rows, land=land,
-            after_post=ask if early else None,
+            after_post=answered if early else None,
         )  # fmt: skip
         send_msg(sess.sock, {"op": "done", "request_id": params.request_id})
 

@@ -436,17 +436,34 @@ class TransferConnector(ProducerHolds, KVConnector):
                 raise
 
     def _ask_pull(
-        self, sock: socket.socket, params: KVTransferParams, **extra: Any
+        self, sock: socket.socket, params: KVTransferParams, *, answer: bool = True, **extra: Any
     ) -> tuple[list[int], dict[str, Any]]:
         """Ask the producer to serve ``params.block_ids``: ``(ids, its reply)`` (a refusal
-        raises)."""
+        raises). ``answer=False``: only ask (the reply is ``{}``); read it later with
+        :meth:`_pull_answer`."""
         ids = list(params.block_ids)
-        reply = request(
-            sock, {"op": "pull", "request_id": params.request_id, "block_ids": ids, **extra}
-        )
+        msg = {"op": "pull", "request_id": params.request_id, "block_ids": ids, **extra}
+        if not answer:
+            try:
+                send_msg(sock, msg)
+            except (ConnectionError, OSError) as exc:  # (as request() says it)
+                raise StaleSession(f"side channel closed: {exc}") from exc
+            return ids, {}
+        return ids, self._pull_answer(sock, request(sock, msg))
+
+    @staticmethod
+    def _pull_answer(sock: socket.socket, reply: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The producer's answer to a pull (read off ``sock`` when not given); a refusal raises."""
+        if reply is None:
+            try:
+                reply = recv_msg(sock)
+            except TimeoutError:
+                raise
+            except (ConnectionError, OSError) as exc:
+                raise StaleSession(f"side channel closed: {exc}") from exc
         if not reply.get("ok"):
             raise KeyError(f"producer refused the pull: {reply.get('error')}")
-        return ids, reply
+        return reply
 
     # -- worker side ---------------------------------------------------------------------------
 
