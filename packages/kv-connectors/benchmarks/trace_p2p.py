@@ -52,7 +52,7 @@ DEEP = {
         "_with_peer",
         "_bind_device",
     ),
-    "kv_connectors.p2p:P2pConnector": ("_pull_in",),
+    "kv_connectors.p2p:P2pConnector": ("_pull_in", "_ask_now"),
     "kv_connectors.views:RegisteredKV": ("contiguous_rows", "ids_tensor", "check_block_ids"),
 }
 

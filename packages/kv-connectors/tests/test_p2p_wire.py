@@ -4,14 +4,16 @@ two in-process connectors over gloo that take the direct path and stay byte-exac
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from kv_connectors import P2pConfig, P2pConnector, p2p, transfer
+from kv_connectors import KVTransferParams, P2pConfig, P2pConnector, p2p, transfer
 from kv_connectors._p2p_wire import Wire, plan_chunks, plan_layers
+from kv_connectors.base import LoadSpec
 from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
 from kv_connectors.views import RegisteredKV
 
@@ -155,12 +157,15 @@ def test_consecutive_blocks_move_without_staging_and_byte_exact(
     prod, cons, src, dst = _in_process_pair(layout, buffer_bytes=6 * row)  # 3 rows a chunk
     cons._post_before_ask = prod._post_before_ask = early
     mine_log: list[str] = []  # the consumer's
+    asked_on: list[str] = []  # the thread of each ask
     theirs_log: list[str] = []  # the producer's
     for name, what in (("_ask_pull", "ask"), ("_pull_answer", "answer")):
         original = getattr(P2pConnector, name)
 
         def logged(*a: Any, _o: Any = original, _w: str = what, **k: Any) -> Any:
             mine_log.append(_w)
+            if _w == "ask":
+                asked_on.append(threading.current_thread().name)
             return _o(*a, **k)
 
         static = name == "_pull_answer"  # (a staticmethod: patched as one)
@@ -213,8 +218,47 @@ def test_consecutive_blocks_move_without_staging_and_byte_exact(
         want_theirs = ["send", "answer"] if post_first else ["answer", "send"]
         assert theirs_log[:2] == want_theirs, theirs_log
         assert mine_log.count("answer") == theirs_log.count("answer") == 1
+        # a connected session's ask leaves from start_load_kv's thread (here the test's), not
+        # the pull thread: it is on its way while the pull thread wakes
+        caller = threading.current_thread().name
+        assert (asked_on == [caller]) is post_first, asked_on
+        asked_on.clear()
         mine_log.clear()
         theirs_log.clear()
+    prod.close()
+    cons.close()
+
+
+def test_early_ask_falls_back_to_the_pull_thread(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    """``_ask_now`` asks only on a connected, idle session: with the session's lock held by
+    another pull it leaves the ask to the pull thread (None, nothing sent); with the session's
+    socket broken it drops the session and the pull thread makes a new one, which lands the
+    request byte-exact."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    prod, cons, src, dst = _in_process_pair(layout, 6 * layout.num_layers * layout.page_bytes)
+    cons._post_before_ask = prod._post_before_ask = True
+
+    def load(i: int, theirs: list[int], mine: list[int]) -> Any:
+        _delay, params = prod.request_finished(make_request(f"p{i}", len(theirs), 4), theirs)
+        want = [block_bytes(src, layout, b) for b in theirs]
+        _load_exact(remote_load, cons, params, mine, want, dst, layout)
+        return params
+
+    params = load(0, [2, 3], [8, 9])  # the session's first pull: connected after it
+    (sess,) = cons._peers.values()
+    assert sess.wire.connected
+    plan = cons._plan(KVTransferParams.from_dict(params))
+    spec = LoadSpec("x", (8, 9), (), params=plan.params)
+    with sess.lock:  # another pull holds the session
+        assert cons._ask_now(spec, plan) is None
+    sess.sock.close()  # the session broke: dropped, the pull thread makes a new one
+    assert cons._ask_now(spec, plan) is None
+    assert sess not in cons._peers.values()
+    load(1, [4, 5, 6], [10, 11, 12])
+    (fresh,) = cons._peers.values()
+    assert fresh is not sess
     prod.close()
     cons.close()
 

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from kv_connectors._p2p_wire import Chunk, Wire, plan_chunks
+from kv_connectors._remote_plan import _identity
 from kv_connectors._sidechannel import recv_msg, send_msg
 from kv_connectors._streaming import Arriving, LayerStreaming, Produced
 from kv_connectors.base import LoadSpec, log
@@ -305,37 +306,87 @@ class P2pConnector(LayerStreaming, TransferConnector):
             except TimeoutError:
                 log.warning("p2p: a dropped session's stream did not drain after its abort")
 
-    def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
+    def _pull(self, spec: LoadSpec, plan: RemotePlan, asked: Any = None) -> None:
         if self.config.mode is TransferMode.WRITE:
             self._load_pushed(spec, plan)
             return
-        super()._pull(spec, plan)
+        if asked is None:
+            super()._pull(spec, plan)
+            return
+        sess, chunk = asked  # its lock held since _ask_now
+        try:
+            self._pull_in(sess, spec, plan, asked=chunk)
+        except Exception:  # mid-protocol: the session cannot serve another pull
+            self._drop_peer(plan.params.host, plan.params.port, only=sess)
+            raise
+        finally:
+            sess.lock.release()
 
-    def _pull_in(self, sess: _Session, spec: LoadSpec, plan: RemotePlan) -> None:
+    def _ask_now(self, spec: LoadSpec, plan: RemotePlan) -> tuple[_Session, int] | None:
+        """A connected NCCL session that is idle: its lock taken and the ask sent from this
+        thread (``start_load_kv``'s), so the producer admits the pull and posts its send while
+        the pull thread wakes (~0.2 ms on the H200 host) and posts the receive. Otherwise (no
+        session yet, another pull on it, push mode, gloo) ``None``: the pull thread asks."""
+        if not self._post_before_ask or self.config.mode is TransferMode.WRITE:
+            return None
         params = plan.params
-        kv, wire, local = self.kv, sess.wire, list(spec.block_ids)
-        src_row = self.producer_row_bytes(plan)
+        with self._peers_lock:
+            sess = self._peers.get((params.host, params.port))
+        if not isinstance(sess, _Session):
+            return None
+        want = _identity(params.engine_id, params.compatibility_hashes, params.model_fingerprint)
+        if not sess.wire.connected or sess.identity != want:
+            return None
+        if not sess.lock.acquire(blocking=False):
+            return None
+        try:
+            chunk = self._chunk_rows(spec, plan)
+            self._ask_pull(sess.sock, params, answer=False, chunk_rows=chunk)
+        except Exception as exc:  # (the pull thread makes a new session)
+            log.info("p2p: asking %s:%s early failed (%s)", params.host, params.port, exc)
+            sess.lock.release()
+            self._drop_peer(params.host, params.port, only=sess)
+            return None
+        return sess, chunk
+
+    def _chunk_rows(self, spec: LoadSpec, plan: RemotePlan) -> int:
+        """Blocks a message of ``spec``'s pull (both sides cut the same chunks from it)."""
+        kv, src_row = self.kv, self.producer_row_bytes(plan)
         # two buffers on each side (double buffering) within buffer_bytes
         per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, kv.row_bytes)))
         chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
-        remote = params.block_ids
+        remote = plan.params.block_ids
         if (
             plan.identity
             and remote
+            and remote[-1] == remote[0] + len(remote) - 1
             and list(remote) == list(range(remote[0], remote[0] + len(remote)))
-            and kv.contiguous_rows(local) is not None
+            and kv.contiguous_rows(spec.block_ids) is not None
         ):
             # Both sides move the cache's own memory (same layout, consecutive ids on each side):
             # nothing is staged, so buffer_bytes bounds nothing and one message carries the whole
             # request (the fewest host calls; raw NCCL on an H200 pair moved 1 GiB in 3.05 ms as
             # one message vs 3.19 ms as 128 MiB ones).
             chunk = len(remote)
+        return chunk
+
+    def _pull_in(
+        self, sess: _Session, spec: LoadSpec, plan: RemotePlan, asked: int | None = None
+    ) -> None:
+        """Pull ``spec`` over ``sess`` (its lock held). ``asked``: the chunk rows of an ask
+        :meth:`_ask_now` sent already."""
+        params = plan.params
+        kv, wire, local = self.kv, sess.wire, list(spec.block_ids)
+        src_row = self.producer_row_bytes(plan)
+        chunk = self._chunk_rows(spec, plan) if asked is None else asked
+        remote = params.block_ids
         chunks = plan_chunks(len(remote), chunk_rows=chunk)
         # A connected NCCL session asks without waiting: the first receive is posted while the
         # producer admits the pull, and the answer read then (a refusal raises: the session is
-        # dropped by _with_peer). A session's first pull asks and waits (module docstring).
-        early = self._post_before_ask and wire.connected
-        self._ask_pull(sess.sock, params, answer=not early, chunk_rows=chunk)
+        # dropped). A session's first pull asks and waits (module docstring).
+        early = asked is not None or (self._post_before_ask and wire.connected)
+        if asked is None:
+            self._ask_pull(sess.sock, params, answer=not early, chunk_rows=chunk)
         conv = plan.convs[0]
 
         def dst(ch: Chunk) -> list[int]:  # local blocks of a chunk (chunks are whole merges)

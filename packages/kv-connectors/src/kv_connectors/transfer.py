@@ -146,9 +146,9 @@ class TransferConnector(ProducerHolds, KVConnector):
         self._bind_device()
         self._serve_session(sock)
 
-    def _pull_bound(self, spec: LoadSpec, plan: RemotePlan) -> None:
+    def _pull_bound(self, spec: LoadSpec, plan: RemotePlan, asked: Any = None) -> None:
         self._bind_device()
-        self._pull(spec, plan)
+        self._pull(spec, plan, asked)
 
     @abstractmethod
     def _setup_transport(self, kv: RegisteredKV) -> None: ...
@@ -396,8 +396,14 @@ class TransferConnector(ProducerHolds, KVConnector):
             peer.sock.close()
         self._release_peer(peer)
 
-    def _pull(self, spec: LoadSpec, plan: RemotePlan) -> None:
+    def _pull(self, spec: LoadSpec, plan: RemotePlan, asked: Any = None) -> None:
+        """Load ``spec`` (a pull thread). ``asked``: what :meth:`_ask_now` returned for it."""
         self._with_peer(plan.params, lambda peer: self._pull_in(peer, spec, plan))
+
+    def _ask_now(self, spec: LoadSpec, plan: RemotePlan) -> Any:
+        """On ``start_load_kv``'s thread, before the pull thread starts: ask the producer now
+        where the transport can (its answer, or ``None``: the pull thread asks)."""
+        return None
 
     def _with_peer(self, params: KVTransferParams, work: Callable[[Any], None]) -> None:
         """Run ``work(peer)`` on the peer of ``params``'s address (its lock held, its live
@@ -472,7 +478,8 @@ class TransferConnector(ProducerHolds, KVConnector):
             plan = self._load_plans.pop(spec.request_id, None)
             if plan is None or not spec.block_ids:
                 continue
-            fut = self._executor.submit(self._pull_bound, spec, plan)
+            asked = self._ask_now(spec, plan)
+            fut = self._executor.submit(self._pull_bound, spec, plan, asked)
             with self._lock:
                 self._futures[fut] = (spec,)
 
