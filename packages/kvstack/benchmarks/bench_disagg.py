@@ -98,6 +98,12 @@ def _trace_install() -> None:
     host_trace.install_transfer()
     for name in ("match", "allocated", "start_step", "idle_step", "poll", "end_forward"):
         host_trace.wrap(KVConnectorDriver, name)
+    # layer-wise streaming: when the producer's host reached each layer (save_kv_layer) against
+    # when its session thread served it (_serve_layers' sends), and the consumer's layer waits
+    from kv_connectors._streaming import LayerStreaming
+
+    for name in ("save_kv_layer", "wait_for_layer_load", "_serve_layers"):
+        host_trace.wrap(LayerStreaming, name)
     host_trace.wrap(LLMEngine, "step")
     host_trace.wrap(Scheduler, "kv_loaded")
 
