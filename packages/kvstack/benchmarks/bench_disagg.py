@@ -104,6 +104,26 @@ def _trace_install() -> None:
 
     for name in ("save_kv_layer", "wait_for_layer_load", "_serve_layers"):
         host_trace.wrap(LayerStreaming, name)
+    # the step's parts before its first layer, and the collector's pauses
+    import gc
+
+    from kv_blocktable.block_table import BlockTables
+    from kvstack.engine._rows import BatchRows
+    from kvstack.engine._staging import StepStager
+    from kvstack.engine.runner import ModelRunner
+
+    for owner, name in (
+        (BatchRows, "prepare"),
+        (BlockTables, "build_common_metadata"),
+        (StepStager, "stage"),
+        (ModelRunner, "execute_trusted"),
+    ):
+        host_trace.wrap(owner, name)
+    gc.callbacks.append(
+        lambda phase, info: host_trace.mark(
+            f"gc{info['generation']} {'>' if phase == 'start' else '<'}"
+        )
+    )
     host_trace.wrap(LLMEngine, "step")
     host_trace.wrap(Scheduler, "kv_loaded")
 
