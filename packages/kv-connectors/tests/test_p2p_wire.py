@@ -263,6 +263,46 @@ def test_early_ask_falls_back_to_the_pull_thread(
     cons.close()
 
 
+def test_an_abort_does_not_cancel_a_pull_whose_ask_left(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    """A pull whose ask left from ``start_load_kv`` holds its session's lock until its pull
+    thread runs: an abort while it waits in the pool must not cancel it (a cancelled one would
+    never release the lock, and the producer serves the ask anyway). It runs, lands, is
+    reported, and the next pull on the session lands too. Planted: cancelling it leaves the next
+    pull waiting on the lock until the test's limit."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    prod, cons, src, dst = _in_process_pair(layout, 6 * layout.num_layers * layout.page_bytes)
+    cons._post_before_ask = prod._post_before_ask = True
+
+    def start(i: int, theirs: list[int], mine: list[int]) -> list[torch.Tensor]:
+        _delay, params = prod.request_finished(make_request(f"p{i}", len(theirs), 4), theirs)
+        assert remote_load.start(cons, params, mine, f"c{i}") == len(theirs) * 4
+        return [block_bytes(src, layout, b) for b in theirs]
+
+    def landed(i: int, mine: list[int], want: list[torch.Tensor]) -> None:
+        _t, errors = remote_load.finish(cons, f"c{i}", 3 * TIMEOUT + 10, poll_s=0.01)
+        assert errors == set(), cons.load_error_reasons
+        for b, w in zip(mine, want, strict=True):
+            assert torch.equal(block_bytes(dst, layout, b), w)
+
+    landed(0, [8, 9], start(0, [2, 3], [8, 9]))  # the session's first pull: connected after it
+    gate = threading.Event()
+    held = [cons._executor.submit(gate.wait, 30) for _ in range(4)]  # every pull thread busy
+    want = start(1, [4, 5], [10, 11])
+    (fut,) = cons._futures
+    assert fut in cons._asked and not fut.running()  # asked, queued behind the held threads
+    cons.abort_request("c1")
+    assert not fut.cancelled()
+    gate.set()
+    for h in held:
+        h.result(timeout=10)
+    landed(1, [10, 11], want)
+    landed(2, [12, 13], start(2, [6, 7], [12, 13]))
+    prod.close()
+    cons.close()
+
+
 def _count(monkeypatch: pytest.MonkeyPatch, module: Any, names: list[str]) -> dict[str, int]:
     """Count calls of ``module.<name>`` (the block copies the views launch, the wire's
     messages) from now on."""

@@ -110,6 +110,7 @@ class TransferConnector(ProducerHolds, KVConnector):
         self._in_step: set[str] = set()  # loads inside the forward pass: no done_recving
         # each pull's loads (a P2P layer-wise pull carries a step's loads from one producer)
         self._futures: dict[Future[None], tuple[LoadSpec, ...]] = {}
+        self._asked: set[Future[None]] = set()  # pulls whose ask left already (never cancelled)
         self._executor = ThreadPoolExecutor(
             max_workers=4, thread_name_prefix=f"kv-{self.transport}"
         )
@@ -291,8 +292,11 @@ class TransferConnector(ProducerHolds, KVConnector):
                 self._worker.done_recving.add(request_id)
         with self._lock:
             for fut, specs in self._futures.items():
-                if [s.request_id for s in specs] == [request_id]:
-                    fut.cancel()  # only one not yet running is cancelled; _poll reports it
+                # Only one not yet running is cancelled (_poll reports it), and not one whose
+                # ask already left (_ask_now): the producer serves it and the session's lock
+                # waits for its pull thread, so it runs and ends as one under way would.
+                if [s.request_id for s in specs] == [request_id] and fut not in self._asked:
+                    fut.cancel()
             held = self._sendable.get(request_id)
             if held is not None:
                 held.deadline = float("-inf")  # abandoned now: freed once no pull is in flight
@@ -482,6 +486,8 @@ class TransferConnector(ProducerHolds, KVConnector):
             fut = self._executor.submit(self._pull_bound, spec, plan, asked)
             with self._lock:
                 self._futures[fut] = (spec,)
+                if asked is not None:
+                    self._asked.add(fut)
 
     def wait_for_save(self) -> None:
         """Producers serve from the live blocks (kept by ``delay_free``): nothing to flush."""
@@ -505,6 +511,7 @@ class TransferConnector(ProducerHolds, KVConnector):
             done = [(f, s) for f, s in self._futures.items() if f.done()]
             for f, _ in done:
                 del self._futures[f]
+                self._asked.discard(f)
             self._expire_locked()
         for f, specs in done:
             reason: str | None = None
