@@ -13,6 +13,7 @@ import pytest
 import torch
 from kv_connectors import P2pConfig, P2pConnector
 from kv_connectors.testing import make_layout, random_cache
+from kv_connectors.views import RegisteredKV
 
 TIMEOUT = 5.0
 THEIRS, MINE = [3, 9, 1, 6], [7, 2, 11, 5]
@@ -48,9 +49,19 @@ def _layer_exact(dst: Any, src: Any, layer: int) -> bool:
 
 
 def test_consumer_reads_layer_0_before_the_producer_computed_the_last(
-    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+    spawn_peer: Callable[..., Any],
+    make_request: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     layout = make_layout("LBNHC", num_layers=3)
+    uploads: list[int] = []  # the consumer's block-id uploads (one a pull, sliced per layer)
+    ids_tensor = RegisteredKV.ids_tensor
+
+    def counted(self: RegisteredKV, block_ids: Any) -> Any:
+        uploads.append(len(block_ids))
+        return ids_tensor(self, block_ids)
+
+    monkeypatch.setattr(RegisteredKV, "ids_tensor", counted)
     peer = spawn_peer(
         {
             "transport": "p2p",
@@ -85,6 +96,7 @@ def test_consumer_reads_layer_0_before_the_producer_computed_the_last(
     conn.wait_for_layer_load(2)
     assert all(_layer_exact(dst, src, layer) for layer in range(3))
     assert conn.get_block_ids_with_load_errors() == set(), conn.load_error_reasons
+    assert uploads == [len(MINE)], uploads  # three layers landed from one upload
     peer.expect(("SAVED",), timeout_s=30)
     peer.expect(("SENT req-s",), timeout_s=30)  # freed after request_finished and the "done"
     deadline = time.monotonic() + 5
