@@ -235,8 +235,10 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first one always stays).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
+        # Back to vocabulary order through the sort's permutation. (Indexing with the boolean
+        # mask, logits[order[drop]], needs the mask's count on the host: a device sync a row.)
+        kept = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, kept)
     return logits
 
 
@@ -251,11 +253,12 @@ def sample(
             f"sample: logits {tuple(logits.shape)} must be [R, vocab] with R = len(params) = "
             f"len(generators) (got {len(params)} and {len(generators)})"
         )
-    out = logits.argmax(dim=-1).tolist()  # greedy rows: one batched argmax, one sync
+    tokens = logits.argmax(dim=-1)  # greedy rows: one batched argmax
     for r, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue
         row = _filter(logits[r].float() / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(row, dim=-1)
-        out[r] = int(torch.multinomial(probs, 1, generator=gen).item())
-    return out  # tolist() gave Python ints; the sampled rows hold int() of an item
+        # (written on the device: an .item() a sampled row was a device sync each)
+        tokens[r] = torch.multinomial(probs, 1, generator=gen)[0]
+    return tokens.tolist()  # the step's one sync; Python ints
