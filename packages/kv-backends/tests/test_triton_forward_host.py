@@ -47,9 +47,45 @@ def test_forward_passes_the_batch_and_only_non_default_options(calls: list[Any])
     assert args[3] is md.block_table and args[4] is md.seq_lens and args[5] is md.query_start_loc
     assert args[6] == md.max_query_len
     assert kw == {"max_seq_len": md.max_seq_len, "out": out, "scale": impl.scale, "impl": "triton"}
-    # Without out: a zeroed [T, Hq, Dv] output of q's dtype, as empty_output makes.
+    # Without out: a [T, Hq, Dv] output of q's dtype, passed to the kernel, which writes every
+    # real row (this stub writes none: nothing is zeroed for it, there being no padding).
     res = impl.forward(None, b.q, b.kv_cache, md)
-    assert res.shape == (3, 4, 16) and res.dtype == b.q.dtype and not res.any()
+    assert res.shape == (3, 4, 16) and res.dtype == b.q.dtype
+    assert calls[-1][1]["out"] is res
+
+
+def test_forward_zeroes_only_the_padding_rows_of_its_output(
+    calls: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Padding rows (past ``num_actual_tokens``: they see no key) are zeros before the kernel
+    runs; the real rows are the kernel's to write, and with no padding nothing is filled.
+    Planted: zeroing from row 0 (the whole output) or not at all both fail the fill count or
+    the rows' values below."""
+    b = make_paged_batch(
+        query_lens=[1, 1, 1], seq_lens=[5, 17, 33], num_q_heads=4, num_kv_heads=2, head_size=16,
+        pad_tokens=2,
+    )  # fmt: skip
+    backend = get_backend("TRITON")
+    md = backend.make_builder(b.config, b.layout, device="cpu").build(b.common)
+    impl = backend.make_impl(b.config, b.layout, device="cpu")
+    assert md.num_actual_tokens == 3 and b.q.shape[0] == 5
+    fills: list[int] = []
+    zero_ = torch.Tensor.zero_
+
+    def counted(self: torch.Tensor) -> torch.Tensor:
+        fills.append(self.shape[0])
+        return zero_(self)
+
+    monkeypatch.setattr(torch.Tensor, "zero_", counted)
+    empty = torch.empty
+
+    def poisoned(*a: Any, **k: Any) -> torch.Tensor:  # the allocator's garbage, made visible
+        return empty(*a, **k).fill_(7.0)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    res = impl.forward(None, b.q, b.kv_cache, md)
+    assert fills == [2]  # the two padding rows, once
+    assert not res[3:].any() and bool((res[:3] == 7).all())  # real rows: the kernel's (a stub)
 
 
 def test_options_off_their_defaults_are_passed(calls: list[Any]) -> None:
