@@ -15,10 +15,9 @@ from kvstack.engine.sampling import SamplingParams, _filter, make_generator, sam
 
 
 def _filter_masked(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The filter as it was: boolean indexing (a device sync a row on CUDA)."""
-    if top_k and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    """The filter as it was: top-p by boolean indexing (a device sync a row on CUDA); top-k
+    did not change, so it is the engine's own."""
+    logits = _filter(logits, top_k, 1.0)
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
