@@ -305,9 +305,13 @@ def test_abandoned_request_is_freed_and_later_pulls_are_refused(
     cons.close()
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["answer_first", "early_ask"])
 def test_restarted_producer_on_the_same_address_gets_a_fresh_session(
-    spawn_peer: Callable[..., Any], remote_load: Any
+    early: bool, spawn_peer: Callable[..., Any], remote_load: Any
 ) -> None:
+    """``early_ask``: the consumer asks from start_load_kv on its connected session (the order
+    NCCL sessions use, here over gloo): the dead session breaks under that ask, and the pull
+    goes once more on a fresh session, as a stale cached session does without it."""
     import socket
 
     with socket.socket() as s:
@@ -320,6 +324,7 @@ def test_restarted_producer_on_the_same_address_gets_a_fresh_session(
         "producers": _producers(["LBNHC"]),
     }
     conn, cache = _consumer("LBNHC")
+    conn._post_before_ask = early
     first = spawn_peer(cfg)
     assert _pull(conn, first.params["LBNHC"], [1, 2, 3, 4], remote_load, "r1")[1] == set()
     first.stop()  # the cached session now points at a dead process

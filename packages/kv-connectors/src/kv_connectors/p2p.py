@@ -129,13 +129,13 @@ class P2pConnector(LayerStreaming, TransferConnector):
         if backend == "nccl" and kv.device.type != "cuda":
             raise ValueError("P2pConfig.backend='nccl' needs the KV cache on a CUDA device")
         self._backend = backend
-        # NCCL: a pull's first receive is posted before its ask, once the session's
+        # NCCL: a pull's first receive is posted before its answer is read, once the session's
         # communicator is up (Wire.connected: NCCL makes it at the first transfer, the receiver
         # waiting for the sender). A receive is stream-ordered (the host goes on), so the ask's
         # round trip and the producer's admission overlap its posting, and the first bytes move
         # as soon as the producer sends. A refused ask then leaves a receive posted: the session
         # is dropped, as for any failed pull, and its communicator aborted (_release_peer),
-        # which ends that receive. gloo keeps the ask first: its receives run on its own
+        # which ends that receive. gloo waits for the answer: its receives run on its own
         # threads, and a dropped group has no abort.
         self._post_before_ask = backend == "nccl"
         if 2 * kv.row_bytes > self.config.buffer_bytes:
@@ -316,11 +316,16 @@ class P2pConnector(LayerStreaming, TransferConnector):
         sess, chunk = asked  # its lock held since _ask_now
         try:
             self._pull_in(sess, spec, plan, asked=chunk)
-        except Exception:  # mid-protocol: the session cannot serve another pull
+            return
+        except Exception as exc:  # mid-protocol: the session cannot serve another pull
             self._drop_peer(plan.params.host, plan.params.port, only=sess)
-            raise
+            if isinstance(exc, KeyError | TimeoutError | HandshakeRefused):
+                raise  # refused, or the producer stalled: not a session that went stale
         finally:
             sess.lock.release()
+        # The session broke under the early ask (its producer restarted on the same address,
+        # say): once more on a fresh session, as _with_peer retries a stale cached one.
+        super()._pull(spec, plan)
 
     def _ask_now(self, spec: LoadSpec, plan: RemotePlan) -> tuple[_Session, int] | None:
         """A connected NCCL session that is idle: its lock taken and the ask sent from this
