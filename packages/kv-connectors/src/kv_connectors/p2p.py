@@ -342,10 +342,15 @@ class P2pConnector(LayerStreaming, TransferConnector):
         want = _identity(params.engine_id, params.compatibility_hashes, params.model_fingerprint)
         if not sess.wire.connected or sess.identity != want:
             return None
+        try:
+            chunk = self._chunk_rows(spec, plan)
+        except (
+            ValueError
+        ):  # (bad local ids: the pull thread's load reports it; the session is fine)
+            return None
         if not sess.lock.acquire(blocking=False):
             return None
         try:
-            chunk = self._chunk_rows(spec, plan)
             self._ask_pull(sess.sock, params, answer=False, chunk_rows=chunk)
         except Exception as exc:  # (the pull thread makes a new session)
             log.info("p2p: asking %s:%s early failed (%s)", params.host, params.port, exc)
