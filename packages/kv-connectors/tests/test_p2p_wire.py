@@ -15,7 +15,7 @@ from kv_connectors import KVTransferParams, P2pConfig, P2pConnector, p2p, transf
 from kv_connectors._p2p_wire import Wire, plan_chunks, plan_layers
 from kv_connectors.base import LoadSpec
 from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
-from kv_connectors.views import RegisteredKV
+from kv_connectors.views import RegisteredKV, is_run
 
 TIMEOUT = 5.0
 
@@ -89,6 +89,11 @@ def test_contiguous_rows_are_exactly_what_a_gather_writes(name: str) -> None:
             # a run past the cache is refused, never clipped to the rows that exist
             with pytest.raises(ValueError, match="outside"):
                 kv.contiguous_rows([kv.num_blocks - 1, kv.num_blocks], seg)
+
+
+def test_is_run_takes_only_ascending_steps_of_one() -> None:
+    assert is_run([5]) and is_run([3, 4, 5]) and is_run((7, 8))
+    assert not is_run([]) and not is_run([3, 9, 5]) and not is_run([5, 4]) and not is_run([3, 3])
 
 
 def test_contiguous_rows_check_can_fail() -> None:

@@ -65,7 +65,7 @@ from kv_connectors.base import LoadSpec, log
 from kv_connectors.config import P2pConfig, TransferMode, parse_address
 from kv_connectors.handshake import HandshakeRefused
 from kv_connectors.transfer import RemotePlan, TransferConnector
-from kv_connectors.views import RegisteredKV
+from kv_connectors.views import RegisteredKV, is_run
 
 __all__ = ["P2pConnector"]
 
@@ -366,13 +366,7 @@ class P2pConnector(LayerStreaming, TransferConnector):
         per_chunk = max(1, self.config.buffer_bytes // (2 * max(src_row, kv.row_bytes)))
         chunk = max(plan.merge, per_chunk - per_chunk % plan.merge)
         remote = plan.params.block_ids
-        if (
-            plan.identity
-            and remote
-            and remote[-1] == remote[0] + len(remote) - 1
-            and list(remote) == list(range(remote[0], remote[0] + len(remote)))
-            and kv.contiguous_rows(spec.block_ids) is not None
-        ):
+        if plan.identity and is_run(remote) and kv.contiguous_rows(spec.block_ids) is not None:
             # Both sides move the cache's own memory (same layout, consecutive ids on each side):
             # nothing is staged, so buffer_bytes bounds nothing and one message carries the whole
             # request (the fewest host calls; raw NCCL on an H200 pair moved 1 GiB in 3.05 ms as

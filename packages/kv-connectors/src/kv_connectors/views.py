@@ -22,7 +22,7 @@ from kv_kernels import KVCacheStorage, gather_blocks, scatter_blocks
 from kv_kernels.block_copy import PageGeometry, page_geometry
 from kv_spec import KVCacheLayout
 
-__all__ = ["ByteRange", "CacheSegment", "RegisteredKV", "single_layer_layout"]
+__all__ = ["ByteRange", "CacheSegment", "RegisteredKV", "is_run", "single_layer_layout"]
 
 
 def single_layer_layout(layout: KVCacheLayout) -> KVCacheLayout:
@@ -30,6 +30,16 @@ def single_layer_layout(layout: KVCacheLayout) -> KVCacheLayout:
     data = layout.to_dict()
     data["num_layers"] = 1
     return KVCacheLayout.from_dict(data)
+
+
+def is_run(block_ids: Sequence[int]) -> bool:
+    """``block_ids`` are ``b0, b0 + 1, ...`` (not empty): the last id compared first, so
+    shuffled ids are refused without the walk."""
+    n = len(block_ids)
+    if not n:
+        return False
+    b0 = block_ids[0]
+    return block_ids[-1] == b0 + n - 1 and list(block_ids) == list(range(b0, b0 + n))
 
 
 class ByteRange(tuple[int, int]):
@@ -290,10 +300,9 @@ class RegisteredKV:
         rows = self._direct[segment]
         if rows is None:
             return None
-        b0 = block_ids[0]
-        # (the last id first: shuffled ids are refused without the walk)
-        if block_ids[-1] != b0 + n - 1 or list(block_ids) != list(range(b0, b0 + n)):
+        if not is_run(block_ids):
             return None
+        b0 = block_ids[0]
         if b0 < 0 or b0 + n > self.num_blocks:
             raise ValueError(
                 f"block ids [{b0}, {b0 + n}) are outside [0, num_blocks={self.num_blocks})"
