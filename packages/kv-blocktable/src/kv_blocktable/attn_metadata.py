@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from typing import NoReturn
 
+import numpy as np
 import torch
 from kv_backends import CommonAttentionMetadata
 
@@ -294,21 +295,26 @@ class StepInputs:
         if max_q == 1 and num_tokens == num_reqs:
             # Pure decode (every query_len is 1: none is above 1 and they sum to R)
             return _pure_decode_inputs(num_reqs, s, padded, max_s, q)
-        qsl = int64_tensor(list(accumulate(ql, initial=0)))  # [R + 1]
-        first_pos = int64_tensor(first)  # [R]
-        token_reqs = torch.repeat_interleave(
-            torch.arange(num_reqs), q, output_size=num_tokens
-        )  # [T]
-        # Token t of request r sits at position (seq_len - query_len) + (t - qsl[r]).
-        positions = torch.arange(num_tokens) + (first_pos - qsl[:-1])[token_reqs]
+        # Per-token arrays with numpy, not torch: torch's CPU index and repeat_interleave enter
+        # its OpenMP pool at these sizes, and on a GPU host (16 cores, workers spinning after the
+        # region) an 8k-token prefill's metadata took 10-20 ms instead of ~1 (H200 host, the
+        # engine's own step; OMP_WAIT_POLICY=PASSIVE or one thread gave ~1 ms too). numpy runs
+        # on the calling thread.
+        q_np, s_np = q.numpy(), s.numpy()
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)  # [R + 1]
+        np.cumsum(q_np, out=qsl[1:])
+        token_reqs = np.repeat(np.arange(num_reqs, dtype=np.int64), q_np)  # [T]
+        # Token t of request r sits at position (seq_len - query_len) + (t - qsl[r]), i.e.
+        # t + (seq_len - qsl[r + 1]).
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(s_np - qsl[1:], q_np)
         return cls(
             num_reqs=num_reqs,
             query_lens=q,
             seq_lens=s,
-            query_start_loc=qsl.to(torch.int32),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
             seq_lens_i32=s.to(torch.int32),
-            positions=positions,
-            token_reqs=token_reqs,
+            positions=torch.from_numpy(positions),
+            token_reqs=torch.from_numpy(token_reqs),
             num_tokens=num_tokens,
             padded_tokens=padded,
             max_query_len=max_q,
@@ -363,17 +369,22 @@ def check_new_tokens_not_null(
     """
     if step.num_tokens == 0:
         return
-    blocks = host_table[step.token_reqs, step.positions // block_size]  # [T]
-    _check_not_null(step, blocks, block_size, null_block, group)
+    # numpy's gather, not torch's CPU index (which enters its OpenMP pool: see from_lengths)
+    blocks = host_table.numpy()[step.token_reqs.numpy(), step.positions.numpy() // block_size]
+    hit = blocks == null_block  # [T]
+    if hit.any():
+        _null_error(step, int(hit.argmax()), block_size, null_block, group)
 
 
 def _check_not_null(
     step: StepInputs, blocks: torch.Tensor, block_size: int, null_block: int, group: int
 ) -> None:
     hit = blocks == null_block
-    if not bool(hit.any()):
-        return
-    t = int(hit.nonzero()[0])
+    if bool(hit.any()):
+        _null_error(step, int(hit.nonzero()[0]), block_size, null_block, group)
+
+
+def _null_error(step: StepInputs, t: int, block_size: int, null_block: int, group: int) -> NoReturn:
     r, pos = int(step.token_reqs[t]), int(step.positions[t])
     raise ValueError(
         f"request {r}: new token at position {pos} maps to the null block {null_block} "
