@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from kv_backends import CommonAttentionMetadata
 from kv_kernels.paged_attention import merge_attn_states, paged_attention
@@ -281,12 +282,14 @@ class _GroupPlan:
     layout: KVCacheLayout
 
 
-def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(segment, offset)`` of every element of the ranges ``[starts[k], starts[k] + lens[k])``
-    laid end to end (int64, host)."""
-    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    first = torch.cumsum(lens, 0) - lens
-    off = torch.arange(int(lens.sum())) - first[seg]
+    laid end to end (int64, host). numpy, as all of a step's per-token host arithmetic: torch's
+    CPU index and repeat_interleave enter its OpenMP pool at these sizes (kv-blocktable's
+    ``StepInputs.from_lengths`` says what that cost on the H200 host)."""
+    seg = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+    first = np.cumsum(lens) - lens
+    off = np.arange(int(lens.sum()), dtype=np.int64) - first[seg]
     return seg, off
 
 
@@ -313,16 +316,19 @@ def fill_workspace(
 
 
 def _to_device(
-    parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device
+    parts: list[np.ndarray], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """Host tensors on ``device`` in ``dtype``: on CUDA one non-blocking copy from pinned memory
-    (a pageable copy would wait for the stream, see ``engine/_staging.py``)."""
-    if device.type != "cuda":
-        return [p.to(dtype) for p in parts]
-    sizes = [p.numel() for p in parts]
-    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
-    torch.cat([p.reshape(-1).to(dtype) for p in parts], out=host)
-    dev = host.to(device, non_blocking=True)  # (the pinned block is kept until the copy ran)
+    """Host arrays on ``device`` in ``dtype`` (int32 / int64; the values fit: positions, rows and
+    page numbers of one step), written into one host buffer by numpy: on CUDA a pinned one and
+    one non-blocking copy (a pageable copy would wait for the stream, see
+    ``engine/_staging.py``)."""
+    sizes = [p.size for p in parts]
+    cuda = device.type == "cuda"
+    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=cuda)
+    if parts:
+        np.concatenate([p.reshape(-1) for p in parts], out=host.numpy(), casting="same_kind")
+    dev = host.to(device, non_blocking=True) if cuda else host  # (the pinned block is kept
+    # until the copy ran)
     return [v.view(p.shape) for v, p in zip(dev.split(sizes), parts, strict=True)]
 
 
@@ -364,51 +370,55 @@ class MLAStep:
         passes = plan_passes(qlens, seq, block=block, capacity=prefill.workspace_tokens)
         num_rows = parts.row.shape[0]
         decode = [r for r, q in enumerate(qlens) if q == 1]
-        longs: list[torch.Tensor] = [torch.tensor(decode), torch.tensor([qsl[r] for r in decode])]
-        ints: list[torch.Tensor] = [torch.arange(len(decode) + 1)]
+
+        def arr(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.int64)
+
+        longs = [arr(decode), arr([qsl[r] for r in decode])]
+        ints = [np.arange(len(decode) + 1, dtype=np.int64)]
         host: list[tuple[bool, int, int, bool]] = []
         pieces_of: dict[int, int] = {}
         max_pages = 1
         for p in passes:
-            req = torch.tensor([x.req for x in p.pieces])
-            start = torch.tensor([x.start for x in p.pieces])
-            n = torch.tensor([x.stop - x.start for x in p.pieces])
-            q_start = torch.tensor([qsl[x.req] for x in p.pieces])
-            q_len = torch.tensor([qlens[x.req] for x in p.pieces])
+            req = arr([x.req for x in p.pieces])
+            start = arr([x.start for x in p.pieces])
+            n = arr([x.stop - x.start for x in p.pieces])
+            q_start = arr([qsl[x.req] for x in p.pieces])
+            q_len = arr([qlens[x.req] for x in p.pieces])
             n_pages = (n + block - 1) // block
-            base = torch.cumsum(n_pages, 0) - n_pages
+            base = np.cumsum(n_pages) - n_pages
             max_pages = max(max_pages, int(n_pages.sum()))
             seg, within = _ranges(start, n)
             qseg, qoff = _ranges(q_start, q_len)
             q_rows = q_start[qseg] + qoff
-            col = torch.arange(int(n_pages.max()))
-            table = torch.where(col[None] < n_pages[:, None], base[:, None] + col[None], 0)
+            col = np.arange(int(n_pages.max()), dtype=np.int64)
+            table = np.where(col[None] < n_pages[:, None], base[:, None] + col[None], 0)
             longs += [q_rows, req[seg], start[seg] + within, base[seg] * block + within]
-            ints += [table, n, torch.cat([torch.zeros(1, dtype=torch.int64), q_len.cumsum(0)])]
-            whole = q_rows.numel() == num_rows and bool((q_rows == torch.arange(num_rows)).all())
+            ints += [table, n, np.concatenate([arr([0]), np.cumsum(q_len)])]
+            whole = q_rows.size == num_rows and bool((q_rows == np.arange(num_rows)).all())
             host.append((p.causal, int(q_len.max()), int(n.max()), whole))
             for x in p.pieces:
                 pieces_of[x.req] = pieces_of.get(x.req, 0) + 1
-        longs = _to_device(longs, torch.int64, device)
-        ints = _to_device(ints, torch.int32, device)
+        dev_longs = _to_device(longs, torch.int64, device)
+        dev_ints = _to_device(ints, torch.int32, device)
         kbs = self.runner.kernel_block_sizes[g]
         n_block = b.kv_cache.shape[2]  # the layer view's (manager) block
         dev_passes = []
         for k, (causal, max_q, max_s, whole) in enumerate(host):
-            q_rows, src_req, src_pos, dst = longs[2 + 4 * k : 6 + 4 * k]
-            table, n, qsl_p = ints[1 + 3 * k : 4 + 3 * k]
+            rows_d, src_req, src_pos, dst = dev_longs[2 + 4 * k : 6 + 4 * k]
+            table_d, n_d, qsl_p = dev_ints[1 + 3 * k : 4 + 3 * k]
             slots = context_slots(md.block_table, src_req, src_pos, kbs)
-            rows = None if whole else q_rows
+            rows = None if whole else rows_d
             blk, off = slots // n_block, slots % n_block
             dev_passes.append(
-                _DevicePass(causal, rows, blk, off, dst, table, n, qsl_p, max_q, max_s)
+                _DevicePass(causal, rows, blk, off, dst, table_d, n_d, qsl_p, max_q, max_s)
             )
         decode_rows, decode_md = None, None
         if decode:
-            dec_req, decode_rows = longs[0], longs[1]
+            dec_req, decode_rows = dev_longs[0], dev_longs[1]
             seq_cpu = md.host_seq_lens()[torch.tensor(decode)].to(torch.int32)
             sub = CommonAttentionMetadata(
-                query_start_loc=ints[0], seq_lens=md.seq_lens.index_select(0, dec_req),
+                query_start_loc=dev_ints[0], seq_lens=md.seq_lens.index_select(0, dec_req),
                 block_table=md.block_table.index_select(0, dec_req),
                 slot_mapping=md.slot_mapping.index_select(0, decode_rows), max_query_len=1,
                 max_seq_len=max(seq[r] for r in decode), num_actual_tokens=len(decode),
