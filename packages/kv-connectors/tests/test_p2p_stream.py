@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 from kv_connectors import P2pConfig, P2pConnector
+from kv_connectors._p2p_wire import Wire
+from kv_connectors._streaming import _STREAM_DRAIN_POLL_S
 from kv_connectors.testing import make_layout, random_cache
 from kv_connectors.views import RegisteredKV
 
@@ -117,7 +119,7 @@ def _producer(layout: Any) -> tuple[P2pConnector, Any]:
 
 @pytest.mark.parametrize("order", ["LBNHC", "BLNHC"])
 def test_streamed_blocks_are_held_until_request_finished(
-    order: str, make_request: Callable[..., Any]
+    order: str, make_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The consumer's "done" may come before the engine finished the request on the producer:
     its blocks are still the request's then, never reported in done_sending. A cross-layer
@@ -125,6 +127,9 @@ def test_streamed_blocks_are_held_until_request_finished(
     layout = make_layout(order, num_layers=2)
     prod, src = _producer(layout)
     conn, dst = _layerwise_consumer(layout)
+    polls: list[float] = []  # each drain's longest poll interval
+    drain = Wire.drain
+    monkeypatch.setattr(Wire, "drain", lambda w, d, p=2e-5: (polls.append(p), drain(w, d, p)))
     req = make_request("p", len(THEIRS), layout.block_size)
     params = prod.stream_request(req, THEIRS)
     meta = prod.build_connector_meta()
@@ -145,6 +150,8 @@ def test_streamed_blocks_are_held_until_request_finished(
     assert prod.get_finished()[0] == set()  # the consumer is done, the engine is not
     assert prod.request_finished(req, THEIRS) == (True, params)
     assert "p" in prod.get_finished()[0]
+    # both sides' last waits poll coarsely (no step waits for them; see Wire.drain)
+    assert polls.count(_STREAM_DRAIN_POLL_S) == 2, polls
     prod.close()
     conn.close()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from kv_connectors import KVTransferParams, P2pConfig, P2pConnector, p2p, transfer
 from kv_connectors._p2p_wire import Wire, plan_chunks, plan_layers
+from kv_connectors._p2p_wire import time as p2p_wire_time
 from kv_connectors.base import LoadSpec
 from kv_connectors.testing import block_bytes, make_layout, random_cache, standard_layouts
 from kv_connectors.views import RegisteredKV, is_run
@@ -540,3 +541,32 @@ def test_every_landing_is_preloaded_before_the_first_receive_is_posted() -> None
     assert kinds.count("preload") == len(chunks) and kinds.count("post") == len(chunks)
     assert kinds.index("post") > max(i for i, k in enumerate(kinds) if k == "preload")
     assert shapes == landed  # the rows each landing gets, preloaded with the same shape
+
+
+def test_drain_polls_back_off_to_the_given_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain sleeps 20 us, then twice as long each poll, never more than ``poll_s``: a long
+    one (a layer-wise transfer's, ~11 ms) polls ~a dozen times instead of ~500."""
+    polls = {"left": 9}
+
+    class Event:  # completes on its tenth query
+        def record(self, stream: Any) -> None:
+            pass
+
+        def query(self) -> bool:
+            polls["left"] -= 1
+            return polls["left"] < 0
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(p2p_wire_time, "sleep", sleeps.append)
+    wire = Wire.__new__(Wire)
+    wire.stream, wire.timeout_s = object(), TIMEOUT
+    wire.drain(time.monotonic() + 60, poll_s=3e-4)
+    want = [2e-5, 4e-5, 8e-5, 1.6e-4, 3e-4, 3e-4, 3e-4, 3e-4, 3e-4]
+    assert sleeps == pytest.approx(want)
+    polls["left"], sleeps[:] = 3, []
+    wire.drain(time.monotonic() + 60)  # the default: 20 us throughout
+    assert sleeps == pytest.approx([2e-5] * 3)
+    polls["left"] = 10**9
+    with pytest.raises(TimeoutError, match="exceeded timeout_s"):
+        wire.drain(time.monotonic() - 1)

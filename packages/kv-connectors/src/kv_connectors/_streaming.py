@@ -52,6 +52,10 @@ from kv_connectors.config import KVRole, TransferMode
 
 __all__ = ["Arriving", "LayerStreaming", "Produced"]
 
+#: A layer-wise transfer's last wait polls its stream at most this often (``Wire.drain``): no
+#: step waits for it, and each poll takes the GIL from the engine's launches.
+_STREAM_DRAIN_POLL_S = 1e-3
+
 
 class _Segments:
     """Per-segment flags with an optional CUDA event each, a failure and one condition."""
@@ -431,9 +435,11 @@ class LayerStreaming:
             taken[ch.part][2].mark(ch.segment, self._event(wire.stream))
 
         deadline = max(a.deadline for _s, _p, a in taken)
-        # into staging only (direct=None): a late receive must never write a reported block
+        # into staging only (direct=None): a late receive must never write a reported block.
+        # The step waits for each layer's landing event, never for the drain: a coarse poll.
         wire.recv(0, chunks, lambda ch: widths[ch.segment or 0], direct=lambda ch: None,
-                  land=land, segment_done=landed, deadline=deadline, preload=preload)  # fmt: skip
+                  land=land, segment_done=landed, deadline=deadline, preload=preload,
+                  drain_poll_s=_STREAM_DRAIN_POLL_S)  # fmt: skip
         for _spec, plan, arriving in taken:
             if arriving.complete() and arriving.failed is None:
                 send_msg(sess.sock, {"op": "done", "request_id": plan.params.request_id})
@@ -472,7 +478,9 @@ class LayerStreaming:
                 return [] if wait is None else wait(ch.segment)
 
             ids = [b for _rid, part, _t in taken for b in part]
-            wire.send(1, ids, chunks, ready=ready)
+            # (the drain ends the pins and frees the session for its next message; the consumer
+            # waits on its own landings)
+            wire.send(1, ids, chunks, ready=ready, drain_poll_s=_STREAM_DRAIN_POLL_S)
         finally:  # the blocks stay pinned until the last chunk is gathered and sent (or failed)
             for rid, _ids, token in taken:
                 self._end_pull(rid, token)
