@@ -451,13 +451,14 @@ def test_constructor_checks() -> None:
 
 
 def test_triton_interpreter_matches_reference() -> None:
-    """The Triton expansion and slot mapping (interpreted on the CPU) give the same tables."""
+    """The Triton expansion and slot mapping (interpreted on the CPU) give the same tables, also
+    after ``warmup`` launched both on the fresh tables (it must leave nothing a step reads)."""
     pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET was not 1 when kv-kernels' Triton module was imported")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {}
-    for impl in ("reference", "triton"):
+    for impl in ("reference", "triton", "warm"):
         t = BlockTables(
             [16, 32],
             [4, 8],
@@ -465,9 +466,11 @@ def test_triton_interpreter_matches_reference() -> None:
             [4, 3],
             max_num_batched_tokens=40,
             num_blocks=16,
-            impl=impl,
+            impl="triton" if impl == "warm" else impl,
             device=device,
         )
+        if impl == "warm":
+            t.warmup()
         t.add_row(0, ([3, 1, 7], [2, 9]))
         t.add_row(1, ([5], [11]))
         t.add_row(2, ([8, 6], [4]))
@@ -475,9 +478,10 @@ def test_triton_interpreter_matches_reference() -> None:
         t.commit(3)
         mds = t.build_common_metadata(3, [5, 2, 20], [30, 16, 40], pad_tokens_to=33)
         out[impl] = [(m.block_table.cpu(), m.slot_mapping.cpu()) for m in mds]
-    for (bt_r, sm_r), (bt_t, sm_t) in zip(out["reference"], out["triton"], strict=True):
-        assert torch.equal(bt_r, bt_t)
-        assert torch.equal(sm_r, sm_t)
+    for impl in ("triton", "warm"):
+        for (bt_r, sm_r), (bt_t, sm_t) in zip(out["reference"], out[impl], strict=True):
+            assert torch.equal(bt_r, bt_t)
+            assert torch.equal(sm_r, sm_t)
 
 
 # -- fast paths: rows committed incrementally, pure-decode steps ---------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kv_kernels.slot_mapping import expand_block_table
+from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
 
 from kv_blocktable._block_ids import int32_tensor, int64_tensor
 
@@ -59,6 +59,8 @@ class TableCommit:
     _copy_event: Any
     _committed: int | None
     _track_entries: bool
+    device: torch.device
+    _slots: tuple[torch.Tensor, ...]
 
     if TYPE_CHECKING:  # BlockTables' own, which the commit reads
 
@@ -162,6 +164,28 @@ class TableCommit:
             committed = self._host[idx]  # [len(rows), sum M_g]
             self._dev[idx] = committed
             self._expand(idx, committed)
+
+    def warmup(self) -> None:
+        """Build the kernels a step launches on these tables before the first request: the
+        expansion to kernel blocks and the slot mapping (Triton on CUDA; nothing to build for
+        the torch reference). Each is a compile of ~0.1 s, which otherwise lands in the first
+        request's step. Writes nothing a step reads: the slot mapping runs over zero requests
+        into the first slot of each group's buffer (``-1``, padding), the expansion into a new
+        tensor."""
+        if not (self.impl == "triton" or (self.impl == "auto" and self.device.type == "cuda")):
+            return
+        qsl = torch.zeros(1, dtype=torch.int32, device=self.device)  # zero requests
+        pos = torch.empty(0, dtype=torch.int64, device=self.device)
+        for g, k in enumerate(self.kernel_blocks_per_block):
+            row = self._dev[:1, self._col[g] : self._col[g + 1]]
+            if k > 1:
+                expand_block_table(
+                    row, self.block_sizes[g], self.kernel_block_sizes[g], impl=self.impl
+                )
+            compute_slot_mapping(
+                row[:0], pos, qsl, self.block_sizes[g], self.kernel_block_sizes[g],
+                num_slots=1, impl=self.impl, out=self._slots[g][:1],
+            )  # fmt: skip
 
     def _expand(self, rows: slice | torch.Tensor, committed: torch.Tensor) -> None:
         """Write the kernel tables' ``rows`` from their committed manager ids ``committed``."""

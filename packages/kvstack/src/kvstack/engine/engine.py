@@ -162,6 +162,9 @@ class LLMEngine(RunsPrompts, TextSide):
         self._ahead = 0  # steps scheduled one ahead
         if warmup:  # (the kernels a step launches, built now rather than in the first requests)
             runner.warm_kernels(self.tables.kernel_table)
+            t0 = time.perf_counter()
+            self.tables.warmup()  # (the slot mapping and the block expansion)
+            runner.startup_seconds["compile"] += time.perf_counter() - t0
             if runner.graphs is not None:  # every decode size captured now, not in a request
                 t0 = time.perf_counter()
                 runner.graphs.capture_all(
