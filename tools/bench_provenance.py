@@ -15,6 +15,13 @@ included), else the module's ``__version__`` (a source tree on ``PYTHONPATH``), 
 ``"not installed"``. ``git_dirty`` says whether tracked files differed from the commit (the
 numbers may come from uncommitted code); both git fields are ``None`` outside a git checkout.
 
+A tree exported from a commit (``git archive <commit> packages tools | tar -x -C <dir>``, how
+a session sends the committed code to the GPU machine) sits inside some other checkout, whose
+git state is not its own: there ``git_commit`` is read from a ``COMMIT`` file at the tree's
+root (``git rev-parse <commit> > <dir>/COMMIT``), ``git_dirty`` is ``False`` (an archive of a
+commit is that commit) and ``exported`` is ``True``; without the file both git fields are
+``None``.
+
 ``source_sha1`` is a digest of the code that ran, read from disk: every ``packages/*/src`` and
 ``packages/*/benchmarks`` Python file, by path and content. It names the code where git cannot:
 a copy whose git metadata is older than its files (the GPU machine's copy of a working tree
@@ -32,7 +39,14 @@ import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["WORKSPACE_PACKAGES", "git_state", "package_version", "provenance", "source_sha1"]
+__all__ = [
+    "WORKSPACE_PACKAGES",
+    "exported_state",
+    "git_state",
+    "package_version",
+    "provenance",
+    "source_sha1",
+]
 
 #: distribution name -> import name of the workspace's packages, bottom layer first.
 WORKSPACE_PACKAGES = {
@@ -60,8 +74,18 @@ def package_version(dist: str, module: str | None = None) -> str:
 
 @functools.cache
 def git_state() -> dict[str, str | bool | None]:
-    """``git_commit`` (full hash) and ``git_dirty`` of the checkout holding this file."""
+    """``git_commit`` (full hash) and ``git_dirty`` of the checkout holding this file (an
+    exported tree's: see the module docstring)."""
     here = Path(__file__).resolve().parent
+    try:
+        top = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--show-toplevel"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        top = None
+    if top is None or Path(top).resolve() != here.parent:
+        return exported_state(here.parent)
     try:
         commit = subprocess.run(
             ["git", "-C", str(here), "rev-parse", "HEAD"],
@@ -74,6 +98,15 @@ def git_state() -> dict[str, str | bool | None]:
     except (OSError, subprocess.SubprocessError):
         return {"git_commit": None, "git_dirty": None}
     return {"git_commit": commit, "git_dirty": bool(status.strip())}
+
+
+def exported_state(root: Path) -> dict[str, str | bool | None]:
+    """The git fields of a tree that is not its own checkout: its ``COMMIT`` file's hash."""
+    marker = root / "COMMIT"
+    commit = marker.read_text().strip() if marker.is_file() else ""
+    if not commit:
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit, "git_dirty": False, "exported": True}
 
 
 def source_sha1(root: Path | None = None) -> str:

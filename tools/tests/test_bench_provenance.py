@@ -38,3 +38,40 @@ def test_source_sha1_names_the_files_and_their_bytes(tmp_path: Path) -> None:
 
 def test_provenance_carries_it() -> None:
     assert prov.provenance()["source_sha1"] == prov.source_sha1()
+
+
+def _export(root: Path) -> Path:
+    """A copy of this module at ``root/tools`` (an exported tree's layout)."""
+    (root / "tools").mkdir(parents=True)
+    (root / "tools" / "bench_provenance.py").write_bytes(_PATH.read_bytes())
+    return root
+
+
+def _git_state_of(root: Path) -> dict[str, object]:
+    import json
+    import subprocess
+
+    code = "import json, bench_provenance as b; print(json.dumps(b.git_state()))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root / "tools", capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_an_exported_tree_names_its_commit_file_not_the_enclosing_checkout(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+
+    outer = tmp_path / "outer"  # a checkout with a commit of its own
+    outer.mkdir()
+    git = ["git", "-C", str(outer), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    inner = _export(outer / "clean")
+    # no COMMIT file: unknown, never the enclosing checkout's commit
+    assert _git_state_of(inner) == {"git_commit": None, "git_dirty": None}
+    (inner / "COMMIT").write_text("abc123\n")
+    assert _git_state_of(inner) == {"git_commit": "abc123", "git_dirty": False, "exported": True}
+    assert _git_state_of(_export(tmp_path / "bare")) == {"git_commit": None, "git_dirty": None}

@@ -61,12 +61,15 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
     key = f"{meta['device']} / {meta['shape']} / {meta['layers']} layers"
     # a run of other cases adds to the entry (cases measured again are replaced)
     new = {(r["batch"], r["context"], r["phase"]) for r in records}
+    old = runs.get(key, {})
     kept = [
-        r
-        for r in runs.get(key, {}).get("records", [])
+        _sourced(r, old.get("meta", {}))
+        for r in old.get("records", [])
         if (r["batch"], r["context"], r["phase"]) not in new
     ]
-    records = sorted(kept + records, key=lambda r: (r["batch"], r["context"]))
+    records = sorted(
+        kept + [_sourced(r, meta) for r in records], key=lambda r: (r["batch"], r["context"])
+    )
     runs[key] = {"meta": meta, "records": records}
     path.write_text(json.dumps({"runs": runs}, indent=2))
     lines = [
@@ -112,9 +115,30 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
                 f"{_ms_frac(gaps, 'launch_gaps_in_step')} | "
                 f"{_f(r, 'kernels_per_step', 0)} |"
             )
-        lines += ["", *_notes(run["records"])]
+        lines += ["", *_other_sources(run["records"], m), *_notes(run["records"])]
     (out_dir / "engine_gpu.md").write_text("\n".join(lines))
     _plot(out_dir / "engine_gpu.png", runs)
+
+
+def _sourced(r: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """``r`` with the sources it was measured at (its run's ``source_sha1`` and commit), kept
+    on the record: a later run of other cases replaces the entry's meta, not these."""
+    if "source_sha1" in r:
+        return r
+    return {**r, "source_sha1": meta.get("source_sha1"), "git_commit": meta.get("git_commit")}
+
+
+def _other_sources(records: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """A line naming the rows measured at other sources than the run's header says."""
+    other = [r for r in records if r.get("source_sha1") != meta.get("source_sha1")]
+    if not other:
+        return []
+    rows = ", ".join(
+        f"{r['batch']} x {r['context']} {r['phase']} ({r.get('git_commit') or '?'}, "
+        f"source_sha1 {r.get('source_sha1') or '?'})"
+        for r in other
+    )
+    return [f"- Measured at other sources than the header's (an earlier run): {rows}"]
 
 
 def _f(r: dict[str, Any], key: str, digits: int = 2) -> str:

@@ -1,0 +1,46 @@
+"""``benchmarks/_step_report.py``: a run of some cases merged into an entry keeps the other cases'
+own sources (their run's ``source_sha1`` and commit) and names them under the table, instead of
+showing them under the new run's header as if measured there."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _record(batch: int, phase: str) -> dict[str, Any]:
+    return {"batch": batch, "context": 1024, "phase": phase, "ms_per_step": 10.0,
+            "roofline_ms": 6.0, "value": 0.6}  # fmt: skip
+
+
+def _meta(sha: str) -> dict[str, Any]:
+    return {"device": "GPU", "shape": "llama3-8b", "layers": 32, "torch": "2.11",
+            "copy_bytes_per_s": 4e12, "matmul_flops_per_s": 8e14, "git_commit": f"c-{sha}",
+            "source_sha1": sha}  # fmt: skip
+
+
+def test_merged_cases_keep_their_own_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("_step_report", None)
+    report = pytest.importorskip("_step_report")
+    report.write(tmp_path, [_record(64, "decode_graphs"), _record(64, "mixed")], _meta("old"))
+    report.write(tmp_path, [_record(64, "decode_graphs")], _meta("new"))
+    run = json.loads((tmp_path / "engine_gpu.json").read_text())["runs"][
+        "GPU / llama3-8b / 32 layers"
+    ]
+    assert run["meta"]["source_sha1"] == "new"
+    by_phase = {r["phase"]: r for r in run["records"]}
+    assert by_phase["decode_graphs"]["source_sha1"] == "new"
+    assert by_phase["mixed"]["source_sha1"] == "old"  # kept, with the sources it was measured at
+    assert by_phase["mixed"]["git_commit"] == "c-old"
+    md = (tmp_path / "engine_gpu.md").read_text()
+    assert "other sources than the header's (an earlier run): 64 x 1024 mixed (c-old" in md
+    assert "decode_graphs (c-" not in md  # the new run's own rows are not listed
