@@ -229,6 +229,73 @@ def test_p2p_nccl_layerwise_stream_between_two_gpus(
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+def test_p2p_nccl_producer_killed_mid_stream_is_a_load_error(
+    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    """Issue 30's fault on the GPU: the producer (cuda:0) streams layer by layer and is killed
+    once layer 0 landed, the receives of the later layers posted on the wire's stream. Within
+    its timeout (5 s) the load is a load error of all its blocks; the compute stream and the
+    whole device drain (no NCCL receive left hanging: the session's communicator is aborted);
+    nothing lands in the blocks after the report; and the same connector then loads from a new
+    producer, byte-exact."""
+    layout = make_layout("LBNHC", num_blocks=32, dtype="bfloat16")
+    theirs, mine = [3, 9, 1, 6], [7, 2, 11, 5]
+    spec = {"layout": layout.to_json(), "seed": 5, "block_ids": theirs}
+    peer = spawn_peer(
+        {"transport": "p2p", "timeout_s": 30, "device": "cuda:0",
+         "producers": [{"name": "x", "stream": True, **spec}]}
+    )  # fmt: skip
+    torch.cuda.set_device(1)
+    timeout = 5.0
+    conn = P2pConnector(P2pConfig(timeout_s=timeout, layerwise=True), block_size=layout.block_size)
+    cache = random_cache(layout, seed=100, device="cuda:1")
+    conn.register_kv_caches(cache, layout)
+    req = make_request("c", len(mine), layout.block_size)
+    conn.add_remote_request("c", peer.params["x"])
+    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, mine, tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    conn.wait_for_layer_load(0)
+    torch.cuda.current_stream().synchronize()
+    src = random_cache(layout, seed=5)
+    for b, p in zip(mine, theirs, strict=True):  # layer 0 landed; the producer holds the last
+        assert torch.equal(block_bytes(cache, layout, b)[0], block_bytes(src, layout, p)[0])
+    peer.proc.kill()
+    peer.proc.wait(timeout=30)
+    start = time.monotonic()
+    for layer in range(1, layout.num_layers):
+        conn.wait_for_layer_load(layer)
+    torch.cuda.current_stream().synchronize()
+    waited = time.monotonic() - start
+    assert waited < timeout + 5, f"the killed producer's load took {waited:.1f} s to fail"
+    assert conn.get_block_ids_with_load_errors() == set(mine), conn.load_error_reasons
+    reported = [block_bytes(cache, layout, b) for b in mine]
+    deadline = time.monotonic() + 30
+    while conn._in_step and time.monotonic() < deadline:  # the pull thread ends
+        conn.get_finished()
+        time.sleep(0.01)
+    torch.cuda.synchronize(1)  # every stream of the device, the wire's too
+    for b, w in zip(mine, reported, strict=True):  # nothing landed after the report
+        assert torch.equal(block_bytes(cache, layout, b), w)
+    again = spawn_peer(
+        {"transport": "p2p", "timeout_s": 30, "device": "cuda:0",
+         "producers": [{"name": "y", **spec}]}
+    )  # fmt: skip
+    req = make_request("d", len(mine), layout.block_size)  # the same connector, in-step again
+    conn.add_remote_request("d", again.params["y"])
+    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, mine, tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    for layer in range(layout.num_layers):
+        conn.wait_for_layer_load(layer)
+    torch.cuda.synchronize(1)
+    assert conn.get_block_ids_with_load_errors() == set(), conn.load_error_reasons
+    for b, p in zip(mine, theirs, strict=True):
+        assert torch.equal(block_bytes(cache, layout, b), block_bytes(src, layout, p))
+    conn.close()
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
 def test_nixl_vram_between_two_gpus(
     spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
 ) -> None:
