@@ -5,6 +5,7 @@ producer holds its last layer back until the consumer has read layer 0) and in o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -204,3 +205,80 @@ def test_stream_request_refuses_what_it_cannot_stream(make_request: Callable[...
         P2pConfig(layerwise="yes")  # type: ignore[arg-type]
     prod.close()
     cons.close()
+
+
+class _Event:
+    """A CUDA event stand-in: ``done`` says whether its work ran."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_step_settles_its_load_by_landed_bytes_not_by_marks() -> None:
+    """On CUDA a segment is marked when its landing is enqueued: the step's end waits for the
+    landings to run (or the pull to verify) and reports a failure set meanwhile."""
+    from kv_connectors._streaming import Arriving
+
+    soon = time.monotonic() + 0.3
+    a = Arriving(2, soon)
+    events = [_Event(), _Event()]
+    a.mark(0, events[0])
+    a.mark(1, events[1])  # every segment marked, nothing landed yet
+    assert a.settle(time.monotonic() + 0.05) == "its bytes did not land in time"
+    events[0].done = events[1].done = True
+    assert a.settle(soon) is None  # both landings ran
+    b = Arriving(2, soon)
+    b.mark(0, _Event(True))
+    b.mark(1, _Event())
+
+    def fail_then_abort() -> None:
+        time.sleep(0.05)
+        b.fail("ConnectionError: the producer went away")  # before the abort completes events
+
+    threading.Thread(target=fail_then_abort).start()
+    assert b.settle(time.monotonic() + 5) == "ConnectionError: the producer went away"
+    assert b.claim_report()  # every segment marked: reported all the same
+    c = Arriving(1, soon)
+    c.verify()  # the pull's receive returned (CPU: marks follow the bytes)
+    assert c.settle(soon) is None and not c.claim_report()
+
+
+def test_a_failed_layerwise_receive_fails_its_loads_before_the_session_is_released(
+    make_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The abort that frees a dropped NCCL session ends its pending receives and completes
+    their landing events: the loads must be failed before it, or a step settling on those
+    events takes them for landed bytes. Planted: failing them after the release (as before)."""
+    layout = make_layout("LBNHC", num_layers=2)
+    prod, _src = _producer(layout)
+    conn, _dst = _layerwise_consumer(layout)
+    at_release: list[str | None] = []
+
+    def broken_recv(self: Wire, *a: Any, **kw: Any) -> None:
+        raise ConnectionError("the producer went away")
+
+    release = P2pConnector._release_peer
+
+    def recording(self: P2pConnector, sess: Any) -> None:
+        at_release.extend(a.failed for a in self._arriving.values())
+        release(self, sess)
+
+    monkeypatch.setattr(Wire, "recv", broken_recv)
+    monkeypatch.setattr(P2pConnector, "_release_peer", recording)
+    req = make_request("p", len(THEIRS), layout.block_size)
+    params = prod.stream_request(req, THEIRS)
+    _start(conn, params, make_request)
+    for layer in range(2):
+        conn.wait_for_layer_load(layer)
+    conn.wait_for_save()
+    assert conn.get_block_ids_with_load_errors() == set(MINE)
+    deadline = time.monotonic() + 5
+    while not at_release and time.monotonic() < deadline:  # the pull thread ends
+        conn.get_finished()
+        time.sleep(0.01)
+    assert at_release and all(f is not None and "went away" in f for f in at_release), at_release
+    prod.close()
+    conn.close()

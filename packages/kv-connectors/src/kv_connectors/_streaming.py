@@ -55,6 +55,10 @@ __all__ = ["Arriving", "LayerStreaming", "Produced"]
 #: A layer-wise transfer's last wait polls its stream at most this often (``Wire.drain``): no
 #: step waits for it, and each poll takes the GIL from the engine's launches.
 _STREAM_DRAIN_POLL_S = 1e-3
+#: How a failed layer-wise load's reason starts (its first cause follows).
+_LOAD_FAILED = "layer-wise load"
+#: How long past its timeout a step waits for its pull's verdict (the abort's bounded drain).
+_SETTLE_GRACE_S = 15.0
 
 
 class _Segments:
@@ -118,6 +122,10 @@ class Arriving(_Segments):
         self.stream: Any = None  # CUDA: the wire stream the landing copies run on
         self.fence: Any = None  # CUDA: recorded on it at the failure, after every landing
         self.reported = False  # its blocks went to the load errors (at most once)
+        # Every byte is known to be in place: the pull's receive returned (on CUDA after its
+        # drain). A mark is not that on CUDA: it is recorded when the landing is enqueued, and
+        # its event also completes when an aborted receive ends without the bytes.
+        self.verified = False
 
     def attach(self, stream: Any) -> None:
         with self.cv:
@@ -145,17 +153,48 @@ class Arriving(_Segments):
                 self.fence.record(self.stream)  # after every landing copy enqueued so far
             super().fail(reason)
 
+    def verify(self) -> None:
+        """The pull's receive returned: every segment's bytes are in place."""
+        with self.cv:
+            if self.failed is None:
+                self.verified = True
+            self.cv.notify_all()
+
     def complete(self) -> bool:
         with self.cv:
-            return len(self.events) == self.num_segments
+            return self.verified
 
     def claim_report(self) -> bool:
         """``True`` once: the caller reports the blocks (never a load whose bytes all landed)."""
         with self.cv:
-            if self.reported or len(self.events) == self.num_segments:
+            if self.reported or self.verified:
                 return False
             self.reported = True
             return True
+
+    def settle(self, deadline: float) -> str | None:
+        """Block until every byte of this load landed or it failed (bounded): ``None`` when it
+        landed, else why not. Landed: the pull verified it, or every segment's landing event
+        completed. An event also completes when the session's abort ends a receive without its
+        bytes, but the pull fails its loads before it aborts (and NCCL's own watchdog waits
+        longer than the pull: ``P2pConnector._group``), so ``failed`` is set by then."""
+        sleep = 2e-5  # (the engine's thread waits here with nothing else to do)
+        with self.cv:
+            while True:
+                if self.verified:
+                    return None
+                if self.failed is not None:
+                    return self.failed
+                events = self.events
+                if len(events) == self.num_segments and all(
+                    e is None or e.query() for e in events.values()
+                ):
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "its bytes did not land in time"
+                self.cv.wait(min(left, sleep))
+                sleep = min(2 * sleep, 2e-4)
 
 
 class LayerStreaming:
@@ -259,6 +298,19 @@ class LayerStreaming:
         self._mark_produced(range(len(self.kv.segments)))  # whatever save_kv_layer did not say
         self._stream_step.clear()
         super().wait_for_save()  # type: ignore[misc]
+        self._settle_step_loads()
+
+    def _settle_step_loads(self) -> None:
+        """The end of the step's forward: each of its in-step loads is verified or reported as a
+        load error now, before the engine reads this step's errors and samples. Every layer's
+        wait returned at once on CUDA (its landing was enqueued, not done), so a producer that
+        died after the receives were posted shows only here (bounded by the load's timeout plus
+        the abort's drain)."""
+        for rid, (spec, arriving) in list(self._step_arriving.items()):
+            reason = arriving.settle(arriving.deadline + _SETTLE_GRACE_S)
+            if reason is not None:
+                del self._step_arriving[rid]
+                self._close_load(spec, arriving, f"{_LOAD_FAILED}: {reason}")
 
     def _mark_produced(self, segments: range) -> None:
         event = None
@@ -330,7 +382,7 @@ class LayerStreaming:
                 events = arriving.wait([seg], arriving.deadline, f"layer-wise load of {rid}")
             except (ConnectionError, TimeoutError) as exc:
                 del self._step_arriving[rid]
-                self._close_load(spec, arriving, f"layer-wise load: {exc}")
+                self._close_load(spec, arriving, f"{_LOAD_FAILED}: {exc}")
                 continue
             self._stream_waits(events)
 
@@ -348,7 +400,10 @@ class LayerStreaming:
         arriving.fail(reason)
         self._stream_waits([arriving.fence] if arriving.fence is not None else [])
         if arriving.claim_report():
-            self._fail_load(spec, arriving.failed or reason, async_load=False)  # locks
+            cause = arriving.failed or reason  # (the first cause: the pull's, or this one)
+            if not cause.startswith(_LOAD_FAILED):
+                cause = f"{_LOAD_FAILED}: {cause}"
+            self._fail_load(spec, cause, async_load=False)  # locks
 
     def _load_ended(self, spec: LoadSpec, reason: str | None, *, async_load: bool) -> None:
         arriving = self._arriving.get(spec.request_id)
@@ -437,9 +492,19 @@ class LayerStreaming:
         deadline = max(a.deadline for _s, _p, a in taken)
         # into staging only (direct=None): a late receive must never write a reported block.
         # The step waits for each layer's landing event, never for the drain: a coarse poll.
-        wire.recv(0, chunks, lambda ch: widths[ch.segment or 0], direct=lambda ch: None,
-                  land=land, segment_done=landed, deadline=deadline, preload=preload,
-                  drain_poll_s=_STREAM_DRAIN_POLL_S)  # fmt: skip
+        try:
+            wire.recv(0, chunks, lambda ch: widths[ch.segment or 0], direct=lambda ch: None,
+                      land=land, segment_done=landed, deadline=deadline, preload=preload,
+                      drain_poll_s=_STREAM_DRAIN_POLL_S)  # fmt: skip
+        except BaseException as exc:
+            # Failed before the session's communicator is aborted (by _with_peer, on the way
+            # out): the abort ends the pending receives and completes their landing events,
+            # which must never read as landed bytes (Arriving.settle).
+            for _spec, _plan, arriving in taken:
+                arriving.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        for _spec, _plan, arriving in taken:
+            arriving.verify()
         for _spec, plan, arriving in taken:
             if arriving.complete() and arriving.failed is None:
                 send_msg(sess.sock, {"op": "done", "request_id": plan.params.request_id})

@@ -159,7 +159,10 @@ class P2pConnector(LayerStreaming, TransferConnector):
         prefixed = dist.PrefixStore(f"kv-p2p/{session}", store)
         if self._backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self._timedelta()
+            # NCCL's watchdog acts past our own deadlines: a stuck transfer is ours to fail
+            # (its loads marked failed) before its communicator is aborted, never a receive
+            # that the watchdog ended without its bytes while the load still looks healthy.
+            options._timeout = self._timedelta() + datetime.timedelta(seconds=60)
             return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
         return dist.ProcessGroupGloo(prefixed, rank, 2, self._timedelta())
 
