@@ -264,7 +264,8 @@ def test_p2p_nccl_producer_killed_mid_stream_is_a_load_error(
     peer.proc.wait(timeout=30)
     start = time.monotonic()
     for layer in range(1, layout.num_layers):
-        conn.wait_for_layer_load(layer)
+        conn.wait_for_layer_load(layer)  # (on CUDA: returns once the landing is enqueued)
+    conn.wait_for_save()  # the step's end, where the engine then reads the load errors
     torch.cuda.current_stream().synchronize()
     waited = time.monotonic() - start
     assert waited < timeout + 5, f"the killed producer's load took {waited:.1f} s to fail"
@@ -288,6 +289,7 @@ def test_p2p_nccl_producer_killed_mid_stream_is_a_load_error(
     conn.start_load_kv(conn.build_connector_meta())
     for layer in range(layout.num_layers):
         conn.wait_for_layer_load(layer)
+    conn.wait_for_save()
     torch.cuda.synchronize(1)
     assert conn.get_block_ids_with_load_errors() == set(), conn.load_error_reasons
     for b, p in zip(mine, theirs, strict=True):
