@@ -5,6 +5,8 @@ next request succeeds."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -518,3 +520,52 @@ def test_scan_count_check_can_fail(
         prod.get_finished()
     assert prod.scans == 3 * 50
     prod.close()
+
+
+def test_close_ends_the_producers_sessions_and_store(
+    make_request: Callable[..., Any], remote_load: Any
+) -> None:
+    """A producer's close() returns with its session threads ended (their process groups gone
+    with them) and its store dropped: nothing of the transport is left for interpreter exit to
+    destroy, where a process that exited right after close() sometimes aborted ("terminate
+    called without an active exception")."""
+    prod, cons, _cache = _pair()
+    req = make_request("p", 2, prod.block_size)
+    _delay, params = prod.request_finished(req, [3, 9])
+    assert params is not None
+    _tokens, errors = _pull(cons, params, [5, 6], remote_load, "c")
+    assert errors == set()
+
+    def sessions() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "kv-p2p-session" and t.is_alive()]
+
+    assert sessions(), "the pull ran on a session thread of the producer"
+    prod.close()  # (first: the consumer's end of the session is still open)
+    assert sessions() == []
+    assert prod._store is None
+    cons.close()
+
+
+def test_side_channel_close_waits_for_its_sessions() -> None:
+    """``SideChannelServer.close`` returns once each session's handler returned, a slow
+    teardown included (a session's process group is destroyed on its way out). Planted: a close
+    that only shuts the sockets returns while the handler still runs."""
+    import socket
+
+    from kv_connectors._sidechannel import SideChannelServer
+
+    started, ended = threading.Event(), threading.Event()
+
+    def handler(sock: socket.socket) -> None:
+        started.set()
+        with contextlib.suppress(OSError):
+            sock.recv(1)  # returns when close() shuts the socket down
+        time.sleep(0.5)  # a transport's teardown
+        ended.set()
+
+    srv = SideChannelServer("127.0.0.1", 0, handler, name="t")
+    client = socket.create_connection((srv.host, srv.port))
+    assert started.wait(5)
+    srv.close()
+    assert ended.is_set()
+    client.close()

@@ -12,6 +12,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,10 @@ def connect(host: str, port: int, timeout_s: float) -> socket.socket:
     return sock
 
 
+#: How long ``SideChannelServer.close`` waits for its sessions to end, all together.
+_SESSION_JOIN_S = 10.0
+
+
 class SideChannelServer:
     """Accepts sessions on ``(host, port)`` and runs ``handler(sock)`` for each on its own thread."""
 
@@ -99,7 +104,9 @@ class SideChannelServer:
         self._handler = handler
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._sessions: set[threading.Thread] = set()  # one per accepted connection, running
         self._lock = threading.Lock()
+        self._name = name
         self._thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
         self._thread.start()
 
@@ -113,9 +120,13 @@ class SideChannelServer:
                 return
             conn.settimeout(None)
             _no_delay(conn)
+            t = threading.Thread(
+                target=self._serve, args=(conn,), name=f"{self._name}-session", daemon=True
+            )
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                self._sessions.add(t)
+            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -123,6 +134,7 @@ class SideChannelServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._sessions.discard(threading.current_thread())
             with contextlib.suppress(OSError):
                 conn.close()
 
@@ -136,3 +148,13 @@ class SideChannelServer:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=2)
+        # The sessions end with their sockets (a transfer in flight within its own bound). Joined
+        # here, their transport objects (a torch process group each) are destroyed on their own
+        # threads now, not at interpreter exit: a process that closed its connector and exited
+        # at once sometimes died there with "terminate called without an active exception"
+        # (bench_disagg's prefill process, 1 run in 4 on the CPU).
+        deadline = time.monotonic() + _SESSION_JOIN_S
+        with self._lock:
+            sessions = list(self._sessions)
+        for t in sessions:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))

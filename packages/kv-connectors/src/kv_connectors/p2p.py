@@ -442,6 +442,10 @@ class P2pConnector(LayerStreaming, TransferConnector):
             self._to_push.append((request.request_id, tuple(params["block_ids"])))
         return delay, params
 
+    def close(self) -> None:
+        super().close()  # (the server's close joins its sessions, the store's users)
+        self._store = None  # its server thread ends now, not at interpreter exit
+
     def _abort(self, request_id: str) -> None:
         self._to_push = [(r, ids) for r, ids in self._to_push if r != request_id]
         super()._abort(request_id)
