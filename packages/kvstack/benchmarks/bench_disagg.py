@@ -553,13 +553,22 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"disagg_{args.transport}_{args.decode_device.split(':')[0]}.json"
         path.write_text(text + "\n")
-        print(f"wrote {path}")
+        from _disagg_report import write_report
+
+        for p in [path, *write_report(record, path)]:
+            print(f"wrote {p}")
+    divergences = [r["first_divergence"] for r in rows]
+    if lw_stats is not None:
+        lw_div = [r["layerwise_first_divergence"] for r in rows]
+        divergences_text = f"whole-request {divergences}, layer-wise {lw_div}"
+    else:
+        divergences_text = str(divergences)
     print(
         f"{args.transport}: colocated TTFT {med['colocated_ttft_s'] * 1e3:.1f} ms; disaggregated "
         f"prefill {med['prefill_s'] * 1e3:.1f} ms + transfer {med['transfer_s'] * 1e3:.1f} ms "
         f"({med['transfer_share_of_colocated_ttft']:.0%} of colocated TTFT); tokens equal: "
-        f"{record['all_tokens_equal']} (first divergences "
-        f"{[r['first_divergence'] for r in rows]}); loaded KV equal to the producer's: "
+        f"{record['all_tokens_equal']} (first divergences: {divergences_text}); loaded KV "
+        "equal to the producer's: "
         f"{record['all_kv_equal']} ({record['kv_checks']} checks); loaded "
         f"{record['loaded_tokens']} tokens"
     )

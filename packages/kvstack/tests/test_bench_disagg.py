@@ -35,6 +35,11 @@ def test_quick_run_moves_the_prompts_and_keeps_the_tokens(tmp_path: Path) -> Non
     assert record["layerwise"]["loaded_tokens"] == 3 * 96
     assert record["layerwise"]["load_failures"] == 0
     assert record["median"]["layerwise_ttft_at_decode_s"] > 0
+    # the report beside the JSON: a row per request, the medians and the goal's figure
+    md = (tmp_path / "disagg_p2p_cpu.md").read_text()
+    assert md.count("\n| ") == 4  # (the header, two requests, the medians)
+    assert "Layer-wise streaming adds" in md
+    assert f"in all {record['kv_checks']} checks: yes" in md
 
 
 def test_the_kv_digest_sees_a_wrong_a_swapped_and_a_dropped_page() -> None:
