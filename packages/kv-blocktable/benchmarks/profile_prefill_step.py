@@ -7,9 +7,12 @@ largest ``T``.
         [--device cpu|cuda] [--tokens 1024,8192,32768] [--reps 20] [--top 20]
 
 On 2 x H200 (``bench_disagg --trace``) an 8k-token prompt's ``build_common_metadata`` took
-9.9-12.1 ms of the prefill engine's host time before its first layer; the same call on this
-repository's CPU (host tables) takes ~0.2 ms. The CUDA path differs (device slot mapping, the
-null-block check on the host table, pinned staging): this script times it alone. Prints
+9.9-12.1 ms of the prefill engine's host time before its first layer. Alone, this script timed
+the same call at 0.41 ms on the H200 host: inside the engine, torch's CPU index and
+repeat_interleave of the step's per-token arithmetic entered its OpenMP pool, whose workers
+(spinning after every region) held the host back; that arithmetic is numpy now (~1 ms in the
+engine, as with one torch thread). A call that is fast here and slow in the engine points at
+the process around it, not at the call. Prints
 medians in ms (with ``torch.cuda.synchronize`` after each call on CUDA, so a call that waits
 for the device shows here too). Not collected by pytest.
 """
