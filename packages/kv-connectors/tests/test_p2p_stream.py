@@ -282,3 +282,24 @@ def test_a_failed_layerwise_receive_fails_its_loads_before_the_session_is_releas
     assert at_release and all(f is not None and "went away" in f for f in at_release), at_release
     prod.close()
     conn.close()
+
+
+def test_closing_the_consumer_mid_load_fails_the_load_first(
+    spawn_peer: Callable[..., Any], make_request: Callable[..., Any]
+) -> None:
+    """A consumer closed while an in-step load waits for its producer's last layer: the load
+    is failed before its session is dropped (whose abort, on NCCL, completes the landing
+    events), so the step's settle reports it instead of taking it for landed."""
+    layout = make_layout("LBNHC", num_layers=3)
+    peer = spawn_peer(
+        {"transport": "p2p", "timeout_s": TIMEOUT, "producers": [
+            {"name": "s", "layout": layout.to_json(), "seed": 5, "block_ids": THEIRS,
+             "stream": True}]}
+    )  # fmt: skip
+    conn, _dst = _layerwise_consumer(layout)
+    _start(conn, peer.params["s"], make_request)
+    conn.wait_for_layer_load(0)  # layer 0 landed; the producer holds the last
+    (arriving,) = conn._arriving.values()
+    conn.close()
+    assert arriving.failed is not None and "closed" in arriving.failed
+    assert arriving.settle(time.monotonic() + 1) == arriving.failed

@@ -443,6 +443,10 @@ class P2pConnector(LayerStreaming, TransferConnector):
         return delay, params
 
     def close(self) -> None:
+        # In-step loads still arriving fail first: closing aborts their sessions, and an abort
+        # completes the landing events of receives it ends (see LayerStreaming's settle).
+        for arriving in list(self._arriving.values()):
+            arriving.fail("the connector was closed")
         super().close()  # (the server's close joins its sessions, the store's users)
         self._store = None  # its server thread ends now, not at interpreter exit
 
