@@ -270,7 +270,27 @@ def _record_chunks(engine: Any) -> list[list[tuple[int, int]]]:
     return log
 
 
-def _timed_steps(engine: Any, n: int, before: Any = None) -> list[float]:
+class _GcClock:
+    """Milliseconds Python's garbage collector ran while installed (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.ms, self._start = 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._start) * 1e3
+
+
+def gc_summary(gc_ms: list[float]) -> dict[str, float]:
+    """``gc_ms_per_step`` (mean) and ``gc_max_ms`` of the timed steps' collections."""
+    return {"gc_ms_per_step": statistics.fmean(gc_ms), "gc_max_ms": max(gc_ms)} if gc_ms else {}
+
+
+def _timed_steps(
+    engine: Any, n: int, before: Any = None, gc_ms: list[float] | None = None
+) -> list[float]:
     """Seconds of ``n`` steps run back to back (the device drained before and after; the drain
     is added to the last step): the sum is the run's wall time. A step the engine leaves in
     flight (``async_scheduling``) finishes inside the next call, so with ``async_scheduling=True``
@@ -279,15 +299,23 @@ def _timed_steps(engine: Any, n: int, before: Any = None) -> list[float]:
     and the wait counted to step k - 1, so that step k's time is its own and not the finish of a
     step left in flight before it."""
     device = str(engine.runner.device)
-    sync(device)
-    stamps = [time.perf_counter()]
-    for k in range(n):
-        if before is not None and before(k):
-            sync(device)
-            stamps[-1] = time.perf_counter()
-        engine.step()
-        stamps.append(time.perf_counter())
-    sync(device)
+    clock = _GcClock()
+    gc.callbacks.append(clock)  # (gc_ms: each step's share of the collector's time)
+    try:
+        sync(device)
+        stamps = [time.perf_counter()]
+        for k in range(n):
+            if before is not None and before(k):
+                sync(device)
+                stamps[-1] = time.perf_counter()
+            was = clock.ms
+            engine.step()
+            stamps.append(time.perf_counter())
+            if gc_ms is not None:
+                gc_ms.append(clock.ms - was)
+        sync(device)
+    finally:
+        gc.callbacks.remove(clock)
     times = [b - a for a, b in itertools.pairwise(stamps)]
     times[-1] += time.perf_counter() - stamps[-1]
     return times
@@ -365,7 +393,8 @@ def _mixed_load(
         engine.add_request(f"a{j}", ids, params)
         return True
 
-    times = _timed_steps(engine, NEW_TOKENS, arrive)
+    gc_ms: list[float] = []
+    times = _timed_steps(engine, NEW_TOKENS, arrive, gc_ms)
     chunks = log[-NEW_TOKENS:]
     shift = 1 if engine.async_scheduling is True else 0  # (eager steps in flight, see above)
     pick = [i for i, ch in enumerate(chunks[: NEW_TOKENS - shift]) if any(n > 1 for _, n in ch)]
@@ -396,6 +425,7 @@ def _mixed_load(
         "arrive_every": ARRIVE_EVERY,
         "async_scheduling": engine.async_scheduling,
         **_fractions(picked_times, [chunks[i] for i in pick], cost, bw, peak),
+        **gc_summary([gc_ms[i + shift] for i in pick]),
         "composition": [
             {**composition(chunks[i], cost, bw, peak), "ms": times[i + shift] * 1e3} for i in pick
         ],
@@ -467,8 +497,10 @@ def run_case(
         engine.runner.graphs = graphs if on else None
         engine.async_scheduling = asynchronous
         _timed_steps(engine, 2)  # capture / settle
-        t = _timed_steps(engine, NEW_TOKENS // 2)
+        gc_ms: list[float] = []
+        t = _timed_steps(engine, NEW_TOKENS // 2, gc_ms=gc_ms)
         rec = {**base, "phase": phase, **_fractions(t, log[-len(t) :], cost, bw, peak)}
+        rec.update(gc_summary(gc_ms))
         rec.update(profile_steps(engine.step, profile, device))
         rec.update(sync_sites(engine.step, STACK_STEPS, device))
         if not on:  # an eager step: where its host time goes

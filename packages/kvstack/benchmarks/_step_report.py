@@ -198,6 +198,11 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
         for key in ("syncs_by_site_error", "kept_error"):
             if r.get(key):
                 out.append(f"- {where}: {key} {r[key]}")
+        if r.get("gc_max_ms", 0) >= 0.5:  # (Python's collector inside the timed steps)
+            out.append(
+                f"- {where}: garbage collection inside the timed steps, "
+                f"{r['gc_ms_per_step']:.2f} ms a step on average, {r['gc_max_ms']:.1f} ms at most"
+            )
         comp = r.get("composition")
         if comp:
             c = comp[len(comp) // 2]

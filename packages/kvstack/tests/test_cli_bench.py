@@ -206,5 +206,41 @@ def test_bench_engine_shape_smoke_runs_on_the_cpu(tmp_path: Path) -> None:
         assert r["phase_fraction"] == pytest.approx(r["phase_roofline_ms"] / r["ms_per_step"])
     eager = run["records"][1]
     assert eager["profiled_steps"] == 8 and eager["host_ms_per_step"] > 0
+    for r in run["records"][1:]:  # the timed steps' garbage collections, measured
+        assert 0 <= r["gc_ms_per_step"] <= r["gc_max_ms"] < r["ms_per_step"] * 64, r
     assert (tmp_path / "engine_gpu.md").read_text().count("| 8 x 256 |") == 3
     assert "Phase by phase" in (tmp_path / "engine_gpu.md").read_text()
+
+
+def test_timed_steps_charge_each_step_its_garbage_collections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_timed_steps(gc_ms=)`` gives each step the time Python's collector ran inside it: a
+    step that collects gets it, the others (automatic collections off) get none."""
+    import gc
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    step_bench = pytest.importorskip("_step_bench")
+    garbage = [[[] for _ in range(1000)] for _ in range(200)]  # (something to traverse)
+    calls = {"n": 0}
+
+    def step() -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            gc.collect()
+
+    engine = SimpleNamespace(step=step, runner=SimpleNamespace(device="cpu"))
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        gc_ms: list[float] = []
+        times = step_bench._timed_steps(engine, 3, gc_ms=gc_ms)
+    finally:
+        if was:
+            gc.enable()
+    assert len(times) == len(gc_ms) == 3
+    assert gc_ms[0] == gc_ms[2] == 0 and gc_ms[1] > 0
+    assert gc_ms[1] <= times[1] * 1e3
+    assert step_bench.gc_summary(gc_ms)["gc_max_ms"] == gc_ms[1]
+    del garbage
