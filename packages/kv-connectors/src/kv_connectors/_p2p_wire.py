@@ -43,7 +43,7 @@ import torch
 
 from kv_connectors.views import RegisteredKV
 
-__all__ = ["Chunk", "Wire", "plan_chunks", "plan_layers"]
+__all__ = ["Chunk", "Wire", "drain_stream", "plan_chunks", "plan_layers"]
 
 _TAG = 7  # one transfer at a time per session: a fixed tag suffices
 
@@ -104,6 +104,20 @@ def plan_layers(
     return out
 
 
+def drain_stream(stream: Any, deadline: float, timeout_s: float, poll_s: float = 2e-5) -> None:
+    """Wait for the work queued on CUDA ``stream`` so far by polling an event, never past
+    ``deadline`` (``TimeoutError`` naming ``timeout_s``); the sleeps between polls start at
+    20 us and double up to ``poll_s`` (see :meth:`Wire.drain`)."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    sleep = 2e-5
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"p2p transfer exceeded timeout_s={timeout_s}")
+        time.sleep(sleep)
+        sleep = min(2 * sleep, poll_s)
+
+
 class Wire:
     """Sends and receives chunks of block rows on one session's process group (one transfer at
     a time: the session's lock). Keeps its staging buffers and CUDA stream between transfers."""
@@ -158,16 +172,8 @@ class Wire:
         producer computed, while the decode engine launched its layers at ~0.95 ms each against
         ~0.6 with nothing polling (2 x H200 trace, 8k-token prompts). Whole-request loads keep
         20 us: the request resumes when the drain ends."""
-        if self.stream is None:
-            return
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        sleep = 2e-5
-        while not event.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"p2p transfer exceeded timeout_s={self.timeout_s}")
-            time.sleep(sleep)
-            sleep = min(2 * sleep, poll_s)
+        if self.stream is not None:
+            drain_stream(self.stream, deadline, self.timeout_s, poll_s)
 
     def _width(self, chunk: Chunk) -> int:
         if chunk.segment is None:

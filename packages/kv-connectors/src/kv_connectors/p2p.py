@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kv_connectors._p2p_wire import Chunk, Wire, plan_chunks
+from kv_connectors._p2p_wire import Chunk, Wire, drain_stream, plan_chunks
 from kv_connectors._remote_plan import _identity
 from kv_connectors._sidechannel import recv_msg, send_msg
 from kv_connectors._streaming import Arriving, LayerStreaming, Produced
@@ -173,15 +173,10 @@ class P2pConnector(LayerStreaming, TransferConnector):
         return torch.empty(rows, row_bytes, dtype=torch.uint8, pin_memory=pin)
 
     def _drain(self, deadline: float) -> None:
-        """Wait for the current CUDA stream by polling an event, never past ``deadline``."""
-        if self.kv.device.type != "cuda":
-            return
-        event = torch.cuda.Event()
-        event.record()
-        while not event.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"p2p transfer exceeded timeout_s={self.config.timeout_s}")
-            time.sleep(1e-4)
+        """Wait for the current CUDA stream, never past ``deadline``."""
+        if self.kv.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.kv.device)
+            drain_stream(stream, deadline, self.config.timeout_s, poll_s=1e-4)
 
     # -- producer: one thread per session ------------------------------------------------------
 
