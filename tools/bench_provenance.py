@@ -36,6 +36,7 @@ import hashlib
 import importlib
 import importlib.metadata as md
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def exported_state(root: Path) -> dict[str, str | bool | None]:
     """The git fields of a tree that is not its own checkout: its ``COMMIT`` file's hash."""
     marker = root / "COMMIT"
     commit = marker.read_text().strip() if marker.is_file() else ""
-    if not commit:
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):  # (no file, or not a hash: unknown)
         return {"git_commit": None, "git_dirty": None}
     return {"git_commit": commit, "git_dirty": False, "exported": True}
 

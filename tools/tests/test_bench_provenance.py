@@ -72,6 +72,8 @@ def test_an_exported_tree_names_its_commit_file_not_the_enclosing_checkout(
     inner = _export(outer / "clean")
     # no COMMIT file: unknown, never the enclosing checkout's commit
     assert _git_state_of(inner) == {"git_commit": None, "git_dirty": None}
-    (inner / "COMMIT").write_text("abc123\n")
-    assert _git_state_of(inner) == {"git_commit": "abc123", "git_dirty": False, "exported": True}
+    (inner / "COMMIT").write_text("not a commit\n")  # never reported as one
+    assert _git_state_of(inner) == {"git_commit": None, "git_dirty": None}
+    (inner / "COMMIT").write_text("abc1234\n")
+    assert _git_state_of(inner) == {"git_commit": "abc1234", "git_dirty": False, "exported": True}
     assert _git_state_of(_export(tmp_path / "bare")) == {"git_commit": None, "git_dirty": None}
