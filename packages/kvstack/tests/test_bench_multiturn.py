@@ -26,3 +26,25 @@ def test_quick_run_hits_the_tier_with_unchanged_replies(tmp_path: Path) -> None:
     assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
     assert on["replies_equal_no_tier"] and on["tier_load_failures"] == 0
     assert set(on["ttft_s_by_turn"]) == {"0", "1", "2"}
+    # each turn resends the history: 0, then the first turn's prompt and reply, and so on
+    assert on["history_tokens_by_turn"] == {"0": [0] * 3, "1": [56] * 3, "2": [112] * 3}
+    assert on["goal"]["ratio"] is None  # no 4k-token history in the quick run: no verdict
+    report = (tmp_path / "multiturn_cpu.md").read_text()
+    assert "| 2 | 112 |" in report and "no verdict" in report
+
+
+def test_goal_verdict_takes_only_turns_past_the_goal_prefix() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_multiturn import GOAL_PREFIX, goal_verdict
+
+    def mode(ttft: list[float]) -> dict[str, object]:
+        hist = {"0": [0, 0], "1": [GOAL_PREFIX - 1, GOAL_PREFIX]}
+        return {"history_tokens_by_turn": hist, "ttft_s_by_turn": {"0": [9.0, 9.0], "1": ttft}}
+
+    # turn 1's first conversation resent one token too few: only the second one is judged
+    off = mode([1.0, 0.9])
+    got = goal_verdict({"no_tier": off, "cpu_tier": mode([0.05, 0.2])}, "cpu_tier")
+    assert got["turns"] == 1 and abs(got["ratio"] - 0.2 / 0.9) < 1e-12 and got["met"] is True
+    # (judged on the first conversation too, 0.05 / 1.0 would have pulled the median under)
+    got = goal_verdict({"no_tier": off, "cpu_tier": mode([0.05, 0.45])}, "cpu_tier")
+    assert abs(got["ratio"] - 0.5) < 1e-12 and got["met"] is False
