@@ -30,6 +30,7 @@ import argparse
 import json
 import platform
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,15 @@ def bench_offload(
     for order in ORDERS:
         for kind in ("shuffled", "consecutive"):
             _offload_order(res, device, shape, n, iters, order, kind)
+
+
+def saved(conn: Any, request_id: str, timeout_s: float = 30.0) -> None:
+    """Until ``get_finished`` reports ``request_id``'s save done: ``wait_for_save`` only hands a
+    save off, so its copies' end is where the engine would free the blocks."""
+    deadline = time.monotonic() + timeout_s
+    while request_id not in conn.get_finished()[0]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the save of {request_id} did not finish in {timeout_s} s")
 
 
 def _offload_order(
@@ -87,7 +97,7 @@ def _offload_order(
         meta = conn.build_connector_meta()
         conn.start_load_kv(meta)
         conn.wait_for_save()
-        conn.get_finished()
+        saved(conn, req.request_id)
         last[:] = [req]
 
     def load() -> None:
@@ -165,7 +175,7 @@ def bench_overlap(
                 conn.save_kv_layer(layer, meta)  # copies layer `layer` while the next one computes
         if meta is not None:
             conn.wait_for_save()
-            conn.get_finished()
+            saved(conn, f"o{i}")
 
     t_compute = median_s(lambda: step(True, False), device, iters)
     t_save = median_s(lambda: step(False, True), device, iters)

@@ -45,8 +45,9 @@ def test_offload_round_trip_on_cuda(
 ) -> None:
     cache = random_cache(layout, seed=1, device="cuda")
     row = layout.num_layers * layout.page_bytes
-    # a staging buffer of two block rows: the four-block transfers move in pieces
-    config = OffloadingConfig(cpu_bytes=1 << 24, staging_bytes=2 * row)
+    # a staging buffer of four block rows (a pair of halves for saves, one for loads): the
+    # four-block transfers move in pieces
+    config = OffloadingConfig(cpu_bytes=1 << 24, staging_bytes=4 * row)
     conn = OffloadingConnector(config, block_size=layout.block_size)
     conn.register_kv_caches(cache, layout)
     assert conn.tier.is_pinned()
@@ -57,8 +58,8 @@ def test_offload_round_trip_on_cuda(
     conn.start_load_kv(meta)
     for layer in range(layout.num_layers):
         conn.save_kv_layer(layer, meta)
-    conn.wait_for_save()
-    assert conn.get_finished()[0] == {"a"}
+    conn.wait_for_save()  # hands the save off; get_finished reports it once copied
+    assert _saved(conn) == {"a"}
     b = make_request("b", 4, layout.block_size, seed=2)
     tokens, _ = conn.get_num_new_matched_tokens(b, 0)
     conn.update_state_after_alloc(b, dst, tokens)
@@ -68,6 +69,65 @@ def test_offload_round_trip_on_cuda(
     torch.cuda.synchronize()
     for d, w in zip(dst, want, strict=True):
         assert torch.equal(block_bytes(cache, layout, d), w)
+
+
+def _saved(conn: Any, timeout_s: float = 10.0) -> set[str]:
+    """The requests ``get_finished`` reports saved, polled until one is (or the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while not (done := conn.get_finished()[0]) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    return done
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["ordered", "planted-no-wait"])
+def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
+    planted: bool, make_request: Callable[..., Any]
+) -> None:
+    """A load's tier slots are unpinned once its copies are enqueued; a save that evicts them
+    and writes the same slots runs on the other lane and must start after that load: the loaded
+    blocks are the first request's bytes, not the third's. The load lane is held back ~20 ms
+    (a sleeping kernel it waits for) so the save is enqueued while the load still waits: planted
+    (the save not told to wait), the loaded blocks are the third request's."""
+    layout = make_layout("LBNHC", num_blocks=32, num_layers=4, num_kv_heads=2, block_size=16,
+                         head_size=64, dtype="bfloat16")  # fmt: skip
+    cache = random_cache(layout, seed=3, device="cuda")
+    row = layout.num_layers * layout.page_bytes
+    conn = OffloadingConnector(
+        OffloadingConfig(cpu_bytes=4 * row, staging_bytes=4 * row), block_size=layout.block_size
+    )
+    conn.register_kv_caches(cache, layout)
+    src = [1, 3, 5, 7]
+    a = make_request("a", 4, layout.block_size, seed=4)
+    conn.request_finished(a, src)
+    conn.start_load_kv(conn.build_connector_meta())
+    conn.wait_for_save()
+    assert _saved(conn) == {"a"}
+    want = [block_bytes(cache, layout, b).clone() for b in src]
+    hold = torch.cuda.Stream()
+    with torch.cuda.stream(hold):
+        torch.cuda._sleep(40_000_000)  # ~20 ms of device time
+    held = torch.cuda.Event()
+    held.record(hold)
+    lane = conn._load_lane
+    assert lane is not None
+    lane.stream.wait_event(held)
+    lane.copy_stream.wait_event(held)
+    b = make_request("b", 4, layout.block_size, seed=4)  # a's prefix: loads a's blocks
+    tokens, _ = conn.get_num_new_matched_tokens(b, 0)
+    dst = [16, 18, 20, 22]
+    conn.update_state_after_alloc(b, dst, tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    if planted:
+        conn._loads_enqueued = None
+    c = make_request("c", 4, layout.block_size, seed=5)  # evicts a's blocks: their slots
+    conn.request_finished(c, [0, 2, 4, 6])
+    conn.start_load_kv(conn.build_connector_meta())
+    conn.wait_for_save()
+    torch.cuda.synchronize()
+    loaded = [torch.equal(block_bytes(cache, layout, d), w) for d, w in zip(dst, want, strict=True)]
+    assert loaded == [not planted] * 4
+    assert _saved(conn) == {"c"}
+    conn.close()
 
 
 def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[..., Any]) -> None:
