@@ -50,7 +50,10 @@ def render(record: dict[str, Any]) -> str:
         "",
         "Time to first token (ms, median over the conversations): from `add_request` to the "
         "first token, the history's loads included; history = the tokens resent before the new "
-        "ones (what a tier can serve).",
+        "ones (what a tier can serve). gpu_prefix_cache: a pool that keeps every history (each "
+        "turn a GPU prefix-cache hit: the floor a tier approaches, and the reference a tier's "
+        "replies must equal token for token; recomputing a history in one prefill, no_tier may "
+        "round its KV differently from the decode steps that wrote it).",
         "",
         "| turn | history tokens | " + " | ".join(modes) + " | "
         + " | ".join(f"{m} / no_tier" for m in modes[1:]) + " |",
@@ -69,10 +72,14 @@ def render(record: dict[str, Any]) -> str:
             f"tokens computed {r['prompt_tokens_computed']}, served by the pool's prefix cache "
             f"{r['pool_hit_tokens']}, loaded from the tier {r['tier_loaded_tokens']}"
             + (
-                f"; load failures {r['tier_load_failures']}; replies equal to no_tier's: "
-                f"{'yes' if r['replies_equal_no_tier'] else 'NO'}"
-                if "replies_equal_no_tier" in r
+                f"; load failures {r['tier_load_failures']}"
+                if "replies_equal_gpu_prefix_cache" in r  # (a tier's run)
                 else ""
+            )
+            + "".join(
+                f"; replies equal to {ref}'s: {'yes' if r[key] else 'no'}"
+                for ref in ("gpu_prefix_cache", "no_tier")
+                if (key := f"replies_equal_{ref}") in r
             )
             + "."
         )

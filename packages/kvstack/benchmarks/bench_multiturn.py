@@ -9,6 +9,13 @@ has evicted its history: without a tier every turn recomputes it; with the tier 
 blocks come back from host memory (``--disk`` adds a ``FilesystemConnector`` behind it, in a
 temporary directory, through a ``MultiConnector``).
 
+A third engine, ``gpu_prefix_cache``, has a pool that holds every history: each turn's history
+is a hit in the GPU prefix cache, the floor a tier approaches. It is also the reference for the
+tiers' replies: a tier hands back the bytes that engine keeps, and the new tokens are computed
+the same way, so their greedy replies must be equal token for token. Against ``no_tier`` they may
+differ on a GPU: recomputing a history in one prefill rounds its replies' KV differently from the
+decode steps that wrote it (bf16), and random weights leave near-ties.
+
 Reported per mode: time to first token of every turn (add_request to the first token: the prefill
 of the history and the new tokens, loads included) by turn index, its median over turns >= 1 (those
 that can hit), tokens generated per second over the whole run, prompt tokens computed vs loaded,
@@ -192,6 +199,7 @@ def main() -> None:
     final = args.turns * (args.user_tokens + args.reply_tokens)
     max_len = -(-(final + bs) // bs) * bs
     pool = args.pool_blocks or max(-(-max_len // bs) + 1, 3 * final // (2 * bs))
+    big_pool = args.conversations * (-(-final // bs)) + -(-max_len // bs) + 1  # every history
     config = _config(args, max_len)
     vocab = config["vocab_size"]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -203,10 +211,14 @@ def main() -> None:
     shm = "/dev/shm" if Path("/dev/shm").is_dir() and args.device != "cpu" else None
     with tempfile.TemporaryDirectory(prefix="kvstack-multiturn-", dir=shm) as tmp:
         model_dir = _checkpoint(Path(tmp), config, args)
-        modes = ["no_tier", "cpu_tier"] + (["cpu_and_disk_tier"] if args.disk else [])
+        modes = ["no_tier", "gpu_prefix_cache", "cpu_tier"]
+        modes += ["cpu_and_disk_tier"] if args.disk else []
         for mode in modes:
             connector: Any = None
-            if mode != "no_tier":
+            blocks = pool
+            if mode == "gpu_prefix_cache":  # every history stays: a hit in the pool each turn
+                blocks = big_pool
+            elif mode != "no_tier":
                 tier = OffloadingConnector(OffloadingConfig(cpu_bytes=tier_bytes), block_size=bs)
                 connector = tier
                 if mode == "cpu_and_disk_tier":
@@ -218,16 +230,23 @@ def main() -> None:
                     )
                     connector = MultiConnector([tier, disk])
             engine = LLMEngine(
-                model_dir, device=args.device, dtype=dtype, block_size=bs, num_blocks=pool,
+                model_dir, device=args.device, dtype=dtype, block_size=bs, num_blocks=blocks,
                 max_model_len=max_len, max_num_batched_tokens=max_len, max_num_seqs=4,
                 kv_connector=connector,
             )  # fmt: skip
             results[mode] = _run(engine, args, vocab)
             if connector is not None:
                 connector.close()
-    base = results["no_tier"].pop("_replies")
+            del engine
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    replies = {mode: results[mode].pop("_replies") for mode in modes}
     for mode in modes[1:]:
-        results[mode]["replies_equal_no_tier"] = results[mode].pop("_replies") == base
+        results[mode]["replies_equal_no_tier"] = replies[mode] == replies["no_tier"]
+        if mode != "gpu_prefix_cache":  # (the tier's bytes are that engine's: equal replies)
+            results[mode]["replies_equal_gpu_prefix_cache"] = (
+                replies[mode] == replies["gpu_prefix_cache"]
+            )
         a = results[mode]["ttft_median_s_turns_ge_1"]
         b = results["no_tier"]["ttft_median_s_turns_ge_1"]
         results[mode]["ttft_ratio_vs_no_tier"] = a / b if a and b else None
@@ -242,6 +261,7 @@ def main() -> None:
         | {
             "model": {k: config[k] for k in _MODEL_FIELDS},
             "pool_blocks": pool,
+            "gpu_prefix_cache_pool_blocks": big_pool,
             "max_model_len": max_len,
             "dtype": str(dtype),
             "tier_bytes": tier_bytes,
@@ -260,10 +280,10 @@ def main() -> None:
             f"{mode:>18}: TTFT median (turns >= 1) {r['ttft_median_s_turns_ge_1'] * 1000:8.1f} ms, "
             f"{r['tokens_per_s']:7.1f} tok/s, computed {r['prompt_tokens_computed']}, "
             f"loaded {r['tier_loaded_tokens']}"
-            + (
-                f", replies equal: {r['replies_equal_no_tier']}"
-                if "replies_equal_no_tier" in r
-                else ""
+            + "".join(
+                f", replies equal to {ref}'s: {r[key]}"
+                for ref in ("gpu_prefix_cache", "no_tier")
+                if (key := f"replies_equal_{ref}") in r
             )
         )
         goal = r.get("goal")

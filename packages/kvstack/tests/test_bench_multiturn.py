@@ -25,6 +25,10 @@ def test_quick_run_hits_the_tier_with_unchanged_replies(tmp_path: Path) -> None:
     assert off["tier_loaded_tokens"] == 0 and on["tier_loaded_tokens"] > 0
     assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
     assert on["replies_equal_no_tier"] and on["tier_load_failures"] == 0
+    # the reference engine keeps every history: all hits in its own pool, the tier's replies
+    ref = record["results"]["gpu_prefix_cache"]
+    assert ref["tier_loaded_tokens"] == 0 and ref["pool_hit_tokens"] > on["pool_hit_tokens"]
+    assert on["replies_equal_gpu_prefix_cache"]
     assert set(on["ttft_s_by_turn"]) == {"0", "1", "2"}
     # each turn resends the history: 0, then the first turn's prompt and reply, and so on
     assert on["history_tokens_by_turn"] == {"0": [0] * 3, "1": [56] * 3, "2": [112] * 3}
