@@ -132,8 +132,8 @@ def _run(engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
                 for ev in engine.step():
                     if ev.request_id == rid:
                         if first is None:
-                            if torch.cuda.is_available():
-                                torch.cuda.synchronize()
+                            # (the token is on the host: no device sync, which would also wait
+                            # for a tier's saves still copying on their own streams)
                             first = time.perf_counter() - t0
                         tokens.append(ev.token_id)
             engine.completion(rid)
