@@ -130,6 +130,49 @@ def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
     conn.close()
 
 
+@pytest.mark.parametrize("order", ["LBNHC", "BLNHC"])
+def test_offload_history_in_two_runs_of_slots_loads_byte_exact(
+    order: str, make_request: Callable[..., Any]
+) -> None:
+    """A history saved over two turns sits in two runs of tier slots (another request's save in
+    between); its load stages both runs through pieces of two rows, one piece straddling them,
+    and every block lands byte-exact (shuffled ids: no direct copy)."""
+    layout = make_layout(order, num_blocks=64, dtype="bfloat16")
+    cache = random_cache(layout, seed=6, device="cuda")
+    widest = layout.page_bytes if order == "LBNHC" else layout.num_layers * layout.page_bytes
+    conn = OffloadingConnector(
+        OffloadingConfig(cpu_bytes=1 << 24, staging_bytes=8 * widest), block_size=layout.block_size
+    )
+    conn.register_kv_caches(cache, layout)
+
+    def save(req: Any, ids: list[int]) -> None:
+        conn.request_finished(req, ids)
+        conn.start_load_kv(conn.build_connector_meta())
+        conn.wait_for_save()
+        assert _saved(conn) == {req.request_id}
+
+    first = make_request("t0", 3, layout.block_size, seed=7)
+    save(first, [11, 5, 23])  # slots 0-2
+    save(make_request("other", 2, layout.block_size, seed=8), [30, 2])  # slots 3-4
+    turn = make_request("t1", 6, layout.block_size, seed=7)  # t0's 3 blocks, then 3 more
+    assert turn.block_hashes[:3] == first.block_hashes
+    save(turn, [11, 5, 23, 40, 17, 9])  # its new blocks: slots 5-7
+    src = [11, 5, 23, 40, 17, 9]
+    want = [block_bytes(cache, layout, b).clone() for b in src]
+    again = make_request("t2", 6, layout.block_size, seed=7)
+    tokens, _ = conn.get_num_new_matched_tokens(again, 0)
+    assert tokens == 6 * layout.block_size
+    dst = [50, 44, 61, 33, 48, 57]
+    conn.update_state_after_alloc(again, dst, tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    for layer in range(layout.num_layers):
+        conn.wait_for_layer_load(layer)
+    torch.cuda.synchronize()
+    for d, w in zip(dst, want, strict=True):
+        assert torch.equal(block_bytes(cache, layout, d), w)
+    conn.close()
+
+
 def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[..., Any]) -> None:
     layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
     cache = random_cache(layout, seed=3, device="cuda")

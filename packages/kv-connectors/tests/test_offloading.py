@@ -153,3 +153,25 @@ def test_a_repeated_hash_in_one_request_is_saved_once(make_request: Callable[...
     (save,) = conn._saves
     assert save.block_ids == (3, 4) and len(set(save.block_hashes)) == 2
     conn.close()
+
+
+def test_spans_cut_runs_at_piece_edges() -> None:
+    """A staging piece's rows map to the runs' tier slots: a piece that straddles two runs gets
+    one span in each, and a piece past the rows gets none."""
+    from kv_connectors._lanes import _spans
+
+    runs = [(0, 3, [9, 8, 7]), (5, 3, [1, 4, 2])]
+    assert list(_spans(runs, slice(0, 2))) == [(0, 2, 0)]
+    assert list(_spans(runs, slice(2, 4))) == [(0, 1, 2), (1, 2, 5)]
+    assert list(_spans(runs, slice(4, 6))) == [(0, 2, 6)]
+    assert list(_spans(runs, slice(0, 6))) == [(0, 3, 0), (3, 6, 5)]
+
+
+def test_order_runs_puts_consecutive_ids_last() -> None:
+    """Runs of consecutive block ids (which a segment may copy directly) come last, so the
+    staged runs' ids are one prefix of the concatenation."""
+    from kv_connectors._lanes import order_runs
+
+    runs = [(0, 2, [4, 5]), (2, 2, [9, 3]), (4, 1, [7]), (5, 2, [1, 0])]
+    ordered, staged = order_runs(runs)
+    assert staged == 2 and ordered == [runs[1], runs[3], runs[0], runs[2]]
