@@ -56,8 +56,26 @@ def triton_device() -> str:
 
 _AOT_SCRIPT = textwrap.dedent(
     """
-    import importlib, json, re, sys, traceback
+    import importlib, json, os, re, subprocess, sys, tempfile, traceback
     from kv_kernels.aot import aot_compile
+
+    def spill_bytes(ptx, arch):
+        # ptxas -v over the build's PTX with the flags Triton 3.9 passes: the bytes a thread
+        # spills (stores), or None where this triton's ptxas cannot be found or run
+        try:
+            from triton.backends.nvidia.compiler import get_ptxas
+            path = get_ptxas(arch).path
+            with tempfile.TemporaryDirectory() as tmp:
+                src = os.path.join(tmp, "k.ptx")
+                with open(src, "w") as f:
+                    f.write(ptx)
+                log = subprocess.run(
+                    [path, "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{arch}a", src, "-o",
+                     os.path.join(tmp, "k.o")], capture_output=True, text=True, check=True,
+                ).stderr
+            return int(re.search(r"(\\d+) bytes spill stores", log).group(1))
+        except Exception:
+            return None
 
     results = {}
     for case in json.load(sys.stdin):
@@ -79,6 +97,8 @@ _AOT_SCRIPT = textwrap.dedent(
                 # the case's own PTX patterns, counted: {"name": regex}
                 "counts": {k: len(re.findall(p, ptx)) for k, p in case.get("count", {}).items()},
             }
+            if case.get("spills"):
+                results[case["id"]]["spill_bytes"] = spill_bytes(ptx, case["arch"])
         except Exception:
             results[case["id"]] = {"ok": False, "error": traceback.format_exc()[-4000:]}
     print("AOT-RESULTS" + json.dumps(results))
@@ -91,10 +111,12 @@ def aot_compile_checks() -> Callable[[list[dict[str, Any]]], dict[str, dict[str,
     """Compile cases for real GPU targets in one subprocess with the interpreter off.
 
     Each case: ``{"id", "module", "kernel", "signature", "constexprs", "arch", "num_warps"?,
-    "num_stages"? (3 if absent), "divisible_by_16"?, "count"?}``; returns ``{id: {"ok": bool, "error"?: str, "ptx_bytes"?,
-    "cubin_bytes"?, "ld_v4"?, "st_v4"?, "st_v2"?, "shared"?, "counts"?}}`` (``ld_v4`` / ``st_v4``
-    count 16-byte vector loads / stores in the PTX, ``shared`` is the kernel's shared memory in
-    bytes, ``counts`` the matches of each ``count`` regex in the PTX).
+    "num_stages"? (3 if absent), "divisible_by_16"?, "count"?, "spills"?}``; returns ``{id: {"ok":
+    bool, "error"?: str, "ptx_bytes"?, "cubin_bytes"?, "ld_v4"?, "st_v4"?, "st_v2"?, "shared"?,
+    "counts"?, "spill_bytes"?}}`` (``ld_v4`` / ``st_v4`` count 16-byte vector loads / stores in
+    the PTX, ``shared`` is the kernel's shared memory in bytes, ``counts`` the matches of each
+    ``count`` regex in the PTX; with ``spills``, ``spill_bytes`` is what ptxas -v reports a
+    thread spills, None where it could not be run).
     """
 
     def run(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

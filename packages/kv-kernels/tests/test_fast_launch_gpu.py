@@ -268,18 +268,20 @@ def test_paged_attention_bound_calls_equal_plain(
     torch.testing.assert_close(run(), want, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("cache", ["bf16", "fp8", "fp8_tensor_scale"])
 def test_paged_attention_bound_mla_equals_plain(
     cache: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """MLA decode, 512 + 64 at 128 heads: a bf16 latent (the sm_90 Gluon MLA kernel on an H100 /
-    H200) and an fp8 per-tensor one (the Triton kernel, V read with k_scale)."""
+    """MLA decode, 512 + 64 at 128 heads: a bf16 latent and an fp8 e4m3 per-tensor one whose
+    scale is a float or a ``[1]`` tensor (on an H100 / H200 all three run the sm_90 Gluon MLA
+    kernel, the fp8 ones with the scale in its arguments: ``k_scale`` as V's too)."""
     from kv_kernels.testing_attention import make_mla_batch
 
-    fp8 = dict(cache_dtype="fp8_e4m3", k_scale=0.5)
+    ks = torch.tensor([0.5], device="cuda") if cache == "fp8_tensor_scale" else 0.5
+    fp8 = dict(cache_dtype="fp8_e4m3", k_scale=ks)
     b = make_mla_batch(
         q_lens=[1] * 4, seq_lens=[3000, 700, 1, 129], num_heads=128, rank=512, rope=64,
-        block_size=64, dtype=torch.bfloat16, device="cuda", **(fp8 if cache == "fp8" else {}),
+        block_size=64, dtype=torch.bfloat16, device="cuda", **(fp8 if cache != "bf16" else {}),
     )  # fmt: skip
     args = dict(
         q=b["q"], kv_cache=b["kv"], layout=b["layout"], block_table=b["block_table"],

@@ -1,60 +1,155 @@
 """The Gluon MLA decode kernel for sm_90 (:mod:`kv_kernels.paged_attention._sm90_mla`).
 
 On the CPU (CI): the kernel compiles for sm_90 ahead of time through ptxas (pages 16, 64, 128;
-bf16 and fp16; splits and LSE) with warpgroup MMAs of the shapes its schedule names (q.K: 64 x 32
-a warpgroup over K = 576; P.V: 64 x 256 a warpgroup), 16-byte ``cp.async`` gathers and the
-producer's register cut; which launches it serves (and which stay with the Triton kernel); its
-split rule; bad strides get a ValueError. Gluon has no interpreter, so its results are checked on
-an H100 / H200 (``-m gpu``) at DeepSeek-V3's shapes against the float64 oracle over the latents
-the test drew (bounded by the bf16 torch reference's own error): 128 and 64 heads, pages 16-128,
-splits, LSE, a batch mixing decode rows with a prefill (which the Triton kernel takes), bitwise
-batch invariance at a fixed split count; a planted wrong page and a planted tile of the wrong
-sequence that the same check must catch; a cache past 2^31 elements; and the environment switch
-back to the Triton kernel.
+bf16 and fp16; splits and LSE; 16-bit latents and fp8 e4m3 ones with a float or a tensor scale)
+with warpgroup MMAs of the shapes its schedule names (q.K: 64 x 32 a warpgroup over K = 576; P.V:
+64 x 256 a warpgroup), the producer's copies (16-byte ``cp.async`` gathers; over fp8: 8-byte
+loads, L2 prefetches and the widening, no ``cp.async``), its register cut and bounded spills;
+which launches it serves (and which stay with the Triton kernel); its split rule; bad strides get
+a ValueError. Gluon has no interpreter, so its results are checked on an H100 / H200 (``-m gpu``)
+at DeepSeek-V3's shapes against the float64 oracle over the latents the test drew (or, fp8, the
+rows the cache gives back), bounded by the bf16 / fp16 torch reference's own error: 128 and 64
+heads, pages 16-128, splits, LSE, a batch mixing decode rows with a prefill (which the Triton
+kernel takes), bitwise batch invariance at a fixed split count; a planted wrong page, a planted
+tile of the wrong sequence and (fp8) planted wrong scales that the same check must catch; a cache
+past 2^31 elements; and the environment switch back to the Triton kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 from kv_kernels.aot import build_problems
 from kv_kernels.paged_attention import _sm90_mla
 from kv_kernels.paged_attention._sm90_mla import aot_case, pick_mla_splits, sm90_mla_eligible
-from kv_kernels.testing import assert_close_to_oracle, check_close_to_oracle, plant_wrong_page
+from kv_kernels.testing import (
+    assert_close_to_oracle,
+    attention_oracle,
+    check_close_to_oracle,
+    plant_wrong_page,
+)
 from kv_kernels.testing_attention import make_mla_batch, mla_oracle, run_batch
 
-_PTX = {
+_MMA = {
     "qk_mma": r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.(bf16\.bf16|f16\.f16)",
     "pv_mma": r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.(bf16\.bf16|f16\.f16)",
+}
+#: the 16-bit latent's producer: 16-byte cp.async gathers at 40 registers
+_PTX = {
+    **_MMA,
     "cp_async_16": r"cp\.async\.cg\.shared\.global(\.L2::128B)? \[[^]]*\], \[[^]]*\], 0x10",
-    "producer_regs": r"setmaxnreg\.inc\.sync\.aligned\.u32\s+40;",
+    "producer_regs": rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{_sm90_mla.P_REGS};",
+}
+#: the fp8 latent's producer (kv_kernels.paged_attention._sm90_mla_fp8): 8-byte loads into
+#: registers, a row's L2 prefetch, the widening (bf16: the bytes placed by PRMT, scaled by a bf16
+#: multiply; fp16: the pair conversion), one arrival of 128 on the ring's barrier
+_PTX_FP8 = {
+    **_MMA,
+    "ld_8": r"ld\.global(\.\w+)*\.v2\.b32",
+    "prefetch_l2": r"cp\.async\.bulk\.prefetch\.L2\.global \[[^]]*\], 576;",
+    "widen_bf16": r"mul\.rn\.bf16x2",
+    "widen_f16": r"cvt\.rn\.f16x2\.e4m3x2",
+    "full_arrival": r"mbarrier\.arrive\.shared::cta\.b64 _, \[[^]]*\], 128;",
+    "producer_regs": rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{_sm90_mla.P_REGS_FP8};",
+    "cp_async": r"cp\.async\.c[ag]\.shared\.global",
 }
 
-# (q dtype, page, split, lse)
-_CASES = [("bf16", 64, False, False), ("fp16", 16, True, True), ("bf16", 128, True, False)]
+# (q dtype, page, split, lse, latent: the q dtype, or fp8 e4m3 whose scale is a float (1) or a
+# tensor (2))
+_CASES = [
+    ("bf16", 64, False, False, None), ("fp16", 16, True, True, None),
+    ("bf16", 128, True, False, None),
+    ("bf16", 64, False, False, 1), ("fp16", 16, True, True, 2), ("bf16", 128, True, False, 2),
+]  # fmt: skip
 
 
 def _case_id(c: tuple) -> str:
-    dt, n, split, lse = c
-    return f"{dt}-n{n}" + ("-split" if split else "") + ("-lse" if lse else "")
+    dt, n, split, lse, fp8 = c
+    return (
+        f"{dt}-n{n}" + ("-split" if split else "") + ("-lse" if lse else "")
+        + (f"-fp8-scale{fp8}" if fp8 else "")
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def aot_results(aot_compile_checks) -> dict[str, dict]:
     cases = []
     for c in _CASES:
-        dt, n, split, lse = c
-        case = aot_case(dtype=dt, block_size=n, split=split, write_lse=lse)
-        cases.append({"id": _case_id(c), "count": _PTX, **case})
+        dt, n, split, lse, fp8 = c
+        fp8_kw = dict(cache="fp8e4nv", kv_scale=fp8) if fp8 else {}
+        case = aot_case(dtype=dt, block_size=n, split=split, write_lse=lse, **fp8_kw)
+        counts = _PTX_FP8 if fp8 else _PTX
+        cases.append({"id": _case_id(c), "count": counts, "spills": True, **case})
     return aot_compile_checks(cases)
 
 
 @pytest.mark.parametrize("case", _CASES, ids=_case_id)
 def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
-    problems = build_problems(aot_results[_case_id(case)], arch=90, present=tuple(_PTX))
-    assert not problems, problems
+    """Every build fits sm_90's shared memory with the schedule's MMAs and its producer's
+    copies; an fp8 latent's producer loads and widens the whole 288 bytes a thread of each tile
+    (9 pieces of 64 bytes a row x 4 rows: 36 loads of 8 bytes, 72 words widened by two
+    instructions each), with no cp.async. Spills (ptxas -v, triton 3.9's build; an fp8 producer
+    that carried its loads' bytes around the tile loop spilled ~2.7 KB a thread): within the
+    bounds below, which the builds of this change meet with room (16-bit 12-36 bytes, fp8
+    68-120)."""
+    res = aot_results[_case_id(case)]
+    fp8 = case[4]
+    if not fp8:
+        problems = build_problems(res, arch=90, present=tuple(_PTX))
+        assert not problems, problems
+    else:
+        widen = "widen_bf16" if case[0] == "bf16" else "widen_f16"
+        present = ("qk_mma", "pv_mma", "ld_8", "prefetch_l2", widen, "full_arrival",
+                   "producer_regs")  # fmt: skip
+        problems = build_problems(res, arch=90, present=present)
+        assert not problems, problems
+        counts = res["counts"]
+        assert (counts["ld_8"], counts[widen], counts["cp_async"]) == (36, 144, 0), counts
+    if res.get("spill_bytes") is None:
+        pytest.skip("ptxas -v could not be run on this triton's build")
+    assert res["spill_bytes"] <= (160 if fp8 else 64), res["spill_bytes"]
+
+
+def test_bf16_widening_bits_are_exact() -> None:
+    """The fp8 producer's bf16 widening (``_sm90_mla_fp8._E4M3_BF16``), its integer part emulated
+    on the CPU with the asm's own constants: every finite e4m3 byte, in any lane of a word,
+    becomes the bf16 of its value times 2^-120 (subnormals too), so the multiply by 2^120 it
+    ends with restores the value exactly; e4m3's nan reads 480 (documented)."""
+    from kv_kernels.paged_attention import _sm90_mla_fp8
+
+    asm = _sm90_mla_fp8._E4M3_BF16.value
+    sel = [int(x, 16) for x in re.findall(r"prmt\.b32 \w, \$2, 0, (0x[0-9A-Fa-f]+);", asm)]
+    mask = int(re.search(r"and\.b32 a, a, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    mul = int(re.search(r"mov\.b32 k, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    assert (len(sel), mul & 0xFFFF, mul >> 16) == (2, 0x7B80, 0x7B80)  # bf16 2^120, twice
+    gen = torch.Generator().manual_seed(0)
+    words = torch.stack([torch.randperm(256, generator=gen) for _ in range(4)], 1)  # [256, 4]
+
+    def prmt(w: torch.Tensor, s: int) -> torch.Tensor:
+        out = torch.zeros(w.shape[0], dtype=torch.int64)
+        for i in range(4):  # d's byte i: byte (s >> 4 i) & 7 of {0, w}, its sign if bit 3
+            n = (s >> (4 * i)) & 0xF
+            byte = w[:, n & 7] if (n & 7) < 4 else torch.zeros_like(w[:, 0])
+            if n & 8:
+                byte = torch.where(byte >= 128, 255, 0)
+            out |= byte << (8 * i)
+        return out
+
+    got, want = [], []
+    for half, s_ in enumerate(sel):
+        a = ((prmt(words, s_) << 4) & 0xFFFFFFFF) & mask
+        for lane in range(2):
+            bits = ((a >> (16 * lane)) & 0xFFFF).to(torch.int32).to(torch.int16)
+            got.append(bits.view(torch.bfloat16).double() * 2.0**120)
+            byte = words[:, 2 * half + lane].to(torch.uint8)
+            want.append(byte.view(torch.float8_e4m3fn).double())
+    got_t, want_t = torch.cat(got), torch.cat(want)
+    fin = torch.isfinite(want_t)
+    assert torch.equal(got_t[fin], want_t[fin])
+    assert set(got_t[~fin].abs().tolist()) == {480.0}
 
 
 def test_build_problems_can_fail() -> None:
@@ -97,13 +192,35 @@ def test_serves_deepseek_v3_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _eligible(features={"causal": False, "write_lse": False, "split": False})
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("mode", [1, 2], ids=["float-scale", "tensor-scale"])
+def test_serves_the_fp8_e4m3_latent(
+    q_dtype: torch.dtype, group: int, mode: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's fp8_e4m3 latent (one per-tensor scale, a float or a [1] tensor) at 64 / 128
+    heads, with 16-bit queries."""
+    monkeypatch.delenv("KV_KERNELS_SM90_MLA", raising=False)
+    assert _eligible(q_dtype=q_dtype, cache_dtype=torch.float8_e4m3fn, group=group,
+                     features={"kv_scale_mode": mode, "row_align": 1})  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "over",
     [
         {"arch": 80},
         {"arch": 100},
         {"compiled": False},  # the interpreter: Gluon has none
-        {"cache_dtype": torch.float8_e4m3fn},  # an fp8 latent
+        {"cache_dtype": torch.float8_e4m3fn},  # an fp8 latent with no scale
+        # an fp8 latent the Gluon kernel does not widen, or with per-token-head scales
+        {"cache_dtype": torch.float8_e5m2, "features": {"kv_scale_mode": 1}},
+        {"cache_dtype": torch.int8, "features": {"kv_scale_mode": 1}},
+        {"cache_dtype": torch.float8_e4m3fn, "features": {"kv_scale_mode": 3}},
+        # rows not 16-byte aligned (the fp8 producer prefetches whole aligned rows)
+        {"cache_dtype": torch.float8_e4m3fn, "features": {"kv_scale_mode": 1, "row_align": 8}},
+        {"cache_dtype": torch.float8_e4m3fn, "q_dtype": torch.float32,
+         "features": {"kv_scale_mode": 1}},
+        {"cache_dtype": torch.float8_e4m3fn, "group": 16, "features": {"kv_scale_mode": 1}},
         {"q_dtype": torch.float16},  # q and cache dtypes differ
         {"q_dtype": torch.float32, "cache_dtype": torch.float32},
         {"group": 16},  # tensor parallel 8: bandwidth-bound, the Triton kernel's
@@ -162,22 +279,49 @@ def launches(count_gluon_launches) -> list[int]:
     return count_gluon_launches("mla")
 
 
-def _batch(*, seq_lens, q_lens=None, heads=128, n=64, dtype=torch.bfloat16, seed=0) -> dict:
+#: an fp8 latent's per-tensor scale: the drawn latents (~4 N(0, 1)) stored up to ~320, inside
+#: e4m3's 448
+K_SCALE = 0.05
+
+
+def _batch(
+    *, seq_lens, q_lens=None, heads=128, n=64, dtype=torch.bfloat16, seed=0, fp8=None
+) -> dict:
+    """A DeepSeek-V3 decode batch (latent 512 + 64) on the GPU; ``fp8`` ``"float"`` /
+    ``"tensor"``: an fp8 e4m3 latent whose scale :data:`K_SCALE` is a float / a ``[1]`` tensor
+    (``b["latents"]`` are then the rows as the cache gives them back)."""
+    quant: dict = {}
+    if fp8:
+        ks = K_SCALE if fp8 == "float" else torch.tensor([K_SCALE], device="cuda")
+        quant = dict(cache_dtype="fp8_e4m3", k_scale=ks)
     b = make_mla_batch(
         q_lens=q_lens or [1] * len(seq_lens), seq_lens=seq_lens, num_heads=heads, rank=512,
-        rope=64, block_size=n, dtype=dtype, seed=seed, device="cuda",
+        rope=64, block_size=n, dtype=dtype, seed=seed, device="cuda", **quant,
     )  # fmt: skip
     return b
+
+
+def _zeroed(kv: torch.Tensor) -> torch.Tensor:
+    """The cache with its nan poison as zeros (fp8 has no ``nan_to_num``; its finite values
+    round-trip through float32 exactly)."""
+    if kv.element_size() == 1:
+        return kv.float().nan_to_num(0.0).to(kv.dtype)
+    return kv.nan_to_num(0.0)
+
+
+def _run(b: dict, impl: str, **kw):
+    """``paged_attention`` over the batch with its latent's scale (None: a 16-bit latent)."""
+    return run_batch(b, impl, kv_lora_rank=512, scale=SCALE, k_scale=b["k_scale"], **kw)
 
 
 def _check(b: dict, **kw) -> None:
     """The kernel's output and LSE against the float64 oracle, bounded by the bf16 / fp16 torch
     reference's own error; its LSE against the oracle's to 1e-4 (natural log). The cache's rows
-    past each sequence hold nan: a read of one shows."""
-    got, lse = run_batch(b, "triton", kv_lora_rank=512, scale=SCALE, return_lse=True, **kw)
+    past each sequence hold nan: a read of one shows (an fp8 latent's nan reads as 480 in the
+    bf16 widening: there the masked loads and the logits' mask are what keep them out)."""
+    got, lse = _run(b, "triton", return_lse=True, **kw)
     # (the torch reference reads whole pages: it runs on the cache without the nan poison)
-    low = run_batch(dict(b, kv=b["kv"].nan_to_num(0.0)), "reference", kv_lora_rank=512,
-                    scale=SCALE)  # fmt: skip
+    low = _run(dict(b, kv=_zeroed(b["kv"])), "reference")
     want, want_lse = mla_oracle(b, SCALE)
     assert_close_to_oracle(got.cpu(), want, lowprec_reference=low.cpu(), dtype=b["q"].dtype)
     fin = torch.isfinite(want_lse)
@@ -203,6 +347,83 @@ def test_gpu_matches_the_oracle(shape: dict, splits: int | None, launches: list[
     assert launches, "the Gluon kernel did not serve the MLA decode"
 
 
+_FP8_SHAPES = [dict(), dict(n=16, dtype=torch.float16), dict(n=128, heads=64)]
+_FP8_IDS = ["bf16-h128-n64", "fp16-h128-n16", "bf16-h64-n128"]
+
+
+@pytest.mark.parametrize("shape", _FP8_SHAPES, ids=_FP8_IDS)
+@pytest.mark.parametrize("splits", [None, 1, 4], ids=["auto", "s1", "s4"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp8_latent_matches_the_oracle(
+    shape: dict, splits: int | None, launches: list[int]
+) -> None:
+    """vLLM's fp8_e4m3 latent, its scale a float (``KV_SCALE`` 1): the Gluon kernel's output
+    and LSE against the float64 oracle over the rows the cache gives back."""
+    b = _batch(seq_lens=_L, fp8="float", **shape)
+    _check(b, num_splits=splits)
+    assert launches, "the Gluon kernel did not serve the fp8 MLA decode"
+
+
+@pytest.mark.parametrize("shape", _FP8_SHAPES, ids=_FP8_IDS)
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp8_latent_tensor_scale_matches_the_oracle(shape: dict, launches: list[int]) -> None:
+    """The scale as a ``[1]`` float32 tensor, read on the device (``KV_SCALE`` 2)."""
+    b = _batch(seq_lens=_L, fp8="tensor", **shape)
+    _check(b)
+    _check(b, num_splits=4)
+    assert launches
+
+
+def _launch_direct(b: dict, scale_args: tuple) -> torch.Tensor:
+    """:func:`launch_sm90_mla` over the batch at one split with the given ``scale_args`` (the
+    launcher's ``(k_ptr, v_ptr, k_stride, v_stride, k_val, v_val)``, a float scale)."""
+    q = b["q"]
+    out = torch.empty(q.shape[0], q.shape[1], 512, dtype=q.dtype, device=q.device)
+    _sm90_mla.launch_sm90_mla(
+        q, b["kv"], block_table=b["block_table"], seq_lens=b["seq_lens"],
+        query_start_loc=b["qsl"], scale=SCALE, block_size=b["layout"].block_size, out=out,
+        lse=None, part_out=out, part_lse=out, num_splits=1, kv_scale_mode=1,
+        scale_args=scale_args,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp8_planted_bugs_fail_the_same_check(launches: list[int]) -> None:
+    """Over an fp8 latent, each of these is caught by the bound the parity tests use: a wrong
+    page; a scale 25% off (K and V both: the latent's one scale); the kernel launched with the
+    scale left out of the output (V's scale 1), or out of the logits (K's 1); and the kernel's
+    right output held to an oracle whose K or V alone is 5% off (the bound is tight enough to
+    see a scale applied to one side only). The direct launch with the right scale passes."""
+    lens = [3000, 700, 64]
+    b = _batch(seq_lens=lens, fp8="float")
+    b["kv"].copy_(_zeroed(b["kv"]))  # (the spare page is read on purpose)
+    want, _ = mla_oracle(b, SCALE)
+    low = _run(b, "reference").cpu()
+
+    def caught(got: torch.Tensor, oracle: torch.Tensor = want) -> bool:
+        return not check_close_to_oracle(got.cpu(), oracle, lowprec_reference=low).ok
+
+    table = plant_wrong_page(b["block_table"].cpu(), lens, 64, b["layout"].num_blocks)
+    assert caught(_run(dict(b, block_table=table.cuda()), "triton"))
+    assert caught(_run(dict(b, k_scale=K_SCALE * 1.25), "triton"))
+    q = b["q"]
+    right = _launch_direct(b, (q, q, 0, 0, K_SCALE, K_SCALE))
+    assert not caught(right)
+    assert caught(_launch_direct(b, (q, q, 0, 0, K_SCALE, 1.0)))  # V's scale left out
+    assert caught(_launch_direct(b, (q, q, 0, 0, 1.0, K_SCALE)))  # K's scale left out
+    for side in ("k", "v"):
+        lat = b["latents"]  # [L, 1, 576] float64, as the cache gives them back
+        ks = [x * 1.05 for x in lat] if side == "k" else lat
+        vs = [x[..., :512] * (1.05 if side == "v" else 1.0) for x in lat]
+        wrong, _ = attention_oracle(q.cpu(), ks, vs, b["q_lens"], scale=SCALE)
+        assert caught(right, wrong), f"a 5% wrong scale on {side.upper()} passed the bound"
+    assert launches
+
+
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_mixed_batch_leaves_the_prefill_to_the_triton_kernel(launches: list[int]) -> None:
@@ -211,19 +432,20 @@ def test_gpu_mixed_batch_leaves_the_prefill_to_the_triton_kernel(launches: list[
     assert len(launches) == 1
 
 
+@pytest.mark.parametrize("fp8", [None, "float"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_batch_invariance_bitwise(splits: int, launches: list[int]) -> None:
+def test_gpu_batch_invariance_bitwise(splits: int, fp8: str | None, launches: list[int]) -> None:
     """With a fixed split count a sequence's rows are bit-identical alone and in a batch (what
     TRITON_MLA declares as batch invariance)."""
-    b = _batch(seq_lens=[900, 300, 65])
-    full = run_batch(b, "triton", kv_lora_rank=512, scale=SCALE, num_splits=splits)
+    b = _batch(seq_lens=[900, 300, 65], fp8=fp8)
+    full = _run(b, "triton", num_splits=splits)
     alone = dict(
         b, q=b["q"][1:2], block_table=b["block_table"][1:2], seq_lens=b["seq_lens"][1:2],
         qsl=torch.tensor([0, 1], dtype=torch.int32, device="cuda"), q_lens=[1],
     )  # fmt: skip
-    one = run_batch(alone, "triton", kv_lora_rank=512, scale=SCALE, num_splits=splits)
+    one = _run(alone, "triton", num_splits=splits)
     assert torch.equal(full[1:2], one)
     assert len(launches) == 2
 
@@ -247,18 +469,21 @@ def test_gpu_planted_bugs_fail_the_same_check(launches: list[int]) -> None:
     assert len(launches) == 2
 
 
+@pytest.mark.parametrize("fp8", [None, "float"], ids=["bf16", "fp8"])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_cache_past_2_31_elements(launches: list[int]) -> None:
-    """The sequences' pages moved to the end of a 4.3 GiB cache (blocks x 64 x 576 > 2^31
-    elements): offsets past 2^31 address the right rows."""
-    b = _batch(seq_lens=[700, 130])
+def test_gpu_cache_past_2_31_elements(fp8: str | None, launches: list[int]) -> None:
+    """The sequences' pages moved to the end of a cache of blocks x 64 x 576 > 2^31 elements
+    (4.3 GiB bf16, 2.1 GiB fp8): offsets past 2^31 address the right rows."""
+    b = _batch(seq_lens=[700, 130], fp8=fp8)
     num_blocks = 2**31 // (64 * 576) + 64
-    big = torch.zeros(num_blocks, 1, 64, 576, dtype=torch.bfloat16, device="cuda")
+    big = torch.zeros(num_blocks, 1, 64, 576, dtype=b["kv"].dtype, device="cuda")
     table = b["block_table"].clone()
     used = table[table >= 0]
     moved = num_blocks - 1 - torch.arange(used.numel(), device="cuda", dtype=torch.int32)
-    big[moved.long()] = b["kv"][used.long()]
+    # (as bytes / 16-bit words: index_put has no fp8 kernel)
+    word = torch.uint8 if big.element_size() == 1 else torch.int16
+    big.view(word)[moved.long()] = b["kv"].view(word)[used.long()]
     table[table >= 0] = moved
     layout = dataclasses.replace(b["layout"], num_blocks=num_blocks)
     assert big.numel() > 2**31 and int(moved.min()) * 64 * 576 > 2**31

@@ -18,13 +18,21 @@ kernel states the schedule, as :mod:`._sm90_prefill_kernel` does for prefill:
   is done, so the copy of the next tile overlaps a whole tile's work (see :func:`_consumer`).
 
 Scope (:func:`sm90_mla_eligible`): the decode class (one query token a sequence: the Triton
-config's ``block_q`` for MLA at these head counts is 1) of a 16-bit latent cache (K 576, V its
-first 512 columns, ``v_from_k``), 64 or 128 query heads over the one latent head, a positive
-scale, LSE and KV splits; everything else (fewer heads, fp8 latents, windows, soft-cap, metadata
-checks) stays with the Triton kernel. ``KV_KERNELS_SM90_MLA=0`` turns it off.
+config's ``block_q`` for MLA at these head counts is 1) of a latent cache (K 576, V its first 512
+columns, ``v_from_k``) in the query's 16-bit dtype, or in fp8 e4m3 with one per-tensor scale
+(vLLM's ``fp8_e4m3`` latent), 64 or 128 query heads over the one latent head, a positive scale,
+LSE and KV splits; everything else (fewer heads, e5m2 / int8 / per-token-head latents, windows,
+soft-cap, metadata checks) stays with the Triton kernel. ``KV_KERNELS_SM90_MLA=0`` turns it off.
+
+fp8 latents (:mod:`._sm90_mla_fp8`): the producer loads the bytes into registers, widens them to
+the query's dtype and stores them into the same ring (no room for an fp8 staging ring beside
+it), so the consumer is the same; the scale multiplies the logits' scale and, once, the output
+(``KV_SCALE`` 1: a float argument, 2: a ``[1]`` float32 tensor read on the device, as
+:mod:`._sm90_decode_kernel`'s). Not measured on a GPU yet; the Triton kernel reads 95 TFLOP/s
+over that latent at 128 heads on an H200, this kernel 434 over the bf16 one.
 
 Bounds: as :mod:`._sm90_prefill_kernel` (block-table columns and block ids clamped, tokens past the
-sequence zero-filled by ``cp.async`` and masked), so no read leaves the cache.
+sequence zero-filled by ``cp.async``, or masked loads, and masked), so no read leaves the cache.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from kv_kernels._launch import FastLauncher
 from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._gluon_compat import barrier
 from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
+from kv_kernels.paged_attention._sm90_mla_fp8 import producer_fp8
 from kv_kernels.paged_attention._sm90_prefill_kernel import _gather, _tile_rows
 from kv_kernels.paged_attention._tiles import pick_num_splits
 
@@ -66,6 +75,12 @@ TILE_N = gl.constexpr(64)
 NBUF = 2
 #: the producer's registers after ``setmaxnreg`` (the consumer takes the rest)
 P_REGS = 40
+#: the fp8 producer's (:mod:`._sm90_mla_fp8`: its loads in flight and the piece it widens live in
+#: registers). The consumer gets ``(504 - P) / 2`` rounded down to 8 (the launch's 168 registers
+#: a thread x 3 warpgroups, as Triton splits them): 224 here, where the 16-bit kernel's 40 leave it
+#: 232 (sm_90 build, triton 3.9: at 224 it spills 5 / 12 words a tile inside its loop, at 232 1 /
+#: 2; the producer at 56 spills none there, at 40 with one piece in flight 4 / 11). Not measured.
+P_REGS_FP8 = 56
 
 
 @gluon.constexpr_function
@@ -87,16 +102,23 @@ def _s_layout():
 def _producer(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles, seq_len,
               num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE: gl.constexpr,
               NBUF_: gl.constexpr, P_WARPS: gl.constexpr):  # fmt: skip
-    lay: gl.constexpr = _copy_layout(P_WARPS)
-    for i in range(n_tiles):
-        s = i % NBUF_
-        ph = ((i // NBUF_) & 1) ^ 1  # the previous use of the slot
-        off, ok = _tile_rows(bt_row_ptr, t_lo + i, seq_len, num_blocks, max_blocks, stride_kb,
-                             stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
-        mbarrier.wait(empty.index(s), ph, pred=i >= NBUF_)
-        _gather(kvn_smem.index(s), head_ptr, off, ok, D_NOPE, lay)
-        _gather(kr_smem.index(s), head_ptr + D_NOPE, off, ok, D_ROPE, lay)
-        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+    """Tiles ``t_lo + [0, n_tiles)`` into the ring: 16-bit latents by ``cp.async``, fp8 ones
+    through registers (:func:`._sm90_mla_fp8.producer_fp8`: widened to the ring's dtype)."""
+    if head_ptr.dtype.element_ty.is_fp8():
+        producer_fp8(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
+                     seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, NBUF_,
+                     P_WARPS, TILE_N, D_NOPE, D_ROPE)  # fmt: skip
+    else:
+        lay: gl.constexpr = _copy_layout(P_WARPS)
+        for i in range(n_tiles):
+            s = i % NBUF_
+            ph = ((i // NBUF_) & 1) ^ 1  # the previous use of the slot
+            off, ok = _tile_rows(bt_row_ptr, t_lo + i, seq_len, num_blocks, max_blocks,
+                                 stride_kb, stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
+            mbarrier.wait(empty.index(s), ph, pred=i >= NBUF_)
+            _gather(kvn_smem.index(s), head_ptr, off, ok, D_NOPE, lay)
+            _gather(kr_smem.index(s), head_ptr + D_NOPE, off, ok, D_ROPE, lay)
+            async_copy.mbarrier_arrive(full.index(s), increment_count=False)
 
 
 @gluon.jit
@@ -182,12 +204,13 @@ def sm90_mla_kernel(
     kv_ptr, stride_kb, stride_kn,
     bt_ptr, stride_bts,
     seq_lens_ptr, qsl_ptr,
+    k_scale_ptr, v_scale_ptr, stride_ks, stride_vs, k_scale_val, v_scale_val,
     out_ptr, stride_ot, stride_oh,
     lse_ptr, stride_lt, stride_lh,
     part_out_ptr, part_lse_ptr,
     num_q_heads, num_blocks, max_blocks, qk_scale_log2,
-    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
-    NBUF_: gl.constexpr, P_WARPS: gl.constexpr, P_REGS_: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, KV_SCALE: gl.constexpr, SPLIT: gl.constexpr,
+    WRITE_LSE: gl.constexpr, NBUF_: gl.constexpr, P_WARPS: gl.constexpr, P_REGS_: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -199,6 +222,17 @@ def sm90_mla_kernel(
     q_start, _q_len, mine, seq_len = _decode_class(qsl_ptr, seq_lens_ptr, seq, 1)
     _t_hi, t_lo, t_end = _split_tiles(seq_len, mine, TILE_N)
     n_tiles = t_end - t_lo
+    # an fp8 latent's per-tensor scale (one latent head: element 0), a float (KV_SCALE 1) or
+    # read on the device (2); V's is the same row's (the launcher passes k_scale as v_scale).
+    # K's goes into the logits' scale, V's multiplies the output once in the epilogue.
+    if KV_SCALE == 1:
+        qk_scale_log2 = qk_scale_log2 * k_scale_val
+        v_deq = v_scale_val
+    elif KV_SCALE == 2:
+        qk_scale_log2 = qk_scale_log2 * gl.load(k_scale_ptr)
+        v_deq = gl.load(v_scale_ptr)
+    else:
+        v_deq = 1.0
 
     # ---- q: nope columns into shared memory, rope columns into MMA-operand registers ---------
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -250,7 +284,10 @@ def sm90_mla_kernel(
     o_layout: gl.constexpr = acc.type.layout
     has = l_i > 0.0
     l_div = gl.where(has, l_i, 1.0)
-    o = acc / gl.convert_layout(l_div, gl.SliceLayout(1, o_layout))[:, None]
+    if KV_SCALE > 0:
+        o = acc * gl.convert_layout(v_deq / l_div, gl.SliceLayout(1, o_layout))[:, None]
+    else:
+        o = acc / gl.convert_layout(l_div, gl.SliceLayout(1, o_layout))[:, None]
     lse = gl.where(has, (m_i * qk_scale_log2 + gl.log2(l_div)) * 0.6931471805599453, float("-inf"))
     ro = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     co = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, o_layout))
@@ -273,8 +310,7 @@ def sm90_mla_kernel(
 
 
 #: the features this kernel does not implement (the Triton kernel serves them)
-_UNSERVED = ("sliding_window", "sinks", "softcap", "alibi", "kv_scale_mode", "check",
-             "scale_words")  # fmt: skip
+_UNSERVED = ("sliding_window", "sinks", "softcap", "alibi", "check", "scale_words")
 
 
 def sm90_mla_eligible(
@@ -291,8 +327,8 @@ def sm90_mla_eligible(
     :func:`kv_kernels._common.sm90_gluon_allowed`'s conditions for 64 or 128 query heads
     (``common``: its ``arch``, ``compiled``, ``group``, ``scale``, ``aligned_rows``;
     ``KV_KERNELS_SM90_MLA=0`` turns the kernel off), then this kernel's own: MLA's one latent
-    (``v_from_k``, K 576 and V its first 512 columns, K from column 0) of the query's dtype, and
-    a decode class of one token a sequence (``block_q`` 1)."""
+    (``v_from_k``, K 576 and V its first 512 columns, K from column 0) that
+    :func:`_latent_served` says, and a decode class of one token a sequence (``block_q`` 1)."""
     return (
         sm90_gluon_allowed(
             "mla",
@@ -303,10 +339,26 @@ def sm90_mla_eligible(
             **common,
         )
         and bool(features.get("v_from_k"))
-        and cache_dtype == q_dtype
+        and _latent_served(q_dtype, cache_dtype, features)
         and (head_size, head_size_v) == (D_NOPE.value + D_ROPE.value, D_NOPE.value)
         and features.get("k_start", 0) == 0
         and block_q == 1
+    )
+
+
+def _latent_served(
+    q_dtype: torch.dtype, cache_dtype: torch.dtype, features: dict[str, Any]
+) -> bool:
+    """The query's dtype with no scale, or fp8 e4m3 with one per-tensor scale (``kv_scale_mode``
+    1: a float, 2: a tensor; per-token-head latents the api refuses) in rows whose strides are
+    multiples of 16 bytes (``row_align`` 1: the fp8 producer's L2 prefetches move whole 16-byte
+    aligned rows). e5m2 and int8 latents stay with the Triton kernel (e5m2 would need its own
+    widening: not written, as vLLM's DeepSeek latent cache is e4m3)."""
+    mode = features.get("kv_scale_mode", 0)
+    if cache_dtype == q_dtype:
+        return mode == 0
+    return (
+        cache_dtype == torch.float8_e4m3fn and mode in (1, 2) and features.get("row_align", 1) == 1
     )
 
 
@@ -335,11 +387,15 @@ def launch_sm90_mla(
     part_out: torch.Tensor,  # [T, Hq, S, 512] f32 (``out`` when S = 1)
     part_lse: torch.Tensor,  # [T, Hq, S] f32
     num_splits: int,
+    kv_scale_mode: int = 0,  # an fp8 latent's scale: 1 a float, 2 a [1] float32 tensor
+    scale_args: tuple[Any, ...] | None = None,  # ._launch_args._scale_args' (k_ptr .. v_val)
     key: Any = None,  # the launch's key (paged_attention_triton): a bound launch
     launches: list[Any] | None = None,  # given: append the launch (._bound.Launch), run nothing
 ) -> None:
     """The decode class of an MLA launch on sm_90 (inputs validated by the api; eligibility by
-    :func:`sm90_mla_eligible`; the caller merges the splits)."""
+    :func:`sm90_mla_eligible`; the caller merges the splits). An fp8 latent's ``scale_args``
+    carry its one scale as K's and V's (``paged_attention_triton`` passes ``v_scale=k_scale``);
+    none for a 16-bit latent."""
     num_q_heads = q.shape[1]
     require_unit_rows(
         "the sm_90 MLA decode kernel",
@@ -351,14 +407,16 @@ def launch_sm90_mla(
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(2),
         block_table, block_table.stride(0), seq_lens, query_start_loc,
+        *(scale_args or (q, q, 0, 0, 1.0, 1.0)),
         out, out.stride(0), out.stride(1),
         lse_t, lse_t.stride(0), lse_t.stride(1),
         part_out, part_lse,
         num_q_heads, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
     )  # fmt: skip
     kwargs = dict(
-        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, WRITE_LSE=lse is not None, NBUF_=NBUF,
-        P_WARPS=4, P_REGS_=P_REGS, num_warps=8,
+        BLOCK_SIZE=block_size, KV_SCALE=kv_scale_mode, SPLIT=num_splits > 1,
+        WRITE_LSE=lse is not None, NBUF_=NBUF, P_WARPS=4,
+        P_REGS_=P_REGS_FP8 if kv_cache.element_size() == 1 else P_REGS, num_warps=8,
     )  # fmt: skip
     if launches is not None:
         from kv_kernels.paged_attention._bound import Launch
@@ -373,23 +431,32 @@ def launch_sm90_mla(
 def aot_case(
     *,
     dtype: str = "bf16",
+    cache: str | None = None,
+    kv_scale: int = 0,
     block_size: int = 64,
     split: bool = False,
     write_lse: bool = False,
 ) -> dict[str, Any]:
     """The kernel as :func:`launch_sm90_mla` launches it, for an ahead-of-time sm_90 build
-    (``kv_kernels.aot.aot_compile`` keywords, as :func:`._sm90_prefill.aot_case`)."""
-    pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32",
-                "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
-                "lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
+    (``kv_kernels.aot.aot_compile`` keywords, as :func:`._sm90_prefill.aot_case`): ``cache``
+    the latent's type (the query's ``dtype`` by default; ``"fp8e4nv"`` an e4m3 latent, whose
+    scale ``kv_scale`` 1 rides as a float, 2 as a tensor)."""
+    cache = cache or dtype
+    pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{cache}", "bt_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "k_scale_ptr": "*fp32",
+                "v_scale_ptr": "*fp32", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32",
+                "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
     constexprs = dict(
-        BLOCK_SIZE=block_size, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF,
-        P_WARPS=4, P_REGS_=P_REGS, num_warps=8,
+        BLOCK_SIZE=block_size, KV_SCALE=kv_scale, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF,
+        P_WARPS=4, P_REGS_=P_REGS_FP8 if cache.startswith("fp8") else P_REGS, num_warps=8,
     )  # fmt: skip
     strides = [n for n in sm90_mla_kernel.arg_names if n.startswith("stride_")]
+    # (the scales' strides are 0: one latent head)
+    aligned = [n for n in strides if n not in ("stride_lh", "stride_ks", "stride_vs")]
     return aot_case_spec(
-        sm90_mla_kernel, module=__name__, pointers=pointers, floats=("qk_scale_log2",),
-        constexprs=constexprs, aligned_strides=[n for n in strides if n != "stride_lh"],
+        sm90_mla_kernel, module=__name__, pointers=pointers,
+        floats=("qk_scale_log2", "k_scale_val", "v_scale_val"), constexprs=constexprs,
+        aligned_strides=aligned,
     )  # fmt: skip
 
 

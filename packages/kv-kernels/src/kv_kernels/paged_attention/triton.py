@@ -213,8 +213,8 @@ def _make_plan(
         "decode", q, kv_cache, head_size_v, scale, features, (out, block_table),
         block_q=cfg_dec.block_q,
     )  # fmt: skip
-    # sm_90, MLA's 16-bit latent at 64 / 128 heads: the decode class runs the Gluon MLA kernel
-    # (see _sm90_mla; with KV_KERNELS_SM90_MLA=0 the Triton kernel does)
+    # sm_90, MLA's 16-bit or fp8 e4m3 per-tensor latent at 64 / 128 heads: the decode class runs
+    # the Gluon MLA kernel (see _sm90_mla; with KV_KERNELS_SM90_MLA=0 the Triton kernel does)
     gluon_mla = v_from_k and _gluon_serves(
         "mla", q, kv_cache, head_size_v, scale, features, (out, block_table),
         block_q=cfg_dec.block_q,
@@ -403,10 +403,12 @@ def describe_launches(
     elif plan.gluon_mla:
         from kv_kernels.paged_attention._sm90_mla import launch_sm90_mla
 
+        # (an fp8 latent's one scale: paged_attention_triton passed k_scale as v_scale too)
         launch_sm90_mla(
             q, kv_cache, block_table=block_table, seq_lens=seq_lens,
             query_start_loc=query_start_loc, scale=scale, block_size=block_size, out=out,
-            lse=lse, part_out=part_out, part_lse=part_lse, num_splits=splits, key=launch_key,
+            lse=lse, part_out=part_out, part_lse=part_lse, num_splits=splits,
+            kv_scale_mode=plan.kv_scale_mode, scale_args=scale_args, key=launch_key,
             launches=launches,
         )  # fmt: skip
     descs = None
