@@ -437,6 +437,7 @@ def _mixed_load(
 def run_case(
     model_dir: Path, batch: int, context: int, device: str, bw: float, peak: float,
     profile: int = 8, mixed: bool = True, backend: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[dict[str, Any]]:  # fmt: skip
     """decode (graphs, eager), mixed and prefill records for ``batch`` x ``context``."""
     from kvstack.engine.engine import LLMEngine
@@ -454,7 +455,7 @@ def run_case(
     engine = LLMEngine(
         model_dir, device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, block_size=BLOCK, num_blocks=blocks,
         max_model_len=max_len, max_num_batched_tokens=8192, max_num_seqs=seqs,
-        enable_prefix_caching=False, backend=backend,
+        enable_prefix_caching=False, backend=backend, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     startup = {"total": time.perf_counter() - t0, **engine.runner.startup_seconds}
     cost = Cost(engine)
@@ -529,7 +530,7 @@ def default_backend(shape: str) -> str:
 
 def bench_shape(
     shape: str, layers: int | None, cases: list[tuple[int, int]], device: str, mixed: bool,
-    backend: str | None = None,
+    backend: str | None = None, kv_cache_dtype: str = "auto",
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """``backend``: ``None`` for :func:`default_backend` (on the CPU: the engine's pick)."""
     if backend is None and device.startswith("cuda"):
@@ -547,6 +548,7 @@ def bench_shape(
         "copy_bytes_per_s": bw,
         "matmul_flops_per_s": peak,
         "backend": backend,
+        "kv_cache_dtype": kv_cache_dtype,
     }
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=shm) as tmp:
@@ -555,7 +557,15 @@ def bench_shape(
         info["checkpoint_write_s"] = time.perf_counter() - t
         for batch, context in cases:
             for r in run_case(
-                model_dir, batch, context, device, bw, peak, mixed=mixed, backend=backend
+                model_dir,
+                batch,
+                context,
+                device,
+                bw,
+                peak,
+                mixed=mixed,
+                backend=backend,
+                kv_cache_dtype=kv_cache_dtype,
             ):
                 r.update(
                     metric="roofline_fraction", shape=shape, layers=info["layers"],

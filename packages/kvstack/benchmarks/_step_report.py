@@ -39,7 +39,13 @@ def main_shape(args: argparse.Namespace) -> None:
         )
     cases = [(8, 256)] if args.quick else _cases(args.cases)
     records, info = bench_shape(
-        args.shape, args.layers, cases, args.device, not args.no_mixed, args.backend
+        args.shape,
+        args.layers,
+        cases,
+        args.device,
+        not args.no_mixed,
+        args.backend,
+        args.kv_cache_dtype,
     )
     meta = {
         "device": torch.cuda.get_device_name() if cuda else "CPU",
@@ -59,6 +65,8 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
     if path.is_file():
         runs = json.loads(path.read_text()).get("runs", {})
     key = f"{meta['device']} / {meta['shape']} / {meta['layers']} layers"
+    if meta.get("kv_cache_dtype", "auto") != "auto":  # (its own table: other KV bytes)
+        key += f" / KV {meta['kv_cache_dtype']}"
     # a run of other cases adds to the entry (cases measured again are replaced)
     new = {(r["batch"], r["context"], r["phase"]) for r in records}
     old = runs.get(key, {})

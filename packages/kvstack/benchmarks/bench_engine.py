@@ -317,6 +317,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--no-mixed", action="store_true", help="with --shape: skip the mixed load")
     ap.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="with --shape: the engine's kv_cache_dtype (auto, fp8, ...: vLLM's option)",
+    )  # fmt: skip
+    ap.add_argument(
         "--backend", default=None,
         help="with --shape: the attention backend (default TRITON, TRITON_MLA for MLA shapes)",
     )  # fmt: skip
