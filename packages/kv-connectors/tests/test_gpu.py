@@ -117,6 +117,11 @@ def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
     dst = [16, 18, 20, 22]
     conn.update_state_after_alloc(b, dst, tokens)
     conn.start_load_kv(conn.build_connector_meta())
+    # every segment enqueued, so the slots are unpinned (the waits on a side stream: the save
+    # must not be ordered after the load by the compute stream it starts from)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for layer in range(layout.num_layers):
+            conn.wait_for_layer_load(layer)
     if planted:
         conn._loads_enqueued = None
     c = make_request("c", 4, layout.block_size, seed=5)  # evicts a's blocks: their slots

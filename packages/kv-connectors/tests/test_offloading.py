@@ -175,3 +175,37 @@ def test_order_runs_puts_consecutive_ids_last() -> None:
     runs = [(0, 2, [4, 5]), (2, 2, [9, 3]), (4, 1, [7]), (5, 2, [1, 0])]
     ordered, staged = order_runs(runs)
     assert staged == 2 and ordered == [runs[1], runs[3], runs[0], runs[2]]
+
+
+def test_loads_are_enqueued_ahead_of_the_layer_waited_for(
+    make_request: Callable[..., Any],
+) -> None:
+    """A load's segments are copied ``LOAD_AHEAD`` ahead of the layer the forward waits for (so
+    the host launches the forward between them), the rest at ``wait_for_save``; the blocks stay
+    pinned in the tier until every segment is enqueued (a save cannot evict them meanwhile)."""
+    from kv_connectors.offloading import LOAD_AHEAD
+
+    layout = make_layout("LBNHC", num_layers=6, num_blocks=16)  # a segment a layer
+    cache = random_cache(layout, seed=1)
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=layout.block_size)
+    conn.register_kv_caches(cache, layout)
+    src, dst = [1, 2], [9, 12]
+    _save(conn, make_request("a", 2, layout.block_size, seed=2), src)
+    want = [block_bytes(cache, layout, b) for b in src]
+    b = make_request("b", 2, layout.block_size, seed=2)
+    tokens, _ = conn.get_num_new_matched_tokens(b, 0)
+    conn.update_state_after_alloc(b, dst, tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+
+    def landed() -> list[bool]:  # per layer: both blocks hold a's bytes
+        got = [block_bytes(cache, layout, d) for d in dst]
+        return [all(torch.equal(g[i], w[i]) for g, w in zip(got, want, strict=True))
+                for i in range(layout.num_layers)]  # fmt: skip
+
+    assert landed() == [i < LOAD_AHEAD for i in range(6)]
+    assert all(conn._pins.get(h) for h in b.block_hashes)  # pinned until all are enqueued
+    conn.wait_for_layer_load(0)
+    assert landed() == [i <= LOAD_AHEAD for i in range(6)]
+    conn.wait_for_save()  # the rest, though no layer waited for it
+    assert landed() == [True] * 6
+    assert not any(conn._pins.get(h) for h in b.block_hashes)
