@@ -178,6 +178,45 @@ def test_offload_history_in_two_runs_of_slots_loads_byte_exact(
     conn.close()
 
 
+def test_offload_transfers_compile_no_kernel_after_register(
+    make_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves and loads of 1 to 33 blocks (row counts on and off the multiples of 16 that Triton
+    specializes), shuffled (staged) and consecutive (direct), compile no kernel once the tier is
+    registered: its copy kernels' variants are loaded then."""
+    knobs = pytest.importorskip("triton").knobs
+    layout = make_layout("LBNHC", num_blocks=128, dtype="bfloat16")
+    cache = random_cache(layout, seed=9, device="cuda")
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 26), block_size=layout.block_size)
+    conn.register_kv_caches(cache, layout)
+    seen: list[str] = []
+
+    def hook(*, repr: str, **_: Any) -> bool:
+        seen.append(repr.split("[", 1)[0])
+        return False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
+    gen = torch.Generator().manual_seed(0)
+    for k, n in enumerate([1, 5, 16, 17, 33]):
+        ids = torch.randperm(64, generator=gen)[:n].tolist() if k % 2 else list(range(n))
+        req = make_request(f"r{k}", n, layout.block_size, seed=20 + k)
+        conn.request_finished(req, ids)
+        conn.start_load_kv(conn.build_connector_meta())
+        conn.wait_for_save()
+        assert _saved(conn) == {req.request_id}
+        again = make_request(f"l{k}", n, layout.block_size, seed=20 + k)
+        tokens, _ = conn.get_num_new_matched_tokens(again, 0)
+        dst = [64 + i for i in range(n)] if k % 2 else torch.randperm(64)[:n].add(64).tolist()
+        conn.update_state_after_alloc(again, dst, tokens)
+        conn.start_load_kv(conn.build_connector_meta())
+        for layer in range(layout.num_layers):
+            conn.wait_for_layer_load(layer)
+        conn.wait_for_save()
+    torch.cuda.synchronize()
+    assert seen == [], f"compiled while transferring: {seen}"
+    conn.close()
+
+
 def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[..., Any]) -> None:
     layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
     cache = random_cache(layout, seed=3, device="cuda")

@@ -44,6 +44,8 @@ def test_two_groups_share_block_ids_and_move_as_one_row(make_request: Callable[.
     tokens, _ = conn.get_num_new_matched_tokens(b, 0)
     conn.update_state_after_alloc(b, [6], tokens)
     conn.start_load_kv(conn.build_connector_meta())
+    for layer in range(conn.kv.num_layers):  # (a load lands layer by layer, as they are waited)
+        conn.wait_for_layer_load(layer)
     assert meta.saves and tokens == full.block_size
     for c, lay, w in zip(caches, [full, window], want, strict=True):
         assert torch.equal(block_bytes(c, lay, 6), w)

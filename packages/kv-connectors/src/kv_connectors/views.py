@@ -323,6 +323,7 @@ class RegisteredKV:
         *,
         segments: range | None = None,
         cols: bool = True,
+        load_only: bool = False,
     ) -> None:
         """Copy blocks ``block_ids`` of the chosen segments (default: all) into ``out``.
 
@@ -330,15 +331,17 @@ class RegisteredKV:
         and one segment ``uint8 [n, segment row bytes]``; on any device (pinned host or the
         cache's GPU for the Triton path). Enqueued on the current stream when the cache is on CUDA.
         Whole rows (``segments=None``) are one ``gather_blocks`` call per registered cache.
+        ``load_only``: copy nothing, only load the kernels the call would launch.
         """
         if segments is None:
             for geo, lay, offset, width in self._whole:
-                gather_blocks(geo, lay, block_ids, out[:, offset : offset + width])
+                part = out[:, offset : offset + width]
+                gather_blocks(geo, lay, block_ids, part, load_only=load_only)
             return
         for i in segments:
             seg = self.segments[i]
             part = out[:, seg.row_offset : seg.row_offset + seg.row_bytes] if cols else out
-            gather_blocks(self._seg_geo[i], seg.layout, block_ids, part)
+            gather_blocks(self._seg_geo[i], seg.layout, block_ids, part, load_only=load_only)
 
     def scatter(
         self,
