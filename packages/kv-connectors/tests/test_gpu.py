@@ -40,6 +40,18 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     [([5, 17, 3, 40], [60, 61, 0, 9]), ([4, 5, 6, 7], [20, 21, 22, 23])],
     ids=["staged", "consecutive"],  # consecutive: rows copied straight from and into the cache
 )
+def _load_into(conn: Any, req: Any, dst: list[int]) -> int:
+    """``req``'s tier hit loaded into blocks ``dst`` (every layer's load waited for on the
+    current stream, then the device synced); the tokens it hit."""
+    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, dst, tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    for layer in range(conn.kv.num_layers):
+        conn.wait_for_layer_load(layer)
+    torch.cuda.synchronize()
+    return int(tokens)
+
+
 def test_offload_round_trip_on_cuda(
     layout: Any, src: list[int], dst: list[int], make_request: Callable[..., Any]
 ) -> None:
@@ -60,13 +72,7 @@ def test_offload_round_trip_on_cuda(
         conn.save_kv_layer(layer, meta)
     conn.wait_for_save()  # hands the save off; get_finished reports it once copied
     assert _saved(conn) == {"a"}
-    b = make_request("b", 4, layout.block_size, seed=2)
-    tokens, _ = conn.get_num_new_matched_tokens(b, 0)
-    conn.update_state_after_alloc(b, dst, tokens)
-    conn.start_load_kv(conn.build_connector_meta())
-    for layer in range(layout.num_layers):
-        conn.wait_for_layer_load(layer)
-    torch.cuda.synchronize()
+    _load_into(conn, make_request("b", 4, layout.block_size, seed=2), dst)
     for d, w in zip(dst, want, strict=True):
         assert torch.equal(block_bytes(cache, layout, d), w)
 
@@ -164,15 +170,9 @@ def test_offload_history_in_two_runs_of_slots_loads_byte_exact(
     save(turn, [11, 5, 23, 40, 17, 9])  # its new blocks: slots 5-7
     src = [11, 5, 23, 40, 17, 9]
     want = [block_bytes(cache, layout, b).clone() for b in src]
-    again = make_request("t2", 6, layout.block_size, seed=7)
-    tokens, _ = conn.get_num_new_matched_tokens(again, 0)
-    assert tokens == 6 * layout.block_size
     dst = [50, 44, 61, 33, 48, 57]
-    conn.update_state_after_alloc(again, dst, tokens)
-    conn.start_load_kv(conn.build_connector_meta())
-    for layer in range(layout.num_layers):
-        conn.wait_for_layer_load(layer)
-    torch.cuda.synchronize()
+    again = make_request("t2", 6, layout.block_size, seed=7)
+    assert _load_into(conn, again, dst) == 6 * layout.block_size
     for d, w in zip(dst, want, strict=True):
         assert torch.equal(block_bytes(cache, layout, d), w)
     conn.close()
@@ -204,15 +204,9 @@ def test_offload_transfers_compile_no_kernel_after_register(
         conn.start_load_kv(conn.build_connector_meta())
         conn.wait_for_save()
         assert _saved(conn) == {req.request_id}
-        again = make_request(f"l{k}", n, layout.block_size, seed=20 + k)
-        tokens, _ = conn.get_num_new_matched_tokens(again, 0)
         dst = [64 + i for i in range(n)] if k % 2 else torch.randperm(64)[:n].add(64).tolist()
-        conn.update_state_after_alloc(again, dst, tokens)
-        conn.start_load_kv(conn.build_connector_meta())
-        for layer in range(layout.num_layers):
-            conn.wait_for_layer_load(layer)
+        _load_into(conn, make_request(f"l{k}", n, layout.block_size, seed=20 + k), dst)
         conn.wait_for_save()
-    torch.cuda.synchronize()
     assert seen == [], f"compiled while transferring: {seen}"
     conn.close()
 

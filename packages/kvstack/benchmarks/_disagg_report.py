@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from _plotting import pyplot
+
 __all__ = ["render", "write_report"]
 
 #: issue 30's goal: layer-wise streaming adds at most this share to the colocated TTFT
@@ -95,12 +97,8 @@ def render(record: dict[str, Any]) -> str:
 
 
 def _plot(record: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = record["per_request"]
     modes = [("colocated", "colocated_ttft_s"), ("whole-request", "ttft_at_decode_s")]

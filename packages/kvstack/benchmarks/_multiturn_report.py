@@ -15,6 +15,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from _plotting import pyplot
+
 __all__ = ["render", "write_report"]
 
 
@@ -100,12 +102,8 @@ def render(record: dict[str, Any]) -> str:
 
 
 def _plot(record: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     for mode, r in record["results"].items():

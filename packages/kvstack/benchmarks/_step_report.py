@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _plotting import pyplot
 from _provenance import provenance
 from _step_bench import SHAPES, bench_shape
 
@@ -232,14 +233,10 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
 
 
 def _plot(path: Path, runs: dict[str, Any]) -> None:
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
+    plt = pyplot()
+    if plt is None:
         print(f"matplotlib is not installed: no {path.name} (the JSON and the table are written)")
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 3.8), squeeze=False)
     for ax, (key, run) in zip(axes[0], sorted(runs.items()), strict=True):

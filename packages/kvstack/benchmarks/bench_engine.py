@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _plotting import pyplot
 from _provenance import provenance
 
 ARCHS = ("llama", "qwen3")
@@ -275,11 +276,10 @@ def write(out_dir: Path, results: list[dict[str, Any]], meta: dict[str, Any]) ->
 
 
 def _plot(path: Path, runs: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        print(f"matplotlib is not installed: no {path.name} (the JSON and the table are written)")
+        return
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 3.5), squeeze=False)
     for ax, (kind, run) in zip(axes[0], sorted(runs.items()), strict=True):
         results = run["results"]
