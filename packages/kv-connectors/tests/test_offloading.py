@@ -209,3 +209,23 @@ def test_loads_are_enqueued_ahead_of_the_layer_waited_for(
     conn.wait_for_save()  # the rest, though no layer waited for it
     assert landed() == [True] * 6
     assert not any(conn._pins.get(h) for h in b.block_hashes)
+
+
+def test_a_saved_request_keeps_its_stored_prefix(make_request: Callable[..., Any]) -> None:
+    """Saving a request whose first blocks are in the tier already makes them the most recently
+    used: its new blocks evict other requests' blocks, never its own prefix (which would leave
+    a hole that every later lookup stops at)."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    bs = layout.block_size
+    cache = random_cache(layout, seed=1)
+    conn = OffloadingConnector(
+        OffloadingConfig(cpu_bytes=4 * layout.num_layers * layout.page_bytes), block_size=bs
+    )
+    conn.register_kv_caches(cache, layout)
+    first = make_request("a", 2, bs, seed=1)
+    _save(conn, first, [0, 1])
+    _save(conn, make_request("other", 2, bs, seed=2), [2, 3])  # the tier is full
+    longer = make_request("b", 4, bs, seed=1)  # a's two blocks, then two new ones
+    assert longer.block_hashes[:2] == first.block_hashes
+    _save(conn, longer, [0, 1, 4, 5])
+    assert _load(conn, make_request("c", 4, bs, seed=1), [8, 9, 10, 11]) == 4 * bs

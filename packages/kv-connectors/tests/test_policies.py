@@ -25,12 +25,15 @@ class _PolicyMachine(RuleBasedStateMachine):
         super().__init__()
         self.pinned: set[int] = set()
         self.policy = self.kind(4, evictable=lambda k: k not in self.pinned)
+        # driven by the same rules through insert only: what insert_many must agree with
+        self.twin = self.kind(4, evictable=lambda k: k not in self.pinned)
         self.model: OrderedDict[int, None] = OrderedDict()  # LRU reference (used for LRU only)
 
     @rule(key=KEYS)
     def insert(self, key: int) -> None:
         before = set(self.policy.resident())
         evicted = self.policy.insert(key)
+        assert self.twin.insert(key) == evicted
         if evicted is None:
             assert key not in self.policy and len(before) == self.policy.capacity
             assert before <= self.pinned  # refused only when every resident key is pinned
@@ -49,10 +52,27 @@ class _PolicyMachine(RuleBasedStateMachine):
                     assert evicted == [victim]
                 self.model[key] = None
 
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def insert_many(self, keys: list[int]) -> None:
+        """The batch insert (LRU's inline one) agrees with inserting one key at a time."""
+        got = self.policy.insert_many(list(keys))
+        want = Policy.insert_many(self.twin, list(keys))
+        assert got == want and self.policy.resident() == self.twin.resident()
+        done, _evicted = got
+        if self.kind is LRUPolicy:  # the reference model takes the inserted keys one by one
+            for key in keys[:done]:
+                if key in self.model:
+                    self.model.move_to_end(key)
+                    continue
+                if len(self.model) >= 4:
+                    del self.model[next(k for k in self.model if k not in self.pinned)]
+                self.model[key] = None
+
     @rule(key=KEYS)
     def touch(self, key: int) -> None:
         if key in self.policy:
             self.policy.touch(key)
+            self.twin.touch(key)
             if self.kind is LRUPolicy:
                 self.model.move_to_end(key)
 
@@ -63,6 +83,7 @@ class _PolicyMachine(RuleBasedStateMachine):
     @rule(key=KEYS)
     def remove(self, key: int) -> None:
         self.policy.remove(key)
+        self.twin.remove(key)
         self.model.pop(key, None)
 
     @invariant()

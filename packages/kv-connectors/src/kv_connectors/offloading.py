@@ -283,21 +283,26 @@ class OffloadingConnector(KVConnector):
         self, request: RequestLike, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         policy = self._policy_or_raise()
+        slot_of = self._slot_of
         ids: list[int] = []
         hashes: list[bytes] = []
         taken: set[bytes] = set()  # hashes of this request already planned (a set: O(1) each)
         for h, b in zip(request.block_hashes, block_ids, strict=False):
-            if h in self._slot_of or h in taken:
-                continue  # stored or being stored already
-            evicted = policy.insert(h)
-            if evicted is None:
-                self.stats.skipped_saves += 1
-                break  # every resident block is pinned: store nothing more now
-            for old in evicted:
-                self._drop(old)  # type: ignore[arg-type]
-            ids.append(b)
-            hashes.append(h)
-            taken.add(h)
+            if h in slot_of:  # stored or being stored already: used again, so not a victim
+                policy.touch(h)
+            elif h not in taken:
+                ids.append(b)
+                hashes.append(h)
+                taken.add(h)
+        done, evicted = policy.insert_many(hashes)  # type: ignore[arg-type]
+        if done < len(hashes):  # every resident block is pinned: store nothing more now
+            self.stats.skipped_saves += 1
+            del ids[done:], hashes[done:]
+        free, ready = self._free, self._ready
+        for old in evicted:  # evicted: their slots are free, their bytes gone
+            free.append(slot_of.pop(old))  # type: ignore[call-overload]
+            ready.discard(old)
+        self.stats.evicted_blocks += len(evicted)
         if not ids:
             return False, None
         # The lowest free slots, in order: a request's blocks land in runs of consecutive slots,
@@ -318,11 +323,6 @@ class OffloadingConnector(KVConnector):
         for h in spec.block_hashes:  # reserved, never written: give the slots back
             policy.remove(h)
             self._free.append(self._slot_of.pop(h))
-
-    def _drop(self, h: bytes) -> None:
-        self._free.append(self._slot_of.pop(h))
-        self._ready.discard(h)
-        self.stats.evicted_blocks += 1
 
     # -- worker side: loads --------------------------------------------------------------------
 
