@@ -214,9 +214,11 @@ class OffloadingConfig:
     ``cpu_bytes`` is the byte budget of the CPU tier (never exceeded; rounded *down* to whole
     blocks, and at least one block must fit). ``pin_memory`` (a bool) pins the tier when the cache
     is on CUDA (asynchronous copies need pinned pages). ``staging_bytes``: the GPU buffer a CUDA
-    cache's blocks are gathered into before one contiguous copy to the tier (and back); larger
-    transfers move in pieces. ``timeout_s`` bounds every wait on a copy. The tier lives in this
-    process, so it never holds another model's KV: it needs no model fingerprint.
+    cache's blocks are gathered into before one contiguous copy to the tier (and back), split
+    between saves and loads, each double-buffered (pieces of a quarter: it must hold four of the
+    widest segment rows); larger transfers move in pieces. ``timeout_s`` bounds ``close()``'s
+    wait for saves still copying. The tier lives in this process, so it never holds another
+    model's KV: it needs no model fingerprint.
     """
 
     cpu_bytes: int
