@@ -125,8 +125,9 @@ def test_config_errors_name_the_field() -> None:
 
 def test_runs_group_consecutive_slots_in_order() -> None:
     """A save's tier slots in runs of consecutive slots (one copy per run and segment), each
-    run keeping its block ids in request order; built in place (issue 30: the old copy of each
-    run's list per block was quadratic in a request's blocks)."""
+    run keeping its block ids in request order; cut where a slot does not follow the last
+    (issue 30: the old copy of each run's list per block was quadratic in a request's blocks,
+    its tuple rebuilt per block most of a 256-block plan)."""
     from kv_connectors.offloading import _runs
 
     got = _runs([4, 5, 6, 9, 10, 2], [40, 7, 3, 11, 12, 1])
@@ -134,6 +135,8 @@ def test_runs_group_consecutive_slots_in_order() -> None:
     assert _runs([], []) == []
     long = _runs(list(range(5000)), list(range(5000, 0, -1)))
     assert long == [(0, 5000, list(range(5000, 0, -1)))]
+    with pytest.raises(ValueError, match="one slot a block"):
+        _runs([1, 2], [3])
 
 
 def test_a_repeated_hash_in_one_request_is_saved_once(make_request: Callable[..., Any]) -> None:

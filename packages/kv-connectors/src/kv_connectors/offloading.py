@@ -102,13 +102,17 @@ class _PendingSave:
 def _runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, list[int]]]:
     """Group consecutive tier slots: ``(first slot, count, block ids)`` per run, so each run is one
     contiguous (pinned) view of the tier and one block copy per segment."""
+    n = len(slots)
+    if len(block_ids) != n:
+        raise ValueError(f"{n} tier slots for {len(block_ids)} block ids: one slot a block")
     out: list[tuple[int, int, list[int]]] = []
-    for s, b in zip(slots, block_ids, strict=True):
-        if out and out[-1][0] + out[-1][1] == s:
-            out[-1][2].append(b)  # in place: copying the run's list each time was O(n^2)
-            out[-1] = (out[-1][0], out[-1][1] + 1, out[-1][2])
-        else:
-            out.append((s, 1, [b]))
+    start = 0
+    # (a run is cut where a slot does not follow the one before it; the runs' lists are slices:
+    # a tuple rebuilt per block was most of a 256-block request's planning, ~60 us)
+    for i in range(1, n + 1):
+        if i == n or slots[i] != slots[i - 1] + 1:
+            out.append((slots[start], i - start, list(block_ids[start:i])))
+            start = i
     return out
 
 
