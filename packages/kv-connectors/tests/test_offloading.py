@@ -232,3 +232,25 @@ def test_a_saved_request_keeps_its_stored_prefix(make_request: Callable[..., Any
     assert longer.block_hashes[:2] == first.block_hashes
     _save(conn, longer, [0, 1, 4, 5])
     assert _load(conn, make_request("c", 4, bs, seed=1), [8, 9, 10, 11]) == 4 * bs
+
+
+def test_a_step_left_unfinished_lands_before_the_next_plans(
+    make_request: Callable[..., Any],
+) -> None:
+    """Loads whose step never reached ``wait_for_save`` (only ``LOAD_AHEAD`` segments enqueued)
+    land in full when the next step starts, and their blocks are unpinned: nothing counted as
+    loaded is left half-copied (planted: without that flush the late layers stay unwritten)."""
+    layout = make_layout("LBNHC", num_layers=6, num_blocks=16)
+    cache = random_cache(layout, seed=3)
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=layout.block_size)
+    conn.register_kv_caches(cache, layout)
+    _save(conn, make_request("a", 2, layout.block_size, seed=4), [1, 2])
+    want = [block_bytes(cache, layout, b) for b in (1, 2)]
+    b = make_request("b", 2, layout.block_size, seed=4)
+    tokens, _ = conn.get_num_new_matched_tokens(b, 0)
+    conn.update_state_after_alloc(b, [9, 12], tokens)
+    conn.start_load_kv(conn.build_connector_meta())  # the forward never waits: an aborted step
+    conn.start_load_kv(conn.build_connector_meta())  # the next step
+    got = [block_bytes(cache, layout, d) for d in (9, 12)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not any(conn._pins.get(h) for h in b.block_hashes)

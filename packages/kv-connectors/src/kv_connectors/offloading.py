@@ -312,7 +312,7 @@ class OffloadingConnector(KVConnector):
             return False, None
         # The lowest free slots, in order: a request's blocks land in runs of consecutive slots,
         # so each segment of a run is one contiguous piece of the tier and one copy.
-        # (a heap, not a sort of the free list per request: ~100 us a request at 32k slots)
+        # (a heap, not a sort of the free list per request: ~50 us a request at 32k slots here)
         for h in hashes:
             slot_of[h] = heapq.heappop(free)
         self._pin(hashes, +1)
@@ -334,6 +334,9 @@ class OffloadingConnector(KVConnector):
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
         kv = self.kv
         self._adopt(meta)  # this step's saves: copied per segment by save_kv_layer / wait_for_save
+        # a step whose loads were not all enqueued (no wait_for_save): they land before the next
+        # step's are planned, so no load counted as loaded is left half-copied
+        self._enqueue_loads(len(kv.segments))
         self._load_events.clear()
         loads = [spec for spec in meta.loads if spec.block_ids]
         if not loads:
