@@ -365,7 +365,7 @@ class OffloadingConnector(KVConnector):
         stop = min(stop, len(kv.segments))
         if not self._step_plans or self._next_load_seg >= stop:
             return
-        with self._side_stream(self._load_lane):
+        with self._side_stream(self._load_lane, after_compute=self._next_load_seg == 0):
             for seg in range(self._next_load_seg, stop):
                 for _spec, copies in self._step_plans:
                     self._copy(seg, copies, save=False)
@@ -463,12 +463,12 @@ class OffloadingConnector(KVConnector):
 
     # -- streams -------------------------------------------------------------------------------
 
-    def _side_stream(self, lane: Lane | None) -> Any:
+    def _side_stream(self, lane: Lane | None, *, after_compute: bool = True) -> Any:
         if lane is None:
             import contextlib
 
             return contextlib.nullcontext()
-        return lane.enter(self.kv.device)
+        return lane.enter(self.kv.device, after_compute=after_compute)
 
     @staticmethod
     def _record(lane: Lane | None) -> Any:
