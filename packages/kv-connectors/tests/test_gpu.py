@@ -25,6 +25,18 @@ pytestmark = pytest.mark.gpu
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
+def _load_into(conn: Any, req: Any, dst: list[int]) -> int:
+    """``req``'s tier hit loaded into blocks ``dst`` (every layer's load waited for on the
+    current stream, then the device synced); the tokens it hit."""
+    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, dst, tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    for layer in range(conn.kv.num_layers):
+        conn.wait_for_layer_load(layer)
+    torch.cuda.synchronize()
+    return int(tokens)
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -40,18 +52,6 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     [([5, 17, 3, 40], [60, 61, 0, 9]), ([4, 5, 6, 7], [20, 21, 22, 23])],
     ids=["staged", "consecutive"],  # consecutive: rows copied straight from and into the cache
 )
-def _load_into(conn: Any, req: Any, dst: list[int]) -> int:
-    """``req``'s tier hit loaded into blocks ``dst`` (every layer's load waited for on the
-    current stream, then the device synced); the tokens it hit."""
-    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
-    conn.update_state_after_alloc(req, dst, tokens)
-    conn.start_load_kv(conn.build_connector_meta())
-    for layer in range(conn.kv.num_layers):
-        conn.wait_for_layer_load(layer)
-    torch.cuda.synchronize()
-    return int(tokens)
-
-
 def test_offload_round_trip_on_cuda(
     layout: Any, src: list[int], dst: list[int], make_request: Callable[..., Any]
 ) -> None:
