@@ -85,15 +85,25 @@ def _saved(conn: Any, timeout_s: float = 10.0) -> set[str]:
     return done
 
 
-@pytest.mark.parametrize("planted", [False, True], ids=["ordered", "planted-no-wait"])
+@pytest.mark.parametrize(
+    "planted", [None, "no-wait", "no-record-stream"], ids=["ordered", "planted-no-wait",
+                                                           "planted-no-record-stream"]
+)  # fmt: skip
 def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
-    planted: bool, make_request: Callable[..., Any]
+    planted: str | None, make_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A load's tier slots are unpinned once its copies are enqueued; a save that evicts them
     and writes the same slots runs on the other lane and must start after that load: the loaded
     blocks are the first request's bytes, not the third's. The load lane is held back ~20 ms
-    (a sleeping kernel it waits for) so the save is enqueued while the load still waits: planted
-    (the save not told to wait), the loaded blocks are the third request's."""
+    (a sleeping kernel it waits for) so the save is enqueued while the load still waits.
+
+    Planted: the save not told to wait, the loaded blocks are the third request's; the load's
+    block ids not recorded on the lane's stream, the third request's id upload takes their
+    memory before the held load reads them, and the load scatters into the third request's
+    blocks, leaving its own untouched (what the H200 showed before ``_Copies.of`` recorded
+    them)."""
+    if planted == "no-record-stream":
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     layout = make_layout("LBNHC", num_blocks=32, num_layers=4, num_kv_heads=2, block_size=16,
                          head_size=64, dtype="bfloat16")  # fmt: skip
     cache = random_cache(layout, seed=3, device="cuda")
@@ -109,6 +119,8 @@ def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
     conn.wait_for_save()
     assert _saved(conn) == {"a"}
     want = [block_bytes(cache, layout, b).clone() for b in src]
+    dst = [16, 18, 20, 22]
+    untouched = [block_bytes(cache, layout, d).clone() for d in dst]
     hold = torch.cuda.Stream()
     with torch.cuda.stream(hold):
         torch.cuda._sleep(40_000_000)  # ~20 ms of device time
@@ -120,7 +132,6 @@ def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
     lane.copy_stream.wait_event(held)
     b = make_request("b", 4, layout.block_size, seed=4)  # a's prefix: loads a's blocks
     tokens, _ = conn.get_num_new_matched_tokens(b, 0)
-    dst = [16, 18, 20, 22]
     conn.update_state_after_alloc(b, dst, tokens)
     conn.start_load_kv(conn.build_connector_meta())
     # every segment enqueued, so the slots are unpinned (the waits on a side stream: the save
@@ -128,7 +139,7 @@ def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
     with torch.cuda.stream(torch.cuda.Stream()):
         for layer in range(layout.num_layers):
             conn.wait_for_layer_load(layer)
-    if planted:
+    if planted == "no-wait":
         conn._loads_enqueued = None
     c = make_request("c", 4, layout.block_size, seed=5)  # evicts a's blocks: their slots
     conn.request_finished(c, [0, 2, 4, 6])
@@ -136,7 +147,12 @@ def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
     conn.wait_for_save()
     torch.cuda.synchronize()
     loaded = [torch.equal(block_bytes(cache, layout, d), w) for d, w in zip(dst, want, strict=True)]
-    assert loaded == [not planted] * 4
+    assert loaded == [planted is None] * 4
+    if planted == "no-record-stream":
+        assert all(
+            torch.equal(block_bytes(cache, layout, d), u)
+            for d, u in zip(dst, untouched, strict=True)
+        )
     assert _saved(conn) == {"c"}
     conn.close()
 

@@ -85,9 +85,19 @@ class _Copies:
     ids: torch.Tensor
 
     @classmethod
-    def of(cls, kv: RegisteredKV, slots: Sequence[int], block_ids: Sequence[int]) -> _Copies:
+    def of(
+        cls, kv: RegisteredKV, slots: Sequence[int], block_ids: Sequence[int], lane: Lane | None
+    ) -> _Copies:
+        """The copies' plan, its ids uploaded on the current stream for ``lane``'s stream: they
+        stay allocated until the lane's kernels that read them ran, not only until the plan is
+        dropped (the caching allocator would hand the memory to the next upload on the current
+        stream while a held-back load still had to read it: that load then scattered the tier's
+        rows into another request's blocks, a test on the H200 found)."""
         runs, staged = order_runs(_runs(slots, block_ids))
-        return cls(runs, staged, kv.ids_tensor([b for r in runs for b in r[2]]))
+        ids = kv.ids_tensor([b for r in runs for b in r[2]])
+        if lane is not None:
+            ids.record_stream(lane.stream)
+        return cls(runs, staged, ids)
 
 
 @dataclass
@@ -349,7 +359,7 @@ class OffloadingConnector(KVConnector):
                 self._fail_load(spec, f"{len(missing)} blocks left the CPU tier", async_load=False)
                 continue
             slots = [self._slot_of[h] for h in spec.block_hashes]
-            plans.append((spec, _Copies.of(kv, slots, spec.block_ids)))
+            plans.append((spec, _Copies.of(kv, slots, spec.block_ids, self._load_lane)))
         for spec, _ in plans:
             for h in spec.block_hashes:
                 self._policy_or_raise().touch(h)
@@ -403,7 +413,9 @@ class OffloadingConnector(KVConnector):
         for spec in meta.saves:
             slots = [self._slot_of[h] for h in spec.block_hashes]
             self._pending.append(
-                _PendingSave(spec, slots, _Copies.of(self.kv, slots, spec.block_ids))
+                _PendingSave(
+                    spec, slots, _Copies.of(self.kv, slots, spec.block_ids, self._save_lane)
+                )
             )
 
     def _save_segments(self, segments: range) -> None:
