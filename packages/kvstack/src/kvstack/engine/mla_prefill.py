@@ -321,15 +321,24 @@ def _to_device(
     """Host arrays on ``device`` in ``dtype`` (int32 / int64; the values fit: positions, rows and
     page numbers of one step), written into one host buffer by numpy: on CUDA a pinned one and
     one non-blocking copy (a pageable copy would wait for the stream, see
-    ``engine/_staging.py``)."""
-    sizes = [p.size for p in parts]
+    ``engine/_staging.py``).
+
+    Each part starts 16-byte aligned: Triton specializes a pointer argument on it, and the
+    warmup's tensors are aligned, so a part at an odd offset compiled a new attention variant
+    inside serving (DeepSeek-V3's prefill steps on the H200: seconds, steps 1, 3 and 9)."""
+    align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    offsets, total = [], 0
+    for p in parts:
+        offsets.append(total)
+        total += -(-p.size // align) * align
     cuda = device.type == "cuda"
-    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=cuda)
-    if parts:
-        np.concatenate([p.reshape(-1) for p in parts], out=host.numpy(), casting="same_kind")
+    host = torch.empty(total, dtype=dtype, pin_memory=cuda)
+    buf = host.numpy()
+    for o, p in zip(offsets, parts, strict=True):
+        buf[o : o + p.size] = p.reshape(-1)
     dev = host.to(device, non_blocking=True) if cuda else host  # (the pinned block is kept
     # until the copy ran)
-    return [v.view(p.shape) for v, p in zip(dev.split(sizes), parts, strict=True)]
+    return [dev[o : o + p.size].view(p.shape) for o, p in zip(offsets, parts, strict=True)]
 
 
 class MLAStep:
