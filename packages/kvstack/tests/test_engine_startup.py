@@ -75,3 +75,26 @@ def test_max_model_len_past_the_trained_positions_needs_the_override(qwen3_dir: 
         LLMEngine(qwen3_dir, warmup=False, **args)
     engine = LLMEngine(qwen3_dir, warmup=False, allow_long_max_model_len=True, **args)
     assert engine.runner.max_model_len == mpe + 1
+
+
+def test_started_engine_freezes_the_heap_until_the_last_is_freed(qwen3_dir: Path) -> None:
+    """``freeze_gc`` (default): once started, the engine's heap is in the collector's permanent
+    generation (oldest-generation passes no longer walk it inside steps) for as long as an
+    engine that froze it lives; freeing the last one hands the heap back to the collector.
+    ``freeze_gc=False`` leaves the collector alone."""
+    import gc
+
+    from kvstack.engine import _gc
+
+    before = _gc.frozen_owners()
+    engine = LLMEngine(qwen3_dir, **_ARGS)
+    assert _gc.frozen_owners() == before + 1 and gc.get_freeze_count() > 0
+    other = LLMEngine(qwen3_dir, freeze_gc=False, **_ARGS)
+    assert _gc.frozen_owners() == before + 1
+    del engine  # (freed by reference counting: no cycle holds an engine)
+    assert _gc.frozen_owners() == before
+    if before == 0:
+        assert gc.get_freeze_count() == 0
+    del other
+    with pytest.raises(TypeError, match=r"freeze_gc=1 is a int; give True or False"):
+        LLMEngine(qwen3_dir, freeze_gc=1, **_ARGS)

@@ -57,6 +57,7 @@ def check_engine_flags(
     keep_logits: object,
     tokenizer: object,
     warmup: object = True,
+    freeze_gc: object = True,
 ) -> None:
     if not (
         tokenizer is None
@@ -78,6 +79,7 @@ def check_engine_flags(
         ("enable_prefix_caching", enable_prefix_caching),
         ("keep_logits", keep_logits),
         ("warmup", warmup),
+        ("freeze_gc", freeze_gc),
     ):
         if not isinstance(flag, bool):
             raise TypeError(

@@ -36,6 +36,7 @@ from kv_blocktable.block_table import BlockTables
 from kvstack.engine._async import InFlight, TokenReader
 from kvstack.engine._device import on_built_device as _on_built_device
 from kvstack.engine._device import on_device
+from kvstack.engine._gc import freeze_startup_heap
 from kvstack.engine._generate import Prompt, RunsPrompts
 from kvstack.engine._inputs import (
     check_engine_flags,
@@ -57,7 +58,7 @@ __all__ = ["Completion", "EngineStats", "LLMEngine", "Prompt", "TokenEvent"]
 #: The engine's own options (the rest go to :class:`ModelRunner`).
 _ENGINE_OPTIONS = (
     "runner", "max_num_seqs", "enable_prefix_caching", "keep_logits", "tokenizer", "warmup",
-    "kv_connector", "async_scheduling",
+    "kv_connector", "async_scheduling", "freeze_gc",
 )  # fmt: skip
 #: ModelRunner's options an engine passes on (``max_num_seqs`` is the engine's own).
 _RUNNER_OPTIONS = tuple(
@@ -88,6 +89,11 @@ class LLMEngine(RunsPrompts, TextSide):
 
     ``kv_connector``: a ``kv_connectors.KVConnector`` driven through its contract
     (:mod:`kvstack.engine.connector_driver`); the caller builds (engine's block size) and closes it.
+
+    ``freeze_gc`` (default on): once started, collect and ``gc.freeze()`` the heap, so the cyclic
+    collector's oldest-generation passes (stop-the-world, tens of ms) no longer walk the model
+    and the engine's state inside steps (:mod:`kvstack.engine._gc`). Process-wide; it ends when
+    the last engine that froze is freed.
     """
 
     @_on_built_device
@@ -103,12 +109,15 @@ class LLMEngine(RunsPrompts, TextSide):
         warmup: bool = True,
         kv_connector: Any = None,
         async_scheduling: bool | str | None = None,
+        freeze_gc: bool = True,
         **runner_kwargs: Any,
     ) -> None:
         check_keywords("LLMEngine", runner_kwargs, _ENGINE_OPTIONS + _RUNNER_OPTIONS)
         if (model_dir is None) == (runner is None):
             raise ValueError("give LLMEngine a model_dir or a runner (exactly one)")
-        check_engine_flags(max_num_seqs, enable_prefix_caching, keep_logits, tokenizer, warmup)
+        check_engine_flags(
+            max_num_seqs, enable_prefix_caching, keep_logits, tokenizer, warmup, freeze_gc
+        )
         if runner is None:
             assert model_dir is not None
             runner = ModelRunner(model_dir, max_num_seqs=max_num_seqs, **runner_kwargs)
@@ -195,6 +204,8 @@ class LLMEngine(RunsPrompts, TextSide):
         self._computed = 0
         self._model_s = 0.0
         self._wall_s = 0.0
+        if freeze_gc:  # (last: everything startup built is in the frozen heap)
+            freeze_startup_heap(self)
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -1,0 +1,50 @@
+"""The collector kept off the heap an engine's startup built (``LLMEngine(freeze_gc=True)``).
+
+Python's cyclic collector stops the world, and a pass over its oldest generation walks every
+tracked object: after startup, the model's modules and parameters, the engine's state and every
+import (~200k objects for a small model on this CPU). Those objects live as long as the engine
+and the step loop's own garbage is acyclic (reference counting frees it), so such a pass finds
+nothing and costs a step its length. Measured: a 243-step run of the CPU's tiny Llama had one
+83.5 ms oldest-generation pause, none once frozen; the H200's DeepSeek-V3 mixed load had 2.9 ms
+of collection a step, 44 ms at most (``docs/benchmarks/engine_gpu.md``).
+
+:func:`freeze_startup_heap` collects once, then ``gc.freeze()`` moves every tracked object to
+the permanent generation, as vLLM's engine core does after its startup. Younger generations are
+still collected, so cycles the engine creates later are still reclaimed. Freezing is
+process-wide: it lasts while any engine that froze is alive and ends (``gc.unfreeze()``) when
+the last one is freed, so the frozen objects go back to the collector once nothing serves.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+__all__ = ["freeze_startup_heap", "frozen_owners"]
+
+_lock = threading.Lock()
+_owners = 0  # live objects that froze the heap
+
+
+def freeze_startup_heap(owner: object) -> None:
+    """Collect, then freeze the heap until ``owner`` (and every other owner) is freed."""
+    global _owners
+    gc.collect()
+    with _lock:
+        gc.freeze()
+        _owners += 1
+    weakref.finalize(owner, _release)
+
+
+def _release() -> None:
+    global _owners
+    with _lock:
+        _owners -= 1
+        if _owners == 0:
+            gc.unfreeze()
+
+
+def frozen_owners() -> int:
+    """How many live objects hold the heap frozen."""
+    return _owners
