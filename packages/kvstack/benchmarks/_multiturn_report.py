@@ -74,7 +74,7 @@ def render(record: dict[str, Any]) -> str:
             f"tokens computed {r['prompt_tokens_computed']}, served by the pool's prefix cache "
             f"{r['pool_hit_tokens']}, loaded from the tier {r['tier_loaded_tokens']}"
             + (
-                f"; load failures {r['tier_load_failures']}"
+                f"; load failures {r['tier_load_failures']}" + _connector_host(r)
                 if "replies_equal_gpu_prefix_cache" in r  # (a tier's run)
                 else ""
             )
@@ -138,3 +138,15 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _connector_host(r: dict[str, Any]) -> str:
+    """The connector's worker-side host time a request (records from before it was kept have
+    none: nothing is said)."""
+    if "connector_load_host_s" not in r:
+        return ""
+    n = max(1, r["requests"])
+    return (
+        f"; connector host time a request {r['connector_load_host_s'] / n * 1e3:.1f} ms "
+        f"loading, {r['connector_save_host_s'] / n * 1e3:.1f} ms saving"
+    )

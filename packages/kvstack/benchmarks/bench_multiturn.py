@@ -157,6 +157,10 @@ def _run(engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         "pool_hit_tokens": stats.scheduler.prefix_hit_tokens,
         "tier_loaded_tokens": 0 if kvc is None else kvc.loaded_tokens,
         "tier_load_failures": 0 if kvc is None else kvc.num_load_failures,
+        # host time in the connector's worker side (inside the steps, between their launches)
+        "connector_load_host_s": 0.0 if kvc is None else kvc.load_host_s,
+        "connector_save_host_s": 0.0 if kvc is None else kvc.save_host_s,
+        "requests": len(replies),
         "final_history_tokens": [len(h) for h in histories],
         "_replies": replies,
     }

@@ -33,8 +33,12 @@ def test_quick_run_hits_the_tier_with_unchanged_replies(tmp_path: Path) -> None:
     # each turn resends the history: 0, then the first turn's prompt and reply, and so on
     assert on["history_tokens_by_turn"] == {"0": [0] * 3, "1": [56] * 3, "2": [112] * 3}
     assert on["goal"]["ratio"] is None  # no 4k-token history in the quick run: no verdict
+    # the connector's worker-side host time, kept and reported a request
+    assert on["connector_load_host_s"] > 0 and on["connector_save_host_s"] > 0
+    assert off["connector_load_host_s"] == 0 and on["requests"] == 9
     report = (tmp_path / "multiturn_cpu.md").read_text()
     assert "| 2 | 112 |" in report and "no verdict" in report
+    assert "connector host time a request" in report
 
 
 def test_goal_verdict_takes_only_turns_past_the_goal_prefix() -> None:

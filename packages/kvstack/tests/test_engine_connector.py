@@ -92,7 +92,9 @@ def test_cpu_tier_serves_a_prefix_the_pool_evicted(
     _evict_history(engine)
     turn2 = [*HISTORY, *first.token_ids, 17, 18, 19]  # the next turn: history + reply + more
     before = engine.stats()
+    t0 = time.perf_counter()
     got = engine.generate([turn2], GREEDY)[0]
+    wall = time.perf_counter() - t0
     after = engine.stats()
     assert got.token_ids == _recomputed(llama_dir, turn2)
     assert got.num_cached_prompt_tokens == 0  # nothing from the pool: it came from the tier
@@ -101,6 +103,9 @@ def test_cpu_tier_serves_a_prefix_the_pool_evicted(
     assert loaded == 24  # the history's 6 blocks (the reply's tokens were never a full block)
     assert after.scheduler.external_hit_tokens == 24  # (the only tier hit of the run)
     assert tier.stats.hit_blocks == 6 and after.kv_connector.num_load_failures == 0
+    # the worker side's host time is counted per direction, inside the call's wall time
+    a, b = after.kv_connector, before.kv_connector
+    assert 0 < a.load_host_s - b.load_host_s < wall and 0 < a.save_host_s - b.save_host_s < wall
     if tiers == "cpu+disk":
         assert isinstance(connector, MultiConnector)
         disk = connector.connectors[1]

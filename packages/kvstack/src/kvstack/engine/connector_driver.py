@@ -97,6 +97,12 @@ class KVConnectorStats:
     num_streamed: int = 0
     #: Request id -> why its last load or save failed (the connector's reasons, newest kept).
     reasons: dict[str, str] = field(default_factory=dict)
+    #: Host seconds in the connector's worker side: planning and enqueueing loads
+    #: (``build_connector_meta``, ``start_load_kv``, ``wait_for_layer_load``) and saves
+    #: (``save_kv_layer``, ``wait_for_save``). Spent inside the step, between its launches: a
+    #: step whose forward is bound by the host's launches is longer by about this much.
+    load_host_s: float = 0.0
+    save_host_s: float = 0.0
 
 
 @dataclass
@@ -283,30 +289,40 @@ class KVConnectorDriver:
         streamed first, so their saves are in this step's metadata."""
         if self._streams:
             self._stream_scheduled(chunks)
+        t0 = time.perf_counter()
         self._meta = self.connector.build_connector_meta()
         self.connector.start_load_kv(self._meta)
+        self.stats.load_host_s += time.perf_counter() - t0
         if self._meta.loads:  # (NIXL and sockets write past torch's version counters)
             self.runner.note_external_writes()
 
     def before_attention(self, layer_slot: int) -> None:
         if self._step_loads:  # (only a load inside this step has layers to wait for)
+            t0 = time.perf_counter()
             self.connector.wait_for_layer_load(layer_slot)
+            self.stats.load_host_s += time.perf_counter() - t0
 
     def after_attention(self, layer_slot: int) -> None:
         assert self._meta is not None
+        t0 = time.perf_counter()
         self.connector.save_kv_layer(layer_slot, self._meta)
+        self.stats.save_host_s += time.perf_counter() - t0
 
     def before_replay(self) -> None:
         if not self._step_loads:  # a decode step beside a quiet connector: nothing to wait for
             return
+        t0 = time.perf_counter()
         for slot in range(self.connector.kv.num_layers):
             self.connector.wait_for_layer_load(slot)
+        self.stats.load_host_s += time.perf_counter() - t0
 
     def end_forward(self) -> dict[str, int]:
         """After this step's forward (or in its place, a step with no batch): saves handed off;
         the requests whose in-step load failed, each with the tokens it keeps (before its first
         failed block)."""
+        t0 = time.perf_counter()
         self.connector.wait_for_save()
+        self.stats.save_host_s += time.perf_counter() - t0
         self._take_load_errors()
         loads, self._step_loads = self._step_loads, {}
         failed: dict[str, int] = {}
