@@ -23,7 +23,7 @@ import weakref
 
 __all__ = ["freeze_startup_heap", "frozen_owners"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # (re-entrant: a collection inside the lock may free an owner)
 _owners = 0  # live objects that froze the heap
 
 
