@@ -216,12 +216,12 @@ class OffloadingConfig:
     is on CUDA (asynchronous copies need pinned pages). ``staging_bytes``: the GPU buffer a CUDA
     cache's blocks are gathered into before one contiguous copy to the tier (and back), split
     between saves and loads, each double-buffered (pieces of a quarter: it must hold four of the
-    widest segment rows); larger transfers move in pieces, each a block-copy launch and its events
-    per segment: the default's 64 MiB halves hold a Llama-3-8B layer of a 16k-token history in
-    one piece (a 4k-token history in two pieces, 2 x 32 layer segments a CPU-tier hit, took an
-    H200 host 0.3-0.6 ms a segment to enqueue, inside the forward). ``timeout_s`` bounds
-    ``close()``'s wait for saves still copying. The tier lives in this process, so it never holds another
-    model's KV: it needs no model fingerprint.
+    widest segment rows); larger transfers move in pieces, each a block-copy launch and its
+    events per segment: the default's 64 MiB halves hold a Llama-3-8B layer of a 16k-token
+    history in one piece (a 4k-token history in two pieces, 2 x 32 layer segments a CPU-tier
+    hit, took an H200 host 0.3-0.6 ms a segment to enqueue, inside the forward). ``timeout_s``
+    bounds ``close()``'s wait for saves still copying. The tier lives in this process, so it
+    never holds another model's KV: it needs no model fingerprint.
     """
 
     cpu_bytes: int
