@@ -7,9 +7,11 @@ kernels); :func:`host_hotspots` says where a step's host time goes under ``cProf
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ def profile_steps(
     cuda = device.startswith("cuda")
     acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     labels: list[str] | None = [] if label is not None else None
-    with profile(activities=acts, with_stack=with_stack) as prof:
+    with profile(activities=acts, with_stack=with_stack) as prof, _gc_ranges():
         for _ in range(n):
             with record_function(RANGE):
                 step()
@@ -67,6 +69,33 @@ def profile_steps(
         every = summarize(trace, labels)
         out["all_steps_profile"] = {k: every[k] for k in ALL_STEPS_FIELDS}
     return out
+
+
+@contextlib.contextmanager
+def _gc_ranges() -> Iterator[None]:
+    """Each garbage collection inside the block as a ``record_function`` range named
+    ``gc gen<N>`` in the profile: a stall whose host time no torch op explains (the H200's
+    mixed steps had 5-6 ms gaps between two launches with only ``aten::t`` in them) then names
+    the collection, among the host events between the launches."""
+    from torch.profiler import record_function
+
+    open_: list[Any] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            rf = record_function(f"gc gen{info['generation']}")
+            rf.__enter__()
+            open_.append(rf)
+        elif open_:
+            open_.pop().__exit__(None, None, None)
+
+    gc.callbacks.append(on_gc)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(on_gc)
+        while open_:
+            open_.pop().__exit__(None, None, None)
 
 
 def sync_sites(

@@ -255,3 +255,25 @@ def test_stall_hosts_says_whether_the_host_was_late_and_what_it_ran() -> None:
     (rec,) = ta.stall_hosts(early, g.stalls)
     assert rec["late_us"] == pytest.approx(-10)
     assert ta.summarize({"traceEvents": events})["stall_hosts"][0]["late_us"] == pytest.approx(450)
+
+
+def test_profiled_steps_name_their_garbage_collections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection inside a profiled step is a ``gc gen<N>`` host range of the trace, so a
+    stall between two launches that no torch op explains names it (``stall_hosts``' host
+    events); outside the block, collections leave no range and no callback behind."""
+    import gc
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
+    monkeypatch.delitem(sys.modules, "_trace_analysis", raising=False)
+    import _step_trace
+
+    callbacks = list(gc.callbacks)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _step_trace._gc_ranges():
+        gc.collect()
+    gc.collect()
+    assert gc.callbacks == callbacks
+    names = [e.name for e in prof.events()]
+    assert names.count("gc gen2") == 1
