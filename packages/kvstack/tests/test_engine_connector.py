@@ -393,3 +393,26 @@ def test_a_load_the_connector_cannot_plan_is_recomputed(llama_dir: Path) -> None
     finally:
         prod.close()
         cons.close()
+
+
+def test_an_engine_with_a_connector_frees_its_runner_without_a_collection(
+    llama_dir: Path,
+) -> None:
+    """The connector's driver and the runner (and the scheduler) hold each other; a freed
+    engine lets go of the driver, so its runner (weights, KV cache) is freed by reference
+    counting alone: with the heap frozen (``freeze_gc``), a cycle would keep it until every
+    engine is gone."""
+    import gc
+    import weakref
+
+    tier = OffloadingConnector(OffloadingConfig(cpu_bytes=64 * 2048), block_size=BS)
+    engine = _engine(llama_dir, tier)
+    engine.generate([HISTORY], GREEDY)
+    runner = weakref.ref(engine.runner)
+    gc.disable()  # (only reference counting may free it)
+    try:
+        del engine
+        assert runner() is None
+    finally:
+        gc.enable()
+        tier.close()

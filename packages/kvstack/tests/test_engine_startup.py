@@ -83,6 +83,7 @@ def test_started_engine_freezes_the_heap_until_the_last_is_freed(qwen3_dir: Path
     engine that froze it lives; freeing the last one hands the heap back to the collector.
     ``freeze_gc=False`` leaves the collector alone."""
     import gc
+    import weakref
 
     from kvstack.engine import _gc
 
@@ -91,8 +92,9 @@ def test_started_engine_freezes_the_heap_until_the_last_is_freed(qwen3_dir: Path
     assert _gc.frozen_owners() == before + 1 and gc.get_freeze_count() > 0
     other = LLMEngine(qwen3_dir, freeze_gc=False, **_ARGS)
     assert _gc.frozen_owners() == before + 1
-    del engine  # (freed by reference counting: no cycle holds an engine)
-    assert _gc.frozen_owners() == before
+    runner = weakref.ref(engine.runner)
+    del engine  # (freed by reference counting: no cycle holds an engine, or its runner)
+    assert _gc.frozen_owners() == before and runner() is None
     if before == 0:
         assert gc.get_freeze_count() == 0
     del other

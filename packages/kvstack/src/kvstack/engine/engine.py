@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,8 @@ class LLMEngine(RunsPrompts, TextSide):
         self._computed = 0
         self._model_s = 0.0
         self._wall_s = 0.0
+        if self.connector is not None:  # (see _unhook)
+            weakref.finalize(self, _unhook, runner, self.connector)
         if freeze_gc:  # (last: everything startup built is in the frozen heap)
             freeze_startup_heap(self)
 
@@ -557,3 +560,13 @@ class LLMEngine(RunsPrompts, TextSide):
             dict(self.runner.startup_seconds),
             None if self.connector is None else self.connector.snapshot(),
         )
+
+
+def _unhook(runner: ModelRunner, driver: KVConnectorDriver) -> None:
+    """A freed engine's connector driver let go of: the runner and the scheduler hold the
+    driver, which holds them, so without this the runner (weights and KV cache) outlives the
+    engine until a full collection, and while another engine keeps the heap frozen
+    (``freeze_gc``), until that one is freed too."""
+    if runner.kv_layer_hooks is driver:
+        runner.kv_layer_hooks = None
+    driver.scheduler = None
