@@ -90,8 +90,10 @@ def test_started_engine_freezes_the_heap_until_the_last_is_freed(qwen3_dir: Path
     before = _gc.frozen_owners()
     engine = LLMEngine(qwen3_dir, **_ARGS)
     assert _gc.frozen_owners() == before + 1 and gc.get_freeze_count() > 0
+    assert engine.stats().startup_seconds["gc_freeze"] >= 0
     other = LLMEngine(qwen3_dir, freeze_gc=False, **_ARGS)
     assert _gc.frozen_owners() == before + 1
+    assert "gc_freeze" not in other.stats().startup_seconds
     runner = weakref.ref(engine.runner)
     del engine  # (freed by reference counting: no cycle holds an engine, or its runner)
     assert _gc.frozen_owners() == before and runner() is None

@@ -93,8 +93,9 @@ class LLMEngine(RunsPrompts, TextSide):
 
     ``freeze_gc`` (default on): once started, collect and ``gc.freeze()`` the heap, so the cyclic
     collector's oldest-generation passes (stop-the-world, tens of ms) no longer walk the model
-    and the engine's state inside steps (:mod:`kvstack.engine._gc`). Process-wide; it ends when
-    the last engine that froze is freed.
+    and the engine's state inside steps (:mod:`kvstack.engine._gc`; the collection before it in
+    ``startup_seconds["gc_freeze"]``). Process-wide; it ends when the last engine that froze is
+    freed.
     """
 
     @_on_built_device
@@ -208,7 +209,9 @@ class LLMEngine(RunsPrompts, TextSide):
         if self.connector is not None:  # (see _unhook)
             weakref.finalize(self, _unhook, runner, self.connector)
         if freeze_gc:  # (last: everything startup built is in the frozen heap)
+            t0 = time.perf_counter()
             freeze_startup_heap(self)
+            runner.startup_seconds["gc_freeze"] = time.perf_counter() - t0
 
     # -- requests ------------------------------------------------------------------------------
 
