@@ -67,6 +67,7 @@ def render(record: dict[str, Any]) -> str:
         ratios = [f"{per_mode[m][i][2] / base:.2f}" for m in modes[1:]]
         lines.append(f"| {turn} | {hist:.0f} | " + " | ".join(cells + ratios) + " |")
     lines.append("")
+    lines += _queued(res, modes)
     for m in modes:
         r = res[m]
         lines.append(
@@ -150,3 +151,23 @@ def _connector_host(r: dict[str, Any]) -> str:
         f"; connector host time a request {r['connector_load_host_s'] / n * 1e3:.1f} ms "
         f"loading, {r['connector_save_host_s'] / n * 1e3:.1f} ms saving"
     )
+
+
+def _queued(res: dict[str, Any], modes: list[str]) -> list[str]:
+    """The table of each turn's median time in the queue (``Completion.metrics``: from
+    ``add_request`` to the step that first scheduled it, part of its TTFT); none for records
+    from before it was kept."""
+    if not all("queued_s_by_turn" in res[m] for m in modes):
+        return []
+    turns = sorted(res[modes[0]]["queued_s_by_turn"], key=int)
+    lines = [
+        "Of that, time in the queue (ms, median): from `add_request` to the step that first "
+        "scheduled the request (waiting for blocks, e.g. ones a tier's save still holds).",
+        "",
+        "| turn | " + " | ".join(modes) + " |",
+        "|" + "---|" * (1 + len(modes)),
+    ]
+    for t in turns:
+        cells = [f"{statistics.median(res[m]['queued_s_by_turn'][t]) * 1e3:.1f}" for m in modes]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return [*lines, ""]

@@ -115,6 +115,7 @@ def _run(engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     histories: list[list[int]] = [[] for _ in range(args.conversations)]
     params = SamplingParams(max_new_tokens=args.reply_tokens, ignore_eos=True)
     ttft: dict[int, list[float]] = {t: [] for t in range(args.turns)}
+    queued: dict[int, list[float]] = {t: [] for t in range(args.turns)}
     history: dict[int, list[int]] = {t: [] for t in range(args.turns)}
     replies: list[list[int]] = []
     generated = 0
@@ -136,9 +137,11 @@ def _run(engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
                             # for a tier's saves still copying on their own streams)
                             first = time.perf_counter() - t0
                         tokens.append(ev.token_id)
-            engine.completion(rid)
-            assert first is not None
+            metrics = engine.completion(rid).metrics
+            assert first is not None and metrics is not None
             ttft[turn].append(first)
+            # (waiting for a batch slot or for blocks, e.g. ones a tier's save still holds)
+            queued[turn].append(metrics.time_in_queue or 0.0)
             history[turn].append(len(histories[c]))
             replies.append(tokens)
             generated += len(tokens)
@@ -149,6 +152,7 @@ def _run(engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     kvc = stats.kv_connector
     return {
         "ttft_s_by_turn": {str(t): v for t, v in ttft.items()},
+        "queued_s_by_turn": {str(t): v for t, v in queued.items()},
         "history_tokens_by_turn": {str(t): v for t, v in history.items()},
         "ttft_median_s_turns_ge_1": statistics.median(later) if later else None,
         "tokens_per_s": generated / wall,

@@ -39,6 +39,9 @@ def test_quick_run_hits_the_tier_with_unchanged_replies(tmp_path: Path) -> None:
     report = (tmp_path / "multiturn_cpu.md").read_text()
     assert "| 2 | 112 |" in report and "no verdict" in report
     assert "connector host time a request" in report
+    # each request's time in the queue (Completion.metrics), kept and tabled
+    assert all(q >= 0 for v in on["queued_s_by_turn"].values() for q in v)
+    assert len(on["queued_s_by_turn"]["2"]) == 3 and "time in the queue" in report
 
 
 def test_goal_verdict_takes_only_turns_past_the_goal_prefix() -> None:

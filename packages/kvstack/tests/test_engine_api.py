@@ -237,3 +237,24 @@ def test_add_request_stores_exactly_valid_ids_or_refuses(
         assert engine._seqs[rid].token_ids == prompt
     finally:
         engine.abort_request(rid)
+
+
+def test_completion_metrics_time_each_stage(llama_dir: Path) -> None:
+    """``Completion.metrics``: added <= first scheduled <= first token <= finished. With one
+    batch slot the second request waits for the first to finish: its time in the queue covers
+    the first's whole run (a first-scheduled time taken at arrival would not)."""
+    engine = engine_of(llama_dir, max_num_seqs=1)
+    engine.add_request("a", PROMPTS[0], PARAMS)
+    engine.add_request("b", PROMPTS[1], PARAMS)
+    while engine.has_unfinished:
+        engine.step()
+    a, b = engine.completion("a").metrics, engine.completion("b").metrics
+    for m in (a, b):
+        assert m is not None and m.first_scheduled_time is not None
+        assert m.first_token_time is not None and m.finished_time is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.time_to_first_token == m.first_token_time - m.arrival_time
+    assert a is not None and b is not None and a.finished_time is not None
+    assert b.first_scheduled_time is not None and b.first_scheduled_time >= a.finished_time
+    assert b.time_in_queue is not None and a.time_in_queue is not None
+    assert b.time_in_queue > a.time_in_queue

@@ -36,6 +36,7 @@ from kvstack.engine.hf_config import (
 )
 from kvstack.engine.loader import checkpoint_files, load_model
 from kvstack.engine.models import CausalLM, dense_attention
+from kvstack.engine.outputs import RequestMetrics
 from kvstack.engine.runner import DEFAULT_CACHE_REQUESTS, LayerBinding, ModelRunner
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.tokenizer import TextTokenizer, load_tokenizer
@@ -50,6 +51,7 @@ __all__ = [
     "LLMEngine",
     "LayerBinding",
     "ModelRunner",
+    "RequestMetrics",
     "RopeConfig",
     "SamplingParams",
     "TextTokenizer",

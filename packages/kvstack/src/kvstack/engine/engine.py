@@ -47,7 +47,13 @@ from kvstack.engine._rows import BatchRows
 from kvstack.engine._staging import StepStager
 from kvstack.engine._text import TextSide
 from kvstack.engine.connector_driver import KVConnectorDriver
-from kvstack.engine.outputs import Completion, EngineStats, TokenEvent, token_events
+from kvstack.engine.outputs import (
+    Completion,
+    EngineStats,
+    RequestMetrics,
+    TokenEvent,
+    token_events,
+)
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams, check_keywords, make_generator, sample
 from kvstack.engine.scheduler import Scheduler, Status
@@ -549,6 +555,12 @@ class LLMEngine(RunsPrompts, TextSide):
             text,
             self._prompt_text.pop(request_id, None),
             seq.kv_transfer_params_out,
+            RequestMetrics(
+                seq.arrival_time,
+                seq.first_scheduled_time,
+                seq.first_token_time,
+                seq.finished_time,
+            ),
         )
 
     def stats(self) -> EngineStats:

@@ -27,6 +27,31 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class RequestMetrics:
+    """When a request passed each stage, in ``time.perf_counter()`` seconds (vLLM's
+    ``RequestMetrics``): added, first scheduled (admitted into a step: its prefix hit, local or
+    from a connector, counted), its first output token known on the host, finished. ``None``:
+    not reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from ``add_request`` to the step that first scheduled it (waiting for a
+        batch slot or for blocks, e.g. ones a connector's save still holds)."""
+        t = self.first_scheduled_time
+        return None if t is None else t - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        t = self.first_token_time
+        return None if t is None else t - self.arrival_time
+
+
+@dataclass(frozen=True)
 class Completion:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -45,6 +70,8 @@ class Completion:
     #: What the engine's KV connector returned when the request finished (a producer's transfer
     #: params: give them to a decode engine's ``add_request(kv_transfer_params=...)``).
     kv_transfer_params: dict[str, Any] | None = None
+    #: When the request passed each stage (queued, first token, finished).
+    metrics: RequestMetrics | None = None
 
 
 @dataclass(frozen=True)
