@@ -3,11 +3,14 @@ connector (byte-exact round trips for every layout: the contract suite, ``test_c
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kv_connectors import OffloadingConfig, OffloadingConnector
 from kv_connectors.testing import block_bytes, make_layout, random_cache
 
@@ -187,6 +190,24 @@ def test_pieces_are_even(rows: int, sizes: list[int]) -> None:
     assert [p[1] for p in got] == [i % 2 for i in range(len(sizes))]
     assert all(p[2].shape == (n, width) for p, n in zip(got, sizes, strict=True))
     assert sum(sizes) == rows and (not got or got[-1][0].stop == rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(0, 5000), cap=st.integers(1, 600))
+def test_pieces_cover_the_rows_evenly_in_the_fewest(rows: int, cap: int) -> None:
+    """For any row count and staging size: the pieces tile ``[0, rows)`` in order, each fits a
+    half, there are as few as fit (``ceil(rows / cap)``), and all are one size but the last,
+    short of it by fewer rows than there are pieces (never 256 + 8)."""
+    from kv_connectors._lanes import Lane
+
+    lane = Lane(None, None, [torch.empty(cap, dtype=torch.uint8) for _ in range(2)])
+    got = [p[0] for p in lane._pieces(1, rows)]
+    assert len(got) == -(-rows // cap)
+    assert all(a.stop == b.start for a, b in itertools.pairwise(got))
+    assert (not got and rows == 0) or (got[0].start == 0 and got[-1].stop == rows)
+    sizes = [p.stop - p.start for p in got]
+    assert all(0 < n <= cap for n in sizes)
+    assert len(set(sizes[:-1])) <= 1 and (not sizes or sizes[0] - sizes[-1] < len(sizes))
 
 
 def test_order_runs_puts_consecutive_ids_last() -> None:
