@@ -114,7 +114,7 @@ def test_named_suites_that_cannot_run_are_refused_before_anything_starts(tmp_pat
         toy_checkout(root, folder)
     kvstack_bench = root / "packages" / "kvstack" / "benchmarks"
     kvstack_bench.mkdir()
-    for name in ("disagg", "multiturn"):  # (need nothing beyond the default environment)
+    for name in ("disagg", "multiturn", "gc"):  # (need nothing beyond the default environment)
         (kvstack_bench / f"bench_{name}.py").write_text(TOY.replace("toy.json", f"{name}.json"))
     out = tmp_path / "out"
     console = Console(file=open(tmp_path / "log", "w"))  # noqa: SIM115
@@ -134,6 +134,7 @@ def test_named_suites_that_cannot_run_are_refused_before_anything_starts(tmp_pat
     assert "skipping: suite 'engine' needs transformers" in log
     assert (out / "toy.json").exists()
     assert (out / "disagg.json").exists() and (out / "multiturn.json").exists()
+    assert (out / "gc.json").exists()
 
 
 @pytest.mark.skipif(

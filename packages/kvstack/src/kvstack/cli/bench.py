@@ -26,8 +26,8 @@ from kvstack._hints import install_hint
 __all__ = ["NEEDS", "SUITES", "add_parser", "cmd_bench", "find_root", "unmet_needs"]
 
 #: Suite name -> package folder whose ``benchmarks/bench_*.py`` it runs, or ``folder:script``
-#: for one script of it (kvstack's engine, disaggregated prefill and multi-turn benchmarks are
-#: suites of their own).
+#: for one script of it (kvstack's engine, disaggregated prefill, multi-turn and collector
+#: benchmarks are suites of their own).
 SUITES = {
     "kernels": "kv-kernels",
     "backends": "kv-backends",
@@ -36,6 +36,7 @@ SUITES = {
     "engine": "kvstack:bench_engine",
     "disagg": "kvstack:bench_disagg",
     "multiturn": "kvstack:bench_multiturn",
+    "gc": "kvstack:bench_gc",
 }
 
 #: What a suite needs beyond the default environment: ``"cuda"`` (a CUDA GPU), or a module
