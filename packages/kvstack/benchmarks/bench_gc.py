@@ -40,14 +40,15 @@ class _Pauses:
 
     def __init__(self) -> None:
         self.active = False
-        self.pauses: list[tuple[int, float]] = []
+        self.pauses: list[tuple[int, float, int]] = []  # (generation, seconds, collected)
         self._t0 = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         elif self.active:
-            self.pauses.append((int(info["generation"]), time.perf_counter() - self._t0))
+            gen, took = int(info["generation"]), time.perf_counter() - self._t0
+            self.pauses.append((gen, took, int(info["collected"])))
 
 
 def _serve(engine: Any, args: argparse.Namespace, vocab: int, seed: int) -> list[float]:
@@ -89,12 +90,13 @@ def _round(model_dir: Path, args: argparse.Namespace, vocab: int, freeze: bool) 
         hook.active = False
         gc.callbacks.remove(hook)
     by_gen: dict[str, dict[str, float]] = {}
-    for gen, s in hook.pauses:
-        d = by_gen.setdefault(str(gen), {"count": 0, "ms": 0.0, "max_ms": 0.0})
+    for gen, s, collected in hook.pauses:
+        d = by_gen.setdefault(str(gen), {"count": 0, "ms": 0.0, "max_ms": 0.0, "collected": 0})
         d["count"] += 1
         d["ms"] += s * 1e3
         d["max_ms"] = max(d["max_ms"], s * 1e3)
-    total = sum(s for _, s in hook.pauses)
+        d["collected"] += collected  # (objects the passes freed: cyclic garbage found)
+    total = sum(s for _, s, _ in hook.pauses)
     q = statistics.quantiles(times, n=100)
     return {
         "freeze_gc": freeze,
@@ -102,7 +104,7 @@ def _round(model_dir: Path, args: argparse.Namespace, vocab: int, freeze: bool) 
         "step_ms_median": statistics.median(times) * 1e3,
         "step_ms_p99": q[98] * 1e3,
         "gc_ms_per_step": total * 1e3 / len(times),
-        "gc_max_ms": max((s for _, s in hook.pauses), default=0.0) * 1e3,
+        "gc_max_ms": max((s for _, s, _ in hook.pauses), default=0.0) * 1e3,
         "gc_by_generation": by_gen,
     }
 
@@ -148,6 +150,15 @@ def write_md(path: Path, data: dict[str, Any]) -> None:
         lines.append(
             f"| {'on' if freeze else 'off'} | {s['step_ms_median']:.2f} | {s['step_ms_p99']:.2f} | "
             f"{s['gc_ms_per_step']:.3f} | {s['gc_max_ms']:.1f} |"
+        )
+    lines.append("")
+    for freeze in (False, True):
+        gen2 = [r["gc_by_generation"].get("2") for r in data["rounds"] if r["freeze_gc"] is freeze]
+        passes = sum(g["count"] for g in gen2 if g)
+        freed = sum(g["collected"] for g in gen2 if g)
+        lines.append(
+            f"- freeze_gc {'on' if freeze else 'off'}: {passes} oldest-generation passes inside "
+            f"steps over the rounds, freeing {freed} objects."
         )
     lines += ["", "Medians over the rounds. Per round and generation: the JSON."]
     path.write_text("\n".join(lines) + "\n")
