@@ -2,12 +2,13 @@
 
 Python's cyclic collector stops the world, and a pass over its oldest generation walks every
 tracked object: after startup, the model's modules and parameters, the engine's state and every
-import (~200k objects for a small model on this CPU). Those objects live as long as the engine
-and the step loop's own garbage is acyclic (reference counting frees it), so such a pass finds
+import (~200k objects for a small model on this CPU). Those objects live as long as the engine,
+and reference counting frees nearly all of the step loop's garbage, so such a pass finds almost
 nothing and costs a step its length. Measured (``benchmarks/bench_gc.py``, this CPU's tiny
-Llama, fresh serving processes): one oldest-generation pause of 87-125 ms inside a 486-step
-run, none once frozen; the H200's DeepSeek-V3 mixed load had 2.9 ms of collection a step, 44 ms
-at most (``docs/benchmarks/engine_gpu.md``).
+Llama, fresh serving processes, ``docs/benchmarks/gc_cpu.*``): one oldest-generation pause of
+87-125 ms inside each 486-step run, 3 such passes freeing 30 objects in all; none once frozen.
+The H200's DeepSeek-V3 mixed load had 2.9 ms of collection a step, 44 ms at most
+(``docs/benchmarks/engine_gpu.md``).
 
 :func:`freeze_startup_heap` collects once, then ``gc.freeze()`` moves every tracked object to
 the permanent generation, as vLLM's engine core does after its startup. Younger generations are
