@@ -6,7 +6,7 @@ import (~200k objects for a small model on this CPU). Those objects live as long
 and reference counting frees nearly all of the step loop's garbage, so such a pass finds almost
 nothing and costs a step its length. Measured (``benchmarks/bench_gc.py``, this CPU's tiny
 Llama, fresh serving processes, ``docs/benchmarks/gc_cpu.*``): one oldest-generation pause of
-87-125 ms inside each 486-step run, 3 such passes freeing 30 objects in all; none once frozen.
+82-94 ms inside each 486-step run, 3 such passes freeing 30 objects in all; none once frozen.
 The H200's DeepSeek-V3 mixed load had 2.9 ms of collection a step, 44 ms at most
 (``docs/benchmarks/engine_gpu.md``).
 
