@@ -315,3 +315,33 @@ def test_gpu_environment_switch(monkeypatch: pytest.MonkeyPatch, launches: list[
     triton_out = run_batch(b, "triton")
     assert len(launches) == 1
     torch.testing.assert_close(gluon.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_num_decodes_leaves_the_decodes_out_of_the_grid(
+    monkeypatch: pytest.MonkeyPatch, launches: list[int]
+) -> None:
+    """Leading decodes beside prefill chunks (and a decode after them): with ``num_decodes`` the
+    Gluon kernel's grid starts past the decodes, and every row is the one the full grid gives,
+    bit for bit, and the oracle's. Its grids recorded: each smaller by what the decodes
+    reserved (:func:`kv_kernels.paged_attention._launch_args.prefill_grid_q`)."""
+    grids: list[tuple[int, ...]] = []
+    real = _sm90_prefill.sm90_prefill_kernel
+
+    class Recording:
+        def __getitem__(self, grid: tuple[int, ...]):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(_sm90_prefill, "sm90_prefill_kernel", Recording())
+    q_lens = [1] * 40 + [300, 129, 1]
+    b = _batch(q_lens=q_lens, seq_lens=[700] * 40 + [1000, 129, 900])
+    full = run_batch(b, "triton", num_splits=1)
+    for n in (1, 33, 40):
+        got = run_batch(b, "triton", num_splits=1, num_decodes=n)
+        torch.testing.assert_close(got, full, atol=0, rtol=0)
+    assert_triton_matches_oracle(b, num_splits=1, num_decodes=40)
+    t, s, block_q = sum(q_lens), len(q_lens), _sm90_prefill.BLOCK_M // 4
+    want = [t // block_q + s - (n // block_q + n) for n in (0, 1, 33, 40, 40)]
+    assert [g[0] for g in grids] == want and len(launches) == 5

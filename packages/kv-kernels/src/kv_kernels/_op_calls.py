@@ -162,6 +162,7 @@ def paged_attention_op(
     out: Tensor,
     impl: str,
     error_flag: Tensor | None = None,
+    num_decodes: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Call ``torch.ops.kv_kernels.paged_attention`` with the api's argument types."""
 
@@ -192,5 +193,6 @@ def paged_attention_op(
         lse,
         impl,
         error_flag,
+        num_decodes,
     )
     return (out, lse) if lse is not None else out

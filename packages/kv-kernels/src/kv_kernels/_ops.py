@@ -192,6 +192,7 @@ def _paged_attention(
     lse: Tensor | None,
     impl: str,
     error_flag: Tensor | None,
+    num_decodes: int = 0,
 ) -> None:
     res = paged_attention(
         q,
@@ -215,6 +216,7 @@ def _paged_attention(
         out=out,
         impl=impl,
         error_flag=error_flag,
+        num_decodes=num_decodes,
     )
     if lse is not None:
         lse.copy_(res[1])
@@ -243,5 +245,6 @@ def _(
     lse,
     impl,
     error_flag,
+    num_decodes=0,
 ) -> None:
     return None

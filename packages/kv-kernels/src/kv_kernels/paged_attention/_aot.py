@@ -58,7 +58,7 @@ def _attention_signature(qt: str, ct: str, st: str) -> dict[str, str]:
         "num_seqs": i32, "num_q_heads": i32, "num_blocks": i32, "max_blocks": i32,
         "ks_idx": i32, "vs_idx": i32, "stride_ssh": i64, "stride_ssn": i64,
         "scale": "fp32", "softcap": "fp32", "window": i32,
-        "q_len_min": i32, "q_len_max": i32,
+        "q_len_min": i32, "q_len_max": i32, "seq_lo": i32,
     }  # fmt: skip
 
 

@@ -74,14 +74,17 @@ def _tanh(x):
 
 
 @triton.jit
-def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
-    """Largest ``s`` with ``qsl[s] // BLOCK_Q + s <= pid``: the sequence whose q tiles hold ``pid``.
+def _find_seq(qsl_ptr, seq_lo, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest ``s >= seq_lo`` with ``qsl[s] // BLOCK_Q + s <= pid``: the sequence whose q tiles
+    hold ``pid``.
 
     ``qsl[s] // BLOCK_Q + s`` bounds the number of tiles of sequences ``< s`` from above (each
     sequence gets ``ceil(q_len / BLOCK_Q)`` tiles, at most one more than its share of the floor),
-    so the grid ``T // BLOCK_Q + num_seqs`` covers every tile without a host sync.
+    so the grid ``T // BLOCK_Q + num_seqs`` covers every tile without a host sync; a launch that
+    leaves out the sequences below ``seq_lo`` starts ``pid`` at ``qsl[seq_lo] // BLOCK_Q + seq_lo``
+    (:func:`prefill_grid`).
     """
-    lo = tl.full([], 0, tl.int32)
+    lo = tl.full([], 0, tl.int32) + seq_lo
     hi = tl.full([], 0, tl.int32) + num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -333,7 +336,7 @@ def _add_sink(o, lse, sinks_ptr, head):
 
 # (num_blocks is a bound, never a constexpr: Triton specializes an int equal to 1 into one,
 # and the kernel casts it; a one-block cache -- a small workspace -- failed to compile)
-@triton.jit(do_not_specialize=["num_blocks"])
+@triton.jit(do_not_specialize=["num_blocks", "seq_lo"])
 def paged_attention_kernel(
     q_ptr, stride_qt, stride_qh, stride_qd,  # [T, Hq, D]
     kv_ptr, stride_kb, stride_kh, stride_kn, stride_kc,  # [B, H, N, C] layer view
@@ -351,6 +354,7 @@ def paged_attention_kernel(
     ks_idx, vs_idx, stride_ssh, stride_ssn,  # inline scales: start; rows' head / token strides
     scale, softcap, window,
     q_len_min, q_len_max,  # this launch's query-length class
+    seq_lo,  # the first sequence the launch may hold (tiled launches: see _find_seq)
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     D_TAIL: tl.constexpr, V_FROM_K: tl.constexpr, K_START: tl.constexpr, V_START: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
@@ -390,7 +394,8 @@ def paged_attention_kernel(
         seq = pid_q
         q_tile = 0
     else:
-        seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
+        pid_q += tl.load(qsl_ptr + seq_lo).to(tl.int32) // BLOCK_Q + seq_lo
+        seq = _find_seq(qsl_ptr, seq_lo, num_seqs, pid_q, BLOCK_Q)
         q_tile = pid_q - (tl.load(qsl_ptr + seq).to(tl.int32) // BLOCK_Q + seq)
     q_start = tl.load(qsl_ptr + seq).to(tl.int32)
     q_len = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start

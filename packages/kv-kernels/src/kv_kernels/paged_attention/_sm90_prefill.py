@@ -28,6 +28,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kv_kernels._common import require_unit_rows, sm90_gluon_allowed, tma_addressable
 from kv_kernels.aot import aot_case_spec
+from kv_kernels.paged_attention._launch_args import prefill_grid_q
 from kv_kernels.paged_attention._sm90_prefill_kernel import sm90_prefill_kernel
 from kv_kernels.paged_attention._tiles import split_head
 
@@ -108,9 +109,11 @@ def launch_sm90_prefill(
     out: torch.Tensor,  # [T, Hq, D], unit column stride
     lse: torch.Tensor | None,  # [T, Hq] f32
     q_len_min: int,
+    seq_lo: int = 0,
 ) -> None:
-    """The prefill class (sequences with ``q_len >= q_len_min``) of a paged 16-bit cache on sm_90
-    (inputs validated by the api; eligibility by :func:`sm90_prefill_eligible`)."""
+    """The prefill class (sequences with ``q_len >= q_len_min``, from ``seq_lo`` on: the ones
+    before hold one query token each) of a paged 16-bit cache on sm_90 (inputs validated by the
+    api; eligibility by :func:`sm90_prefill_eligible`)."""
     num_tokens, num_q_heads, head = q.shape
     num_kv_heads = kv_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -122,7 +125,9 @@ def launch_sm90_prefill(
         {"q": q, "kv_cache": kv_cache, "out": out, "block_table": block_table},
     )
     lse_t = lse if lse is not None else out
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = (prefill_grid_q(num_tokens, num_seqs, block_q, seq_lo), num_kv_heads)
+    if grid[0] <= 0:
+        return
     descs = _tma_descriptors(kv_cache, block_size, d_main, d_tail)
     sm90_prefill_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -131,7 +136,7 @@ def launch_sm90_prefill(
         out, out.stride(0), out.stride(1),
         lse_t, lse_t.stride(0), lse_t.stride(1),
         num_seqs, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
-        q_len_min, 2**31 - 1, *(descs or (None, None)),
+        q_len_min, 2**31 - 1, seq_lo, *(descs or (None, None)),
         D_MAIN=d_main, D_TAIL=d_tail, HEAD_V=out.shape[2], K_START=k_start, V_START=v_start,
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, TILE_N=TILE_N, NBUF=NBUF,
         CAUSAL=causal, WRITE_LSE=lse is not None, P_WARPS=4, C_REGS=C_REGS,

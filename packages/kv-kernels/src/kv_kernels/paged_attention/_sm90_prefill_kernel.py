@@ -326,7 +326,7 @@ def _stage_q(q_smem, q_ptr, stride_qt, stride_qh, q_start, q_tile, q_len, kvh,
 
 # (num_blocks is a bound, never a constexpr: Triton specializes an int equal to 1 into one,
 # and the kernel casts it; a one-block cache -- a small workspace -- failed to compile)
-@gluon.jit(do_not_specialize=["num_blocks"])
+@gluon.jit(do_not_specialize=["num_blocks", "seq_lo"])
 def sm90_prefill_kernel(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, stride_kb, stride_kh, stride_kn,
@@ -335,7 +335,7 @@ def sm90_prefill_kernel(
     out_ptr, stride_ot, stride_oh,
     lse_ptr, stride_lt, stride_lh,
     num_seqs, num_blocks, max_blocks, qk_scale_log2,
-    q_len_min, q_len_max, kv_desc, tail_desc,
+    q_len_min, q_len_max, seq_lo, kv_desc, tail_desc,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, HEAD_V: gl.constexpr,
     K_START: gl.constexpr, V_START: gl.constexpr,
     BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
@@ -356,7 +356,10 @@ def sm90_prefill_kernel(
     lin = n_q * n_h - 1 - (gl.program_id(0) + n_q * gl.program_id(1))
     pid_q = (lin // n_h).to(gl.int32)
     kvh = (lin % n_h).to(gl.int32)
-    lo = gl.to_tensor(0)
+    # (sequences below seq_lo are not this launch's: its tiles start at theirs, as in
+    # _kernels._find_seq)
+    pid_q += gl.load(qsl_ptr + seq_lo).to(gl.int32) // BLOCK_Q + seq_lo
+    lo = gl.to_tensor(seq_lo)
     hi = gl.to_tensor(num_seqs)
     while hi - lo > 1:
         mid = (lo + hi) // 2

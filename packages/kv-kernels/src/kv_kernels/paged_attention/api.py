@@ -38,6 +38,7 @@ from kv_kernels.paged_attention._fast import (
     remember,
     triton_launcher,
 )
+from kv_kernels.paged_attention._index_checks import check_index_values
 
 __all__ = ["merge_attn_states", "paged_attention"]
 
@@ -258,6 +259,7 @@ def paged_attention(
     error_flag: torch.Tensor | None = None,  # [1] int32 on q's device
     validate: bool | None = None,
     kv_lora_rank: int | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen paged attention for prefill, chunked prefill and decode in one batch.
 
@@ -291,6 +293,12 @@ def paged_attention(
       the batch (batch invariance). The reference computes the exact softmax and ignores it.
     - ``max_query_len`` must bound every sequence's query count (as in FlashAttention's varlen API);
       ``max_seq_len`` (optional) only steers the split heuristic.
+    - ``num_decodes`` (optional, a host int in ``[0, num_seqs]``): the first ``num_decodes``
+      sequences hold one query token each (vLLM's ``num_decodes``, a batch with its decodes
+      first). Like ``max_query_len`` it is a promise about the metadata, checked where the values
+      are (index tensors on the CPU, ``validate=True``): the prefill kernels of a mixed batch then
+      launch programs for the sequences after them only, not idle ones for every decode. Results
+      are the same with any true value, 0 included.
     - ``q_len > seq_len`` is allowed only where no rule reads a position: ``causal=False``, no
       ``sliding_window``, no ``alibi_slopes``. Every query then sees all ``seq_len`` keys, which
       is cascade attention's shared-prefix pass (more queries than prefix keys, merged with the
@@ -328,6 +336,7 @@ def paged_attention(
             causal=causal, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
             alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
             return_lse=return_lse, out=out, impl=impl, error_flag=error_flag,
+            num_decodes=num_decodes,
         )  # fmt: skip
     fast_key = None
     if (
@@ -341,7 +350,7 @@ def paged_attention(
         options = (
             scale, type(scale), causal, type(causal), sliding_window, type(sliding_window),
             softcap, type(softcap), num_splits, type(num_splits), return_lse, type(return_lse),
-            impl, kv_lora_rank, type(kv_lora_rank), validate,
+            impl, kv_lora_rank, type(kv_lora_rank), validate, num_decodes, type(num_decodes),
         )  # fmt: skip
         result, fast_key = cached_call(
             q, kv_cache, layout, block_table, seq_lens, query_start_loc, max_query_len, options,
@@ -359,6 +368,12 @@ def paged_attention(
     max_seq_len = _int_option("max_seq_len", max_seq_len, 0, "None or the longest sequence", True)
     sliding_window = _int_option("sliding_window", sliding_window, 1, "None or a window", True)
     num_splits = _int_option("num_splits", num_splits, 1, "None (heuristic) or a split count", True)
+    num_decodes = _int_option("num_decodes", num_decodes, 0, "a count of leading decodes")
+    if num_decodes > block_table.shape[0]:
+        raise ValueError(
+            f"num_decodes={num_decodes} exceeds the batch's {block_table.shape[0]} sequences "
+            "(block_table rows); pass how many leading sequences hold one query token"
+        )
     if num_splits is not None and num_splits > _MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} must be <= {_MAX_SPLITS}")
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
@@ -399,9 +414,10 @@ def paged_attention(
         # Without a causal mask, a window or ALiBi no rule reads a query's position, so a query
         # may outnumber the keys (cascade attention's shared-prefix pass).
         positional = causal or sliding_window is not None or alibi_slopes is not None
-        _check_values(
-            block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout, positional
-        )
+        check_index_values(
+            block_table, seq_lens, query_start_loc, num_tokens, max_query_len, layout, positional,
+            num_decodes,
+        )  # fmt: skip
     common: dict[str, Any] = dict(
         k_range=layout.k_range, v_range=v_range, scale_rows=scale_geometry(kv_cache, layout),
         block_table=block_table,
@@ -423,6 +439,7 @@ def paged_attention(
         scale=common["scale"], causal=causal, sliding_window=sliding_window,
         softcap=common["softcap"], return_lse=return_lse, max_query_len=max_query_len,
         block_size=block_size, num_splits=num_splits, v_from_k=layout.is_mla,
+        num_decodes=num_decodes,
     )  # fmt: skip
     entry = None
     if fast_key is not None:
@@ -482,63 +499,6 @@ def _check_triton_heads(head_size: int, head_size_v: int, mla: bool) -> None:
             f"impl='triton' supports head sizes up to {MAX_HEAD_SIZE}, got head_size={head_size}, "
             f"head_size_v={head_size_v}; use impl='reference'"
         )
-
-
-def _check_values(
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    num_tokens: int,
-    max_query_len: int,
-    layout: KVCacheLayout,
-    positional: bool = True,
-) -> None:
-    """Data-dependent checks, run only for CPU index tensors (no device sync). ``positional``:
-    some rule (causal, window, ALiBi) reads query positions, so ``q_len <= seq_len`` must hold."""
-    qsl = query_start_loc.to(torch.int64)
-    if qsl.numel() and int(qsl[0]) != 0:
-        raise ValueError(f"query_start_loc[0]={int(qsl[0])} must be 0")
-    q_lens = qsl[1:] - qsl[:-1]
-    if q_lens.numel():
-        if int(q_lens.min()) < 0:
-            raise ValueError(
-                "query_start_loc must be non-decreasing (a negative query count was found)"
-            )
-        if int(q_lens.max()) > max_query_len:
-            raise ValueError(
-                f"a sequence has {int(q_lens.max())} query tokens but max_query_len={max_query_len}; "
-                "pass the true maximum"
-            )
-        if int(qsl[-1]) > num_tokens:
-            raise ValueError(f"query_start_loc[-1]={int(qsl[-1])} exceeds q's {num_tokens} tokens")
-    lens = seq_lens.to(torch.int64)
-    if lens.numel() and int(lens.min()) < 0:
-        raise ValueError(f"seq_lens has a negative entry ({int(lens.min())})")
-    longer = (q_lens > lens).nonzero().flatten() if positional and q_lens.numel() else q_lens[:0]
-    if longer.numel():
-        s = int(longer[0])
-        raise ValueError(
-            f"sequence {s} has query_len={int(q_lens[s])} > seq_lens[{s}]={int(lens[s])}: the query "
-            "tokens are the last query_len positions of the sequence, so seq_lens must count them "
-            "(seq_len = context + new tokens); only a call with causal=False, no sliding_window "
-            "and no alibi_slopes (a cascade prefix pass) may have more queries than keys"
-        )
-    n = layout.block_size
-    for s in range(lens.numel()):
-        if int(q_lens[s]) == 0:
-            continue  # an empty query row reads nothing
-        n_pages = -(-int(lens[s]) // n)
-        if n_pages > block_table.shape[1]:
-            raise ValueError(
-                f"seq_lens[{s}]={int(lens[s])} needs {n_pages} blocks of {n} but block_table has "
-                f"{block_table.shape[1]} columns; widen the block table"
-            )
-        ids = block_table[s, :n_pages]
-        if n_pages and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
-            raise ValueError(
-                f"block_table[{s}, :{n_pages}] holds ids outside [0, {layout.num_blocks}) for "
-                f"seq_len={int(lens[s])}: every block under the sequence must be allocated (-1 only in the padded tail)"
-            )
 
 
 def merge_attn_states(

@@ -34,6 +34,7 @@ from kv_kernels.paged_attention._launch_args import (
     _scale_args,
     _split_buffers,
     _tma_descriptors,
+    prefill_grid_q,
 )
 from kv_kernels.paged_attention._merge import merge_splits_kernel, merge_two_kernel
 from kv_kernels.paged_attention._splits import _num_splits
@@ -300,6 +301,7 @@ def paged_attention_triton(
     scale_rows: tuple[int, int, int] | None = None,
     v_from_k: bool = False,  # MLA: V is the first head_size_v columns of K (one latent)
     plan_slot: Any = None,  # the api's validated call (._fast.Entry): keeps the plan, binds launches
+    num_decodes: int = 0,  # leading sequences of one query token: the prefill grid leaves them
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the unified kernel (and the split merge); inputs validated by the api."""
     _check_runnable(q.device)
@@ -331,7 +333,7 @@ def paged_attention_triton(
         causal=causal, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
         part_out=part_out, part_lse=part_lse, block_size=block_size, error_flag=error_flag,
-        scale_rows=scale_rows,
+        scale_rows=scale_rows, num_decodes=num_decodes,
     )  # fmt: skip
     for launch in launches:
         launch.run()
@@ -372,11 +374,14 @@ def describe_launches(
     block_size: int,
     error_flag: torch.Tensor | None,
     scale_rows: tuple[int, int, int] | None,
+    num_decodes: int = 0,
     **_rest: Any,  # (the rest of paged_attention_triton's keywords: the plan holds them)
 ) -> list[Launch]:
     """The launches of one call of ``plan`` at ``splits`` KV splits, in order (nothing runs):
     the decode class (sm_90 Gluon decode / MLA, or the Triton kernel), the prefill class, the
-    split merge. ``plan_slot``: the api's validated call, whose serial keys bound launches."""
+    split merge. ``plan_slot``: the api's validated call, whose serial keys bound launches.
+    ``num_decodes``: the leading sequences of one query token each, which the prefill class's
+    grid leaves out (:func:`._launch_args.prefill_grid_q`)."""
     num_tokens, num_q_heads, num_seqs = q.shape[0], q.shape[1], block_table.shape[0]
     split = splits > 1
     # the prefill class splits only at the caller's count (the heuristic's is the decode class's)
@@ -432,7 +437,7 @@ def describe_launches(
                 _ATTENTION,
                 launch_key and ("decode", launch_key),
                 (num_seqs, plan.grid_y_dec, splits),
-                (*head_args, q, q, *args, 1, plan.cfg_dec.block_q),
+                (*head_args, q, q, *args, 1, plan.cfg_dec.block_q, 0),
                 _plan_constexprs(plan, "decode", split, words, False),
             )
         )
@@ -443,21 +448,23 @@ def describe_launches(
             launch_sm90_prefill, q, kv_cache, k_start=k_range[0], v_start=v_range[0],
             block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc,
             scale=scale, causal=causal, block_size=block_size, out=out, lse=lse,
-            q_len_min=plan.cfg_dec.block_q + 1,
+            q_len_min=plan.cfg_dec.block_q + 1, seq_lo=num_decodes,
         )  # fmt: skip
         launches.append(Launch(None, None, (), (), {}, prefill))
     elif plan.run_prefill:
-        grid_q = num_tokens // plan.cfg_pre.block_q + num_seqs
-        launches.append(
-            Launch(
-                # (TMA descriptors: the plain launch, which specializes on them)
-                _ATTENTION,
-                launch_key and descs is None and ("prefill", launch_key),
-                (grid_q, plan.grid_y_pre, splits if split_pre else 1),
-                (*head_args, *(descs or (q, q)), *args, plan.cfg_dec.block_q + 1, 2**31 - 1),
-                _plan_constexprs(plan, "prefill", split_pre, words, descs is not None),
-            )
-        )
+        grid_q = prefill_grid_q(num_tokens, num_seqs, plan.cfg_pre.block_q, num_decodes)
+        if grid_q > 0:  # (every sequence a decode: no prefill-class program to run)
+            launches.append(
+                Launch(
+                    # (TMA descriptors: the plain launch, which specializes on them)
+                    _ATTENTION,
+                    launch_key and descs is None and ("prefill", launch_key),
+                    (grid_q, plan.grid_y_pre, splits if split_pre else 1),
+                    (*head_args, *(descs or (q, q)), *args, plan.cfg_dec.block_q + 1,
+                     2**31 - 1, num_decodes),
+                    _plan_constexprs(plan, "prefill", split_pre, words, descs is not None),
+                )
+            )  # fmt: skip
     if split:  # (an unsplit prefill class wrote its rows: the merge leaves them alone)
         q_len_max = plan.cfg_dec.block_q if plan.run_prefill and not split_pre else None
         merge = _merge_splits(
