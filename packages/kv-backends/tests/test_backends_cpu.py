@@ -591,6 +591,28 @@ def test_impl_checks_its_inputs() -> None:
         be.make_impl(b.config, other.layout, sinks=b.sinks)
 
 
+@pytest.mark.parametrize(
+    ("q_lens", "want"),
+    [
+        ([1, 1, 1, 9, 1], 3),  # a decode after the prefill is not in the leading run
+        ([9, 1, 1], 0),
+        ([1, 1, 1], 3),  # pure decode: known without a look at the offsets
+        ([1, 0, 1], 1),  # an empty row ends the run
+    ],
+)
+def test_leading_decodes_counts_the_first_run_of_one_token_rows(
+    q_lens: list[int], want: int
+) -> None:
+    md = CommonAttentionMetadata.from_lists(
+        query_lens=q_lens, seq_lens=[max(q, 1) + 3 for q in q_lens],
+        block_table=[[i] for i in range(len(q_lens))], block_size=16,
+    )  # fmt: skip
+    assert md.leading_decodes() == want
+    # without the host copy a mixed batch's count would need a sync: 0, a true value
+    blind = dataclasses.replace(md, query_start_loc_cpu=None)
+    assert blind.leading_decodes() == (want if max(q_lens) <= 1 and 0 not in q_lens else 0)
+
+
 def test_common_metadata_is_validated() -> None:
     ok = CommonAttentionMetadata.from_lists(
         query_lens=[2, 1], seq_lens=[5, 3], block_table=[[0], [1]], block_size=16

@@ -135,3 +135,19 @@ def test_bad_inputs_still_name_the_field(calls: list[Any], change: Any, message:
     with pytest.raises(ValueError, match=message):
         impl.forward(None, q, kv, md2, out=out)
     assert not calls
+
+
+def test_a_mixed_batch_hands_the_kernel_its_leading_decodes(calls: list[Any]) -> None:
+    """The builder counts the leading decodes on the host copy of ``query_start_loc``; forward
+    passes them (``num_decodes``) where a prefill class runs, and a decode step never does."""
+    backend = get_backend("TRITON")
+    for q_lens, want in (([1, 1, 1, 7, 1], 3), ([4, 1, 1], 0), ([1, 1, 1], None)):
+        b = make_paged_batch(
+            query_lens=q_lens, seq_lens=[20] * len(q_lens), num_q_heads=4, num_kv_heads=2,
+            head_size=16,
+        )  # fmt: skip
+        md = backend.make_builder(b.config, b.layout, device="cpu").build(b.common)
+        assert md.num_decodes == (len(q_lens) if want is None else want)
+        impl = backend.make_impl(b.config, b.layout, device="cpu")
+        impl.forward(None, b.q, b.kv_cache, md)
+        assert calls[-1][1].get("num_decodes") == (want or None), q_lens

@@ -250,6 +250,9 @@ class AttentionMetadata:
     num_reqs: int
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    #: requests from the first with one query token each
+    #: (:meth:`CommonAttentionMetadata.leading_decodes`; 0 where unknown, always a true value)
+    num_decodes: int = 0
 
 
 class MetadataBuilder:
@@ -296,4 +299,5 @@ class MetadataBuilder:
             num_reqs=common.num_reqs,
             query_start_loc_cpu=common.query_start_loc_cpu,
             seq_lens_cpu=common.seq_lens_cpu,
+            num_decodes=common.leading_decodes(),
         )

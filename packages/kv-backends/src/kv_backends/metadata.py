@@ -111,6 +111,20 @@ class CommonAttentionMetadata:
     def is_pure_decode(self) -> bool:
         return self.max_query_len <= 1
 
+    def leading_decodes(self) -> int:
+        """How many requests from the first hold one query token each (vLLM's ``num_decodes``
+        of a batch with its decodes first), counted on the host copy of ``query_start_loc``;
+        0 without one (counting on the device would sync). A kernel's prefill launch can leave
+        them out of its grid (``kv_kernels.paged_attention``'s ``num_decodes``)."""
+        r = self.num_reqs
+        if self.max_query_len <= 1 and self.num_actual_tokens == r:
+            return r  # (r query counts of 0 or 1 that sum to r: every one is 1)
+        qsl = self.query_start_loc_cpu
+        if qsl is None or r == 0:
+            return 0
+        other = ((qsl[1:] - qsl[:-1]) != 1).nonzero()
+        return int(other[0, 0]) if other.numel() else r
+
     @classmethod
     def from_lists(
         cls,

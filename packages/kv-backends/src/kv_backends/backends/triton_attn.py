@@ -167,6 +167,10 @@ class TritonImpl(AttentionImpl):
         kw = self._launch.get(q.device) if layer is None else None
         if kw is None:
             kw = self._launch_kwargs(layer, q, q.device)
+        if metadata.num_decodes and metadata.max_query_len > 1:
+            # a mixed batch: its prefill programs start past its leading decodes (a decode step
+            # keeps the default, so one call key serves it whatever its size)
+            kw = {**kw, "num_decodes": metadata.num_decodes}
         (_PAGED_ATTENTION_MODULE or _kernels()).paged_attention(
             q,
             cache,
