@@ -185,8 +185,10 @@ def _staged(t: BlockTables) -> BlockTables:
         t.max_num_blocks_per_req,
         t.max_num_batched_tokens,
         t.null_block,
-        host_slots=[torch.full_like(out, 7) for out in t._slots],  # stale until written
+        staged=True,
     )
+    t._host_decode._pack_h.fill_(7)  # stale until written
+    t._host_decode._pack_d.fill_(7)
     return t
 
 
@@ -296,10 +298,11 @@ def test_decode_appends_in_row_order_take_the_decode_plan() -> None:
     ]
 
 
-def _copies_dropped(self, *args):  # type: ignore[no-untyped-def]
-    """A planted bug: the staged build writes the staging buffers but never copies the slots."""
-    size = _real_size(self, *args)
-    return size._replace(copies=size.copies[:2])
+def _copies_dropped(self, n, padded):  # type: ignore[no-untyped-def]
+    """A planted bug: the staged build writes the staging block but copies it only up to the
+    slots (seq_lens and positions reach the device, the slots stay stale)."""
+    size = _real_size(self, n, padded)
+    return size._replace(packed=hd_mod._packed_layout(n, padded, 1)[2])
 
 
 def _stale_positions(self, *args):  # type: ignore[no-untyped-def]
@@ -524,3 +527,47 @@ def test_staging_waits_ask_the_event_first(done: bool, calls: list[str]) -> None
         assert events[what].calls == calls, what
         assert not events["copy" if what == "step" else "step"].calls
     assert t._copy_event is events["copy"]  # the last write waited on the step's alone
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+@pytest.mark.parametrize(("n", "padded"), [(1, 1), (3, 8), (5, 5), (255, 256), (256, 8192)])
+def test_the_packed_staging_parts_are_aligned_and_apart(groups: int, n: int, padded: int) -> None:
+    """Each part of a staged step's block starts 16-byte aligned (kernels specialize pointers on
+    it: a misaligned part compiled them again while serving) and ends before the next begins;
+    the largest step's block bounds every smaller one."""
+    *offsets, used = hd_mod._packed_layout(n, padded, groups)
+    sizes = [4 * n, 8 * n, *[8 * padded] * groups]
+    assert all(o % 16 == 0 for o in offsets)
+    assert all(
+        o + size <= nxt for o, size, nxt in zip(offsets, sizes, [*offsets[1:], used], strict=True)
+    )
+    assert used <= hd_mod._packed_layout(256, 8192, groups)[-1]
+    views = hd_mod._packed_views(torch.zeros(used, dtype=torch.uint8), n, padded, offsets)
+    assert [v.numel() for v in views] == [n, n, *[padded] * groups]
+    assert [v.dtype for v in views] == [torch.int32, torch.int64, *[torch.int64] * groups]
+
+
+def test_a_step_records_one_event_for_its_commit_and_its_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Staged tables (pinned, CUDA's form; events faked on the CPU): the commit's copy gets no
+    event of its own, the metadata built after it records one, which the next row write waits
+    on; a row written after a commit with no metadata built records its own first."""
+    t = _decode_tables()
+    t._track_rows, t._pinned = False, True  # (the commit's staged copy, as on a GPU)
+    made: list[_Event] = []
+
+    def record() -> _Event:
+        made.append(_Event(True))
+        return made[-1]
+
+    monkeypatch.setattr(t, "_record_event", record)
+    t.commit(4)
+    assert t._copy_event is commit_mod.UNRECORDED and not made
+    t.build_common_metadata(4, [1, 1, 1, 1], [20, 16, 33, 17])
+    assert len(made) == 1 and t._copy_event is made[0] is t._step_event
+    t.append_rows([0], [([9],)])
+    assert made[0].calls == ["query"] and t._copy_event is None
+    t.commit(4)
+    t.append_rows([1], [([10],)])  # no metadata since the commit: an event of its own
+    assert len(made) == 2 and made[1].calls == ["query"]

@@ -33,12 +33,15 @@ metadata checks.
 
 On CUDA tables staged from pinned memory (``pin_memory=True``) the same host work runs on the
 host table (what the last commit copied: no row changed since, or the step is refused before
-this runs) and writes the pinned staging buffers — ``seq_lens``, positions, and a pinned slot
-buffer per group — then copies them into the persistent device buffers, one asynchronous copy
-each (``query_start_loc`` only when stale): no kv-kernels slot-mapping launch, no staging of a
-fresh ``StepInputs``, no per-step metadata checks. The caller waits for the last step's copies
-before ``build`` writes the staging buffers and records this step's after it (the general path's
-rule for the same buffers). On the H200 host the general CUDA decode path was ~180 us for 256
+this runs) and writes one pinned staging block — ``seq_lens``, positions and each group's slots
+side by side, each at a 16-byte aligned offset fixed by the batch size — then copies it into
+its device twin in one asynchronous copy (``query_start_loc``, into the tables' own buffer, only
+when stale), whose views the step's metadata holds: no kv-kernels slot-mapping launch, no
+staging of a fresh ``StepInputs``, no per-step metadata checks. A copy costs ~7 us of host time
+on the H200 machine's host whatever its size up to 256 KB, and a step made three (seq_lens,
+positions, slots) before they were packed. The caller waits for the last step's copies before
+``build`` writes the staging block and records this step's after it (the general path's rule
+for its buffers). On the H200 host the general CUDA decode path was ~180 us for 256
 requests, most of it the slot-mapping launch's Python, the staging and the checks.
 """
 
@@ -69,15 +72,17 @@ class _Size(NamedTuple):
 
     pack: Callable[..., None]  # struct pack_into of R int64 (the int check and the copy)
     lens: tuple[torch.Tensor, torch.Tensor]  # [R] int64 views of the two seq_lens buffers
-    # The buffers the host work writes: the step's own on a CPU device, the pinned staging
-    # buffers on CUDA (copied by ``copies`` / ``qsl_copy`` into the device buffers).
+    # The buffers the host work writes: the step's own on a CPU device, the packed staging
+    # block's views on CUDA (copied, ``packed`` bytes, into the device block's twin views;
+    # ``qsl_copy`` into the tables' query_start_loc buffer).
     qsl: torch.Tensor  # [R + 1] int32 query_start_loc buffer view
     seq: torch.Tensor  # [R] int32 seq_lens buffer view (also the host copy)
     pos: torch.Tensor  # [R] int64 positions buffer view (also the host copy)
     offsets: tuple[torch.Tensor, ...]  # per group [R] int64: (row * width + col0) * bs - 1
     positions: torch.Tensor  # [R] int64 positions buffer view on the tables' device
-    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # staged: (device, host) views to copy
     qsl_copy: tuple[torch.Tensor, torch.Tensor] | None  # staged: query_start_loc (device, host)
+    # staged: the bytes of the packed block the step writes (one copy); 0 on a CPU device
+    packed: int
     idx: torch.Tensor  # [R] int64 scratch: flat table indices
     blocks: tuple[torch.Tensor, ...]  # per group [R] int32 scratch: each new token's block
     wide: tuple[torch.Tensor, ...]  # per group [R] int64 view of the slot buffer
@@ -113,14 +118,14 @@ class HostDecode:
         max_blocks: Sequence[int],
         max_num_batched_tokens: int,
         null_block: int | None,
-        host_slots: Sequence[torch.Tensor] | None = None,
+        staged: bool = False,
+        pin_memory: bool = False,
     ) -> None:
-        # host_slots: per group a pinned [max_num_batched_tokens] int64 staging buffer — CUDA
-        # tables: the step is written into the staging buffers and copied (dev_flat is then
-        # the host table); None: the buffers are host memory, written directly.
+        # staged (CUDA tables): the step is written into one staging block (pinned with
+        # pin_memory) and copied into its device twin, whose views the metadata reads (dev_flat
+        # is then the host table); else the buffers are host memory, written directly.
         self._buffers = step_buffers
-        self._staged = host_slots is not None
-        self._host_slots = tuple(host_slots) if host_slots is not None else tuple(slots)
+        self._staged = staged
         self._flat = dev_flat
         self._kernel = tuple(kernel)
         self._slots = tuple(slots)
@@ -146,6 +151,10 @@ class HostDecode:
         self._lens = (bytearray(8 * rows), bytearray(8 * rows))
         self._lens_t = tuple(torch.frombuffer(b, dtype=torch.int64) for b in self._lens)
         self._flip = 0
+        if staged:  # the packed block at its largest: every request, the widest padding
+            nbytes = _packed_layout(rows, max_num_batched_tokens, len(block_sizes))[-1]
+            self._pack_h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+            self._pack_d = torch.empty(nbytes, dtype=torch.uint8, device=slots[0].device)
 
     @classmethod
     def of(cls, tables: BlockTables) -> HostDecode | None:
@@ -171,12 +180,8 @@ class HostDecode:
             tables.max_num_blocks_per_req,
             tables.max_num_batched_tokens,
             tables.null_block,
-            host_slots=[
-                torch.full((out.numel(),), -1, dtype=torch.int64, pin_memory=True)
-                for out in tables._slots
-            ]
-            if staged
-            else None,
+            staged=staged,
+            pin_memory=staged,
         )
 
     def build(
@@ -248,8 +253,8 @@ class HostDecode:
         if padded > n:
             for out in size.slots:
                 out[n:] = -1
-        for dev, host in size.copies:  # staged: into the persistent device buffers
-            dev.copy_(host, non_blocking=True)
+        if size.packed:  # staged: the whole step in one copy
+            self._pack_d[: size.packed].copy_(self._pack_h[: size.packed], non_blocking=True)
         self._flip = flip
         step = _copy_with(size.step, seq_lens=s, max_seq_len=max_seq)
         common = size.common
@@ -263,13 +268,21 @@ class HostDecode:
         b = self._buffers
         token_reqs, qsl_i32, ones = _md._decode_ranges(n)
         rows = torch.arange(n) * self._col[-1]
-        # What the host work writes (staged: the pinned staging buffers) and what the metadata
-        # reads (the persistent device buffers); the same tensors on a CPU device.
+        # What the host work writes (staged: the packed staging block) and what the metadata
+        # reads (staged: the device block's views at the same offsets; on a CPU device the
+        # persistent buffers, written directly).
+        qsl_d = b.qsl[: n + 1]
+        packed = 0
         if self._staged:
-            seq, pos, qsl = b.host_seq[:n], b.host_pos[:n], b.host_qsl[: n + 1]
+            qsl = b.host_qsl[: n + 1]
+            *offsets, packed = _packed_layout(n, padded, len(self._block_sizes))
+            (seq, pos, *host_slots), (seq_d, pos_d, *slots_d) = (
+                _packed_views(block, n, padded, offsets) for block in (self._pack_h, self._pack_d)
+            )
         else:
-            seq, pos, qsl = b.seq[:n], b.pos[:n], b.qsl[: n + 1]
-        seq_d, pos_d, qsl_d = b.seq[:n], b.pos[:n], b.qsl[: n + 1]
+            seq, pos, qsl = b.seq[:n], b.pos[:n], qsl_d
+            seq_d, pos_d = seq, pos
+            host_slots = slots_d = [out[:padded] for out in self._slots]
         step = _md.StepInputs(
             num_reqs=n,
             query_lens=ones,
@@ -283,14 +296,12 @@ class HostDecode:
             max_query_len=1,
             max_seq_len=1,  # replaced per step
         )
-        slots = tuple(out[:padded] for out in self._host_slots)
-        slots_d = tuple(out[:padded] for out in self._slots)
+        slots = tuple(host_slots)
         kernel = tuple(k[:n] for k in self._kernel)
         common = tuple(
             _md.make_common(step, qsl_d, seq_d, k, out)
             for k, out in zip(kernel, slots_d, strict=True)
         )
-        copies = ((seq_d, seq), (pos_d, pos), *zip(slots_d, slots, strict=True))
         size = self._sizes[(n, padded)] = _Size(
             pack=struct.Struct(f"={n}q").pack_into,
             lens=(self._lens_t[0][:n], self._lens_t[1][:n]),
@@ -301,14 +312,40 @@ class HostDecode:
                 (rows + c) * bs - 1 for c, bs in zip(self._col[:-1], self._block_sizes, strict=True)
             ),
             positions=pos_d,
-            copies=copies if self._staged else (),
             qsl_copy=(qsl_d, qsl) if self._staged else None,
+            packed=packed,
             idx=self._idx[:n],
             blocks=tuple(b[:n] for b in self._blocks),
-            wide=tuple(out[:n] for out in self._host_slots),
+            wide=tuple(out[:n] for out in slots),
             slots=slots,
             kernel=kernel,
             step=step,
             common=common,
         )
         return size
+
+
+def _align16(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
+
+
+def _packed_layout(n: int, padded: int, groups: int) -> tuple[int, ...]:
+    """Byte offsets of a staged step's parts in its packed block — ``seq_lens`` (int32 ``[n]``),
+    positions (int64 ``[n]``), each group's slots (int64 ``[padded]``) — then the block's used
+    bytes: each part 16-byte aligned (kernels specialize pointers on it)."""
+    pos = _align16(4 * n)
+    first_slots = pos + _align16(8 * n)
+    step = _align16(8 * padded)
+    return (0, pos, *(first_slots + g * step for g in range(groups)), first_slots + groups * step)
+
+
+def _packed_views(
+    block: torch.Tensor, n: int, padded: int, offsets: Sequence[int]
+) -> list[torch.Tensor]:
+    """The parts of a packed block (:func:`_packed_layout`'s ``offsets``) as typed views."""
+    seq, pos, *slots = offsets
+    return [
+        block[seq : seq + 4 * n].view(torch.int32),
+        block[pos : pos + 8 * n].view(torch.int64),
+        *(block[o : o + 8 * padded].view(torch.int64) for o in slots),
+    ]

@@ -19,7 +19,12 @@ from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
 
 from kv_blocktable._block_ids import int32_tensor, int64_tensor
 
-__all__ = ["TableCommit", "wait_event"]
+__all__ = ["UNRECORDED", "TableCommit", "wait_event"]
+
+#: ``_copy_event`` of a commit whose copy has no event yet: the step's metadata, built next on
+#: the same stream, records one event after its own copies, which covers the commit's too (one
+#: record a step instead of two: ~10 us of host time each on the H200 machine's host)
+UNRECORDED: Any = object()
 
 # Up to this many pending entries are committed one by one through the memoryviews.
 _ENTRY_COPIES = 128
@@ -71,8 +76,18 @@ class TableCommit:
         # A non-blocking copy from pinned memory reads the host buffer when the stream gets to
         # it; writing the buffer before then would change what the previous step copies.
         if self._copy_event is not None:
+            if self._copy_event is UNRECORDED:  # (no metadata built since the commit)
+                self._copy_event = self._record_event()
             wait_event(self._copy_event)
             self._copy_event = None
+
+    def _record_step_event(self) -> Any:
+        """The event after a step's staged copies, which also covers the commit's before them
+        (:data:`UNRECORDED`)."""
+        event = self._record_event()
+        if self._copy_event is UNRECORDED:
+            self._copy_event = event
+        return event
 
     def _record_event(self) -> Any:
         """A CUDA event recorded on the current stream of the tables' device, where the copies
@@ -123,7 +138,7 @@ class TableCommit:
         else:
             self._dev[:n].copy_(self._host[:n], non_blocking=self._pinned)
             if self._pinned:
-                self._copy_event = self._record_event()
+                self._copy_event = UNRECORDED
             self._expand(slice(0, n), self._dev[:n])
         self._committed = n
 

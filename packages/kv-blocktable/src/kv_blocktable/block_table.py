@@ -519,7 +519,7 @@ class BlockTables(TableCommit, StepExports):
             if built is not None:
                 self._last_step, mds, self._positions = built
                 if self._pinned:
-                    self._step_event = self._record_event()
+                    self._step_event = self._record_step_event()
                 return mds
         step = _md.StepInputs.from_lengths(
             num_reqs,
@@ -559,7 +559,7 @@ class BlockTables(TableCommit, StepExports):
             wait_event(self._step_event)
         qsl, seq, pos = self._step.stage(step)
         if self._pinned:
-            self._step_event = self._record_event()
+            self._step_event = self._record_step_event()
         if host_slots and blocks is not None:
             assert views is not None
             slots = _md.decode_slot_mappings(step, blocks, self.block_sizes, views[2])
