@@ -374,6 +374,29 @@ def test_attention_matches_the_oracle_per_call(
     assert len(calls.calls) == runner.arch.num_layers * generate_steps()
 
 
+def test_attention_matches_the_oracle_per_call_with_the_rope_in_the_cache_write(
+    gpt_oss: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fused ops on the CPU (their references) over FLEX_ATTENTION's plain cache write: every
+    # layer's RoPE rides in its cache write, as on CUDA, so each call goes through rope_attend,
+    # which the recorder wraps too (the GPU test above recorded no call before it did, and
+    # failed "no attention call was recorded" on every backend).
+    runner = make(gpt_oss, dtype=torch.float32, backend="FLEX_ATTENTION", fused_ops=True)
+    deferred: list[bool] = []
+    forward = runner.model.forward
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        deferred.append(kw.get("rope_attend") is not None)
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(runner.model, "forward", spy)
+    calls = AttentionCalls(runner, monkeypatch)
+    generate(runner)
+    calls.assert_ok()
+    assert deferred and all(deferred), runner.rope_cache_reason
+    assert len(calls.calls) == runner.arch.num_layers * generate_steps()
+
+
 def _wrong_page(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     # Once request 0 (the 27-token prompt) spans 2 pages, every group's attention reads one wrong
     # page of it (kv-kernels' plant_wrong_page): the bug of a block-table builder or of a kernel's

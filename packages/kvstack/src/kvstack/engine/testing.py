@@ -36,7 +36,7 @@ from kv_kernels.testing import (
 
 from kvstack.engine.archs import FAMILIES
 from kvstack.engine.hf_config import ArchConfig
-from kvstack.engine.models import CausalLM, dense_attention
+from kvstack.engine.models import CausalLM, RopeAttend, dense_attention
 from kvstack.engine.runner import ModelRunner
 
 __all__ = [
@@ -350,8 +350,9 @@ class AttentionCalls:
     Two test-only wrappers (set with ``monkeypatch.setattr``, pytest's fixture, so they are undone
     after the test), no engine change: ``runner.execute`` (to read each step's request
     boundaries and identities from the metadata the caller built) and ``runner.model.forward`` (to
-    wrap the ``attend(layer, q, k, v)`` callback the runner hands the model: the seam between the
-    projections and attention, see models.py). A request is identified by the first entry of its
+    wrap the ``attend(layer, q, k, v)`` callback the runner hands the model, the seam between the
+    projections and attention, see models.py, and its ``rope_attend`` twin where the RoPE rides
+    in the cache write, which rotates q and k in place before they are checked). A request is identified by the first entry of its
     group-0 block-table row as the caller built it (blocks are never freed in ``greedy_generate``);
     its K/V history per layer is the k/v the model handed to ``attend``, never read from the cache.
     """
@@ -395,6 +396,17 @@ class AttentionCalls:
                 self._check(i, q, k, v, out)
                 return out
 
+            deferred = kw.get("rope_attend")
+            if deferred is not None:  # (the fused RoPE rides in the cache write: on CUDA)
+
+                def rope_hook(
+                    i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any
+                ) -> Any:
+                    out = deferred.attend(i, q, k, v, rope)  # rotates q and k in place
+                    self._check(i, q, k, v, out)
+                    return out
+
+                kw = {**kw, "rope_attend": RopeAttend(deferred.layers, rope_hook)}
             return forward(input_ids, positions, attend_hook, **kw)
 
         monkeypatch.setattr(runner, "execute", execute_hook)
