@@ -37,7 +37,7 @@ from kv_backends.selector import (
     select_backend,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "BACKEND_CLASSES",

@@ -47,7 +47,7 @@ from kv_blocktable.managers import (
 from kv_blocktable.pool import NULL_BLOCK_ID, BlockPool, PrefixCacheBusyError
 from kv_blocktable.request import ExtraKeys, MultiModalHash, Request, append_decode_tokens
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "HASH_ALGOS",

@@ -51,7 +51,7 @@ from kv_connectors.policies import ARCPolicy, LRUPolicy, Policy
 from kv_connectors.transfer import RemotePlan, TransferConnector
 from kv_connectors.views import CacheSegment, RegisteredKV
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "FAULTS",

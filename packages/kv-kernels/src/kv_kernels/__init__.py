@@ -35,7 +35,7 @@ from kv_kernels.slot_mapping import compute_slot_mapping, expand_block_table
 # Last: registers torch.ops.kv_kernels.* (it imports the api modules above, never the reverse).
 from kv_kernels import _ops  # noqa: F401  isort: skip
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "KVCacheStorage",

@@ -9,6 +9,6 @@ command line (``demo``, ``generate``, ``plan``, ``backends``, ``bench``, ``model
 
 from __future__ import annotations
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = ["__version__"]
