@@ -179,6 +179,14 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
             )
         )
     for r in records:
+        every = r.get("all_steps")
+        if r["phase"] == "mixed" and every:  # (the table's row: the steps that prefill alone)
+            out.append(
+                f"- {r['batch']} x {r['context']} mixed, the whole load (its decode steps between "
+                f"arrivals too, {every['steps']} steps): {every['ms_per_step']:.2f} ms a step, "
+                f"fraction {every['value']:.2f} (phase by phase {every['phase_fraction']:.2f})"
+            )
+    for r in records:
         where = f"{r['batch']} x {r['context']} {r['phase']}"
         sites = r.get("syncs_by_site")
         if sites:
