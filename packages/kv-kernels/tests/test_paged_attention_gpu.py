@@ -291,7 +291,7 @@ def test_mixed_batch_splits_the_decode_class_gpu(
     """A mixed batch (issue 32) under the split heuristic: the decode class (rows over 5k-9k
     keys, one between two prefill requests) splits KV, the prefill class runs unsplit, and the
     merge takes decode rows only; against the float64 oracle, with the LSE, CUDA-graph padding
-    rows and (with sinks) an error flag. CPU half: tests/test_paged_attention_mixed_split.py."""
+    rows and (with sinks) an error flag. CPU half: tests/test_paged_attention_mixed.py."""
     import importlib
 
     from kv_kernels.testing_attention import counting_gluon_launches
