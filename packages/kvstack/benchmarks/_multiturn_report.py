@@ -137,9 +137,6 @@ def main() -> None:
         print(path, "->", ", ".join(write_report(path)))
 
 
-if __name__ == "__main__":
-    main()
-
 
 def _connector_host(r: dict[str, Any]) -> str:
     """The connector's worker-side host time a request (records from before it was kept have
@@ -171,3 +168,7 @@ def _queued(res: dict[str, Any], modes: list[str]) -> list[str]:
         cells = [f"{statistics.median(res[m]['queued_s_by_turn'][t]) * 1e3:.1f}" for m in modes]
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+if __name__ == "__main__":
+    main()
