@@ -42,6 +42,16 @@ def test_quick_run_hits_the_tier_with_unchanged_replies(tmp_path: Path) -> None:
     # each request's time in the queue (Completion.metrics), kept and tabled
     assert all(q >= 0 for v in on["queued_s_by_turn"].values() for q in v)
     assert len(on["queued_s_by_turn"]["2"]) == 3 and "time in the queue" in report
+    # the report script re-renders a record as the run wrote it (it once ran main() before
+    # its helpers were defined, and raised NameError as a script)
+    (tmp_path / "multiturn_cpu.md").unlink()
+    again = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("_multiturn_report.py")),
+         str(tmp_path / "multiturn_cpu.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "multiturn_cpu.md").read_text() == report
 
 
 def test_goal_verdict_takes_only_turns_past_the_goal_prefix() -> None:

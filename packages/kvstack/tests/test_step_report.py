@@ -44,3 +44,27 @@ def test_merged_cases_keep_their_own_sources(
     md = (tmp_path / "engine_gpu.md").read_text()
     assert "other sources than the header's (an earlier run): 64 x 1024 mixed (c-old" in md
     assert "decode_graphs (c-" not in md  # the new run's own rows are not listed
+
+
+def test_the_whole_mixed_load_is_said_under_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mixed row is the steps that prefill; the whole load (its decode steps too) is a line
+    under the table, with its phase-by-phase fraction where the record has one (older records
+    have none)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("_step_report", None)
+    report = pytest.importorskip("_step_report")
+    every = {"ms_per_step": 11.65, "value": 0.69, "steps": 64}
+    new = {**_record(64, "mixed"), "all_steps": {**every, "phase_fraction": 0.55}}
+    old = {**_record(256, "mixed"), "all_steps": every}
+    report.write(tmp_path, [new, old], _meta("x"))
+    md = (tmp_path / "engine_gpu.md").read_text()
+    assert (
+        "64 x 1024 mixed, the whole load (its decode steps between arrivals too, 64 steps): "
+        "11.65 ms a step, fraction 0.69 (phase by phase 0.55)"
+    ) in md
+    assert (
+        "256 x 1024 mixed, the whole load (its decode steps between arrivals too, 64 steps): "
+        "11.65 ms a step, fraction 0.69\n" in md
+    )
