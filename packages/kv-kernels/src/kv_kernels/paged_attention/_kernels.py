@@ -82,7 +82,7 @@ def _find_seq(qsl_ptr, seq_lo, num_seqs, pid, BLOCK_Q: tl.constexpr):
     sequence gets ``ceil(q_len / BLOCK_Q)`` tiles, at most one more than its share of the floor),
     so the grid ``T // BLOCK_Q + num_seqs`` covers every tile without a host sync; a launch that
     leaves out the sequences below ``seq_lo`` starts ``pid`` at ``qsl[seq_lo] // BLOCK_Q + seq_lo``
-    (:func:`prefill_grid`).
+    (:func:`._launch_args.prefill_grid_q`).
     """
     lo = tl.full([], 0, tl.int32) + seq_lo
     hi = tl.full([], 0, tl.int32) + num_seqs

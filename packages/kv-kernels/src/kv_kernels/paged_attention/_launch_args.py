@@ -90,9 +90,10 @@ def prefill_grid_q(num_tokens: int, num_seqs: int, block_q: int, seq_lo: int = 0
     ``num_tokens // block_q`` (:func:`._kernels._find_seq`), less the ``seq_lo // block_q +
     seq_lo`` that the sequences below ``seq_lo`` reserve when each holds one query token (a
     decode: the api's ``num_decodes``). A mixed step of 256 decodes beside one 1,024-token
-    prefill launched 297 x 8 programs on Llama-3-8B's heads for the 32 x 8 that have rows;
-    each of the others still staged its q and set up its barriers (H200: 3.1 against 1.7 ms a
-    step at 64 decodes, 32 layers)."""
+    prefill launched 297 x 8 programs on Llama-3-8B's heads for the 32 x 8 that have rows, and
+    each of the others still staged its q and set up its barriers: the sm_90 prefill kernel took
+    3.1 ms a step there (1.7 at 64 decodes), 1.3 (1.2) with the decodes left out (H200, 32
+    layers, the engine's step profile)."""
     return num_tokens // block_q + num_seqs - (seq_lo // block_q + seq_lo)
 
 
