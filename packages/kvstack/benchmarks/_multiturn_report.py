@@ -137,7 +137,6 @@ def main() -> None:
         print(path, "->", ", ".join(write_report(path)))
 
 
-
 def _connector_host(r: dict[str, Any]) -> str:
     """The connector's worker-side host time a request (records from before it was kept have
     none: nothing is said)."""
