@@ -181,12 +181,12 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
     for r in records:
         every = r.get("all_steps")
         if r["phase"] == "mixed" and every:  # (the table's row: the steps that prefill alone)
-            phased = every.get("phase_fraction")  # (older records have none)
+            # (its phase-by-phase figure is left out: taken over the median step, a decode step
+            # of the load, it does not describe the load)
             out.append(
                 f"- {r['batch']} x {r['context']} mixed, the whole load (its decode steps between "
                 f"arrivals too, {every['steps']} steps): {every['ms_per_step']:.2f} ms a step, "
                 f"fraction {every['value']:.2f}"
-                + (f" (phase by phase {phased:.2f})" if phased is not None else "")
             )
     for r in records:
         where = f"{r['batch']} x {r['context']} {r['phase']}"
