@@ -275,6 +275,19 @@ def test_a_prefill_among_the_promised_decodes_is_named(triton_device: str) -> No
         run_batch(b, "triton", num_decodes=5, validate=True)
 
 
+@pytest.mark.parametrize(("promised", "errors"), [(4, 0), (5, 1), (6, 2)])
+def test_unchecked_a_false_promise_is_counted_in_the_error_flag(
+    promised: int, errors: int, triton_device: str
+) -> None:
+    """Without the host check (CUDA's default), the decode launch counts each promised decode
+    that is not one in ``error_flag``: the rows the prefill grid then leaves unwritten are said,
+    not silently wrong. The true count adds nothing."""
+    b = make_paged_batch(q_lens=Q_LENS, seq_lens=SEQ_LENS, head_size=16, group=2)
+    flag = torch.zeros(1, dtype=torch.int32, device=triton_device)
+    run_batch(b, "triton", num_splits=1, num_decodes=promised, validate=False, error_flag=flag)
+    assert int(flag.item()) == errors
+
+
 @pytest.mark.parametrize(
     ("value", "error", "words"),
     [

@@ -354,7 +354,8 @@ def paged_attention_kernel(
     ks_idx, vs_idx, stride_ssh, stride_ssn,  # inline scales: start; rows' head / token strides
     scale, softcap, window,
     q_len_min, q_len_max,  # this launch's query-length class
-    seq_lo,  # the first sequence the launch may hold (tiled launches: see _find_seq)
+    seq_lo,  # tiled launches: the first sequence they hold (_find_seq); the decode class: the
+    # api's num_decodes, which CHECK holds to one query token each
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     D_TAIL: tl.constexpr, V_FROM_K: tl.constexpr, K_START: tl.constexpr, V_START: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
@@ -399,6 +400,12 @@ def paged_attention_kernel(
         q_tile = pid_q - (tl.load(qsl_ptr + seq).to(tl.int32) // BLOCK_Q + seq)
     q_start = tl.load(qsl_ptr + seq).to(tl.int32)
     q_len = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start
+    if CHECK and SEQ_PER_PROGRAM:
+        # a sequence promised as a leading decode (below num_decodes) that is not one: the
+        # prefill launch leaves it out of its grid, so its rows would go unwritten. Counted
+        # once per sequence, before the class test returns.
+        bad = (seq < seq_lo) & (q_len != 1) & (pid_h == 0) & (split == 0)
+        tl.atomic_add(err_ptr, 1, mask=bad)
     if (q_len < q_len_min) | (q_len > q_len_max) | (q_tile * BLOCK_Q >= q_len):
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)

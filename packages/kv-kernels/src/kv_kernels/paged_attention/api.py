@@ -296,7 +296,8 @@ def paged_attention(
     - ``num_decodes`` (optional, a host int in ``[0, num_seqs]``): the first ``num_decodes``
       sequences hold one query token each (vLLM's ``num_decodes``, a batch with its decodes
       first). Like ``max_query_len`` it is a promise about the metadata, checked where the values
-      are (index tensors on the CPU, ``validate=True``): the prefill kernels of a mixed batch then
+      are (index tensors on the CPU, ``validate=True``) and counted in ``error_flag`` where one is
+      given (a promised decode that is not one): the prefill kernels of a mixed batch then
       launch programs for the sequences after them only, not idle ones for every decode. Results
       are the same with any true value, 0 included.
     - ``q_len > seq_len`` is allowed only where no rule reads a position: ``causal=False``, no

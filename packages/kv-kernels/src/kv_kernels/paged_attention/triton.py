@@ -437,7 +437,7 @@ def describe_launches(
                 _ATTENTION,
                 launch_key and ("decode", launch_key),
                 (num_seqs, plan.grid_y_dec, splits),
-                (*head_args, q, q, *args, 1, plan.cfg_dec.block_q, 0),
+                (*head_args, q, q, *args, 1, plan.cfg_dec.block_q, num_decodes),
                 _plan_constexprs(plan, "decode", split, words, False),
             )
         )
