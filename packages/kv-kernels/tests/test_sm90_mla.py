@@ -40,7 +40,7 @@ _MMA = {
 _PTX = {
     **_MMA,
     "cp_async_16": r"cp\.async\.cg\.shared\.global(\.L2::128B)? \[[^]]*\], \[[^]]*\], 0x10",
-    "producer_regs": rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{_sm90_mla.P_REGS};",
+    "producer_regs": rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{_sm90_mla.P_REGS};",
 }
 #: the fp8 latent's producer (kv_kernels.paged_attention._sm90_mla_fp8): 8-byte loads into
 #: registers, a row's L2 prefetch, the widening (bf16: the bytes placed by PRMT, scaled by a bf16
@@ -52,36 +52,57 @@ _PTX_FP8 = {
     "widen_bf16": r"mul\.rn\.bf16x2",
     "widen_f16": r"cvt\.rn\.f16x2\.e4m3x2",
     "full_arrival": r"mbarrier\.arrive\.shared::cta\.b64 _, \[[^]]*\], 128;",
-    "producer_regs": rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{_sm90_mla.P_REGS_FP8};",
+    "producer_regs": rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{_sm90_mla.P_REGS_FP8};",
     "cp_async": r"cp\.async\.c[ag]\.shared\.global",
 }
 
+
+#: the narrow kernel (kv_kernels.paged_attention._sm90_mla_narrow, 8-32 heads): tokens as the
+#: MMAs' M and the heads as N, so one shape serves both products: S^T's 36 (K = 576 in steps of
+#: 16) and O^T's 32 (M = 512 in 8 steps of 64, K = 64 tokens in 4 of 16) a tile
+def _narrow_mma(heads: int) -> dict[str, str]:
+    return {"mma": rf"wgmma\.mma_async\.sync\.aligned\.m64n{heads}k16\.f32\.(bf16\.bf16|f16\.f16)"}
+
+
 # (q dtype, page, split, lse, latent: the q dtype, or fp8 e4m3 whose scale is a float (1) or a
-# tensor (2))
+# tensor (2), query heads)
 _CASES = [
-    ("bf16", 64, False, False, None), ("fp16", 16, True, True, None),
-    ("bf16", 128, True, False, None),
-    ("bf16", 64, False, False, 1), ("fp16", 16, True, True, 2), ("bf16", 128, True, False, 2),
+    ("bf16", 64, False, False, None, 128), ("fp16", 16, True, True, None, 128),
+    ("bf16", 128, True, False, None, 128),
+    ("bf16", 64, False, False, 1, 128), ("fp16", 16, True, True, 2, 128),
+    ("bf16", 128, True, False, 2, 128),
+    ("bf16", 64, False, False, None, 16), ("fp16", 16, True, True, None, 32),
+    ("bf16", 128, True, False, None, 8),
+    ("bf16", 64, True, True, 1, 16), ("fp16", 128, False, False, 2, 32),
 ]  # fmt: skip
 
 
 def _case_id(c: tuple) -> str:
-    dt, n, split, lse, fp8 = c
+    dt, n, split, lse, fp8, heads = c
     return (
-        f"{dt}-n{n}" + ("-split" if split else "") + ("-lse" if lse else "")
+        f"{dt}-h{heads}-n{n}" + ("-split" if split else "") + ("-lse" if lse else "")
         + (f"-fp8-scale{fp8}" if fp8 else "")
     )  # fmt: skip
+
+
+def _counts(case: tuple) -> dict[str, str]:
+    fp8, heads = case[4], case[5]
+    counts = dict(_PTX_FP8 if fp8 else _PTX)
+    if heads < 64:
+        for name in _MMA:
+            del counts[name]
+        counts.update(_narrow_mma(heads))
+    return counts
 
 
 @pytest.fixture(scope="module")
 def aot_results(aot_compile_checks) -> dict[str, dict]:
     cases = []
     for c in _CASES:
-        dt, n, split, lse, fp8 = c
+        dt, n, split, lse, fp8, heads = c
         fp8_kw = dict(cache="fp8e4nv", kv_scale=fp8) if fp8 else {}
-        case = aot_case(dtype=dt, block_size=n, split=split, write_lse=lse, **fp8_kw)
-        counts = _PTX_FP8 if fp8 else _PTX
-        cases.append({"id": _case_id(c), "count": counts, "spills": True, **case})
+        case = aot_case(dtype=dt, block_size=n, split=split, write_lse=lse, heads=heads, **fp8_kw)
+        cases.append({"id": _case_id(c), "count": _counts(c), "spills": True, **case})
     return aot_compile_checks(cases)
 
 
@@ -90,23 +111,26 @@ def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
     """Every build fits sm_90's shared memory with the schedule's MMAs and its producer's
     copies; an fp8 latent's producer loads and widens the whole 288 bytes a thread of each tile
     (9 pieces of 64 bytes a row x 4 rows: 36 loads of 8 bytes, 72 words widened by two
-    instructions each), with no cp.async. Spills (ptxas -v, triton 3.9's build; an fp8 producer
-    that carried its loads' bytes around the tile loop spilled ~2.7 KB a thread): within the
-    bounds below, which the builds of this change meet with room (16-bit 12-36 bytes, fp8
-    68-120)."""
+    instructions each), with no cp.async. The narrow kernel (8-32 heads) issues exactly its 68
+    MMAs a tile, nothing padded to 64 heads. Spills (ptxas -v, triton 3.9's build; an fp8
+    producer that carried its loads' bytes around the tile loop spilled ~2.7 KB a thread):
+    within the bounds below, which the builds of this change meet with room (16-bit 12-36
+    bytes, fp8 68-120)."""
     res = aot_results[_case_id(case)]
-    fp8 = case[4]
+    fp8, heads = case[4], case[5]
+    mmas = ("qk_mma", "pv_mma") if heads >= 64 else ("mma",)
     if not fp8:
-        problems = build_problems(res, arch=90, present=tuple(_PTX))
+        problems = build_problems(res, arch=90, present=tuple(_counts(case)))
         assert not problems, problems
     else:
         widen = "widen_bf16" if case[0] == "bf16" else "widen_f16"
-        present = ("qk_mma", "pv_mma", "ld_8", "prefetch_l2", widen, "full_arrival",
-                   "producer_regs")  # fmt: skip
+        present = (*mmas, "ld_8", "prefetch_l2", widen, "full_arrival", "producer_regs")
         problems = build_problems(res, arch=90, present=present)
         assert not problems, problems
         counts = res["counts"]
         assert (counts["ld_8"], counts[widen], counts["cp_async"]) == (36, 144, 0), counts
+    if heads < 64:
+        assert res["counts"]["mma"] == 68, res["counts"]
     if res.get("spill_bytes") is None:
         pytest.skip("ptxas -v could not be run on this triton's build")
     assert res["spill_bytes"] <= (160 if fp8 else 64), res["spill_bytes"]
@@ -191,13 +215,20 @@ def test_serves_deepseek_v3_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _eligible(features={"causal": False, "write_lse": False, "split": False})
 
 
+@pytest.mark.parametrize("group", [8, 16, 32])
+def test_serves_tensor_parallel_head_counts(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's 128 heads under tensor parallelism 16, 8 and 4: the narrow kernel."""
+    monkeypatch.delenv("KV_KERNELS_SM90_MLA", raising=False)
+    assert _eligible(group=group)
+
+
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("group", [16, 64, 128])
 @pytest.mark.parametrize("mode", [1, 2], ids=["float-scale", "tensor-scale"])
 def test_serves_the_fp8_e4m3_latent(
     q_dtype: torch.dtype, group: int, mode: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM's fp8_e4m3 latent (one per-tensor scale, a float or a [1] tensor) at 64 / 128
+    """vLLM's fp8_e4m3 latent (one per-tensor scale, a float or a [1] tensor) at 16, 64 and 128
     heads, with 16-bit queries."""
     monkeypatch.delenv("KV_KERNELS_SM90_MLA", raising=False)
     assert _eligible(q_dtype=q_dtype, cache_dtype=torch.float8_e4m3fn, group=group,
@@ -219,11 +250,10 @@ def test_serves_the_fp8_e4m3_latent(
         {"cache_dtype": torch.float8_e4m3fn, "features": {"kv_scale_mode": 1, "row_align": 8}},
         {"cache_dtype": torch.float8_e4m3fn, "q_dtype": torch.float32,
          "features": {"kv_scale_mode": 1}},
-        {"cache_dtype": torch.float8_e4m3fn, "group": 16, "features": {"kv_scale_mode": 1}},
         {"q_dtype": torch.float16},  # q and cache dtypes differ
         {"q_dtype": torch.float32, "cache_dtype": torch.float32},
-        {"group": 16},  # tensor parallel 8: bandwidth-bound, the Triton kernel's
-        {"group": 32},
+        # head counts neither kernel's MMA shape takes (N a multiple of 8 up to 32; M 64)
+        {"group": 4}, {"group": 24}, {"group": 48}, {"group": 96}, {"group": 256},
         {"head_size": 320, "head_size_v": 256},  # another latent width
         {"block_q": 2},  # a config whose decode class holds more than one token
         {"scale": -0.1},
@@ -243,11 +273,18 @@ def test_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not _eligible()
 
 
+def test_head_blocks() -> None:
+    assert [_sm90_mla.mla_head_blocks(h) for h in (8, 16, 32, 64, 128)] == [1, 1, 1, 1, 2]
+
+
 def test_split_rule_fills_one_wave_of_one_program_an_sm() -> None:
     # 64 x 4k: 128 programs (two head blocks a sequence) already fill 132 SMs
     assert pick_mla_splits(num_seqs=64, head_blocks=2, max_seq_len=4096, num_sms=132) == 1
     # 8 x 32k: 16 programs, 8 splits (128 programs, 64 tiles each)
     assert pick_mla_splits(num_seqs=8, head_blocks=2, max_seq_len=32768, num_sms=132) == 8
+    # 16 heads (one program a split): 64 x 4k, 2 splits; 8 x 32k, 16
+    assert pick_mla_splits(num_seqs=64, head_blocks=1, max_seq_len=4096, num_sms=132) == 2
+    assert pick_mla_splits(num_seqs=8, head_blocks=1, max_seq_len=32768, num_sms=132) == 16
     # a short context keeps at least 8 tiles of 64 tokens a split
     assert pick_mla_splits(num_seqs=1, head_blocks=2, max_seq_len=960, num_sms=132) == 1
     assert pick_mla_splits(num_seqs=1, head_blocks=2, max_seq_len=1024, num_sms=132) == 2
@@ -334,9 +371,11 @@ _L = [3000, 700, 1, 64, 129]
 
 @pytest.mark.parametrize(
     "shape",
-    [dict(), dict(n=16, dtype=torch.float16), dict(n=128, heads=64)],
-    ids=["bf16-h128-n64", "fp16-h128-n16", "bf16-h64-n128"],
-)
+    [dict(), dict(n=16, dtype=torch.float16), dict(n=128, heads=64), dict(heads=16),
+     dict(n=16, heads=32, dtype=torch.float16), dict(n=128, heads=8)],
+    ids=["bf16-h128-n64", "fp16-h128-n16", "bf16-h64-n128", "bf16-h16-n64", "fp16-h32-n16",
+         "bf16-h8-n128"],
+)  # fmt: skip
 @pytest.mark.parametrize("splits", [None, 1, 4], ids=["auto", "s1", "s4"])
 @pytest.mark.gpu
 @needs_sm90
@@ -346,8 +385,9 @@ def test_gpu_matches_the_oracle(shape: dict, splits: int | None, launches: list[
     assert launches, "the Gluon kernel did not serve the MLA decode"
 
 
-_FP8_SHAPES = [dict(), dict(n=16, dtype=torch.float16), dict(n=128, heads=64)]
-_FP8_IDS = ["bf16-h128-n64", "fp16-h128-n16", "bf16-h64-n128"]
+_FP8_SHAPES = [dict(), dict(n=16, dtype=torch.float16), dict(n=128, heads=64), dict(heads=16),
+               dict(n=16, heads=32, dtype=torch.float16)]  # fmt: skip
+_FP8_IDS = ["bf16-h128-n64", "fp16-h128-n16", "bf16-h64-n128", "bf16-h16-n64", "fp16-h32-n16"]
 
 
 @pytest.mark.parametrize("shape", _FP8_SHAPES, ids=_FP8_IDS)
@@ -389,9 +429,10 @@ def _launch_direct(b: dict, scale_args: tuple) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("heads", [128, 16])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_fp8_planted_bugs_fail_the_same_check(launches: list[int]) -> None:
+def test_gpu_fp8_planted_bugs_fail_the_same_check(heads: int, launches: list[int]) -> None:
     """Over an fp8 latent, each of these is caught by the bound the parity tests use: a wrong
     page; a scale 25% off (K and V both: the latent's one scale); the kernel launched with the
     scale left out of the output (V's scale 1), or out of the logits (K's 1). The direct launch
@@ -399,7 +440,7 @@ def test_gpu_fp8_planted_bugs_fail_the_same_check(launches: list[int]) -> None:
     judge: it is derived from the bf16 reference's own distance to that oracle, which a wrong
     oracle widens too; on the H200 it passed the right output against K 25% off.)"""
     lens = [3000, 700, 64]
-    b = _batch(seq_lens=lens, fp8="float")
+    b = _batch(seq_lens=lens, fp8="float", heads=heads)
     b["kv"].copy_(_zeroed(b["kv"]))  # (the spare page is read on purpose)
     want, _ = mla_oracle(b, SCALE)
     low = _run(b, "reference").cpu()
@@ -426,14 +467,17 @@ def test_gpu_mixed_batch_leaves_the_prefill_to_the_triton_kernel(launches: list[
     assert len(launches) == 1
 
 
+@pytest.mark.parametrize("heads", [128, 16])
 @pytest.mark.parametrize("fp8", [None, "float"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_batch_invariance_bitwise(splits: int, fp8: str | None, launches: list[int]) -> None:
+def test_gpu_batch_invariance_bitwise(
+    splits: int, fp8: str | None, heads: int, launches: list[int]
+) -> None:
     """With a fixed split count a sequence's rows are bit-identical alone and in a batch (what
     TRITON_MLA declares as batch invariance)."""
-    b = _batch(seq_lens=[900, 300, 65], fp8=fp8)
+    b = _batch(seq_lens=[900, 300, 65], fp8=fp8, heads=heads)
     full = _run(b, "triton", num_splits=splits)
     alone = dict(
         b, q=b["q"][1:2], block_table=b["block_table"][1:2], seq_lens=b["seq_lens"][1:2],
@@ -444,12 +488,13 @@ def test_gpu_batch_invariance_bitwise(splits: int, fp8: str | None, launches: li
     assert len(launches) == 2
 
 
+@pytest.mark.parametrize("heads", [128, 16])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_planted_bugs_fail_the_same_check(launches: list[int]) -> None:
+def test_gpu_planted_bugs_fail_the_same_check(heads: int, launches: list[int]) -> None:
     """One wrong page, and one sequence's rows read through another's pages, are both caught by
     the bound the parity tests use."""
-    b = _batch(seq_lens=[3000, 700, 64])
+    b = _batch(seq_lens=[3000, 700, 64], heads=heads)
     b["kv"].nan_to_num_(0.0)
     want, _ = mla_oracle(b, SCALE)
     low = run_batch(b, "reference", kv_lora_rank=512, scale=SCALE).cpu()
@@ -465,13 +510,14 @@ def test_gpu_planted_bugs_fail_the_same_check(launches: list[int]) -> None:
     assert launches
 
 
+@pytest.mark.parametrize("heads", [128, 16])
 @pytest.mark.parametrize("fp8", [None, "float"], ids=["bf16", "fp8"])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_cache_past_2_31_elements(fp8: str | None, launches: list[int]) -> None:
+def test_gpu_cache_past_2_31_elements(fp8: str | None, heads: int, launches: list[int]) -> None:
     """The sequences' pages moved to the end of a cache of blocks x 64 x 576 > 2^31 elements
     (4.3 GiB bf16, 2.1 GiB fp8): offsets past 2^31 address the right rows."""
-    b = _batch(seq_lens=[700, 130], fp8=fp8)
+    b = _batch(seq_lens=[700, 130], fp8=fp8, heads=heads)
     num_blocks = 2**31 // (64 * 576) + 64
     big = torch.zeros(num_blocks, 1, 64, 576, dtype=b["kv"].dtype, device="cuda")
     table = b["block_table"].clone()

@@ -21,8 +21,11 @@ Scope (:func:`sm90_mla_eligible`): the decode class (one query token a sequence:
 config's ``block_q`` for MLA at these head counts is 1) of a latent cache (K 576, V its first 512
 columns, ``v_from_k``) in the query's 16-bit dtype, or in fp8 e4m3 with one per-tensor scale
 (vLLM's ``fp8_e4m3`` latent), 64 or 128 query heads over the one latent head, a positive scale,
-LSE and KV splits; everything else (fewer heads, e5m2 / int8 / per-token-head latents, windows,
-soft-cap, metadata checks) stays with the Triton kernel. ``KV_KERNELS_SM90_MLA=0`` turns it off.
+LSE and KV splits. 8, 16 or 32 heads (tensor parallelism 16 / 8 / 4) go to
+:mod:`._sm90_mla_narrow`, which turns the MMAs around (tokens as M) rather than pad 16 heads to
+this kernel's 64 rows, over the same ring (:mod:`._sm90_mla_ring`) and this launcher. Everything
+else (other head counts, e5m2 / int8 / per-token-head latents, windows, soft-cap, metadata
+checks) stays with the Triton kernel. ``KV_KERNELS_SM90_MLA=0`` turns both off.
 
 fp8 latents (:mod:`._sm90_mla_fp8`): the producer loads the bytes into registers, widens them to
 the query's dtype and stores them into the same ring (no room for an fp8 staging ring beside
@@ -42,7 +45,6 @@ from typing import Any
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -54,8 +56,20 @@ from kv_kernels._launch import FastLauncher
 from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._gluon_compat import barrier
 from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
-from kv_kernels.paged_attention._sm90_mla_fp8 import producer_fp8
-from kv_kernels.paged_attention._sm90_prefill_kernel import _gather, _tile_rows
+from kv_kernels.paged_attention._sm90_mla_narrow import (
+    FAST_NARROW,
+    NARROW_HEADS,
+    sm90_mla_narrow_kernel,
+)
+from kv_kernels.paged_attention._sm90_mla_ring import (
+    D_NOPE,
+    D_ROPE,
+    NBUF,
+    P_REGS,
+    P_REGS_FP8,
+    TILE_N,
+    producer,
+)
 from kv_kernels.paged_attention._tiles import pick_num_splits
 
 __all__ = [
@@ -66,28 +80,8 @@ __all__ = [
     "sm90_mla_kernel",
 ]
 
-#: query rows a program (a warpgroup MMA's M), the latent's nope (= V) and rope widths
+#: query rows a program (a warpgroup MMA's M)
 ROWS = gl.constexpr(64)
-D_NOPE = gl.constexpr(512)
-D_ROPE = gl.constexpr(64)
-#: tokens a KV tile and ring slots (shared memory: q 64 KiB, the ring 2 x 72 KiB, P 8 KiB)
-TILE_N = gl.constexpr(64)
-NBUF = 2
-#: the producer's registers after ``setmaxnreg`` (the consumer takes the rest)
-P_REGS = 40
-#: the fp8 producer's (:mod:`._sm90_mla_fp8`: its loads in flight and the piece it widens live in
-#: registers). The consumer gets ``(504 - P) / 2`` rounded down to 8 (the launch's 168 registers
-#: a thread x 3 warpgroups, as Triton splits them): 224 here, where the 16-bit kernel's 40 leave it
-#: 232 (sm_90 build, triton 3.9: at 224 it spills 5 / 12 words a tile inside its loop, at 232 1 /
-#: 2; the producer at 56 spills none there, at 40 with one piece in flight 4 / 11). Not measured.
-P_REGS_FP8 = 56
-
-
-@gluon.constexpr_function
-def _copy_layout(warps):
-    """A ``[tokens, columns]`` copy of 16-bit values, 8 a thread (16 bytes), 8 threads a 128-byte
-    row piece: a warp's copy covers 4 whole 128-byte pieces of 4 rows."""
-    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -96,29 +90,6 @@ def _s_layout():
     return gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE_N // 2, 16]
     )
-
-
-@gluon.jit
-def _producer(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles, seq_len,
-              num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE: gl.constexpr,
-              NBUF_: gl.constexpr, P_WARPS: gl.constexpr):  # fmt: skip
-    """Tiles ``t_lo + [0, n_tiles)`` into the ring: 16-bit latents by ``cp.async``, fp8 ones
-    through registers (:func:`._sm90_mla_fp8.producer_fp8`: widened to the ring's dtype)."""
-    if head_ptr.dtype.element_ty.is_fp8():
-        producer_fp8(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
-                     seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, NBUF_,
-                     P_WARPS, TILE_N, D_NOPE, D_ROPE)  # fmt: skip
-    else:
-        lay: gl.constexpr = _copy_layout(P_WARPS)
-        for i in range(n_tiles):
-            s = i % NBUF_
-            ph = ((i // NBUF_) & 1) ^ 1  # the previous use of the slot
-            off, ok = _tile_rows(bt_row_ptr, t_lo + i, seq_len, num_blocks, max_blocks,
-                                 stride_kb, stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
-            mbarrier.wait(empty.index(s), ph, pred=i >= NBUF_)
-            _gather(kvn_smem.index(s), head_ptr, off, ok, D_NOPE, lay)
-            _gather(kr_smem.index(s), head_ptr + D_NOPE, off, ok, D_ROPE, lay)
-            async_copy.mbarrier_arrive(full.index(s), increment_count=False)
 
 
 @gluon.jit
@@ -272,9 +243,9 @@ def sm90_mla_kernel(
         [
             (_consumer, (qn_smem, q_rope, kvn_smem, kr_smem, p_smem, full, empty, t_lo,
                          n_tiles, seq_len, qk_scale_log2, NBUF_)),
-            (_producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
-                         seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                         NBUF_, P_WARPS)),
+            (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
+                        seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
+                        NBUF_, P_WARPS)),
         ],
         [P_WARPS],
         [P_REGS_],
@@ -324,7 +295,8 @@ def sm90_mla_eligible(
     **common: Any,
 ) -> bool:
     """Whether :func:`launch_sm90_mla` serves a launch's decode class (else the Triton kernel):
-    :func:`kv_kernels._common.sm90_gluon_allowed`'s conditions for 64 or 128 query heads
+    :func:`kv_kernels._common.sm90_gluon_allowed`'s conditions for 64 or 128 query heads (this
+    kernel) or 8, 16, 32 (:mod:`._sm90_mla_narrow`'s)
     (``common``: its ``arch``, ``compiled``, ``group``, ``scale``, ``aligned_rows``;
     ``KV_KERNELS_SM90_MLA=0`` turns the kernel off), then this kernel's own: MLA's one latent
     (``v_from_k``, K 576 and V its first 512 columns, K from column 0) that
@@ -335,7 +307,7 @@ def sm90_mla_eligible(
             q_dtype=q_dtype,
             features=features,
             unserved=_UNSERVED,
-            groups=(64, 128),
+            groups=(*NARROW_HEADS, 64, 128),
             **common,
         )
         and bool(features.get("v_from_k"))
@@ -362,8 +334,15 @@ def _latent_served(
     )
 
 
+def mla_head_blocks(num_q_heads: int) -> int:
+    """Programs a sequence's split takes across the heads: one a 64 heads here, one for every
+    head in :mod:`._sm90_mla_narrow` (8-32 heads)."""
+    return max(1, num_q_heads // ROWS.value)
+
+
 def pick_mla_splits(*, num_seqs: int, head_blocks: int, max_seq_len: int, num_sms: int) -> int:
-    """KV splits for an MLA decode batch: programs take a whole SM each (their shared memory),
+    """KV splits for an MLA decode batch (``head_blocks``: :func:`mla_head_blocks`): programs
+    take a whole SM each (their shared memory; the narrow kernel's ring alone is 144 KiB),
     so the most splits (a power of two, at most 64) whose programs still fit one wave, each
     split keeping at least 8 tiles of 64 tokens. A function of the batch's shape and the card,
     as the Triton kernel's split rule."""
@@ -402,7 +381,7 @@ def launch_sm90_mla(
         {"q": q, "kv_cache": kv_cache, "out": out, "block_table": block_table},
     )
     lse_t = lse if lse is not None else out
-    grid = (num_q_heads // ROWS.value, block_table.shape[0], num_splits)
+    grid = (mla_head_blocks(num_q_heads), block_table.shape[0], num_splits)
     args = (
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(2),
@@ -413,19 +392,32 @@ def launch_sm90_mla(
         part_out, part_lse,
         num_q_heads, kv_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,
     )  # fmt: skip
-    kwargs = dict(
+    kwargs = _constexprs(num_q_heads, kv_cache.element_size() == 1)
+    kwargs.update(
         BLOCK_SIZE=block_size, KV_SCALE=kv_scale_mode, SPLIT=num_splits > 1,
-        WRITE_LSE=lse is not None, NBUF_=NBUF, P_WARPS=4,
-        P_REGS_=P_REGS_FP8 if kv_cache.element_size() == 1 else P_REGS, num_warps=8,
+        WRITE_LSE=lse is not None,
     )  # fmt: skip
+    narrow = num_q_heads in NARROW_HEADS
+    fast = FAST_NARROW if narrow else _FAST
     if launches is not None:
         from kv_kernels.paged_attention._bound import Launch
 
-        launches.append(Launch(_FAST, key, grid, args, kwargs))
+        launches.append(Launch(fast, key, grid, args, kwargs))
     elif key is not None:
-        _FAST(key, grid, args, kwargs)
+        fast(key, grid, args, kwargs)
     else:
-        sm90_mla_kernel[grid](*args, **kwargs)
+        (sm90_mla_narrow_kernel if narrow else sm90_mla_kernel)[grid](*args, **kwargs)
+
+
+def _constexprs(num_q_heads: int, fp8: bool) -> dict[str, Any]:
+    """The launch's schedule constants: this kernel's (two consumer warpgroups) or, at 8-32
+    heads, :mod:`._sm90_mla_narrow`'s (one, and ``HEADS``)."""
+    kw: dict[str, Any] = dict(NBUF_=NBUF, P_WARPS=4, P_REGS_=P_REGS_FP8 if fp8 else P_REGS)
+    if num_q_heads in NARROW_HEADS:
+        kw.update(HEADS=num_q_heads, num_warps=4)
+    else:
+        kw.update(num_warps=8)
+    return kw
 
 
 def aot_case(
@@ -436,25 +428,28 @@ def aot_case(
     block_size: int = 64,
     split: bool = False,
     write_lse: bool = False,
+    heads: int = 128,
 ) -> dict[str, Any]:
     """The kernel as :func:`launch_sm90_mla` launches it, for an ahead-of-time sm_90 build
     (``kv_kernels.aot.aot_compile`` keywords, as :func:`._sm90_prefill.aot_case`): ``cache``
     the latent's type (the query's ``dtype`` by default; ``"fp8e4nv"`` an e4m3 latent, whose
-    scale ``kv_scale`` 1 rides as a float, 2 as a tensor)."""
+    scale ``kv_scale`` 1 rides as a float, 2 as a tensor); ``heads`` the query heads (8-32:
+    :mod:`._sm90_mla_narrow`'s kernel)."""
     cache = cache or dtype
     pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{cache}", "bt_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "k_scale_ptr": "*fp32",
                 "v_scale_ptr": "*fp32", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
     constexprs = dict(
-        BLOCK_SIZE=block_size, KV_SCALE=kv_scale, SPLIT=split, WRITE_LSE=write_lse, NBUF_=NBUF,
-        P_WARPS=4, P_REGS_=P_REGS_FP8 if cache.startswith("fp8") else P_REGS, num_warps=8,
+        BLOCK_SIZE=block_size, KV_SCALE=kv_scale, SPLIT=split, WRITE_LSE=write_lse,
+        **_constexprs(heads, cache.startswith("fp8")),
     )  # fmt: skip
-    strides = [n for n in sm90_mla_kernel.arg_names if n.startswith("stride_")]
+    kernel = sm90_mla_narrow_kernel if heads in NARROW_HEADS else sm90_mla_kernel
+    strides = [n for n in kernel.arg_names if n.startswith("stride_")]
     # (the scales' strides are 0: one latent head)
     aligned = [n for n in strides if n not in ("stride_lh", "stride_ks", "stride_vs")]
     return aot_case_spec(
-        sm90_mla_kernel, module=__name__, pointers=pointers,
+        kernel, module=__name__, pointers=pointers,
         floats=("qk_scale_log2", "k_scale_val", "v_scale_val"), constexprs=constexprs,
         aligned_strides=aligned,
     )  # fmt: skip

@@ -23,7 +23,7 @@ widening whole. sm_90 build, triton 3.9, bf16 q, page 64, spills inside each loo
 LDL): two pieces of 64 bytes in flight, producer at 56 registers: producer 0 / 1, consumer (224)
 5 / 12; one piece in flight at 40 (the consumer keeps the 16-bit kernel's 232): producer 4 / 11,
 consumer 1 / 2; two at 40: 9 / 15 and 1 / 2; 128-byte pieces, two in flight, at 56: producer
-18 / 28. :data:`._sm90_mla.P_REGS_FP8` and :data:`AHEAD` hold the choice; neither is measured on
+18 / 28. :data:`._sm90_mla_ring.P_REGS_FP8` and :data:`AHEAD` hold the choice; neither is measured on
 a GPU yet (the aim: the 16-bit latent's 434 TFLOP/s at 128 heads on an H200, where the Triton
 kernel reads 95 over the fp8 latent; the first A/B to run is one piece at 40 registers).
 

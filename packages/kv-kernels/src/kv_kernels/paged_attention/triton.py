@@ -214,8 +214,8 @@ def _make_plan(
         "decode", q, kv_cache, head_size_v, scale, features, (out, block_table),
         block_q=cfg_dec.block_q,
     )  # fmt: skip
-    # sm_90, MLA's 16-bit or fp8 e4m3 per-tensor latent at 64 / 128 heads: the decode class runs
-    # the Gluon MLA kernel (see _sm90_mla; with KV_KERNELS_SM90_MLA=0 the Triton kernel does)
+    # sm_90, MLA's 16-bit or fp8 e4m3 per-tensor latent at 8-32 / 64 / 128 heads: the decode class
+    # runs a Gluon MLA kernel (see _sm90_mla; with KV_KERNELS_SM90_MLA=0 the Triton kernel does)
     gluon_mla = v_from_k and _gluon_serves(
         "mla", q, kv_cache, head_size_v, scale, features, (out, block_table),
         block_q=cfg_dec.block_q,
@@ -227,9 +227,9 @@ def _make_plan(
         if gluon_decode:
             splits = ("decode", num_seqs, num_kv_heads, num_sms)
         elif gluon_mla:
-            from kv_kernels.paged_attention._sm90_mla import ROWS
+            from kv_kernels.paged_attention._sm90_mla import mla_head_blocks
 
-            splits = ("mla", num_seqs, num_q_heads // ROWS.value, num_sms)
+            splits = ("mla", num_seqs, mla_head_blocks(num_q_heads), num_sms)
         else:
             splits = ("triton", num_seqs, num_kv_heads * chunks_dec, num_sms, cfg_dec)
         if run_prefill:

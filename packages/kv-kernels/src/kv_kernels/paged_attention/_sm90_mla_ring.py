@@ -1,0 +1,71 @@
+"""The latent ring of the sm_90 Gluon MLA decode kernels (:mod:`._sm90_mla`, 64 / 128 heads;
+:mod:`._sm90_mla_narrow`, 8-32 heads): its shape and the producer warpgroup that fills it.
+
+A slot holds one tile of ``TILE_N`` tokens of the latent in the query's 16-bit dtype, the 512
+"nope" columns (which are V too) and the 64 rope columns in two shared-memory tiles; each slot's
+``full`` mbarrier (count ``32 * P_WARPS``) signals its copies, its ``empty`` one (count 1) the
+consumer's release. 16-bit latents arrive by ``cp.async`` (16 bytes a thread, any page size),
+fp8 e4m3 ones through registers, widened exactly (:mod:`._sm90_mla_fp8`).
+
+Bounds: as :mod:`._sm90_prefill_kernel`'s gather (block-table columns and block ids clamped, rows
+past the sequence zero-filled by ``cp.async`` or masked loads, not read).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from kv_kernels.paged_attention._sm90_mla_fp8 import producer_fp8
+from kv_kernels.paged_attention._sm90_prefill_kernel import _gather, _tile_rows
+
+__all__ = ["D_NOPE", "D_ROPE", "NBUF", "P_REGS", "P_REGS_FP8", "TILE_N", "producer"]
+
+#: the latent's nope (= V) and rope widths
+D_NOPE = gl.constexpr(512)
+D_ROPE = gl.constexpr(64)
+#: tokens a KV tile and ring slots (72 KiB a slot at 16 bits: two beside the 64-head kernel's q
+#: of 64 KiB and its P of 8 KiB fill 216 of sm_90's 227 KiB)
+TILE_N = gl.constexpr(64)
+NBUF = 2
+#: the producer's registers after ``setmaxnreg`` (the consumer takes the rest)
+P_REGS = 40
+#: the fp8 producer's (:mod:`._sm90_mla_fp8`: its loads in flight and the piece it widens live in
+#: registers). In the 64-head kernel the consumer gets ``(504 - P) / 2`` rounded down to 8 (the
+#: launch's 168 registers a thread x 3 warpgroups, as Triton splits them): 224 here, where the
+#: 16-bit kernel's 40 leave it 232 (sm_90 build, triton 3.9: at 224 it spills 5 / 12 words a tile
+#: inside its loop, at 232 1 / 2; the producer at 56 spills none there, at 40 with one piece in
+#: flight 4 / 11).
+P_REGS_FP8 = 56
+
+
+@gluon.constexpr_function
+def _copy_layout(warps):
+    """A ``[tokens, columns]`` copy of 16-bit values, 8 a thread (16 bytes), 8 threads a 128-byte
+    row piece: a warp's copy covers 4 whole 128-byte pieces of 4 rows."""
+    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def producer(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles, seq_len,
+             num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE: gl.constexpr,
+             NBUF_: gl.constexpr, P_WARPS: gl.constexpr):  # fmt: skip
+    """Tiles ``t_lo + [0, n_tiles)`` into the ring: 16-bit latents by ``cp.async``, fp8 ones
+    through registers (:func:`._sm90_mla_fp8.producer_fp8`: widened to the ring's dtype)."""
+    if head_ptr.dtype.element_ty.is_fp8():
+        producer_fp8(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
+                     seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, NBUF_,
+                     P_WARPS, TILE_N, D_NOPE, D_ROPE)  # fmt: skip
+    else:
+        lay: gl.constexpr = _copy_layout(P_WARPS)
+        for i in range(n_tiles):
+            s = i % NBUF_
+            ph = ((i // NBUF_) & 1) ^ 1  # the previous use of the slot
+            off, ok = _tile_rows(bt_row_ptr, t_lo + i, seq_len, num_blocks, max_blocks,
+                                 stride_kb, stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
+            mbarrier.wait(empty.index(s), ph, pred=i >= NBUF_)
+            _gather(kvn_smem.index(s), head_ptr, off, ok, D_NOPE, lay)
+            _gather(kr_smem.index(s), head_ptr + D_NOPE, off, ok, D_ROPE, lay)
+            async_copy.mbarrier_arrive(full.index(s), increment_count=False)
