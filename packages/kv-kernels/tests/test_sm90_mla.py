@@ -48,6 +48,7 @@ _PTX = {
 _PTX_FP8 = {
     **_MMA,
     "ld_8": r"ld\.global(\.\w+)*\.v2\.b32",
+    "ld_16": r"ld\.global(\.\w+)*\.v4\.b32",
     "prefetch_l2": r"cp\.async\.bulk\.prefetch\.L2\.global \[[^]]*\], 576;",
     "widen_bf16": r"mul\.rn\.bf16x2",
     "widen_f16": r"cvt\.rn\.f16x2\.e4m3x2",
@@ -57,7 +58,7 @@ _PTX_FP8 = {
 }
 
 
-#: the narrow kernel (kv_kernels.paged_attention._sm90_mla_narrow, 8-32 heads): tokens as the
+#: the narrow kernel (kv_kernels.paged_attention._sm90_mla_narrow, 16 / 32 heads): tokens as the
 #: MMAs' M and the heads as N, so one shape serves both products: S^T's 36 (K = 576 in steps of
 #: 16) and O^T's 32 (M = 512 in 8 steps of 64, K = 64 tokens in 4 of 16) a tile
 def _narrow_mma(heads: int) -> dict[str, str]:
@@ -72,7 +73,7 @@ _CASES = [
     ("bf16", 64, False, False, 1, 128), ("fp16", 16, True, True, 2, 128),
     ("bf16", 128, True, False, 2, 128),
     ("bf16", 64, False, False, None, 16), ("fp16", 16, True, True, None, 32),
-    ("bf16", 128, True, False, None, 8),
+    ("bf16", 128, True, False, None, 32),
     ("bf16", 64, True, True, 1, 16), ("fp16", 128, False, False, 2, 32),
 ]  # fmt: skip
 
@@ -92,6 +93,9 @@ def _counts(case: tuple) -> dict[str, str]:
         for name in _MMA:
             del counts[name]
         counts.update(_narrow_mma(heads))
+        if fp8:  # (the whole-tile producer, _sm90_mla_fp8.producer_fp8_whole)
+            regs = _sm90_mla.P_REGS_FP8_WHOLE
+            counts["producer_regs"] = rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{regs};"
     return counts
 
 
@@ -111,7 +115,8 @@ def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
     """Every build fits sm_90's shared memory with the schedule's MMAs and its producer's
     copies; an fp8 latent's producer loads and widens the whole 288 bytes a thread of each tile
     (9 pieces of 64 bytes a row x 4 rows: 36 loads of 8 bytes, 72 words widened by two
-    instructions each), with no cp.async. The narrow kernel (8-32 heads) issues exactly its 68
+    instructions each), with no cp.async (at 16 / 32 heads all of a tile's at once: 16-byte loads
+    of 32 bytes a row and the 8-byte rope piece). The narrow kernel (16 / 32 heads) issues exactly its 68
     MMAs a tile, nothing padded to 64 heads. Spills (ptxas -v, triton 3.9's build; an fp8
     producer that carried its loads' bytes around the tile loop spilled ~2.7 KB a thread):
     within the bounds below, which the builds of this change meet with room (16-bit 12-36
@@ -128,7 +133,14 @@ def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
         problems = build_problems(res, arch=90, present=present)
         assert not problems, problems
         counts = res["counts"]
-        assert (counts["ld_8"], counts[widen], counts["cp_async"]) == (36, 144, 0), counts
+        if heads >= 64:
+            assert (counts["ld_8"], counts[widen], counts["cp_async"]) == (36, 144, 0), counts
+        else:
+            # the whole tile at once: 2 x 4 rows x 32 bytes of nope columns as 16-byte loads
+            # (beside q's, 16-byte loads too) and 4 rows x 8 bytes of rope
+            q_loads = heads * 576 * 2 // (16 * 128)
+            got = (counts["ld_8"], counts["ld_16"], counts[widen], counts["cp_async"])
+            assert got == (4, 16 + q_loads, 144, 0), counts
     if heads < 64:
         assert res["counts"]["mma"] == 68, res["counts"]
     if res.get("spill_bytes") is None:
@@ -215,9 +227,9 @@ def test_serves_deepseek_v3_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _eligible(features={"causal": False, "write_lse": False, "split": False})
 
 
-@pytest.mark.parametrize("group", [8, 16, 32])
+@pytest.mark.parametrize("group", [16, 32])
 def test_serves_tensor_parallel_head_counts(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DeepSeek-V3's 128 heads under tensor parallelism 16, 8 and 4: the narrow kernel."""
+    """DeepSeek-V3's 128 heads under tensor parallelism 8 and 4: the narrow kernel."""
     monkeypatch.delenv("KV_KERNELS_SM90_MLA", raising=False)
     assert _eligible(group=group)
 
@@ -252,8 +264,8 @@ def test_serves_the_fp8_e4m3_latent(
          "features": {"kv_scale_mode": 1}},
         {"q_dtype": torch.float16},  # q and cache dtypes differ
         {"q_dtype": torch.float32, "cache_dtype": torch.float32},
-        # head counts neither kernel's MMA shape takes (N a multiple of 8 up to 32; M 64)
-        {"group": 4}, {"group": 24}, {"group": 48}, {"group": 96}, {"group": 256},
+        # head counts neither kernel takes (8: the Triton config's decode class is two tokens)
+        {"group": 4}, {"group": 8}, {"group": 24}, {"group": 48}, {"group": 96}, {"group": 256},
         {"head_size": 320, "head_size_v": 256},  # another latent width
         {"block_q": 2},  # a config whose decode class holds more than one token
         {"scale": -0.1},
@@ -274,7 +286,7 @@ def test_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_head_blocks() -> None:
-    assert [_sm90_mla.mla_head_blocks(h) for h in (8, 16, 32, 64, 128)] == [1, 1, 1, 1, 2]
+    assert [_sm90_mla.mla_head_blocks(h) for h in (16, 32, 64, 128)] == [1, 1, 1, 2]
 
 
 def test_split_rule_fills_one_wave_of_one_program_an_sm() -> None:
@@ -372,9 +384,9 @@ _L = [3000, 700, 1, 64, 129]
 @pytest.mark.parametrize(
     "shape",
     [dict(), dict(n=16, dtype=torch.float16), dict(n=128, heads=64), dict(heads=16),
-     dict(n=16, heads=32, dtype=torch.float16), dict(n=128, heads=8)],
+     dict(n=16, heads=32, dtype=torch.float16), dict(n=128, heads=32)],
     ids=["bf16-h128-n64", "fp16-h128-n16", "bf16-h64-n128", "bf16-h16-n64", "fp16-h32-n16",
-         "bf16-h8-n128"],
+         "bf16-h32-n128"],
 )  # fmt: skip
 @pytest.mark.parametrize("splits", [None, 1, 4], ids=["auto", "s1", "s4"])
 @pytest.mark.gpu

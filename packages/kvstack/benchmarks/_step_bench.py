@@ -99,6 +99,13 @@ SHAPES["deepseek-v3"] = {
     },
     "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,
 }  # fmt: skip
+#: DeepSeek-V3's attention as one GPU of tensor parallelism 8 serves it: 16 of its 128 heads (the
+#: MLA decode of :mod:`kv_kernels.paged_attention._sm90_mla_narrow`). Only the heads are cut: the
+#: dense and expert MLPs stay whole (one GPU here holds them all), so its step is not a TP-8
+#: rank's step, but its attention is.
+SHAPES["deepseek-v3-h16"] = {
+    **SHAPES["deepseek-v3"], "num_attention_heads": 16, "num_key_value_heads": 16,
+}  # fmt: skip
 #: A smoke-test shape (``--quick``, CI on the CPU): the code path of the real ones, in seconds.
 SHAPES["llama-tiny"] = {
     **SHAPES["llama3-8b"],

@@ -21,7 +21,7 @@ Scope (:func:`sm90_mla_eligible`): the decode class (one query token a sequence:
 config's ``block_q`` for MLA at these head counts is 1) of a latent cache (K 576, V its first 512
 columns, ``v_from_k``) in the query's 16-bit dtype, or in fp8 e4m3 with one per-tensor scale
 (vLLM's ``fp8_e4m3`` latent), 64 or 128 query heads over the one latent head, a positive scale,
-LSE and KV splits. 8, 16 or 32 heads (tensor parallelism 16 / 8 / 4) go to
+LSE and KV splits. 16 or 32 heads (tensor parallelism 8 / 4) go to
 :mod:`._sm90_mla_narrow`, which turns the MMAs around (tokens as M) rather than pad 16 heads to
 this kernel's 64 rows, over the same ring (:mod:`._sm90_mla_ring`) and this launcher. Everything
 else (other head counts, e5m2 / int8 / per-token-head latents, windows, soft-cap, metadata
@@ -67,6 +67,7 @@ from kv_kernels.paged_attention._sm90_mla_ring import (
     NBUF,
     P_REGS,
     P_REGS_FP8,
+    P_REGS_FP8_WHOLE,
     TILE_N,
     producer,
 )
@@ -296,7 +297,7 @@ def sm90_mla_eligible(
 ) -> bool:
     """Whether :func:`launch_sm90_mla` serves a launch's decode class (else the Triton kernel):
     :func:`kv_kernels._common.sm90_gluon_allowed`'s conditions for 64 or 128 query heads (this
-    kernel) or 8, 16, 32 (:mod:`._sm90_mla_narrow`'s)
+    kernel) or 16, 32 (:mod:`._sm90_mla_narrow`'s)
     (``common``: its ``arch``, ``compiled``, ``group``, ``scale``, ``aligned_rows``;
     ``KV_KERNELS_SM90_MLA=0`` turns the kernel off), then this kernel's own: MLA's one latent
     (``v_from_k``, K 576 and V its first 512 columns, K from column 0) that
@@ -336,7 +337,7 @@ def _latent_served(
 
 def mla_head_blocks(num_q_heads: int) -> int:
     """Programs a sequence's split takes across the heads: one a 64 heads here, one for every
-    head in :mod:`._sm90_mla_narrow` (8-32 heads)."""
+    head in :mod:`._sm90_mla_narrow` (16, 32 heads)."""
     return max(1, num_q_heads // ROWS.value)
 
 
@@ -410,11 +411,13 @@ def launch_sm90_mla(
 
 
 def _constexprs(num_q_heads: int, fp8: bool) -> dict[str, Any]:
-    """The launch's schedule constants: this kernel's (two consumer warpgroups) or, at 8-32
+    """The launch's schedule constants: this kernel's (two consumer warpgroups) or, at 16 / 32
     heads, :mod:`._sm90_mla_narrow`'s (one, and ``HEADS``)."""
     kw: dict[str, Any] = dict(NBUF_=NBUF, P_WARPS=4, P_REGS_=P_REGS_FP8 if fp8 else P_REGS)
     if num_q_heads in NARROW_HEADS:
         kw.update(HEADS=num_q_heads, num_warps=4)
+        if fp8:  # (its producer loads a whole tile at once: _sm90_mla_fp8.producer_fp8_whole)
+            kw.update(P_REGS_=P_REGS_FP8_WHOLE)
     else:
         kw.update(num_warps=8)
     return kw
@@ -433,7 +436,7 @@ def aot_case(
     """The kernel as :func:`launch_sm90_mla` launches it, for an ahead-of-time sm_90 build
     (``kv_kernels.aot.aot_compile`` keywords, as :func:`._sm90_prefill.aot_case`): ``cache``
     the latent's type (the query's ``dtype`` by default; ``"fp8e4nv"`` an e4m3 latent, whose
-    scale ``kv_scale`` 1 rides as a float, 2 as a tensor); ``heads`` the query heads (8-32:
+    scale ``kv_scale`` 1 rides as a float, 2 as a tensor); ``heads`` the query heads (16, 32:
     :mod:`._sm90_mla_narrow`'s kernel)."""
     cache = cache or dtype
     pointers = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{cache}", "bt_ptr": "*i32",

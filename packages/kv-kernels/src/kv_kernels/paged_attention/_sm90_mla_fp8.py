@@ -44,12 +44,14 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kv_kernels.paged_attention._gluon_compat import barrier
 from kv_kernels.paged_attention._sm90_prefill_kernel import _tile_rows
 
-__all__ = ["producer_fp8"]
+__all__ = ["producer_fp8", "producer_fp8_whole"]
 
 #: bytes of a row piece (8 threads of 8 bytes: the rope columns are one piece)
 PIECE = gl.constexpr(64)
 #: pieces in flight while one is widened and stored (module notes)
 AHEAD = gl.constexpr(2)
+#: tiles :func:`producer_fp8_whole` prefetches into L2 ahead of the one it loads
+WHOLE_AHEAD = gl.constexpr(2)
 
 #: Four e4m3 bytes (a word) as four bf16 values (two words), exactly: each byte beside a copy
 #: of its sign byte (PRMT's sign replication), shifted 4 bits up and masked, is the bf16 whose
@@ -165,6 +167,49 @@ def producer_fp8(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_t
                 slot.slice(j * PIECE, PIECE, dim=1).store(_widen(x, dtype))
                 x = y
         kr_smem.index(s).store(_widen(x, dtype))
+        fence_async_shared()  # (each thread's stores, before the MMAs' async-proxy reads)
+        barrier()  # every producer thread's stores fenced: one arrival stands for all
+        mbarrier.arrive(full.index(s), count=32 * P_WARPS)
+
+
+@gluon.jit
+def producer_fp8_whole(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
+                       seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
+                       BLOCK_SIZE: gl.constexpr, NBUF_: gl.constexpr, P_WARPS: gl.constexpr,
+                       TILE_N: gl.constexpr, D_NOPE: gl.constexpr,
+                       D_ROPE: gl.constexpr):  # fmt: skip
+    """:func:`producer_fp8` for a kernel that leaves the producer registers (the narrow MLA
+    kernel, :mod:`._sm90_mla_narrow`: one consumer warpgroup of 16-32 heads): a tile's whole
+    288 bytes a thread are loaded at once (two 256-byte halves of the nope columns, 32 bytes a
+    thread a row, and the rope piece), so a tile's loads wait for one L2 round trip, not nine
+    pieces' two at a time; the rows of the tile :data:`WHOLE_AHEAD` ahead go into L2 meanwhile,
+    so HBM streams while the tile is widened and stored."""
+    gl.static_assert(D_ROPE == PIECE, "the rope columns are one piece")
+    HALF: gl.constexpr = D_NOPE // 2
+    lay: gl.constexpr = _bytes_layout(HALF, P_WARPS)
+    rope_l: gl.constexpr = _bytes_layout(PIECE, P_WARPS)
+    dtype: gl.constexpr = kvn_smem.dtype
+    for j in gl.static_range(WHOLE_AHEAD):
+        off, ok = _tile_rows(bt_row_ptr, t_lo + j, seq_len, num_blocks, max_blocks, stride_kb,
+                             stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
+        _prefetch(head_ptr, off, ok & (j < n_tiles), P_WARPS)
+    for i in range(n_tiles):
+        s = i % NBUF_
+        ph = ((i // NBUF_) & 1) ^ 1  # the previous use of the slot
+        off, ok = _tile_rows(bt_row_ptr, t_lo + i, seq_len, num_blocks, max_blocks, stride_kb,
+                             stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
+        a = _load(head_ptr, off, ok, 0, HALF, lay)
+        b = _load(head_ptr, off, ok, HALF, HALF, lay)
+        r = _load(head_ptr, off, ok, D_NOPE, PIECE, rope_l)
+        ahead = i + WHOLE_AHEAD
+        off_n, ok_n = _tile_rows(bt_row_ptr, t_lo + ahead, seq_len, num_blocks, max_blocks,
+                                 stride_kb, stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
+        _prefetch(head_ptr, off_n, ok_n & (ahead < n_tiles), P_WARPS)
+        mbarrier.wait(empty.index(s), ph, pred=i >= NBUF_)
+        slot = kvn_smem.index(s)
+        slot.slice(0, HALF, dim=1).store(_widen(a, dtype))
+        slot.slice(HALF, HALF, dim=1).store(_widen(b, dtype))
+        kr_smem.index(s).store(_widen(r, dtype))
         fence_async_shared()  # (each thread's stores, before the MMAs' async-proxy reads)
         barrier()  # every producer thread's stores fenced: one arrival stands for all
         mbarrier.arrive(full.index(s), count=32 * P_WARPS)

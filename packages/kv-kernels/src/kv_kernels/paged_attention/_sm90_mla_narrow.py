@@ -1,11 +1,11 @@
-"""MLA decode for Hopper (sm_90) at few query heads (8, 16, 32: DeepSeek-V3's 128 heads under
-tensor parallelism 16, 8, 4), with the latent's tokens as the warpgroup MMA's M.
+"""MLA decode for Hopper (sm_90) at few query heads (16, 32: DeepSeek-V3's 128 heads under
+tensor parallelism 8 and 4), with the latent's tokens as the warpgroup MMA's M.
 
 Why a second MLA kernel. :mod:`._sm90_mla` puts 64 query heads on the MMA's M, the smallest M a
 warpgroup MMA has: at 16 heads three quarters of every MMA would be padding (FlashMLA pads the
 same way and reads at 0.85 of the copy there, the Triton kernel at 0.81). Here a program takes
-every head of one sequence (its split) and turns both products around, so the heads are N (8,
-16 or 32: an MMA of any multiple of 8) and nothing is padded:
+every head of one sequence (its split) and turns both products around, so the heads are N (16
+or 32) and nothing is padded:
 
 - ``S^T = K q^T``: A the tile's latent rows ``[64 tokens, 576]`` straight from the ring (K-major,
   as :mod:`._sm90_mla`'s ``q K^T`` reads them as B), B q's ``[576, heads]`` from shared memory;
@@ -43,8 +43,11 @@ from kv_kernels.paged_attention._sm90_mla_ring import D_NOPE, D_ROPE, TILE_N, pr
 
 __all__ = ["NARROW_HEADS", "sm90_mla_narrow_kernel"]
 
-#: the query head counts this kernel serves (the MMA's N)
-NARROW_HEADS = (8, 16, 32)
+#: the query head counts this kernel serves (the MMA's N). 8 heads would build (an MMA's N can be
+#: any multiple of 8), but there the Triton kernel's decode config packs two query tokens a
+#: program (16 rows), so its decode class is not one token a sequence (``block_q`` 2), which this
+#: kernel serves
+NARROW_HEADS = (16, 32)
 
 
 @gluon.constexpr_function
@@ -167,7 +170,7 @@ def sm90_mla_narrow_kernel(
                          n_tiles, seq_len, qk_scale_log2, HEADS, NBUF_)),
             (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
                         seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                        NBUF_, P_WARPS)),
+                        NBUF_, P_WARPS, True)),
         ],
         [P_WARPS],
         [P_REGS_],

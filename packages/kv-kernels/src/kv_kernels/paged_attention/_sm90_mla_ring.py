@@ -1,5 +1,5 @@
 """The latent ring of the sm_90 Gluon MLA decode kernels (:mod:`._sm90_mla`, 64 / 128 heads;
-:mod:`._sm90_mla_narrow`, 8-32 heads): its shape and the producer warpgroup that fills it.
+:mod:`._sm90_mla_narrow`, 16 and 32 heads): its shape and the producer warpgroup that fills it.
 
 A slot holds one tile of ``TILE_N`` tokens of the latent in the query's 16-bit dtype, the 512
 "nope" columns (which are V too) and the 64 rope columns in two shared-memory tiles; each slot's
@@ -18,10 +18,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from kv_kernels.paged_attention._sm90_mla_fp8 import producer_fp8
+from kv_kernels.paged_attention._sm90_mla_fp8 import producer_fp8, producer_fp8_whole
 from kv_kernels.paged_attention._sm90_prefill_kernel import _gather, _tile_rows
 
-__all__ = ["D_NOPE", "D_ROPE", "NBUF", "P_REGS", "P_REGS_FP8", "TILE_N", "producer"]
+__all__ = [
+    "D_NOPE",
+    "D_ROPE",
+    "NBUF",
+    "P_REGS",
+    "P_REGS_FP8",
+    "P_REGS_FP8_WHOLE",
+    "TILE_N",
+    "producer",
+]
 
 #: the latent's nope (= V) and rope widths
 D_NOPE = gl.constexpr(512)
@@ -39,6 +48,10 @@ P_REGS = 40
 #: inside its loop, at 232 1 / 2; the producer at 56 spills none there, at 40 with one piece in
 #: flight 4 / 11).
 P_REGS_FP8 = 56
+#: the whole-tile fp8 producer's (:func:`._sm90_mla_fp8.producer_fp8_whole`, in the narrow kernel
+#: whose one consumer warpgroup needs at most 256): a tile's 72 words of bytes and a half's
+#: widened 64 live at once
+P_REGS_FP8_WHOLE = 152
 
 
 @gluon.constexpr_function
@@ -51,10 +64,16 @@ def _copy_layout(warps):
 @gluon.jit
 def producer(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles, seq_len,
              num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE: gl.constexpr,
-             NBUF_: gl.constexpr, P_WARPS: gl.constexpr):  # fmt: skip
+             NBUF_: gl.constexpr, P_WARPS: gl.constexpr, WHOLE: gl.constexpr = False):  # fmt: skip
     """Tiles ``t_lo + [0, n_tiles)`` into the ring: 16-bit latents by ``cp.async``, fp8 ones
-    through registers (:func:`._sm90_mla_fp8.producer_fp8`: widened to the ring's dtype)."""
-    if head_ptr.dtype.element_ty.is_fp8():
+    through registers, widened to the ring's dtype (:func:`._sm90_mla_fp8.producer_fp8`, two
+    64-byte pieces a row in flight; with ``WHOLE``, :func:`._sm90_mla_fp8.producer_fp8_whole`:
+    the tile's every byte, for a kernel that leaves the producer the registers)."""
+    if head_ptr.dtype.element_ty.is_fp8() and WHOLE:
+        producer_fp8_whole(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
+                           seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
+                           NBUF_, P_WARPS, TILE_N, D_NOPE, D_ROPE)  # fmt: skip
+    elif head_ptr.dtype.element_ty.is_fp8():
         producer_fp8(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
                      seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, NBUF_,
                      P_WARPS, TILE_N, D_NOPE, D_ROPE)  # fmt: skip
