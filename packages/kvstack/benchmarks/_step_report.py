@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,11 @@ def main_shape(args: argparse.Namespace) -> None:
         "torch": torch.__version__,
         **provenance("torch", "triton"),
         "quick": args.quick,
+        # the kernels' switches set for this run (KV_KERNELS_SM90_MLA=0: the Triton MLA kernel
+        # where the Gluon one would serve): a run with any has its own entry
+        "kernel_switches": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith("KV_KERNELS_")
+        },
         **info,
     }
     write(args.out, records, meta)
@@ -68,6 +74,8 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
     key = f"{meta['device']} / {meta['shape']} / {meta['layers']} layers"
     if meta.get("kv_cache_dtype", "auto") != "auto":  # (its own table: other KV bytes)
         key += f" / KV {meta['kv_cache_dtype']}"
+    for name, value in meta.get("kernel_switches", {}).items():
+        key += f" / {name}={value}"
     # a run of other cases adds to the entry (cases measured again are replaced)
     new = {(r["batch"], r["context"], r["phase"]) for r in records}
     old = runs.get(key, {})

@@ -68,3 +68,22 @@ def test_the_whole_mixed_load_is_said_under_the_table(
         "256 x 1024 mixed, the whole load (its decode steps between arrivals too, 64 steps): "
         "11.65 ms a step, fraction 0.69\n" in md
     )
+
+
+def test_a_run_with_kernel_switches_gets_its_own_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run with ``KV_KERNELS_*`` set (a kernel turned off for an A/B) is not merged into the
+    default kernels' entry of the same shape, and its meta says which switches it ran with."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("_step_report", None)
+    report = pytest.importorskip("_step_report")
+    report.write(tmp_path, [_record(64, "decode_graphs")], _meta("a"))
+    off = dict(_meta("b"), kernel_switches={"KV_KERNELS_SM90_MLA": "0"})
+    report.write(tmp_path, [_record(64, "decode_graphs")], off)
+    runs = json.loads((tmp_path / "engine_gpu.json").read_text())["runs"]
+    assert set(runs) == {
+        "GPU / llama3-8b / 32 layers",
+        "GPU / llama3-8b / 32 layers / KV_KERNELS_SM90_MLA=0",
+    }
+    assert runs["GPU / llama3-8b / 32 layers"]["meta"]["source_sha1"] == "a"
