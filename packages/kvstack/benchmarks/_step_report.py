@@ -256,8 +256,13 @@ def _plot(path: Path, runs: dict[str, Any]) -> None:
         print(f"matplotlib is not installed: no {path.name} (the JSON and the table are written)")
         return
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 3.8), squeeze=False)
-    for ax, (key, run) in zip(axes[0], sorted(runs.items()), strict=True):
+    # (three runs a row: one row of eight panels was unreadable at any size)
+    ncols = min(3, len(runs))
+    nrows = -(-len(runs) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(runs) :]:
+        ax.set_visible(False)
+    for ax, (key, run) in zip(axes.flat, sorted(runs.items()), strict=False):
         recs = run["records"]
         labels = [f"{r['batch']}x{r['context']}\n{r['phase']}" for r in recs]
         ax.bar(range(len(recs)), [r["value"] for r in recs])
