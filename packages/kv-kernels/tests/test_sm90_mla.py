@@ -86,13 +86,6 @@ def _case_id(c: tuple) -> str:
     )  # fmt: skip
 
 
-def _schedule(case: tuple) -> tuple[int, int]:
-    """The narrow kernel's ``(producers, consumers)`` for a case (the launcher's rule)."""
-    fp8, heads = bool(case[4]), case[5]
-    n_prod, n_cons = _sm90_mla.NARROW_SCHEDULE[fp8]
-    return n_prod, 1 if heads > 16 else n_cons
-
-
 def _counts(case: tuple) -> dict[str, str]:
     fp8, heads = case[4], case[5]
     counts = dict(_PTX_FP8 if fp8 else _PTX)
@@ -100,8 +93,9 @@ def _counts(case: tuple) -> dict[str, str]:
         for name in _MMA:
             del counts[name]
         counts.update(_narrow_mma(heads))
-        regs = _sm90_mla._NARROW_REGS[(*_schedule(case), bool(fp8))][0]
-        counts["producer_regs"] = rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{regs};"
+        if fp8:  # (the whole-tile producer, _sm90_mla_fp8.producer_fp8_whole)
+            regs = _sm90_mla.P_REGS_FP8_WHOLE
+            counts["producer_regs"] = rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{regs};"
     return counts
 
 
@@ -139,14 +133,12 @@ def test_compiles_for_sm90(case: tuple, aot_results: dict[str, dict]) -> None:
         problems = build_problems(res, arch=90, present=present)
         assert not problems, problems
         counts = res["counts"]
-        n_prod = _schedule(case)[0] if heads < 64 else 1
-        got = (counts["ld_8"], counts[widen], counts["cp_async"])
-        assert got == (36 * n_prod, 144 * n_prod, 0), counts
+        assert (counts["ld_8"], counts[widen], counts["cp_async"]) == (36, 144, 0), counts
         # (16-byte loads: q's alone, the narrow kernel's q of heads x 576 16-bit values)
         if heads < 64:
             assert counts["ld_16"] == heads * 576 * 2 // (16 * 128), counts
-    if heads < 64:  # (each consumer warpgroup its own 68)
-        assert res["counts"]["mma"] == 68 * _schedule(case)[1], res["counts"]
+    if heads < 64:
+        assert res["counts"]["mma"] == 68, res["counts"]
     if res.get("spill_bytes") is None:
         pytest.skip("ptxas -v could not be run on this triton's build")
     assert res["spill_bytes"] <= (160 if fp8 else 64), res["spill_bytes"]

@@ -410,35 +410,14 @@ def launch_sm90_mla(
         (sm90_mla_narrow_kernel if narrow else sm90_mla_kernel)[grid](*args, **kwargs)
 
 
-#: the narrow kernel's producers and consumers (warpgroups; two take alternate tiles), by
-#: whether the latent is fp8: ``(N_PROD, N_CONS)``
-NARROW_SCHEDULE: dict[bool, tuple[int, int]] = {False: (1, 2), True: (1, 2)}
-#: their registers after ``setmaxnreg`` (``P_REGS_`` a producer, ``C_REGS_`` the second
-#: consumer; the first takes the rest of the launch's: 256 a thread at 8 warps, 168 at 12, 128 at
-#: 16, times the warpgroups). fp8: the whole-tile producer (P_REGS_FP8_WHOLE; 104 when four
-#: warpgroups share the file). Two 16-bit producers are not written (cp.async is not bound by
-#: its latency).
-_NARROW_REGS: dict[tuple[int, int, bool], tuple[int, int]] = {
-    (1, 1, False): (P_REGS, 0),
-    (1, 2, False): (P_REGS, 232),
-    (1, 1, True): (P_REGS_FP8_WHOLE, 0),
-    (2, 1, True): (P_REGS_FP8_WHOLE, 0),
-    (1, 2, True): (P_REGS_FP8_WHOLE, 176),
-    (2, 2, True): (104, 152),
-}
-
-
 def _constexprs(num_q_heads: int, fp8: bool) -> dict[str, Any]:
     """The launch's schedule constants: this kernel's (two consumer warpgroups) or, at 16 / 32
     heads, :mod:`._sm90_mla_narrow`'s (one, and ``HEADS``)."""
     kw: dict[str, Any] = dict(NBUF_=NBUF, P_WARPS=4, P_REGS_=P_REGS_FP8 if fp8 else P_REGS)
     if num_q_heads in NARROW_HEADS:
-        n_prod, n_cons = NARROW_SCHEDULE[fp8]
-        if num_q_heads > 16:  # (two consumers' P^T and merge state: past 227 KiB at 32 heads)
-            n_cons = 1
-        p_regs, c_regs = _NARROW_REGS[(n_prod, n_cons, fp8)]
-        kw.update(HEADS=num_q_heads, N_PROD=n_prod, N_CONS=n_cons, P_REGS_=p_regs,
-                  C_REGS_=c_regs, num_warps=4)  # fmt: skip
+        kw.update(HEADS=num_q_heads, num_warps=4)
+        if fp8:  # (its producer loads a whole tile at once: _sm90_mla_fp8.producer_fp8_whole)
+            kw.update(P_REGS_=P_REGS_FP8_WHOLE)
     else:
         kw.update(num_warps=8)
     return kw

@@ -176,8 +176,8 @@ def producer_fp8(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_t
 def producer_fp8_whole(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
                        seq_len, num_blocks, max_blocks, stride_kb, stride_kn,
                        BLOCK_SIZE: gl.constexpr, NBUF_: gl.constexpr, P_WARPS: gl.constexpr,
-                       TILE_N: gl.constexpr, D_NOPE: gl.constexpr, D_ROPE: gl.constexpr,
-                       FIRST: gl.constexpr = 0, STEP: gl.constexpr = 1):  # fmt: skip
+                       TILE_N: gl.constexpr, D_NOPE: gl.constexpr,
+                       D_ROPE: gl.constexpr):  # fmt: skip
     """:func:`producer_fp8` for a kernel that leaves the producer registers (the narrow MLA
     kernel, :mod:`._sm90_mla_narrow`: one consumer warpgroup of 16-32 heads): a tile's whole
     288 bytes a thread are loaded at once (two 256-byte halves of the nope columns and the rope
@@ -192,22 +192,17 @@ def producer_fp8_whole(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_l
     a probe of this kernel with its loads or its MMAs cut out): widening and storing alone took
     0.040 ms with 32 bytes a thread and 0.015 with 8; the kernel 0.093 and 0.069 (the 16-bit
     latent: 0.074). What bounds it now is the consumer: its MMAs and softmax alone take ~0.05
-    ms (the MMAs' N of 16 makes each read its 2 KiB A from shared memory for 32 KFLOP).
-
-    ``FIRST`` / ``STEP``: this producer's tiles are ``FIRST, FIRST + STEP, ...`` (two producers
-    on alternate tiles: one's loads in flight while the other widens; ``STEP`` = ``NBUF_`` gives
-    each its own ring slot)."""
+    ms (the MMAs' N of 16 makes each read its 2 KiB A from shared memory for 32 KFLOP)."""
     gl.static_assert(D_ROPE == PIECE, "the rope columns are one piece")
     HALF: gl.constexpr = D_NOPE // 2
     lay: gl.constexpr = _bytes_layout(PIECE, P_WARPS)
     rope_l: gl.constexpr = lay
     dtype: gl.constexpr = kvn_smem.dtype
     for j in gl.static_range(WHOLE_AHEAD):
-        t = FIRST + j * STEP
-        off, ok = _tile_rows(bt_row_ptr, t_lo + t, seq_len, num_blocks, max_blocks, stride_kb,
+        off, ok = _tile_rows(bt_row_ptr, t_lo + j, seq_len, num_blocks, max_blocks, stride_kb,
                              stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
-        _prefetch(head_ptr, off, ok & (t < n_tiles), P_WARPS)
-    for i in range(FIRST, n_tiles, STEP):
+        _prefetch(head_ptr, off, ok & (j < n_tiles), P_WARPS)
+    for i in range(n_tiles):
         s = i % NBUF_
         ph = ((i // NBUF_) & 1) ^ 1  # the previous use of the slot
         off, ok = _tile_rows(bt_row_ptr, t_lo + i, seq_len, num_blocks, max_blocks, stride_kb,
@@ -215,7 +210,7 @@ def producer_fp8_whole(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_l
         a = _load(head_ptr, off, ok, 0, HALF, lay)
         b = _load(head_ptr, off, ok, HALF, HALF, lay)
         r = _load(head_ptr, off, ok, D_NOPE, PIECE, rope_l)
-        ahead = i + WHOLE_AHEAD * STEP
+        ahead = i + WHOLE_AHEAD
         off_n, ok_n = _tile_rows(bt_row_ptr, t_lo + ahead, seq_len, num_blocks, max_blocks,
                                  stride_kb, stride_kn, BLOCK_SIZE, TILE_N, lay)  # fmt: skip
         _prefetch(head_ptr, off_n, ok_n & (ahead < n_tiles), P_WARPS)

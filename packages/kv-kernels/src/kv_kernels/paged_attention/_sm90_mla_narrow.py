@@ -61,11 +61,9 @@ def _acc_layout(heads):
 
 @gluon.jit
 def _consumer(qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_tiles, seq_len,
-              qk_scale_log2, HEADS: gl.constexpr, NBUF_: gl.constexpr, FIRST: gl.constexpr = 0,
-              STEP: gl.constexpr = 1):  # fmt: skip
-    """Every head over the program's tiles ``FIRST, FIRST + STEP, ...``: ``(acc^T [512, heads],
-    m [heads], l [heads])``, the maxima of raw logits. A slot is released once its ``P V`` is
-    done in every warp."""
+              qk_scale_log2, HEADS: gl.constexpr, NBUF_: gl.constexpr):  # fmt: skip
+    """Every head over the program's tiles: ``(acc^T [512, heads], m [heads], l [heads])``, the
+    maxima of raw logits. A slot is released once its ``P V`` is done in every warp."""
     dtype: gl.constexpr = qn_smem.dtype
     lay: gl.constexpr = _acc_layout(HEADS)
     rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, lay))
@@ -73,7 +71,7 @@ def _consumer(qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_
     l_part = gl.zeros([TILE_N, HEADS], gl.float32, layout=lay)
     acc = gl.zeros([D_NOPE, HEADS], gl.float32, layout=lay)
     s_zero = gl.zeros([TILE_N, HEADS], gl.float32, layout=lay)
-    for i in range(FIRST, n_tiles, STEP):
+    for i in range(n_tiles):
         s = i % NBUF_
         mbarrier.wait(full.index(s), (i // NBUF_) & 1)
         kv = kvn_smem.index(s)
@@ -98,34 +96,6 @@ def _consumer(qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_
     return acc, m_i, gl.sum(l_part, 0)
 
 
-@gluon.jit
-def _consumer_odd(qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo, n_tiles,
-                  seq_len, qk_scale_log2, x_acc, x_m, x_l, HEADS: gl.constexpr,
-                  NBUF_: gl.constexpr):  # fmt: skip
-    """The second consumer warpgroup: the odd tiles (its own ring slot and ``P^T``), its
-    ``(acc^T, m, l)`` left in shared memory for the first one to merge after the join."""
-    acc, m_i, l_i = _consumer(qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo,
-                              n_tiles, seq_len, qk_scale_log2, HEADS, NBUF_, 1, 2)  # fmt: skip
-    x_acc.store(acc)
-    x_m.store(m_i)
-    x_l.store(l_i)
-
-
-@gluon.jit
-def _merge_halves(acc, m_i, l_i, x_acc, x_m, x_l, qk_scale_log2):
-    """The two consumers' online-softmax states as one: each rescaled to the larger maximum (a
-    side that saw no tile has m = -inf, l = 0 and weighs nothing)."""
-    lay: gl.constexpr = acc.type.layout
-    acc2 = x_acc.load(lay)
-    m2 = x_m.load(gl.SliceLayout(0, lay))
-    l2 = x_l.load(gl.SliceLayout(0, lay))
-    m = gl.maximum(m_i, m2)
-    m_use = gl.where(m == float("-inf"), 0.0, m) * qk_scale_log2
-    a1 = gl.exp2(m_i * qk_scale_log2 - m_use)
-    a2 = gl.exp2(m2 * qk_scale_log2 - m_use)
-    return acc * a1[None, :] + acc2 * a2[None, :], m, l_i * a1 + l2 * a2
-
-
 # (num_blocks is a bound, never a constexpr: see _sm90_mla.sm90_mla_kernel; the signature is that
 # kernel's, so one argument tuple serves both launches and program axis 0 is always 1 here)
 @gluon.jit(do_not_specialize=["num_blocks"])
@@ -141,8 +111,7 @@ def sm90_mla_narrow_kernel(
     num_q_heads, num_blocks, max_blocks, qk_scale_log2,
     BLOCK_SIZE: gl.constexpr, KV_SCALE: gl.constexpr, SPLIT: gl.constexpr,
     WRITE_LSE: gl.constexpr, NBUF_: gl.constexpr, P_WARPS: gl.constexpr, P_REGS_: gl.constexpr,
-    HEADS: gl.constexpr, N_PROD: gl.constexpr, N_CONS: gl.constexpr, C_REGS_: gl.constexpr,
-    num_warps: gl.constexpr,
+    HEADS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(num_warps == 4, "one consumer warpgroup")
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -186,15 +155,6 @@ def sm90_mla_narrow_kernel(
     kvn_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_NOPE], kvn_sl)
     kr_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_ROPE], kr_sl)
     p_smem = gl.allocate_shared_memory(dtype, [TILE_N, HEADS], p_sl)
-    if N_CONS == 2:  # the second consumer's P^T and its state for the merge
-        gl.static_assert(NBUF_ == 2, "one ring slot a consumer")
-        p2_smem = gl.allocate_shared_memory(dtype, [TILE_N, HEADS], p_sl)
-        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        x_acc = gl.allocate_shared_memory(gl.float32, [D_NOPE, HEADS], flat2)
-        x_m = gl.allocate_shared_memory(gl.float32, [HEADS], flat1)
-        x_l = gl.allocate_shared_memory(gl.float32, [HEADS], flat1)
-    gl.static_assert(N_PROD == 1 or NBUF_ == 2, "one ring slot a producer")
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     full = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
@@ -204,71 +164,17 @@ def sm90_mla_narrow_kernel(
     fence_async_shared()
 
     bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bts
-    # one producer and one consumer, or two of either on alternate tiles (each then owns a slot)
-    c_step: gl.constexpr = N_CONS
-    p_step: gl.constexpr = N_PROD
-    if N_CONS == 1 and N_PROD == 1:
-        acc, m_i, l_i = gl.warp_specialize(
-            [
-                (_consumer, (qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo,
-                             n_tiles, seq_len, qk_scale_log2, HEADS, NBUF_)),
-                (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
-                            seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                            NBUF_, P_WARPS, True)),
-            ],
-            [P_WARPS],
-            [P_REGS_],
-        )  # fmt: skip
-    elif N_CONS == 1:
-        acc, m_i, l_i = gl.warp_specialize(
-            [
-                (_consumer, (qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo,
-                             n_tiles, seq_len, qk_scale_log2, HEADS, NBUF_)),
-                (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
-                            seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                            NBUF_, P_WARPS, True, 0, p_step)),
-                (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
-                            seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                            NBUF_, P_WARPS, True, 1, p_step)),
-            ],
-            [P_WARPS, P_WARPS],
-            [P_REGS_, P_REGS_],
-        )  # fmt: skip
-    elif N_PROD == 1:
-        acc, m_i, l_i = gl.warp_specialize(
-            [
-                (_consumer, (qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo,
-                             n_tiles, seq_len, qk_scale_log2, HEADS, NBUF_, 0, c_step)),
-                (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
-                            seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                            NBUF_, P_WARPS, True)),
-                (_consumer_odd, (qn_smem, qr_smem, kvn_smem, kr_smem, p2_smem, full, empty,
-                                 t_lo, n_tiles, seq_len, qk_scale_log2, x_acc, x_m, x_l, HEADS,
-                                 NBUF_)),
-            ],
-            [P_WARPS, num_warps],
-            [P_REGS_, C_REGS_],
-        )  # fmt: skip
-    else:
-        acc, m_i, l_i = gl.warp_specialize(
-            [
-                (_consumer, (qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo,
-                             n_tiles, seq_len, qk_scale_log2, HEADS, NBUF_, 0, c_step)),
-                (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
-                            seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                            NBUF_, P_WARPS, True, 0, p_step)),
-                (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
-                            seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                            NBUF_, P_WARPS, True, 1, p_step)),
-                (_consumer_odd, (qn_smem, qr_smem, kvn_smem, kr_smem, p2_smem, full, empty,
-                                 t_lo, n_tiles, seq_len, qk_scale_log2, x_acc, x_m, x_l, HEADS,
-                                 NBUF_)),
-            ],
-            [P_WARPS, P_WARPS, num_warps],
-            [P_REGS_, P_REGS_, C_REGS_],
-        )  # fmt: skip
-    if N_CONS == 2:
-        acc, m_i, l_i = _merge_halves(acc, m_i, l_i, x_acc, x_m, x_l, qk_scale_log2)
+    acc, m_i, l_i = gl.warp_specialize(
+        [
+            (_consumer, (qn_smem, qr_smem, kvn_smem, kr_smem, p_smem, full, empty, t_lo,
+                         n_tiles, seq_len, qk_scale_log2, HEADS, NBUF_)),
+            (producer, (kvn_smem, kr_smem, full, empty, kv_ptr, bt_row_ptr, t_lo, n_tiles,
+                        seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
+                        NBUF_, P_WARPS, True)),
+        ],
+        [P_WARPS],
+        [P_REGS_],
+    )  # fmt: skip
 
     # ---- epilogue: normalize, store O (= acc^T) and the LSE per head -------------------------
     lay: gl.constexpr = acc.type.layout

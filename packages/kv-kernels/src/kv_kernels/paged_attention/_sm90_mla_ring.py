@@ -64,24 +64,20 @@ def _copy_layout(warps):
 @gluon.jit
 def producer(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles, seq_len,
              num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE: gl.constexpr,
-             NBUF_: gl.constexpr, P_WARPS: gl.constexpr, WHOLE: gl.constexpr = False,
-             FIRST: gl.constexpr = 0, STEP: gl.constexpr = 1):  # fmt: skip
+             NBUF_: gl.constexpr, P_WARPS: gl.constexpr, WHOLE: gl.constexpr = False):  # fmt: skip
     """Tiles ``t_lo + [0, n_tiles)`` into the ring: 16-bit latents by ``cp.async``, fp8 ones
     through registers, widened to the ring's dtype (:func:`._sm90_mla_fp8.producer_fp8`, two
     64-byte pieces a row in flight; with ``WHOLE``, :func:`._sm90_mla_fp8.producer_fp8_whole`:
-    the tile's every byte, for a kernel that leaves the producer the registers; ``FIRST`` /
-    ``STEP``: its tiles when two producers take alternate ones)."""
+    the tile's every byte, for a kernel that leaves the producer the registers)."""
     if head_ptr.dtype.element_ty.is_fp8() and WHOLE:
         producer_fp8_whole(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
                            seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE,
-                           NBUF_, P_WARPS, TILE_N, D_NOPE, D_ROPE, FIRST, STEP)  # fmt: skip
+                           NBUF_, P_WARPS, TILE_N, D_NOPE, D_ROPE)  # fmt: skip
     elif head_ptr.dtype.element_ty.is_fp8():
-        gl.static_assert(STEP == 1, "one producer of this kind")
         producer_fp8(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles,
                      seq_len, num_blocks, max_blocks, stride_kb, stride_kn, BLOCK_SIZE, NBUF_,
                      P_WARPS, TILE_N, D_NOPE, D_ROPE)  # fmt: skip
     else:
-        gl.static_assert(STEP == 1, "one producer of this kind")
         lay: gl.constexpr = _copy_layout(P_WARPS)
         for i in range(n_tiles):
             s = i % NBUF_
