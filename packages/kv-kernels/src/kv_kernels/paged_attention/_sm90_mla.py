@@ -55,7 +55,6 @@ from kv_kernels._common import require_unit_rows, sm90_gluon_allowed
 from kv_kernels._launch import FastLauncher
 from kv_kernels.aot import aot_case_spec
 from kv_kernels.paged_attention._gluon_compat import barrier
-from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
 from kv_kernels.paged_attention._sm90_mla_narrow import (
     FAST_NARROW,
     NARROW_HEADS,
@@ -69,7 +68,9 @@ from kv_kernels.paged_attention._sm90_mla_ring import (
     P_REGS_FP8,
     P_REGS_FP8_WHOLE,
     TILE_N,
+    allocate_ring,
     producer,
+    program_tiles,
 )
 from kv_kernels.paged_attention._tiles import pick_num_splits
 
@@ -190,21 +191,10 @@ def sm90_mla_kernel(
     seq = gl.program_id(1)
     split = gl.program_id(2)
     num_splits = gl.num_programs(2)
-    # the decode class is one query token (longer queries: the prefill launch)
-    q_start, _q_len, mine, seq_len = _decode_class(qsl_ptr, seq_lens_ptr, seq, 1)
-    _t_hi, t_lo, t_end = _split_tiles(seq_len, mine, TILE_N)
-    n_tiles = t_end - t_lo
-    # an fp8 latent's per-tensor scale (one latent head: element 0), a float (KV_SCALE 1) or
-    # read on the device (2); V's is the same row's (the launcher passes k_scale as v_scale).
-    # K's goes into the logits' scale, V's multiplies the output once in the epilogue.
-    if KV_SCALE == 1:
-        qk_scale_log2 = qk_scale_log2 * k_scale_val
-        v_deq = v_scale_val
-    elif KV_SCALE == 2:
-        qk_scale_log2 = qk_scale_log2 * gl.load(k_scale_ptr)
-        v_deq = gl.load(v_scale_ptr)
-    else:
-        v_deq = 1.0
+    q_start, mine, seq_len, t_lo, n_tiles, qk_scale_log2, v_deq = program_tiles(
+        qsl_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, qk_scale_log2,
+        KV_SCALE,
+    )  # fmt: skip
 
     # ---- q: nope columns into shared memory, rope columns into MMA-operand registers ---------
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -225,19 +215,9 @@ def sm90_mla_kernel(
         q_rope, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     )
 
-    kvn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_NOPE], dtype)
-    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_ROPE], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, TILE_N], dtype)
-    kvn_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_NOPE], kvn_sl)
-    kr_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_ROPE], kr_sl)
     p_smem = gl.allocate_shared_memory(dtype, [ROWS, TILE_N], p_sl)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    full = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
-    for b in gl.static_range(NBUF_):
-        mbarrier.init(full.index(b), count=32 * P_WARPS)
-        mbarrier.init(empty.index(b), count=1)
-    fence_async_shared()
+    kvn_smem, kr_smem, full, empty = allocate_ring(dtype, NBUF_, P_WARPS)
 
     bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bts
     acc, m_i, l_i = gl.warp_specialize(

@@ -16,8 +16,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from kv_kernels.paged_attention._sm90_decode_kernel import _decode_class, _split_tiles
 from kv_kernels.paged_attention._sm90_mla_fp8 import producer_fp8, producer_fp8_whole
 from kv_kernels.paged_attention._sm90_prefill_kernel import _gather, _tile_rows
 
@@ -29,7 +30,9 @@ __all__ = [
     "P_REGS_FP8",
     "P_REGS_FP8_WHOLE",
     "TILE_N",
+    "allocate_ring",
     "producer",
+    "program_tiles",
 ]
 
 #: the latent's nope (= V) and rope widths
@@ -88,3 +91,43 @@ def producer(kvn_smem, kr_smem, full, empty, head_ptr, bt_row_ptr, t_lo, n_tiles
             _gather(kvn_smem.index(s), head_ptr, off, ok, D_NOPE, lay)
             _gather(kr_smem.index(s), head_ptr + D_NOPE, off, ok, D_ROPE, lay)
             async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+
+
+@gluon.jit
+def program_tiles(qsl_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val,
+                  qk_scale_log2, KV_SCALE: gl.constexpr):  # fmt: skip
+    """A decode program's sequence (program axis 1) and split (axis 2): ``(q_start, mine,
+    seq_len, t_lo, n_tiles, qk_scale_log2, v_deq)``. The decode class is one query token (longer
+    queries: the prefill launch). An fp8 latent's per-tensor scale (one latent head: element 0)
+    is a float (``KV_SCALE`` 1) or read on the device (2); V's is the same row's (the launcher
+    passes k_scale as v_scale). K's goes into the logits' scale, V's multiplies the output once
+    in the epilogue (``v_deq``)."""
+    q_start, _q_len, mine, seq_len = _decode_class(qsl_ptr, seq_lens_ptr, gl.program_id(1), 1)
+    _t_hi, t_lo, t_end = _split_tiles(seq_len, mine, TILE_N)
+    if KV_SCALE == 1:
+        qk_scale_log2 = qk_scale_log2 * k_scale_val
+        v_deq = v_scale_val
+    elif KV_SCALE == 2:
+        qk_scale_log2 = qk_scale_log2 * gl.load(k_scale_ptr)
+        v_deq = gl.load(v_scale_ptr)
+    else:
+        v_deq = 1.0
+    return q_start, mine, seq_len, t_lo, t_end - t_lo, qk_scale_log2, v_deq
+
+
+@gluon.jit
+def allocate_ring(dtype: gl.constexpr, NBUF_: gl.constexpr, P_WARPS: gl.constexpr):
+    """The ring's ``NBUF_`` slots of nope and rope columns and their ``full`` / ``empty``
+    barriers, initialized and fenced: ``(kvn_smem, kr_smem, full, empty)``."""
+    kvn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_NOPE], dtype)
+    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_ROPE], dtype)
+    kvn_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_NOPE], kvn_sl)
+    kr_smem = gl.allocate_shared_memory(dtype, [NBUF_, TILE_N, D_ROPE], kr_sl)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    full = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF_, 1], bar_layout)
+    for b in gl.static_range(NBUF_):
+        mbarrier.init(full.index(b), count=32 * P_WARPS)
+        mbarrier.init(empty.index(b), count=1)
+    fence_async_shared()
+    return kvn_smem, kr_smem, full, empty
