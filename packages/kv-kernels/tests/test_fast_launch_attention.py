@@ -418,24 +418,31 @@ def test_two_inputs_that_are_one_tensor_are_never_bound(
     assert _same(plain, got) and not _pointer_ints(got)
 
 
-@pytest.mark.parametrize("kind", ["decode", "mla"])
-def test_the_sm90_gluon_kernels_bind_too(
-    stub: Any, kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """fp8 pages at heads 128 (Gluon decode) and a 512 + 64 latent at 128 heads (Gluon MLA),
-    as on an sm_90 card whose kernels run compiled."""
+def _gluon_case(kind: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A call the sm_90 Gluon ``kind`` kernel serves on a card whose kernels run compiled:
+    "decode": fp8 pages at heads 128; "mla": a 512 + 64 latent at 128 heads; "mla16": at 16
+    (the narrow MLA kernel)."""
     monkeypatch.setattr(tri, "paged_attention_kernel", object())  # (compiled, not interpreted)
     if kind == "decode":
         layout = _layout(num_kv_heads=2, head_size=128, head_size_v=128, block_size=16, **FP8)
-        args = _case(layout, heads=8, seq_len=40, k_scale=0.5, v_scale=0.5, max_seq_len=40)
-    else:
-        from kv_spec import MLAAttentionSpec
+        return _case(layout, heads=8, seq_len=40, k_scale=0.5, v_scale=0.5, max_seq_len=40)
+    from kv_spec import MLAAttentionSpec
 
-        spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype="bfloat16")
-        layout = KVCacheLayout.from_spec(spec, num_blocks=8, num_layers=1)
-        args = _case(layout, heads=128, seq_len=40, kv_lora_rank=512, max_seq_len=40)
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype="bfloat16")
+    layout = KVCacheLayout.from_spec(spec, num_blocks=8, num_layers=1)
+    heads = 16 if kind == "mla16" else 128
+    return _case(layout, heads=heads, seq_len=40, kv_lora_rank=512, max_seq_len=40)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mla", "mla16"])
+def test_the_sm90_gluon_kernels_bind_too(
+    stub: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gluon decode, MLA and narrow MLA kernels' calls bind as the Triton kernel's do."""
+    args = _gluon_case(kind, monkeypatch)
     plain = _plain_launches(args, monkeypatch)
-    assert plain[0][0].startswith("sm90_")
+    want = {"decode": "sm90_decode", "mla": "sm90_mla_kernel", "mla16": "sm90_mla_narrow"}[kind]
+    assert plain[0][0].startswith(want), plain[0][0]
     for _ in range(3):
         got = _bound_launches(args, plain)
         assert _same(plain, got)
@@ -474,3 +481,22 @@ def test_the_split_table_equals_the_heuristics() -> None:
 
 def test_a_planted_non_monotone_heuristic_fails_the_table_check() -> None:
     assert not _table_matches(lambda m: 4 if 1000 <= m < 1100 else 1 if m < 5000 else 2)
+
+
+@pytest.mark.parametrize("kind", ["mla", "mla16"])
+def test_the_gluon_launch_counter_sees_a_bound_call(
+    stub: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``counting_gluon_launches`` counts a call whose shape class was bound before the block
+    (the benchmark probes one kind, then the next, on the same case): without forgetting the
+    validated calls, the second probe replayed the bound launch and counted nothing."""
+    from kv_kernels.testing_attention import counting_gluon_launches
+
+    args = _gluon_case(kind, monkeypatch)
+    _run(args)  # binds the class
+    _run(args)
+    with counting_gluon_launches("decode") as decode:
+        _run(args)
+    with counting_gluon_launches("mla") as mla:
+        _run(args)
+    assert (len(decode), len(mla)) == (0, 1)
