@@ -1,4 +1,6 @@
-"""The Gluon MLA decode kernel for sm_90 (:mod:`kv_kernels.paged_attention._sm90_mla`).
+"""The Gluon MLA decode kernels for sm_90 (:mod:`kv_kernels.paged_attention._sm90_mla`, 64 / 128
+heads; :mod:`kv_kernels.paged_attention._sm90_mla_narrow`, 16 / 32 heads, tokens as the MMAs' M:
+68 ``m64nHk16`` MMAs a tile, nothing padded).
 
 On the CPU (CI): the kernel compiles for sm_90 ahead of time through ptxas (pages 16, 64, 128;
 bf16 and fp16; splits and LSE; 16-bit latents and fp8 e4m3 ones with a float or a tensor scale)
@@ -8,8 +10,8 @@ loads, L2 prefetches and the widening, no ``cp.async``), its register cut and bo
 which launches it serves (and which stay with the Triton kernel); its split rule; bad strides get
 a ValueError. Gluon has no interpreter, so its results are checked on an H100 / H200 (``-m gpu``)
 at DeepSeek-V3's shapes against the float64 oracle over the latents the test drew (or, fp8, the
-rows the cache gives back), bounded by the bf16 / fp16 torch reference's own error: 128 and 64
-heads, pages 16-128, splits, LSE, a batch mixing decode rows with a prefill (which the Triton
+rows the cache gives back), bounded by the bf16 / fp16 torch reference's own error: 128, 64, 32
+and 16 heads, pages 16-128, splits, LSE, a batch mixing decode rows with a prefill (which the Triton
 kernel takes), bitwise batch invariance at a fixed split count; a planted wrong page, a planted
 tile of the wrong sequence and (fp8) planted wrong scales that the same check must catch; a cache
 past 2^31 elements; and the environment switch back to the Triton kernel.
