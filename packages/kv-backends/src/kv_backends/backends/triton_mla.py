@@ -116,9 +116,10 @@ class TritonMLABackend(AttentionBackend):
             "MLA absorbed decode on kv-kernels' unified Triton kernel: one latent row per token "
             "(power-of-two kv_lora_rank + rope tail), V read from the same page tile; serves MLA "
             "layers only. fp8 latents (e4m3 / e5m2 per tensor) have one scale, k_scale, for K "
-            "and V alike. On sm_90 the decode of a 16-bit 512 + 64 latent at 64 or 128 query "
-            "heads (DeepSeek-V3 on one GPU) runs kv-kernels' warp-specialized Gluon MLA kernel "
-            "instead (KV_KERNELS_SM90_MLA=0 turns it off)."
+            "and V alike. On sm_90 the decode of a 512 + 64 latent (16-bit, or fp8 e4m3 with "
+            "its one scale) at 64 or 128 query heads (DeepSeek-V3 on one GPU), or at 16 or 32 "
+            "(tensor parallelism 8 / 4), runs one of kv-kernels' warp-specialized Gluon MLA "
+            "kernels instead (KV_KERNELS_SM90_MLA=0 turns them off)."
         ),
     )
     builder_cls = MetadataBuilder
