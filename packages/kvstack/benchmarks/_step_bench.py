@@ -169,10 +169,19 @@ def copy_bandwidth(device: str, nbytes: int = 2**31) -> float:
     return 2 * nbytes / best
 
 
+def model_dtype(device: str) -> torch.dtype:
+    """The dtype the benchmark serves the model in: bf16 on a GPU, float32 on the CPU (whose
+    bf16 matmuls can run ~100x slower than its float32 ones where it lacks bf16 units)."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
 def matmul_peak(device: str, n: int = 8192) -> float:
-    """Dense bf16 matmul FLOP/s measured here (the compute roofline of prefill-heavy steps)."""
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    """Dense matmul FLOP/s measured here in the served dtype (:func:`model_dtype`): the compute
+    roofline of prefill-heavy steps. (On a CPU without bf16 units a bf16 peak read 0.8 GFLOP/s
+    against float32 steps, and the CPU smoke shape's fractions came out at 10-50.)"""
+    dtype = model_dtype(device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
     for _ in range(3):
         a @ b
     sync(device)
@@ -466,7 +475,7 @@ def run_case(
     blocks = (2 if hybrid else 1) * seqs * math.ceil(max_len / BLOCK) + 64
     t0 = time.perf_counter()
     engine = LLMEngine(
-        model_dir, device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, block_size=BLOCK, num_blocks=blocks,
+        model_dir, device=device, dtype=model_dtype(device), block_size=BLOCK, num_blocks=blocks,
         max_model_len=max_len, max_num_batched_tokens=8192, max_num_seqs=seqs,
         enable_prefix_caching=False, backend=backend, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
