@@ -459,9 +459,10 @@ def _mixed_load(
 def run_case(
     model_dir: Path, batch: int, context: int, device: str, bw: float, peak: float,
     profile: int = 8, mixed: bool = True, backend: str | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", async_scheduling: bool | str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """decode (graphs, eager), mixed and prefill records for ``batch`` x ``context``."""
+    """decode (graphs, eager), mixed and prefill records for ``batch`` x ``context``;
+    ``async_scheduling``: the engine's (``None``: its default)."""
     from kvstack.engine.engine import LLMEngine
     from kvstack.engine.sampling import SamplingParams
 
@@ -478,6 +479,7 @@ def run_case(
         model_dir, device=device, dtype=model_dtype(device), block_size=BLOCK, num_blocks=blocks,
         max_model_len=max_len, max_num_batched_tokens=8192, max_num_seqs=seqs,
         enable_prefix_caching=False, backend=backend, kv_cache_dtype=kv_cache_dtype,
+        async_scheduling=async_scheduling,
     )  # fmt: skip
     startup = {"total": time.perf_counter() - t0, **engine.runner.startup_seconds}
     cost = Cost(engine)
@@ -553,8 +555,10 @@ def default_backend(shape: str) -> str:
 def bench_shape(
     shape: str, layers: int | None, cases: list[tuple[int, int]], device: str, mixed: bool,
     backend: str | None = None, kv_cache_dtype: str = "auto",
+    async_scheduling: bool | str | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
-    """``backend``: ``None`` for :func:`default_backend` (on the CPU: the engine's pick)."""
+    """``backend``: ``None`` for :func:`default_backend` (on the CPU: the engine's pick);
+    ``async_scheduling``: the engine's (``None``: its default), recorded in ``info``."""
     if backend is None and device.startswith("cuda"):
         backend = default_backend(shape)
     config = dict(SHAPES[shape])
@@ -571,6 +575,7 @@ def bench_shape(
         "matmul_flops_per_s": peak,
         "backend": backend,
         "kv_cache_dtype": kv_cache_dtype,
+        "async_scheduling": async_scheduling,
     }
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=shm) as tmp:
@@ -588,6 +593,7 @@ def bench_shape(
                 mixed=mixed,
                 backend=backend,
                 kv_cache_dtype=kv_cache_dtype,
+                async_scheduling=async_scheduling,
             ):
                 r.update(
                     metric="roofline_fraction", shape=shape, layers=info["layers"],

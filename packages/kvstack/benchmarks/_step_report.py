@@ -26,6 +26,11 @@ def _cases(spec: str) -> list[tuple[int, int]]:
     return out
 
 
+def async_option(value: str | None) -> bool | str | None:
+    """``--async-scheduling``'s value as ``LLMEngine(async_scheduling=)`` takes it."""
+    return {None: None, "graphs": "graphs", "true": True, "false": False}[value]
+
+
 def main_shape(args: argparse.Namespace) -> None:
     if args.shape not in SHAPES:
         raise SystemExit(f"--shape {args.shape!r}: known shapes are {sorted(SHAPES)}")
@@ -48,6 +53,7 @@ def main_shape(args: argparse.Namespace) -> None:
         not args.no_mixed,
         args.backend,
         args.kv_cache_dtype,
+        async_option(args.async_scheduling),
     )
     meta = {
         "device": torch.cuda.get_device_name() if cuda else "CPU",
@@ -76,6 +82,8 @@ def write(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) ->
         key += f" / KV {meta['kv_cache_dtype']}"
     for name, value in meta.get("kernel_switches", {}).items():
         key += f" / {name}={value}"
+    if meta.get("async_scheduling") is not None:  # (the engine's default is None: not named)
+        key += f" / async_scheduling={meta['async_scheduling']}"
     # a run of other cases adds to the entry (cases measured again are replaced)
     new = {(r["batch"], r["context"], r["phase"]) for r in records}
     old = runs.get(key, {})

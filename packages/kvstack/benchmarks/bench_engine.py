@@ -324,6 +324,11 @@ def main() -> None:
         "--backend", default=None,
         help="with --shape: the attention backend (default TRITON, TRITON_MLA for MLA shapes)",
     )  # fmt: skip
+    ap.add_argument(
+        "--async-scheduling", default=None, choices=("graphs", "true", "false"),
+        help="with --shape: the engine's async_scheduling (default: the engine's, 'graphs' on a "
+        "GPU); a run with it set has its own entry",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.shape is not None:
         from _step_report import main_shape

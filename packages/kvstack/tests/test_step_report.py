@@ -87,3 +87,25 @@ def test_a_run_with_kernel_switches_gets_its_own_entry(
         "GPU / llama3-8b / 32 layers / KV_KERNELS_SM90_MLA=0",
     }
     assert runs["GPU / llama3-8b / 32 layers"]["meta"]["source_sha1"] == "a"
+
+
+def test_a_run_with_async_scheduling_set_gets_its_own_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--async-scheduling true`` (every step one ahead, eager ones too) is an A/B against the
+    engine's default: its records go to their own entry, named by the value; the default run
+    (``async_scheduling`` None in meta) keeps the plain key."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("_step_report", None)
+    report = pytest.importorskip("_step_report")
+    assert [report.async_option(v) for v in (None, "graphs", "true", "false")] == [
+        None, "graphs", True, False,
+    ]  # fmt: skip
+    report.write(tmp_path, [_record(64, "mixed")], dict(_meta("a"), async_scheduling=None))
+    report.write(tmp_path, [_record(64, "mixed")], dict(_meta("b"), async_scheduling=True))
+    runs = json.loads((tmp_path / "engine_gpu.json").read_text())["runs"]
+    assert set(runs) == {
+        "GPU / llama3-8b / 32 layers",
+        "GPU / llama3-8b / 32 layers / async_scheduling=True",
+    }
+    assert runs["GPU / llama3-8b / 32 layers"]["meta"]["source_sha1"] == "a"
