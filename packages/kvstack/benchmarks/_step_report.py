@@ -230,6 +230,13 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
                 f"before `{st['before'][:40]}`: {says}"
                 + (f"; {gap:.0f} us between their launches ({busy})" if gap is not None else "")
             )
+        for st in (r.get("stall_frames") or [])[:1]:  # (the stack profile's longest stall)
+            chain = " > ".join(f"{h['name']} {h['us']:.0f} us" for h in st.get("host_chain", []))
+            if chain:
+                out.append(
+                    f"- {where}, with Python stacks, a stall of {st['stall_us']:.0f} us before "
+                    f"`{st['before'][:40]}`: the host was in {chain}"
+                )
         for key in ("syncs_by_site_error", "kept_error"):
             if r.get(key):
                 out.append(f"- {where}: {key} {r[key]}")

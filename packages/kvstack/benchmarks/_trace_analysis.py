@@ -283,6 +283,13 @@ def stall_hosts(
             rec["host_between"] = [
                 {"name": str(h[3].get("name", ""))[:60], "us": h[1] - h[0]} for h in outer[:5]
             ]
+            # the events inside that hold at least half the interval, outermost first: with
+            # Python stacks, the chain of frames the host was in while the device waited
+            rec["host_chain"] = [
+                {"name": str(h[3].get("name", ""))[:90], "us": h[1] - h[0]}
+                for h in sorted(inside, key=lambda h: h[0] - h[1])
+                if h[1] - h[0] >= 0.5 * (hi - lo)
+            ][:8]
         out.append(rec)
     return out
 
@@ -561,7 +568,13 @@ def sites(trace: dict[str, Any], labels: Sequence[str] | None = None,
     _, new = classify_syncs(events, windows)
     new = [s for s in new if s.step in kept]
     n = max(len(kept), 1)
+    ops = device_ops(events)
+    step_of = launch_steps(events, windows)
+    stream = compute_stream(o for o in ops if o.corr is not None and step_of.get(o.corr) in kept)
+    gaps = gap_split([o for o in ops if o.stream == stream], step_of, kept)
     return {
+        # the longest stalls again, with the Python frames the host was in (host_chain)
+        "stall_frames": stall_hosts(events, gaps.stalls),
         "syncs_by_site": by_site(events, new, n),
         "syncs_by_site_steps": len(kept),
         "stack_profile_blocking_syncs_per_step": sum(s.blocked for s in new) / n,

@@ -257,6 +257,35 @@ def test_stall_hosts_says_whether_the_host_was_late_and_what_it_ran() -> None:
     assert ta.summarize({"traceEvents": events})["stall_hosts"][0]["late_us"] == pytest.approx(450)
 
 
+def test_a_stall_names_the_python_frames_the_host_was_in() -> None:
+    """With Python stacks, the stall before op e (its launch 8 us after d's) says which frames
+    held at least half of those 8 us, outermost first: a frame of 7 us and one nested in it of 5,
+    not one of 1 us nor the 5 us frame of another thread. ``sites`` (the stack profile) reports
+    the same stall with its chain."""
+
+    def frame(name: str, ts: float, dur: float, tid: int = 1) -> dict[str, Any]:
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur,
+                "tid": tid}  # fmt: skip
+
+    events = [
+        *two_steps(),
+        frame("kvstack/engine/runner.py(10): outer", 1042.5, 7),
+        frame("kv_kernels/_fast.py(3): inner", 1043, 5),
+        frame("kv_kernels/_fast.py(9): tiny", 1048.5, 1),
+        frame("other.py(1): elsewhere", 1043, 5, tid=2),
+    ]
+    windows = ta.step_windows(events)
+    ops = [o for o in ta.device_ops(events) if o.stream == 7]
+    g = ta.gap_split(ops, ta.launch_steps(events, windows))
+    (rec,) = ta.stall_hosts(events, g.stalls)
+    assert rec["host_chain"] == [
+        {"name": "kvstack/engine/runner.py(10): outer", "us": pytest.approx(7)},
+        {"name": "kv_kernels/_fast.py(3): inner", "us": pytest.approx(5)},
+    ]
+    (via_sites,) = ta.sites({"traceEvents": events})["stall_frames"]
+    assert via_sites["host_chain"] == rec["host_chain"]
+
+
 def test_profiled_steps_name_their_garbage_collections(monkeypatch: pytest.MonkeyPatch) -> None:
     """A collection inside a profiled step is a ``gc gen<N>`` host range of the trace, so a
     stall between two launches that no torch op explains names it (``stall_hosts``' host
