@@ -5,9 +5,9 @@ A random-weight checkpoint of the shape is written (weights drawn on the device,
 safetensors under ``/dev/shm`` where it exists), served by :class:`~kvstack.engine.LLMEngine`,
 and measured per case (batch x context):
 
-- **decode**: after every prompt is prefilled, each decode step's wall time with CUDA graphs and
-  then without (the same requests, the same engine: the graphs are set aside for the eager
-  steps). ``roofline_ms`` = (weight bytes read + KV bytes read) / the device-to-device copy
+- **decode**: after every prompt is prefilled, each decode step's time (on a GPU the device's,
+  between CUDA events: :func:`_step_timing.timed_steps`) with CUDA graphs and then without (the
+  same requests, the same engine: the graphs are set aside for the eager steps). ``roofline_ms`` = (weight bytes read + KV bytes read) / the device-to-device copy
   bandwidth measured in this process; ``value`` (metric ``roofline_fraction``) = roofline_ms /
   ms_per_step. A profile of a few steps gives ``gpu_busy_fraction``, ``host_ms_per_step``,
   ``syncs_per_step`` / ``blocking_syncs_per_step``, ``gpu_gaps`` (idle between steps, launch
@@ -35,7 +35,6 @@ distinct experts for the batch's tokens under uniform routing).
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import math
 import os
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _step_timing import copy_bandwidth, gc_summary, matmul_peak, model_dtype, timed_steps
 from _step_trace import host_hotspots, profile_steps, sync_sites
 
 #: Real shapes (transformers ``config.json`` fields; ``num_hidden_layers`` may be cut by
@@ -147,52 +147,6 @@ def random_checkpoint(config: dict[str, Any], path: Path, device: str, seed: int
     return path
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, nbytes: int = 2**31) -> float:
-    """Device-to-device copy bandwidth, bytes/s counted read + write (the memory roofline)."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    sync(device)
-    best = float("inf")
-    for _ in range(10):
-        t = time.perf_counter()
-        b.copy_(a)
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    del a, b
-    return 2 * nbytes / best
-
-
-def model_dtype(device: str) -> torch.dtype:
-    """The dtype the benchmark serves the model in: bf16 on a GPU, float32 on the CPU (whose
-    bf16 matmuls can run ~100x slower than its float32 ones where it lacks bf16 units)."""
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
-
-
-def matmul_peak(device: str, n: int = 8192) -> float:
-    """Dense matmul FLOP/s measured here in the served dtype (:func:`model_dtype`): the compute
-    roofline of prefill-heavy steps. (On a CPU without bf16 units a bf16 peak read 0.8 GFLOP/s
-    against float32 steps, and the CPU smoke shape's fractions came out at 10-50.)"""
-    dtype = model_dtype(device)
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    t = time.perf_counter()
-    reps = 20
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t)
-
-
 class Cost:
     """Bytes and FLOPs of a step of the served model (module docstring's counting rules)."""
 
@@ -286,63 +240,6 @@ def _record_chunks(engine: Any) -> list[list[tuple[int, int]]]:
     return log
 
 
-class _GcClock:
-    """Milliseconds Python's garbage collector ran while installed (``gc.callbacks``)."""
-
-    def __init__(self) -> None:
-        self.ms, self._start = 0.0, 0.0
-
-    def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.ms += (time.perf_counter() - self._start) * 1e3
-
-
-def gc_summary(gc_ms: list[float]) -> dict[str, float]:
-    """``gc_ms_per_step`` (mean) and ``gc_max_ms`` of the timed steps' collections."""
-    return {"gc_ms_per_step": statistics.fmean(gc_ms), "gc_max_ms": max(gc_ms)} if gc_ms else {}
-
-
-def _timed_steps(
-    engine: Any, n: int, before: Any = None, gc_ms: list[float] | None = None
-) -> list[float]:
-    """Seconds of ``n`` steps run back to back (the device drained before and after; the drain
-    is added to the last step): the sum is the run's wall time. A step the engine leaves in
-    flight (``async_scheduling``) finishes inside the next call, so with ``async_scheduling=True``
-    each step's share is the next call's (the callers shift where it matters). ``before(k)``
-    runs before step k (requests arriving); when it returns true, the device is drained first
-    and the wait counted to step k - 1, so that step k's time is its own and not the finish of a
-    step left in flight before it."""
-    device = str(engine.runner.device)
-    # The bench's own garbage is collected before the clock starts: torch.profiler's events of
-    # the phase profiled before this one refer to each other (parent / children), so they wait
-    # for a cyclic pass, and the first oldest-generation pass inside the timed steps paid for
-    # them (H200, Llama-3-8B shape, freeze_gc on: 50 ms at most, 3.2 ms a mixed step at 64
-    # requests). A pause that remains is the engine's own.
-    gc.collect()
-    clock = _GcClock()
-    gc.callbacks.append(clock)  # (gc_ms: each step's share of the collector's time)
-    try:
-        sync(device)
-        stamps = [time.perf_counter()]
-        for k in range(n):
-            if before is not None and before(k):
-                sync(device)
-                stamps[-1] = time.perf_counter()
-            was = clock.ms
-            engine.step()
-            stamps.append(time.perf_counter())
-            if gc_ms is not None:
-                gc_ms.append(clock.ms - was)
-        sync(device)
-    finally:
-        gc.callbacks.remove(clock)
-    times = [b - a for a, b in itertools.pairwise(stamps)]
-    times[-1] += time.perf_counter() - stamps[-1]
-    return times
-
-
 def _fractions(
     times: list[float], chunks: list[list[tuple[int, int]]], cost: Cost, bw: float, peak: float
 ) -> dict[str, Any]:
@@ -416,9 +313,11 @@ def _mixed_load(
         return True
 
     gc_ms: list[float] = []
-    times = _timed_steps(engine, NEW_TOKENS, arrive, gc_ms)
+    times = timed_steps(engine, NEW_TOKENS, arrive, gc_ms)
     chunks = log[-NEW_TOKENS:]
-    shift = 1 if engine.async_scheduling is True else 0  # (eager steps in flight, see above)
+    # (on the CPU, a step left in flight finishes inside the next call: see _timed_steps)
+    cpu = engine.runner.device.type != "cuda"
+    shift = 1 if cpu and engine.async_scheduling is True else 0
     pick = [i for i, ch in enumerate(chunks[: NEW_TOKENS - shift]) if any(n > 1 for _, n in ch)]
     picked_times = [times[i + shift] for i in pick]
     state = {"k": NEW_TOKENS}  # (request ids past the timed run's)
@@ -507,7 +406,7 @@ def run_case(
         any(s.num_computed_tokens < context for s in engine.scheduler.running)
         or engine.scheduler.waiting
     ):
-        pre_t += _timed_steps(engine, 1)
+        pre_t += timed_steps(engine, 1)
     out.append(
         {**base, "phase": "prefill", **_fractions(pre_t, log[-len(pre_t) :], cost, bw, peak)}
     )
@@ -521,9 +420,9 @@ def run_case(
             continue
         engine.runner.graphs = graphs if on else None
         engine.async_scheduling = asynchronous
-        _timed_steps(engine, 2)  # capture / settle
+        timed_steps(engine, 2)  # capture / settle
         gc_ms: list[float] = []
-        t = _timed_steps(engine, NEW_TOKENS // 2, gc_ms=gc_ms)
+        t = timed_steps(engine, NEW_TOKENS // 2, gc_ms=gc_ms)
         rec = {**base, "phase": phase, **_fractions(t, log[-len(t) :], cost, bw, peak)}
         rec.update(gc_summary(gc_ms))
         rec.update(profile_steps(engine.step, profile, device))

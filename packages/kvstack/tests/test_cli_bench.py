@@ -216,13 +216,13 @@ def test_bench_engine_shape_smoke_runs_on_the_cpu(tmp_path: Path) -> None:
 def test_timed_steps_charge_each_step_its_garbage_collections(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``_timed_steps(gc_ms=)`` gives each step the time Python's collector ran inside it: a
+    """``timed_steps(gc_ms=)`` gives each step the time Python's collector ran inside it: a
     step that collects gets it, the others (automatic collections off) get none."""
     import gc
     from types import SimpleNamespace
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    step_bench = pytest.importorskip("_step_bench")
+    step_bench = pytest.importorskip("_step_timing")
     garbage = [[[] for _ in range(1000)] for _ in range(200)]  # (something to traverse)
     calls = {"n": 0}
 
@@ -236,7 +236,7 @@ def test_timed_steps_charge_each_step_its_garbage_collections(
     gc.disable()
     try:
         gc_ms: list[float] = []
-        times = step_bench._timed_steps(engine, 3, gc_ms=gc_ms)
+        times = step_bench.timed_steps(engine, 3, gc_ms=gc_ms)
     finally:
         if was:
             gc.enable()
@@ -245,3 +245,46 @@ def test_timed_steps_charge_each_step_its_garbage_collections(
     assert gc_ms[1] <= times[1] * 1e3
     assert step_bench.gc_summary(gc_ms)["gc_max_ms"] == gc_ms[1]
     del garbage
+
+
+def test_timed_steps_on_a_gpu_charge_a_step_in_flight_its_own_device_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU a step is timed by CUDA events recorded after each call, so a step the engine
+    leaves in flight (its call returns at once, the device still busy) gets its own device time,
+    and an arrival before a step drains nothing. A fake device: each call queues ``work[k]`` ms
+    and returns; an event records the time the queued work ends. Wall stamps would give every
+    step about 0 and the drain-free mixed load its true 5 / 40 / 5 ms only through the events."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    timing = pytest.importorskip("_step_timing")
+    device = {"end": 0.0, "drains": 0}
+    work = [5.0, 40.0, 5.0]
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.t = None
+
+        def record(self) -> None:
+            self.t = device["end"]
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.t - self.t
+
+    def drain(dev: str) -> None:
+        device["drains"] += 1
+
+    monkeypatch.setattr(timing.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing, "sync", drain)
+    calls = {"k": 0}
+
+    def step() -> None:  # one step ahead: queue the work, return without waiting
+        device["end"] += work[calls["k"]]
+        calls["k"] += 1
+
+    engine = SimpleNamespace(step=step, runner=SimpleNamespace(device="cuda:0"))
+    times = timing.timed_steps(engine, 3, before=lambda k: k == 1)
+    assert times == pytest.approx([w / 1e3 for w in work])
+    assert device["drains"] == 2  # before and after the run, none for the arrival
