@@ -164,10 +164,10 @@ class LLMEngine(RunsPrompts, TextSide):
             raise TypeError(
                 f"async_scheduling={async_scheduling!r} must be None, True, False or 'graphs'"
             )
-        #: One step ahead (:mod:`kvstack.engine._async`): ``"graphs"`` (the default on CUDA)
-        #: after steps replayed from a CUDA graph, ``True`` after every step, ``False`` never.
+        #: One step ahead (:mod:`kvstack.engine._async`): ``True`` (the default on CUDA) after
+        #: every step, ``"graphs"`` after steps replayed from a CUDA graph, ``False`` never.
         self.async_scheduling: bool | str = (
-            ("graphs" if runner.device.type == "cuda" else False)
+            runner.device.type == "cuda"
             if async_scheduling is None
             else async_scheduling
         )
