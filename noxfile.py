@@ -56,6 +56,15 @@ def _sync(session: nox.Session, *args: str) -> None:
     )
 
 
+def _workers() -> str:
+    """Test processes a CPU session runs (pytest-xdist's ``-n``): one a core up to 4 (CI's
+    machine has 2); ``KVSTACK_TEST_WORKERS`` overrides it, ``0`` runs the tests in-process."""
+    workers = os.environ.get("KVSTACK_TEST_WORKERS", str(min(4, os.cpu_count() or 1)))
+    if not workers.isdigit():
+        raise ValueError(f"KVSTACK_TEST_WORKERS={workers!r} must be a count (0: in-process)")
+    return workers
+
+
 def _per_package() -> list[object]:
     """One parameter per package, tagged with its name (`nox -t kv-backends`)."""
     return [nox.param(p, id=p, tags=[p]) for p in PACKAGES]
@@ -67,9 +76,11 @@ def _pytest(session: nox.Session, package: str, marks: str, **kw: object) -> Non
     extra = [a for g in TEST_GROUPS.get(package, ()) for a in ("--group", g)]
     extra += [a for e in TEST_EXTRAS.get(package, ()) for a in ("--extra", e)]
     _sync(session, "--package", package, "--group", "test", *extra)
+    # --dist loadfile: a module's tests share a process (its fixtures, e.g. a compiled kernel,
+    # are built once)
     session.run(
         "python", "-m", "pytest", f"packages/{package}/tests", "-m", marks, "-q",
-        *session.posargs, **kw,
+        "-n", _workers(), "--dist", "loadfile", *session.posargs, **kw,
     )  # fmt: skip
 
 
