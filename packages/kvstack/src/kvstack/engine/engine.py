@@ -167,9 +167,7 @@ class LLMEngine(RunsPrompts, TextSide):
         #: One step ahead (:mod:`kvstack.engine._async`): ``True`` (the default on CUDA) after
         #: every step, ``"graphs"`` after steps replayed from a CUDA graph, ``False`` never.
         self.async_scheduling: bool | str = (
-            runner.device.type == "cuda"
-            if async_scheduling is None
-            else async_scheduling
+            runner.device.type == "cuda" if async_scheduling is None else async_scheduling
         )
         self._reader = TokenReader(runner.device, max_num_seqs)
         self._inflight: InFlight | None = None

@@ -45,6 +45,7 @@ from kv_spec import (
     to_torch_dtype,
 )
 
+from kvstack.engine._blas_warm import warm_model
 from kvstack.engine.attend import RopeWrite, rope_cache_writes, step_attention
 from kvstack.engine.graphs import DecodeGraphs, default_graph_blas, reason_unsupported
 from kvstack.engine.hf_config import ArchConfig, load_arch_config
@@ -255,6 +256,7 @@ class ModelRunner:
         }
         self.builders: dict[int, MetadataBuilder] = {}
         self.layers: list[LayerBinding] = []
+        self.max_num_seqs = max_num_seqs
         self._bind(layout_order, max_num_seqs)
         #: Per layer, how its RoPE rides in its cache write (None: two launches), and why
         self.rope_writes: tuple[RopeWrite | None, ...]
@@ -395,8 +397,9 @@ class ModelRunner:
         """Build every group's kernels before the first request (``AttentionImpl.warmup``,
         through the null block 0, over the block tables ``kernel_table(group)`` the steps pass:
         their width and row pitch are part of what the kernels specialize on). Returns seconds
-        per group and adds their sum to :attr:`startup_seconds` as ``compile``. One layer a
-        group: a group's layers share its spec, backend and options."""
+        per group (and on CUDA ``matmuls``: cuBLAS's kernels, :mod:`._blas_warm`) and adds their
+        sum to :attr:`startup_seconds` as ``compile``. One layer a group: a group's layers share
+        its spec, backend and options."""
         done: dict[str, float] = {}
         for b in self.layers:
             key = f"group {b.group_id}"
@@ -415,6 +418,10 @@ class ModelRunner:
             t0 = time.perf_counter()
             mla.warmup(attn, self.dtype, self.device, self.max_model_len, self.model.scale)
             done["mla prefill workspace"] = time.perf_counter() - t0
+        if self.device.type == "cuda":  # cuBLAS's kernels for the steps' sizes (_blas_warm)
+            t0 = time.perf_counter()
+            warm_model(self.model, self.max_num_batched_tokens, self.max_num_seqs)
+            done["matmuls"] = time.perf_counter() - t0
         self.startup_seconds["compile"] = sum(done.values())
         return done
 
