@@ -119,9 +119,13 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy: strict for kv_spec, the default rules for the packages above it."""
     _sync(session, "--all-packages", "--group", "typecheck")
-    session.run("mypy", "--strict", "packages/kv-spec/src/kv_spec")
+    # One cache for every run: each benchmarks folder is its own run, and without it each one
+    # analysed torch anew (40 s a folder on CI's machine, 2 s with the shared cache).
+    cache = ("--cache-dir", str(ROOT / ".mypy_cache"))
+    session.run("mypy", *cache, "--strict", "packages/kv-spec/src/kv_spec")
     session.run(
         "mypy",
+        *cache,
         *(f"packages/{p}/src/{IMPORT_NAMES[p]}" for p in PACKAGES[1:]),
     )
     # The benchmark scripts import their siblings by plain name (`from _timing import gpu_ms`), so
@@ -131,7 +135,7 @@ def typecheck(session: nox.Session) -> None:
             bench_dir = ROOT / "packages" / p / "benchmarks"
             if bench_dir.is_dir():
                 session.chdir(bench_dir)
-                session.run("mypy", "--explicit-package-bases", ".")
+                session.run("mypy", *cache, "--explicit-package-bases", ".")
     finally:
         session.chdir(ROOT)
 
