@@ -10,11 +10,11 @@ Which steps are left in flight: ``True`` (the default on CUDA) every step, eager
 ``"graphs"`` only those replayed from a CUDA graph, whose launch costs the host next to nothing
 (an H100, Llama-3-8B shape, 64 x 1k: a decode step 9.7 ms against 11.9 ms in lockstep); ``False``
 none (the CPU's default: there the "device" is the host). An eager step's host work (its
-launches alone are ~17-34 ms at 32 layers) overlaps the step before it too: on an H200, same
-process, each step timed on the device, ``True`` against ``"graphs"`` took an eager 256 x 1k
-decode step from 0.68 to 0.75 of the memory roofline, 64 x 1k from 0.42 to 0.50, and the steps
-that prefill beside 256 / 64 decodes from 0.60 / 0.70 to 0.61 / 0.74, graphed steps unchanged
-(``docs/benchmarks/engine_gpu.*``). An H100 run had once timed eager steps slower this way (36
+launches alone are ~15-28 ms at 32 layers) overlaps the step before it too: on an H200, one
+device call, Llama-3-8B shape, each step timed on the device, ``True`` against ``"graphs"`` took
+an eager 256 x 1k decode step from 0.56 to 0.76 of the memory roofline, 64 x 1k from 0.29 to
+0.45, and the steps that prefill beside 256 decodes from 0.62 to 0.63 (beside 64: 0.75 both),
+graphed steps unchanged (``docs/benchmarks/engine_gpu.*``). An H100 run had once timed eager steps slower this way (36
 ms against 21): its steps were wall-timed across separate runs, and it is not re-measured yet.
 
 A pending token's id is not on the host when step n+1 is built: its input row is written on the
