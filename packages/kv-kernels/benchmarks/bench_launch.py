@@ -17,6 +17,8 @@ back-to-back calls (the device drained before; the GPU does not bound it: every 
 well under the host time on the device, except attention at batch 256, whose queue the host
 never waits on).
 ``plain_us``: the same with ``KV_KERNELS_FAST_LAUNCH`` off and the call caches bypassed;
+records with ``batch`` ``"new"`` (:func:`new_class_us`): each op's first call at a token count
+not seen before, the median over :data:`NEW_CLASSES` (a mixed step's count is new each step);
 ``bound``: whether the fast calls went through a bound launcher. Writes ``DIR/launch.json``
 (records with provenance) and prints one JSON line per record::
 
@@ -123,6 +125,29 @@ def _cases(batch: int, stub: bool = False) -> dict[str, Callable[[], Any]]:
     }
 
 
+#: token counts a step may take one after another (a mixed step's decodes grow by one), each a
+#: shape class not seen before; warmed first: one of each count's divisibility by 16 (Triton
+#: specializes on it, so a first count of each may compile)
+NEW_CLASSES = tuple(range(65, 73))
+_WARM_CLASSES = (63, 80)
+
+
+def new_class_us(stub: bool) -> dict[str, float]:
+    """Host µs of each op's first call at a token count not seen before (median over
+    :data:`NEW_CLASSES`): what a step with a new token count pays at its first layer, where the
+    checks, the plan and the bound launch are made anew (the layers after it hit)."""
+    times: dict[str, list[float]] = {}
+    for batch in (*_WARM_CLASSES, *NEW_CLASSES):
+        for op, fn in _cases(batch, stub=stub).items():
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            us = (time.perf_counter() - t0) * 1e6
+            if batch in NEW_CLASSES:
+                times.setdefault(op, []).append(us)
+    return {op: statistics.median(v) for op, v in times.items()}
+
+
 def _measure(op: str, fn: Callable[[], Any], iters: int) -> dict[str, Any]:
     launchers = _launch.reset_all()
     fn()
@@ -154,10 +179,23 @@ def write_md(path: str, data: dict[str, Any]) -> None:
         "|---|---|---|---|---|",
     ]
     for r in data["records"]:
-        lines.append(
-            f"| {r['op']} | {r['batch']} | {r['fast_us']:.1f} | {r['plain_us']:.1f} | "
-            f"{r['speedup']:.2f}x |"
-        )
+        if r["batch"] != "new":
+            lines.append(
+                f"| {r['op']} | {r['batch']} | {r['fast_us']:.1f} | {r['plain_us']:.1f} | "
+                f"{r['speedup']:.2f}x |"
+            )
+    fresh = [r for r in data["records"] if r["batch"] == "new"]
+    if fresh:
+        lines += [
+            "",
+            "The first call at a token count not seen before (the median over "
+            f"{len(NEW_CLASSES)} counts, {NEW_CLASSES[0]}-{NEW_CLASSES[-1]}): what a step with a "
+            "new token count, e.g. a mixed step, pays at its first layer.",
+            "",
+            "| op | µs |",
+            "|---|---|",
+            *(f"| {r['op']} | {r['value']:.1f} |" for r in fresh),
+        ]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -199,6 +237,10 @@ def main() -> None:
             rec["value"] = rec["fast_us"]
             records.append(rec)
             print(json.dumps(rec), flush=True)
+    for op, us in new_class_us(stub=False).items():
+        rec = {"op": op, "batch": "new", "metric": "new_class_host_us", "value": us}
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "launch.json"), "w") as f:
@@ -231,12 +273,19 @@ def _stub_main(
                 fn()  # (the first binds)
                 us = _best_us(fn, iters)
                 bound = sum(launcher.hits for launcher in launchers) > 0
-                rec = {"op": op, "batch": batch, "metric": "stub_host_us", "value": round(us, 2),
-                       "bound": bound}  # fmt: skip
+                rec: dict[str, Any] = {"op": op, "batch": batch, "metric": "stub_host_us",
+                                       "value": round(us, 2), "bound": bound}  # fmt: skip
                 if (op, batch) in before:
                     rec["baseline_us"] = before[(op, batch)]
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
+        for op, us in new_class_us(stub=True).items():
+            rec = {"op": op, "batch": "new", "metric": "stub_new_class_host_us",
+                   "value": round(us, 2), "bound": None}  # fmt: skip
+            if (op, "new") in before:
+                rec["baseline_us"] = before[(op, "new")]
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
     if out_dir:
         meta = {
             **provenance("torch", "triton"),
@@ -268,7 +317,9 @@ def _write_stub_md(path: str, data: dict[str, Any]) -> None:
         f"3 medians of {data['iters']} back-to-back calls, fake-cuda tensors and no-op launchers "
         "(kv_kernels.testing_launch: no driver, no allocator, no C launcher; a fake-cuda "
         "tensor's attribute reads cost more than a real one's). A comparison of two versions "
-        "of the host path on one machine, not a GPU host's time (`launch_h200.md`)."
+        "of the host path on one machine, not a GPU host's time (`launch_h200.md`). Batch "
+        "`new`: the first call at a token count not seen before, the median over "
+        f"{len(NEW_CLASSES)} counts (one call, not a median of many)."
         + (f" Baseline: `{data['baseline']}`." if has_base else ""),
         "",
         "| op | batch | " + ("baseline µs | " if has_base else "") + "µs | bound |",

@@ -262,6 +262,35 @@ def test_bound_calls_launch_what_the_uncached_path_launches(
     assert _pointer_ints(got) is (case not in UNBOUND)
 
 
+def test_classes_of_one_structure_share_the_bound_source_and_launch_their_own_values(
+    stub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a new token count is a new shape class, bound anew; its generated source is
+    that of every class with the same launches (the values live in the class's namespace), so
+    it is compiled once (``compile`` was ~1 ms of each build on a slow CPU). Each class must
+    still launch its own grid and arguments: the uncached path's, call by call. Planted: a
+    cache that kept the first class's namespace would launch batch 3's grid for batch 4."""
+    compiled: list[str] = []
+    real = compile
+
+    def counting(source: str, *a: Any) -> Any:
+        compiled.append(source)
+        return real(source, *a)
+
+    monkeypatch.setattr(bound_mod, "compile", counting, raising=False)
+    monkeypatch.setattr(bound_mod, "_CODE", {})
+    layout = _layout()
+    for q_lens in ((1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1, 1)):
+        args = _case(layout, q_lens=q_lens)
+        plain = _plain_launches(args, monkeypatch)
+        for _ in range(3):
+            got = _bound_launches(args, plain)
+            assert _same(plain, got), f"{q_lens}: {got} != {plain}"
+        assert _pointer_ints(got)  # (bound: pointers went as ints)
+    assert len(compiled) == len(set(compiled)) == len(bound_mod._CODE) >= 1
+    assert len(compiled) < 3  # at least two of the three classes shared a source
+
+
 def test_a_planted_argument_swap_in_a_bound_call_is_caught(
     stub: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -310,8 +310,19 @@ def _compile(calls: list[tuple[str, str]], namespace: dict[str, Any]) -> tuple[A
     runs = "".join(f"    {run}({args})\n" for run, args in calls)
     tuples = "".join(f"({args}), " for _, args in calls)
     source = f"def launch({params}):\n{runs}\ndef arguments({params}):\n    return ({tuples})\n"
-    exec(compile(source, "<kv_kernels bound paged_attention call>", "exec"), namespace)
+    # The source is the same for every class of a call's structure (its values are the
+    # namespace's), so it is compiled once: ``compile`` took ~1 ms of each build on a slow CPU,
+    # and a mixed step (a new token count) builds anew.
+    code = _CODE.get(source)
+    if code is None:
+        if len(_CODE) >= 256:  # (structures are few; a bound on a sweep of odd ones)
+            _CODE.clear()
+        code = _CODE[source] = compile(source, "<kv_kernels bound paged_attention call>", "exec")
+    exec(code, namespace)
     return namespace["launch"], namespace["arguments"]
+
+
+_CODE: dict[str, Any] = {}
 
 
 def _views_cache(view: torch.Tensor, kv_cache: torch.Tensor) -> bool:
