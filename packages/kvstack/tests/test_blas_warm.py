@@ -8,6 +8,8 @@ run, so they must be warmed, not only the separate projections), two layers of t
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from kvstack.engine import _blas_warm
@@ -50,6 +52,11 @@ def test_sizes_cover_aligned_and_unaligned_counts_up_to_the_budget() -> None:
     for m in (128, 129, 256, 257, 384, 385, 512, 513, 64, 65):
         assert m in sizes
     assert 130 not in sizes and len(sizes) == len(set(sizes))
+    # every 128 up to 8,192, then ~1/16 of the count apart: a 64k budget stays small
+    big = [m for m in _blas_warm.warm_sizes(65536) if m % 2 == 0 and m >= 128]
+    assert big[:64] == [128 * i for i in range(1, 65)] and big[-1] <= 65536
+    assert all(b - a <= max(128, a // 16) for a, b in itertools.pairwise(big))
+    assert len(big) < 110 and 65536 - big[-1] <= 65536 // 16
     with pytest.raises(ValueError, match="max_tokens=0"):
         _blas_warm.warm_sizes(0)
 
