@@ -7,7 +7,8 @@ and measured per case (batch x context):
 
 - **decode**: after every prompt is prefilled, each decode step's time (on a GPU the device's,
   between CUDA events: :func:`_step_timing.timed_steps`) with CUDA graphs and then without (the
-  same requests, the same engine: the graphs are set aside for the eager steps). ``roofline_ms`` = (weight bytes read + KV bytes read) / the device-to-device copy
+  same requests, the same engine: the graphs are set aside for the eager steps).
+  ``roofline_ms`` = (weight bytes read + KV bytes read) / the device-to-device copy
   bandwidth measured in this process; ``value`` (metric ``roofline_fraction``) = roofline_ms /
   ms_per_step. A profile of a few steps gives ``gpu_busy_fraction``, ``host_ms_per_step``,
   ``syncs_per_step`` / ``blocking_syncs_per_step``, ``gpu_gaps`` (idle between steps, launch
@@ -315,7 +316,7 @@ def _mixed_load(
     gc_ms: list[float] = []
     times = timed_steps(engine, NEW_TOKENS, arrive, gc_ms)
     chunks = log[-NEW_TOKENS:]
-    # (on the CPU, a step left in flight finishes inside the next call: see _timed_steps)
+    # (on the CPU, a step left in flight finishes inside the next call: see timed_steps)
     cpu = engine.runner.device.type != "cuda"
     shift = 1 if cpu and engine.async_scheduling is True else 0
     pick = [i for i, ch in enumerate(chunks[: NEW_TOKENS - shift]) if any(n > 1 for _, n in ch)]

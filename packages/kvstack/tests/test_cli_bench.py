@@ -285,6 +285,13 @@ def test_timed_steps_on_a_gpu_charge_a_step_in_flight_its_own_device_time(
         calls["k"] += 1
 
     engine = SimpleNamespace(step=step, runner=SimpleNamespace(device="cuda:0"))
-    times = timing.timed_steps(engine, 3, before=lambda k: k == 1)
+    asked: list[int] = []
+
+    def arrive(k: int) -> bool:  # (a request arrives before step 1)
+        asked.append(k)
+        return k == 1
+
+    times = timing.timed_steps(engine, 3, before=arrive)
     assert times == pytest.approx([w / 1e3 for w in work])
     assert device["drains"] == 2  # before and after the run, none for the arrival
+    assert asked == [0, 1, 2]  # the arrivals still happen on the GPU
