@@ -11,7 +11,9 @@ contract (as an engine drives it) and read back through the layout descriptor.
 - each fault of the failure model the connector declares (``CAPABILITIES.faults``,
   ``kv_connectors.FAULTS``) ends in a reported load error for exactly the blocks it hit, whose
   bytes stay as they were (never wrong KV);
-- ``abort_request`` of planned work is reported.
+- ``abort_request`` of planned work is reported;
+- a store told of a running request's blocks (``blocks_computed``) before it finishes round-trips
+  the same bytes, and frees the request's blocks only once every save of it landed.
 
 A new connector is its module plus one line in :data:`CONNECTORS` (a factory from the context: a
 temporary root, the role a transfer side plays, its TP rank and the block size).
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -134,6 +137,7 @@ class Harness:
         src_ids: list[int] = SRC_IDS,
         dst_ids: list[int] = DST_IDS,
         fault: str | None = None,
+        told_running: int = 0,
     ) -> Moved:
         src_cache = random_cache(src, seed=1)
         dst_cache = random_cache(dst, seed=2)
@@ -142,7 +146,7 @@ class Harness:
         if self.capabilities.kind == "store":
             conn = self.connector(src.block_size)
             conn.register_kv_caches(src_cache, src)
-            self._save(conn, req, src_ids)
+            self._save(conn, req, src_ids, told_running)
             if fault is not None:
                 INJECT[fault](self, conn)
             conn.register_kv_caches(dst_cache, dst)  # the GPU side restarted with a fresh cache
@@ -182,7 +186,20 @@ class Harness:
         moved.errors = loader.get_block_ids_with_load_errors()
         return moved
 
-    def _save(self, conn: KVConnector, req: Any, block_ids: list[int]) -> None:
+    def _save(self, conn: KVConnector, req: Any, block_ids: list[int], told: int = 0) -> None:
+        """``req`` saved: told of its first ``told`` blocks while running (one step: nothing
+        may be reported sent, the request still uses them), then finished."""
+        if told:
+            conn.blocks_computed(
+                SimpleNamespace(request_id=req.request_id, block_hashes=req.block_hashes[:told]),
+                block_ids,
+            )
+            meta = conn.build_connector_meta()
+            conn.start_load_kv(meta)
+            for layer in range(conn.kv.num_layers):
+                conn.save_kv_layer(layer, meta)
+            conn.wait_for_save()
+            assert conn.get_finished() == (set(), set())
         delay, params = conn.request_finished(req, block_ids)
         assert delay and params is None
         meta = conn.build_connector_meta()
@@ -250,6 +267,16 @@ def test_round_trip_is_byte_exact(harness: Harness, name: str) -> None:
     for s, d in zip(SRC_IDS, DST_IDS, strict=True):
         assert torch.equal(block_bytes(moved.dst, layout, d), block_bytes(moved.src, layout, s))
     assert torch.equal(block_bytes(moved.dst, layout, UNTOUCHED), moved.before[UNTOUCHED])
+
+
+def test_a_store_told_of_running_blocks_round_trips(harness: Harness) -> None:
+    if harness.capabilities.kind != "store":
+        pytest.skip(f"{harness.name} is a transfer: it moves a request's KV once it finished")
+    layout = make_layout("LBNHC")
+    moved = harness.move(layout, layout, told_running=2)
+    assert moved.tokens == len(DST_IDS) * layout.block_size and moved.errors == set()
+    for s, d in zip(SRC_IDS, DST_IDS, strict=True):
+        assert torch.equal(block_bytes(moved.dst, layout, d), block_bytes(moved.src, layout, s))
 
 
 CONVERSIONS = {

@@ -460,3 +460,50 @@ def test_nixl_vram_between_two_gpus(
 ) -> None:
     pytest.importorskip("nixl._api")
     _pull_from_gpu_peer("nixl", spawn_peer, make_request)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["waited", "planted-no-wait"])
+def test_offload_save_of_a_preempted_request_reads_its_blocks_first(
+    planted: bool, make_request: Callable[..., Any]
+) -> None:
+    """A running request's blocks saved while it runs (``blocks_computed``) may still be copying
+    when the engine preempts it and writes the freed blocks: ``handle_preemptions`` makes the
+    compute stream wait for that save, so the tier holds the request's KV, not the next
+    writer's. The save lane is held back ~20 ms (a sleeping kernel it waits for) so the writes
+    are enqueued while the save still waits. Planted: without the call, the tier holds the
+    overwritten bytes."""
+    layout = make_layout("LBNHC", num_blocks=32, num_layers=4, num_kv_heads=2, block_size=16,
+                         head_size=64, dtype="bfloat16")  # fmt: skip
+    cache = random_cache(layout, seed=3, device="cuda")
+    assert isinstance(cache, torch.Tensor)
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 24), block_size=layout.block_size)
+    conn.register_kv_caches(cache, layout)
+    src = [1, 3, 5, 7]
+    want = [block_bytes(cache, layout, b).clone() for b in src]
+    a = make_request("a", 4, layout.block_size, seed=4)
+    conn.blocks_computed(a, src)  # (every block complete: the request's view)
+    meta = conn.build_connector_meta()
+    lane = conn._save_lane
+    assert lane is not None
+    hold = torch.cuda.Stream()
+    with torch.cuda.stream(hold):
+        torch.cuda._sleep(40_000_000)  # ~20 ms of device time
+    held = torch.cuda.Event()
+    held.record(hold)
+    lane.stream.wait_event(held)
+    conn.start_load_kv(meta)
+    for layer in range(layout.num_layers):
+        conn.save_kv_layer(layer, meta)
+    conn.wait_for_save()  # handed off; the copies wait behind the sleep
+    if not planted:
+        conn.handle_preemptions(["a"])
+    cache.fill_(0)  # the next request writes the freed blocks, on the compute stream
+    torch.cuda.synchronize()
+    assert conn.get_finished()[0] == set() and conn.stats.stored_blocks == 4  # (running)
+    _load_into(conn, make_request("b", 4, layout.block_size, seed=4), [16, 18, 20, 22])
+    loaded = [
+        torch.equal(block_bytes(cache, layout, d), w)
+        for d, w in zip([16, 18, 20, 22], want, strict=True)
+    ]
+    assert loaded == [not planted] * 4
+    conn.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -294,3 +295,117 @@ def test_a_step_left_unfinished_lands_before_the_next_plans(
     got = [block_bytes(cache, layout, d) for d in (9, 12)]
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert not any(conn._pins.get(h) for h in b.block_hashes)
+
+
+def _running(req: Any, num_blocks: int) -> Any:
+    """``req`` as the engine shows a running request: its first ``num_blocks`` complete blocks."""
+    return SimpleNamespace(request_id=req.request_id, block_hashes=req.block_hashes[:num_blocks])
+
+
+def _step(conn: OffloadingConnector) -> set[str]:
+    """One engine step: the metadata, every layer saved, the saves handed off; ``done_sending``."""
+    meta = conn.build_connector_meta()
+    conn.start_load_kv(meta)
+    for layer in range(conn.kv.num_layers):
+        conn.save_kv_layer(layer, meta)
+    conn.wait_for_save()
+    return conn.get_finished()[0]
+
+
+def test_blocks_are_saved_while_the_request_runs(make_request: Callable[..., Any]) -> None:
+    """``blocks_computed`` saves a running request's complete blocks in the step it is called,
+    each block once: a finished request has only its last blocks left to copy (none here, so
+    its blocks are not kept), and what the tier holds is the request's KV, byte for byte."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    bs = layout.block_size
+    cache = random_cache(layout, seed=5)
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
+    conn.register_kv_caches(cache, layout)
+    a = make_request("a", 4, bs, seed=6)
+    ids = [3, 7, 8, 2]
+    want = [block_bytes(cache, layout, b) for b in ids]
+    conn.blocks_computed(_running(a, 2), ids)
+    assert _step(conn) == set()  # saved, but the request runs: nothing to free
+    assert conn.stats.stored_blocks == 2
+    conn.blocks_computed(_running(a, 2), ids)  # nothing new: nothing planned
+    assert not conn.build_connector_meta().saves
+    conn.blocks_computed(_running(a, 4), ids)
+    meta = conn.build_connector_meta()
+    assert [s.block_ids for s in meta.saves] == [(8, 2)]  # only the two new blocks
+    conn.start_load_kv(meta)
+    conn.wait_for_save(meta)
+    assert conn.request_finished(a, ids) == (False, None)  # every block stored already
+    assert _load(conn, make_request("b", 4, bs, seed=6), [12, 13, 14, 15]) == 4 * bs
+    assert all(
+        torch.equal(block_bytes(cache, layout, d), w)
+        for d, w in zip([12, 13, 14, 15], want, strict=True)
+    )
+
+
+def test_done_sending_waits_for_every_save_of_the_request(
+    make_request: Callable[..., Any],
+) -> None:
+    """A request that finishes while a save of its running blocks still copies is reported in
+    ``done_sending`` (its blocks freed) only after that save and the finish's own have landed.
+    Planted: reported at the first save to land, the engine would free blocks the second still
+    reads."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    bs = layout.block_size
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
+    conn.register_kv_caches(random_cache(layout, seed=5), layout)
+    a = make_request("a", 4, bs, seed=6)
+    ids = [3, 7, 8, 2]
+    conn.blocks_computed(_running(a, 2), ids)
+    first = conn.build_connector_meta()
+    conn.start_load_kv(first)  # handed to the worker side, not copied yet
+    assert conn.request_finished(a, ids) == (True, None)
+    conn.wait_for_save(first)  # the first save lands
+    assert conn.get_finished()[0] == set()
+    assert _step(conn) == {"a"}  # the finish's save lands: now the blocks may go
+    assert conn.stats.stored_blocks == 4
+
+
+def test_abort_keeps_a_finished_request_until_its_save_in_flight_lands(
+    make_request: Callable[..., Any],
+) -> None:
+    """Aborting a finished request drops its save not yet handed off (its tier slots freed) but
+    reports it only once the save already copying has landed."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    bs = layout.block_size
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
+    conn.register_kv_caches(random_cache(layout, seed=5), layout)
+    a = make_request("a", 4, bs, seed=6)
+    ids = [3, 7, 8, 2]
+    conn.blocks_computed(_running(a, 2), ids)
+    first = conn.build_connector_meta()
+    conn.start_load_kv(first)
+    assert conn.request_finished(a, ids) == (True, None)
+    conn.abort_request("a")
+    assert conn.get_finished()[0] == set()  # the first save still reads the blocks
+    conn.wait_for_save(first)
+    assert conn.get_finished()[0] == {"a"}
+    assert sorted(conn.stored_hashes()) == sorted(a.block_hashes[:2])  # the dropped two: gone
+    assert len(conn._free) == conn.capacity_blocks - 2
+
+
+def test_a_preempted_request_is_told_its_blocks_again(make_request: Callable[..., Any]) -> None:
+    """After ``handle_preemptions`` a resumed request's blocks are counted from its first again:
+    one the tier could not take before (every slot pinned) is saved when the request is told of
+    it anew, the ones stored are not copied twice."""
+    layout = make_layout("BLNHC", num_blocks=16)
+    bs = layout.block_size
+    row = layout.num_layers * layout.page_bytes
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=2 * row), block_size=bs)
+    conn.register_kv_caches(random_cache(layout, seed=5), layout)
+    other = make_request("o", 1, bs, seed=9)
+    conn.blocks_computed(_running(other, 1), [9])
+    held = conn.build_connector_meta()  # o's save planned, not landed: its slot is pinned
+    a = make_request("a", 2, bs, seed=6)
+    conn.blocks_computed(_running(a, 2), [3, 7])  # one slot free: a's first block only
+    conn.start_load_kv(held)
+    conn.wait_for_save(held)
+    assert _step(conn) == set() and conn.stats.skipped_saves == 1
+    conn.handle_preemptions(["a"])
+    conn.blocks_computed(_running(a, 2), [4, 5])  # resumed into other blocks
+    meta = conn.build_connector_meta()
+    assert [s.block_ids for s in meta.saves] == [(5,)]  # the block skipped before, once

@@ -130,6 +130,34 @@ def test_connector_tokens_equal_recomputing_under_preemption(llama_dir: Path) ->
     assert stats.kv_connector.loaded_tokens > 0
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "one-step-ahead"])
+def test_cpu_tier_saves_a_running_requests_blocks(llama_dir: Path, ahead: bool) -> None:
+    """The engine tells the tier of each block a request completes (``blocks_computed``): the
+    prompt's blocks are stored while the request still decodes, the reply's as they fill, and
+    at the finish only the last is left to copy. The stored blocks serve the next turn, whose
+    tokens equal recomputing it. One step ahead, the steps that save are left in flight too
+    (their saves handed off as they are left) and the counts trail by that step."""
+    tier = OffloadingConnector(OffloadingConfig(cpu_bytes=64 * 2048), block_size=BS)
+    engine = LLMEngine(llama_dir, kv_connector=tier, async_scheduling=ahead, **SMALL)  # type: ignore[arg-type]
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    rid = engine.add_request(None, HISTORY, params)
+    tokens: list[int] = []
+    stored: list[int] = []
+    while engine.has_unfinished:
+        tokens += [e.token_id for e in engine.step() if e.request_id == rid]
+        stored.append(tier.stats.stored_blocks)
+    # 24 prompt tokens: 6 blocks after the prefill; the reply's 8 fed tokens fill 2 more
+    assert stored[0] == 0 and stored[1] == 6  # the prompt's, in the first decode step
+    assert stored[-2] == 7 and tier.stats.stored_blocks == 8
+    assert (engine._ahead > 0) == ahead  # (the saving steps themselves went ahead)
+    _evict_history(engine)
+    turn2 = [*HISTORY, *tokens, 17, 18, 19]
+    got = engine.generate([turn2], GREEDY)[0]
+    assert got.token_ids == _recomputed(llama_dir, turn2)
+    assert got.num_cached_prompt_tokens == 0 and tier.stats.hit_blocks == 8
+    tier.close()
+
+
 def _disk(root: Path, model_dir: Path) -> FilesystemConnector:
     cfg = FilesystemConfig(root=root, model_fingerprint=model_fingerprint(model_dir), fsync=False)
     return FilesystemConnector(cfg, block_size=BS)

@@ -10,8 +10,13 @@ Scheduler side (decides, never touches KV):
   request's blocks (``block_ids``: its whole block table so far, in order) — plan the load;
 - ``build_connector_meta() -> ConnectorMetadata``: everything planned since the last call, for the
   worker side;
+- ``blocks_computed(request, block_ids)`` (optional): a running request has more complete blocks
+  than when last told (``request.block_hashes``: all of them, computed by the steps before this
+  one); called before ``build_connector_meta``, so a store may save them in this step rather than
+  all at ``request_finished`` (vLLM's offloading connector stores as blocks fill, the same way);
 - ``request_finished(request, block_ids) -> (delay_free, kv_transfer_params)``: the request is done;
-  ``delay_free=True`` asks the engine to keep its blocks until ``done_sending`` reports it;
+  ``delay_free=True`` asks the engine to keep its blocks until ``done_sending`` reports it (every
+  save of the request, the ones ``blocks_computed`` started included);
 - ``abort_request(request_id)``: the engine dropped the request: what was planned for it and not
   started is dropped, what is under way ends as it would; the engine keeps the request's blocks
   until the connector reports it (``done_recving`` for a load it waits for, ``done_sending`` for
@@ -20,7 +25,10 @@ Scheduler side (decides, never touches KV):
 Worker side (moves KV): ``register_kv_caches(storages, layouts)``, ``start_load_kv(meta)``,
 ``wait_for_layer_load(layer)``, ``save_kv_layer(layer, meta)``, ``wait_for_save()``,
 ``get_finished(finished_req_ids) -> (done_sending, done_recving)``,
-``get_block_ids_with_load_errors()``, ``get_request_ids_with_save_errors()``.
+``get_block_ids_with_load_errors()``, ``get_request_ids_with_save_errors()``, and
+``handle_preemptions(request_ids)`` (optional, vLLM's name): the engine freed running requests'
+blocks (preempted or aborted) and is about to write them: a save of theirs still copying must
+read them first.
 
 Errors reach the engine through the contract, never only a log line: a failed load through
 ``get_block_ids_with_load_errors`` (the engine recomputes those blocks); a failed save through
@@ -227,6 +235,13 @@ class KVConnector(ABC):
         self._saves.clear()
         return meta
 
+    def blocks_computed(self, request: RequestLike, block_ids: Sequence[int]) -> None:  # noqa: B027
+        """Running ``request``'s complete blocks grew: ``request.block_hashes`` are all of them
+        (every slot computed by the steps before this one), ``block_ids`` its block table (at
+        least as long). The engine calls it before this step's ``build_connector_meta``; a store
+        may plan saves of the blocks it has not seen. Default: nothing (saves wait for
+        :meth:`request_finished`)."""
+
     @abstractmethod
     def request_finished(
         self, request: RequestLike, block_ids: Sequence[int]
@@ -247,11 +262,18 @@ class KVConnector(ABC):
         for spec in [s for s in self._loads if s.request_id == request_id]:
             self._loads.remove(spec)
             self._drop_load(spec)
-        for save in [s for s in self._saves if s.request_id == request_id]:
+        dropped = [s for s in self._saves if s.request_id == request_id]
+        for save in dropped:
             self._saves.remove(save)
             self._drop_save(save)
+        if dropped and not self._saves_open(request_id):
             self._worker.done_sending.add(request_id)
         self._abort(request_id)
+
+    def _saves_open(self, request_id: str) -> bool:
+        """Subclass hook: whether a save of ``request_id`` handed to the worker side is still
+        copying (its ``done_sending`` then waits for that save)."""
+        return False
 
     def _drop_load(self, spec: LoadSpec) -> None:  # noqa: B027 - optional hook
         """Subclass hook: undo what planning ``spec`` reserved (pins, plans)."""
@@ -322,6 +344,12 @@ class KVConnector(ABC):
     def wait_for_save(self) -> None:
         """Block until the saves of this step are handed off (a failure is reported by
         :meth:`get_request_ids_with_save_errors`)."""
+
+    def handle_preemptions(self, request_ids: Iterable[str]) -> None:  # noqa: B027
+        """The engine freed these running requests' blocks (preempted or aborted) and will write
+        them next: return once no save of theirs can read the blocks after those writes (on CUDA
+        a wait of the compute stream on the saves' events; no host sync). Default: nothing (a
+        connector that saves only finished requests' blocks, which the engine keeps)."""
 
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         """``(done_sending, done_recving)`` since the last call. ``finished_req_ids`` are requests

@@ -95,6 +95,10 @@ class MultiConnector(KVConnector):
             children=metas,
         )
 
+    def blocks_computed(self, request: RequestLike, block_ids: Sequence[int]) -> None:
+        for c in self.connectors:
+            c.blocks_computed(request, block_ids)
+
     def request_finished(
         self, request: RequestLike, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -148,6 +152,11 @@ class MultiConnector(KVConnector):
     def wait_for_save(self) -> None:
         for c in self.connectors:
             c.wait_for_save()
+
+    def handle_preemptions(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        for c in self.connectors:
+            c.handle_preemptions(ids)
 
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         ids = list(finished_req_ids)

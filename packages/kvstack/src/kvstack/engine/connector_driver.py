@@ -6,6 +6,11 @@ One :class:`KVConnectorDriver` per engine plays both of the contract's callers:
   the local prefix hit, ``get_num_new_matched_tokens`` (external hits counted before allocation),
   then ``update_state_after_alloc`` with the request's blocks; at the end ``request_finished``
   (``delay_free``: the blocks stay until ``done_sending``) or ``abort_request``;
+- *scheduler side*, every step, before the metadata: ``blocks_computed`` for each scheduled
+  request with more complete blocks than when last told (what the steps before this one computed:
+  a store saves them while the request runs, little is left for ``request_finished``), and
+  ``handle_preemptions`` for requests whose blocks the scheduler freed this step or since the last
+  (preempted, aborted): their saves still copying are read before this step writes the blocks;
 - *worker side*, every step: ``build_connector_meta`` → ``start_load_kv``, then per layer
   ``wait_for_layer_load`` before attention and ``save_kv_layer`` after it
   (:class:`~kvstack.engine.runner.KVLayerHooks`), ``wait_for_save`` after the forward, and
@@ -169,6 +174,9 @@ class KVConnectorDriver:
         self._refused: dict[str, str] = {}  # loads the connector refused at allocation: why
         #: requests to stream once their last prompt tokens are scheduled -> who gets the params
         self._streams: dict[str, Callable[[str, dict[str, Any]], None]] = {}
+        #: running request -> complete blocks the connector was told of (``blocks_computed``)
+        self._told: dict[str, int] = {}
+        self._tells = type(connector).blocks_computed is not KVConnector.blocks_computed
 
     def _view(self, seq: Seq, with_params: bool) -> _RequestView:
         params = seq.kv_transfer_params if with_params else None
@@ -215,6 +223,7 @@ class KVConnectorDriver:
         # block it completed holds one slot of junk (a store keyed by its hash would serve it).
         view = self._view(seq, True)
         view.block_hashes = view.block_hashes[: seq.num_computed_tokens // self.block_size]
+        self._told.pop(seq.request_id, None)
         delay, params = self.connector.request_finished(view, block_ids)
         seq.kv_transfer_params_out = params
         self._held_back |= delay
@@ -224,7 +233,10 @@ class KVConnectorDriver:
         """The engine dropped ``request_id``: end its transfers (its blocks stay with the
         scheduler until the connector reports them)."""
         self._streams.pop(request_id, None)
+        self._told.pop(request_id, None)
         self.connector.abort_request(request_id)
+        # (a running request's blocks are free now: a save of them still copying reads first)
+        self.connector.handle_preemptions((request_id,))
 
     # -- layer-wise streaming (producer) -------------------------------------------------------
 
@@ -283,10 +295,22 @@ class KVConnectorDriver:
 
     # -- worker side ---------------------------------------------------------------------------
 
-    def start_step(self, chunks: Sequence[ScheduledChunk] = ()) -> None:
+    def start_step(
+        self, chunks: Sequence[ScheduledChunk] = (), preempted: Sequence[str] = ()
+    ) -> None:
         """This step's metadata to the worker side; loads start (in-step ones finish by layer).
-        Requests of ``chunks`` (this step's) to stream whose last prompt tokens are scheduled are
-        streamed first, so their saves are in this step's metadata."""
+        First the requests ``preempted`` this step (their blocks freed: saves of them still
+        copying read them before this step's writes), then the blocks ``chunks``' requests
+        completed in the steps before (``blocks_computed``); requests to stream whose last
+        prompt tokens are scheduled are streamed, so their saves are in this step's metadata."""
+        t0 = time.perf_counter()
+        if preempted:
+            for rid in preempted:
+                self._told.pop(rid, None)
+            self.connector.handle_preemptions(preempted)
+        if self._tells:
+            self._tell_computed(chunks)
+        self.stats.save_host_s += time.perf_counter() - t0
         if self._streams:
             self._stream_scheduled(chunks)
         t0 = time.perf_counter()
@@ -295,6 +319,32 @@ class KVConnectorDriver:
         self.stats.load_host_s += time.perf_counter() - t0
         if self._meta.loads:  # (NIXL and sockets write past torch's version counters)
             self.runner.note_external_writes()
+
+    def _tell_computed(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """``blocks_computed`` for each request of ``chunks`` whose blocks completed before this
+        step (``start``: tokens in the cache before it) outnumber those told. A request loading
+        in this step is left for the next: its loaded tokens count only once verified."""
+        told, bs = self._told, self.block_size
+        for c in chunks:
+            seq = c.seq
+            rid = seq.request_id
+            done = min(c.start // bs, len(seq.kv.block_hashes))
+            if done <= told.get(rid, 0) or rid in self._step_loads:
+                continue
+            told[rid] = done
+            assert self.scheduler is not None
+            block_ids = self.scheduler.kv.get_block_ids(seq.kv)[0]
+            view = _RequestView(rid, seq.kv.block_hashes[:done])
+            self.connector.blocks_computed(view, list(block_ids[:done]))
+
+    def hand_off_saves(self) -> None:
+        """A step left in flight (:mod:`kvstack.engine._async`): its saves handed off, as
+        :meth:`end_forward` does after a step the host waits for (the copies follow the step's
+        writes on the device either way)."""
+        if self._meta is not None and self._meta.saves:
+            t0 = time.perf_counter()
+            self.connector.wait_for_save()
+            self.stats.save_host_s += time.perf_counter() - t0
 
     def before_attention(self, layer_slot: int) -> None:
         if self._step_loads:  # (only a load inside this step has layers to wait for)
@@ -358,11 +408,11 @@ class KVConnectorDriver:
         return logits[keep], [sampled[i] for i in keep]
 
     def quiet(self) -> bool:
-        """No transfer of this engine's in flight, planned for the current step or left to
-        report: no load (in the step or behind it), no save, no streamed prefill, no kept
-        blocks, no error to match. Only then may the engine leave a step in flight
-        (:mod:`kvstack.engine._async`): nothing waits for the step's end (saves handed off,
-        in-step loads settled, landed loads joining the batch)."""
+        """No load of this engine's in flight, planned for the current step or left to report
+        (in the step or behind it), no streamed prefill, no kept blocks, no error to match. Only
+        then may the engine leave a step in flight (:mod:`kvstack.engine._async`): nothing waits
+        for the step's end (in-step loads settled, landed loads joining the batch). The step's
+        saves do not count: :meth:`hand_off_saves` hands them off as the step is left."""
         meta = self._meta
         return not (
             self._step_loads
@@ -371,17 +421,18 @@ class KVConnectorDriver:
             or self._held_back
             or self._refused
             or self._bad
-            or (meta is not None and (meta.loads or meta.saves))
+            or (meta is not None and meta.loads)
         )
 
     def snapshot(self) -> KVConnectorStats:
         """A copy of :attr:`stats` (what ``LLMEngine.stats()`` returns)."""
         return dataclasses.replace(self.stats, reasons=dict(self.stats.reasons))
 
-    def idle_step(self) -> None:
-        """A step with no batch: saves handed off, finished transfers collected."""
+    def idle_step(self, finished_req_ids: Iterable[str] = ()) -> None:
+        """A step with no batch: saves handed off, finished transfers collected
+        (``finished_req_ids``: requests the step left in flight before it finished)."""
         self.end_forward()
-        self.poll(())
+        self.poll(finished_req_ids)
         assert self.scheduler is not None
         if self.scheduler.loading:
             time.sleep(1e-3)  # nothing to compute: leave the core to the transfer threads

@@ -413,13 +413,16 @@ class LLMEngine(RunsPrompts, TextSide):
         self._ahead += prev is not None
         conn = self.connector
         if conn is not None:
-            conn.start_step(out.chunks)  # (a streamed prefill hands its params over here)
+            conn.start_step(out.chunks, out.preempted)  # (a streamed prefill's params, too)
         if not out.chunks:
             for rid in out.preempted:
                 self._rows.release(rid)
+            ended: list[Seq] = []
+            if prev is not None:  # (first: the requests it finishes hand their saves off now)
+                events += self._resolve(prev, ended)
             if conn is not None:
-                conn.idle_step()
-            return events + (self._resolve(prev) if prev is not None else [])
+                conn.idle_step(s.request_id for s in ended)
+            return events
         self._rows.prepare(out)
         # One pass over the chunks builds every host list (no per-chunk tensors). The positions
         # come from the tables, which derive them from the same lengths for the metadata.
@@ -479,7 +482,8 @@ class LLMEngine(RunsPrompts, TextSide):
             done: list[Seq] = []
             if prev is not None:
                 events += self._resolve(prev, done)
-            if conn is not None:  # (quiet: only the finished requests to tell it)
+            if conn is not None:  # (quiet: its saves to hand off, the finished to tell it)
+                conn.hand_off_saves()
                 conn.poll(s.request_id for s in done)
             self._wall_s += time.perf_counter() - t0
             return events
