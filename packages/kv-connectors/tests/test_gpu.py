@@ -475,7 +475,6 @@ def test_offload_save_of_a_preempted_request_reads_its_blocks_first(
     layout = make_layout("LBNHC", num_blocks=32, num_layers=4, num_kv_heads=2, block_size=16,
                          head_size=64, dtype="bfloat16")  # fmt: skip
     cache = random_cache(layout, seed=3, device="cuda")
-    assert isinstance(cache, torch.Tensor)
     conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 24), block_size=layout.block_size)
     conn.register_kv_caches(cache, layout)
     src = [1, 3, 5, 7]
@@ -497,7 +496,8 @@ def test_offload_save_of_a_preempted_request_reads_its_blocks_first(
     conn.wait_for_save()  # handed off; the copies wait behind the sleep
     if not planted:
         conn.handle_preemptions(["a"])
-    cache.fill_(0)  # the next request writes the freed blocks, on the compute stream
+    for t in [cache] if isinstance(cache, torch.Tensor) else cache:
+        t.fill_(0)  # the next request writes the freed blocks, on the compute stream
     torch.cuda.synchronize()
     assert conn.get_finished()[0] == set() and conn.stats.stored_blocks == 4  # (running)
     _load_into(conn, make_request("b", 4, layout.block_size, seed=4), [16, 18, 20, 22])
