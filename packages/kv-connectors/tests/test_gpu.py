@@ -248,6 +248,45 @@ def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[
     conn.close()
 
 
+def test_filesystem_save_from_cuda_never_waits_on_the_host(
+    tmp_path: Path, make_request: Callable[..., Any]
+) -> None:
+    """``wait_for_save`` gathers a request's blocks behind the compute stream's work and returns
+    without waiting for it; the request is reported sent (its blocks may go) only once the rows
+    are on the host, and the file holds the blocks' bytes as the stream's earlier work left
+    them, not what the stream writes after the gather. The stream is held ~20 ms by a sleeping
+    kernel. (Before: a host sync a save, the whole step's GPU work waited for.)"""
+    layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
+    cache = random_cache(layout, seed=3, device="cuda")
+    conn = FilesystemConnector(
+        FilesystemConfig(root=tmp_path, model_fingerprint="model-a", fsync=False),
+        block_size=layout.block_size,
+    )
+    conn.register_kv_caches(cache, layout)
+    want = [block_bytes(cache, layout, b) for b in (7, 9)]
+    conn.request_finished(make_request("a", 2, layout.block_size, seed=4), [7, 9])
+    conn.start_load_kv(conn.build_connector_meta())
+    torch.cuda.synchronize()
+    torch.cuda._sleep(40_000_000)  # ~20 ms of the compute stream
+    t0 = time.perf_counter()
+    conn.wait_for_save()
+    waited = time.perf_counter() - t0
+    sent_early = conn.get_finished()[0]
+    for t in [cache] if isinstance(cache, torch.Tensor) else cache:
+        t.fill_(0)  # the blocks are freed and written after the gather, on the same stream
+    assert waited < 0.010 and sent_early == set()
+    assert _saved(conn) == {"a"}
+    conn.flush()
+    b = make_request("b", 2, layout.block_size, seed=4)
+    tokens, _ = conn.get_num_new_matched_tokens(b, 0)
+    conn.update_state_after_alloc(b, [20, 21], tokens)
+    conn.start_load_kv(conn.build_connector_meta())
+    torch.cuda.synchronize()
+    got = [block_bytes(cache, layout, d) for d in (20, 21)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    conn.close()
+
+
 def _pull_from_gpu_peer(
     transport: str,
     spawn_peer: Callable[..., Any],

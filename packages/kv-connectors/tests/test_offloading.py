@@ -409,3 +409,23 @@ def test_a_preempted_request_is_told_its_blocks_again(make_request: Callable[...
     conn.blocks_computed(_running(a, 2), [4, 5])  # resumed into other blocks
     meta = conn.build_connector_meta()
     assert [s.block_ids for s in meta.saves] == [(5,)]  # the block skipped before, once
+
+
+def test_save_tracker_reports_a_finished_request_after_its_last_save() -> None:
+    """The accounting both stores share (``_save_tracking.SaveTracker``): blocks shown once each,
+    a finished request kept while a save is open and reported at the last one's close, a
+    forgotten request shown its blocks again."""
+    from kv_connectors._save_tracking import SaveTracker
+
+    t = SaveTracker()
+    assert t.new_blocks("a", 2) == 0 and t.new_blocks("a", 2) is None and t.new_blocks("a", 5) == 2
+    t.opened("a")
+    t.opened("a")
+    assert t.finishing("a") == 5 and t.keep("a")
+    assert not t.closed("a") and t.closed("a") and not t.is_open("a")
+    t.opened("b")
+    assert not t.closed("b")  # running: nothing to report
+    assert t.finishing("b") == 0 and not t.keep("b")  # nothing open: free at once
+    assert t.new_blocks("c", 3) == 0
+    t.forget("c")
+    assert t.new_blocks("c", 3) == 0

@@ -16,9 +16,13 @@ mid-save leaves its temporary behind; :meth:`FilesystemConnector.clean_stale_tem
 registration, on the writer thread) removes those that provably belong to no live writer.
 
 The root must be a usable directory: the connector creates it and probes that it can write there
-at construction, and refuses (``ValueError`` naming the root and the reason) otherwise. Saves are
-written behind ``wait_for_save`` (which reports the request in ``done_sending`` as soon as its
-blocks are copied to host memory, so they may be freed); a save that cannot be written is
+at construction, and refuses (``ValueError`` naming the root and the reason) otherwise. A
+running request's blocks are saved as they fill (``blocks_computed``), the rest at its finish.
+Saves are written behind ``wait_for_save``: it gathers the blocks into pinned host rows on the
+compute stream without waiting (a CUDA event marks the rows complete; the writer thread waits for
+it, never the engine's host), and the request is reported in ``done_sending`` once every save of
+it is on the host, so its blocks may be freed. Later writes to the blocks follow the gather on the
+same stream, so a preempted request's blocks need no wait. A save that cannot be written is
 reported through :meth:`~kv_connectors.KVConnector.get_request_ids_with_save_errors` with its
 reason in ``save_error_reasons``, never only logged. On load the
 header (magic, format, layout key, block hash, size) and the checksum are verified: a corrupt,
@@ -37,7 +41,7 @@ import struct
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -45,6 +49,7 @@ from typing import Any
 
 import torch
 
+from kv_connectors._save_tracking import SaveTracker
 from kv_connectors.base import (
     ConnectorCapabilities,
     ConnectorMetadata,
@@ -191,6 +196,8 @@ class FilesystemConnector(KVConnector):
         self._writes: list[Future[None]] = []
         self._saving: set[bytes] = set()
         self._pending_saves: list[SaveSpec] = []
+        self._tracker = SaveTracker()  # saves of running and finished requests
+        self._copying: list[tuple[str, Any]] = []  # (request id, event) of gathers in flight
 
     def _on_register(self, kv: RegisteredKV) -> None:
         hashes = ",".join(lay.compatibility_hash() for lay in kv.layouts)
@@ -251,24 +258,51 @@ class FilesystemConnector(KVConnector):
             self._matched[request.request_id] = (first, hits)
         return tokens, False
 
+    def blocks_computed(self, request: RequestLike, block_ids: Sequence[int]) -> None:
+        start = self._tracker.new_blocks(request.request_id, len(request.block_hashes))
+        if start is not None:
+            self._plan_save(request, block_ids, start)
+
     def request_finished(
         self, request: RequestLike, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._plan_save(request, block_ids, self._tracker.finishing(rid))
+        return self._tracker.keep(rid), None
+
+    def _plan_save(self, request: RequestLike, block_ids: Sequence[int], start: int) -> None:
+        """Plan the save of ``request``'s blocks from ``start`` on that have no file (and are not
+        being saved)."""
         ids: list[int] = []
         hashes: list[bytes] = []
-        for h, b in zip(request.block_hashes, block_ids, strict=False):
+        pairs = zip(request.block_hashes[start:], block_ids[start:], strict=False)
+        for h, b in pairs:
             if h in self._saving or self.path_of(h).is_file():
                 continue
             ids.append(b)
             hashes.append(h)
             self._saving.add(h)
-        if not ids:
-            return False, None
-        self._saves.append(SaveSpec(request.request_id, tuple(ids), tuple(hashes)))
-        return True, None
+        if ids:
+            self._tracker.opened(request.request_id)
+            self._saves.append(SaveSpec(request.request_id, tuple(ids), tuple(hashes)))
 
     def _drop_save(self, spec: SaveSpec) -> None:
         self._saving.difference_update(spec.block_hashes)
+        self._close_save(spec.request_id)
+
+    def _saves_open(self, request_id: str) -> bool:
+        return self._tracker.is_open(request_id)
+
+    def _close_save(self, request_id: str) -> None:
+        if self._tracker.closed(request_id):
+            self._worker.done_sending.add(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self._tracker.forget(request_id)
+
+    def handle_preemptions(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:  # (gathers run on the compute stream: writes follow them)
+            self._tracker.forget(rid)
 
     # -- worker side ---------------------------------------------------------------------------
 
@@ -318,19 +352,37 @@ class FilesystemConnector(KVConnector):
             kv.host_sync()  # the kernels read the pinned rows directly: keep them until done
 
     def wait_for_save(self, meta: ConnectorMetadata | None = None) -> None:
-        """Copy this step's saved blocks to host rows, report them sent, write files behind."""
+        """Gather this step's saved blocks into host rows (on CUDA without waiting: an event
+        marks them complete), write the files behind."""
         kv = self.kv
         saves = self._pending_saves if meta is None else [*self._pending_saves, *meta.saves]
         self._pending_saves = []
+        cuda = kv.device.type == "cuda"
         for spec in saves:
             rows = kv.new_rows(len(spec.block_ids), pin=True)
             kv.gather(kv.ids_tensor(spec.block_ids), rows)
-            kv.host_sync()  # the rows are complete before the blocks may be freed
-            self._worker.done_sending.add(spec.request_id)  # blocks may be freed: bytes are on host
-            self._writes.append(self._writer.submit(self._write_all, spec, rows))
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(kv.device))
+            self._copying.append((spec.request_id, event))
+            self._writes.append(self._writer.submit(self._write_all, spec, rows, event))
+        self._collect()
 
-    def _write_all(self, spec: SaveSpec, rows: torch.Tensor) -> None:
+    def _collect(self) -> None:
+        """Saves whose rows are on the host: their blocks may be freed."""
+        left = []
+        for rid, event in self._copying:
+            if event is not None and not event.query():
+                left.append((rid, event))
+            else:
+                self._close_save(rid)
+        self._copying = left
+
+    def _write_all(self, spec: SaveSpec, rows: torch.Tensor, event: Any = None) -> None:
         try:
+            if event is not None:
+                event.synchronize()  # (this thread waits for the gather, never the engine's)
             for i, h in enumerate(spec.block_hashes):
                 payload = rows[i].numpy().tobytes()
                 write_block_file(
@@ -350,6 +402,7 @@ class FilesystemConnector(KVConnector):
         self._writes.clear()
 
     def _poll(self) -> None:
+        self._collect()
         self._writes = [f for f in self._writes if not f.done()]
 
     def close(self) -> None:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from kv_connectors._lanes import Lane, Run, copy_on_host, order_runs
+from kv_connectors._save_tracking import SaveTracker
 from kv_connectors.base import (
     ConnectorCapabilities,
     ConnectorMetadata,
@@ -158,9 +159,7 @@ class OffloadingConnector(KVConnector):
         self._pins: dict[bytes, int] = {}  # hash -> in-flight copies using it
         self._free: list[int] = []  # free tier slots, a min-heap (lowest first)
         self._pending: list[_PendingSave] = []
-        self._progress: dict[str, int] = {}  # running request -> its blocks planned or seen
-        self._open: dict[str, int] = {}  # request -> its saves planned and not yet landed
-        self._finished: set[str] = set()  # finished requests whose saves are still open
+        self._tracker = SaveTracker()  # saves of running and finished requests
         self._save_lane: Lane | None = None  # CUDA caches only
         self._load_lane: Lane | None = None
         self._load_events: dict[int, Any] = {}  # segment -> event of this step's loads
@@ -304,21 +303,16 @@ class OffloadingConnector(KVConnector):
         return spec
 
     def blocks_computed(self, request: RequestLike, block_ids: Sequence[int]) -> None:
-        rid = request.request_id
-        start = self._progress.get(rid, 0)
-        if len(request.block_hashes) > start:
-            self._progress[rid] = len(request.block_hashes)
+        start = self._tracker.new_blocks(request.request_id, len(request.block_hashes))
+        if start is not None:
             self._plan_save(request, block_ids, start)
 
     def request_finished(
         self, request: RequestLike, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._plan_save(request, block_ids, self._progress.pop(rid, 0))
-        if not self._open.get(rid):
-            return False, None
-        self._finished.add(rid)
-        return True, None
+        self._plan_save(request, block_ids, self._tracker.finishing(rid))
+        return self._tracker.keep(rid), None
 
     def _plan_save(self, request: RequestLike, block_ids: Sequence[int], start: int) -> None:
         """Plan the save of ``request``'s blocks from ``start`` on that the tier lacks (blocks
@@ -359,27 +353,18 @@ class OffloadingConnector(KVConnector):
         for h in hashes:
             slot_of[h] = heapq.heappop(free)
         self._pin(hashes, +1)
-        rid = request.request_id
-        self._open[rid] = self._open.get(rid, 0) + 1
-        self._saves.append(SaveSpec(rid, tuple(ids), tuple(hashes)))
+        self._tracker.opened(request.request_id)
+        self._saves.append(SaveSpec(request.request_id, tuple(ids), tuple(hashes)))
 
     def _saves_open(self, request_id: str) -> bool:
-        return bool(self._open.get(request_id))
+        return self._tracker.is_open(request_id)
 
     def _close_save(self, request_id: str) -> None:
-        """One save of ``request_id`` landed or was dropped; a finished request whose last one
-        it was is reported in ``done_sending`` (by the caller, for a dropped one: abort)."""
-        left = self._open[request_id] - 1
-        if left:
-            self._open[request_id] = left
-            return
-        del self._open[request_id]
-        if request_id in self._finished:
-            self._finished.discard(request_id)
+        if self._tracker.closed(request_id):
             self._worker.done_sending.add(request_id)
 
     def _abort(self, request_id: str) -> None:
-        self._progress.pop(request_id, None)
+        self._tracker.forget(request_id)
 
     def _drop_load(self, spec: LoadSpec) -> None:
         self._pin(spec.block_hashes, -1)
@@ -501,7 +486,7 @@ class OffloadingConnector(KVConnector):
         compute stream waits for each one's last copy (on the CPU the copies were synchronous)."""
         ids = set(request_ids)
         for rid in ids:
-            self._progress.pop(rid, None)
+            self._tracker.forget(rid)
         mine = [p for p in self._pending if p.spec.request_id in ids]
         if any(p.event is None for p in mine):  # (not handed off yet: enqueue every segment)
             self._save_segments(range(len(self.kv.segments)))
