@@ -194,16 +194,25 @@ def test_offload_history_in_two_runs_of_slots_loads_byte_exact(
     conn.close()
 
 
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
 def test_offload_transfers_compile_no_kernel_after_register(
-    make_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    tier: str, tmp_path: Path, make_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Saves and loads of 1 to 33 blocks (row counts on and off the multiples of 16 that Triton
     specializes), shuffled (staged) and consecutive (direct), compile no kernel once the tier is
-    registered: its copy kernels' variants are loaded then."""
+    registered: its copy kernels' variants are loaded then (the CPU tier's segment copies
+    through device staging, the disk tier's whole rows into pinned host rows)."""
     knobs = pytest.importorskip("triton").knobs
     layout = make_layout("LBNHC", num_blocks=128, dtype="bfloat16")
     cache = random_cache(layout, seed=9, device="cuda")
-    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 26), block_size=layout.block_size)
+    conn: Any
+    if tier == "cpu":
+        conn = OffloadingConnector(
+            OffloadingConfig(cpu_bytes=1 << 26), block_size=layout.block_size
+        )
+    else:
+        cfg = FilesystemConfig(root=tmp_path, model_fingerprint="model-a", fsync=False)
+        conn = FilesystemConnector(cfg, block_size=layout.block_size)
     conn.register_kv_caches(cache, layout)
     seen: list[str] = []
 
@@ -220,6 +229,8 @@ def test_offload_transfers_compile_no_kernel_after_register(
         conn.start_load_kv(conn.build_connector_meta())
         conn.wait_for_save()
         assert _saved(conn) == {req.request_id}
+        if tier == "disk":
+            conn.flush()
         dst = [64 + i for i in range(n)] if k % 2 else torch.randperm(64)[:n].add(64).tolist()
         _load_into(conn, make_request(f"l{k}", n, layout.block_size, seed=20 + k), dst)
         conn.wait_for_save()
@@ -248,14 +259,16 @@ def test_filesystem_round_trip_from_cuda(tmp_path: Path, make_request: Callable[
     conn.close()
 
 
+@pytest.mark.parametrize("planted", [False, True], ids=["waited", "planted-no-wait"])
 def test_filesystem_save_from_cuda_never_waits_on_the_host(
-    tmp_path: Path, make_request: Callable[..., Any]
+    planted: bool, tmp_path: Path, make_request: Callable[..., Any]
 ) -> None:
-    """``wait_for_save`` gathers a request's blocks behind the compute stream's work and returns
-    without waiting for it; the request is reported sent (its blocks may go) only once the rows
-    are on the host, and the file holds the blocks' bytes as the stream's earlier work left
-    them, not what the stream writes after the gather. The stream is held ~20 ms by a sleeping
-    kernel. (Before: a host sync a save, the whole step's GPU work waited for.)"""
+    """``wait_for_save`` gathers a running request's blocks on a side stream and returns without
+    waiting; a finished request is not reported sent before its rows are on the host; a
+    preempted request's blocks are written only after its gather (``handle_preemptions``), so
+    the file holds its bytes. The side stream is held ~20 ms by a sleeping kernel it waits for.
+    Planted: without ``handle_preemptions`` the writes go first and the file holds them.
+    (Before: a host sync a save, on the compute stream.)"""
     layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
     cache = random_cache(layout, seed=3, device="cuda")
     conn = FilesystemConnector(
@@ -264,18 +277,27 @@ def test_filesystem_save_from_cuda_never_waits_on_the_host(
     )
     conn.register_kv_caches(cache, layout)
     want = [block_bytes(cache, layout, b) for b in (7, 9)]
-    conn.request_finished(make_request("a", 2, layout.block_size, seed=4), [7, 9])
+    conn.blocks_computed(make_request("a", 2, layout.block_size, seed=4), [7, 9])
+    conn.request_finished(make_request("f", 1, layout.block_size, seed=8), [3])  # (finished)
     conn.start_load_kv(conn.build_connector_meta())
     torch.cuda.synchronize()
-    torch.cuda._sleep(40_000_000)  # ~20 ms of the compute stream
+    hold = torch.cuda.Stream()
+    with torch.cuda.stream(hold):
+        torch.cuda._sleep(40_000_000)  # ~20 ms of device time
+    held = torch.cuda.Event()
+    held.record(hold)
+    conn._stream.wait_event(held)
     t0 = time.perf_counter()
     conn.wait_for_save()
     waited = time.perf_counter() - t0
     sent_early = conn.get_finished()[0]
+    if not planted:
+        conn.handle_preemptions(["a"])
     for t in [cache] if isinstance(cache, torch.Tensor) else cache:
-        t.fill_(0)  # the blocks are freed and written after the gather, on the same stream
+        t.fill_(0)  # the freed blocks written by the next request, on the compute stream
     assert waited < 0.010 and sent_early == set()
-    assert _saved(conn) == {"a"}
+    torch.cuda.synchronize()
+    assert _saved(conn) == {"f"}  # (not a: it runs, its blocks were never held back)
     conn.flush()
     b = make_request("b", 2, layout.block_size, seed=4)
     tokens, _ = conn.get_num_new_matched_tokens(b, 0)
@@ -283,7 +305,7 @@ def test_filesystem_save_from_cuda_never_waits_on_the_host(
     conn.start_load_kv(conn.build_connector_meta())
     torch.cuda.synchronize()
     got = [block_bytes(cache, layout, d) for d in (20, 21)]
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert [torch.equal(g, w) for g, w in zip(got, want, strict=True)] == [not planted] * 2
     conn.close()
 
 

@@ -210,25 +210,7 @@ class OffloadingConnector(KVConnector):
                 )
             self._save_lane = Lane.make(kv.device, quarter)
             self._load_lane = Lane.make(kv.device, quarter)
-            self._load_copy_kernels()
-
-    def _load_copy_kernels(self) -> None:
-        """Build and load every variant of the block copies a save or load can launch, so none
-        is compiled while serving: Triton specializes a piece's row count (an argument of the
-        copy kernel) on equal to 1 and multiple of 16. An H200 run compiled the copy kernel twice
-        inside the first CPU-tier transfers (a step of 53 ms against ~38). The ids of a piece
-        are a slice of the request's: 16-byte aligned or not (pointers are specialized too)."""
-        kv = self.kv
-        for n in (1, 16, 17):
-            if n + 1 > kv.num_blocks:
-                break
-            both = kv.ids_tensor(list(range(n + 1)))
-            for ids in (both[:n], both[1:]):  # (an int64 slice at an odd row: 8-byte aligned)
-                for seg, s in enumerate(kv.segments):
-                    rows = torch.empty(n, s.row_bytes, dtype=torch.uint8, device=kv.device)
-                    one = range(seg, seg + 1)
-                    kv.gather(ids, rows, segments=one, cols=False, load_only=True)
-                    kv.scatter(rows, ids, segments=one, cols=False, load_only=True)
+            kv.load_copy_kernels(host=False, segments=True)  # (none compiles while serving)
 
     @property
     def capacity_blocks(self) -> int:
