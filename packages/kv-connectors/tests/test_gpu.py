@@ -4,6 +4,7 @@ NIXL VRAM <-> VRAM between two GPUs of one host (skipped with fewer than two).""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -306,6 +307,57 @@ def test_filesystem_save_from_cuda_never_waits_on_the_host(
     torch.cuda.synchronize()
     got = [block_bytes(cache, layout, d) for d in (20, 21)]
     assert [torch.equal(g, w) for g, w in zip(got, want, strict=True)] == [not planted] * 2
+    conn.close()
+
+
+def test_filesystem_saves_reuse_pinned_slabs(
+    tmp_path: Path, make_request: Callable[..., Any]
+) -> None:
+    """Saves gather into the config's pinned slabs (allocated once; a save larger than a slab in
+    parts) and take fresh pinned memory only when every slab is still being written: with the
+    writer thread held, a 10-block save over 2-row slabs takes the 4 slabs and 1 fresh buffer
+    (``staging_misses``); every block round-trips exactly either way."""
+    layout = make_layout("BLNHC", num_blocks=32, dtype="bfloat16")
+    cache = random_cache(layout, seed=5, device="cuda")
+    row = layout.num_layers * layout.page_bytes
+    cfg = FilesystemConfig(
+        root=tmp_path, model_fingerprint="model-a", fsync=False, staging_bytes=4 * 2 * row
+    )
+    conn = FilesystemConnector(cfg, block_size=layout.block_size)
+    conn.register_kv_caches(cache, layout)
+    src = [3, 1, 4, 15, 9, 2, 6, 5, 30, 7]
+    want = [block_bytes(cache, layout, b) for b in src]
+    conn.request_finished(make_request("a", 5, layout.block_size, seed=6), src[:5])
+    conn.start_load_kv(conn.build_connector_meta())
+    conn.wait_for_save()  # 3 parts, 3 slabs
+    conn.flush()
+    assert conn.staging_misses == 0
+    gate = threading.Event()
+    conn._writer.submit(gate.wait)  # the writer is busy: no slab comes back
+    conn.request_finished(make_request("b", 10, layout.block_size, seed=6), src)
+    conn.start_load_kv(conn.build_connector_meta())
+    conn.wait_for_save()  # a's five blocks are on disk: b's other five in 3 parts
+    gate.set()
+    conn.flush()
+    assert conn.staging_misses == 0
+    c = make_request("c", 10, layout.block_size, seed=7)
+    conn.request_finished(c, src)
+    gate = threading.Event()
+    conn._writer.submit(gate.wait)
+    conn.start_load_kv(conn.build_connector_meta())
+    conn.wait_for_save()  # 10 new blocks: 5 parts for 4 slabs
+    gate.set()
+    conn.flush()
+    assert conn.staging_misses == 1
+    for req in (make_request("b2", 10, layout.block_size, seed=6), c):
+        dst = list(range(16, 26))
+        tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+        assert tokens == 10 * layout.block_size
+        conn.update_state_after_alloc(req, dst, tokens)
+        conn.start_load_kv(conn.build_connector_meta())
+        torch.cuda.synchronize()
+        got = [block_bytes(cache, layout, d) for d in dst]
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     conn.close()
 
 

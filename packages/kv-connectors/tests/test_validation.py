@@ -116,6 +116,7 @@ FIELDS: dict[type[Any], dict[str, tuple[Any, Any]]] = {
         "fsync": (bad_bool, good_bool),
         "timeout_s": (bad_timeout, good_timeout),
         "stale_tmp_s": (bad_timeout, good_timeout),
+        "staging_bytes": (bad_int(0), good_int(0)),
     },
     P2pConfig: {
         **ENDPOINT,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import queue
 import socket
 import struct
 import tempfile
@@ -106,6 +107,10 @@ def is_stale_temporary(path: Path, *, max_age_s: float, now: float | None = None
     except FileNotFoundError:
         return False  # renamed into place or removed meanwhile
     return (time.time() if now is None else now) - mtime > max_age_s
+
+
+#: pinned slabs of ``FilesystemConfig.staging_bytes``: saves in flight to disk at once
+_SLABS = 4
 
 
 class BlockFileError(ValueError):
@@ -201,6 +206,10 @@ class FilesystemConnector(KVConnector):
         self._tracker = SaveTracker()  # saves of running and finished requests
         self._copying: list[tuple[str, Any]] = []  # (request id, event) of gathers in flight
         self._stream: Any = None  # the gathers' side stream (CUDA caches)
+        self._slabs: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()  # free pinned slabs
+        self._slab_rows = 0  # block rows a slab holds (0: no slabs)
+        #: saves that found every slab writing and took fresh pinned memory (a host stop each)
+        self.staging_misses = 0
 
     def _on_register(self, kv: RegisteredKV) -> None:
         hashes = ",".join(lay.compatibility_hash() for lay in kv.layouts)
@@ -211,6 +220,17 @@ class FilesystemConnector(KVConnector):
         kv.load_copy_kernels(host=True, segments=False)  # (none compiles while serving)
         if kv.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(kv.device)
+        if kv.device.type == "cuda" and not self._slab_rows and self.config.staging_bytes:
+            rows = self.config.staging_bytes // (_SLABS * kv.row_bytes)
+            if rows < 1:
+                raise ValueError(
+                    f"FilesystemConfig.staging_bytes={self.config.staging_bytes} holds no block "
+                    f"row in each of its {_SLABS} slabs (a row is {kv.row_bytes} bytes); give "
+                    f"staging_bytes >= {_SLABS * kv.row_bytes}, or 0 for no slabs"
+                )
+            self._slab_rows = rows
+            for _ in range(_SLABS):
+                self._slabs.put(kv.new_rows(rows, pin=True))
 
     def _clean_quietly(self) -> None:
         try:
@@ -370,21 +390,37 @@ class FilesystemConnector(KVConnector):
         saves = self._pending_saves if meta is None else [*self._pending_saves, *meta.saves]
         self._pending_saves = []
         for spec in saves:
-            rows = kv.new_rows(len(spec.block_ids), pin=True)
-            ids = kv.ids_tensor(spec.block_ids)  # (uploaded on the compute stream)
             event = None
-            if self._stream is None:
-                kv.gather(ids, rows)
-            else:
-                self._stream.wait_stream(torch.cuda.current_stream(kv.device))
-                ids.record_stream(self._stream)  # (read there after the plan is dropped)
-                with torch.cuda.stream(self._stream):
+            step = self._slab_rows or len(spec.block_ids)
+            for a in range(0, len(spec.block_ids), step):
+                part = SaveSpec(
+                    spec.request_id, spec.block_ids[a : a + step], spec.block_hashes[a : a + step]
+                )
+                slab, rows = self._host_rows(len(part.block_ids))
+                ids = kv.ids_tensor(part.block_ids)  # (uploaded on the compute stream)
+                if self._stream is None:
                     kv.gather(ids, rows)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            self._copying.append((spec.request_id, event))
-            self._writes.append(self._writer.submit(self._write_all, spec, rows, event))
+                else:
+                    self._stream.wait_stream(torch.cuda.current_stream(kv.device))
+                    ids.record_stream(self._stream)  # (read there after the plan is dropped)
+                    with torch.cuda.stream(self._stream):
+                        kv.gather(ids, rows)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                self._writes.append(self._writer.submit(self._write_all, part, rows, event, slab))
+            self._copying.append((spec.request_id, event))  # (the last part's: the stream's order)
         self._collect()
+
+    def _host_rows(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(slab, rows)``: ``n`` pinned rows from a free slab, or fresh ones (slab None)."""
+        if self._slab_rows:
+            try:
+                slab = self._slabs.get_nowait()
+            except queue.Empty:
+                self.staging_misses += 1
+            else:
+                return slab, slab[:n]
+        return None, self.kv.new_rows(n, pin=True)
 
     def _collect(self) -> None:
         """Saves whose rows are on the host: their blocks may be freed."""
@@ -396,7 +432,9 @@ class FilesystemConnector(KVConnector):
                 self._close_save(rid)
         self._copying = left
 
-    def _write_all(self, spec: SaveSpec, rows: torch.Tensor, event: Any = None) -> None:
+    def _write_all(
+        self, spec: SaveSpec, rows: torch.Tensor, event: Any = None, slab: Any = None
+    ) -> None:
         try:
             if event is not None:
                 event.synchronize()  # (this thread waits for the gather, never the engine's)
@@ -411,6 +449,8 @@ class FilesystemConnector(KVConnector):
             self._fail_save(spec.request_id, f"{type(exc).__name__}: {exc}")
         finally:
             self._saving.difference_update(spec.block_hashes)
+            if slab is not None:
+                self._slabs.put(slab)  # (written or failed: the rows are free)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every queued file write is on disk (bounded by ``timeout_s``)."""
