@@ -78,6 +78,18 @@ def test_offload_round_trip_on_cuda(
         assert torch.equal(block_bytes(cache, layout, d), w)
 
 
+def _hold_back(*streams: Any) -> None:
+    """Make ``streams`` wait ~20 ms of device time (a sleeping kernel on a stream of its own),
+    so work enqueued on them meanwhile runs after what the test enqueues elsewhere."""
+    hold = torch.cuda.Stream()
+    with torch.cuda.stream(hold):
+        torch.cuda._sleep(40_000_000)
+    held = torch.cuda.Event()
+    held.record(hold)
+    for stream in streams:
+        stream.wait_event(held)
+
+
 def _saved(conn: Any, timeout_s: float = 10.0) -> set[str]:
     """The requests ``get_finished`` reports saved, polled until one is (or the timeout)."""
     deadline = time.monotonic() + timeout_s
@@ -122,15 +134,9 @@ def test_offload_save_reusing_a_loading_slot_waits_for_the_load(
     want = [block_bytes(cache, layout, b).clone() for b in src]
     dst = [16, 18, 20, 22]
     untouched = [block_bytes(cache, layout, d).clone() for d in dst]
-    hold = torch.cuda.Stream()
-    with torch.cuda.stream(hold):
-        torch.cuda._sleep(40_000_000)  # ~20 ms of device time
-    held = torch.cuda.Event()
-    held.record(hold)
     lane = conn._load_lane
     assert lane is not None
-    lane.stream.wait_event(held)
-    lane.copy_stream.wait_event(held)
+    _hold_back(lane.stream, lane.copy_stream)
     b = make_request("b", 4, layout.block_size, seed=4)  # a's prefix: loads a's blocks
     tokens, _ = conn.get_num_new_matched_tokens(b, 0)
     conn.update_state_after_alloc(b, dst, tokens)
@@ -282,12 +288,7 @@ def test_filesystem_save_from_cuda_never_waits_on_the_host(
     conn.request_finished(make_request("f", 1, layout.block_size, seed=8), [3])  # (finished)
     conn.start_load_kv(conn.build_connector_meta())
     torch.cuda.synchronize()
-    hold = torch.cuda.Stream()
-    with torch.cuda.stream(hold):
-        torch.cuda._sleep(40_000_000)  # ~20 ms of device time
-    held = torch.cuda.Event()
-    held.record(hold)
-    conn._stream.wait_event(held)
+    _hold_back(conn._stream)
     t0 = time.perf_counter()
     conn.wait_for_save()
     waited = time.perf_counter() - t0
@@ -597,12 +598,7 @@ def test_offload_save_of_a_preempted_request_reads_its_blocks_first(
     meta = conn.build_connector_meta()
     lane = conn._save_lane
     assert lane is not None
-    hold = torch.cuda.Stream()
-    with torch.cuda.stream(hold):
-        torch.cuda._sleep(40_000_000)  # ~20 ms of device time
-    held = torch.cuda.Event()
-    held.record(hold)
-    lane.stream.wait_event(held)
+    _hold_back(lane.stream)
     conn.start_load_kv(meta)
     for layer in range(layout.num_layers):
         conn.save_kv_layer(layer, meta)

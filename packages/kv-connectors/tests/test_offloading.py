@@ -39,12 +39,18 @@ def _load(conn: OffloadingConnector, req: Any, block_ids: list[int], computed: i
     return tokens
 
 
-def test_prefix_hit_stops_at_first_miss(make_request: Callable[..., Any]) -> None:
+def _tier(seed: int, cpu_bytes: int = 1 << 20) -> tuple[OffloadingConnector, Any, Any]:
+    """``(connector, cache, layout)``: a CPU tier registered on a random BLNHC cache of 16 blocks."""
     layout = make_layout("BLNHC", num_blocks=16)
-    bs = layout.block_size
-    cache = random_cache(layout, seed=3)
-    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
+    cache = random_cache(layout, seed=seed)
+    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=cpu_bytes), block_size=layout.block_size)
     conn.register_kv_caches(cache, layout)
+    return conn, cache, layout
+
+
+def test_prefix_hit_stops_at_first_miss(make_request: Callable[..., Any]) -> None:
+    conn, cache, layout = _tier(seed=3)
+    bs = layout.block_size
     a = make_request("a", 4, bs, seed=1)
     _save(conn, a, [0, 1, 2, 3])
     shared = list(a.token_ids[: 2 * bs])
@@ -316,11 +322,8 @@ def test_blocks_are_saved_while_the_request_runs(make_request: Callable[..., Any
     """``blocks_computed`` saves a running request's complete blocks in the step it is called,
     each block once: a finished request has only its last blocks left to copy (none here, so
     its blocks are not kept), and what the tier holds is the request's KV, byte for byte."""
-    layout = make_layout("BLNHC", num_blocks=16)
+    conn, cache, layout = _tier(seed=5)
     bs = layout.block_size
-    cache = random_cache(layout, seed=5)
-    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
-    conn.register_kv_caches(cache, layout)
     a = make_request("a", 4, bs, seed=6)
     ids = [3, 7, 8, 2]
     want = [block_bytes(cache, layout, b) for b in ids]
@@ -342,6 +345,19 @@ def test_blocks_are_saved_while_the_request_runs(make_request: Callable[..., Any
     )
 
 
+def _finished_while_saving(make_request: Callable[..., Any]) -> tuple[OffloadingConnector, Any]:
+    """A tier whose request "a" (4 blocks) finished while the save of its first 2, planned as it
+    ran, was handed to the worker side and not copied yet; that step's metadata."""
+    conn, _, layout = _tier(seed=5)
+    a = make_request("a", 4, layout.block_size, seed=6)
+    ids = [3, 7, 8, 2]
+    conn.blocks_computed(_running(a, 2), ids)
+    first = conn.build_connector_meta()
+    conn.start_load_kv(first)  # handed to the worker side, not copied yet
+    assert conn.request_finished(a, ids) == (True, None)
+    return conn, first
+
+
 def test_done_sending_waits_for_every_save_of_the_request(
     make_request: Callable[..., Any],
 ) -> None:
@@ -349,16 +365,7 @@ def test_done_sending_waits_for_every_save_of_the_request(
     ``done_sending`` (its blocks freed) only after that save and the finish's own have landed.
     Planted: reported at the first save to land, the engine would free blocks the second still
     reads."""
-    layout = make_layout("BLNHC", num_blocks=16)
-    bs = layout.block_size
-    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
-    conn.register_kv_caches(random_cache(layout, seed=5), layout)
-    a = make_request("a", 4, bs, seed=6)
-    ids = [3, 7, 8, 2]
-    conn.blocks_computed(_running(a, 2), ids)
-    first = conn.build_connector_meta()
-    conn.start_load_kv(first)  # handed to the worker side, not copied yet
-    assert conn.request_finished(a, ids) == (True, None)
+    conn, first = _finished_while_saving(make_request)
     conn.wait_for_save(first)  # the first save lands
     assert conn.get_finished()[0] == set()
     assert _step(conn) == {"a"}  # the finish's save lands: now the blocks may go
@@ -370,16 +377,8 @@ def test_abort_keeps_a_finished_request_until_its_save_in_flight_lands(
 ) -> None:
     """Aborting a finished request drops its save not yet handed off (its tier slots freed) but
     reports it only once the save already copying has landed."""
-    layout = make_layout("BLNHC", num_blocks=16)
-    bs = layout.block_size
-    conn = OffloadingConnector(OffloadingConfig(cpu_bytes=1 << 20), block_size=bs)
-    conn.register_kv_caches(random_cache(layout, seed=5), layout)
-    a = make_request("a", 4, bs, seed=6)
-    ids = [3, 7, 8, 2]
-    conn.blocks_computed(_running(a, 2), ids)
-    first = conn.build_connector_meta()
-    conn.start_load_kv(first)
-    assert conn.request_finished(a, ids) == (True, None)
+    conn, first = _finished_while_saving(make_request)
+    a = make_request("a", 4, conn.block_size, seed=6)
     conn.abort_request("a")
     assert conn.get_finished()[0] == set()  # the first save still reads the blocks
     conn.wait_for_save(first)

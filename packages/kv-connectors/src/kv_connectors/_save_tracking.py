@@ -6,9 +6,11 @@ and :class:`~kv_connectors.FilesystemConnector` keep one each."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["SaveTracker"]
+__all__ = ["SaveTracker", "TrackedSaves"]
 
 
 @dataclass
@@ -67,3 +69,41 @@ class SaveTracker:
         """The request was preempted or aborted: what it showed the store is forgotten (a resumed
         request shows its blocks again, and a block the store could not take then is retried)."""
         self.progress.pop(request_id, None)
+
+
+class TrackedSaves:
+    """The contract's save calls of a store over one :class:`SaveTracker` (mixed in before
+    :class:`~kv_connectors.KVConnector`): ``blocks_computed`` and ``request_finished`` plan the
+    blocks the request has not shown yet through the store's ``_plan_save(request, block_ids,
+    start)`` (which calls ``self._tracker.opened`` for each save it plans), and each save's
+    landing or drop goes through :meth:`_close_save`."""
+
+    _tracker: SaveTracker
+    _worker: Any  # (KVConnector's worker state: done_sending)
+
+    def _plan_save(self, request: Any, block_ids: Sequence[int], start: int) -> None:
+        raise NotImplementedError
+
+    def blocks_computed(self, request: Any, block_ids: Sequence[int]) -> None:
+        start = self._tracker.new_blocks(request.request_id, len(request.block_hashes))
+        if start is not None:
+            self._plan_save(request, block_ids, start)
+
+    def request_finished(
+        self, request: Any, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._plan_save(request, block_ids, self._tracker.finishing(rid))
+        return self._tracker.keep(rid), None
+
+    def _saves_open(self, request_id: str) -> bool:
+        return self._tracker.is_open(request_id)
+
+    def _close_save(self, request_id: str) -> None:
+        """One save of ``request_id`` landed or was dropped (a finished request whose last it
+        was goes to ``done_sending``)."""
+        if self._tracker.closed(request_id):
+            self._worker.done_sending.add(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self._tracker.forget(request_id)

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from kv_connectors._save_tracking import SaveTracker
+from kv_connectors._save_tracking import SaveTracker, TrackedSaves
 from kv_connectors.base import (
     ConnectorCapabilities,
     ConnectorMetadata,
@@ -185,7 +185,7 @@ def _check_root(root: Path) -> None:
         ) from exc
 
 
-class FilesystemConnector(KVConnector):
+class FilesystemConnector(TrackedSaves, KVConnector):
     """Disk tier keyed by block hash; see the module docstring."""
 
     CAPABILITIES = ConnectorCapabilities(kind="store", load_async=False, faults=("corrupt_block",))
@@ -284,18 +284,6 @@ class FilesystemConnector(KVConnector):
             self._matched[request.request_id] = (first, hits)
         return tokens, False
 
-    def blocks_computed(self, request: RequestLike, block_ids: Sequence[int]) -> None:
-        start = self._tracker.new_blocks(request.request_id, len(request.block_hashes))
-        if start is not None:
-            self._plan_save(request, block_ids, start)
-
-    def request_finished(
-        self, request: RequestLike, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        self._plan_save(request, block_ids, self._tracker.finishing(rid))
-        return self._tracker.keep(rid), None
-
     def _plan_save(self, request: RequestLike, block_ids: Sequence[int], start: int) -> None:
         """Plan the save of ``request``'s blocks from ``start`` on that have no file (and are not
         being saved)."""
@@ -315,16 +303,6 @@ class FilesystemConnector(KVConnector):
     def _drop_save(self, spec: SaveSpec) -> None:
         self._saving.difference_update(spec.block_hashes)
         self._close_save(spec.request_id)
-
-    def _saves_open(self, request_id: str) -> bool:
-        return self._tracker.is_open(request_id)
-
-    def _close_save(self, request_id: str) -> None:
-        if self._tracker.closed(request_id):
-            self._worker.done_sending.add(request_id)
-
-    def _abort(self, request_id: str) -> None:
-        self._tracker.forget(request_id)
 
     def handle_preemptions(self, request_ids: Iterable[str]) -> None:
         """Gathers of these requests' blocks still running are waited for by the compute stream

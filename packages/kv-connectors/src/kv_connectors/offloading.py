@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from kv_connectors._lanes import Lane, Run, copy_on_host, order_runs
-from kv_connectors._save_tracking import SaveTracker
+from kv_connectors._save_tracking import SaveTracker, TrackedSaves
 from kv_connectors.base import (
     ConnectorCapabilities,
     ConnectorMetadata,
@@ -141,7 +141,7 @@ def _runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int
 LOAD_AHEAD = 2
 
 
-class OffloadingConnector(KVConnector):
+class OffloadingConnector(TrackedSaves, KVConnector):
     """GPU <-> pinned CPU tier; see the module docstring."""
 
     CAPABILITIES = ConnectorCapabilities(kind="store", load_async=False)
@@ -284,18 +284,6 @@ class OffloadingConnector(KVConnector):
         self._pin(spec.block_hashes, +1)  # no eviction between planning and copying
         return spec
 
-    def blocks_computed(self, request: RequestLike, block_ids: Sequence[int]) -> None:
-        start = self._tracker.new_blocks(request.request_id, len(request.block_hashes))
-        if start is not None:
-            self._plan_save(request, block_ids, start)
-
-    def request_finished(
-        self, request: RequestLike, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        self._plan_save(request, block_ids, self._tracker.finishing(rid))
-        return self._tracker.keep(rid), None
-
     def _plan_save(self, request: RequestLike, block_ids: Sequence[int], start: int) -> None:
         """Plan the save of ``request``'s blocks from ``start`` on that the tier lacks (blocks
         before ``start`` were planned, or found stored, by an earlier call)."""
@@ -337,16 +325,6 @@ class OffloadingConnector(KVConnector):
         self._pin(hashes, +1)
         self._tracker.opened(request.request_id)
         self._saves.append(SaveSpec(request.request_id, tuple(ids), tuple(hashes)))
-
-    def _saves_open(self, request_id: str) -> bool:
-        return self._tracker.is_open(request_id)
-
-    def _close_save(self, request_id: str) -> None:
-        if self._tracker.closed(request_id):
-            self._worker.done_sending.add(request_id)
-
-    def _abort(self, request_id: str) -> None:
-        self._tracker.forget(request_id)
 
     def _drop_load(self, spec: LoadSpec) -> None:
         self._pin(spec.block_hashes, -1)
