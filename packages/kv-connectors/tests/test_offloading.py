@@ -4,6 +4,7 @@ connector (byte-exact round trips for every layout: the contract suite, ``test_c
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -428,3 +429,16 @@ def test_save_tracker_reports_a_finished_request_after_its_last_save() -> None:
     assert t.new_blocks("c", 3) == 0
     t.forget("c")
     assert t.new_blocks("c", 3) == 0
+
+
+def test_close_finishes_a_step_left_half_done(make_request: Callable[..., Any]) -> None:
+    """A step closed between ``start_load_kv`` and ``wait_for_save`` (an engine stopped by an
+    error): ``close`` enqueues its saves and returns at once, the blocks stored. Before, it
+    waited out ``timeout_s`` (30 s) for saves never enqueued and stored nothing."""
+    conn, _, layout = _tier(seed=4)
+    a = make_request("a", 2, layout.block_size, seed=3)
+    conn.request_finished(a, [5, 6])
+    conn.start_load_kv(conn.build_connector_meta())
+    t0 = time.monotonic()
+    conn.close()
+    assert time.monotonic() - t0 < 5 and sorted(conn.stored_hashes()) == sorted(a.block_hashes)

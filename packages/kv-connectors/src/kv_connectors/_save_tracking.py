@@ -6,7 +6,7 @@ and :class:`~kv_connectors.FilesystemConnector` keep one each."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,7 @@ class TrackedSaves:
 
     _tracker: SaveTracker
     _worker: Any  # (KVConnector's worker state: done_sending)
+    _drop_planned_saves: Callable[[str], bool]  # (KVConnector's, after this class in the MRO)
 
     def _plan_save(self, request: Any, block_ids: Sequence[int], start: int) -> None:
         raise NotImplementedError
@@ -107,3 +108,11 @@ class TrackedSaves:
 
     def _abort(self, request_id: str) -> None:
         self._tracker.forget(request_id)
+
+    def _preempted(self, request_ids: set[str]) -> None:
+        """``handle_preemptions``' bookkeeping: each request's blocks are forgotten (a resumed
+        request shows them again) and its saves planned but not handed off are dropped (they
+        would read the freed blocks after the engine's next writes)."""
+        for rid in request_ids:
+            self._tracker.forget(rid)
+            self._drop_planned_saves(rid)

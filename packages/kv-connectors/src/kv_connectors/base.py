@@ -262,13 +262,19 @@ class KVConnector(ABC):
         for spec in [s for s in self._loads if s.request_id == request_id]:
             self._loads.remove(spec)
             self._drop_load(spec)
+        if self._drop_planned_saves(request_id) and not self._saves_open(request_id):
+            self._worker.done_sending.add(request_id)
+        self._abort(request_id)
+
+    def _drop_planned_saves(self, request_id: str) -> bool:
+        """Drop ``request_id``'s saves planned and not yet handed to the worker side (their
+        blocks are leaving the request: a save built later would read whatever is written there
+        next); whether there were any."""
         dropped = [s for s in self._saves if s.request_id == request_id]
         for save in dropped:
             self._saves.remove(save)
             self._drop_save(save)
-        if dropped and not self._saves_open(request_id):
-            self._worker.done_sending.add(request_id)
-        self._abort(request_id)
+        return bool(dropped)
 
     def _saves_open(self, request_id: str) -> bool:
         """Subclass hook: whether a save of ``request_id`` handed to the worker side is still

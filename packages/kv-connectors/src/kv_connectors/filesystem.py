@@ -308,8 +308,7 @@ class FilesystemConnector(TrackedSaves, KVConnector):
         """Gathers of these requests' blocks still running are waited for by the compute stream
         (a device-side wait) before the engine writes the blocks."""
         ids = set(request_ids)
-        for rid in ids:
-            self._tracker.forget(rid)
+        self._preempted(ids)
         for rid, event in self._copying:
             if rid in ids and event is not None:
                 torch.cuda.current_stream(self.kv.device).wait_event(event)

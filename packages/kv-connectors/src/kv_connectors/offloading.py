@@ -445,8 +445,7 @@ class OffloadingConnector(TrackedSaves, KVConnector):
         """Saves of these requests still copying are read before the engine's next writes: the
         compute stream waits for each one's last copy (on the CPU the copies were synchronous)."""
         ids = set(request_ids)
-        for rid in ids:
-            self._tracker.forget(rid)
+        self._preempted(ids)
         mine = [p for p in self._pending if p.spec.request_id in ids]
         if any(p.event is None for p in mine):  # (not handed off yet: enqueue every segment)
             self._save_segments(range(len(self.kv.segments)))
@@ -457,7 +456,12 @@ class OffloadingConnector(TrackedSaves, KVConnector):
                 stream.wait_event(p.event)  # device-side wait only
 
     def close(self) -> None:
-        """Wait (up to ``timeout_s``) for the saves still copying, then report them finished."""
+        """Enqueue what a step left half-done (a step closed between ``start_load_kv`` and
+        ``wait_for_save`` used to wait out the whole timeout for saves never enqueued), wait
+        (up to ``timeout_s``) for the saves still copying, then report them finished."""
+        if self._worker.kv is not None:
+            self._enqueue_loads(len(self.kv.segments))
+            self._save_segments(range(len(self.kv.segments)))
         deadline = time.monotonic() + self.config.timeout_s
         while not self._collect() and time.monotonic() < deadline:
             time.sleep(1e-4)
