@@ -301,11 +301,7 @@ def test_filesystem_save_from_cuda_never_waits_on_the_host(
     torch.cuda.synchronize()
     assert _saved(conn) == {"f"}  # (not a: it runs, its blocks were never held back)
     conn.flush()
-    b = make_request("b", 2, layout.block_size, seed=4)
-    tokens, _ = conn.get_num_new_matched_tokens(b, 0)
-    conn.update_state_after_alloc(b, [20, 21], tokens)
-    conn.start_load_kv(conn.build_connector_meta())
-    torch.cuda.synchronize()
+    _load_into(conn, make_request("b", 2, layout.block_size, seed=4), [20, 21])
     got = [block_bytes(cache, layout, d) for d in (20, 21)]
     assert [torch.equal(g, w) for g, w in zip(got, want, strict=True)] == [not planted] * 2
     conn.close()
@@ -352,14 +348,41 @@ def test_filesystem_saves_reuse_pinned_slabs(
     assert conn.staging_misses == 1
     for req in (make_request("b2", 10, layout.block_size, seed=6), c):
         dst = list(range(16, 26))
-        tokens, _ = conn.get_num_new_matched_tokens(req, 0)
-        assert tokens == 10 * layout.block_size
-        conn.update_state_after_alloc(req, dst, tokens)
-        conn.start_load_kv(conn.build_connector_meta())
-        torch.cuda.synchronize()
+        assert _load_into(conn, req, dst) == 10 * layout.block_size
         got = [block_bytes(cache, layout, d) for d in dst]
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     conn.close()
+
+
+def test_filesystem_slabs_follow_a_new_layouts_row_width(
+    tmp_path: Path, make_request: Callable[..., Any]
+) -> None:
+    """A connector registered again with a layout of another row width (the GPU side restarted
+    with another cache) gathers into slabs of the new width: the old ones are dropped, the save
+    round-trips; a staging budget too small for one row a slab is refused, naming the field."""
+    small = make_layout("BLNHC", num_blocks=16, dtype="bfloat16")
+    wide = make_layout("BLNHC", num_blocks=16, dtype="bfloat16", head_size=128)
+    row_wide = wide.num_layers * wide.page_bytes
+    assert row_wide != small.num_layers * small.page_bytes
+    cfg = FilesystemConfig(
+        root=tmp_path, model_fingerprint="model-a", fsync=False, staging_bytes=4 * 2 * row_wide
+    )
+    conn = FilesystemConnector(cfg, block_size=small.block_size)
+    conn.register_kv_caches(random_cache(small, seed=1, device="cuda"), small)
+    cache = random_cache(wide, seed=2, device="cuda")
+    conn.register_kv_caches(cache, wide)
+    want = [block_bytes(cache, wide, b) for b in (3, 4)]
+    conn.request_finished(make_request("a", 2, wide.block_size, seed=3), [3, 4])
+    conn.start_load_kv(conn.build_connector_meta())
+    conn.wait_for_save()
+    conn.flush()
+    assert _load_into(conn, make_request("b", 2, wide.block_size, seed=3), [10, 11])
+    got = [block_bytes(cache, wide, d) for d in (10, 11)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    conn.close()
+    tiny = FilesystemConfig(root=tmp_path, model_fingerprint="m", fsync=False, staging_bytes=8)
+    with pytest.raises(ValueError, match="staging_bytes=8"):
+        FilesystemConnector(tiny, block_size=wide.block_size).register_kv_caches(cache, wide)
 
 
 def _pull_from_gpu_peer(

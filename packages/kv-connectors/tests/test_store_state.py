@@ -104,9 +104,11 @@ class StoreMachine(RuleBasedStateMachine):
     def _write(self, block_ids: list[int], rows: torch.Tensor) -> None:
         self.kv.scatter(rows, self.kv.ids_tensor(block_ids))
 
-    def _take(self, n: int) -> list[int]:
+    def _new(self, prefix: str, seed: int, n: int) -> tuple[Request, list[int]]:
+        """A new request of ``n`` blocks (its tokens from ``seed``) and ``n`` free blocks."""
+        self.count += 1
         ids, self.free = self.free[:n], self.free[n:]
-        return ids
+        return _request(f"{prefix}{self.count}", seed, n), ids
 
     def _release(self, block_ids: list[int]) -> None:
         """Free blocks and write junk into them, as the next request using them would."""
@@ -139,9 +141,7 @@ class StoreMachine(RuleBasedStateMachine):
     def admit(self, seed: int, n: int) -> None:
         if len(self.free) < n:
             return
-        self.count += 1
-        req = _request(f"r{self.count}", seed, n)
-        ids = self._take(n)
+        req, ids = self._new("r", seed, n)
         self._write(ids, torch.stack([self._kv_of(h) for h in req.block_hashes]))
         self.running[req.request_id] = [req, ids, 0]
 
@@ -213,11 +213,9 @@ class StoreMachine(RuleBasedStateMachine):
         """A later request with a stored prefix: every block reported loaded holds its KV."""
         if len(self.free) < n:
             return
-        self.count += 1
-        req = _request(f"l{self.count}", seed, n)
+        req, ids = self._new("l", seed, n)
         tokens, load_async = self.conn.get_num_new_matched_tokens(req, 0)
         assert not load_async and tokens % BS == 0
-        ids = self._take(n)
         self.conn.update_state_after_alloc(req, ids, tokens)
         meta = self.conn.build_connector_meta()
         self.conn.start_load_kv(meta)

@@ -208,6 +208,7 @@ class FilesystemConnector(TrackedSaves, KVConnector):
         self._stream: Any = None  # the gathers' side stream (CUDA caches)
         self._slabs: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()  # free pinned slabs
         self._slab_rows = 0  # block rows a slab holds (0: no slabs)
+        self._slab_width = 0  # bytes of a slab's row: the registered row's
         #: saves that found every slab writing and took fresh pinned memory (a host stop each)
         self.staging_misses = 0
 
@@ -220,17 +221,25 @@ class FilesystemConnector(TrackedSaves, KVConnector):
         kv.load_copy_kernels(host=True, segments=False)  # (none compiles while serving)
         if kv.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(kv.device)
-        if kv.device.type == "cuda" and not self._slab_rows and self.config.staging_bytes:
-            rows = self.config.staging_bytes // (_SLABS * kv.row_bytes)
-            if rows < 1:
-                raise ValueError(
-                    f"FilesystemConfig.staging_bytes={self.config.staging_bytes} holds no block "
-                    f"row in each of its {_SLABS} slabs (a row is {kv.row_bytes} bytes); give "
-                    f"staging_bytes >= {_SLABS * kv.row_bytes}, or 0 for no slabs"
-                )
-            self._slab_rows = rows
-            for _ in range(_SLABS):
-                self._slabs.put(kv.new_rows(rows, pin=True))
+        if kv.device.type == "cuda" and self.config.staging_bytes:
+            self._make_slabs(kv)
+
+    def _make_slabs(self, kv: RegisteredKV) -> None:
+        """The pinned slabs for ``kv``'s rows (again when a registration changes the row width:
+        slabs of the old width still writing are dropped as they come back, see
+        :meth:`_host_rows`)."""
+        if self._slab_rows and self._slab_width == kv.row_bytes:
+            return
+        rows = self.config.staging_bytes // (_SLABS * kv.row_bytes)
+        if rows < 1:
+            raise ValueError(
+                f"FilesystemConfig.staging_bytes={self.config.staging_bytes} holds no block "
+                f"row in each of its {_SLABS} slabs (a row is {kv.row_bytes} bytes); give "
+                f"staging_bytes >= {_SLABS * kv.row_bytes}, or 0 for no slabs"
+            )
+        self._slab_rows, self._slab_width = rows, kv.row_bytes
+        for _ in range(_SLABS):
+            self._slabs.put(kv.new_rows(rows, pin=True))
 
     def _clean_quietly(self) -> None:
         try:
@@ -390,12 +399,13 @@ class FilesystemConnector(TrackedSaves, KVConnector):
 
     def _host_rows(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(slab, rows)``: ``n`` pinned rows from a free slab, or fresh ones (slab None)."""
-        if self._slab_rows:
+        while self._slab_rows:
             try:
                 slab = self._slabs.get_nowait()
             except queue.Empty:
                 self.staging_misses += 1
-            else:
+                break
+            if slab.shape[1] == self._slab_width:  # (else a slab of a layout registered before)
                 return slab, slab[:n]
         return None, self.kv.new_rows(n, pin=True)
 

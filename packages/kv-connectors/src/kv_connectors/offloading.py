@@ -14,8 +14,8 @@ blocks waits for those, not for the whole prompt's (H200, Llama-3-8B shape, 4,22
 CPU-tier hit waited 7.3 ms in the queue for the previous request's save). The worker copies each
 segment as soon as ``save_kv_layer`` reports its last layer computed, the rest in
 ``wait_for_save``. A save of a running request's blocks may still be copying when the engine
-frees them (preemption, abort): ``handle_preemptions`` makes the compute stream wait for it. Loads start in ``start_load_kv`` and are enqueued segment by segment,
-:data:`LOAD_AHEAD` ahead of the layer ``wait_for_layer_load`` waits for (the rest, if any, in
+frees them (preemption, abort): ``handle_preemptions`` makes the compute stream wait for it.
+Loads start in ``start_load_kv`` and are enqueued segment by segment, :data:`LOAD_AHEAD` ahead of the layer ``wait_for_layer_load`` waits for (the rest, if any, in
 ``wait_for_save``); their blocks stay pinned in the tier until every segment is enqueued.
 
 On CUDA every copy is enqueued on side streams that first wait for the compute stream;

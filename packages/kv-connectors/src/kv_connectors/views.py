@@ -259,8 +259,8 @@ class RegisteredKV:
         multiple of 16) and its pointers' alignment (the ids of a piece are a slice of a
         request's, 16-byte aligned or not). ``host``: the rows are pinned host memory (else the
         caches' device); ``segments``: one segment's columns a copy (else whole rows). An H200
-        run compiled the copy kernels inside the first transfers: a step of 53 ms against ~38
-        (the CPU tier), 68 ms of host a request (the disk tier's whole-row saves)."""
+        run compiled the CPU tier's copy kernels inside its first transfers (a step of 53 ms
+        against ~38)."""
         if self.device.type != "cuda":
             return  # (the CPU path has nothing to compile)
         for n in (1, 16, 17):
